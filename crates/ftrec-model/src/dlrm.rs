@@ -1,0 +1,349 @@
+//! One DLRM training step, split into the phases a parameter-server worker also needs:
+//! `prepare` (de-duplicate ids), gather the unique rows (from local tables or from servers),
+//! `forward_backward` (dense and per-unique-row gradients), `apply` (optimizers).
+//!
+//! All buffers are allocated once for `max_batch`; a step allocates nothing of its own
+//! (the `gemm` crate may allocate its packing buffers internally).
+
+use rayon::prelude::*;
+
+use crate::sparse::{TableDedup, aggregate_gradients, pool_into};
+use crate::{Batch, MatMul, MlpSpec, ModelConfig, ModelError, ModelState, interaction};
+
+/// Gradients of the last `forward_backward`: the dense buffer (same layout as the dense
+/// parameters) and, per table, one gradient per unique row (`[unique x dim]`, rows in the
+/// order of [`Dlrm::unique_rows`]).
+#[derive(Clone, Debug, Default)]
+pub struct Gradients {
+    pub dense: Vec<f32>,
+    pub sparse: Vec<Vec<f32>>,
+}
+
+pub struct Dlrm {
+    config: ModelConfig,
+    bottom: MlpSpec,
+    top: MlpSpec,
+    mm: Box<dyn MatMul>,
+    threads: usize,
+    max_batch: usize,
+    batch: usize,
+    bottom_acts: Vec<Vec<f32>>,
+    bottom_dacts: Vec<Vec<f32>>,
+    top_acts: Vec<Vec<f32>>,
+    top_dacts: Vec<Vec<f32>>,
+    /// Per sample `[vectors x dim]`: bottom output, then one pooled embedding per table.
+    z: Vec<f32>,
+    dz: Vec<f32>,
+    inter: Vec<f32>,
+    dinter: Vec<f32>,
+    dedup: Vec<TableDedup>,
+    pulled: Vec<Vec<f32>>,
+    grads: Gradients,
+}
+
+/// `log(1 + e^z)` without overflow.
+fn softplus(z: f32) -> f64 {
+    let z = z as f64;
+    z.max(0.0) + (-z.abs()).exp().ln_1p()
+}
+
+fn sigmoid(z: f32) -> f32 {
+    1.0 / (1.0 + (-z).exp())
+}
+
+impl Dlrm {
+    /// Workspace for batches of up to `max_batch` samples. `threads` is the size of the
+    /// rayon pool the caller runs steps in; it sets how the batch is split, never the result.
+    pub fn new(
+        config: &ModelConfig,
+        max_batch: usize,
+        threads: usize,
+        mm: Box<dyn MatMul>,
+    ) -> Result<Self, ModelError> {
+        config.validate()?;
+        if max_batch == 0 {
+            return Err(ModelError::Config("batch size must be positive".into()));
+        }
+        let (bottom, top) = MlpSpec::dlrm_pair(config);
+        let vectors = config.tables() + 1;
+        let width = config.interaction_width();
+        let dense_len = top.end();
+        Ok(Self {
+            bottom_acts: bottom.activation_buffers(max_batch),
+            bottom_dacts: bottom.activation_buffers(max_batch),
+            top_acts: top.activation_buffers(max_batch),
+            top_dacts: top.activation_buffers(max_batch),
+            z: vec![0.0; max_batch * vectors * config.dim],
+            dz: vec![0.0; max_batch * vectors * config.dim],
+            inter: vec![0.0; max_batch * width],
+            dinter: vec![0.0; max_batch * width],
+            dedup: vec![TableDedup::default(); config.tables()],
+            pulled: vec![Vec::new(); config.tables()],
+            grads: Gradients {
+                dense: vec![0.0; dense_len],
+                sparse: vec![Vec::new(); config.tables()],
+            },
+            config: config.clone(),
+            bottom,
+            top,
+            mm,
+            threads: threads.max(1),
+            max_batch,
+            batch: 0,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// Checks the batch against the model and de-duplicates each table's ids.
+    pub fn prepare(&mut self, batch: &Batch) -> Result<(), ModelError> {
+        self.check_batch(batch)?;
+        self.batch = batch.size;
+        self.dedup
+            .par_iter_mut()
+            .zip(&batch.sparse)
+            .for_each(|(d, bags)| d.build(bags));
+        Ok(())
+    }
+
+    fn check_batch(&self, batch: &Batch) -> Result<(), ModelError> {
+        let bad = |m: String| Err(ModelError::Batch(m));
+        let n = batch.size;
+        if n == 0 || n > self.max_batch {
+            return bad(format!("size {n} is not in 1..={}", self.max_batch));
+        }
+        if batch.labels.len() != n || batch.dense.len() != n * self.config.num_dense {
+            return bad(format!(
+                "{} labels and {} dense values for {n} samples of {} dense features",
+                batch.labels.len(),
+                batch.dense.len(),
+                self.config.num_dense
+            ));
+        }
+        if batch.sparse.len() != self.config.tables() {
+            return bad(format!(
+                "{} sparse features for {} tables",
+                batch.sparse.len(),
+                self.config.tables()
+            ));
+        }
+        for (t, bags) in batch.sparse.iter().enumerate() {
+            let offsets_ok = bags.offsets.len() == n + 1
+                && bags.offsets[0] == 0
+                && bags.offsets.windows(2).all(|w| w[0] <= w[1])
+                && bags.offsets[n] as usize == bags.rows.len();
+            if !offsets_ok {
+                return bad(format!("table {t}: bag offsets do not describe {n} samples"));
+            }
+            let rows = self.config.table_rows[t];
+            if let Some(&r) = bags.rows.iter().find(|&&r| r as usize >= rows) {
+                return Err(ModelError::RowOutOfRange {
+                    table: t,
+                    row: r as u64,
+                    rows,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The unique rows of table `t` in the prepared batch, ascending.
+    pub fn unique_rows(&self, t: usize) -> &[u32] {
+        &self.dedup[t].unique
+    }
+
+    /// Buffer for table `t`'s unique embeddings, `[unique x dim]`, in `unique_rows` order.
+    /// A parameter-server worker fills it with pulled rows.
+    pub fn pulled_mut(&mut self, t: usize) -> &mut Vec<f32> {
+        &mut self.pulled[t]
+    }
+
+    /// Fills the pulled buffers from local tables.
+    pub fn gather_from(&mut self, state: &ModelState) {
+        self.pulled
+            .par_iter_mut()
+            .zip(&self.dedup)
+            .zip(state.tables())
+            .for_each(|((pulled, dedup), table)| {
+                pulled.clear();
+                for &row in &dedup.unique {
+                    pulled.extend_from_slice(table.embedding(row as usize));
+                }
+            });
+    }
+
+    /// Chunk of samples each thread handles in per-sample phases.
+    fn samples_per_chunk(&self) -> usize {
+        self.batch.div_ceil(self.threads).max(1)
+    }
+
+    fn forward(&mut self, dense_params: &[f32], batch: &Batch) {
+        let n = self.batch;
+        let dim = self.config.dim;
+        let vectors = self.config.tables() + 1;
+        let width = self.config.interaction_width();
+        self.bottom
+            .forward(&*self.mm, dense_params, &batch.dense, &mut self.bottom_acts, n);
+        let chunk = self.samples_per_chunk();
+        let bottom_out = &self.bottom_acts[self.bottom_acts.len() - 1];
+        let (pulled, dedup) = (&self.pulled, &self.dedup);
+        self.z[..n * vectors * dim]
+            .par_chunks_mut(chunk * vectors * dim)
+            .zip(self.inter[..n * width].par_chunks_mut(chunk * width))
+            .enumerate()
+            .for_each(|(c, (z, inter))| {
+                let first = c * chunk;
+                for (s, zs) in z.chunks_exact_mut(vectors * dim).enumerate() {
+                    let b = first + s;
+                    zs[..dim].copy_from_slice(&bottom_out[b * dim..(b + 1) * dim]);
+                }
+                for t in 0..vectors - 1 {
+                    pool_into(
+                        &batch.sparse[t],
+                        &dedup[t],
+                        &pulled[t],
+                        dim,
+                        first,
+                        z,
+                        vectors * dim,
+                        (t + 1) * dim,
+                    );
+                }
+                for (zs, out) in z.chunks_exact(vectors * dim).zip(inter.chunks_exact_mut(width)) {
+                    interaction::forward(zs, vectors, dim, out);
+                }
+            });
+        self.top
+            .forward(&*self.mm, dense_params, &self.inter, &mut self.top_acts, n);
+    }
+
+    /// Forward and backward over the prepared batch, with the unique embeddings already in
+    /// the pulled buffers. Returns the summed (not averaged) log loss; gradients are those
+    /// of the mean loss and are left in [`Dlrm::gradients`].
+    pub fn forward_backward(&mut self, dense_params: &[f32], batch: &Batch) -> f64 {
+        let n = self.batch;
+        let dim = self.config.dim;
+        let vectors = self.config.tables() + 1;
+        let width = self.config.interaction_width();
+        self.forward(dense_params, batch);
+
+        let logits = &self.top_acts[self.top_acts.len() - 1][..n];
+        let dlogits = self.top_dacts.last_mut().map(|d| &mut d[..n]).unwrap_or_default();
+        let mut loss = 0.0f64;
+        let inv_n = 1.0 / n as f32;
+        for ((d, &z), &y) in dlogits.iter_mut().zip(logits).zip(&batch.labels) {
+            loss += softplus(z) - y as f64 * z as f64;
+            *d = (sigmoid(z) - y) * inv_n;
+        }
+
+        self.top.backward(
+            &*self.mm,
+            dense_params,
+            &self.inter,
+            &self.top_acts,
+            &mut self.top_dacts,
+            &mut self.grads.dense,
+            Some(&mut self.dinter[..n * width]),
+            n,
+        );
+        let chunk = self.samples_per_chunk();
+        self.dz[..n * vectors * dim]
+            .par_chunks_mut(chunk * vectors * dim)
+            .zip(self.z[..n * vectors * dim].par_chunks(chunk * vectors * dim))
+            .zip(self.dinter[..n * width].par_chunks(chunk * width))
+            .for_each(|((dz, z), dinter)| {
+                for ((dzs, zs), dout) in dz
+                    .chunks_exact_mut(vectors * dim)
+                    .zip(z.chunks_exact(vectors * dim))
+                    .zip(dinter.chunks_exact(width))
+                {
+                    interaction::backward(zs, vectors, dim, dout, dzs);
+                }
+            });
+        let last = self.bottom_dacts.len() - 1;
+        for (dst, src) in self.bottom_dacts[last][..n * dim]
+            .chunks_exact_mut(dim)
+            .zip(self.dz.chunks_exact(vectors * dim))
+        {
+            dst.copy_from_slice(&src[..dim]);
+        }
+        self.bottom.backward(
+            &*self.mm,
+            dense_params,
+            &batch.dense,
+            &self.bottom_acts,
+            &mut self.bottom_dacts,
+            &mut self.grads.dense,
+            None,
+            n,
+        );
+        let dz = &self.dz[..n * vectors * dim];
+        self.grads
+            .sparse
+            .par_iter_mut()
+            .zip(&self.dedup)
+            .zip(&batch.sparse)
+            .enumerate()
+            .for_each(|(t, ((grads, dedup), bags))| {
+                aggregate_gradients(bags, dedup, dz, vectors * dim, (t + 1) * dim, dim, grads);
+            });
+        loss
+    }
+
+    pub fn gradients(&self) -> &Gradients {
+        &self.grads
+    }
+
+    /// Applies the optimizers: each unique row of each table once (tables in parallel),
+    /// then the dense parameters.
+    pub fn apply(&self, state: &mut ModelState) {
+        let dim = self.config.dim;
+        let sparse_opt = self.config.sparse_optimizer;
+        state
+            .tables_mut()
+            .par_iter_mut()
+            .zip(&self.dedup)
+            .zip(&self.grads.sparse)
+            .for_each(|((table, dedup), grads)| {
+                for (&row, g) in dedup.unique.iter().zip(grads.chunks_exact(dim)) {
+                    sparse_opt.apply_row(table.row_mut(row as usize), g);
+                }
+            });
+        let dense = &mut state.dense;
+        self.config.dense_optimizer.apply_dense(
+            &mut dense.params,
+            &mut dense.optimizer_state,
+            &self.grads.dense,
+            &mut dense.step,
+        );
+    }
+
+    /// A full single-process step. Returns the summed log loss of the batch.
+    pub fn train_step(&mut self, state: &mut ModelState, batch: &Batch) -> Result<f64, ModelError> {
+        self.prepare(batch)?;
+        self.gather_from(state);
+        let loss = self.forward_backward(&state.dense.params, batch);
+        self.apply(state);
+        Ok(loss)
+    }
+
+    /// Logits for a batch (no gradients, no update), appended to `logits`.
+    pub fn predict(
+        &mut self,
+        state: &ModelState,
+        batch: &Batch,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        self.prepare(batch)?;
+        self.gather_from(state);
+        self.forward(&state.dense.params, batch);
+        logits.extend_from_slice(&self.top_acts[self.top_acts.len() - 1][..batch.size]);
+        Ok(())
+    }
+}

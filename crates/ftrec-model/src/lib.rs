@@ -1,0 +1,31 @@
+//! The DLRM model state and math: embedding tables whose rows carry their optimizer state,
+//! dense MLP parameters, forward/backward, optimizers and metrics.
+//!
+//! Everything here is deterministic for a fixed thread count: later crates compare model
+//! states bit for bit after recovery, so no reduction in this crate depends on scheduling.
+
+#[cfg(not(target_endian = "little"))]
+compile_error!("ftrec's row byte view is defined as the in-memory little-endian f32 layout");
+
+mod batch;
+mod config;
+mod dlrm;
+mod error;
+mod interaction;
+pub mod matmul;
+pub mod metrics;
+mod mlp;
+mod optim;
+mod sparse;
+mod state;
+mod table;
+
+pub use batch::{Bags, Batch};
+pub use config::{ModelConfig, interaction_width};
+pub use dlrm::{Dlrm, Gradients};
+pub use error::ModelError;
+pub use matmul::{GemmMatMul, MatMul, NaiveMatMul};
+pub use mlp::{LayerSpec, MlpSpec};
+pub use optim::Optimizer;
+pub use state::{DenseState, ModelState, StateDigest};
+pub use table::EmbeddingTable;

@@ -1,0 +1,119 @@
+//! Per-batch de-duplication of one table's ids and the aggregation of pooled gradients into
+//! one gradient per unique row. A worker of the parameter server does the same: it pulls
+//! each unique row once and pushes one aggregated gradient per row, so single-process and
+//! cluster training apply bit-identical updates.
+
+use crate::Bags;
+
+/// The unique rows of one table in a batch (ascending), and for each id occurrence the
+/// index of its unique row. Buffers are reused across batches.
+#[derive(Clone, Debug, Default)]
+pub struct TableDedup {
+    pub unique: Vec<u32>,
+    pub occurrence_to_unique: Vec<u32>,
+    sort_keys: Vec<u64>,
+}
+
+impl TableDedup {
+    pub fn build(&mut self, bags: &Bags) {
+        let ids = &bags.rows;
+        self.sort_keys.clear();
+        self.sort_keys.extend(
+            ids.iter()
+                .enumerate()
+                .map(|(pos, &row)| ((row as u64) << 32) | pos as u64),
+        );
+        self.sort_keys.sort_unstable();
+        self.unique.clear();
+        self.occurrence_to_unique.clear();
+        self.occurrence_to_unique.resize(ids.len(), 0);
+        for &key in &self.sort_keys {
+            let row = (key >> 32) as u32;
+            if self.unique.last() != Some(&row) {
+                self.unique.push(row);
+            }
+            self.occurrence_to_unique[(key & 0xFFFF_FFFF) as usize] = (self.unique.len() - 1) as u32;
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+/// Sum-pools `pulled` (the table's unique embeddings, `[unique x dim]`) for the samples
+/// `first..` covered by `out`: sample `first + s` is written to
+/// `out[s * sample_stride + offset..][..dim]`.
+pub(crate) fn pool_into(
+    bags: &Bags,
+    dedup: &TableDedup,
+    pulled: &[f32],
+    dim: usize,
+    first: usize,
+    out: &mut [f32],
+    sample_stride: usize,
+    offset: usize,
+) {
+    for (s, sample) in out.chunks_exact_mut(sample_stride).enumerate() {
+        let b = first + s;
+        let dst = &mut sample[offset..offset + dim];
+        let (lo, hi) = (bags.offsets[b] as usize, bags.offsets[b + 1] as usize);
+        if lo == hi {
+            dst.fill(0.0);
+            continue;
+        }
+        let u = dedup.occurrence_to_unique[lo] as usize;
+        dst.copy_from_slice(&pulled[u * dim..(u + 1) * dim]);
+        for occ in lo + 1..hi {
+            let u = dedup.occurrence_to_unique[occ] as usize;
+            for (d, v) in dst.iter_mut().zip(&pulled[u * dim..(u + 1) * dim]) {
+                *d += v;
+            }
+        }
+    }
+}
+
+/// Aggregates the pooled gradient of every sample into `grads [unique x dim]`: each unique
+/// row receives the sum of its occurrences' gradients, added in occurrence order. Sample
+/// `b`'s pooled gradient is `pooled[b * sample_stride + offset..][..dim]`.
+pub(crate) fn aggregate_gradients(
+    bags: &Bags,
+    dedup: &TableDedup,
+    pooled: &[f32],
+    sample_stride: usize,
+    offset: usize,
+    dim: usize,
+    grads: &mut Vec<f32>,
+) {
+    grads.clear();
+    grads.resize(dedup.unique.len() * dim, 0.0);
+    for b in 0..bags.samples() {
+        let g = &pooled[b * sample_stride + offset..b * sample_stride + offset + dim];
+        for occ in bags.offsets[b] as usize..bags.offsets[b + 1] as usize {
+            let u = dedup.occurrence_to_unique[occ] as usize;
+            for (d, v) in grads[u * dim..(u + 1) * dim].iter_mut().zip(g) {
+                *d += v;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dedup_maps_every_occurrence_to_its_sorted_unique_row() {
+        let mut bags = Bags::default();
+        bags.push_bag([5, 3]);
+        bags.push_bag([5]);
+        bags.push_bag([]);
+        bags.push_bag([9, 3, 3]);
+        let mut d = TableDedup::default();
+        d.build(&bags);
+        assert_eq!(d.unique, vec![3, 5, 9]);
+        assert_eq!(d.occurrence_to_unique, vec![1, 0, 1, 2, 0, 0]);
+        let grads_in: Vec<f32> = vec![1.0, 10.0, 100.0, 1000.0]; // dim 1, one per sample
+        let mut g = Vec::new();
+        aggregate_gradients(&bags, &d, &grads_in, 1, 0, 1, &mut g);
+        // row 3: sample0 + 2*sample3; row 5: sample0 + sample1; row 9: sample3
+        assert_eq!(g, vec![2001.0, 11.0, 1000.0]);
+    }
+}

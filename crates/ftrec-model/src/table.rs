@@ -1,0 +1,96 @@
+use rand::{Rng, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+
+use crate::Optimizer;
+
+/// A fixed-size arena of rows, each `[embedding (dim) | optimizer state]` stored
+/// contiguously, so the row is the unit of checkpointing, coding and restore. No per-row
+/// allocation: row `r` lives at `data[r * stride..(r + 1) * stride]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EmbeddingTable {
+    rows: usize,
+    dim: usize,
+    stride: usize,
+    data: Vec<f32>,
+}
+
+impl EmbeddingTable {
+    /// Rows start uniform in `[-sqrt(1/rows), sqrt(1/rows)]` as in the DLRM reference, drawn
+    /// from a generator seeded by `(seed, table)` so tables can initialise in parallel and
+    /// still give the same bits.
+    pub fn new_initialized(
+        rows: usize,
+        dim: usize,
+        optimizer: &Optimizer,
+        seed: u64,
+        table: usize,
+    ) -> Self {
+        let stride = dim + optimizer.row_state_len(dim);
+        let mut data = vec![0.0f32; rows * stride];
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(
+            seed ^ (table as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        );
+        let bound = (1.0 / rows as f64).sqrt() as f32;
+        for row in data.chunks_exact_mut(stride) {
+            let (emb, state) = row.split_at_mut(dim);
+            for v in emb.iter_mut() {
+                *v = rng.gen_range(-bound..bound);
+            }
+            optimizer.init_row_state(state);
+        }
+        Self {
+            rows,
+            dim,
+            stride,
+            data,
+        }
+    }
+
+    /// An all-zero table (for restore targets).
+    pub fn zeroed(rows: usize, dim: usize, stride: usize) -> Self {
+        Self {
+            rows,
+            dim,
+            stride,
+            data: vec![0.0; rows * stride],
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+    /// f32 words per row (embedding + optimizer state).
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
+    /// The full row: embedding then optimizer state. Panics on an out-of-range row, which
+    /// only a bug can produce: ids are hashed into range by the data layer.
+    pub fn row(&self, row: usize) -> &[f32] {
+        &self.data[row * self.stride..(row + 1) * self.stride]
+    }
+
+    pub fn row_mut(&mut self, row: usize) -> &mut [f32] {
+        &mut self.data[row * self.stride..(row + 1) * self.stride]
+    }
+
+    pub fn embedding(&self, row: usize) -> &[f32] {
+        &self.data[row * self.stride..row * self.stride + self.dim]
+    }
+
+    /// The whole arena as little-endian bytes (the crate refuses to build on big-endian).
+    pub fn as_bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.data)
+    }
+
+    pub fn as_slice(&self) -> &[f32] {
+        &self.data
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+}
