@@ -1,14 +1,26 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! Training data: Criteo TSV and schema-described delimited text, a compact memory-mapped
+//! binary format, and a synthetic Criteo-shaped generator with a planted teacher model.
+//!
+//! Categorical values are kept raw (32-bit) in the binary format and hashed into a
+//! table's row range only when a batch is built ([`hashing::row_for`]), so one converted
+//! dataset serves models of any table size.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+pub mod binfmt;
+pub mod convert;
+pub mod criteo;
+mod error;
+pub mod generate;
+pub mod hashing;
+mod record;
+pub mod schema;
+pub mod stats;
+pub mod text;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use binfmt::{Dataset, DatasetWriter};
+pub use error::DataError;
+pub use record::Record;
+
+/// File names inside a dataset directory.
+pub const TRAIN_FILE: &str = "train.ftrd";
+pub const TEST_FILE: &str = "test.ftrd";
+pub const META_FILE: &str = "meta.json";

@@ -139,7 +139,9 @@ impl Dlrm {
                 && bags.offsets.windows(2).all(|w| w[0] <= w[1])
                 && bags.offsets[n] as usize == bags.rows.len();
             if !offsets_ok {
-                return bad(format!("table {t}: bag offsets do not describe {n} samples"));
+                return bad(format!(
+                    "table {t}: bag offsets do not describe {n} samples"
+                ));
             }
             let rows = self.config.table_rows[t];
             if let Some(&r) = bags.rows.iter().find(|&&r| r as usize >= rows) {
@@ -188,8 +190,13 @@ impl Dlrm {
         let dim = self.config.dim;
         let vectors = self.config.tables() + 1;
         let width = self.config.interaction_width();
-        self.bottom
-            .forward(&*self.mm, dense_params, &batch.dense, &mut self.bottom_acts, n);
+        self.bottom.forward(
+            &*self.mm,
+            dense_params,
+            &batch.dense,
+            &mut self.bottom_acts,
+            n,
+        );
         let chunk = self.samples_per_chunk();
         let bottom_out = &self.bottom_acts[self.bottom_acts.len() - 1];
         let (pulled, dedup) = (&self.pulled, &self.dedup);
@@ -215,7 +222,10 @@ impl Dlrm {
                         (t + 1) * dim,
                     );
                 }
-                for (zs, out) in z.chunks_exact(vectors * dim).zip(inter.chunks_exact_mut(width)) {
+                for (zs, out) in z
+                    .chunks_exact(vectors * dim)
+                    .zip(inter.chunks_exact_mut(width))
+                {
                     interaction::forward(zs, vectors, dim, out);
                 }
             });
@@ -234,7 +244,11 @@ impl Dlrm {
         self.forward(dense_params, batch);
 
         let logits = &self.top_acts[self.top_acts.len() - 1][..n];
-        let dlogits = self.top_dacts.last_mut().map(|d| &mut d[..n]).unwrap_or_default();
+        let dlogits = self
+            .top_dacts
+            .last_mut()
+            .map(|d| &mut d[..n])
+            .unwrap_or_default();
         let mut loss = 0.0f64;
         let inv_n = 1.0 / n as f32;
         for ((d, &z), &y) in dlogits.iter_mut().zip(logits).zip(&batch.labels) {

@@ -67,7 +67,11 @@ pub(crate) fn backward(z: &[f32], vectors: usize, dim: usize, dout: &[f32], dz: 
             }
             let (lo, hi) = dz.split_at_mut(i * dim);
             axpy(&mut hi[..dim], g, &z[j * dim..(j + 1) * dim]);
-            axpy(&mut lo[j * dim..(j + 1) * dim], g, &z[i * dim..(i + 1) * dim]);
+            axpy(
+                &mut lo[j * dim..(j + 1) * dim],
+                g,
+                &z[i * dim..(i + 1) * dim],
+            );
         }
     }
 }

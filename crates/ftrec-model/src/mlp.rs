@@ -65,7 +65,10 @@ impl MlpSpec {
 
     /// Buffers for each layer's activations at batch size `batch`.
     pub fn activation_buffers(&self, batch: usize) -> Vec<Vec<f32>> {
-        self.layers.iter().map(|l| vec![0.0; batch * l.outputs]).collect()
+        self.layers
+            .iter()
+            .map(|l| vec![0.0; batch * l.outputs])
+            .collect()
     }
 
     /// Forward over `batch` samples of `input [batch x inputs]`; `acts[l]` receives layer

@@ -108,11 +108,9 @@ impl Optimizer {
             )),
             Optimizer::Adam {
                 beta1, beta2, eps, ..
-            } if !((0.0..1.0).contains(&beta1) && (0.0..1.0).contains(&beta2) && eps > 0.0) => {
-                bad(&format!(
-                    "need 0 <= beta1, beta2 < 1 and eps > 0, got {beta1}, {beta2}, {eps}"
-                ))
-            }
+            } if !((0.0..1.0).contains(&beta1) && (0.0..1.0).contains(&beta2) && eps > 0.0) => bad(
+                &format!("need 0 <= beta1, beta2 < 1 and eps > 0, got {beta1}, {beta2}, {eps}"),
+            ),
             _ => Ok(()),
         }
     }
@@ -187,7 +185,13 @@ impl Optimizer {
                 let t = step[0].to_bits().saturating_add(1);
                 step[0] = f32::from_bits(t);
                 let (m, v) = mv.split_at_mut(dim);
-                adam(emb, m, v, grad, AdamStep::new(lr, beta1, beta2, eps, t as u64));
+                adam(
+                    emb,
+                    m,
+                    v,
+                    grad,
+                    AdamStep::new(lr, beta1, beta2, eps, t as u64),
+                );
             }
         }
     }
@@ -198,7 +202,9 @@ impl Optimizer {
         *step += 1;
         match *self {
             Optimizer::Sgd { lr } => sgd(params, grad, lr),
-            Optimizer::Momentum { lr, momentum } => momentum_step(params, state, grad, lr, momentum),
+            Optimizer::Momentum { lr, momentum } => {
+                momentum_step(params, state, grad, lr, momentum)
+            }
             Optimizer::Adagrad { lr, eps, .. } => adagrad(params, state, grad, lr, eps),
             Optimizer::Adam {
                 lr,
@@ -208,7 +214,13 @@ impl Optimizer {
             } => {
                 let n = params.len();
                 let (m, v) = state.split_at_mut(n);
-                adam(params, m, v, grad, AdamStep::new(lr, beta1, beta2, eps, *step));
+                adam(
+                    params,
+                    m,
+                    v,
+                    grad,
+                    AdamStep::new(lr, beta1, beta2, eps, *step),
+                );
             }
             // Rejected by dense_state_len at model construction.
             Optimizer::RowwiseAdagrad { lr, .. } => sgd(params, grad, lr),
@@ -268,7 +280,12 @@ impl AdamStep {
 
 fn adam(params: &mut [f32], m: &mut [f32], v: &mut [f32], grad: &[f32], s: AdamStep) {
     let step_size = s.lr / s.correction1;
-    for (((p, m), v), g) in params.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(grad) {
+    for (((p, m), v), g) in params
+        .iter_mut()
+        .zip(m.iter_mut())
+        .zip(v.iter_mut())
+        .zip(grad)
+    {
         *m = s.beta1 * *m + (1.0 - s.beta1) * g;
         *v = s.beta2 * *v + (1.0 - s.beta2) * g * g;
         let denom = v.sqrt() / s.correction2_sqrt + s.eps;
@@ -335,7 +352,10 @@ mod tests {
             &[G1, G2],
         );
         let a1 = [0.1 + 0.25, 0.1 + 1.0];
-        let p1 = [1.0 - 0.1 * 0.5 / f64::sqrt(a1[0]), -2.0 + 0.1 * 1.0 / f64::sqrt(a1[1])];
+        let p1 = [
+            1.0 - 0.1 * 0.5 / f64::sqrt(a1[0]),
+            -2.0 + 0.1 * 1.0 / f64::sqrt(a1[1]),
+        ];
         let a2 = [a1[0] + 0.0625, a1[1] + 4.0];
         let p2 = [
             p1[0] - 0.1 * 0.25 / a2[0].sqrt(),
@@ -416,7 +436,10 @@ mod tests {
             .validate("optimizer.sparse")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("optimizer.sparse") && err.contains("lr"), "{err}");
+        assert!(
+            err.contains("optimizer.sparse") && err.contains("lr"),
+            "{err}"
+        );
         assert!(
             Optimizer::RowwiseAdagrad {
                 lr: 0.1,

@@ -32,7 +32,8 @@ impl TableDedup {
             if self.unique.last() != Some(&row) {
                 self.unique.push(row);
             }
-            self.occurrence_to_unique[(key & 0xFFFF_FFFF) as usize] = (self.unique.len() - 1) as u32;
+            self.occurrence_to_unique[(key & 0xFFFF_FFFF) as usize] =
+                (self.unique.len() - 1) as u32;
         }
     }
 }

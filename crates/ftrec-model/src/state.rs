@@ -64,7 +64,9 @@ impl ModelState {
             }
         }
         let mut optimizer_state = vec![0.0f32; config.dense_optimizer.dense_state_len(total)?];
-        config.dense_optimizer.init_dense_state(&mut optimizer_state);
+        config
+            .dense_optimizer
+            .init_dense_state(&mut optimizer_state);
         Ok(Self {
             config: config.clone(),
             tables,
@@ -144,12 +146,19 @@ impl ModelState {
                 got: values.len() * 4,
             });
         }
-        self.tables[table].row_mut(row as usize).copy_from_slice(values);
+        self.tables[table]
+            .row_mut(row as usize)
+            .copy_from_slice(values);
         Ok(())
     }
 
     /// Overwrites a row from its little-endian byte form.
-    pub fn set_row_bytes(&mut self, table: usize, row: u64, bytes: &[u8]) -> Result<(), ModelError> {
+    pub fn set_row_bytes(
+        &mut self,
+        table: usize,
+        row: u64,
+        bytes: &[u8],
+    ) -> Result<(), ModelError> {
         let stride = self.table_checked(table, row)?.stride();
         if bytes.len() != stride * 4 {
             return Err(ModelError::RowLength {
@@ -180,7 +189,11 @@ impl ModelState {
     /// hashed in parallel and their digests combined in table order, so the result does
     /// not depend on the thread count.
     pub fn digest(&self) -> StateDigest {
-        let per_table: Vec<u64> = self.tables.par_iter().map(|t| xxh3_64(t.as_bytes())).collect();
+        let per_table: Vec<u64> = self
+            .tables
+            .par_iter()
+            .map(|t| xxh3_64(t.as_bytes()))
+            .collect();
         let mut h = Xxh3::new();
         h.update(&(self.tables.len() as u64).to_le_bytes());
         for (t, d) in self.tables.iter().zip(&per_table) {
@@ -196,7 +209,10 @@ impl ModelState {
 
     /// Bytes of state held in memory (tables + dense + dense optimizer state).
     pub fn bytes(&self) -> usize {
-        self.tables.iter().map(|t| t.as_bytes().len()).sum::<usize>()
+        self.tables
+            .iter()
+            .map(|t| t.as_bytes().len())
+            .sum::<usize>()
             + 4 * (self.dense.params.len() + self.dense.optimizer_state.len())
     }
 }
@@ -238,7 +254,10 @@ mod tests {
             s.row(1, 7),
             Err(ModelError::RowOutOfRange { row: 7, .. })
         ));
-        assert!(matches!(s.set_row(0, 1, &[0.0; 3]), Err(ModelError::RowLength { .. })));
+        assert!(matches!(
+            s.set_row(0, 1, &[0.0; 3]),
+            Err(ModelError::RowLength { .. })
+        ));
         assert_eq!(s.iter_rows().count(), 17);
     }
 
@@ -246,7 +265,10 @@ mod tests {
     fn init_is_deterministic_and_seed_sensitive() {
         let c = config(Optimizer::Sgd { lr: 0.1 });
         let a = ModelState::new(&c, 1).unwrap();
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
         let b = pool.install(|| ModelState::new(&c, 1).unwrap());
         assert_eq!(a.digest(), b.digest());
         assert_eq!(a, b);

@@ -2,8 +2,7 @@
 //! central finite differences of an independent float64 forward pass.
 
 use ftrec_model::{
-    Batch, Dlrm, GemmMatMul, MatMul, MlpSpec, ModelConfig, ModelState, NaiveMatMul,
-    Optimizer,
+    Batch, Dlrm, GemmMatMul, MatMul, MlpSpec, ModelConfig, ModelState, NaiveMatMul, Optimizer,
 };
 
 fn config() -> ModelConfig {
@@ -58,7 +57,10 @@ fn reference_loss(c: &ModelConfig, dense: &[f64], tables: &[Vec<f64>], b: &Batch
     };
     let mut loss = 0.0;
     for s in 0..b.size {
-        let x: Vec<f64> = b.dense[s * 4..s * 4 + 4].iter().map(|&v| v as f64).collect();
+        let x: Vec<f64> = b.dense[s * 4..s * 4 + 4]
+            .iter()
+            .map(|&v| v as f64)
+            .collect();
         let mut z = vec![mlp(&bottom, x)];
         for (t, bags) in b.sparse.iter().enumerate() {
             let mut e = vec![0.0; c.dim];
@@ -101,7 +103,11 @@ fn check(mm: Box<dyn MatMul>, threads: usize) {
     let mut tables: Vec<Vec<f64>> = state
         .tables()
         .iter()
-        .map(|t| (0..t.rows()).flat_map(|r| t.embedding(r).iter().map(|&v| v as f64)).collect())
+        .map(|t| {
+            (0..t.rows())
+                .flat_map(|r| t.embedding(r).iter().map(|&v| v as f64))
+                .collect()
+        })
         .collect();
     let ref_loss = reference_loss(&c, &dense, &tables, &b);
     assert!(
@@ -130,11 +136,19 @@ fn check(mm: Box<dyn MatMul>, threads: usize) {
         nonzero += (fd.abs() > 1e-6) as usize;
         close(grads.dense[i], fd, &format!("dense[{i}]"));
     }
-    assert!(nonzero > dense.len() / 2, "test batch exercises too few parameters: {nonzero} of {}", dense.len());
+    assert!(
+        nonzero > dense.len() / 2,
+        "test batch exercises too few parameters: {nonzero} of {}",
+        dense.len()
+    );
     for t in 0..3 {
         let unique = model.unique_rows(t).to_vec();
         let touched: std::collections::BTreeSet<u32> = b.sparse[t].rows.iter().copied().collect();
-        assert_eq!(unique, touched.into_iter().collect::<Vec<_>>(), "table {t} unique rows");
+        assert_eq!(
+            unique,
+            touched.into_iter().collect::<Vec<_>>(),
+            "table {t} unique rows"
+        );
         for (u, &row) in unique.iter().enumerate() {
             for d in 0..c.dim {
                 let k = row as usize * c.dim + d;
