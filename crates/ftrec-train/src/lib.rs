@@ -1,14 +1,12 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! Single-process training: configuration (TOML, presets, `--set` overrides), the training
+//! loop over a binary dataset, evaluation, model snapshots, and the training benchmark.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+pub mod bench;
+pub mod config;
+mod error;
+pub mod snapshot;
+pub mod trainer;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use config::TrainConfig;
+pub use error::TrainError;
+pub use trainer::{Progress, StepInfo, TrainReport, Trainer};

@@ -1,0 +1,193 @@
+//! The single-process training loop.
+
+use std::time::Instant;
+
+use ftrec_data::Dataset;
+use ftrec_model::metrics::{Metrics, evaluate};
+use ftrec_model::{Batch, Dlrm, GemmMatMul, ModelConfig, ModelState};
+use rayon::ThreadPool;
+use serde::Serialize;
+
+use crate::{TrainConfig, TrainError};
+
+/// Where training is: steps done and the next sample of the training split. Saved with
+/// checkpoints so a resumed run reads exactly the samples an uninterrupted one would.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Progress {
+    pub step: u64,
+    pub epoch: u64,
+    pub position: u64,
+}
+
+/// Passed to the progress callback after every step.
+#[derive(Clone, Copy, Debug)]
+pub struct StepInfo {
+    pub step: u64,
+    pub total_steps: u64,
+    pub samples: u64,
+    pub loss: f64,
+    pub elapsed_secs: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TrainReport {
+    pub steps: u64,
+    pub samples: u64,
+    pub seconds: f64,
+    pub samples_per_sec: f64,
+    /// Mean training log loss over the run.
+    pub train_logloss: f64,
+}
+
+pub struct Trainer {
+    config: TrainConfig,
+    model_config: ModelConfig,
+    table_rows: Vec<u32>,
+    pub state: ModelState,
+    pub progress: Progress,
+    model: Dlrm,
+    pool: ThreadPool,
+    batch: Batch,
+}
+
+impl Trainer {
+    pub fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+        let model_config = config.model_config()?;
+        let threads = config.threads();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .map_err(|e| TrainError::Threads(e.to_string()))?;
+        let state = pool.install(|| ModelState::new(&model_config, config.seed))?;
+        let model = Dlrm::new(
+            &model_config,
+            config.train.batch_size,
+            threads,
+            Box::new(GemmMatMul::new(threads)),
+        )?;
+        Ok(Self {
+            table_rows: model_config.table_rows.iter().map(|&r| r as u32).collect(),
+            batch: Batch::with_tables(model_config.tables()),
+            model_config,
+            config: config.clone(),
+            state,
+            progress: Progress::default(),
+            model,
+            pool,
+        })
+    }
+
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    fn check_dataset(&self, data: &Dataset) -> Result<(), TrainError> {
+        if data.num_dense() != self.model_config.num_dense
+            || data.num_sparse() != self.model_config.tables()
+        {
+            return Err(TrainError::Config(format!(
+                "{} has {} dense and {} sparse features but the model expects {} and {}",
+                data.path().display(),
+                data.num_dense(),
+                data.num_sparse(),
+                self.model_config.num_dense,
+                self.model_config.tables()
+            )));
+        }
+        if data.is_empty() {
+            return Err(TrainError::Config(format!(
+                "{} is empty",
+                data.path().display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Total steps the configuration asks for on `data`.
+    pub fn planned_steps(&self, data: &Dataset) -> u64 {
+        if self.config.train.steps > 0 {
+            self.config.train.steps
+        } else {
+            self.config.train.epochs
+                * (data.len() as u64).div_ceil(self.config.train.batch_size as u64)
+        }
+    }
+
+    /// Trains until `progress.step` reaches `total_steps` (so a resumed trainer stops
+    /// where an uninterrupted one does), calling `on_step` after each step.
+    pub fn train(
+        &mut self,
+        data: &Dataset,
+        total_steps: u64,
+        mut on_step: impl FnMut(&StepInfo),
+    ) -> Result<TrainReport, TrainError> {
+        self.check_dataset(data)?;
+        let start = Instant::now();
+        let (mut samples, mut loss_sum, mut steps) = (0u64, 0.0f64, 0u64);
+        let batch_size = self.config.train.batch_size as u64;
+        while self.progress.step < total_steps {
+            let remaining = data.len() as u64 - self.progress.position;
+            let n = remaining.min(batch_size);
+            data.fill_batch(
+                self.progress.position as usize,
+                n as usize,
+                &self.table_rows,
+                &mut self.batch,
+            )?;
+            let (model, state, batch) = (&mut self.model, &mut self.state, &self.batch);
+            let loss = self.pool.install(|| model.train_step(state, batch))?;
+            self.progress.step += 1;
+            self.progress.position += n;
+            if self.progress.position == data.len() as u64 {
+                self.progress.position = 0;
+                self.progress.epoch += 1;
+            }
+            samples += n;
+            loss_sum += loss;
+            steps += 1;
+            on_step(&StepInfo {
+                step: self.progress.step,
+                total_steps,
+                samples,
+                loss: loss / n as f64,
+                elapsed_secs: start.elapsed().as_secs_f64(),
+            });
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        Ok(TrainReport {
+            steps,
+            samples,
+            seconds,
+            samples_per_sec: samples as f64 / seconds.max(1e-9),
+            train_logloss: loss_sum / samples.max(1) as f64,
+        })
+    }
+
+    /// Metrics on the first `limit` samples of `data` (all when 0).
+    pub fn evaluate(&mut self, data: &Dataset, limit: usize) -> Result<Metrics, TrainError> {
+        self.check_dataset(data)?;
+        let n = if limit == 0 {
+            data.len()
+        } else {
+            limit.min(data.len())
+        };
+        let bs = self.config.train.batch_size;
+        let mut logits = Vec::with_capacity(n);
+        let mut labels = Vec::with_capacity(n);
+        let mut start = 0;
+        while start < n {
+            let count = bs.min(n - start);
+            data.fill_batch(start, count, &self.table_rows, &mut self.batch)?;
+            labels.extend_from_slice(&self.batch.labels);
+            let (model, state, batch) = (&mut self.model, &self.state, &self.batch);
+            self.pool
+                .install(|| model.predict(state, batch, &mut logits))?;
+            start += count;
+        }
+        Ok(evaluate(&logits, &labels))
+    }
+
+    pub fn digest(&self) -> ftrec_model::StateDigest {
+        self.pool.install(|| self.state.digest())
+    }
+}

@@ -1,0 +1,186 @@
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Parser, Debug)]
+#[command(name = "ftrec", version, about = "Fault-tolerant DLRM training")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Train a DLRM on a dataset directory.
+    Train(TrainArgs),
+    /// Evaluate a saved model on a dataset's test split.
+    Eval(EvalArgs),
+    /// Generate, convert and inspect datasets.
+    #[command(subcommand)]
+    Data(DataCommand),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Generate Criteo-shaped data, train about a minute, and compare AUC with the teacher's.
+    Demo(DemoArgs),
+}
+
+/// Model and training configuration: a preset, a TOML file, then `--set` overrides.
+#[derive(Args, Debug, Clone)]
+pub struct ConfigArgs {
+    /// Built-in configuration to start from (tiny, demo).
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// TOML configuration file (applied over the preset).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override a configuration key, e.g. `--set optimizer.sparse.lr=0.05` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Random seed (same as `--set seed=S`).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Worker threads (same as `--set threads=N`; 0 = all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Dataset directory with train.ftrd and test.ftrd (overrides data.dir).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Total steps (overrides train.steps).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Save the final model to this snapshot file.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Print one JSON object with the results.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    /// Snapshot written by `ftrec train --save`.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Dataset directory (its test split is used) or a .ftrd file.
+    #[arg(long)]
+    pub data: PathBuf,
+    #[arg(long, default_value_t = 4096)]
+    pub batch_size: usize,
+    /// Evaluate at most this many samples (0 = all).
+    #[arg(long, default_value_t = 0)]
+    pub limit: usize,
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum DataCommand {
+    /// Synthetic Criteo-shaped data with a planted teacher model.
+    Gen(GenArgs),
+    /// Convert Criteo TSV or schema-described text to the binary format.
+    Convert(ConvertArgs),
+    /// Statistics of a dataset directory or .ftrd file.
+    Stats(StatsArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum GenFormat {
+    Binary,
+    CriteoTsv,
+}
+
+#[derive(Args, Debug)]
+pub struct GenArgs {
+    /// Preset sizing: `tiny` scales the Criteo Kaggle cardinalities by 0.01.
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// Total samples (train + test).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub rows: u64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Output directory.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Factor applied to the Criteo Kaggle cardinalities (overrides the preset's).
+    #[arg(long)]
+    pub scale: Option<f64>,
+    #[arg(long, default_value_t = 1.1)]
+    pub zipf: f64,
+    #[arg(long, default_value_t = 0.1)]
+    pub test_fraction: f64,
+    #[arg(long, value_enum, default_value_t = GenFormat::Binary)]
+    pub format: GenFormat,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ConvertArgs {
+    /// Input text files, or directories of them (read in natural name order).
+    #[arg(required = true)]
+    pub inputs: Vec<PathBuf>,
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Schema file for non-Criteo data; Criteo TSV when absent.
+    #[arg(long)]
+    pub schema: Option<PathBuf>,
+    #[arg(long, default_value_t = 0.1)]
+    pub test_fraction: f64,
+    /// Skip malformed lines (and report how many) instead of stopping at the first.
+    #[arg(long)]
+    pub skip_bad_lines: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct StatsArgs {
+    pub path: PathBuf,
+    /// Only the first N samples.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Median training step time on in-memory batches.
+    Train(BenchTrainArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchTrainArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 30)]
+    pub steps: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Where to put the generated data.
+    #[arg(long, default_value = "demo-data")]
+    pub dir: PathBuf,
+    /// Samples to generate (train + test).
+    #[arg(long, default_value_t = 2_600_000)]
+    pub rows: u64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    #[arg(long)]
+    pub json: bool,
+}

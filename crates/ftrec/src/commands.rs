@@ -1,0 +1,381 @@
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use ftrec_data::generate::{GenConfig, OutputFormat, generate, read_meta};
+use ftrec_data::{Dataset, TEST_FILE, TRAIN_FILE, convert, criteo, schema::Schema, stats};
+use ftrec_train::{TrainConfig, Trainer, bench, snapshot};
+use serde_json::json;
+
+use crate::cli::*;
+use crate::progress::bar;
+
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Train(a) => train(a),
+        Command::Eval(a) => eval(a),
+        Command::Data(DataCommand::Gen(a)) => data_gen(a),
+        Command::Data(DataCommand::Convert(a)) => data_convert(a),
+        Command::Data(DataCommand::Stats(a)) => data_stats(a),
+        Command::Bench(BenchCommand::Train(a)) => bench_train(a),
+        Command::Demo(a) => demo(a),
+    }
+}
+
+fn load_config(args: &ConfigArgs, extra: Vec<String>) -> Result<TrainConfig> {
+    let mut overrides = args.overrides.clone();
+    if let Some(s) = args.seed {
+        overrides.push(format!("seed={s}"));
+    }
+    if let Some(t) = args.threads {
+        overrides.push(format!("threads={t}"));
+    }
+    overrides.extend(extra);
+    let preset = match (&args.preset, &args.config) {
+        (Some(p), _) => Some(p.as_str()),
+        (None, None) => Some("tiny"),
+        (None, Some(_)) => None,
+    };
+    Ok(TrainConfig::load(
+        preset,
+        args.config.as_deref(),
+        &overrides,
+    )?)
+}
+
+fn print_json(value: serde_json::Value) -> Result<()> {
+    println!("{}", serde_json::to_string(&value)?);
+    Ok(())
+}
+
+fn open_split(dir: &Path, file: &str) -> Result<Dataset> {
+    let path = if dir.is_file() {
+        dir.to_path_buf()
+    } else {
+        dir.join(file)
+    };
+    Dataset::open(&path).with_context(|| format!("opening dataset {}", path.display()))
+}
+
+struct TrainOutcome {
+    report: ftrec_train::TrainReport,
+    metrics: ftrec_model::metrics::Metrics,
+    digest: String,
+}
+
+fn train_and_eval(
+    config: &TrainConfig,
+    dir: &Path,
+    save: Option<&Path>,
+    quiet: bool,
+) -> Result<TrainOutcome> {
+    let train_ds = open_split(dir, TRAIN_FILE)?;
+    let test_ds = open_split(dir, TEST_FILE)?;
+    let mut trainer = Trainer::new(config)?;
+    let total = trainer.planned_steps(&train_ds);
+    let pb = bar(total, "train");
+    if quiet {
+        pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let report = trainer.train(&train_ds, total, |s| {
+        pb.set_position(s.step);
+        if s.step % 5 == 0 || s.step == s.total_steps {
+            pb.set_message(format!(
+                "{:.0} samples/s loss {:.4}",
+                s.samples as f64 / s.elapsed_secs.max(1e-9),
+                s.loss
+            ));
+        }
+    })?;
+    pb.finish_and_clear();
+    let metrics = trainer.evaluate(&test_ds, config.train.eval_samples)?;
+    if let Some(path) = save {
+        snapshot::save(path, &trainer.state, trainer.progress)?;
+    }
+    Ok(TrainOutcome {
+        report,
+        metrics,
+        digest: trainer.digest().to_string(),
+    })
+}
+
+fn train(a: TrainArgs) -> Result<()> {
+    let mut extra = Vec::new();
+    if let Some(s) = a.steps {
+        extra.push(format!("train.steps={s}"));
+    }
+    if let Some(d) = &a.data {
+        extra.push(format!(
+            "data.dir={}",
+            toml_string(&d.display().to_string())
+        ));
+    }
+    let config = load_config(&a.config, extra)?;
+    let Some(dir) = config.data.dir.clone() else {
+        bail!("no dataset: pass --data DIR or set data.dir");
+    };
+    let out = train_and_eval(&config, &dir, a.save.as_deref(), false)?;
+    let teacher_auc = read_meta(&dir).map(|m| m.teacher_auc);
+    if a.json {
+        return print_json(json!({
+            "auc": out.metrics.auc,
+            "logloss": out.metrics.logloss,
+            "accuracy": out.metrics.accuracy,
+            "eval_samples": out.metrics.samples,
+            "samples": out.report.samples,
+            "steps": out.report.steps,
+            "seconds": out.report.seconds,
+            "samples_per_sec": out.report.samples_per_sec,
+            "train_logloss": out.report.train_logloss,
+            "state_digest": out.digest,
+            "teacher_auc": teacher_auc,
+        }));
+    }
+    println!(
+        "trained {} steps ({} samples) in {:.1}s: {:.0} samples/s, train logloss {:.4}",
+        out.report.steps,
+        out.report.samples,
+        out.report.seconds,
+        out.report.samples_per_sec,
+        out.report.train_logloss
+    );
+    println!(
+        "held-out ({} samples): AUC {:.4}, logloss {:.4}, accuracy {:.4}{}",
+        out.metrics.samples,
+        out.metrics.auc,
+        out.metrics.logloss,
+        out.metrics.accuracy,
+        teacher_auc.map_or(String::new(), |t| format!(" (teacher AUC {t:.4})"))
+    );
+    println!("state digest {}", out.digest);
+    Ok(())
+}
+
+fn toml_string(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| format!("{s:?}"))
+}
+
+fn eval(a: EvalArgs) -> Result<()> {
+    let (state, progress) = snapshot::load(&a.model)?;
+    let mc = state.config().clone();
+    let mut config = TrainConfig::preset("tiny")?;
+    config.threads = a.threads;
+    config.train.batch_size = a.batch_size;
+    config.model.table_rows = mc.table_rows.clone();
+    config.model.num_tables = 0;
+    config.model.dim = mc.dim;
+    config.model.num_dense = mc.num_dense;
+    config.model.bottom = mc.bottom.clone();
+    config.model.top = mc.top.clone();
+    config.optimizer.sparse = mc.sparse_optimizer;
+    config.optimizer.dense = mc.dense_optimizer;
+    let mut trainer = Trainer::new(&config)?;
+    trainer.state = state;
+    let ds = open_split(&a.data, TEST_FILE)?;
+    let m = trainer.evaluate(&ds, a.limit)?;
+    if a.json {
+        return print_json(json!({
+            "auc": m.auc, "logloss": m.logloss, "accuracy": m.accuracy,
+            "samples": m.samples, "model_step": progress.step,
+            "state_digest": trainer.digest().to_string(),
+        }));
+    }
+    println!(
+        "{} samples: AUC {:.4}, logloss {:.4}, accuracy {:.4} (model at step {})",
+        m.samples, m.auc, m.logloss, m.accuracy, progress.step
+    );
+    Ok(())
+}
+
+fn gen_config(a: &GenArgs) -> Result<GenConfig> {
+    let preset_scale = match a.preset.as_deref() {
+        Some("tiny") => 0.01,
+        Some(other) => bail!("unknown data preset {other:?} (known: tiny)"),
+        None => 0.01,
+    };
+    let mut c = GenConfig::criteo(a.rows, a.seed, a.scale.unwrap_or(preset_scale));
+    c.zipf_exponent = a.zipf;
+    c.test_fraction = a.test_fraction;
+    Ok(c)
+}
+
+fn run_gen(
+    config: &GenConfig,
+    out: &Path,
+    format: OutputFormat,
+    quiet: bool,
+) -> Result<ftrec_data::generate::GenReport> {
+    let pb = bar(config.rows, "generate");
+    if quiet {
+        pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let report = generate(config, out, format, |n| pb.set_position(n))
+        .with_context(|| format!("generating into {}", out.display()))?;
+    pb.finish_and_clear();
+    Ok(report)
+}
+
+fn data_gen(a: GenArgs) -> Result<()> {
+    let config = gen_config(&a)?;
+    let format = match a.format {
+        GenFormat::Binary => OutputFormat::Binary,
+        GenFormat::CriteoTsv => OutputFormat::CriteoTsv,
+    };
+    let r = run_gen(&config, &a.out, format, false)?;
+    if a.json {
+        return print_json(json!({
+            "teacher_auc": r.teacher_auc, "teacher_logloss": r.teacher_logloss,
+            "train_samples": r.train_samples, "test_samples": r.test_samples,
+            "positive_rate": r.positive_rate, "out": a.out,
+        }));
+    }
+    println!(
+        "wrote {} train + {} test samples to {} (CTR {:.3}); teacher AUC on test {:.4}",
+        r.train_samples,
+        r.test_samples,
+        a.out.display(),
+        r.positive_rate,
+        r.teacher_auc
+    );
+    Ok(())
+}
+
+fn data_convert(a: ConvertArgs) -> Result<()> {
+    let schema = match &a.schema {
+        Some(p) => Schema::load(p)?,
+        None => criteo::schema(),
+    };
+    let opts = convert::ConvertOptions {
+        inputs: convert::expand_inputs(&a.inputs)?,
+        schema,
+        out_dir: a.out.clone(),
+        test_fraction: a.test_fraction,
+        skip_bad_lines: a.skip_bad_lines,
+    };
+    let pb = indicatif::ProgressBar::new_spinner();
+    let r = convert::convert(&opts, |n| pb.set_message(format!("{n} samples")))?;
+    pb.finish_and_clear();
+    if a.json {
+        return print_json(serde_json::to_value(&r)?);
+    }
+    println!(
+        "{} lines: {} train + {} test samples, {} bad lines skipped",
+        r.lines, r.train_samples, r.test_samples, r.bad_lines
+    );
+    if let Some(first) = r.first_bad {
+        println!("first bad line: {first}");
+    }
+    Ok(())
+}
+
+fn data_stats(a: StatsArgs) -> Result<()> {
+    let files: Vec<PathBuf> = if a.path.is_dir() {
+        vec![a.path.join(TRAIN_FILE), a.path.join(TEST_FILE)]
+    } else {
+        vec![a.path.clone()]
+    };
+    let mut all = serde_json::Map::new();
+    for f in files {
+        let ds = Dataset::open(&f)?;
+        let s = stats::compute(&ds, a.limit);
+        if !a.json {
+            println!(
+                "{}: {} samples, CTR {:.4}, {} dense, {} sparse{}",
+                f.display(),
+                s.samples,
+                s.positive_rate,
+                s.dense.len(),
+                s.sparse.len(),
+                if s.multi_hot { " (multi-hot)" } else { "" }
+            );
+            for (i, d) in s.sparse.iter().enumerate() {
+                println!(
+                    "  sparse {i:>2}: {:>9} distinct, {:.3} missing, max bag {}",
+                    d.distinct, d.missing_fraction, d.max_bag
+                );
+            }
+        }
+        all.insert(f.display().to_string(), serde_json::to_value(&s)?);
+    }
+    if a.json {
+        print_json(serde_json::Value::Object(all))?;
+    }
+    Ok(())
+}
+
+fn bench_train(a: BenchTrainArgs) -> Result<()> {
+    let config = load_config(&a.config, Vec::new())?;
+    let pb = bar((a.warmup + a.steps) as u64, "bench");
+    if a.json {
+        pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let r = bench::bench_train(&config, a.warmup, a.steps, |i| pb.set_position(i as u64))?;
+    pb.finish_and_clear();
+    if a.json {
+        return print_json(serde_json::to_value(&r)?);
+    }
+    println!(
+        "batch {} on {} threads: median step {:.2} ms (p10 {:.2}, p90 {:.2}) = {:.0} samples/s; model {:.0} MiB, peak RSS {}",
+        r.batch_size,
+        r.threads,
+        r.step_ms_median,
+        r.step_ms_p10,
+        r.step_ms_p90,
+        r.samples_per_sec,
+        r.model_bytes as f64 / (1 << 20) as f64,
+        r.peak_rss_bytes.map_or("n/a".into(), |b| format!(
+            "{:.0} MiB",
+            b as f64 / (1 << 20) as f64
+        ))
+    );
+    Ok(())
+}
+
+fn demo(a: DemoArgs) -> Result<()> {
+    let gen_config = GenConfig::criteo(a.rows, a.seed, 0.01);
+    let meta = match read_meta(&a.dir) {
+        Some(m)
+            if m.config == gen_config
+                && a.dir.join(TRAIN_FILE).exists()
+                && a.dir.join(TEST_FILE).exists() =>
+        {
+            m
+        }
+        _ => {
+            if !a.json {
+                println!(
+                    "generating {} Criteo-shaped samples into {} ...",
+                    a.rows,
+                    a.dir.display()
+                );
+            }
+            run_gen(&gen_config, &a.dir, OutputFormat::Binary, a.json)?
+        }
+    };
+    let mut config = TrainConfig::preset("demo")?;
+    config.seed = a.seed;
+    if !a.json {
+        println!(
+            "training the tiny DLRM (26 tables x 100k rows x 64, batch 2048) for one pass over {} samples ...",
+            meta.train_samples
+        );
+    }
+    let out = train_and_eval(&config, &a.dir, None, a.json)?;
+    let gap = meta.teacher_auc - out.metrics.auc;
+    if a.json {
+        return print_json(json!({
+            "auc": out.metrics.auc, "teacher_auc": meta.teacher_auc, "auc_gap": gap,
+            "logloss": out.metrics.logloss, "samples": out.report.samples,
+            "samples_per_sec": out.report.samples_per_sec, "seconds": out.report.seconds,
+            "state_digest": out.digest,
+        }));
+    }
+    println!(
+        "trained {} samples in {:.1}s ({:.0} samples/s)",
+        out.report.samples, out.report.seconds, out.report.samples_per_sec
+    );
+    println!(
+        "held-out AUC {:.4} vs teacher ceiling {:.4} (gap {:.4}); logloss {:.4}",
+        out.metrics.auc, meta.teacher_auc, gap, out.metrics.logloss
+    );
+    Ok(())
+}
