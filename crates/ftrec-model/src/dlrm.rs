@@ -5,6 +5,8 @@
 //! All buffers are allocated once for `max_batch`; a step allocates nothing of its own
 //! (the `gemm` crate may allocate its packing buffers internally).
 
+use std::time::Instant;
+
 use rayon::prelude::*;
 
 use crate::sparse::{TableDedup, aggregate_gradients, pool_into};
@@ -19,7 +21,34 @@ pub struct Gradients {
     pub sparse: Vec<Vec<f32>>,
 }
 
+/// Wall time spent in each phase since the model was built (or last reset): how the
+/// benchmark tells where a step's time goes.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct PhaseTimes {
+    pub steps: u64,
+    pub prepare: f64,
+    pub gather: f64,
+    pub bottom_forward: f64,
+    pub pool_interact_forward: f64,
+    pub top_forward: f64,
+    pub loss: f64,
+    pub top_backward: f64,
+    pub interact_backward: f64,
+    pub bottom_backward: f64,
+    pub aggregate: f64,
+    pub apply_sparse: f64,
+    pub apply_dense: f64,
+}
+
+/// Adds the time since `*mark` to `slot` and restarts the mark.
+fn lap(mark: &mut Instant, slot: &mut f64) {
+    let now = Instant::now();
+    *slot += (now - *mark).as_secs_f64();
+    *mark = now;
+}
+
 pub struct Dlrm {
+    times: PhaseTimes,
     config: ModelConfig,
     bottom: MlpSpec,
     top: MlpSpec,
@@ -69,6 +98,7 @@ impl Dlrm {
         let width = config.interaction_width();
         let dense_len = top.end();
         Ok(Self {
+            times: PhaseTimes::default(),
             bottom_acts: bottom.activation_buffers(max_batch),
             bottom_dacts: bottom.activation_buffers(max_batch),
             top_acts: top.activation_buffers(max_batch),
@@ -103,12 +133,14 @@ impl Dlrm {
 
     /// Checks the batch against the model and de-duplicates each table's ids.
     pub fn prepare(&mut self, batch: &Batch) -> Result<(), ModelError> {
+        let mut mark = Instant::now();
         self.check_batch(batch)?;
         self.batch = batch.size;
         self.dedup
             .par_iter_mut()
             .zip(&batch.sparse)
             .for_each(|(d, bags)| d.build(bags));
+        lap(&mut mark, &mut self.times.prepare);
         Ok(())
     }
 
@@ -168,6 +200,7 @@ impl Dlrm {
 
     /// Fills the pulled buffers from local tables.
     pub fn gather_from(&mut self, state: &ModelState) {
+        let mut mark = Instant::now();
         self.pulled
             .par_iter_mut()
             .zip(&self.dedup)
@@ -178,6 +211,7 @@ impl Dlrm {
                     pulled.extend_from_slice(table.embedding(row as usize));
                 }
             });
+        lap(&mut mark, &mut self.times.gather);
     }
 
     /// Chunk of samples each thread handles in per-sample phases.
@@ -190,6 +224,7 @@ impl Dlrm {
         let dim = self.config.dim;
         let vectors = self.config.tables() + 1;
         let width = self.config.interaction_width();
+        let mut mark = Instant::now();
         self.bottom.forward(
             &*self.mm,
             dense_params,
@@ -197,6 +232,7 @@ impl Dlrm {
             &mut self.bottom_acts,
             n,
         );
+        lap(&mut mark, &mut self.times.bottom_forward);
         let chunk = self.samples_per_chunk();
         let bottom_out = &self.bottom_acts[self.bottom_acts.len() - 1];
         let (pulled, dedup) = (&self.pulled, &self.dedup);
@@ -222,15 +258,12 @@ impl Dlrm {
                         (t + 1) * dim,
                     );
                 }
-                for (zs, out) in z
-                    .chunks_exact(vectors * dim)
-                    .zip(inter.chunks_exact_mut(width))
-                {
-                    interaction::forward(zs, vectors, dim, out);
-                }
+                interaction::forward_samples(z, vectors, dim, inter);
             });
+        lap(&mut mark, &mut self.times.pool_interact_forward);
         self.top
             .forward(&*self.mm, dense_params, &self.inter, &mut self.top_acts, n);
+        lap(&mut mark, &mut self.times.top_forward);
     }
 
     /// Forward and backward over the prepared batch, with the unique embeddings already in
@@ -242,7 +275,7 @@ impl Dlrm {
         let vectors = self.config.tables() + 1;
         let width = self.config.interaction_width();
         self.forward(dense_params, batch);
-
+        let mut mark = Instant::now();
         let logits = &self.top_acts[self.top_acts.len() - 1][..n];
         let dlogits = self
             .top_dacts
@@ -255,6 +288,7 @@ impl Dlrm {
             loss += softplus(z) - y as f64 * z as f64;
             *d = (sigmoid(z) - y) * inv_n;
         }
+        lap(&mut mark, &mut self.times.loss);
 
         self.top.backward(
             &*self.mm,
@@ -266,20 +300,16 @@ impl Dlrm {
             Some(&mut self.dinter[..n * width]),
             n,
         );
+        lap(&mut mark, &mut self.times.top_backward);
         let chunk = self.samples_per_chunk();
         self.dz[..n * vectors * dim]
             .par_chunks_mut(chunk * vectors * dim)
             .zip(self.z[..n * vectors * dim].par_chunks(chunk * vectors * dim))
             .zip(self.dinter[..n * width].par_chunks(chunk * width))
             .for_each(|((dz, z), dinter)| {
-                for ((dzs, zs), dout) in dz
-                    .chunks_exact_mut(vectors * dim)
-                    .zip(z.chunks_exact(vectors * dim))
-                    .zip(dinter.chunks_exact(width))
-                {
-                    interaction::backward(zs, vectors, dim, dout, dzs);
-                }
+                interaction::backward_samples(z, vectors, dim, dinter, dz);
             });
+        lap(&mut mark, &mut self.times.interact_backward);
         let last = self.bottom_dacts.len() - 1;
         for (dst, src) in self.bottom_dacts[last][..n * dim]
             .chunks_exact_mut(dim)
@@ -297,6 +327,7 @@ impl Dlrm {
             None,
             n,
         );
+        lap(&mut mark, &mut self.times.bottom_backward);
         let dz = &self.dz[..n * vectors * dim];
         self.grads
             .sparse
@@ -307,6 +338,8 @@ impl Dlrm {
             .for_each(|(t, ((grads, dedup), bags))| {
                 aggregate_gradients(bags, dedup, dz, vectors * dim, (t + 1) * dim, dim, grads);
             });
+        lap(&mut mark, &mut self.times.aggregate);
+        self.times.steps += 1;
         loss
     }
 
@@ -316,7 +349,8 @@ impl Dlrm {
 
     /// Applies the optimizers: each unique row of each table once (tables in parallel),
     /// then the dense parameters.
-    pub fn apply(&self, state: &mut ModelState) {
+    pub fn apply(&mut self, state: &mut ModelState) {
+        let mut mark = Instant::now();
         let dim = self.config.dim;
         let sparse_opt = self.config.sparse_optimizer;
         state
@@ -325,10 +359,9 @@ impl Dlrm {
             .zip(&self.dedup)
             .zip(&self.grads.sparse)
             .for_each(|((table, dedup), grads)| {
-                for (&row, g) in dedup.unique.iter().zip(grads.chunks_exact(dim)) {
-                    sparse_opt.apply_row(table.row_mut(row as usize), g);
-                }
+                sparse_opt.apply_rows(table, &dedup.unique, grads, dim);
             });
+        lap(&mut mark, &mut self.times.apply_sparse);
         let dense = &mut state.dense;
         self.config.dense_optimizer.apply_dense(
             &mut dense.params,
@@ -336,6 +369,16 @@ impl Dlrm {
             &self.grads.dense,
             &mut dense.step,
         );
+        lap(&mut mark, &mut self.times.apply_dense);
+    }
+
+    /// Accumulated per-phase wall time.
+    pub fn phase_times(&self) -> PhaseTimes {
+        self.times
+    }
+
+    pub fn reset_phase_times(&mut self) {
+        self.times = PhaseTimes::default();
     }
 
     /// A full single-process step. Returns the summed log loss of the batch.

@@ -5,7 +5,7 @@
 
 /// A dot product with 16 independent accumulators: vectorises without `-ffast-math`
 /// and always adds in the same order, so it is deterministic.
-#[inline]
+#[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     const LANES: usize = 16;
     let mut acc = [0.0f32; LANES];
@@ -32,13 +32,14 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc[0] + tail
 }
 
-#[inline]
+#[inline(always)]
 fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += alpha * x;
     }
 }
 
+#[inline(always)]
 /// Forward for one sample: `out` gets `dim + vectors*(vectors-1)/2` values.
 pub(crate) fn forward(z: &[f32], vectors: usize, dim: usize, out: &mut [f32]) {
     out[..dim].copy_from_slice(&z[..dim]);
@@ -52,6 +53,7 @@ pub(crate) fn forward(z: &[f32], vectors: usize, dim: usize, out: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 /// Backward for one sample: `dz` (same shape as `z`) is overwritten with dLoss/dz given
 /// `dout`, the gradient of the interaction output.
 pub(crate) fn backward(z: &[f32], vectors: usize, dim: usize, dout: &[f32], dz: &mut [f32]) {
@@ -73,6 +75,29 @@ pub(crate) fn backward(z: &[f32], vectors: usize, dim: usize, dout: &[f32], dz: 
                 &z[i * dim..(i + 1) * dim],
             );
         }
+    }
+}
+
+/// Forward over consecutive samples (`z` and `out` hold whole samples), compiled for the
+/// best SIMD level of the running CPU. No fast-math, so every level gives the same bits.
+#[multiversion::multiversion(targets = "simd")]
+pub(crate) fn forward_samples(z: &[f32], vectors: usize, dim: usize, out: &mut [f32]) {
+    let width = out.len() / (z.len() / (vectors * dim)).max(1);
+    for (zs, o) in z.chunks_exact(vectors * dim).zip(out.chunks_exact_mut(width)) {
+        forward(zs, vectors, dim, o);
+    }
+}
+
+/// Backward over consecutive samples; see [`forward_samples`].
+#[multiversion::multiversion(targets = "simd")]
+pub(crate) fn backward_samples(z: &[f32], vectors: usize, dim: usize, dout: &[f32], dz: &mut [f32]) {
+    let width = dout.len() / (z.len() / (vectors * dim)).max(1);
+    for ((zs, d), dzs) in z
+        .chunks_exact(vectors * dim)
+        .zip(dout.chunks_exact(width))
+        .zip(dz.chunks_exact_mut(vectors * dim))
+    {
+        backward(zs, vectors, dim, d, dzs);
     }
 }
 

@@ -22,7 +22,7 @@ mod table;
 
 pub use batch::{Bags, Batch};
 pub use config::{ModelConfig, interaction_width};
-pub use dlrm::{Dlrm, Gradients};
+pub use dlrm::{Dlrm, Gradients, PhaseTimes};
 pub use error::ModelError;
 pub use matmul::{GemmMatMul, MatMul, NaiveMatMul};
 pub use mlp::{LayerSpec, MlpSpec};

@@ -4,6 +4,34 @@
 use crate::ModelConfig;
 use crate::matmul::{MatMul, MatMut, MatRef};
 
+#[multiversion::multiversion(targets = "simd")]
+fn relu(values: &mut [f32]) {
+    for v in values {
+        *v = v.max(0.0);
+    }
+}
+
+/// Zeroes gradients where the ReLU output was not positive.
+#[multiversion::multiversion(targets = "simd")]
+fn relu_mask(grads: &mut [f32], outputs: &[f32]) {
+    for (g, a) in grads.iter_mut().zip(outputs) {
+        if *a <= 0.0 {
+            *g = 0.0;
+        }
+    }
+}
+
+/// `sums[j] = sum_i rows[i][j]`, rows added in order: a fixed reduction order.
+#[multiversion::multiversion(targets = "simd")]
+fn column_sums(rows: &[f32], sums: &mut [f32]) {
+    sums.fill(0.0);
+    for row in rows.chunks_exact(sums.len()) {
+        for (d, g) in sums.iter_mut().zip(row) {
+            *d += g;
+        }
+    }
+}
+
 /// One linear layer's place in the flat dense parameter buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerSpec {
@@ -97,9 +125,7 @@ impl MlpSpec {
                 true,
             );
             if layer.relu {
-                for v in out.iter_mut() {
-                    *v = v.max(0.0);
-                }
+                relu(out);
             }
         }
     }
@@ -126,11 +152,7 @@ impl MlpSpec {
             let (before, after) = dacts.split_at_mut(l);
             let dz = &mut after[0][..batch * layer.outputs];
             if layer.relu {
-                for (g, a) in dz.iter_mut().zip(&acts[l][..batch * layer.outputs]) {
-                    if *a <= 0.0 {
-                        *g = 0.0;
-                    }
-                }
+                relu_mask(dz, &acts[l][..batch * layer.outputs]);
             }
             let x = if l == 0 { input } else { &acts[l - 1][..] };
             let dz_ref = MatRef::row_major(dz, batch, layer.outputs);
@@ -146,12 +168,7 @@ impl MlpSpec {
             );
             // Column sums in sample order: a fixed reduction order, independent of threads.
             let db = &mut grads[layer.bias..layer.bias + layer.outputs];
-            db.fill(0.0);
-            for row in dz.chunks_exact(layer.outputs) {
-                for (d, g) in db.iter_mut().zip(row) {
-                    *d += g;
-                }
-            }
+            column_sums(dz, db);
             let w = MatRef::row_major(&params[layer.weight..], layer.outputs, layer.inputs);
             let dx: Option<&mut [f32]> = if l > 0 {
                 Some(&mut before[l - 1][..])

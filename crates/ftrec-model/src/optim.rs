@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ModelError;
+use crate::{EmbeddingTable, ModelError};
 
 /// Which optimizer, with its hyper-parameters. Formulas follow PyTorch (dense) and FBGEMM
 /// (row-wise Adagrad) so results can be compared with those systems.
@@ -154,8 +154,15 @@ impl Optimizer {
         }
     }
 
+    /// Applies `grads [rows x dim]` to `rows` of `table`, compiled for the running CPU's
+    /// SIMD level (same bits at every level: no fast-math).
+    pub fn apply_rows(&self, table: &mut EmbeddingTable, rows: &[u32], grads: &[f32], dim: usize) {
+        apply_rows_simd(self, table, rows, grads, dim)
+    }
+
     /// Updates one embedding row in place; `row` is `[embedding | state]`, `grad` has `dim`
     /// values. Called once per unique row per batch with the batch-aggregated gradient.
+    #[inline(always)]
     pub fn apply_row(&self, row: &mut [f32], grad: &[f32]) {
         let dim = grad.len();
         let (emb, state) = row.split_at_mut(dim);
@@ -233,12 +240,14 @@ impl Optimizer {
     }
 }
 
+#[inline(always)]
 fn sgd(params: &mut [f32], grad: &[f32], lr: f32) {
     for (p, g) in params.iter_mut().zip(grad) {
         *p -= lr * g;
     }
 }
 
+#[inline(always)]
 fn momentum_step(params: &mut [f32], vel: &mut [f32], grad: &[f32], lr: f32, momentum: f32) {
     for ((p, v), g) in params.iter_mut().zip(vel.iter_mut()).zip(grad) {
         *v = momentum * *v + g;
@@ -246,6 +255,7 @@ fn momentum_step(params: &mut [f32], vel: &mut [f32], grad: &[f32], lr: f32, mom
     }
 }
 
+#[inline(always)]
 fn adagrad(params: &mut [f32], acc: &mut [f32], grad: &[f32], lr: f32, eps: f32) {
     for ((p, a), g) in params.iter_mut().zip(acc.iter_mut()).zip(grad) {
         *a += g * g;
@@ -278,6 +288,7 @@ impl AdamStep {
     }
 }
 
+#[inline(always)]
 fn adam(params: &mut [f32], m: &mut [f32], v: &mut [f32], grad: &[f32], s: AdamStep) {
     let step_size = s.lr / s.correction1;
     for (((p, m), v), g) in params
@@ -290,6 +301,19 @@ fn adam(params: &mut [f32], m: &mut [f32], v: &mut [f32], grad: &[f32], s: AdamS
         *v = s.beta2 * *v + (1.0 - s.beta2) * g * g;
         let denom = v.sqrt() / s.correction2_sqrt + s.eps;
         *p -= step_size * *m / denom;
+    }
+}
+
+#[multiversion::multiversion(targets = "simd")]
+fn apply_rows_simd(
+    opt: &Optimizer,
+    table: &mut EmbeddingTable,
+    rows: &[u32],
+    grads: &[f32],
+    dim: usize,
+) {
+    for (&row, g) in rows.iter().zip(grads.chunks_exact(dim)) {
+        opt.apply_row(table.row_mut(row as usize), g);
     }
 }
 

@@ -39,6 +39,7 @@ impl TableDedup {
 }
 
 #[allow(clippy::too_many_arguments)]
+#[multiversion::multiversion(targets = "simd")]
 /// Sum-pools `pulled` (the table's unique embeddings, `[unique x dim]`) for the samples
 /// `first..` covered by `out`: sample `first + s` is written to
 /// `out[s * sample_stride + offset..][..dim]`.
@@ -74,6 +75,7 @@ pub(crate) fn pool_into(
 /// Aggregates the pooled gradient of every sample into `grads [unique x dim]`: each unique
 /// row receives the sum of its occurrences' gradients, added in occurrence order. Sample
 /// `b`'s pooled gradient is `pooled[b * sample_stride + offset..][..dim]`.
+#[multiversion::multiversion(targets = "simd")]
 pub(crate) fn aggregate_gradients(
     bags: &Bags,
     dedup: &TableDedup,

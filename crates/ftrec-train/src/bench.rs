@@ -23,6 +23,8 @@ pub struct BenchReport {
     pub samples_per_sec: f64,
     pub model_bytes: usize,
     pub peak_rss_bytes: Option<u64>,
+    /// Mean milliseconds per step spent in each phase (after warm-up).
+    pub phase_ms: std::collections::BTreeMap<String, f64>,
 }
 
 /// Peak resident set size of this process (Linux `VmHWM`).
@@ -93,6 +95,9 @@ pub fn bench_train(
         let batch = &batches[i % batches.len()];
         let t = Instant::now();
         pool.install(|| model.train_step(&mut state, batch))?;
+        if i + 1 == warmup_steps {
+            model.reset_phase_times();
+        }
         if i >= warmup_steps {
             times.push(t.elapsed().as_secs_f64() * 1e3);
         }
@@ -100,7 +105,18 @@ pub fn bench_train(
     }
     times.sort_by(f64::total_cmp);
     let median = percentile(&times, 0.5);
+    let p = model.phase_times();
+    let per_step = 1e3 / p.steps.max(1) as f64;
+    let phase_ms = serde_json::to_value(p)
+        .ok()
+        .and_then(|v| v.as_object().cloned())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, _)| k != "steps")
+        .filter_map(|(k, v)| v.as_f64().map(|v| (k, v * per_step)))
+        .collect();
     Ok(BenchReport {
+        phase_ms,
         batch_size: config.train.batch_size,
         threads,
         warmup_steps,
