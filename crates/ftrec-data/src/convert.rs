@@ -57,7 +57,7 @@ pub fn convert(
                 };
                 sink.push(rec)?;
                 index += 1;
-                if index % (1 << 16) == 0 {
+                if index.is_multiple_of(1 << 16) {
                     progress(index);
                 }
                 Ok(())
@@ -85,7 +85,7 @@ pub fn expand_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>, DataError> {
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.is_file())
                 .collect();
-            files.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
+            files.sort_by_key(|p| natural_key(p));
             out.extend(files);
         } else {
             out.push(p.clone());

@@ -178,8 +178,8 @@ impl Teacher {
     fn logit(&self, dense: &[f32], ranks: &[Option<u32>]) -> f64 {
         let mut z = self.bias;
         let mut mixed = 0.0;
-        for f in 0..NUM_DENSE {
-            let centered = dense[f] as f64 - self.dense_mu[f];
+        for (f, &x) in dense.iter().enumerate().take(NUM_DENSE) {
+            let centered = x as f64 - self.dense_mu[f];
             z += self.dense_weight[f] * centered;
             mixed += self.dense_mix[f] * centered;
         }
@@ -271,13 +271,13 @@ impl Generator {
                     dense[f] = log1p_clamped(v.unwrap_or(0) as f64);
                 }
                 let mut ids = Vec::with_capacity(tables);
-                for t in 0..tables {
+                for (t, slot) in ranks.iter_mut().enumerate() {
                     if self.missing_rate[t] > 0.0 && rng.gen_bool(self.missing_rate[t]) {
-                        ranks[t] = None;
+                        *slot = None;
                         ids.push(MISSING);
                     } else {
                         let rank = (self.zipfs[t].sample(&mut rng) as u32).saturating_sub(1);
-                        ranks[t] = Some(rank);
+                        *slot = Some(rank);
                         ids.push(raw(scramble(rank, self.salts[t])));
                     }
                 }

@@ -56,8 +56,8 @@ proptest! {
         ds.fill_batch(0, recs.len(), &rows, &mut batch).unwrap();
         for (i, r) in recs.iter().enumerate() {
             prop_assert_eq!(batch.labels[i], r.label);
-            for t in 0..4 {
-                let want: Vec<u32> = r.feature(t).iter().map(|&id| row_for(id, rows[t])).collect();
+            for (t, &table_rows) in rows.iter().enumerate() {
+                let want: Vec<u32> = r.feature(t).iter().map(|&id| row_for(id, table_rows)).collect();
                 prop_assert_eq!(batch.sparse[t].bag(i), &want[..]);
             }
         }

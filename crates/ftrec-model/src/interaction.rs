@@ -83,14 +83,23 @@ pub(crate) fn backward(z: &[f32], vectors: usize, dim: usize, dout: &[f32], dz: 
 #[multiversion::multiversion(targets = "simd")]
 pub(crate) fn forward_samples(z: &[f32], vectors: usize, dim: usize, out: &mut [f32]) {
     let width = out.len() / (z.len() / (vectors * dim)).max(1);
-    for (zs, o) in z.chunks_exact(vectors * dim).zip(out.chunks_exact_mut(width)) {
+    for (zs, o) in z
+        .chunks_exact(vectors * dim)
+        .zip(out.chunks_exact_mut(width))
+    {
         forward(zs, vectors, dim, o);
     }
 }
 
 /// Backward over consecutive samples; see [`forward_samples`].
 #[multiversion::multiversion(targets = "simd")]
-pub(crate) fn backward_samples(z: &[f32], vectors: usize, dim: usize, dout: &[f32], dz: &mut [f32]) {
+pub(crate) fn backward_samples(
+    z: &[f32],
+    vectors: usize,
+    dim: usize,
+    dout: &[f32],
+    dz: &mut [f32],
+) {
     let width = dout.len() / (z.len() / (vectors * dim)).max(1);
     for ((zs, d), dzs) in z
         .chunks_exact(vectors * dim)

@@ -17,6 +17,7 @@ fn config() -> ModelConfig {
     }
 }
 
+#[allow(clippy::needless_range_loop)] // parallel arrays indexed by sample and table
 fn batch() -> Batch {
     let mut b = Batch::with_tables(3);
     let bags: [&[&[u32]]; 3] = [

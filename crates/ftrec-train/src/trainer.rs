@@ -77,6 +77,20 @@ impl Trainer {
         })
     }
 
+    /// Replaces the model state and progress (from a snapshot or checkpoint). The state's
+    /// architecture and optimizers must be the ones this trainer was configured with.
+    pub fn restore(&mut self, state: ModelState, progress: Progress) -> Result<(), TrainError> {
+        if state.config() != &self.model_config {
+            return Err(TrainError::Config(
+                "restored state was trained with a different model or optimizer configuration"
+                    .into(),
+            ));
+        }
+        self.state = state;
+        self.progress = progress;
+        Ok(())
+    }
+
     pub fn config(&self) -> &TrainConfig {
         &self.config
     }

@@ -1,0 +1,189 @@
+//! The `ftrec` binary as users and scripts call it.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn ftrec(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ftrec"))
+        .args(args)
+        .output()
+        .expect("run ftrec")
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "ftrec failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not one JSON object ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+fn generate_data(dir: &Path, rows: &str, seed: &str) -> Value {
+    json_of(&ftrec(&[
+        "data",
+        "gen",
+        "--preset",
+        "tiny",
+        "--rows",
+        rows,
+        "--seed",
+        seed,
+        "--out",
+        dir.to_str().unwrap(),
+        "--json",
+    ]))
+}
+
+const SMALL: [&str; 10] = [
+    "--set",
+    "model.rows_per_table=3000",
+    "--set",
+    "model.dim=16",
+    "--set",
+    "model.bottom=[64, 16]",
+    "--set",
+    "model.top=[64, 1]",
+    "--set",
+    "train.batch_size=256",
+];
+
+#[test]
+fn gen_train_save_eval_round_trip_with_json_contracts() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let g = generate_data(&data, "6000", "3");
+    assert!(g["teacher_auc"].as_f64().unwrap() > 0.6);
+    let model = dir.path().join("m.ftm");
+    let mut args = vec![
+        "train",
+        "--preset",
+        "tiny",
+        "--data",
+        data.to_str().unwrap(),
+        "--seed",
+        "3",
+        "--steps",
+        "12",
+        "--json",
+        "--save",
+        model.to_str().unwrap(),
+    ];
+    args.extend(SMALL);
+    let a = json_of(&ftrec(&args));
+    for key in [
+        "auc",
+        "logloss",
+        "samples",
+        "samples_per_sec",
+        "state_digest",
+    ] {
+        assert!(!a[key].is_null(), "train --json lacks {key}: {a}");
+    }
+    assert_eq!(a["samples"], 12 * 256);
+    let b = json_of(&ftrec(&args));
+    assert_eq!(
+        a["state_digest"], b["state_digest"],
+        "same seed must give the same bits"
+    );
+    let e = json_of(&ftrec(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--json",
+    ]));
+    assert_eq!(
+        e["auc"], a["auc"],
+        "eval of the saved model must match train's evaluation"
+    );
+    assert_eq!(e["state_digest"], a["state_digest"]);
+    assert_eq!(e["model_step"], 12);
+}
+
+#[test]
+fn exact_preset_forms_work() {
+    let dir = tempfile::tempdir().unwrap();
+    generate_data(dir.path(), "3000", "1");
+    let t = json_of(&ftrec(&[
+        "train",
+        "--preset",
+        "tiny",
+        "--data",
+        dir.path().to_str().unwrap(),
+        "--seed",
+        "1",
+        "--steps",
+        "1",
+        "--json",
+    ]));
+    assert_eq!(t["samples"], 2048);
+    let b = json_of(&ftrec(&[
+        "bench", "train", "--preset", "tiny", "--json", "--warmup", "1", "--steps", "2",
+    ]));
+    assert!(b["samples_per_sec"].as_f64().unwrap() > 0.0);
+    assert!(b["step_ms_median"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn malformed_data_names_file_and_line_and_can_be_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = format!("0{}{}", "\t1".repeat(13), "\t0a0b0c0d".repeat(26));
+    let input = dir.path().join("day_0");
+    std::fs::write(
+        &input,
+        format!("{good}\n{good}\n1\t2\tnot-enough\n{good}\n"),
+    )
+    .unwrap();
+    let out_dir = dir.path().join("out");
+    let args = [
+        "data",
+        "convert",
+        input.to_str().unwrap(),
+        "--out",
+        out_dir.to_str().unwrap(),
+        "--json",
+    ];
+    let fail = ftrec(&args);
+    assert!(!fail.status.success());
+    let err = String::from_utf8_lossy(&fail.stderr);
+    assert!(
+        err.contains("day_0:3:") && err.contains("field 3 (I2)"),
+        "{err}"
+    );
+    let mut skip = args.to_vec();
+    skip.push("--skip-bad-lines");
+    let r = json_of(&ftrec(&skip));
+    assert_eq!(r["bad_lines"], 1);
+    assert_eq!(
+        r["train_samples"].as_u64().unwrap() + r["test_samples"].as_u64().unwrap(),
+        3
+    );
+}
+
+#[test]
+fn bad_configuration_is_reported_by_key() {
+    let out = ftrec(&[
+        "train",
+        "--preset",
+        "tiny",
+        "--data",
+        "/nonexistent",
+        "--set",
+        "train.bach_size=3",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bach_size"), "{err}");
+    let out = ftrec(&["train", "--preset", "tiny", "--data", "/nonexistent"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/nonexistent"), "{err}");
+}
