@@ -4,11 +4,12 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum DataError {
-    #[error("{path}: {source}")]
+    /// The io error is shown in the message rather than chained as a source, so a
+    /// report prints it once.
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}:{line}: {message}")]
     Parse {
@@ -28,7 +29,7 @@ impl DataError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
             path: path.into(),
-            source,
+            error: source,
         }
     }
     pub fn format(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {

@@ -145,7 +145,7 @@ impl TrainConfig {
         if let Some(path) = file {
             let text = std::fs::read_to_string(path).map_err(|e| TrainError::Io {
                 path: path.to_path_buf(),
-                source: e,
+                error: e,
             })?;
             let file_value: Value = toml::from_str(&text)
                 .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;

@@ -10,11 +10,12 @@ pub enum TrainError {
     Model(#[from] ftrec_model::ModelError),
     #[error(transparent)]
     Data(#[from] ftrec_data::DataError),
-    #[error("{path}: {source}")]
+    /// The io error is shown in the message rather than chained as a source, so a
+    /// report prints it once.
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}: {message}")]
     Snapshot { path: PathBuf, message: String },

@@ -26,7 +26,7 @@ struct Meta {
 fn io_err(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
     move |e| TrainError::Io {
         path: path.to_path_buf(),
-        source: e,
+        error: e,
     }
 }
 

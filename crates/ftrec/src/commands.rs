@@ -53,7 +53,8 @@ fn open_split(dir: &Path, file: &str) -> Result<Dataset> {
     } else {
         dir.join(file)
     };
-    Dataset::open(&path).with_context(|| format!("opening dataset {}", path.display()))
+    // DataError already names the file.
+    Ok(Dataset::open(&path)?)
 }
 
 struct TrainOutcome {
