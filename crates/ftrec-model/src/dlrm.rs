@@ -65,6 +65,8 @@ pub struct Dlrm {
     dz: Vec<f32>,
     inter: Vec<f32>,
     dinter: Vec<f32>,
+    /// Per-thread `vectors x vectors` scratch for the interaction backward.
+    pair_scratch: Vec<Vec<f32>>,
     dedup: Vec<TableDedup>,
     pulled: Vec<Vec<f32>>,
     grads: Gradients,
@@ -107,6 +109,7 @@ impl Dlrm {
             dz: vec![0.0; max_batch * vectors * config.dim],
             inter: vec![0.0; max_batch * width],
             dinter: vec![0.0; max_batch * width],
+            pair_scratch: vec![vec![0.0; vectors * vectors]; threads.max(1)],
             dedup: vec![TableDedup::default(); config.tables()],
             pulled: vec![Vec::new(); config.tables()],
             grads: Gradients {
@@ -306,8 +309,9 @@ impl Dlrm {
             .par_chunks_mut(chunk * vectors * dim)
             .zip(self.z[..n * vectors * dim].par_chunks(chunk * vectors * dim))
             .zip(self.dinter[..n * width].par_chunks(chunk * width))
-            .for_each(|((dz, z), dinter)| {
-                interaction::backward_samples(z, vectors, dim, dinter, dz);
+            .zip(self.pair_scratch.par_iter_mut())
+            .for_each(|(((dz, z), dinter), scratch)| {
+                interaction::backward_samples(z, vectors, dim, dinter, dz, scratch);
             });
         lap(&mut mark, &mut self.times.interact_backward);
         let last = self.bottom_dacts.len() - 1;

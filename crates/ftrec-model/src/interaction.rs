@@ -8,18 +8,17 @@
 #[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     const LANES: usize = 16;
+    // Fixed-size chunks let LLVM keep the 16 accumulators in whole vector registers.
+    let (a_chunks, a_tail) = a.as_chunks::<LANES>();
+    let (b_chunks, b_tail) = b.as_chunks::<LANES>();
     let mut acc = [0.0f32; LANES];
-    let chunks = a.len() / LANES * LANES;
-    for (ca, cb) in a[..chunks]
-        .chunks_exact(LANES)
-        .zip(b[..chunks].chunks_exact(LANES))
-    {
+    for (ca, cb) in a_chunks.iter().zip(b_chunks) {
         for i in 0..LANES {
             acc[i] += ca[i] * cb[i];
         }
     }
     let mut tail = 0.0f32;
-    for (x, y) in a[chunks..].iter().zip(&b[chunks..]) {
+    for (x, y) in a_tail.iter().zip(b_tail) {
         tail += x * y;
     }
     let mut width = LANES;
@@ -30,13 +29,6 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     acc[0] + tail
-}
-
-#[inline(always)]
-fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += alpha * x;
-    }
 }
 
 #[inline(always)]
@@ -55,25 +47,57 @@ pub(crate) fn forward(z: &[f32], vectors: usize, dim: usize, out: &mut [f32]) {
 
 #[inline(always)]
 /// Backward for one sample: `dz` (same shape as `z`) is overwritten with dLoss/dz given
-/// `dout`, the gradient of the interaction output.
-pub(crate) fn backward(z: &[f32], vectors: usize, dim: usize, dout: &[f32], dz: &mut [f32]) {
-    dz.fill(0.0);
-    dz[..dim].copy_from_slice(&dout[..dim]);
+/// `dout`, the gradient of the interaction output. Row `i` of `dz` is `sum_j S_ij z_j`,
+/// where `S` is the symmetric matrix of pair gradients with a zero diagonal (built in
+/// `s`, `vectors x vectors` scratch), plus the pass-through gradient for row 0. Each
+/// output chunk of 16 lanes is accumulated in registers over `j` in ascending order, so
+/// the reduction order is fixed.
+pub(crate) fn backward(
+    z: &[f32],
+    vectors: usize,
+    dim: usize,
+    dout: &[f32],
+    dz: &mut [f32],
+    s: &mut [f32],
+) {
+    const LANES: usize = 16;
     let mut k = dim;
-    for i in 1..vectors {
+    for i in 0..vectors {
+        s[i * vectors + i] = 0.0;
         for j in 0..i {
-            let g = dout[k];
+            s[i * vectors + j] = dout[k];
+            s[j * vectors + i] = dout[k];
             k += 1;
-            if g == 0.0 {
-                continue;
+        }
+    }
+    if dim % LANES == 0 {
+        let per_row = dim / LANES;
+        let (zc, _) = z[..vectors * dim].as_chunks::<LANES>();
+        let (dzc, _) = dz[..vectors * dim].as_chunks_mut::<LANES>();
+        let (doc, _) = dout[..dim].as_chunks::<LANES>();
+        for i in 0..vectors {
+            let srow = &s[i * vectors..(i + 1) * vectors];
+            for c in 0..per_row {
+                let mut acc = if i == 0 { doc[c] } else { [0.0f32; LANES] };
+                for (j, &sij) in srow.iter().enumerate() {
+                    let zj = &zc[j * per_row + c];
+                    for l in 0..LANES {
+                        acc[l] += sij * zj[l];
+                    }
+                }
+                dzc[i * per_row + c] = acc;
             }
-            let (lo, hi) = dz.split_at_mut(i * dim);
-            axpy(&mut hi[..dim], g, &z[j * dim..(j + 1) * dim]);
-            axpy(
-                &mut lo[j * dim..(j + 1) * dim],
-                g,
-                &z[i * dim..(i + 1) * dim],
-            );
+        }
+    } else {
+        for i in 0..vectors {
+            let srow = &s[i * vectors..(i + 1) * vectors];
+            for d in 0..dim {
+                let mut acc = if i == 0 { dout[d] } else { 0.0 };
+                for (j, &sij) in srow.iter().enumerate() {
+                    acc += sij * z[j * dim + d];
+                }
+                dz[i * dim + d] = acc;
+            }
         }
     }
 }
@@ -99,6 +123,7 @@ pub(crate) fn backward_samples(
     dim: usize,
     dout: &[f32],
     dz: &mut [f32],
+    scratch: &mut [f32],
 ) {
     let width = dout.len() / (z.len() / (vectors * dim)).max(1);
     for ((zs, d), dzs) in z
@@ -106,7 +131,7 @@ pub(crate) fn backward_samples(
         .zip(dout.chunks_exact(width))
         .zip(dz.chunks_exact_mut(vectors * dim))
     {
-        backward(zs, vectors, dim, d, dzs);
+        backward(zs, vectors, dim, d, dzs, scratch);
     }
 }
 
@@ -122,6 +147,54 @@ mod tests {
         forward(&z, 3, 2, &mut out);
         // bottom copy, then (1,0)=0, (2,0)=3, (2,1)=2
         assert_eq!(out, [1.0, 0.0, 0.0, 3.0, 2.0]);
+    }
+
+    /// Both backward paths (16-lane chunks and the scalar fallback) against the pairwise
+    /// definition in float64.
+    #[test]
+    fn backward_matches_pairwise_definition() {
+        for (vectors, dim) in [(5usize, 32usize), (4, 20), (27, 64)] {
+            let z: Vec<f32> = (0..vectors * dim)
+                .map(|i| (i as f32 * 0.731).sin())
+                .collect();
+            let width = dim + vectors * (vectors - 1) / 2;
+            let dout: Vec<f32> = (0..width).map(|i| (i as f32 * 0.377).cos()).collect();
+            let mut dz = vec![f32::NAN; vectors * dim];
+            let mut scratch = vec![f32::NAN; vectors * vectors];
+            backward(&z, vectors, dim, &dout, &mut dz, &mut scratch);
+            let mut want = vec![0.0f64; vectors * dim];
+            for d in 0..dim {
+                want[d] = dout[d] as f64;
+            }
+            let mut k = dim;
+            for i in 1..vectors {
+                for j in 0..i {
+                    for d in 0..dim {
+                        want[i * dim + d] += dout[k] as f64 * z[j * dim + d] as f64;
+                        want[j * dim + d] += dout[k] as f64 * z[i * dim + d] as f64;
+                    }
+                    k += 1;
+                }
+            }
+            for (idx, (g, w)) in dz.iter().zip(&want).enumerate() {
+                assert!(
+                    (*g as f64 - w).abs() < 1e-4,
+                    "v{vectors} d{dim} [{idx}]: {g} vs {w}"
+                );
+            }
+            let mut out = vec![0.0; width];
+            forward(&z, vectors, dim, &mut out);
+            let mut k = dim;
+            for i in 1..vectors {
+                for j in 0..i {
+                    let w: f64 = (0..dim)
+                        .map(|d| z[i * dim + d] as f64 * z[j * dim + d] as f64)
+                        .sum();
+                    assert!((out[k] as f64 - w).abs() < 1e-4, "pair ({i},{j})");
+                    k += 1;
+                }
+            }
+        }
     }
 
     #[test]

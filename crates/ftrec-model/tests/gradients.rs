@@ -5,12 +5,12 @@ use ftrec_model::{
     Batch, Dlrm, GemmMatMul, MatMul, MlpSpec, ModelConfig, ModelState, NaiveMatMul, Optimizer,
 };
 
-fn config() -> ModelConfig {
+fn config(dim: usize) -> ModelConfig {
     ModelConfig {
         num_dense: 4,
         table_rows: vec![7, 5, 9],
-        dim: 4,
-        bottom: vec![8, 4],
+        dim,
+        bottom: vec![8, dim],
         top: vec![8, 6, 1],
         sparse_optimizer: Optimizer::Sgd { lr: 0.1 },
         dense_optimizer: Optimizer::Sgd { lr: 0.1 },
@@ -85,8 +85,8 @@ fn reference_loss(c: &ModelConfig, dense: &[f64], tables: &[Vec<f64>], b: &Batch
     loss / b.size as f64
 }
 
-fn check(mm: Box<dyn MatMul>, threads: usize) {
-    let c = config();
+fn check(mm: Box<dyn MatMul>, threads: usize, dim: usize) {
+    let c = config(dim);
     let b = batch();
     let state = ModelState::new(&c, 5).unwrap();
     let pool = rayon::ThreadPoolBuilder::new()
@@ -172,10 +172,16 @@ fn check(mm: Box<dyn MatMul>, threads: usize) {
 
 #[test]
 fn gradients_match_float64_reference_with_naive_matmul() {
-    check(Box::new(NaiveMatMul), 1);
+    check(Box::new(NaiveMatMul), 1, 4);
 }
 
 #[test]
 fn gradients_match_float64_reference_with_gemm_two_threads() {
-    check(Box::new(GemmMatMul::new(2)), 2);
+    check(Box::new(GemmMatMul::new(2)), 2, 4);
+}
+
+/// dim 16 takes the 16-lane interaction paths.
+#[test]
+fn gradients_match_float64_reference_with_simd_width_embeddings() {
+    check(Box::new(GemmMatMul::new(2)), 2, 16);
 }
