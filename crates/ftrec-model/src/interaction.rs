@@ -70,7 +70,7 @@ pub(crate) fn backward(
             k += 1;
         }
     }
-    if dim % LANES == 0 {
+    if dim.is_multiple_of(LANES) {
         let per_row = dim / LANES;
         let (zc, _) = z[..vectors * dim].as_chunks::<LANES>();
         let (dzc, _) = dz[..vectors * dim].as_chunks_mut::<LANES>();
