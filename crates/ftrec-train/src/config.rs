@@ -129,6 +129,35 @@ impl TrainConfig {
         }
     }
 
+    /// A configuration that rebuilds `model` exactly (for evaluating a saved model), with
+    /// the given evaluation batch size and threads.
+    pub fn for_model(model: &ModelConfig, batch_size: usize, threads: usize) -> Self {
+        Self {
+            seed: 0,
+            threads,
+            model: ModelSection {
+                num_dense: model.num_dense,
+                table_rows: model.table_rows.clone(),
+                num_tables: 0,
+                rows_per_table: 0,
+                dim: model.dim,
+                bottom: model.bottom.clone(),
+                top: model.top.clone(),
+            },
+            optimizer: OptimizerSection {
+                sparse: model.sparse_optimizer,
+                dense: model.dense_optimizer,
+            },
+            train: TrainSection {
+                batch_size,
+                steps: 0,
+                epochs: 1,
+                eval_samples: 0,
+            },
+            data: DataSection::default(),
+        }
+    }
+
     /// `base` (a preset) merged with an optional TOML file, then `overrides` (`a.b=value`,
     /// value parsed as TOML, or as a string when it is not valid TOML).
     pub fn load(

@@ -51,14 +51,50 @@ pub struct Trainer {
 }
 
 impl Trainer {
+    /// A trainer with a freshly initialised model (deterministic in `config.seed`).
     pub fn new(config: &TrainConfig) -> Result<Self, TrainError> {
         let model_config = config.model_config()?;
-        let threads = config.threads();
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .map_err(|e| TrainError::Threads(e.to_string()))?;
+        let pool = Self::pool(config)?;
         let state = pool.install(|| ModelState::new(&model_config, config.seed))?;
+        Self::assemble(config, model_config, pool, state, Progress::default())
+    }
+
+    /// A trainer around an existing state (a snapshot or checkpoint), without initialising
+    /// a model first.
+    pub fn with_state(
+        config: &TrainConfig,
+        state: ModelState,
+        progress: Progress,
+    ) -> Result<Self, TrainError> {
+        let model_config = config.model_config()?;
+        let pool = Self::pool(config)?;
+        if state.config() != &model_config {
+            return Err(Self::mismatch());
+        }
+        Self::assemble(config, model_config, pool, state, progress)
+    }
+
+    fn pool(config: &TrainConfig) -> Result<ThreadPool, TrainError> {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(config.threads())
+            .build()
+            .map_err(|e| TrainError::Threads(e.to_string()))
+    }
+
+    fn mismatch() -> TrainError {
+        TrainError::Config(
+            "restored state was trained with a different model or optimizer configuration".into(),
+        )
+    }
+
+    fn assemble(
+        config: &TrainConfig,
+        model_config: ModelConfig,
+        pool: ThreadPool,
+        state: ModelState,
+        progress: Progress,
+    ) -> Result<Self, TrainError> {
+        let threads = config.threads();
         let model = Dlrm::new(
             &model_config,
             config.train.batch_size,
@@ -71,7 +107,7 @@ impl Trainer {
             model_config,
             config: config.clone(),
             state,
-            progress: Progress::default(),
+            progress,
             model,
             pool,
         })
@@ -81,10 +117,7 @@ impl Trainer {
     /// architecture and optimizers must be the ones this trainer was configured with.
     pub fn restore(&mut self, state: ModelState, progress: Progress) -> Result<(), TrainError> {
         if state.config() != &self.model_config {
-            return Err(TrainError::Config(
-                "restored state was trained with a different model or optimizer configuration"
-                    .into(),
-            ));
+            return Err(Self::mismatch());
         }
         self.state = state;
         self.progress = progress;

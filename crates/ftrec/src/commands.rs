@@ -157,20 +157,8 @@ fn toml_string(s: &str) -> String {
 
 fn eval(a: EvalArgs) -> Result<()> {
     let (state, progress) = snapshot::load(&a.model)?;
-    let mc = state.config().clone();
-    let mut config = TrainConfig::preset("tiny")?;
-    config.threads = a.threads;
-    config.train.batch_size = a.batch_size;
-    config.model.table_rows = mc.table_rows.clone();
-    config.model.num_tables = 0;
-    config.model.dim = mc.dim;
-    config.model.num_dense = mc.num_dense;
-    config.model.bottom = mc.bottom.clone();
-    config.model.top = mc.top.clone();
-    config.optimizer.sparse = mc.sparse_optimizer;
-    config.optimizer.dense = mc.dense_optimizer;
-    let mut trainer = Trainer::new(&config)?;
-    trainer.state = state;
+    let config = TrainConfig::for_model(state.config(), a.batch_size, a.threads);
+    let mut trainer = Trainer::with_state(&config, state, progress)?;
     let ds = open_split(&a.data, TEST_FILE)?;
     let m = trainer.evaluate(&ds, a.limit)?;
     if a.json {
