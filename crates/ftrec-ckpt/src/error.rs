@@ -1,0 +1,30 @@
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum CkptError {
+    #[error("{path}: {error}")]
+    Io {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    /// Damage or a format violation in a stored object, with where it was found.
+    #[error("{key}: {message}")]
+    Corrupt { key: String, message: String },
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Model(#[from] ftrec_model::ModelError),
+}
+
+impl CkptError {
+    pub fn corrupt(key: &str, message: impl Into<String>) -> Self {
+        Self::Corrupt {
+            key: key.to_string(),
+            message: message.into(),
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! The checkpoint engine: delta tracking, checkpoint files and manifests in a store, and
+//! exact restore. Strategies beyond `full` (differential, naive incremental, IncrCP, DECK)
+//! build on the same chunk format and manifests.
+
+pub mod chunk;
+pub mod dense;
+mod engine;
+mod error;
+pub mod manifest;
+mod store;
+pub mod tracker;
+
+pub use engine::{CHUNK_BYTES, Checkpoints};
+pub use error::CkptError;
+pub use manifest::{CheckpointKind, Manifest};
+pub use store::{LocalStore, Store};
+pub use tracker::{DeltaTracker, TenantId};

@@ -1,0 +1,96 @@
+//! The manifest of one checkpoint: what it contains and where. Writing it is the commit
+//! point: a checkpoint without a manifest does not exist, so data files are written first.
+
+use ftrec_model::ModelConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::CkptError;
+
+const MAGIC: &[u8; 8] = b"FTRECMAN";
+const VERSION: u32 = 1;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CheckpointKind {
+    /// Every row of every table.
+    Full,
+}
+
+/// One stored object of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    pub key: String,
+    pub bytes: u64,
+    /// CRC32C of the whole object, checked by `verify` and before a restore uses it.
+    pub crc32c: u32,
+    /// Table of a row chunk (`None` for the dense file).
+    pub table: Option<u32>,
+    pub rows: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub id: String,
+    pub kind: CheckpointKind,
+    /// Training step the state was taken after.
+    pub step: u64,
+    /// Checkpoints this one builds on (none for a full checkpoint).
+    pub parents: Vec<String>,
+    pub created_unix_ms: u64,
+    pub model: ModelConfig,
+    pub dense: FileEntry,
+    pub chunks: Vec<FileEntry>,
+    /// Trainer-defined state (data position, counters), restored as is.
+    pub trainer: serde_json::Value,
+}
+
+impl Manifest {
+    pub fn key_for(id: &str) -> String {
+        format!("manifests/{id}.man")
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.dense.bytes + self.chunks.iter().map(|c| c.bytes).sum::<u64>()
+    }
+
+    pub fn encode(&self) -> Result<Vec<u8>, CkptError> {
+        let json =
+            serde_json::to_vec_pretty(self).map_err(|e| CkptError::Invalid(e.to_string()))?;
+        let mut out = Vec::with_capacity(json.len() + 20);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&crc32c::crc32c(&json).to_le_bytes());
+        out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+        out.extend_from_slice(&json);
+        Ok(out)
+    }
+
+    pub fn decode(key: &str, b: &[u8]) -> Result<Self, CkptError> {
+        if b.len() < 20 || &b[..8] != MAGIC {
+            return Err(CkptError::corrupt(
+                key,
+                "not a manifest (bad magic or shorter than 20 bytes)",
+            ));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        if u32_at(8) != VERSION {
+            return Err(CkptError::corrupt(
+                key,
+                format!("unsupported manifest version {}", u32_at(8)),
+            ));
+        }
+        let len = u32_at(16) as usize;
+        if b.len() != 20 + len {
+            return Err(CkptError::corrupt(
+                key,
+                format!("length {} but header says {}", b.len(), 20 + len),
+            ));
+        }
+        let json = &b[20..];
+        if crc32c::crc32c(json) != u32_at(12) {
+            return Err(CkptError::corrupt(key, "checksum mismatch in bytes 20.."));
+        }
+        serde_json::from_slice(json)
+            .map_err(|e| CkptError::corrupt(key, format!("bad manifest JSON: {e}")))
+    }
+}

@@ -1,0 +1,101 @@
+use ftrec_ckpt::{Checkpoints, CkptError, LocalStore};
+use ftrec_model::{ModelConfig, ModelState, Optimizer};
+
+fn state(seed: u64) -> ModelState {
+    let config = ModelConfig {
+        num_dense: 3,
+        // a table larger than one 4 MiB chunk (stride 2*16+1 words)
+        table_rows: vec![40_000, 17, 2],
+        dim: 16,
+        bottom: vec![8, 16],
+        top: vec![8, 1],
+        sparse_optimizer: Optimizer::Adam {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+        },
+        dense_optimizer: Optimizer::Adagrad {
+            lr: 0.1,
+            eps: 1e-8,
+            initial_accumulator: 0.1,
+        },
+    };
+    let mut s = ModelState::new(&config, seed).unwrap();
+    s.dense.step = 77;
+    s
+}
+
+fn open(dir: &std::path::Path) -> Checkpoints {
+    Checkpoints::new(Box::new(LocalStore::open(dir).unwrap()))
+}
+
+#[test]
+fn full_checkpoint_restores_bit_identical_state_and_trainer_meta() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = open(dir.path());
+    let a = state(1);
+    let m = ck
+        .write_full(&a, 10, serde_json::json!({"position": 123}))
+        .unwrap();
+    assert!(
+        m.chunks.iter().filter(|c| c.table == Some(0)).count() > 1,
+        "table 0 spans chunks"
+    );
+    let b = state(2);
+    ck.write_full(&b, 20, serde_json::json!({"position": 456}))
+        .unwrap();
+    let (ra, ma) = ck.restore(&m.id).unwrap();
+    assert_eq!(ra, a);
+    assert_eq!(ra.digest(), a.digest());
+    assert_eq!(ma.trainer["position"], 123);
+    assert_eq!(ck.latest().unwrap().unwrap().step, 20);
+    assert_eq!(ck.list().unwrap().len(), 2);
+    let (rb, _) = ck.restore(&ck.latest().unwrap().unwrap().id).unwrap();
+    assert_eq!(rb, b);
+}
+
+#[test]
+fn damage_to_any_file_kind_is_reported_with_its_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = open(dir.path());
+    let m = ck
+        .write_full(&state(3), 5, serde_json::Value::Null)
+        .unwrap();
+    let files: Vec<String> = std::iter::once(format!("manifests/{}.man", m.id))
+        .chain(std::iter::once(m.dense.key.clone()))
+        .chain(m.chunks.iter().map(|c| c.key.clone()))
+        .collect();
+    for key in &files {
+        let path = dir.path().join(key);
+        let good = std::fs::read(&path).unwrap();
+        for pos in [0, 39, good.len() / 2, good.len() - 1] {
+            let mut bad = good.clone();
+            bad[pos] ^= 0x08;
+            std::fs::write(&path, &bad).unwrap();
+            let e = ck.restore(&m.id).map(|_| ()).unwrap_err().to_string();
+            let name = key.rsplit('/').next().unwrap();
+            assert!(e.contains(name), "{key} flip at {pos}: {e}");
+            assert!(ck.verify(&m.id).is_err());
+        }
+        std::fs::write(&path, &good[..good.len() - 3]).unwrap();
+        assert!(ck.restore(&m.id).is_err(), "{key} truncated");
+        std::fs::write(&path, &good).unwrap();
+        ck.verify(&m.id).unwrap();
+    }
+}
+
+#[test]
+fn checkpoint_without_manifest_does_not_exist() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = open(dir.path());
+    ck.write_full(&state(4), 1, serde_json::Value::Null)
+        .unwrap();
+    let m2 = ck
+        .write_full(&state(5), 2, serde_json::Value::Null)
+        .unwrap();
+    // A crash before the commit: data written, manifest not.
+    std::fs::remove_file(dir.path().join(format!("manifests/{}.man", m2.id))).unwrap();
+    assert_eq!(ck.latest().unwrap().unwrap().step, 1);
+    assert!(matches!(ck.restore(&m2.id), Err(CkptError::NotFound(_))));
+}
