@@ -76,6 +76,47 @@ pub struct TrainConfig {
     pub train: TrainSection,
     #[serde(default)]
     pub data: DataSection,
+    #[serde(default)]
+    pub checkpoint: CheckpointSection,
+}
+
+/// Checkpoint strategies. Only `none` and `full` exist so far; the incremental ones are
+/// accepted by name and rejected with a clear message until they land.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CheckpointStrategy {
+    #[default]
+    None,
+    Full,
+    Differential,
+    NaiveIncremental,
+    Incrcp,
+    Deck,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// `full` when a directory is given and no strategy is set.
+    #[serde(default)]
+    pub strategy: Option<CheckpointStrategy>,
+    /// Take a checkpoint every this many steps (0 = only at the end of training).
+    #[serde(default)]
+    pub every_steps: u64,
+    /// Directory (local path) to write checkpoints to.
+    #[serde(default)]
+    pub dir: Option<PathBuf>,
+}
+
+impl CheckpointSection {
+    /// The strategy in effect: none without a directory, full by default with one.
+    pub fn effective_strategy(&self) -> CheckpointStrategy {
+        match (self.strategy, &self.dir) {
+            (_, None) => CheckpointStrategy::None,
+            (None, Some(_)) => CheckpointStrategy::Full,
+            (Some(s), Some(_)) => s,
+        }
+    }
 }
 
 impl TrainConfig {
@@ -106,6 +147,7 @@ impl TrainConfig {
                     eval_samples: 0,
                 },
                 data: DataSection::default(),
+                checkpoint: CheckpointSection::default(),
             }),
             // The demo: the tiny architecture with optimizers that learn the synthetic
             // teacher within a minute (plain SGD at 0.01 needs many epochs).
@@ -155,6 +197,7 @@ impl TrainConfig {
                 eval_samples: 0,
             },
             data: DataSection::default(),
+            checkpoint: CheckpointSection::default(),
         }
     }
 
@@ -203,6 +246,24 @@ impl TrainConfig {
             ));
         }
         self.model_config()?.validate()?;
+        match self.checkpoint.effective_strategy() {
+            CheckpointStrategy::None | CheckpointStrategy::Full => {}
+            other => {
+                return Err(TrainError::Config(format!(
+                    "checkpoint.strategy = {other:?}: not implemented yet (available: full)"
+                )));
+            }
+        }
+        if self
+            .checkpoint
+            .strategy
+            .is_some_and(|s| s != CheckpointStrategy::None)
+            && self.checkpoint.dir.is_none()
+        {
+            return Err(TrainError::Config(
+                "checkpoint.strategy needs a directory: --checkpoint-dir or checkpoint.dir".into(),
+            ));
+        }
         Ok(())
     }
 

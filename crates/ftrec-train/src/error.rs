@@ -10,6 +10,8 @@ pub enum TrainError {
     Model(#[from] ftrec_model::ModelError),
     #[error(transparent)]
     Data(#[from] ftrec_data::DataError),
+    #[error(transparent)]
+    Checkpoint(#[from] ftrec_ckpt::CkptError),
     /// The io error is shown in the message rather than chained as a source, so a
     /// report prints it once.
     #[error("{path}: {error}")]

@@ -8,7 +8,9 @@ use ftrec_model::{Batch, Dlrm, GemmMatMul, ModelConfig, ModelState};
 use rayon::ThreadPool;
 use serde::Serialize;
 
+use crate::config::CheckpointStrategy;
 use crate::{TrainConfig, TrainError};
+use ftrec_ckpt::{Checkpoints, LocalStore, Manifest};
 
 /// Where training is: steps done and the next sample of the training split. Saved with
 /// checkpoints so a resumed run reads exactly the samples an uninterrupted one would.
@@ -37,6 +39,17 @@ pub struct TrainReport {
     pub samples_per_sec: f64,
     /// Mean training log loss over the run.
     pub train_logloss: f64,
+    pub checkpoints: CheckpointStats,
+}
+
+/// What checkpointing cost during a `train` call.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CheckpointStats {
+    pub written: u64,
+    /// Time training was stopped while checkpoints were written.
+    pub blocking_seconds: f64,
+    pub bytes: u64,
+    pub last_id: Option<String>,
 }
 
 pub struct Trainer {
@@ -48,6 +61,7 @@ pub struct Trainer {
     model: Dlrm,
     pool: ThreadPool,
     batch: Batch,
+    checkpoints: Option<Checkpoints>,
 }
 
 impl Trainer {
@@ -110,7 +124,63 @@ impl Trainer {
             progress,
             model,
             pool,
+            checkpoints: None,
         })
+    }
+
+    /// Opens the configured checkpoint directory (if any) so `train` writes checkpoints.
+    pub fn enable_checkpoints(&mut self) -> Result<(), TrainError> {
+        let c = &self.config.checkpoint;
+        if let (CheckpointStrategy::Full, Some(dir)) = (c.effective_strategy(), &c.dir) {
+            self.checkpoints = Some(Checkpoints::new(Box::new(LocalStore::open(dir)?)));
+        }
+        Ok(())
+    }
+
+    /// A trainer restored from checkpoint `id` (the newest when `None`) in `dir`: model
+    /// state, optimizer state, dense step and data position are those of the checkpoint.
+    pub fn resume(
+        config: &TrainConfig,
+        dir: &std::path::Path,
+        id: Option<&str>,
+    ) -> Result<Self, TrainError> {
+        let ck = Checkpoints::new(Box::new(LocalStore::open(dir)?));
+        let id = match id {
+            Some(id) => id.to_string(),
+            None => {
+                ck.latest()?
+                    .ok_or_else(|| {
+                        TrainError::Config(format!(
+                            "{}: no checkpoint to resume from",
+                            dir.display()
+                        ))
+                    })?
+                    .id
+            }
+        };
+        let (state, manifest) = ck.restore(&id)?;
+        let progress: Progress = serde_json::from_value(manifest.trainer.clone()).map_err(|e| {
+            TrainError::Config(format!("checkpoint {id}: unreadable trainer progress: {e}"))
+        })?;
+        if state.config() != &config.model_config()? {
+            return Err(TrainError::Config(format!(
+                "checkpoint {id} was written by a model with another architecture or optimizer than this configuration"
+            )));
+        }
+        Self::with_state(config, state, progress)
+    }
+
+    /// Writes a checkpoint of the current state now.
+    pub fn checkpoint(&mut self) -> Result<Option<Manifest>, TrainError> {
+        let Some(ck) = &self.checkpoints else {
+            return Ok(None);
+        };
+        let progress =
+            serde_json::to_value(self.progress).map_err(|e| TrainError::Config(e.to_string()))?;
+        let (state, step) = (&self.state, self.progress.step);
+        Ok(Some(
+            self.pool.install(|| ck.write_full(state, step, progress))?,
+        ))
     }
 
     /// Replaces the model state and progress (from a snapshot or checkpoint). The state's
@@ -171,6 +241,8 @@ impl Trainer {
         self.check_dataset(data)?;
         let start = Instant::now();
         let (mut samples, mut loss_sum, mut steps) = (0u64, 0.0f64, 0u64);
+        let mut ckpt = CheckpointStats::default();
+        let every = self.config.checkpoint.every_steps;
         let batch_size = self.config.train.batch_size as u64;
         while self.progress.step < total_steps {
             let remaining = data.len() as u64 - self.progress.position;
@@ -192,6 +264,18 @@ impl Trainer {
             samples += n;
             loss_sum += loss;
             steps += 1;
+            let last = self.progress.step == total_steps;
+            if self.checkpoints.is_some()
+                && ((every > 0 && self.progress.step % every == 0) || last)
+            {
+                let t = Instant::now();
+                if let Some(m) = self.checkpoint()? {
+                    ckpt.written += 1;
+                    ckpt.bytes += m.bytes();
+                    ckpt.last_id = Some(m.id);
+                }
+                ckpt.blocking_seconds += t.elapsed().as_secs_f64();
+            }
             on_step(&StepInfo {
                 step: self.progress.step,
                 total_steps,
@@ -207,6 +291,7 @@ impl Trainer {
             seconds,
             samples_per_sec: samples as f64 / seconds.max(1e-9),
             train_logloss: loss_sum / samples.max(1) as f64,
+            checkpoints: ckpt,
         })
     }
 

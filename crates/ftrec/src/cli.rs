@@ -23,6 +23,38 @@ pub enum Command {
     Bench(BenchCommand),
     /// Generate Criteo-shaped data, train about a minute, and compare AUC with the teacher's.
     Demo(DemoArgs),
+    /// Inspect, verify and restore checkpoints.
+    #[command(subcommand)]
+    Ckpt(CkptCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CkptCommand {
+    /// List committed checkpoints.
+    Ls {
+        dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a checkpoint's manifest.
+    Show { dir: PathBuf, id: String },
+    /// Check every file of one checkpoint (or all); exits non-zero on any damage.
+    Verify {
+        dir: PathBuf,
+        id: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Restore a checkpoint (newest by default) into a model snapshot file.
+    Restore {
+        dir: PathBuf,
+        #[arg(long)]
+        id: Option<String>,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Model and training configuration: a preset, a TOML file, then `--set` overrides.
@@ -58,6 +90,13 @@ pub struct TrainArgs {
     /// Save the final model to this snapshot file.
     #[arg(long)]
     pub save: Option<PathBuf>,
+    /// Write checkpoints here (same as `--set checkpoint.dir=DIR`); strategy `full` unless
+    /// `checkpoint.strategy` says otherwise, every `checkpoint.every_steps` and at the end.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Resume from `DIR` (newest checkpoint) or `DIR@ID`. `--steps` still counts total steps.
+    #[arg(long, value_name = "DIR[@ID]")]
+    pub resume: Option<String>,
     /// Print one JSON object with the results.
     #[arg(long)]
     pub json: bool,

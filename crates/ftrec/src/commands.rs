@@ -18,6 +18,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Data(DataCommand::Stats(a)) => data_stats(a),
         Command::Bench(BenchCommand::Train(a)) => bench_train(a),
         Command::Demo(a) => demo(a),
+        Command::Ckpt(c) => crate::ckpt::run(c),
     }
 }
 
@@ -67,11 +68,19 @@ fn train_and_eval(
     config: &TrainConfig,
     dir: &Path,
     save: Option<&Path>,
+    resume: Option<&str>,
     quiet: bool,
 ) -> Result<TrainOutcome> {
     let train_ds = open_split(dir, TRAIN_FILE)?;
     let test_ds = open_split(dir, TEST_FILE)?;
-    let mut trainer = Trainer::new(config)?;
+    let mut trainer = match resume {
+        Some(spec) => {
+            let (ck_dir, id) = crate::ckpt::parse_location(spec);
+            Trainer::resume(config, &ck_dir, id.as_deref())?
+        }
+        None => Trainer::new(config)?,
+    };
+    trainer.enable_checkpoints()?;
     let total = trainer.planned_steps(&train_ds);
     let pb = bar(total, "train");
     if quiet {
@@ -110,11 +119,17 @@ fn train(a: TrainArgs) -> Result<()> {
             toml_string(&d.display().to_string())
         ));
     }
+    if let Some(d) = &a.checkpoint_dir {
+        extra.push(format!(
+            "checkpoint.dir={}",
+            toml_string(&d.display().to_string())
+        ));
+    }
     let config = load_config(&a.config, extra)?;
     let Some(dir) = config.data.dir.clone() else {
         bail!("no dataset: pass --data DIR or set data.dir");
     };
-    let out = train_and_eval(&config, &dir, a.save.as_deref(), false)?;
+    let out = train_and_eval(&config, &dir, a.save.as_deref(), a.resume.as_deref(), false)?;
     let teacher_auc = read_meta(&dir).map(|m| m.teacher_auc);
     if a.json {
         return print_json(json!({
@@ -129,6 +144,7 @@ fn train(a: TrainArgs) -> Result<()> {
             "train_logloss": out.report.train_logloss,
             "state_digest": out.digest,
             "teacher_auc": teacher_auc,
+            "checkpoints": out.report.checkpoints,
         }));
     }
     println!(
@@ -348,7 +364,7 @@ fn demo(a: DemoArgs) -> Result<()> {
             meta.train_samples
         );
     }
-    let out = train_and_eval(&config, &a.dir, None, a.json)?;
+    let out = train_and_eval(&config, &a.dir, None, None, a.json)?;
     let gap = meta.teacher_auc - out.metrics.auc;
     if a.json {
         return print_json(json!({

@@ -1,5 +1,6 @@
 //! The `ftrec` command line.
 
+mod ckpt;
 mod cli;
 mod commands;
 mod progress;

@@ -1,0 +1,125 @@
+//! `ftrec ckpt ...`: inspect, verify and restore checkpoints.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Result, bail};
+use ftrec_ckpt::{Checkpoints, LocalStore, Manifest};
+use ftrec_train::{Progress, snapshot};
+use serde_json::json;
+
+use crate::cli::CkptCommand;
+
+/// `DIR` or `DIR@ID`. A path that exists as given is taken whole, so directories whose
+/// names contain `@` still work.
+pub fn parse_location(spec: &str) -> (PathBuf, Option<String>) {
+    if Path::new(spec).exists() {
+        return (PathBuf::from(spec), None);
+    }
+    match spec.rsplit_once('@') {
+        Some((dir, id)) if !id.is_empty() => (PathBuf::from(dir), Some(id.to_string())),
+        _ => (PathBuf::from(spec), None),
+    }
+}
+
+fn open(dir: &Path) -> Result<Checkpoints> {
+    if !dir.is_dir() {
+        bail!("{}: no such checkpoint directory", dir.display());
+    }
+    Ok(Checkpoints::new(Box::new(LocalStore::open(dir)?)))
+}
+
+fn summary(m: &Manifest) -> serde_json::Value {
+    json!({
+        "id": m.id, "kind": m.kind, "step": m.step, "parents": m.parents,
+        "bytes": m.bytes(), "time": m.created_unix_ms as f64 / 1e3,
+    })
+}
+
+pub fn run(command: CkptCommand) -> Result<()> {
+    match command {
+        CkptCommand::Ls { dir, json } => {
+            let all = open(&dir)?.list()?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string(&all.iter().map(summary).collect::<Vec<_>>())?
+                );
+            } else {
+                for m in &all {
+                    println!(
+                        "{}  {:?}  step {:>8}  {:>12} bytes",
+                        m.id,
+                        m.kind,
+                        m.step,
+                        m.bytes()
+                    );
+                }
+            }
+        }
+        CkptCommand::Show { dir, id } => {
+            let m = open(&dir)?.manifest(&id)?;
+            println!("{}", serde_json::to_string_pretty(&m)?);
+        }
+        CkptCommand::Verify { dir, id, json } => {
+            let ck = open(&dir)?;
+            let ids = match id {
+                Some(id) => vec![id],
+                None => ck.list()?.into_iter().map(|m| m.id).collect(),
+            };
+            let mut failures = Vec::new();
+            for id in &ids {
+                match ck.verify(id) {
+                    Ok(_) => {
+                        if !json {
+                            println!("{id}: ok");
+                        }
+                    }
+                    Err(e) => {
+                        if !json {
+                            println!("{id}: DAMAGED: {e}");
+                        }
+                        failures.push(json!({"id": id, "error": e.to_string()}));
+                    }
+                }
+            }
+            if json {
+                println!("{}", json!({"checked": ids.len(), "damaged": failures}));
+            }
+            if !failures.is_empty() {
+                bail!(
+                    "{} of {} checkpoints are damaged",
+                    failures.len(),
+                    ids.len()
+                );
+            }
+        }
+        CkptCommand::Restore { dir, id, out, json } => {
+            let ck = open(&dir)?;
+            let id = match id {
+                Some(id) => id,
+                None => match ck.latest()? {
+                    Some(m) => m.id,
+                    None => bail!("{}: no checkpoints", dir.display()),
+                },
+            };
+            let (state, manifest) = ck.restore(&id)?;
+            let progress: Progress =
+                serde_json::from_value(manifest.trainer.clone()).unwrap_or_default();
+            snapshot::save(&out, &state, progress)?;
+            let digest = state.digest().to_string();
+            if json {
+                println!(
+                    "{}",
+                    json!({"id": id, "step": manifest.step, "state_digest": digest, "out": out})
+                );
+            } else {
+                println!(
+                    "restored {id} (step {}) to {}: state digest {digest}",
+                    manifest.step,
+                    out.display()
+                );
+            }
+        }
+    }
+    Ok(())
+}

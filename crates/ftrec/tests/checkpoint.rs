@@ -1,0 +1,155 @@
+//! Checkpoints through the CLI: resume equivalence and crash safety with real SIGKILLs.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ftrec");
+
+fn ftrec(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("run ftrec")
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "ftrec failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+const MODEL: [&str; 12] = [
+    "--set",
+    "model.rows_per_table=2000",
+    "--set",
+    "model.dim=16",
+    "--set",
+    "model.bottom=[32, 16]",
+    "--set",
+    "model.top=[32, 1]",
+    "--set",
+    "train.batch_size=128",
+    "--set",
+    "optimizer.sparse.kind=\"adam\"",
+];
+
+fn train_args<'a>(data: &'a str, steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec![
+        "train", "--data", data, "--seed", "4", "--steps", steps, "--json",
+    ];
+    a.extend(MODEL);
+    a.extend(extra);
+    a
+}
+
+fn setup(dir: &Path) -> String {
+    let data = dir.join("data");
+    json_of(&ftrec(&[
+        "data",
+        "gen",
+        "--rows",
+        "8000",
+        "--seed",
+        "2",
+        "--out",
+        data.to_str().unwrap(),
+        "--json",
+    ]));
+    data.to_str().unwrap().to_string()
+}
+
+#[test]
+fn resumed_run_is_bit_identical_to_uninterrupted() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let ck = dir.path().join("ck");
+    let ck = ck.to_str().unwrap();
+    // 7200 train samples / 128 = 56.25 steps per epoch: 80 steps cross an epoch.
+    let full = json_of(&ftrec(&train_args(&data, "80", &[])));
+    let part = json_of(&ftrec(&train_args(
+        &data,
+        "60",
+        &["--checkpoint-dir", ck, "--set", "checkpoint.every_steps=25"],
+    )));
+    assert_eq!(
+        part["checkpoints"]["written"], 3,
+        "steps 25, 50 and the final 60"
+    );
+    let ls: Value = serde_json::from_slice(&ftrec(&["ckpt", "ls", ck, "--json"]).stdout).unwrap();
+    let ids: Vec<&str> = ls
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 3);
+    for m in ls.as_array().unwrap() {
+        for key in ["id", "kind", "step", "parents", "bytes", "time"] {
+            assert!(!m[key].is_null(), "ckpt ls --json lacks {key}");
+        }
+    }
+    for id in &ids {
+        let spec = format!("{ck}@{id}");
+        let resumed = json_of(&ftrec(&train_args(&data, "80", &["--resume", &spec])));
+        assert_eq!(
+            resumed["state_digest"], full["state_digest"],
+            "resumed from {id}"
+        );
+    }
+}
+
+#[test]
+fn sigkill_while_checkpointing_never_damages_committed_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let full = json_of(&ftrec(&train_args(&data, "40", &[])));
+    let (mut killed_mid_run, mut resumed_trials) = (0, 0);
+    for trial in 0..20u64 {
+        let ck = dir.path().join(format!("ck{trial}"));
+        let ck = ck.to_str().unwrap();
+        let mut child = Command::new(BIN)
+            .args(train_args(
+                &data,
+                "40",
+                &["--checkpoint-dir", ck, "--set", "checkpoint.every_steps=1"],
+            ))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // Spread the kills over start-up, training and checkpoint writes.
+        std::thread::sleep(Duration::from_millis(40 + (trial * 7919) % 600));
+        let _ = child.kill(); // SIGKILL on Unix
+        let status = child.wait().unwrap();
+        killed_mid_run += (!status.success()) as usize;
+        if !Path::new(ck).join("manifests").exists() {
+            continue; // killed before the first commit
+        }
+        let verify = ftrec(&["ckpt", "verify", ck]);
+        assert!(
+            verify.status.success(),
+            "trial {trial}: {}",
+            String::from_utf8_lossy(&verify.stdout)
+        );
+        let resumed = json_of(&ftrec(&train_args(&data, "40", &["--resume", ck])));
+        assert_eq!(
+            resumed["state_digest"], full["state_digest"],
+            "trial {trial}"
+        );
+        resumed_trials += 1;
+    }
+    eprintln!(
+        "{killed_mid_run} runs killed mid-run, {resumed_trials} resumed from their newest checkpoint"
+    );
+    assert!(
+        resumed_trials >= 10,
+        "only {resumed_trials} trials got as far as a checkpoint"
+    );
+    assert!(
+        killed_mid_run >= 10,
+        "only {killed_mid_run} of 20 runs were killed before finishing"
+    );
+}
