@@ -266,7 +266,7 @@ impl Trainer {
             steps += 1;
             let last = self.progress.step == total_steps;
             if self.checkpoints.is_some()
-                && ((every > 0 && self.progress.step % every == 0) || last)
+                && ((every > 0 && self.progress.step.is_multiple_of(every)) || last)
             {
                 let t = Instant::now();
                 if let Some(m) = self.checkpoint()? {
