@@ -166,6 +166,9 @@ impl Checkpoints {
             .enumerate()
             .try_for_each(|(t, (table, files))| -> Result<(), CkptError> {
                 let mut covered = 0u64;
+                // A full checkpoint stores rows 0..rows in key order, each exactly once.
+                let mut next_row = 0usize;
+                let full = manifest.kind == CheckpointKind::Full;
                 for entry in files {
                     let bytes = self.fetch(entry)?;
                     let where_ = self.store.describe(&entry.key);
@@ -176,6 +179,13 @@ impl Checkpoints {
                                 format!("row {row} does not fit table {t}"),
                             ));
                         }
+                        if full && row as usize != next_row {
+                            return Err(CkptError::corrupt(
+                                &where_,
+                                format!("full checkpoint: row {row} where row {next_row} was due"),
+                            ));
+                        }
+                        next_row += 1;
                         for (d, c) in table
                             .row_mut(row as usize)
                             .iter_mut()
