@@ -11,6 +11,9 @@ use crate::{CkptError, Store, chunk, dense};
 /// Target size of one row chunk.
 pub const CHUNK_BYTES: usize = 4 << 20;
 
+/// Longest parent chain a restore follows before declaring the lineage broken.
+const MAX_CHAIN: usize = 100_000;
+
 pub struct Checkpoints {
     store: Box<dyn Store>,
 }
@@ -26,35 +29,74 @@ impl Checkpoints {
 
     /// The id of a checkpoint taken after `step`: sorts by step.
     pub fn id_for(step: u64, kind: CheckpointKind) -> String {
-        let kind = match kind {
-            CheckpointKind::Full => "full",
-        };
-        format!("{step:012}-{kind}")
+        format!("{step:012}-{}", kind.tag())
     }
 
-    /// Writes a full checkpoint of `state` after `step`: every table as row chunks (written
-    /// in parallel), the dense file, then the manifest, which commits it.
+    /// Writes a full checkpoint of `state` after `step`.
     pub fn write_full(
         &self,
         state: &ModelState,
         step: u64,
         trainer: serde_json::Value,
     ) -> Result<Manifest, CkptError> {
-        let id = Self::id_for(step, CheckpointKind::Full);
+        self.write(state, step, CheckpointKind::Full, None, Vec::new(), trainer)
+    }
+
+    /// Writes a checkpoint: the given rows of each table (all rows when `rows` is `None`)
+    /// as row chunks written in parallel, the dense file, then the manifest, which commits
+    /// it. `rows[t]` must be sorted and unique.
+    pub fn write(
+        &self,
+        state: &ModelState,
+        step: u64,
+        kind: CheckpointKind,
+        rows: Option<&[Vec<u32>]>,
+        parents: Vec<String>,
+        trainer: serde_json::Value,
+    ) -> Result<Manifest, CkptError> {
+        let id = Self::id_for(step, kind);
+        if (kind == CheckpointKind::Full) != rows.is_none()
+            || (kind == CheckpointKind::Full) != parents.is_empty()
+        {
+            return Err(CkptError::Invalid(format!(
+                "checkpoint {id}: a full checkpoint has all rows and no parents; a delta has row lists and a parent"
+            )));
+        }
+        let all_rows: Vec<Vec<u32>>;
+        let rows = match rows {
+            Some(r) => r,
+            None => {
+                all_rows = state
+                    .tables()
+                    .iter()
+                    .map(|t| (0..t.rows() as u32).collect())
+                    .collect();
+                &all_rows
+            }
+        };
+        if rows.len() != state.tables().len() {
+            return Err(CkptError::Invalid(format!(
+                "row lists for {} tables, model has {}",
+                rows.len(),
+                state.tables().len()
+            )));
+        }
         let mut jobs = Vec::new();
         for (t, table) in state.tables().iter().enumerate() {
             let per_chunk = (CHUNK_BYTES / (4 + 4 * table.stride())).max(1);
-            for (n, start) in (0..table.rows()).step_by(per_chunk).enumerate() {
-                jobs.push((t, n, start, (start + per_chunk).min(table.rows())));
+            for (n, part) in rows[t].chunks(per_chunk).enumerate() {
+                jobs.push((t, n, part));
             }
         }
         let mut chunks = jobs
             .par_iter()
-            .map(|&(t, n, start, end)| {
+            .map(|&(t, n, part)| {
                 let table = &state.tables()[t];
-                let rows: Vec<u32> = (start as u32..end as u32).collect();
+                if part.last().is_some_and(|&r| r as usize >= table.rows()) {
+                    return Err(CkptError::Invalid(format!("table {t}: row out of range")));
+                }
                 let bytes =
-                    chunk::encode(t as u32, table.stride(), &rows, |r| table.row(r as usize));
+                    chunk::encode(t as u32, table.stride(), part, |r| table.row(r as usize));
                 let key = format!("data/{id}/t{t:04}-{n:06}.chunk");
                 self.store.put(&key, &bytes)?;
                 Ok(FileEntry {
@@ -62,7 +104,7 @@ impl Checkpoints {
                     bytes: bytes.len() as u64,
                     crc32c: crc32c::crc32c(&bytes),
                     table: Some(t as u32),
-                    rows: rows.len() as u64,
+                    rows: part.len() as u64,
                 })
             })
             .collect::<Result<Vec<_>, CkptError>>()?;
@@ -76,9 +118,9 @@ impl Checkpoints {
         self.store.put(&dense_key, &dense_bytes)?;
         let manifest = Manifest {
             id: id.clone(),
-            kind: CheckpointKind::Full,
+            kind,
             step,
-            parents: Vec::new(),
+            parents,
             created_unix_ms: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64),
@@ -100,12 +142,15 @@ impl Checkpoints {
 
     /// All committed checkpoints, oldest first. A damaged manifest is an error naming it.
     pub fn list(&self) -> Result<Vec<Manifest>, CkptError> {
-        self.store
+        let mut all = self
+            .store
             .list("manifests/")?
             .iter()
             .filter(|k| k.ends_with(".man"))
             .map(|k| Manifest::decode(&self.store.describe(k), &self.store.get(k)?))
-            .collect()
+            .collect::<Result<Vec<_>, _>>()?;
+        all.sort_by_key(|m| (m.step, m.created_unix_ms));
+        Ok(all)
     }
 
     pub fn manifest(&self, id: &str) -> Result<Manifest, CkptError> {
@@ -115,10 +160,7 @@ impl Checkpoints {
 
     /// The newest checkpoint, if any.
     pub fn latest(&self) -> Result<Option<Manifest>, CkptError> {
-        Ok(self
-            .list()?
-            .into_iter()
-            .max_by_key(|m| (m.step, m.created_unix_ms)))
+        Ok(self.list()?.pop())
     }
 
     fn fetch(&self, entry: &FileEntry) -> Result<Vec<u8>, CkptError> {
@@ -143,54 +185,107 @@ impl Checkpoints {
         Ok(bytes)
     }
 
-    /// Restores the exact state of checkpoint `id` into a fresh [`ModelState`]. Files are
-    /// read and checked in parallel (one table per task); any damage fails the whole restore.
+    /// The checkpoints a restore of `id` reads, oldest (a full checkpoint) first.
+    pub fn lineage(&self, id: &str) -> Result<Vec<Manifest>, CkptError> {
+        let mut chain = vec![self.manifest(id)?];
+        while let Some(last) = chain.last().filter(|m| m.kind != CheckpointKind::Full) {
+            let parent = last.parents.first().ok_or_else(|| {
+                CkptError::Invalid(format!(
+                    "checkpoint {}: a {:?} checkpoint without a parent",
+                    last.id, last.kind
+                ))
+            })?;
+            if chain.len() >= MAX_CHAIN || chain.iter().any(|m| &m.id == parent) {
+                return Err(CkptError::Invalid(format!(
+                    "checkpoint {id}: parent chain loops or is too long"
+                )));
+            }
+            let parent = self.manifest(parent).map_err(|e| match e {
+                CkptError::NotFound(m) => {
+                    CkptError::NotFound(format!("checkpoint {id} needs {parent}: {m}"))
+                }
+                other => other,
+            })?;
+            if parent.model != chain[0].model {
+                return Err(CkptError::Invalid(format!(
+                    "checkpoint {id}: parent {} has another model",
+                    parent.id
+                )));
+            }
+            chain.push(parent);
+        }
+        chain.reverse();
+        Ok(chain)
+    }
+
+    /// Restores the exact state of checkpoint `id` into a fresh [`ModelState`]: its full
+    /// ancestor, then every delta on the way to it, newer rows overwriting older ones; the
+    /// dense state is the checkpoint's own. Files are read and checked in parallel (one
+    /// table per task); any damage fails the whole restore.
     pub fn restore(&self, id: &str) -> Result<(ModelState, Manifest), CkptError> {
-        let manifest = self.manifest(id)?;
-        let mut state = ModelState::zeroed(&manifest.model)?;
-        let mut by_table: Vec<Vec<&FileEntry>> = vec![Vec::new(); state.tables().len()];
+        let chain = self.lineage(id)?;
+        let target = chain
+            .last()
+            .cloned()
+            .ok_or_else(|| CkptError::NotFound(id.to_string()))?;
+        let mut state = ModelState::zeroed(&target.model)?;
+        for manifest in &chain {
+            self.apply_rows(manifest, &mut state)?;
+        }
+        let dense_bytes = self.fetch(&target.dense)?;
+        let dense = &mut state.dense;
+        dense.step = dense::decode(
+            &self.store.describe(&target.dense.key),
+            &dense_bytes,
+            &mut dense.params,
+            &mut dense.optimizer_state,
+        )?;
+        Ok((state, target))
+    }
+
+    /// Writes the rows stored by one checkpoint into `state`.
+    fn apply_rows(&self, manifest: &Manifest, state: &mut ModelState) -> Result<(), CkptError> {
+        let tables = state.tables().len();
+        let mut by_table: Vec<Vec<&FileEntry>> = vec![Vec::new(); tables];
         for c in &manifest.chunks {
             let t = c
                 .table
                 .map(|t| t as usize)
-                .filter(|&t| t < by_table.len())
+                .filter(|&t| t < tables)
                 .ok_or_else(|| {
                     CkptError::corrupt(&c.key, "chunk names a table the model does not have")
                 })?;
             by_table[t].push(c);
         }
+        let full = manifest.kind == CheckpointKind::Full;
         state
             .tables_mut()
             .par_iter_mut()
             .zip(&by_table)
             .enumerate()
             .try_for_each(|(t, (table, files))| -> Result<(), CkptError> {
-                let mut covered = 0u64;
-                // A full checkpoint stores rows 0..rows in key order, each exactly once.
+                // A full checkpoint stores rows 0..rows in key order, each exactly once; a
+                // delta stores each row at most once.
                 let mut next_row = 0usize;
-                let full = manifest.kind == CheckpointKind::Full;
                 for entry in files {
                     let bytes = self.fetch(entry)?;
                     let where_ = self.store.describe(&entry.key);
                     let header = chunk::decode(&where_, &bytes, |row, payload| {
-                        if row as usize >= table.rows() || payload.len() != table.stride() * 4 {
+                        let row = row as usize;
+                        if row >= table.rows() || payload.len() != table.stride() * 4 {
                             return Err(CkptError::corrupt(
                                 &where_,
                                 format!("row {row} does not fit table {t}"),
                             ));
                         }
-                        if full && row as usize != next_row {
+                        if (full && row != next_row) || row < next_row {
                             return Err(CkptError::corrupt(
                                 &where_,
-                                format!("full checkpoint: row {row} where row {next_row} was due"),
+                                format!("row {row} out of order: rows from {next_row} were due"),
                             ));
                         }
-                        next_row += 1;
-                        for (d, c) in table
-                            .row_mut(row as usize)
-                            .iter_mut()
-                            .zip(payload.chunks_exact(4))
-                        {
+                        next_row = row + 1;
+                        for (d, c) in table.row_mut(row).iter_mut().zip(payload.chunks_exact(4)) {
                             *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
                         }
                         Ok(())
@@ -201,29 +296,20 @@ impl Checkpoints {
                             format!("holds table {}, manifest says {t}", header.table),
                         ));
                     }
-                    covered += header.rows;
                 }
-                if manifest.kind == CheckpointKind::Full && covered != table.rows() as u64 {
+                if full && next_row != table.rows() {
                     return Err(CkptError::Invalid(format!(
-                        "checkpoint {id}: table {t} has {covered} of {} rows",
+                        "checkpoint {}: table {t} has {next_row} of {} rows",
+                        manifest.id,
                         table.rows()
                     )));
                 }
                 Ok(())
-            })?;
-        let dense_bytes = self.fetch(&manifest.dense)?;
-        let dense = &mut state.dense;
-        dense.step = dense::decode(
-            &self.store.describe(&manifest.dense.key),
-            &dense_bytes,
-            &mut dense.params,
-            &mut dense.optimizer_state,
-        )?;
-        Ok((state, manifest))
+            })
     }
 
     /// Checks every object of checkpoint `id` (lengths and checksums, and each chunk's
-    /// internal block checksums) without building a model.
+    /// internal block checksums) and that its parents exist, without building a model.
     pub fn verify(&self, id: &str) -> Result<Manifest, CkptError> {
         let manifest = self.manifest(id)?;
         manifest.chunks.par_iter().try_for_each(|entry| {
@@ -231,6 +317,7 @@ impl Checkpoints {
             chunk::decode(&self.store.describe(&entry.key), &bytes, |_, _| Ok(())).map(|_| ())
         })?;
         self.fetch(&manifest.dense)?;
+        self.lineage(id)?;
         Ok(manifest)
     }
 }

@@ -14,6 +14,22 @@ const VERSION: u32 = 1;
 pub enum CheckpointKind {
     /// Every row of every table.
     Full,
+    /// Rows changed since the baseline full checkpoint (its only parent), Check-N-Run style.
+    Differential,
+    /// Rows changed since the previous checkpoint (its only parent); restore replays the
+    /// chain back to a full checkpoint.
+    NaiveIncremental,
+}
+
+impl CheckpointKind {
+    /// Short name used in checkpoint ids.
+    pub fn tag(self) -> &'static str {
+        match self {
+            CheckpointKind::Full => "full",
+            CheckpointKind::Differential => "diff",
+            CheckpointKind::NaiveIncremental => "incr",
+        }
+    }
 }
 
 /// One stored object of a checkpoint.

@@ -115,8 +115,25 @@ impl DeltaTracker {
     }
 
     /// Rows changed since this tenant's previous read (sorted, unique, per table), sealing
-    /// the open segment.
+    /// the open segment. The tenant's next read starts after this one.
     pub fn take(&mut self, tenant: TenantId) -> Vec<Vec<u32>> {
+        let out = self.peek(tenant);
+        self.tenants[tenant.0].next_seq = self.next_seq;
+        let oldest_needed = self
+            .tenants
+            .iter()
+            .map(|t| t.next_seq)
+            .min()
+            .unwrap_or(self.next_seq);
+        while self.sealed.front().is_some_and(|s| s.seq < oldest_needed) {
+            self.sealed.pop_front();
+        }
+        out
+    }
+
+    /// Like [`DeltaTracker::take`], but the tenant's next read still includes these rows
+    /// (a differential checkpoint reads everything since its baseline each time).
+    pub fn peek(&mut self, tenant: TenantId) -> Vec<Vec<u32>> {
         self.compact();
         let mut sealed = std::mem::replace(&mut self.open, Segment::new(self.tables));
         sealed.seq = self.next_seq;
@@ -129,16 +146,6 @@ impl DeltaTracker {
                 merge_sorted_unique(acc, rows, &mut self.scratch);
                 std::mem::swap(acc, &mut self.scratch);
             }
-        }
-        self.tenants[tenant.0].next_seq = self.next_seq;
-        let oldest_needed = self
-            .tenants
-            .iter()
-            .map(|t| t.next_seq)
-            .min()
-            .unwrap_or(self.next_seq);
-        while self.sealed.front().is_some_and(|s| s.seq < oldest_needed) {
-            self.sealed.pop_front();
         }
         out
     }
@@ -161,6 +168,7 @@ mod tests {
         Track(usize, Vec<u32>),
         Compact,
         Take(usize),
+        Peek(usize),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -168,6 +176,7 @@ mod tests {
             4 => (0usize..3, proptest::collection::vec(0u32..50, 0..12)).prop_map(|(t, r)| Op::Track(t, r)),
             1 => Just(Op::Compact),
             2 => (0usize..2).prop_map(Op::Take),
+            1 => (0usize..2).prop_map(Op::Peek),
         ]
     }
 
@@ -203,6 +212,13 @@ mod tests {
                         }
                     }
                     Op::Compact => tracker.compact(),
+                    Op::Peek(k) => {
+                        let got = tracker.peek(tenants[k]);
+                        for t in 0..3 {
+                            let want: Vec<u32> = model[k][t].iter().copied().collect();
+                            prop_assert_eq!(&got[t], &want);
+                        }
+                    }
                     Op::Take(k) => {
                         let got = tracker.take(tenants[k]);
                         for t in 0..3 {

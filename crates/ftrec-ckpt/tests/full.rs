@@ -104,7 +104,9 @@ fn checkpoint_without_manifest_does_not_exist() {
 fn a_consistent_but_wrong_manifest_cannot_double_cover_rows() {
     let dir = tempfile::tempdir().unwrap();
     let ck = open(dir.path());
-    let mut m = ck.write_full(&state(6), 3, serde_json::Value::Null).unwrap();
+    let mut m = ck
+        .write_full(&state(6), 3, serde_json::Value::Null)
+        .unwrap();
     // Same row count per table, but one chunk listed twice and its neighbour dropped.
     let first = m.chunks.iter().position(|c| c.table == Some(0)).unwrap();
     m.chunks[first + 1] = m.chunks[first].clone();
@@ -112,5 +114,5 @@ fn a_consistent_but_wrong_manifest_cannot_double_cover_rows() {
         .put(&ftrec_ckpt::Manifest::key_for(&m.id), &m.encode().unwrap())
         .unwrap();
     let e = ck.restore(&m.id).map(|_| ()).unwrap_err().to_string();
-    assert!(e.contains("was due"), "{e}");
+    assert!(e.contains("out of order"), "{e}");
 }
