@@ -7,11 +7,13 @@ pub mod dense;
 mod engine;
 mod error;
 pub mod manifest;
+mod policy;
 mod store;
 pub mod tracker;
 
 pub use engine::{CHUNK_BYTES, Checkpoints};
 pub use error::CkptError;
 pub use manifest::{CheckpointKind, Manifest};
+pub use policy::{Checkpointer, Strategy};
 pub use store::{LocalStore, Store};
 pub use tracker::{DeltaTracker, TenantId};
