@@ -36,7 +36,12 @@ pub struct Checkpointer {
 }
 
 impl Checkpointer {
-    pub fn new(checkpoints: Checkpoints, strategy: Strategy, full_every: u64, tables: usize) -> Self {
+    pub fn new(
+        checkpoints: Checkpoints,
+        strategy: Strategy,
+        full_every: u64,
+        tables: usize,
+    ) -> Self {
         let mut tracker = DeltaTracker::new(tables);
         let tenant = tracker.register("checkpointer");
         Self {
@@ -112,9 +117,11 @@ impl Checkpointer {
                     self.last.clone(),
                 ),
             };
-            let parent = parent.ok_or_else(|| CkptError::Invalid("delta checkpoint without a parent".into()))?;
+            let parent = parent
+                .ok_or_else(|| CkptError::Invalid("delta checkpoint without a parent".into()))?;
             self.since_full += 1;
-            self.checkpoints.write(state, step, kind, Some(&rows), vec![parent], trainer)?
+            self.checkpoints
+                .write(state, step, kind, Some(&rows), vec![parent], trainer)?
         };
         self.last = Some(manifest.id.clone());
         Ok(manifest)

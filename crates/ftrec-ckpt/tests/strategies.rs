@@ -33,8 +33,16 @@ fn config() -> ModelConfig {
         dim: 3,
         bottom: vec![3],
         top: vec![1],
-        sparse_optimizer: Optimizer::Adam { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8 },
-        dense_optimizer: Optimizer::Momentum { lr: 0.1, momentum: 0.5 },
+        sparse_optimizer: Optimizer::Adam {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+        },
+        dense_optimizer: Optimizer::Momentum {
+            lr: 0.1,
+            momentum: 0.5,
+        },
     }
 }
 
@@ -55,7 +63,9 @@ fn run(strategy: CkptStrategy, full_every: u64, ops: &[Op]) -> Result<(), TestCa
                 rows.dedup();
                 for &r in &rows {
                     let stride = state.tables()[t].stride();
-                    let vals: Vec<f32> = (0..stride).map(|k| (v.wrapping_add(k as u32 * 31 + r)) as f32).collect();
+                    let vals: Vec<f32> = (0..stride)
+                        .map(|k| (v.wrapping_add(k as u32 * 31 + r)) as f32)
+                        .collect();
                     state.set_row(t, r as u64, &vals).unwrap();
                 }
                 ck.track(t, &rows);
@@ -67,7 +77,9 @@ fn run(strategy: CkptStrategy, full_every: u64, ops: &[Op]) -> Result<(), TestCa
             }
             Op::Compact => ck.compact(),
             Op::Checkpoint => {
-                let m = ck.checkpoint(&state, step, serde_json::json!({"step": step})).unwrap();
+                let m = ck
+                    .checkpoint(&state, step, serde_json::json!({"step": step}))
+                    .unwrap();
                 expected.insert(m.id, state.clone());
                 step += 1; // distinct ids
             }
@@ -77,7 +89,12 @@ fn run(strategy: CkptStrategy, full_every: u64, ops: &[Op]) -> Result<(), TestCa
     prop_assert_eq!(listed.len(), expected.len());
     for m in listed {
         let (restored, _) = ck.checkpoints().restore(&m.id).unwrap();
-        prop_assert!(restored == expected[&m.id], "{:?} checkpoint {} restored wrong state", strategy, m.id);
+        prop_assert!(
+            restored == expected[&m.id],
+            "{:?} checkpoint {} restored wrong state",
+            strategy,
+            m.id
+        );
         ck.checkpoints().verify(&m.id).unwrap();
     }
     Ok(())

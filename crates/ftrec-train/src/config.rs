@@ -94,7 +94,7 @@ pub enum CheckpointStrategy {
     Deck,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointSection {
     /// `full` when a directory is given and no strategy is set.
@@ -106,6 +106,25 @@ pub struct CheckpointSection {
     /// Directory (local path) to write checkpoints to.
     #[serde(default)]
     pub dir: Option<PathBuf>,
+    /// Incremental strategies: a full checkpoint every this many checkpoints (0 = only the
+    /// first one).
+    #[serde(default = "default_full_every")]
+    pub full_every: u64,
+}
+
+fn default_full_every() -> u64 {
+    10
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        Self {
+            strategy: None,
+            every_steps: 0,
+            dir: None,
+            full_every: default_full_every(),
+        }
+    }
 }
 
 impl CheckpointSection {
@@ -247,10 +266,13 @@ impl TrainConfig {
         }
         self.model_config()?.validate()?;
         match self.checkpoint.effective_strategy() {
-            CheckpointStrategy::None | CheckpointStrategy::Full => {}
+            CheckpointStrategy::None
+            | CheckpointStrategy::Full
+            | CheckpointStrategy::Differential
+            | CheckpointStrategy::NaiveIncremental => {}
             other => {
                 return Err(TrainError::Config(format!(
-                    "checkpoint.strategy = {other:?}: not implemented yet (available: full)"
+                    "checkpoint.strategy = {other:?}: not implemented yet (available: full, differential, naive-incremental)"
                 )));
             }
         }

@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::config::CheckpointStrategy;
 use crate::{TrainConfig, TrainError};
-use ftrec_ckpt::{Checkpoints, LocalStore, Manifest};
+use ftrec_ckpt::{Checkpointer, Checkpoints, LocalStore, Manifest, Strategy};
 
 /// Where training is: steps done and the next sample of the training split. Saved with
 /// checkpoints so a resumed run reads exactly the samples an uninterrupted one would.
@@ -50,6 +50,8 @@ pub struct CheckpointStats {
     pub blocking_seconds: f64,
     pub bytes: u64,
     pub last_id: Option<String>,
+    /// Time spent tracking changed rows (delta strategies).
+    pub tracking_seconds: f64,
 }
 
 pub struct Trainer {
@@ -61,7 +63,7 @@ pub struct Trainer {
     model: Dlrm,
     pool: ThreadPool,
     batch: Batch,
-    checkpoints: Option<Checkpoints>,
+    checkpointer: Option<Checkpointer>,
 }
 
 impl Trainer {
@@ -124,15 +126,32 @@ impl Trainer {
             progress,
             model,
             pool,
-            checkpoints: None,
+            checkpointer: None,
         })
     }
 
     /// Opens the configured checkpoint directory (if any) so `train` writes checkpoints.
     pub fn enable_checkpoints(&mut self) -> Result<(), TrainError> {
         let c = &self.config.checkpoint;
-        if let (CheckpointStrategy::Full, Some(dir)) = (c.effective_strategy(), &c.dir) {
-            self.checkpoints = Some(Checkpoints::new(Box::new(LocalStore::open(dir)?)));
+        let strategy = match c.effective_strategy() {
+            CheckpointStrategy::None => return Ok(()),
+            CheckpointStrategy::Full => Strategy::Full,
+            CheckpointStrategy::Differential => Strategy::Differential,
+            CheckpointStrategy::NaiveIncremental => Strategy::NaiveIncremental,
+            other => {
+                return Err(TrainError::Config(format!(
+                    "checkpoint.strategy = {other:?}: not implemented yet"
+                )));
+            }
+        };
+        if let Some(dir) = &c.dir {
+            let checkpoints = Checkpoints::new(Box::new(LocalStore::open(dir)?));
+            self.checkpointer = Some(Checkpointer::new(
+                checkpoints,
+                strategy,
+                c.full_every,
+                self.model_config.tables(),
+            ));
         }
         Ok(())
     }
@@ -170,17 +189,29 @@ impl Trainer {
         Self::with_state(config, state, progress)
     }
 
-    /// Writes a checkpoint of the current state now.
+    /// Writes a checkpoint of the current state now (kind chosen by the strategy).
     pub fn checkpoint(&mut self) -> Result<Option<Manifest>, TrainError> {
-        let Some(ck) = &self.checkpoints else {
+        let Some(ck) = &mut self.checkpointer else {
             return Ok(None);
         };
         let progress =
             serde_json::to_value(self.progress).map_err(|e| TrainError::Config(e.to_string()))?;
         let (state, step) = (&self.state, self.progress.step);
         Ok(Some(
-            self.pool.install(|| ck.write_full(state, step, progress))?,
+            self.pool.install(|| ck.checkpoint(state, step, progress))?,
         ))
+    }
+
+    /// Feeds the rows the last step updated to the delta tracker.
+    fn track_step(&mut self) {
+        if let Some(ck) = &mut self.checkpointer {
+            for t in 0..self.model_config.tables() {
+                ck.track(t, self.model.unique_rows(t));
+            }
+            if self.progress.step.is_multiple_of(16) {
+                ck.compact();
+            }
+        }
     }
 
     /// Replaces the model state and progress (from a snapshot or checkpoint). The state's
@@ -257,6 +288,7 @@ impl Trainer {
             let loss = self.pool.install(|| model.train_step(state, batch))?;
             self.progress.step += 1;
             self.progress.position += n;
+            self.track_step();
             if self.progress.position == data.len() as u64 {
                 self.progress.position = 0;
                 self.progress.epoch += 1;
@@ -265,7 +297,7 @@ impl Trainer {
             loss_sum += loss;
             steps += 1;
             let last = self.progress.step == total_steps;
-            if self.checkpoints.is_some()
+            if self.checkpointer.is_some()
                 && ((every > 0 && self.progress.step.is_multiple_of(every)) || last)
             {
                 let t = Instant::now();
@@ -291,7 +323,13 @@ impl Trainer {
             seconds,
             samples_per_sec: samples as f64 / seconds.max(1e-9),
             train_logloss: loss_sum / samples.max(1) as f64,
-            checkpoints: ckpt,
+            checkpoints: CheckpointStats {
+                tracking_seconds: self
+                    .checkpointer
+                    .as_ref()
+                    .map_or(0.0, |c| c.tracking_seconds()),
+                ..ckpt
+            },
         })
     }
 

@@ -62,44 +62,77 @@ fn setup(dir: &Path) -> String {
 }
 
 #[test]
-fn resumed_run_is_bit_identical_to_uninterrupted() {
+fn resumed_run_is_bit_identical_to_uninterrupted_for_every_strategy() {
     let dir = tempfile::tempdir().unwrap();
     let data = setup(dir.path());
-    let ck = dir.path().join("ck");
-    let ck = ck.to_str().unwrap();
     // 7200 train samples / 128 = 56.25 steps per epoch: 80 steps cross an epoch.
     let full = json_of(&ftrec(&train_args(&data, "80", &[])));
-    let part = json_of(&ftrec(&train_args(
-        &data,
-        "60",
-        &["--checkpoint-dir", ck, "--set", "checkpoint.every_steps=25"],
-    )));
-    assert_eq!(
-        part["checkpoints"]["written"], 3,
-        "steps 25, 50 and the final 60"
-    );
-    let ls: Value = serde_json::from_slice(&ftrec(&["ckpt", "ls", ck, "--json"]).stdout).unwrap();
-    let ids: Vec<&str> = ls
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].as_str().unwrap())
-        .collect();
-    assert_eq!(ids.len(), 3);
-    for m in ls.as_array().unwrap() {
-        for key in ["id", "kind", "step", "parents", "bytes", "time"] {
-            assert!(!m[key].is_null(), "ckpt ls --json lacks {key}");
+    for strategy in ["full", "differential", "naive-incremental"] {
+        let ck = dir.path().join(format!("ck-{strategy}"));
+        let ck = ck.to_str().unwrap();
+        let strategy_set = format!("checkpoint.strategy=\"{strategy}\"");
+        let part = json_of(&ftrec(&train_args(
+            &data,
+            "60",
+            &[
+                "--checkpoint-dir",
+                ck,
+                "--set",
+                "checkpoint.every_steps=12",
+                "--set",
+                &strategy_set,
+                "--set",
+                "checkpoint.full_every=3",
+            ],
+        )));
+        assert_eq!(
+            part["checkpoints"]["written"], 5,
+            "steps 12, 24, 36, 48, 60"
+        );
+        let ls: Value =
+            serde_json::from_slice(&ftrec(&["ckpt", "ls", ck, "--json"]).stdout).unwrap();
+        let all = ls.as_array().unwrap();
+        assert_eq!(all.len(), 5);
+        for m in all {
+            for key in ["id", "kind", "step", "parents", "bytes", "time"] {
+                assert!(!m[key].is_null(), "ckpt ls --json lacks {key}");
+            }
+        }
+        let kinds: Vec<&str> = all.iter().map(|m| m["kind"].as_str().unwrap()).collect();
+        let want: &[&str] = match strategy {
+            "full" => &["full"; 5],
+            "differential" => &[
+                "full",
+                "differential",
+                "differential",
+                "full",
+                "differential",
+            ],
+            _ => &[
+                "full",
+                "naive-incremental",
+                "naive-incremental",
+                "full",
+                "naive-incremental",
+            ],
+        };
+        assert_eq!(kinds, want, "{strategy}");
+        for m in all {
+            let spec = format!("{ck}@{}", m["id"].as_str().unwrap());
+            let resumed = json_of(&ftrec(&train_args(&data, "80", &["--resume", &spec])));
+            assert_eq!(
+                resumed["state_digest"], full["state_digest"],
+                "{strategy}: resumed from {spec}"
+            );
         }
     }
-    for id in &ids {
-        let spec = format!("{ck}@{id}");
-        let resumed = json_of(&ftrec(&train_args(&data, "80", &["--resume", &spec])));
-        assert_eq!(
-            resumed["state_digest"], full["state_digest"],
-            "resumed from {id}"
-        );
-    }
 }
+
+const STRATEGIES: [&str; 3] = [
+    "checkpoint.strategy=\"full\"",
+    "checkpoint.strategy=\"differential\"",
+    "checkpoint.strategy=\"naive-incremental\"",
+];
 
 #[test]
 fn sigkill_while_checkpointing_never_damages_committed_checkpoints() {
@@ -114,7 +147,16 @@ fn sigkill_while_checkpointing_never_damages_committed_checkpoints() {
             .args(train_args(
                 &data,
                 "40",
-                &["--checkpoint-dir", ck, "--set", "checkpoint.every_steps=1"],
+                &[
+                    "--checkpoint-dir",
+                    ck,
+                    "--set",
+                    "checkpoint.every_steps=1",
+                    "--set",
+                    STRATEGIES[trial as usize % 3],
+                    "--set",
+                    "checkpoint.full_every=4",
+                ],
             ))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
