@@ -102,21 +102,26 @@ pub fn run(command: CkptCommand) -> Result<()> {
                     None => bail!("{}: no checkpoints", dir.display()),
                 },
             };
+            let started = std::time::Instant::now();
             let (state, manifest) = ck.restore(&id)?;
-            let progress: Progress =
-                serde_json::from_value(manifest.trainer.clone()).unwrap_or_default();
-            snapshot::save(&out, &state, progress)?;
+            let seconds = started.elapsed().as_secs_f64();
+            let chain = ck.lineage(&id)?.len();
             let digest = state.digest().to_string();
+            if let Some(out) = &out {
+                let progress: Progress =
+                    serde_json::from_value(manifest.trainer.clone()).unwrap_or_default();
+                snapshot::save(out, &state, progress)?;
+            }
             if json {
                 println!(
                     "{}",
-                    json!({"id": id, "step": manifest.step, "state_digest": digest, "out": out})
+                    json!({"id": id, "step": manifest.step, "state_digest": digest,
+                           "restore_seconds": seconds, "checkpoints_read": chain, "out": out})
                 );
             } else {
                 println!(
-                    "restored {id} (step {}) to {}: state digest {digest}",
-                    manifest.step,
-                    out.display()
+                    "restored {id} (step {}, {chain} checkpoints read) in {seconds:.2}s: state digest {digest}",
+                    manifest.step
                 );
             }
         }

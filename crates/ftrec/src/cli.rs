@@ -45,13 +45,14 @@ pub enum CkptCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Restore a checkpoint (newest by default) into a model snapshot file.
+    /// Restore a checkpoint (newest by default): report its state digest and the restore
+    /// time, and with `--out` save it as a model snapshot file.
     Restore {
         dir: PathBuf,
         #[arg(long)]
         id: Option<String>,
         #[arg(long)]
-        out: PathBuf,
+        out: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },

@@ -117,6 +117,11 @@ fn resumed_run_is_bit_identical_to_uninterrupted_for_every_strategy() {
             ],
         };
         assert_eq!(kinds, want, "{strategy}");
+        let restored = json_of(&ftrec(&["ckpt", "restore", ck, "--json"]));
+        assert_eq!(
+            restored["state_digest"], part["state_digest"],
+            "{strategy}: newest checkpoint"
+        );
         for m in all {
             let spec = format!("{ck}@{}", m["id"].as_str().unwrap());
             let resumed = json_of(&ftrec(&train_args(&data, "80", &["--resume", &spec])));
