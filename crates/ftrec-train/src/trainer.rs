@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::config::CheckpointStrategy;
 use crate::{TrainConfig, TrainError};
-use ftrec_ckpt::{Checkpointer, Checkpoints, LocalStore, Manifest, Strategy};
+use ftrec_ckpt::{Checkpointer, Checkpoints, Manifest, Strategy, open_store};
 
 /// Where training is: steps done and the next sample of the training split. Saved with
 /// checkpoints so a resumed run reads exactly the samples an uninterrupted one would.
@@ -145,7 +145,7 @@ impl Trainer {
             }
         };
         if let Some(dir) = &c.dir {
-            let checkpoints = Checkpoints::new(Box::new(LocalStore::open(dir)?));
+            let checkpoints = Checkpoints::new(open_store(&dir.to_string_lossy())?);
             self.checkpointer = Some(Checkpointer::new(
                 checkpoints,
                 strategy,
@@ -163,7 +163,7 @@ impl Trainer {
         dir: &std::path::Path,
         id: Option<&str>,
     ) -> Result<Self, TrainError> {
-        let ck = Checkpoints::new(Box::new(LocalStore::open(dir)?));
+        let ck = Checkpoints::new(open_store(&dir.to_string_lossy())?);
         let id = match id {
             Some(id) => id.to_string(),
             None => {

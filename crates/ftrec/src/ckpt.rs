@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
-use ftrec_ckpt::{Checkpoints, LocalStore, Manifest};
+use ftrec_ckpt::{Checkpoints, Manifest, open_store};
 use ftrec_train::{Progress, snapshot};
 use serde_json::json;
 
@@ -12,7 +12,7 @@ use crate::cli::CkptCommand;
 /// `DIR` or `DIR@ID`. A path that exists as given is taken whole, so directories whose
 /// names contain `@` still work.
 pub fn parse_location(spec: &str) -> (PathBuf, Option<String>) {
-    if Path::new(spec).exists() {
+    if Path::new(spec).exists() || (spec.contains("://") && !spec.contains('@')) {
         return (PathBuf::from(spec), None);
     }
     match spec.rsplit_once('@') {
@@ -21,11 +21,13 @@ pub fn parse_location(spec: &str) -> (PathBuf, Option<String>) {
     }
 }
 
+/// A checkpoint location: a local directory that must exist, or an `s3://` URL.
 fn open(dir: &Path) -> Result<Checkpoints> {
-    if !dir.is_dir() {
+    let location = dir.to_string_lossy();
+    if !location.contains("://") && !dir.is_dir() {
         bail!("{}: no such checkpoint directory", dir.display());
     }
-    Ok(Checkpoints::new(Box::new(LocalStore::open(dir)?)))
+    Ok(Checkpoints::new(open_store(&location)?))
 }
 
 fn summary(m: &Manifest) -> serde_json::Value {

@@ -6,6 +6,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+#[path = "../../ftrec-ckpt/tests/support/moto.rs"]
+mod moto;
+
 const BIN: &str = env!("CARGO_BIN_EXE_ftrec");
 
 fn ftrec(args: &[&str]) -> Output {
@@ -199,4 +202,48 @@ fn sigkill_while_checkpointing_never_damages_committed_checkpoints() {
         killed_mid_run >= 10,
         "only {killed_mid_run} of 20 runs were killed before finishing"
     );
+}
+
+#[test]
+fn checkpoints_to_s3_resume_bit_identically() {
+    let server = moto::start_server();
+    moto::create_bucket(server.port, "runs");
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let run = |args: Vec<&str>| {
+        let out = Command::new(BIN)
+            .args(args)
+            .envs(moto::env(&server))
+            .output()
+            .unwrap();
+        json_of(&out)
+    };
+    let full = json_of(&ftrec(&train_args(&data, "30", &[])));
+    let part = run(train_args(
+        &data,
+        "20",
+        &[
+            "--checkpoint-dir",
+            "s3://runs/job-7",
+            "--set",
+            "checkpoint.every_steps=8",
+            "--set",
+            "checkpoint.strategy=\"naive-incremental\"",
+        ],
+    ));
+    assert_eq!(part["checkpoints"]["written"], 3);
+    let ls = run(vec!["ckpt", "ls", "s3://runs/job-7", "--json"]);
+    assert_eq!(ls.as_array().unwrap().len(), 3);
+    let verify = Command::new(BIN)
+        .args(["ckpt", "verify", "s3://runs/job-7"])
+        .envs(moto::env(&server))
+        .output()
+        .unwrap();
+    assert!(verify.status.success());
+    let resumed = run(train_args(
+        &data,
+        "30",
+        &["--resume", "s3://runs/job-7@000000000016-incr"],
+    ));
+    assert_eq!(resumed["state_digest"], full["state_digest"]);
 }
