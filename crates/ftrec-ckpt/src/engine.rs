@@ -14,6 +14,13 @@ pub const CHUNK_BYTES: usize = 4 << 20;
 /// Longest parent chain a restore follows before declaring the lineage broken.
 const MAX_CHAIN: usize = 100_000;
 
+/// What [`Checkpoints::gc`] removed.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct GcReport {
+    pub checkpoints: Vec<String>,
+    pub files: u64,
+}
+
 pub struct Checkpoints {
     store: Box<dyn Store>,
 }
@@ -306,6 +313,47 @@ impl Checkpoints {
                 }
                 Ok(())
             })
+    }
+
+    /// Deletes what no retained checkpoint needs. With `keep = Some(n)` the newest `n`
+    /// checkpoints and every ancestor their restore reads are retained; otherwise all
+    /// committed checkpoints are. Manifests go first, so a checkpoint disappears at once.
+    /// Data of uncommitted checkpoints (a crash between data and manifest) is deleted when
+    /// its step is not newer than the newest commit; newer data may belong to a checkpoint
+    /// being written right now and is left alone.
+    pub fn gc(&self, keep: Option<usize>) -> Result<GcReport, CkptError> {
+        let all = self.list()?;
+        let newest_step = all.last().map(|m| m.step);
+        let mut retained: std::collections::BTreeSet<String> = match keep {
+            None => all.iter().map(|m| m.id.clone()).collect(),
+            Some(n) => all.iter().rev().take(n).map(|m| m.id.clone()).collect(),
+        };
+        for id in retained.clone() {
+            for m in self.lineage(&id)? {
+                retained.insert(m.id);
+            }
+        }
+        let mut report = GcReport::default();
+        for m in all.iter().filter(|m| !retained.contains(&m.id)) {
+            self.store.delete(&Manifest::key_for(&m.id))?;
+            report.checkpoints.push(m.id.clone());
+        }
+        for key in self.store.list("data/")? {
+            let Some(id) = key.strip_prefix("data/").and_then(|k| k.split('/').next()) else {
+                continue;
+            };
+            if retained.contains(id) {
+                continue;
+            }
+            let step: Option<u64> = id.split('-').next().and_then(|s| s.parse().ok());
+            let committed = all.iter().any(|m| m.id == id);
+            let crashed = step.is_some_and(|s| newest_step.is_some_and(|n| s <= n));
+            if committed || crashed {
+                self.store.delete(&key)?;
+                report.files += 1;
+            }
+        }
+        Ok(report)
     }
 
     /// Checks every object of checkpoint `id` (lengths and checksums, and each chunk's

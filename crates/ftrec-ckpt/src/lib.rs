@@ -12,7 +12,7 @@ mod policy;
 mod store;
 pub mod tracker;
 
-pub use engine::{CHUNK_BYTES, Checkpoints};
+pub use engine::{CHUNK_BYTES, Checkpoints, GcReport};
 pub use error::CkptError;
 pub use manifest::{CheckpointKind, Manifest};
 pub use object::{ObjectStoreBackend, open_store};

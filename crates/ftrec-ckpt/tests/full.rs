@@ -116,3 +116,57 @@ fn a_consistent_but_wrong_manifest_cannot_double_cover_rows() {
     let e = ck.restore(&m.id).map(|_| ()).unwrap_err().to_string();
     assert!(e.contains("out of order"), "{e}");
 }
+
+#[test]
+fn gc_keeps_the_lineage_of_retained_checkpoints_and_removes_crash_leftovers() {
+    use ftrec_ckpt::{CheckpointKind, Checkpointer, Strategy};
+    let dir = tempfile::tempdir().unwrap();
+    let mut ck = Checkpointer::new(open(dir.path()), Strategy::NaiveIncremental, 3, 3);
+    let mut s = state(7);
+    let mut ids = Vec::new();
+    for step in 1..=5u64 {
+        s.set_row(1, step % 17, &vec![step as f32; s.tables()[1].stride()])
+            .unwrap();
+        ck.track(1, &[(step % 17) as u32]);
+        ids.push(
+            ck.checkpoint(&s, step * 10, serde_json::Value::Null)
+                .unwrap()
+                .id,
+        );
+    }
+    // kinds: full, incr, incr, full, incr
+    let store = ck.checkpoints();
+    // A crashed write before the newest commit, and one that may be in progress.
+    store
+        .store()
+        .put("data/000000000035-incr/t0001-000000.chunk", b"x")
+        .unwrap();
+    store
+        .store()
+        .put("data/000000000099-incr/t0001-000000.chunk", b"y")
+        .unwrap();
+    let before = store.restore(&ids[4]).unwrap().0;
+    let report = store.gc(Some(1)).unwrap();
+    assert_eq!(
+        report.checkpoints,
+        vec![ids[0].clone(), ids[1].clone(), ids[2].clone()]
+    );
+    let left: Vec<String> = store.list().unwrap().into_iter().map(|m| m.id).collect();
+    assert_eq!(
+        left,
+        vec![ids[3].clone(), ids[4].clone()],
+        "the newest and its full parent"
+    );
+    assert_eq!(store.manifest(&ids[3]).unwrap().kind, CheckpointKind::Full);
+    assert_eq!(store.restore(&ids[4]).unwrap().0, before);
+    let keys = store.store().list("data/").unwrap();
+    assert!(
+        !keys.iter().any(|k| k.contains("000000000035")),
+        "crash leftover removed"
+    );
+    assert!(
+        keys.iter().any(|k| k.contains("000000000099")),
+        "possibly in-progress data kept"
+    );
+    assert!(!keys.iter().any(|k| k.contains(&ids[0])));
+}

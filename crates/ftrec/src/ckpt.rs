@@ -95,6 +95,19 @@ pub fn run(command: CkptCommand) -> Result<()> {
                 );
             }
         }
+        CkptCommand::Gc { dir, keep, json } => {
+            let report = open(&dir)?.gc(keep)?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!(
+                    "removed {} checkpoints ({}) and {} files",
+                    report.checkpoints.len(),
+                    report.checkpoints.join(", "),
+                    report.files
+                );
+            }
+        }
         CkptCommand::Restore { dir, id, out, json } => {
             let ck = open(&dir)?;
             let id = match id {

@@ -45,6 +45,15 @@ pub enum CkptCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Delete checkpoints not retained and the data of crashed writes.
+    Gc {
+        dir: PathBuf,
+        /// Keep the newest N checkpoints (and every checkpoint their restore needs).
+        #[arg(long)]
+        keep: Option<usize>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Restore a checkpoint (newest by default): report its state digest and the restore
     /// time, and with `--out` save it as a model snapshot file.
     Restore {
