@@ -6,6 +6,7 @@ pub mod chunk;
 pub mod dense;
 mod engine;
 mod error;
+mod export;
 pub mod manifest;
 mod object;
 mod policy;
@@ -14,6 +15,7 @@ pub mod tracker;
 
 pub use engine::{CHUNK_BYTES, Checkpoints, GcReport};
 pub use error::CkptError;
+pub use export::export_safetensors;
 pub use manifest::{CheckpointKind, Manifest};
 pub use object::{ObjectStoreBackend, open_store};
 pub use policy::{Checkpointer, Strategy};

@@ -3,11 +3,11 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
-use ftrec_ckpt::{Checkpoints, Manifest, open_store};
+use ftrec_ckpt::{Checkpoints, Manifest, export_safetensors, open_store};
 use ftrec_train::{Progress, snapshot};
 use serde_json::json;
 
-use crate::cli::CkptCommand;
+use crate::cli::{CkptCommand, ExportFormat};
 
 /// `DIR` or `DIR@ID`. A path that exists as given is taken whole, so directories whose
 /// names contain `@` still work.
@@ -28,6 +28,17 @@ fn open(dir: &Path) -> Result<Checkpoints> {
         bail!("{}: no such checkpoint directory", dir.display());
     }
     Ok(Checkpoints::new(open_store(&location)?))
+}
+
+/// The given checkpoint id, or the newest one.
+fn resolve(ck: &Checkpoints, dir: &Path, id: Option<String>) -> Result<String> {
+    match id {
+        Some(id) => Ok(id),
+        None => match ck.latest()? {
+            Some(m) => Ok(m.id),
+            None => bail!("{}: no checkpoints", dir.display()),
+        },
+    }
 }
 
 fn summary(m: &Manifest) -> serde_json::Value {
@@ -95,6 +106,31 @@ pub fn run(command: CkptCommand) -> Result<()> {
                 );
             }
         }
+        CkptCommand::Export {
+            dir,
+            id,
+            format: ExportFormat::Safetensors,
+            out,
+            json,
+        } => {
+            let ck = open(&dir)?;
+            let id = resolve(&ck, &dir, id)?;
+            let (state, manifest) = ck.restore(&id)?;
+            let tensors = export_safetensors(&state, manifest.step, &out)?;
+            if json {
+                println!(
+                    "{}",
+                    json!({"id": id, "out": out, "tensors": tensors.len(),
+                           "state_digest": state.digest().to_string()})
+                );
+            } else {
+                println!(
+                    "exported {id} as {} tensors to {}",
+                    tensors.len(),
+                    out.display()
+                );
+            }
+        }
         CkptCommand::Gc { dir, keep, json } => {
             let report = open(&dir)?.gc(keep)?;
             if json {
@@ -110,13 +146,7 @@ pub fn run(command: CkptCommand) -> Result<()> {
         }
         CkptCommand::Restore { dir, id, out, json } => {
             let ck = open(&dir)?;
-            let id = match id {
-                Some(id) => id,
-                None => match ck.latest()? {
-                    Some(m) => m.id,
-                    None => bail!("{}: no checkpoints", dir.display()),
-                },
-            };
+            let id = resolve(&ck, &dir, id)?;
             let started = std::time::Instant::now();
             let (state, manifest) = ck.restore(&id)?;
             let seconds = started.elapsed().as_secs_f64();

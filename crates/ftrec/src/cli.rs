@@ -28,6 +28,12 @@ pub enum Command {
     Ckpt(CkptCommand),
 }
 
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ExportFormat {
+    /// Loadable by Python's `safetensors` and PyTorch; names in FORMAT.md.
+    Safetensors,
+}
+
 #[derive(Subcommand, Debug)]
 pub enum CkptCommand {
     /// List committed checkpoints.
@@ -42,6 +48,18 @@ pub enum CkptCommand {
     Verify {
         dir: PathBuf,
         id: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Export a checkpoint (newest by default) as named tensors.
+    Export {
+        dir: PathBuf,
+        #[arg(long)]
+        id: Option<String>,
+        #[arg(long, value_enum, default_value_t = ExportFormat::Safetensors)]
+        format: ExportFormat,
+        #[arg(long)]
+        out: PathBuf,
         #[arg(long)]
         json: bool,
     },

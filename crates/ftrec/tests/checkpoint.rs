@@ -247,3 +247,90 @@ fn checkpoints_to_s3_resume_bit_identically() {
     ));
     assert_eq!(resumed["state_digest"], full["state_digest"]);
 }
+
+#[test]
+fn safetensors_export_loads_in_python_with_the_right_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let ck = dir.path().join("ck");
+    let ck = ck.to_str().unwrap();
+    json_of(&ftrec(&train_args(
+        &data,
+        "12",
+        &[
+            "--checkpoint-dir",
+            ck,
+            "--set",
+            "optimizer.dense.kind=\"adam\"",
+        ],
+    )));
+    let out = dir.path().join("model.safetensors");
+    let snap = dir.path().join("model.ftm");
+    json_of(&ftrec(&[
+        "ckpt",
+        "export",
+        ck,
+        "--format",
+        "safetensors",
+        "--out",
+        out.to_str().unwrap(),
+        "--json",
+    ]));
+    json_of(&ftrec(&[
+        "ckpt",
+        "restore",
+        ck,
+        "--out",
+        snap.to_str().unwrap(),
+        "--json",
+    ]));
+    let script = r#"
+import json, sys
+from safetensors.numpy import load_file
+t = load_file(sys.argv[1])
+print(json.dumps({k: {"shape": list(v.shape), "dtype": str(v.dtype), "first": [float(x) for x in v.reshape(-1)[:40]]} for k, v in t.items()}))
+"#;
+    let py = Command::new("python3")
+        .args(["-c", script, out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "python safetensors: {}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    let tensors: Value = serde_json::from_slice(&py.stdout).unwrap();
+    let (state, _) = ftrec_train::snapshot::load(&snap).unwrap();
+    let dim = state.config().dim;
+    let e = &tensors["embedding_bags.3.weight"];
+    assert_eq!(e["shape"], serde_json::json!([2000, dim]));
+    assert_eq!(e["dtype"], "float32");
+    let row1 = &state.tables()[3].row(1);
+    for d in 0..dim {
+        assert_eq!(
+            e["first"][dim + d].as_f64().unwrap() as f32,
+            row1[d],
+            "embedding row 1"
+        );
+        assert_eq!(
+            tensors["embedding_bags.3.exp_avg_sq"]["first"][dim + d]
+                .as_f64()
+                .unwrap() as f32,
+            row1[2 * dim + d]
+        );
+    }
+    assert_eq!(tensors["embedding_bags.3.step"]["dtype"], "uint32");
+    assert_eq!(
+        tensors["embedding_bags.3.step"]["first"][1]
+            .as_f64()
+            .unwrap() as u32,
+        row1[3 * dim].to_bits()
+    );
+    let w = &tensors["top_mlp.0.weight"];
+    assert_eq!(w["shape"], serde_json::json!([32, 16 + 27 * 26 / 2]));
+    let first_param =
+        state.dense.params[ftrec_model::MlpSpec::dlrm_pair(state.config()).1.layers()[0].weight];
+    assert_eq!(w["first"][0].as_f64().unwrap() as f32, first_param);
+    assert!(tensors.get("top_mlp.0.weight.exp_avg").is_some());
+    assert_eq!(tensors["dense.step"]["first"][0], 12.0);
+}
