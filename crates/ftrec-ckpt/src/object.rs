@@ -57,13 +57,7 @@ impl ObjectStoreBackend {
     }
 
     fn path(&self, key: &str) -> Result<ObjectPath, CkptError> {
-        if key.is_empty()
-            || key
-                .split('/')
-                .any(|p| p.is_empty() || p == "." || p == "..")
-        {
-            return Err(CkptError::Invalid(format!("invalid object key {key:?}")));
-        }
+        crate::store::check_key(key)?;
         let full = if self.prefix.is_empty() {
             key.to_string()
         } else {

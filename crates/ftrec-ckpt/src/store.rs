@@ -39,15 +39,22 @@ impl LocalStore {
     }
 
     fn path(&self, key: &str) -> Result<PathBuf, CkptError> {
-        if key.is_empty()
-            || key
-                .split('/')
-                .any(|p| p.is_empty() || p == "." || p == "..")
-        {
-            return Err(CkptError::Invalid(format!("invalid object key {key:?}")));
-        }
+        check_key(key)?;
         Ok(self.root.join(key))
     }
+}
+
+/// Keys are relative `/`-separated paths without empty, `.` or `..` parts, so no backend
+/// can be made to write outside its root.
+pub(crate) fn check_key(key: &str) -> Result<(), CkptError> {
+    if key.is_empty()
+        || key
+            .split('/')
+            .any(|p| p.is_empty() || p == "." || p == "..")
+    {
+        return Err(CkptError::Invalid(format!("invalid object key {key:?}")));
+    }
+    Ok(())
 }
 
 fn io(path: &Path, error: std::io::Error) -> CkptError {
