@@ -160,6 +160,29 @@ impl Checkpoints {
         Ok(all)
     }
 
+    /// Like [`Checkpoints::list`], but damaged manifests are returned apart instead of
+    /// failing the listing (for `--fallback`).
+    pub fn list_lenient(&self) -> Result<(Vec<Manifest>, Vec<CkptError>), CkptError> {
+        let (mut good, mut bad) = (Vec::new(), Vec::new());
+        for key in self
+            .store
+            .list("manifests/")?
+            .iter()
+            .filter(|k| k.ends_with(".man"))
+        {
+            match self
+                .store
+                .get(key)
+                .and_then(|b| Manifest::decode(&self.store.describe(key), &b))
+            {
+                Ok(m) => good.push(m),
+                Err(e) => bad.push(e),
+            }
+        }
+        good.sort_by_key(|m| (m.step, m.created_unix_ms));
+        Ok((good, bad))
+    }
+
     pub fn manifest(&self, id: &str) -> Result<Manifest, CkptError> {
         let key = Manifest::key_for(id);
         Manifest::decode(&self.store.describe(&key), &self.store.get(&key)?)

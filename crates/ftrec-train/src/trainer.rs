@@ -64,6 +64,8 @@ pub struct Trainer {
     pool: ThreadPool,
     batch: Batch,
     checkpointer: Option<Checkpointer>,
+    /// The checkpoint this trainer was resumed from.
+    pub resumed_from: Option<String>,
 }
 
 impl Trainer {
@@ -127,6 +129,7 @@ impl Trainer {
             model,
             pool,
             checkpointer: None,
+            resumed_from: None,
         })
     }
 
@@ -158,26 +161,50 @@ impl Trainer {
 
     /// A trainer restored from checkpoint `id` (the newest when `None`) in `dir`: model
     /// state, optimizer state, dense step and data position are those of the checkpoint.
+    /// A damaged checkpoint is an error, unless `fallback` is set: then the newest older
+    /// checkpoint that restores cleanly is used.
     pub fn resume(
         config: &TrainConfig,
         dir: &std::path::Path,
         id: Option<&str>,
+        fallback: bool,
     ) -> Result<Self, TrainError> {
         let ck = Checkpoints::new(open_store(&dir.to_string_lossy())?);
-        let id = match id {
-            Some(id) => id.to_string(),
-            None => {
-                ck.latest()?
-                    .ok_or_else(|| {
-                        TrainError::Config(format!(
-                            "{}: no checkpoint to resume from",
-                            dir.display()
-                        ))
-                    })?
-                    .id
+        let no_checkpoint =
+            || TrainError::Config(format!("{}: no checkpoint to resume from", dir.display()));
+        let (state, manifest) = if fallback {
+            // Newest first, starting at the requested checkpoint; damaged ones are skipped
+            // and reported, so the user sees what was passed over.
+            let (good, damaged) = ck.list_lenient()?;
+            for e in &damaged {
+                tracing::warn!("skipping a damaged manifest: {e}");
             }
+            let limit = id
+                .and_then(|id| good.iter().find(|m| m.id == id))
+                .map(|m| m.step);
+            let mut restored = None;
+            for m in good
+                .iter()
+                .rev()
+                .filter(|m| limit.is_none_or(|l| m.step <= l))
+            {
+                match ck.restore(&m.id) {
+                    Ok(r) => {
+                        restored = Some(r);
+                        break;
+                    }
+                    Err(e) => tracing::warn!("--fallback: checkpoint {} is unusable: {e}", m.id),
+                }
+            }
+            restored.ok_or_else(no_checkpoint)?
+        } else {
+            let id = match id {
+                Some(id) => id.to_string(),
+                None => ck.latest()?.ok_or_else(no_checkpoint)?.id,
+            };
+            ck.restore(&id)?
         };
-        let (state, manifest) = ck.restore(&id)?;
+        let id = manifest.id.clone();
         let progress: Progress = serde_json::from_value(manifest.trainer.clone()).map_err(|e| {
             TrainError::Config(format!("checkpoint {id}: unreadable trainer progress: {e}"))
         })?;
@@ -186,7 +213,9 @@ impl Trainer {
                 "checkpoint {id} was written by a model with another architecture or optimizer than this configuration"
             )));
         }
-        Self::with_state(config, state, progress)
+        let mut trainer = Self::with_state(config, state, progress)?;
+        trainer.resumed_from = Some(id);
+        Ok(trainer)
     }
 
     /// Writes a checkpoint of the current state now (kind chosen by the strategy).

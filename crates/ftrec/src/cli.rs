@@ -125,6 +125,10 @@ pub struct TrainArgs {
     /// Resume from `DIR` (newest checkpoint) or `DIR@ID`. `--steps` still counts total steps.
     #[arg(long, value_name = "DIR[@ID]")]
     pub resume: Option<String>,
+    /// With `--resume`: if the checkpoint is damaged, use the newest older one that
+    /// restores cleanly (reported as `resumed_from`).
+    #[arg(long, requires = "resume")]
+    pub fallback: bool,
     /// Print one JSON object with the results.
     #[arg(long)]
     pub json: bool,

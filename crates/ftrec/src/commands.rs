@@ -59,6 +59,7 @@ fn open_split(dir: &Path, file: &str) -> Result<Dataset> {
 }
 
 struct TrainOutcome {
+    resumed_from: Option<String>,
     report: ftrec_train::TrainReport,
     metrics: ftrec_model::metrics::Metrics,
     digest: String,
@@ -69,6 +70,7 @@ fn train_and_eval(
     dir: &Path,
     save: Option<&Path>,
     resume: Option<&str>,
+    fallback: bool,
     quiet: bool,
 ) -> Result<TrainOutcome> {
     let train_ds = open_split(dir, TRAIN_FILE)?;
@@ -76,7 +78,7 @@ fn train_and_eval(
     let mut trainer = match resume {
         Some(spec) => {
             let (ck_dir, id) = crate::ckpt::parse_location(spec);
-            Trainer::resume(config, &ck_dir, id.as_deref())?
+            Trainer::resume(config, &ck_dir, id.as_deref(), fallback)?
         }
         None => Trainer::new(config)?,
     };
@@ -102,6 +104,7 @@ fn train_and_eval(
         snapshot::save(path, &trainer.state, trainer.progress)?;
     }
     Ok(TrainOutcome {
+        resumed_from: trainer.resumed_from.clone(),
         report,
         metrics,
         digest: trainer.digest().to_string(),
@@ -129,7 +132,14 @@ fn train(a: TrainArgs) -> Result<()> {
     let Some(dir) = config.data.dir.clone() else {
         bail!("no dataset: pass --data DIR or set data.dir");
     };
-    let out = train_and_eval(&config, &dir, a.save.as_deref(), a.resume.as_deref(), false)?;
+    let out = train_and_eval(
+        &config,
+        &dir,
+        a.save.as_deref(),
+        a.resume.as_deref(),
+        a.fallback,
+        false,
+    )?;
     let teacher_auc = read_meta(&dir).map(|m| m.teacher_auc);
     if a.json {
         return print_json(json!({
@@ -145,6 +155,7 @@ fn train(a: TrainArgs) -> Result<()> {
             "state_digest": out.digest,
             "teacher_auc": teacher_auc,
             "checkpoints": out.report.checkpoints,
+            "resumed_from": out.resumed_from,
         }));
     }
     println!(
@@ -364,7 +375,7 @@ fn demo(a: DemoArgs) -> Result<()> {
             meta.train_samples
         );
     }
-    let out = train_and_eval(&config, &a.dir, None, None, a.json)?;
+    let out = train_and_eval(&config, &a.dir, None, None, false, a.json)?;
     let gap = meta.teacher_auc - out.metrics.auc;
     if a.json {
         return print_json(json!({

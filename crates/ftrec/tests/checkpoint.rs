@@ -334,3 +334,51 @@ print(json.dumps({k: {"shape": list(v.shape), "dtype": str(v.dtype), "first": [f
     assert!(tensors.get("top_mlp.0.weight.exp_avg").is_some());
     assert_eq!(tensors["dense.step"]["first"][0], 12.0);
 }
+
+#[test]
+fn a_damaged_newest_checkpoint_is_an_error_unless_fallback_is_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let ck = dir.path().join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let full = json_of(&ftrec(&train_args(&data, "30", &[])));
+    json_of(&ftrec(&train_args(
+        &data,
+        "20",
+        &[
+            "--checkpoint-dir",
+            ck_s,
+            "--set",
+            "checkpoint.every_steps=10",
+        ],
+    )));
+    // Flip one byte in a row chunk of the newest checkpoint.
+    let chunk = std::fs::read_dir(ck.join("data/000000000020-full"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "chunk"))
+        .unwrap();
+    let mut bytes = std::fs::read(&chunk).unwrap();
+    let n = bytes.len();
+    bytes[n - 9] ^= 0x20;
+    std::fs::write(&chunk, &bytes).unwrap();
+
+    let strict = ftrec(&train_args(&data, "30", &["--resume", ck_s]));
+    assert!(
+        !strict.status.success(),
+        "a damaged checkpoint must not be used silently"
+    );
+    let err = String::from_utf8_lossy(&strict.stderr);
+    let name = chunk.file_name().unwrap().to_str().unwrap();
+    assert!(err.contains(name) && err.contains("checksum"), "{err}");
+    let verify = ftrec(&["ckpt", "verify", ck_s]);
+    assert!(!verify.status.success());
+
+    let fell_back = json_of(&ftrec(&train_args(
+        &data,
+        "30",
+        &["--resume", ck_s, "--fallback"],
+    )));
+    assert_eq!(fell_back["resumed_from"], "000000000010-full");
+    assert_eq!(fell_back["state_digest"], full["state_digest"]);
+}
