@@ -208,12 +208,14 @@ impl Trainer {
         let progress: Progress = serde_json::from_value(manifest.trainer.clone()).map_err(|e| {
             TrainError::Config(format!("checkpoint {id}: unreadable trainer progress: {e}"))
         })?;
-        if state.config() != &config.model_config()? {
+        let model_config = config.model_config()?;
+        if state.config() != &model_config {
             return Err(TrainError::Config(format!(
                 "checkpoint {id} was written by a model with another architecture or optimizer than this configuration"
             )));
         }
-        let mut trainer = Self::with_state(config, state, progress)?;
+        let mut trainer =
+            Self::assemble(config, model_config, Self::pool(config)?, state, progress)?;
         trainer.resumed_from = Some(id);
         Ok(trainer)
     }
@@ -241,17 +243,6 @@ impl Trainer {
                 ck.compact();
             }
         }
-    }
-
-    /// Replaces the model state and progress (from a snapshot or checkpoint). The state's
-    /// architecture and optimizers must be the ones this trainer was configured with.
-    pub fn restore(&mut self, state: ModelState, progress: Progress) -> Result<(), TrainError> {
-        if state.config() != &self.model_config {
-            return Err(Self::mismatch());
-        }
-        self.state = state;
-        self.progress = progress;
-        Ok(())
     }
 
     pub fn config(&self) -> &TrainConfig {

@@ -69,8 +69,7 @@ fn resumed_from_snapshot_equals_uninterrupted() {
     snapshot::save(&path, &first.state, first.progress).unwrap();
     let (state, progress) = snapshot::load(&path).unwrap();
     assert_eq!(state, first.state);
-    let mut resumed = Trainer::new(&cfg).unwrap();
-    resumed.restore(state, progress).unwrap();
+    let mut resumed = Trainer::with_state(&cfg, state, progress).unwrap();
     resumed.train(&data, 45, |_| {}).unwrap();
     assert_eq!(resumed.progress, full.progress);
     assert_eq!(resumed.digest(), full.digest());
