@@ -90,6 +90,19 @@ pub fn encode<'a>(
     rows: &[u32],
     row_data: impl Fn(u32) -> &'a [f32],
 ) -> Vec<u8> {
+    encode_bytes(table, stride, rows, |i| {
+        bytemuck::cast_slice(row_data(rows[i]))
+    })
+}
+
+/// Like [`encode`], with the `i`-th row's payload given as little-endian bytes (as
+/// [`decode`] delivers them), so chunks can be split without converting floats.
+pub fn encode_bytes<'a>(
+    table: u32,
+    stride: usize,
+    rows: &[u32],
+    payload: impl Fn(usize) -> &'a [u8],
+) -> Vec<u8> {
     let header = ChunkHeader {
         table,
         stride: stride as u32,
@@ -98,13 +111,13 @@ pub fn encode<'a>(
     };
     let mut out = Vec::with_capacity(header.file_len() as usize);
     out.extend_from_slice(&header.encode());
-    for block in rows.chunks(BLOCK_ROWS) {
+    for (b, block) in rows.chunks(BLOCK_ROWS).enumerate() {
         let start = out.len();
         for r in block {
             out.extend_from_slice(&r.to_le_bytes());
         }
-        for &r in block {
-            out.extend_from_slice(bytemuck::cast_slice(row_data(r)));
+        for i in 0..block.len() {
+            out.extend_from_slice(payload(b * BLOCK_ROWS + i));
         }
         let crc = crc32c::crc32c(&out[start..]);
         out.extend_from_slice(&crc.to_le_bytes());
@@ -115,10 +128,10 @@ pub fn encode<'a>(
 /// Checks a whole chunk and calls `visit(row, little-endian row bytes)` for each row, in
 /// ascending row order. Nothing is visited from a block before its checksum is verified, so
 /// a damaged chunk never delivers wrong rows.
-pub fn decode(
+pub fn decode<'b>(
     key: &str,
-    bytes: &[u8],
-    mut visit: impl FnMut(u32, &[u8]) -> Result<(), CkptError>,
+    bytes: &'b [u8],
+    mut visit: impl FnMut(u32, &'b [u8]) -> Result<(), CkptError>,
 ) -> Result<ChunkHeader, CkptError> {
     let h = ChunkHeader::decode(key, bytes)?;
     if bytes.len() as u64 != h.file_len() {

@@ -1,10 +1,12 @@
 //! Writing, listing, verifying and restoring checkpoints in a [`Store`].
 
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use ftrec_model::ModelState;
+use ftrec_model::{EmbeddingTable, ModelState};
 use rayon::prelude::*;
 
+use crate::chunklist::{ChunkList, ListChunk, prefix_for};
 use crate::manifest::{CheckpointKind, FileEntry, Manifest};
 use crate::{CkptError, Store, chunk, dense};
 
@@ -14,6 +16,29 @@ pub const CHUNK_BYTES: usize = 4 << 20;
 /// Longest parent chain a restore follows before declaring the lineage broken.
 const MAX_CHAIN: usize = 100_000;
 
+pub(crate) fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The encoded dense file of `state` for checkpoint `id`, and its manifest entry.
+pub(crate) fn dense_entry(state: &ModelState, id: &str) -> (FileEntry, Vec<u8>) {
+    let bytes = dense::encode(
+        &state.dense.params,
+        &state.dense.optimizer_state,
+        state.dense.step,
+    );
+    let entry = FileEntry {
+        key: format!("data/{id}/dense.bin"),
+        bytes: bytes.len() as u64,
+        crc32c: crc32c::crc32c(&bytes),
+        table: None,
+        rows: 0,
+    };
+    (entry, bytes)
+}
+
 /// What [`Checkpoints::gc`] removed.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct GcReport {
@@ -21,13 +46,17 @@ pub struct GcReport {
     pub files: u64,
 }
 
+/// Checkpoints in one store. Cloning shares the store, so background writers can hold it.
+#[derive(Clone)]
 pub struct Checkpoints {
-    store: Box<dyn Store>,
+    store: Arc<dyn Store>,
 }
 
 impl Checkpoints {
     pub fn new(store: Box<dyn Store>) -> Self {
-        Self { store }
+        Self {
+            store: Arc::from(store),
+        }
     }
 
     pub fn store(&self) -> &dyn Store {
@@ -116,31 +145,19 @@ impl Checkpoints {
             })
             .collect::<Result<Vec<_>, CkptError>>()?;
         chunks.sort_by(|a, b| a.key.cmp(&b.key));
-        let dense_bytes = dense::encode(
-            &state.dense.params,
-            &state.dense.optimizer_state,
-            state.dense.step,
-        );
-        let dense_key = format!("data/{id}/dense.bin");
-        self.store.put(&dense_key, &dense_bytes)?;
+        let (dense, dense_bytes) = dense_entry(state, &id);
+        self.store.put(&dense.key, &dense_bytes)?;
         let manifest = Manifest {
             id: id.clone(),
             kind,
             step,
             parents,
-            created_unix_ms: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
+            created_unix_ms: now_unix_ms(),
             model: state.config().clone(),
-            dense: FileEntry {
-                key: dense_key,
-                bytes: dense_bytes.len() as u64,
-                crc32c: crc32c::crc32c(&dense_bytes),
-                table: None,
-                rows: 0,
-            },
+            dense,
             chunks,
             trainer,
+            incrcp: None,
         };
         self.store
             .put(&Manifest::key_for(&id), &manifest.encode()?)?;
@@ -273,8 +290,71 @@ impl Checkpoints {
         Ok((state, target))
     }
 
+    /// The current chunk list of an IncrCP checkpoint's baseline, and its column there.
+    pub fn incrcp_list(&self, manifest: &Manifest) -> Result<(ChunkList, u32), CkptError> {
+        let invalid = |m: &str| CkptError::Invalid(format!("checkpoint {}: {m}", manifest.id));
+        let (Some(r), [baseline]) = (&manifest.incrcp, manifest.parents.as_slice()) else {
+            return Err(invalid(
+                "an IncrCP checkpoint needs its column and one baseline",
+            ));
+        };
+        let list = ChunkList::load_current(&*self.store, baseline)?.ok_or_else(|| {
+            CkptError::NotFound(format!(
+                "checkpoint {}: no chunk list under {}",
+                manifest.id,
+                self.store.describe(&prefix_for(baseline))
+            ))
+        })?;
+        if list.columns.get(r.column as usize) != Some(&manifest.id) {
+            return Err(CkptError::corrupt(
+                &self.store.describe(&list.key()),
+                format!("column {} is not checkpoint {}", r.column, manifest.id),
+            ));
+        }
+        Ok((list, r.column))
+    }
+
+    /// Writes the rows of an IncrCP checkpoint into `state` (already holding its
+    /// baseline): the chunks of its rectangle, per table in column order, newest wins.
+    fn apply_incrcp(&self, manifest: &Manifest, state: &mut ModelState) -> Result<(), CkptError> {
+        let (list, column) = self.incrcp_list(manifest)?;
+        let mut by_table: Vec<Vec<&ListChunk>> = vec![Vec::new(); state.tables().len()];
+        for c in list.rectangle(column) {
+            by_table
+                .get_mut(c.table as usize)
+                .ok_or_else(|| {
+                    CkptError::corrupt(&c.key, "chunk names a table the model does not have")
+                })?
+                .push(c);
+        }
+        state
+            .tables_mut()
+            .par_iter_mut()
+            .zip(&by_table)
+            .enumerate()
+            .try_for_each(|(t, (table, chunks))| {
+                for c in chunks {
+                    let bytes = c.read(&*self.store)?;
+                    let where_ = self.store.describe(&c.key);
+                    let header = chunk::decode(&where_, &bytes, |row, payload| {
+                        store_row(table, t, &where_, row, payload)
+                    })?;
+                    if header.table as usize != t {
+                        return Err(CkptError::corrupt(
+                            &where_,
+                            format!("holds table {}, chunk list says {t}", header.table),
+                        ));
+                    }
+                }
+                Ok(())
+            })
+    }
+
     /// Writes the rows stored by one checkpoint into `state`.
     fn apply_rows(&self, manifest: &Manifest, state: &mut ModelState) -> Result<(), CkptError> {
+        if manifest.kind == CheckpointKind::Incrcp {
+            return self.apply_incrcp(manifest, state);
+        }
         let tables = state.tables().len();
         let mut by_table: Vec<Vec<&FileEntry>> = vec![Vec::new(); tables];
         for c in &manifest.chunks {
@@ -301,24 +381,15 @@ impl Checkpoints {
                     let bytes = self.fetch(entry)?;
                     let where_ = self.store.describe(&entry.key);
                     let header = chunk::decode(&where_, &bytes, |row, payload| {
-                        let row = row as usize;
-                        if row >= table.rows() || payload.len() != table.stride() * 4 {
+                        let r = row as usize;
+                        if (full && r != next_row) || r < next_row {
                             return Err(CkptError::corrupt(
                                 &where_,
-                                format!("row {row} does not fit table {t}"),
+                                format!("row {r} out of order: rows from {next_row} were due"),
                             ));
                         }
-                        if (full && row != next_row) || row < next_row {
-                            return Err(CkptError::corrupt(
-                                &where_,
-                                format!("row {row} out of order: rows from {next_row} were due"),
-                            ));
-                        }
-                        next_row = row + 1;
-                        for (d, c) in table.row_mut(row).iter_mut().zip(payload.chunks_exact(4)) {
-                            *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                        }
-                        Ok(())
+                        next_row = r + 1;
+                        store_row(table, t, &where_, row, payload)
                     })?;
                     if header.table as usize != t {
                         return Err(CkptError::corrupt(
@@ -376,6 +447,32 @@ impl Checkpoints {
                 report.files += 1;
             }
         }
+        let mut lists: std::collections::BTreeMap<String, Option<ChunkList>> = Default::default();
+        for key in self.store.list("incrcp/")? {
+            let Some((baseline, name)) =
+                key.strip_prefix("incrcp/").and_then(|k| k.split_once('/'))
+            else {
+                continue;
+            };
+            let dead = if retained.contains(baseline) {
+                if !lists.contains_key(baseline) {
+                    let list = ChunkList::load_current(&*self.store, baseline)?;
+                    lists.insert(baseline.to_string(), list);
+                }
+                lists
+                    .get(baseline)
+                    .and_then(|l| l.as_ref())
+                    .is_some_and(|list| list.is_garbage(name))
+            } else {
+                let step: Option<u64> = baseline.split('-').next().and_then(|s| s.parse().ok());
+                all.iter().any(|m| m.id == baseline)
+                    || step.is_some_and(|s| newest_step.is_some_and(|n| s <= n))
+            };
+            if dead {
+                self.store.delete(&key)?;
+                report.files += 1;
+            }
+        }
         Ok(report)
     }
 
@@ -387,8 +484,36 @@ impl Checkpoints {
             let bytes = self.fetch(entry)?;
             chunk::decode(&self.store.describe(&entry.key), &bytes, |_, _| Ok(())).map(|_| ())
         })?;
+        if manifest.kind == CheckpointKind::Incrcp {
+            let (list, column) = self.incrcp_list(&manifest)?;
+            list.rectangle(column).par_iter().try_for_each(|c| {
+                let bytes = c.read(&*self.store)?;
+                chunk::decode(&self.store.describe(&c.key), &bytes, |_, _| Ok(())).map(|_| ())
+            })?;
+        }
         self.fetch(&manifest.dense)?;
         self.lineage(id)?;
         Ok(manifest)
     }
+}
+
+/// Writes one row's little-endian payload into table `t`.
+fn store_row(
+    table: &mut EmbeddingTable,
+    t: usize,
+    where_: &str,
+    row: u32,
+    payload: &[u8],
+) -> Result<(), CkptError> {
+    let row = row as usize;
+    if row >= table.rows() || payload.len() != table.stride() * 4 {
+        return Err(CkptError::corrupt(
+            where_,
+            format!("row {row} does not fit table {t}"),
+        ));
+    }
+    for (d, c) in table.row_mut(row).iter_mut().zip(payload.chunks_exact(4)) {
+        *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+    Ok(())
 }

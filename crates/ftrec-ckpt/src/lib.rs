@@ -2,11 +2,19 @@
 //! exact restore. Strategies beyond `full` (differential, naive incremental, IncrCP, DECK)
 //! build on the same chunk format and manifests.
 
+// Chunks and dense files are written with `bytemuck` casts of f32 slices: the format is
+// little-endian, so a big-endian build would write the wrong bytes.
+#[cfg(target_endian = "big")]
+compile_error!("ftrec-ckpt writes native f32 bytes and supports only little-endian targets");
+
 pub mod chunk;
+pub mod chunklist;
 pub mod dense;
 mod engine;
 mod error;
 mod export;
+pub mod incrcp;
+mod incrcp_worker;
 pub mod manifest;
 mod object;
 mod policy;
@@ -16,7 +24,8 @@ pub mod tracker;
 pub use engine::{CHUNK_BYTES, Checkpoints, GcReport};
 pub use error::CkptError;
 pub use export::export_safetensors;
-pub use manifest::{CheckpointKind, Manifest};
+pub use incrcp_worker::CommitReport;
+pub use manifest::{CheckpointKind, IncrcpRef, Manifest};
 pub use object::{ObjectStoreBackend, open_store};
 pub use policy::{Checkpointer, Strategy};
 pub use store::{LocalStore, Store};

@@ -19,6 +19,9 @@ pub enum CheckpointKind {
     /// Rows changed since the previous checkpoint (its only parent); restore replays the
     /// chain back to a full checkpoint.
     NaiveIncremental,
+    /// Rows changed since the previous checkpoint, kept in the 2-D chunk list of its
+    /// baseline (the only parent); restore reads only its rectangle of that list.
+    Incrcp,
 }
 
 impl CheckpointKind {
@@ -28,6 +31,7 @@ impl CheckpointKind {
             CheckpointKind::Full => "full",
             CheckpointKind::Differential => "diff",
             CheckpointKind::NaiveIncremental => "incr",
+            CheckpointKind::Incrcp => "incrcp",
         }
     }
 }
@@ -58,6 +62,17 @@ pub struct Manifest {
     pub chunks: Vec<FileEntry>,
     /// Trainer-defined state (data position, counters), restored as is.
     pub trainer: serde_json::Value,
+    /// For an IncrCP checkpoint, its place in the baseline's chunk list (its rows live
+    /// there, not in `chunks`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incrcp: Option<IncrcpRef>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IncrcpRef {
+    pub column: u32,
+    /// Bytes of row chunks this checkpoint wrote.
+    pub bytes: u64,
 }
 
 impl Manifest {
@@ -66,7 +81,9 @@ impl Manifest {
     }
 
     pub fn bytes(&self) -> u64 {
-        self.dense.bytes + self.chunks.iter().map(|c| c.bytes).sum::<u64>()
+        self.dense.bytes
+            + self.chunks.iter().map(|c| c.bytes).sum::<u64>()
+            + self.incrcp.as_ref().map_or(0, |i| i.bytes)
     }
 
     pub fn encode(&self) -> Result<Vec<u8>, CkptError> {

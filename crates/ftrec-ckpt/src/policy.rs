@@ -6,8 +6,10 @@ use std::time::Instant;
 use ftrec_model::ModelState;
 use serde::{Deserialize, Serialize};
 
+use crate::incrcp;
+use crate::incrcp_worker::{CommitReport, IncrcpWorker};
 use crate::manifest::{CheckpointKind, Manifest};
-use crate::{Checkpoints, CkptError, DeltaTracker, TenantId};
+use crate::{CHUNK_BYTES, Checkpoints, CkptError, DeltaTracker, TenantId};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -18,6 +20,68 @@ pub enum Strategy {
     Differential,
     /// Rows changed since the previous checkpoint; restore replays the chain.
     NaiveIncremental,
+    /// Rows changed since the previous checkpoint, in IncrCP's 2-D chunk list: written in
+    /// the background, restored from one rectangle, baseline reset when cheaper.
+    Incrcp,
+}
+
+impl Strategy {
+    /// `checkpoint.full_every` when the user sets none: IncrCP decides its baseline
+    /// resets from measured costs, so it has no fixed cap.
+    pub fn default_full_every(self) -> u64 {
+        match self {
+            Strategy::Incrcp => 0,
+            _ => 10,
+        }
+    }
+}
+
+/// IncrCP §4.5: before each checkpoint, assume a failure follows it and pick the kind
+/// with the shorter construction plus recovery time. A new baseline costs `C_base` (and
+/// `R_base` to recover); another increment costs `C_incre`, `R_base` and `R_i`, the
+/// recovery of the rows since the baseline, extrapolated from the last two checkpoints.
+#[derive(Clone, Debug, Default)]
+struct ResetModel {
+    base_seconds: Option<f64>,
+    base_bytes: u64,
+    incr_seconds: Option<f64>,
+    /// Estimated recovery seconds of the last two increments, oldest first.
+    recovery: [Option<f64>; 2],
+    /// Measured read speed, when known; otherwise the baseline's write speed stands in.
+    read_bytes_per_second: Option<f64>,
+}
+
+impl ResetModel {
+    fn record_recovery(&mut self, rectangle_bytes: u64) {
+        let speed = self.read_bytes_per_second.or_else(|| {
+            self.base_seconds
+                .filter(|&s| s > 0.0)
+                .map(|s| self.base_bytes as f64 / s)
+        });
+        if let Some(speed) = speed.filter(|&s| s > 0.0) {
+            self.recovery = [self.recovery[1], Some(rectangle_bytes as f64 / speed)];
+        }
+    }
+
+    fn next_recovery(&self) -> Option<f64> {
+        match self.recovery {
+            [Some(a), Some(b)] => Some((2.0 * b - a).max(b)),
+            [_, b] => b,
+        }
+    }
+
+    fn prefers_baseline(&self) -> bool {
+        match (self.base_seconds, self.incr_seconds, self.next_recovery()) {
+            (Some(c_base), Some(c_incre), Some(r_i)) => c_base < c_incre + r_i,
+            _ => false,
+        }
+    }
+
+    fn new_baseline(&mut self, seconds: f64, bytes: u64) {
+        self.base_seconds = Some(seconds);
+        self.base_bytes = bytes;
+        self.recovery = [None, None];
+    }
 }
 
 /// Takes checkpoints of a training run according to a [`Strategy`].
@@ -33,18 +97,63 @@ pub struct Checkpointer {
     since_full: u64,
     /// Seconds spent in `track` and `compact`, to report the tracking overhead.
     tracking_seconds: f64,
+    incrcp: Option<IncrcpState>,
+    /// Size of the row chunks IncrCP copies increments into.
+    chunk_bytes: usize,
+}
+
+/// IncrCP's side of the checkpointer: the background writer and the reset model.
+struct IncrcpState {
+    worker: IncrcpWorker,
+    column: u32,
+    reset: ResetModel,
+    reports: Vec<CommitReport>,
+    baselines: u32,
 }
 
 impl Checkpointer {
+    /// A checkpointer with IncrCP's default extraction threshold.
     pub fn new(
         checkpoints: Checkpoints,
         strategy: Strategy,
         full_every: u64,
         tables: usize,
-    ) -> Self {
+    ) -> Result<Self, CkptError> {
+        Self::with_threshold(
+            checkpoints,
+            strategy,
+            full_every,
+            tables,
+            incrcp::DEFAULT_THRESHOLD,
+        )
+    }
+
+    /// `threshold` is IncrCP's R (ignored by the other strategies).
+    pub fn with_threshold(
+        checkpoints: Checkpoints,
+        strategy: Strategy,
+        full_every: u64,
+        tables: usize,
+        threshold: f64,
+    ) -> Result<Self, CkptError> {
+        if !(0.0..=1.0).contains(&threshold) {
+            return Err(CkptError::Invalid(format!(
+                "incrcp threshold R = {threshold}: must be within 0..=1"
+            )));
+        }
         let mut tracker = DeltaTracker::new(tables);
         let tenant = tracker.register("checkpointer");
-        Self {
+        let incrcp = match strategy {
+            Strategy::Incrcp => Some(IncrcpState {
+                worker: IncrcpWorker::spawn(checkpoints.clone(), threshold)?,
+                column: 0,
+                reset: ResetModel::default(),
+                reports: Vec::new(),
+                baselines: 0,
+            }),
+            _ => None,
+        };
+        Ok(Self {
             checkpoints,
             strategy,
             full_every,
@@ -54,7 +163,64 @@ impl Checkpointer {
             baseline: None,
             since_full: 0,
             tracking_seconds: 0.0,
+            incrcp,
+            chunk_bytes: CHUNK_BYTES,
+        })
+    }
+
+    /// Sets the size of IncrCP's increment chunks (smaller chunks give the key-range
+    /// filter more to work with, at more objects per checkpoint).
+    pub fn set_chunk_bytes(&mut self, bytes: usize) {
+        self.chunk_bytes = bytes.max(1);
+    }
+
+    /// Tells IncrCP's reset model how fast checkpoints are read back (measured by a
+    /// restore), instead of assuming the baseline's write speed.
+    pub fn set_read_bandwidth(&mut self, bytes_per_second: f64) {
+        if let Some(i) = &mut self.incrcp {
+            i.reset.read_bytes_per_second = Some(bytes_per_second);
         }
+    }
+
+    /// Reports of committed IncrCP increments, oldest first.
+    pub fn incrcp_reports(&self) -> &[CommitReport] {
+        self.incrcp.as_ref().map_or(&[], |i| &i.reports)
+    }
+
+    /// Number of IncrCP baselines (full checkpoints) written.
+    pub fn incrcp_baselines(&self) -> u32 {
+        self.incrcp.as_ref().map_or(0, |i| i.baselines)
+    }
+
+    /// Waits until every checkpoint taken so far is committed. A background write that
+    /// failed is reported here (or by the next `checkpoint`).
+    pub fn flush(&mut self) -> Result<(), CkptError> {
+        let Some(i) = &mut self.incrcp else {
+            return Ok(());
+        };
+        let reports = i.worker.wait_idle();
+        self.absorb(reports)
+    }
+
+    fn absorb(&mut self, reports: Vec<Result<CommitReport, CkptError>>) -> Result<(), CkptError> {
+        let Some(i) = &mut self.incrcp else {
+            return Ok(());
+        };
+        let mut first_error = None;
+        for r in reports {
+            match r {
+                Ok(report) => {
+                    i.reset.record_recovery(report.rectangle_bytes);
+                    i.reports.push(report);
+                }
+                Err(e) => {
+                    // The chain is broken: the next checkpoint starts a new baseline.
+                    self.baseline = None;
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     pub fn checkpoints(&self) -> &Checkpoints {
@@ -95,6 +261,9 @@ impl Checkpointer {
         step: u64,
         trainer: serde_json::Value,
     ) -> Result<Manifest, CkptError> {
+        if self.strategy == Strategy::Incrcp {
+            return self.checkpoint_incrcp(state, step, trainer);
+        }
         let need_full = self.strategy == Strategy::Full
             || self.baseline.is_none()
             || (self.full_every > 0 && self.since_full + 1 >= self.full_every);
@@ -123,6 +292,70 @@ impl Checkpointer {
             self.checkpoints
                 .write(state, step, kind, Some(&rows), vec![parent], trainer)?
         };
+        self.last = Some(manifest.id.clone());
+        Ok(manifest)
+    }
+
+    /// IncrCP: a new baseline when the reset model prefers one (or `full_every` asks);
+    /// otherwise the changed rows are copied out and handed to the background writer.
+    /// The returned manifest is committed once `flush` (or a later checkpoint) returns.
+    fn checkpoint_incrcp(
+        &mut self,
+        state: &ModelState,
+        step: u64,
+        trainer: serde_json::Value,
+    ) -> Result<Manifest, CkptError> {
+        let polled = match &mut self.incrcp {
+            Some(i) => i.worker.poll(),
+            None => return Err(CkptError::Invalid("incrcp state missing".into())),
+        };
+        self.absorb(polled)?;
+        let cap = self.full_every > 0 && self.since_full + 1 >= self.full_every;
+        let prefers = self
+            .incrcp
+            .as_ref()
+            .is_some_and(|i| i.reset.prefers_baseline());
+        if self.baseline.is_none() || cap || prefers {
+            // Finish the old chain first: its extraction rounds must not race the reset.
+            self.flush()?;
+            let start = Instant::now();
+            let m = self.checkpoints.write_full(state, step, trainer)?;
+            let seconds = start.elapsed().as_secs_f64();
+            self.tracker.take(self.tenant);
+            self.baseline = Some(m.id.clone());
+            self.last = Some(m.id.clone());
+            self.since_full = 0;
+            if let Some(i) = &mut self.incrcp {
+                i.reset.new_baseline(seconds, m.bytes());
+                i.column = 0;
+                i.baselines += 1;
+                i.worker.start_baseline(&m.id)?;
+            }
+            return Ok(m);
+        }
+        let start = Instant::now();
+        let rows = self.tracker.take(self.tenant);
+        let baseline = self
+            .baseline
+            .clone()
+            .ok_or_else(|| CkptError::Invalid("incrcp increment without a baseline".into()))?;
+        let Some(i) = &mut self.incrcp else {
+            return Err(CkptError::Invalid("incrcp state missing".into()));
+        };
+        let inc = incrcp::copy_increment(
+            state,
+            step,
+            &rows,
+            &baseline,
+            i.column,
+            trainer,
+            self.chunk_bytes,
+        )?;
+        let manifest = inc.manifest.clone();
+        i.worker.submit(inc, state.tables().len())?;
+        i.column += 1;
+        i.reset.incr_seconds = Some(start.elapsed().as_secs_f64());
+        self.since_full += 1;
         self.last = Some(manifest.id.clone());
         Ok(manifest)
     }

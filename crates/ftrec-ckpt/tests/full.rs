@@ -121,7 +121,7 @@ fn a_consistent_but_wrong_manifest_cannot_double_cover_rows() {
 fn gc_keeps_the_lineage_of_retained_checkpoints_and_removes_crash_leftovers() {
     use ftrec_ckpt::{CheckpointKind, Checkpointer, Strategy};
     let dir = tempfile::tempdir().unwrap();
-    let mut ck = Checkpointer::new(open(dir.path()), Strategy::NaiveIncremental, 3, 3);
+    let mut ck = Checkpointer::new(open(dir.path()), Strategy::NaiveIncremental, 3, 3).unwrap();
     let mut s = state(7);
     let mut ids = Vec::new();
     for step in 1..=5u64 {

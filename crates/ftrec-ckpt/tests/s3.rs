@@ -55,6 +55,7 @@ fn store_contract_and_every_strategy_restores_exactly_over_s3() {
         Strategy::Full,
         Strategy::Differential,
         Strategy::NaiveIncremental,
+        Strategy::Incrcp,
     ]
     .into_iter()
     .enumerate()
@@ -65,7 +66,8 @@ fn store_contract_and_every_strategy_restores_exactly_over_s3() {
             strategy,
             3,
             2,
-        );
+        )
+        .unwrap();
         let mut s = state(i as u64);
         let mut expected = Vec::new();
         for step in 1..=5u64 {
@@ -86,6 +88,7 @@ fn store_contract_and_every_strategy_restores_exactly_over_s3() {
                 .unwrap();
             expected.push((m.id, s.clone()));
         }
+        ck.flush().unwrap();
         let reader = Checkpoints::new(Box::new(open(server.port, &url)));
         assert_eq!(reader.list().unwrap().len(), 5);
         for (id, want) in &expected {

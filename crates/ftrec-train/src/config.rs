@@ -107,13 +107,18 @@ pub struct CheckpointSection {
     #[serde(default)]
     pub dir: Option<PathBuf>,
     /// Incremental strategies: a full checkpoint every this many checkpoints (0 = only the
-    /// first one).
-    #[serde(default = "default_full_every")]
-    pub full_every: u64,
+    /// first one). Unset: 10 for differential and naive-incremental; for incrcp no cap, as
+    /// it resets its baseline when that is cheaper.
+    #[serde(default)]
+    pub full_every: Option<u64>,
+    /// IncrCP's extraction threshold R: an extraction must move at least this fraction of
+    /// a chunk's rows.
+    #[serde(default = "default_incrcp_threshold")]
+    pub incrcp_threshold: f64,
 }
 
-fn default_full_every() -> u64 {
-    10
+fn default_incrcp_threshold() -> f64 {
+    ftrec_ckpt::incrcp::DEFAULT_THRESHOLD
 }
 
 impl Default for CheckpointSection {
@@ -122,7 +127,8 @@ impl Default for CheckpointSection {
             strategy: None,
             every_steps: 0,
             dir: None,
-            full_every: default_full_every(),
+            full_every: None,
+            incrcp_threshold: default_incrcp_threshold(),
         }
     }
 }
@@ -269,12 +275,19 @@ impl TrainConfig {
             CheckpointStrategy::None
             | CheckpointStrategy::Full
             | CheckpointStrategy::Differential
-            | CheckpointStrategy::NaiveIncremental => {}
+            | CheckpointStrategy::NaiveIncremental
+            | CheckpointStrategy::Incrcp => {}
             other => {
                 return Err(TrainError::Config(format!(
-                    "checkpoint.strategy = {other:?}: not implemented yet (available: full, differential, naive-incremental)"
+                    "checkpoint.strategy = {other:?}: not implemented yet (available: full, differential, naive-incremental, incrcp)"
                 )));
             }
+        }
+        let r = self.checkpoint.incrcp_threshold;
+        if !(0.0..=1.0).contains(&r) {
+            return Err(TrainError::Config(format!(
+                "checkpoint.incrcp_threshold = {r}: must be within 0..=1"
+            )));
         }
         if self
             .checkpoint

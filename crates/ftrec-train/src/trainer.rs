@@ -52,6 +52,8 @@ pub struct CheckpointStats {
     pub last_id: Option<String>,
     /// Time spent tracking changed rows (delta strategies).
     pub tracking_seconds: f64,
+    /// Time the end of training waited for background checkpoint writes to commit.
+    pub flush_seconds: f64,
 }
 
 pub struct Trainer {
@@ -141,6 +143,7 @@ impl Trainer {
             CheckpointStrategy::Full => Strategy::Full,
             CheckpointStrategy::Differential => Strategy::Differential,
             CheckpointStrategy::NaiveIncremental => Strategy::NaiveIncremental,
+            CheckpointStrategy::Incrcp => Strategy::Incrcp,
             other => {
                 return Err(TrainError::Config(format!(
                     "checkpoint.strategy = {other:?}: not implemented yet"
@@ -149,12 +152,14 @@ impl Trainer {
         };
         if let Some(dir) = &c.dir {
             let checkpoints = Checkpoints::new(open_store(&dir.to_string_lossy())?);
-            self.checkpointer = Some(Checkpointer::new(
+            self.checkpointer = Some(Checkpointer::with_threshold(
                 checkpoints,
                 strategy,
-                c.full_every,
+                c.full_every
+                    .unwrap_or_else(|| strategy.default_full_every()),
                 self.model_config.tables(),
-            ));
+                c.incrcp_threshold,
+            )?);
         }
         Ok(())
     }
@@ -336,6 +341,12 @@ impl Trainer {
                 elapsed_secs: start.elapsed().as_secs_f64(),
             });
         }
+        if let Some(ck) = &mut self.checkpointer {
+            // Background writes (IncrCP) must be committed before the run reports them.
+            let t = Instant::now();
+            ck.flush()?;
+            ckpt.flush_seconds = t.elapsed().as_secs_f64();
+        }
         let seconds = start.elapsed().as_secs_f64();
         Ok(TrainReport {
             steps,
@@ -378,6 +389,7 @@ impl Trainer {
     }
 
     pub fn digest(&self) -> ftrec_model::StateDigest {
-        self.pool.install(|| self.state.digest())
+        let state = &self.state;
+        self.pool.install(|| state.digest())
     }
 }

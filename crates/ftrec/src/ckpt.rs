@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
-use ftrec_ckpt::{Checkpoints, Manifest, export_safetensors, open_store};
+use ftrec_ckpt::{CheckpointKind, Checkpoints, Manifest, export_safetensors, open_store};
 use ftrec_train::{Progress, snapshot};
 use serde_json::json;
 
@@ -48,6 +48,24 @@ fn summary(m: &Manifest) -> serde_json::Value {
     })
 }
 
+/// What a restore of an IncrCP checkpoint reads: its rectangle of the 2-D chunk list.
+fn rectangle_summary(ck: &Checkpoints, m: &Manifest) -> Result<serde_json::Value> {
+    let (list, column) = ck.incrcp_list(m)?;
+    let newest = list.columns.len().saturating_sub(1) as u32;
+    let rect = list.rectangle(column);
+    let files: std::collections::BTreeSet<&str> = rect.iter().map(|c| c.key.as_str()).collect();
+    Ok(json!({
+        "list_version": list.version,
+        "column": column,
+        "width": column + 1,
+        "depth": rect.iter().map(|c| c.depth(newest) + 1).max().unwrap_or(0),
+        "chunks": rect.len(),
+        "files": files.len(),
+        "rows": rect.iter().map(|c| c.rows).sum::<u64>(),
+        "bytes": rect.iter().map(|c| c.len).sum::<u64>(),
+    }))
+}
+
 pub fn run(command: CkptCommand) -> Result<()> {
     match command {
         CkptCommand::Ls { dir, json } => {
@@ -70,8 +88,13 @@ pub fn run(command: CkptCommand) -> Result<()> {
             }
         }
         CkptCommand::Show { dir, id } => {
-            let m = open(&dir)?.manifest(&id)?;
-            println!("{}", serde_json::to_string_pretty(&m)?);
+            let ck = open(&dir)?;
+            let m = ck.manifest(&id)?;
+            let mut shown = serde_json::to_value(&m)?;
+            if m.kind == CheckpointKind::Incrcp {
+                shown["incrcp_rectangle"] = rectangle_summary(&ck, &m)?;
+            }
+            println!("{}", serde_json::to_string_pretty(&shown)?);
         }
         CkptCommand::Verify { dir, id, json } => {
             let ck = open(&dir)?;
