@@ -170,3 +170,90 @@ fn gc_keeps_the_lineage_of_retained_checkpoints_and_removes_crash_leftovers() {
     );
     assert!(!keys.iter().any(|k| k.contains(&ids[0])));
 }
+
+#[test]
+fn damage_to_incrcp_lists_chunks_and_bundles_is_reported_with_its_name() {
+    use ftrec_ckpt::{Checkpointer, Strategy};
+    let dir = tempfile::tempdir().unwrap();
+    let mut ck =
+        Checkpointer::with_threshold(open(dir.path()), Strategy::Incrcp, 0, 3, 0.0).unwrap();
+    let mut s = state(8);
+    let mut last = None;
+    for step in 1..=4u64 {
+        // Rows 0..300 rewritten every time, so every round extracts into bundles.
+        let rows: Vec<u32> = (0..300)
+            .chain(1000 * step as u32..1000 * step as u32 + 50)
+            .collect();
+        for &r in &rows {
+            s.set_row(0, r as u64, &vec![step as f32; s.tables()[0].stride()])
+                .unwrap();
+        }
+        ck.track(0, &rows);
+        last = Some(ck.checkpoint(&s, step, serde_json::Value::Null).unwrap());
+    }
+    ck.flush().unwrap();
+    let m = last.unwrap();
+    let checkpoints = ck.checkpoints();
+    let (got, _) = checkpoints.restore(&m.id).unwrap();
+    assert_eq!(got, s);
+    let mut files: Vec<String> = walk(dir.path())
+        .into_iter()
+        .filter(|k| k.starts_with("incrcp/"))
+        .collect();
+    files.sort();
+    for kind in [".cl", ".chunk", "-row0.bundle", "-row1.bundle"] {
+        assert!(
+            files.iter().any(|f| f.ends_with(kind)),
+            "no {kind} in {files:?}"
+        );
+    }
+    for key in &files {
+        let path = dir.path().join(key);
+        let good = std::fs::read(&path).unwrap();
+        let mut bad = good.clone();
+        bad[good.len() / 2] ^= 0x10;
+        std::fs::write(&path, &bad).unwrap();
+        // A file outside the newest rectangle may be read only by older checkpoints.
+        let damaged: Vec<String> = checkpoints
+            .list()
+            .unwrap()
+            .iter()
+            .filter_map(|m| checkpoints.restore(&m.id).err().map(|e| e.to_string()))
+            .collect();
+        let name = key.rsplit('/').next().unwrap();
+        assert!(!damaged.is_empty(), "{key}: a flipped byte went unnoticed");
+        assert!(
+            damaged.iter().all(|e| e.contains(name)),
+            "{key}: {damaged:?}"
+        );
+        std::fs::write(&path, &good[..good.len() - 1]).unwrap();
+        assert!(
+            checkpoints
+                .list()
+                .unwrap()
+                .iter()
+                .any(|m| checkpoints.verify(&m.id).is_err()),
+            "{key} truncated"
+        );
+        std::fs::write(&path, &good).unwrap();
+    }
+    for m in checkpoints.list().unwrap() {
+        checkpoints.verify(&m.id).unwrap();
+    }
+}
+
+fn walk(root: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else {
+                out.push(p.strip_prefix(root).unwrap().to_string_lossy().into_owned());
+            }
+        }
+    }
+    out
+}
