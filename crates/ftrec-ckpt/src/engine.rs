@@ -158,6 +158,7 @@ impl Checkpoints {
             chunks,
             trainer,
             incrcp: None,
+            deck: None,
         };
         self.store
             .put(&Manifest::key_for(&id), &manifest.encode()?)?;
@@ -166,12 +167,17 @@ impl Checkpoints {
 
     /// All committed checkpoints, oldest first. A damaged manifest is an error naming it.
     pub fn list(&self) -> Result<Vec<Manifest>, CkptError> {
+        // A manifest deleted between listing and reading (gc, a DECK merge) is skipped.
         let mut all = self
             .store
             .list("manifests/")?
             .iter()
             .filter(|k| k.ends_with(".man"))
-            .map(|k| Manifest::decode(&self.store.describe(k), &self.store.get(k)?))
+            .filter_map(|k| match self.store.get(k) {
+                Ok(b) => Some(Manifest::decode(&self.store.describe(k), &b)),
+                Err(CkptError::NotFound(_)) => None,
+                Err(e) => Some(Err(e)),
+            })
             .collect::<Result<Vec<_>, _>>()?;
         all.sort_by_key(|m| (m.step, m.created_unix_ms));
         Ok(all)
@@ -210,7 +216,7 @@ impl Checkpoints {
         Ok(self.list()?.pop())
     }
 
-    fn fetch(&self, entry: &FileEntry) -> Result<Vec<u8>, CkptError> {
+    pub(crate) fn fetch(&self, entry: &FileEntry) -> Result<Vec<u8>, CkptError> {
         let bytes = self.store.get(&entry.key)?;
         let where_ = self.store.describe(&entry.key);
         if bytes.len() as u64 != entry.bytes {
@@ -234,7 +240,11 @@ impl Checkpoints {
 
     /// The checkpoints a restore of `id` reads, oldest (a full checkpoint) first.
     pub fn lineage(&self, id: &str) -> Result<Vec<Manifest>, CkptError> {
-        let mut chain = vec![self.manifest(id)?];
+        let target = self.manifest(id)?;
+        if matches!(target.kind, CheckpointKind::Delta | CheckpointKind::Merged) {
+            return self.deck_lineage(&target);
+        }
+        let mut chain = vec![target];
         while let Some(last) = chain.last().filter(|m| m.kind != CheckpointKind::Full) {
             let parent = last.parents.first().ok_or_else(|| {
                 CkptError::Invalid(format!(
@@ -270,11 +280,30 @@ impl Checkpoints {
     /// dense state is the checkpoint's own. Files are read and checked in parallel (one
     /// table per task); any damage fails the whole restore.
     pub fn restore(&self, id: &str) -> Result<(ModelState, Manifest), CkptError> {
+        // A DECK merger may replace the deltas a restore is reading by an equivalent
+        // merged checkpoint; planning again then finds the replacement.
+        let mut attempts = 0;
+        loop {
+            match self.restore_once(id) {
+                Err(CkptError::NotFound(m))
+                    if attempts < 3 && self.manifest(id).is_ok_and(|t| t.deck.is_some()) =>
+                {
+                    tracing::debug!("restore of {id} raced a merge ({m}); planning again");
+                    attempts += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn restore_once(&self, id: &str) -> Result<(ModelState, Manifest), CkptError> {
         let chain = self.lineage(id)?;
-        let target = chain
-            .last()
-            .cloned()
-            .ok_or_else(|| CkptError::NotFound(id.to_string()))?;
+        // A DECK restore may read a merged checkpoint in place of the target's deltas;
+        // the dense state and trainer progress are always the target's own.
+        let target = match chain.last() {
+            Some(last) if last.id == id => last.clone(),
+            _ => self.manifest(id)?,
+        };
         let mut state = ModelState::zeroed(&target.model)?;
         for manifest in &chain {
             self.apply_rows(manifest, &mut state)?;
@@ -288,6 +317,53 @@ impl Checkpoints {
             &mut dense.optimizer_state,
         )?;
         Ok((state, target))
+    }
+
+    /// The base of a DECK checkpoint and the fewest stored deltas and merged checkpoints
+    /// that cover every delta up to it: greedily the one reaching furthest from each point.
+    fn deck_lineage(&self, target: &Manifest) -> Result<Vec<Manifest>, CkptError> {
+        let (Some(d), [base]) = (&target.deck, target.parents.as_slice()) else {
+            return Err(CkptError::Invalid(format!(
+                "checkpoint {}: a DECK checkpoint needs its delta range and one base",
+                target.id
+            )));
+        };
+        let base_manifest = self.manifest(base).map_err(|e| match e {
+            CkptError::NotFound(m) => {
+                CkptError::NotFound(format!("checkpoint {} needs {base}: {m}", target.id))
+            }
+            other => other,
+        })?;
+        if base_manifest.kind != CheckpointKind::Full || base_manifest.model != target.model {
+            return Err(CkptError::Invalid(format!(
+                "checkpoint {}: base {base} is not a full checkpoint of the same model",
+                target.id
+            )));
+        }
+        let siblings: Vec<Manifest> = self
+            .list()?
+            .into_iter()
+            .filter(|m| m.deck.is_some() && m.parents == target.parents)
+            .collect();
+        let mut chain = vec![base_manifest];
+        let mut at = 0;
+        while at < d.to {
+            let next = siblings
+                .iter()
+                .filter_map(|m| m.deck.as_ref().map(|r| (m, r)))
+                .filter(|(_, r)| r.from == at && r.to <= d.to && r.to > r.from)
+                .max_by_key(|(m, r)| (r.to, m.id == target.id))
+                .map(|(m, _)| m.clone())
+                .ok_or_else(|| {
+                    CkptError::NotFound(format!(
+                        "checkpoint {}: no stored delta after {base} starts at delta {at}",
+                        target.id
+                    ))
+                })?;
+            at = next.deck.as_ref().map_or(d.to, |r| r.to);
+            chain.push(next);
+        }
+        Ok(chain)
     }
 
     /// The current chunk list of an IncrCP checkpoint's baseline, and its column there.
@@ -474,6 +550,20 @@ impl Checkpoints {
             }
         }
         Ok(report)
+    }
+
+    /// Deletes checkpoint `m`: its manifest first (so it disappears at once), then its
+    /// data objects. Objects already gone are fine (another merger or gc got there).
+    pub fn delete_checkpoint(&self, m: &Manifest) -> Result<(), CkptError> {
+        let keys = std::iter::once(Manifest::key_for(&m.id))
+            .chain(self.store.list(&format!("data/{}/", m.id))?);
+        for key in keys {
+            match self.store.delete(&key) {
+                Ok(()) | Err(CkptError::NotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// Checks every object of checkpoint `id` (lengths and checksums, and each chunk's

@@ -107,6 +107,7 @@ pub fn copy_increment(
             column,
             bytes: chunks.iter().map(|c| c.bytes.len() as u64).sum(),
         }),
+        deck: None,
     };
     Ok(Increment {
         manifest,

@@ -9,6 +9,7 @@ compile_error!("ftrec-ckpt writes native f32 bytes and supports only little-endi
 
 pub mod chunk;
 pub mod chunklist;
+pub mod deck;
 pub mod dense;
 mod engine;
 mod error;
@@ -16,6 +17,7 @@ mod export;
 pub mod incrcp;
 mod incrcp_worker;
 pub mod manifest;
+pub mod merge;
 mod object;
 mod policy;
 mod store;
@@ -25,8 +27,8 @@ pub use engine::{CHUNK_BYTES, Checkpoints, GcReport};
 pub use error::CkptError;
 pub use export::export_safetensors;
 pub use incrcp_worker::CommitReport;
-pub use manifest::{CheckpointKind, IncrcpRef, Manifest};
+pub use manifest::{CheckpointKind, DeckRef, IncrcpRef, Manifest};
 pub use object::{ObjectStoreBackend, open_store};
-pub use policy::{Checkpointer, Strategy};
+pub use policy::{Checkpointer, DeckStats, Strategy};
 pub use store::{LocalStore, Store};
 pub use tracker::{DeltaTracker, TenantId};

@@ -22,6 +22,10 @@ pub enum CheckpointKind {
     /// Rows changed since the previous checkpoint, kept in the 2-D chunk list of its
     /// baseline (the only parent); restore reads only its rectangle of that list.
     Incrcp,
+    /// DECK: rows changed over one checkpoint interval after a full base (its only parent).
+    Delta,
+    /// DECK: the union of consecutive deltas after the same base, newest rows winning.
+    Merged,
 }
 
 impl CheckpointKind {
@@ -32,6 +36,8 @@ impl CheckpointKind {
             CheckpointKind::Differential => "diff",
             CheckpointKind::NaiveIncremental => "incr",
             CheckpointKind::Incrcp => "incrcp",
+            CheckpointKind::Delta => "delta",
+            CheckpointKind::Merged => "merged",
         }
     }
 }
@@ -66,6 +72,18 @@ pub struct Manifest {
     /// there, not in `chunks`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub incrcp: Option<IncrcpRef>,
+    /// For a DECK delta or merged checkpoint, the deltas it covers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deck: Option<DeckRef>,
+}
+
+/// The deltas after a base that a DECK checkpoint covers: delta number `k` (from 1)
+/// covers `(k-1, k]`; a merged checkpoint at `layer` covers `stride^layer` of them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeckRef {
+    pub from: u32,
+    pub to: u32,
+    pub layer: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

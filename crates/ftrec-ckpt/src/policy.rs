@@ -6,9 +6,12 @@ use std::time::Instant;
 use ftrec_model::ModelState;
 use serde::{Deserialize, Serialize};
 
+use crate::deck::{DeckEvent, DeckOptions, Stager};
 use crate::incrcp;
 use crate::incrcp_worker::{CommitReport, IncrcpWorker};
 use crate::manifest::{CheckpointKind, Manifest};
+use crate::manifest::{DeckRef, FileEntry};
+use crate::merge::MergeReport;
 use crate::{CHUNK_BYTES, Checkpoints, CkptError, DeltaTracker, TenantId};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -23,6 +26,9 @@ pub enum Strategy {
     /// Rows changed since the previous checkpoint, in IncrCP's 2-D chunk list: written in
     /// the background, restored from one rectangle, baseline reset when cheaper.
     Incrcp,
+    /// DECK: deltas staged through local disk in the background, merged hierarchically,
+    /// a new full checkpoint every N deltas or when the live deltas grow too large.
+    Deck,
 }
 
 impl Strategy {
@@ -30,7 +36,7 @@ impl Strategy {
     /// resets from measured costs, so it has no fixed cap.
     pub fn default_full_every(self) -> u64 {
         match self {
-            Strategy::Incrcp => 0,
+            Strategy::Incrcp | Strategy::Deck => 0,
             _ => 10,
         }
     }
@@ -100,6 +106,32 @@ pub struct Checkpointer {
     incrcp: Option<IncrcpState>,
     /// Size of the row chunks IncrCP copies increments into.
     chunk_bytes: usize,
+    deck: Option<DeckState>,
+}
+
+/// DECK's side of the checkpointer.
+struct DeckState {
+    stager: Stager,
+    options: DeckOptions,
+    deltas_since_full: u32,
+    last_delta_bytes: u64,
+    /// Bytes of live deltas and merged checkpoints on the current base.
+    live_bytes: u64,
+    pub stats: DeckStats,
+}
+
+/// What DECK did in this run.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct DeckStats {
+    pub fulls: u32,
+    pub deltas: u32,
+    pub committed: u32,
+    pub upload_seconds: f64,
+    pub merges: MergeReport,
+    pub retained_deleted: u32,
+    /// Merge or retention passes that failed (and left their inputs in place).
+    pub background_failures: u32,
+    pub peak_resident_chunks: usize,
 }
 
 /// IncrCP's side of the checkpointer: the background writer and the reset model.
@@ -165,6 +197,47 @@ impl Checkpointer {
             tracking_seconds: 0.0,
             incrcp,
             chunk_bytes: CHUNK_BYTES,
+            deck: None,
+        })
+    }
+
+    /// A DECK checkpointer. `full_every` is ignored: DECK's full interval is
+    /// `options.full_every_deltas` and `options.live_factor`.
+    pub fn deck(
+        checkpoints: Checkpoints,
+        tables: usize,
+        options: DeckOptions,
+    ) -> Result<Self, CkptError> {
+        let stager = Stager::start(checkpoints.clone(), &options)?;
+        let mut ck = Self::new(checkpoints, Strategy::Deck, 0, tables)?;
+        ck.chunk_bytes = options.chunk_bytes;
+        ck.deck = Some(DeckState {
+            stager,
+            options,
+            deltas_since_full: 0,
+            last_delta_bytes: 0,
+            live_bytes: 0,
+            stats: DeckStats::default(),
+        });
+        Ok(ck)
+    }
+
+    /// Waits until every checkpoint is committed and DECK's merger is idle.
+    pub fn flush_background(&mut self) -> Result<(), CkptError> {
+        match &mut self.deck {
+            Some(d) => {
+                let events = d.stager.wait_idle();
+                self.absorb_deck(events)
+            }
+            None => self.flush(),
+        }
+    }
+
+    /// What DECK did so far (after the last `flush` or `checkpoint`).
+    pub fn deck_stats(&self) -> Option<DeckStats> {
+        self.deck.as_ref().map(|d| DeckStats {
+            peak_resident_chunks: d.stager.peak_resident_chunks(),
+            ..d.stats.clone()
         })
     }
 
@@ -195,11 +268,47 @@ impl Checkpointer {
     /// Waits until every checkpoint taken so far is committed. A background write that
     /// failed is reported here (or by the next `checkpoint`).
     pub fn flush(&mut self) -> Result<(), CkptError> {
+        if let Some(d) = &mut self.deck {
+            let events = d.stager.wait_committed();
+            return self.absorb_deck(events);
+        }
         let Some(i) = &mut self.incrcp else {
             return Ok(());
         };
         let reports = i.worker.wait_idle();
         self.absorb(reports)
+    }
+
+    fn absorb_deck(&mut self, events: Vec<Result<DeckEvent, CkptError>>) -> Result<(), CkptError> {
+        let Some(d) = &mut self.deck else {
+            return Ok(());
+        };
+        let mut first_error = None;
+        for e in events {
+            match e {
+                Ok(DeckEvent::Committed { upload_seconds, .. }) => {
+                    d.stats.committed += 1;
+                    d.stats.upload_seconds += upload_seconds;
+                }
+                Ok(DeckEvent::Merged(report)) => {
+                    // Measured from the store, so it also counts deltas that were merged.
+                    if self.baseline.as_deref() == Some(report.base.as_str()) {
+                        d.live_bytes = report.live_bytes;
+                    }
+                    d.stats.merges.absorb(report);
+                }
+                Ok(DeckEvent::Retained(report)) => {
+                    d.stats.retained_deleted += report.checkpoints.len() as u32;
+                }
+                Ok(DeckEvent::BackgroundFailed(_)) => d.stats.background_failures += 1,
+                Ok(DeckEvent::Idle) => {}
+                Err(e) => {
+                    self.baseline = None;
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     fn absorb(&mut self, reports: Vec<Result<CommitReport, CkptError>>) -> Result<(), CkptError> {
@@ -263,6 +372,9 @@ impl Checkpointer {
     ) -> Result<Manifest, CkptError> {
         if self.strategy == Strategy::Incrcp {
             return self.checkpoint_incrcp(state, step, trainer);
+        }
+        if self.strategy == Strategy::Deck {
+            return self.checkpoint_deck(state, step, trainer);
         }
         let need_full = self.strategy == Strategy::Full
             || self.baseline.is_none()
@@ -356,6 +468,87 @@ impl Checkpointer {
         i.column += 1;
         i.reset.incr_seconds = Some(start.elapsed().as_secs_f64());
         self.since_full += 1;
+        self.last = Some(manifest.id.clone());
+        Ok(manifest)
+    }
+
+    /// DECK: a full checkpoint when due, else a delta of the rows changed since the last
+    /// checkpoint; either is staged (the blocking part) and uploaded in the background.
+    /// The returned manifest is committed once `flush` (or a later checkpoint) returns.
+    fn checkpoint_deck(
+        &mut self,
+        state: &ModelState,
+        step: u64,
+        trainer: serde_json::Value,
+    ) -> Result<Manifest, CkptError> {
+        let events = match &mut self.deck {
+            Some(d) => d.stager.poll(),
+            None => return Err(CkptError::Invalid("deck state missing".into())),
+        };
+        self.absorb_deck(events)?;
+        let Some(d) = &mut self.deck else {
+            return Err(CkptError::Invalid("deck state missing".into()));
+        };
+        let o = &d.options;
+        let due = (o.full_every_deltas > 0 && d.deltas_since_full >= o.full_every_deltas)
+            || (o.live_factor > 0.0
+                && d.last_delta_bytes > 0
+                && d.live_bytes as f64 > o.live_factor * d.last_delta_bytes as f64);
+        let template = |kind, parents, deck| Manifest {
+            id: Checkpoints::id_for(step, kind),
+            kind,
+            step,
+            parents,
+            created_unix_ms: crate::engine::now_unix_ms(),
+            model: state.config().clone(),
+            dense: FileEntry {
+                key: String::new(),
+                bytes: 0,
+                crc32c: 0,
+                table: None,
+                rows: 0,
+            },
+            chunks: Vec::new(),
+            trainer: trainer.clone(),
+            incrcp: None,
+            deck,
+        };
+        let manifest = match self.baseline.clone().filter(|_| !due) {
+            None => {
+                self.tracker.take(self.tenant);
+                let m = d.stager.stage(
+                    state,
+                    template(CheckpointKind::Full, Vec::new(), None),
+                    None,
+                    self.chunk_bytes,
+                )?;
+                self.baseline = Some(m.id.clone());
+                d.deltas_since_full = 0;
+                d.live_bytes = 0;
+                d.stats.fulls += 1;
+                m
+            }
+            Some(base) => {
+                let rows = self.tracker.take(self.tenant);
+                let k = d.deltas_since_full + 1;
+                let deck = DeckRef {
+                    from: k - 1,
+                    to: k,
+                    layer: 0,
+                };
+                let m = d.stager.stage(
+                    state,
+                    template(CheckpointKind::Delta, vec![base], Some(deck)),
+                    Some(&rows),
+                    self.chunk_bytes,
+                )?;
+                d.deltas_since_full = k;
+                d.last_delta_bytes = m.bytes();
+                d.live_bytes += m.bytes();
+                d.stats.deltas += 1;
+                m
+            }
+        };
         self.last = Some(manifest.id.clone());
         Ok(manifest)
     }

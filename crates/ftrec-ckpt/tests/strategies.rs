@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 
 use ftrec_ckpt::chunklist::ChunkList;
+use ftrec_ckpt::deck::DeckOptions;
 use ftrec_ckpt::{Checkpointer, Checkpoints, LocalStore, Strategy as CkptStrategy};
 use ftrec_model::{ModelConfig, ModelState, Optimizer};
 use proptest::prelude::*;
@@ -55,18 +56,25 @@ fn run(
 ) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
     let store = LocalStore::open(dir.path()).unwrap();
-    let mut ck = Checkpointer::with_threshold(
-        Checkpoints::new(Box::new(store)),
-        strategy,
-        full_every,
-        2,
-        threshold,
-    )
-    .unwrap();
+    let checkpoints = Checkpoints::new(Box::new(store));
+    let mut ck = if strategy == CkptStrategy::Deck {
+        // The random knobs map onto DECK's: full interval, live-volume factor, stride.
+        let options = DeckOptions {
+            full_every_deltas: full_every as u32,
+            live_factor: threshold * 10.0,
+            stride: 2 + (full_every % 2) as u32,
+            chunk_bytes: 3 * 4 * 20,
+            ..DeckOptions::default()
+        };
+        Checkpointer::deck(checkpoints, 2, options).unwrap()
+    } else {
+        Checkpointer::with_threshold(checkpoints, strategy, full_every, 2, threshold).unwrap()
+    };
     // Several chunks per table and checkpoint, so extraction meets the key-range filter.
     ck.set_chunk_bytes(3 * 4 * 20);
     let mut state = ModelState::new(&config(), 1).unwrap();
-    let mut expected: HashMap<String, ModelState> = HashMap::new();
+    // By step: a DECK merge replaces deltas by a merged checkpoint of the same step.
+    let mut expected: HashMap<u64, ModelState> = HashMap::new();
     let mut step = 0u64;
     for op in ops {
         match op {
@@ -95,7 +103,7 @@ fn run(
                 let m = ck
                     .checkpoint(&state, step, serde_json::json!({"step": step}))
                     .unwrap();
-                expected.insert(m.id.clone(), state.clone());
+                expected.insert(m.step, state.clone());
                 step += 1; // distinct ids
                 // The newest checkpoint restores exactly between extraction rounds too.
                 ck.flush().unwrap();
@@ -109,13 +117,21 @@ fn run(
             }
         }
     }
-    ck.flush().unwrap();
+    ck.flush_background().unwrap();
     let listed = ck.checkpoints().list().unwrap();
-    prop_assert_eq!(listed.len(), expected.len());
+    if strategy == CkptStrategy::Deck {
+        // Merges and the lineage policy delete, but the newest state always survives.
+        let newest = expected.keys().max();
+        prop_assert_eq!(listed.last().map(|m| m.step), newest.copied());
+        prop_assert_eq!(ck.deck_stats().unwrap().background_failures, 0);
+        prop_assert!(ck.deck_stats().unwrap().peak_resident_chunks <= 4);
+    } else {
+        prop_assert_eq!(listed.len(), expected.len());
+    }
     for m in listed {
         let (restored, _) = ck.checkpoints().restore(&m.id).unwrap();
         prop_assert!(
-            restored == expected[&m.id],
+            restored == expected[&m.step],
             "{:?} checkpoint {} restored wrong state",
             strategy,
             m.id
@@ -130,7 +146,7 @@ fn run(
     for m in ck.checkpoints().list().unwrap() {
         let (restored, _) = ck.checkpoints().restore(&m.id).unwrap();
         prop_assert!(
-            restored == expected[&m.id],
+            restored == expected[&m.step],
             "{:?} {} after gc",
             strategy,
             m.id
@@ -152,6 +168,7 @@ proptest! {
             CkptStrategy::Differential,
             CkptStrategy::NaiveIncremental,
             CkptStrategy::Incrcp,
+            CkptStrategy::Deck,
         ] {
             run(strategy, full_every, threshold, &ops)?;
         }

@@ -115,6 +115,9 @@ pub struct CheckpointSection {
     /// a chunk's rows.
     #[serde(default = "default_incrcp_threshold")]
     pub incrcp_threshold: f64,
+    /// DECK's knobs (`checkpoint.deck.stride`, `.full_every_deltas`, `.live_factor`, ...).
+    #[serde(default)]
+    pub deck: ftrec_ckpt::deck::DeckOptions,
 }
 
 fn default_incrcp_threshold() -> f64 {
@@ -129,6 +132,7 @@ impl Default for CheckpointSection {
             dir: None,
             full_every: None,
             incrcp_threshold: default_incrcp_threshold(),
+            deck: Default::default(),
         }
     }
 }
@@ -276,13 +280,13 @@ impl TrainConfig {
             | CheckpointStrategy::Full
             | CheckpointStrategy::Differential
             | CheckpointStrategy::NaiveIncremental
-            | CheckpointStrategy::Incrcp => {}
-            other => {
-                return Err(TrainError::Config(format!(
-                    "checkpoint.strategy = {other:?}: not implemented yet (available: full, differential, naive-incremental, incrcp)"
-                )));
-            }
+            | CheckpointStrategy::Incrcp
+            | CheckpointStrategy::Deck => {}
         }
+        self.checkpoint
+            .deck
+            .validate()
+            .map_err(|e| TrainError::Config(format!("checkpoint.deck: {e}")))?;
         let r = self.checkpoint.incrcp_threshold;
         if !(0.0..=1.0).contains(&r) {
             return Err(TrainError::Config(format!(

@@ -144,14 +144,18 @@ impl Trainer {
             CheckpointStrategy::Differential => Strategy::Differential,
             CheckpointStrategy::NaiveIncremental => Strategy::NaiveIncremental,
             CheckpointStrategy::Incrcp => Strategy::Incrcp,
-            other => {
-                return Err(TrainError::Config(format!(
-                    "checkpoint.strategy = {other:?}: not implemented yet"
-                )));
-            }
+            CheckpointStrategy::Deck => Strategy::Deck,
         };
         if let Some(dir) = &c.dir {
             let checkpoints = Checkpoints::new(open_store(&dir.to_string_lossy())?);
+            if strategy == Strategy::Deck {
+                self.checkpointer = Some(Checkpointer::deck(
+                    checkpoints,
+                    self.model_config.tables(),
+                    c.deck.clone(),
+                )?);
+                return Ok(());
+            }
             self.checkpointer = Some(Checkpointer::with_threshold(
                 checkpoints,
                 strategy,

@@ -3,7 +3,10 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
-use ftrec_ckpt::{CheckpointKind, Checkpoints, Manifest, export_safetensors, open_store};
+use ftrec_ckpt::merge::merge_all;
+use ftrec_ckpt::{
+    CHUNK_BYTES, CheckpointKind, Checkpoints, Manifest, export_safetensors, open_store,
+};
 use ftrec_train::{Progress, snapshot};
 use serde_json::json;
 
@@ -152,6 +155,40 @@ pub fn run(command: CkptCommand) -> Result<()> {
                     tensors.len(),
                     out.display()
                 );
+            }
+        }
+        CkptCommand::Merge {
+            dir,
+            stride,
+            watch,
+            json,
+        } => {
+            let ck = open(&dir)?;
+            loop {
+                let report = merge_all(&ck, stride, CHUNK_BYTES)?;
+                if json {
+                    println!(
+                        "{}",
+                        json!({"merged": report.merged, "deleted": report.deleted,
+                               "bytes_in": report.bytes_in, "bytes_out": report.bytes_out,
+                               "seconds": report.seconds,
+                               "bytes_per_second": report.bytes_per_second()})
+                    );
+                } else if !report.merged.is_empty() || watch.is_none() {
+                    println!(
+                        "merged {} checkpoints into {} ({} MB read at {:.0} MB/s)",
+                        report.deleted.len(),
+                        report.merged.len(),
+                        report.bytes_in / 1_000_000,
+                        report.bytes_per_second() / 1e6
+                    );
+                }
+                match watch {
+                    Some(seconds) => {
+                        std::thread::sleep(std::time::Duration::from_secs_f64(seconds.max(0.01)))
+                    }
+                    None => break,
+                }
             }
         }
         CkptCommand::Gc { dir, keep, json } => {

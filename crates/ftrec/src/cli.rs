@@ -63,6 +63,19 @@ pub enum CkptCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Merge DECK deltas hierarchically (stride s), as the trainer's background merger
+    /// does; run it on any host that reaches the store, e.g. with
+    /// `checkpoint.deck.merge_in_background = false` in the trainer.
+    Merge {
+        dir: PathBuf,
+        #[arg(long, default_value_t = 2)]
+        stride: u32,
+        /// Keep merging as new deltas arrive, checking every this many seconds.
+        #[arg(long)]
+        watch: Option<f64>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete checkpoints not retained and the data of crashed writes.
     Gc {
         dir: PathBuf,

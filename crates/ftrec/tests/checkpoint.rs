@@ -70,7 +70,13 @@ fn resumed_run_is_bit_identical_to_uninterrupted_for_every_strategy() {
     let data = setup(dir.path());
     // 7200 train samples / 128 = 56.25 steps per epoch: 80 steps cross an epoch.
     let full = json_of(&ftrec(&train_args(&data, "80", &[])));
-    for strategy in ["full", "differential", "naive-incremental", "incrcp"] {
+    for strategy in [
+        "full",
+        "differential",
+        "naive-incremental",
+        "incrcp",
+        "deck",
+    ] {
         let ck = dir.path().join(format!("ck-{strategy}"));
         let ck = ck.to_str().unwrap();
         let strategy_set = format!("checkpoint.strategy=\"{strategy}\"");
@@ -88,6 +94,8 @@ fn resumed_run_is_bit_identical_to_uninterrupted_for_every_strategy() {
                 "checkpoint.full_every=3",
                 "--set",
                 "checkpoint.incrcp_threshold=0.0",
+                "--set",
+                "checkpoint.deck.full_every_deltas=4",
             ],
         )));
         assert_eq!(
@@ -97,7 +105,9 @@ fn resumed_run_is_bit_identical_to_uninterrupted_for_every_strategy() {
         let ls: Value =
             serde_json::from_slice(&ftrec(&["ckpt", "ls", ck, "--json"]).stdout).unwrap();
         let all = ls.as_array().unwrap();
-        assert_eq!(all.len(), 5);
+        // DECK merges deltas away: the four deltas after the full checkpoint at step 12
+        // become one merged checkpoint (stride 2, two layers).
+        assert_eq!(all.len(), if strategy == "deck" { 2 } else { 5 }, "{ls}");
         for m in all {
             for key in ["id", "kind", "step", "parents", "bytes", "time"] {
                 assert!(!m[key].is_null(), "ckpt ls --json lacks {key}");
@@ -124,7 +134,10 @@ fn resumed_run_is_bit_identical_to_uninterrupted_for_every_strategy() {
             // cost model may reset it earlier.
             _ => &[],
         };
-        if strategy == "incrcp" {
+        if strategy == "deck" {
+            assert_eq!(kinds, ["full", "merged"], "{ls}");
+            assert_eq!(all[1]["step"], 60);
+        } else if strategy == "incrcp" {
             assert_eq!(kinds[0], "full");
             assert!(
                 kinds.iter().all(|k| ["full", "incrcp"].contains(k)),
@@ -154,11 +167,12 @@ fn resumed_run_is_bit_identical_to_uninterrupted_for_every_strategy() {
     }
 }
 
-const STRATEGIES: [&str; 4] = [
+const STRATEGIES: [&str; 5] = [
     "checkpoint.strategy=\"full\"",
     "checkpoint.strategy=\"differential\"",
     "checkpoint.strategy=\"naive-incremental\"",
     "checkpoint.strategy=\"incrcp\"",
+    "checkpoint.strategy=\"deck\"",
 ];
 
 #[test]
@@ -400,4 +414,89 @@ fn a_damaged_newest_checkpoint_is_an_error_unless_fallback_is_asked_for() {
     )));
     assert_eq!(fell_back["resumed_from"], "000000000010-full");
     assert_eq!(fell_back["state_digest"], full["state_digest"]);
+}
+
+#[test]
+fn standalone_merge_survives_sigkill_and_ends_in_the_hierarchical_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let ck = dir.path().join("deck");
+    let ck = ck.to_str().unwrap();
+    // One full checkpoint, then 39 deltas left for an external merger.
+    let run = json_of(&ftrec(&train_args(
+        &data,
+        "40",
+        &[
+            "--checkpoint-dir",
+            ck,
+            "--set",
+            "checkpoint.strategy=\"deck\"",
+            "--set",
+            "checkpoint.every_steps=1",
+            "--set",
+            "checkpoint.deck.merge_in_background=false",
+            "--set",
+            "checkpoint.deck.live_factor=0.0",
+        ],
+    )));
+    let listed = |ck: &str| -> Vec<Value> {
+        let out = ftrec(&["ckpt", "ls", ck, "--json"]);
+        serde_json::from_slice::<Value>(&out.stdout)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(listed(ck).len(), 40);
+    let mut killed = 0;
+    for trial in 0..8u64 {
+        let mut child = Command::new(BIN)
+            .args(["ckpt", "merge", ck])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(5 + (trial * 7919) % 120));
+        let _ = child.kill();
+        killed += (!child.wait().unwrap().success()) as usize;
+        let verify = ftrec(&["ckpt", "verify", ck]);
+        assert!(
+            verify.status.success(),
+            "trial {trial}: {}\nmanifests: {:?}",
+            String::from_utf8_lossy(&verify.stdout),
+            listed(ck)
+                .iter()
+                .map(|m| m["id"].clone())
+                .collect::<Vec<_>>()
+        );
+        let restored = json_of(&ftrec(&["ckpt", "restore", ck, "--json"]));
+        assert_eq!(
+            restored["state_digest"], run["state_digest"],
+            "trial {trial}"
+        );
+    }
+    eprintln!("{killed} of 8 merges killed mid-run");
+    let merged = json_of(&ftrec(&["ckpt", "merge", ck, "--json"]));
+    assert!(merged["bytes_per_second"].as_f64().is_some());
+    // 39 deltas at stride 2: 32 + 4 + 2 + 1.
+    let layout: Vec<(String, u64)> = listed(ck)
+        .iter()
+        .map(|m| {
+            (
+                m["kind"].as_str().unwrap().to_string(),
+                m["step"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let kinds: Vec<&str> = layout.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        ["full", "merged", "merged", "merged", "delta"],
+        "{layout:?}"
+    );
+    let restored = json_of(&ftrec(&["ckpt", "restore", ck, "--json"]));
+    assert_eq!(restored["state_digest"], run["state_digest"]);
+    assert_eq!(ftrec(&["ckpt", "gc", ck]).status.code(), Some(0));
+    let again = json_of(&ftrec(&["ckpt", "restore", ck, "--json"]));
+    assert_eq!(again["state_digest"], run["state_digest"]);
 }
