@@ -33,16 +33,18 @@ pub const RESIDENT_CHUNKS: usize = 4;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LineagePolicy {
-    /// Keep every this-many-th full checkpoint (counted from the first, 0 = none).
-    pub keep_full_every: u32,
-    /// Keep at most this many of those older full checkpoints.
+    /// Keep older full checkpoints at least this many steps apart (0 = keep none): from
+    /// the oldest, each one at least this far after the previous kept one. Decisions
+    /// never change as new checkpoints arrive, so a kept checkpoint stays kept.
+    pub keep_full_gap_steps: u64,
+    /// Keep at most this many older full checkpoints (the newest of those spaced out).
     pub keep_full_max: u32,
 }
 
 impl Default for LineagePolicy {
     fn default() -> Self {
         Self {
-            keep_full_every: 4,
+            keep_full_gap_steps: 10_000,
             keep_full_max: 3,
         }
     }
@@ -70,7 +72,7 @@ impl Default for DeckOptions {
     fn default() -> Self {
         Self {
             full_every_deltas: 0,
-            live_factor: 4.0,
+            live_factor: 32.0,
             stride: 2,
             merge_in_background: true,
             lineage: LineagePolicy::default(),
@@ -530,7 +532,7 @@ fn merge_loop(
 
 /// Applies the lineage policy once `current` (a full checkpoint) is committed: the
 /// deltas and merged checkpoints of older bases go, and of the older full checkpoints
-/// only every `keep_full_every`-th (the newest `keep_full_max` of them) stays.
+/// only those spaced `keep_full_gap_steps` apart (the newest `keep_full_max`) stay.
 pub fn retain_lineage(
     ck: &Checkpoints,
     current: &str,
@@ -544,15 +546,22 @@ pub fn retain_lineage(
     let Some(current_at) = fulls.iter().position(|m| m.id == current) else {
         return Err(CkptError::NotFound(format!("full checkpoint {current}")));
     };
-    let kept_old: Vec<&str> = fulls[..current_at]
+    let mut spaced: Vec<&Manifest> = Vec::new();
+    if policy.keep_full_gap_steps > 0 {
+        for m in &fulls[..current_at] {
+            if spaced
+                .last()
+                .is_none_or(|k| m.step >= k.step + policy.keep_full_gap_steps)
+            {
+                spaced.push(m);
+            }
+        }
+    }
+    let kept_old: Vec<&str> = spaced
         .iter()
-        .enumerate()
-        .filter(|(i, _)| {
-            policy.keep_full_every > 0 && (*i as u32).is_multiple_of(policy.keep_full_every)
-        })
-        .map(|(_, m)| m.id.as_str())
         .rev()
         .take(policy.keep_full_max as usize)
+        .map(|m| m.id.as_str())
         .collect();
     let mut report = GcReport::default();
     for m in &all {

@@ -319,6 +319,27 @@ impl Checkpoints {
         Ok((state, target))
     }
 
+    /// Applies the rows checkpoint `id` stores beyond its full ancestor (for a full
+    /// checkpoint, all of it) onto `state`, as a restore does after loading the baseline,
+    /// and returns the row bytes read. Benchmarks time this part alone, as the IncrCP
+    /// paper does.
+    pub fn replay_increments(&self, id: &str, state: &mut ModelState) -> Result<u64, CkptError> {
+        let chain = self.lineage(id)?;
+        let skip = usize::from(chain.len() > 1);
+        let mut bytes = 0;
+        for m in &chain[skip..] {
+            self.apply_rows(m, state)?;
+            bytes += match m.kind {
+                CheckpointKind::Incrcp => {
+                    let (list, column) = self.incrcp_list(m)?;
+                    list.rectangle(column).iter().map(|c| c.len).sum::<u64>()
+                }
+                _ => m.chunks.iter().map(|c| c.bytes).sum::<u64>(),
+            };
+        }
+        Ok(bytes)
+    }
+
     /// The base of a DECK checkpoint and the fewest stored deltas and merged checkpoints
     /// that cover every delta up to it: greedily the one reaching furthest from each point.
     fn deck_lineage(&self, target: &Manifest) -> Result<Vec<Manifest>, CkptError> {

@@ -2,6 +2,7 @@
 //! loop over a binary dataset, evaluation, model snapshots, and the training benchmark.
 
 pub mod bench;
+pub mod bench_ckpt;
 pub mod config;
 mod error;
 pub mod snapshot;

@@ -241,6 +241,51 @@ pub struct StatsArgs {
 pub enum BenchCommand {
     /// Median training step time on in-memory batches.
     Train(BenchTrainArgs),
+    /// Checkpoint strategies side by side on a Criteo-shaped model (~2.3 GB at scale 1):
+    /// IncrCP and DECK experiments, disk bandwidth by dd; CSV, PNG plots, summary JSON.
+    Ckpt(BenchCkptArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchCkptArgs {
+    /// Scratch directory for checkpoints (emptied per strategy).
+    #[arg(long, default_value = "bench-ckpt-scratch")]
+    pub dir: PathBuf,
+    /// Where the CSV files, plots and summary go.
+    #[arg(long, default_value = "bench-ckpt")]
+    pub out: PathBuf,
+    /// Scale of the Criteo Kaggle table sizes (1.0: 33.8M rows, ~2.3 GB).
+    #[arg(long, default_value_t = 1.0)]
+    pub scale: f64,
+    #[arg(long, default_value_t = 150)]
+    pub checkpoints: usize,
+    /// Training steps between checkpoints.
+    #[arg(long, default_value_t = 10)]
+    pub interval: u64,
+    /// Time the restore of every N-th checkpoint (and the last).
+    #[arg(long, default_value_t = 5)]
+    pub restore_every: usize,
+    /// Full checkpoints actually written by the full strategy (the rest extrapolated).
+    #[arg(long, default_value_t = 3)]
+    pub full_samples: usize,
+    /// Differential (Check-N-Run) baseline reset: a full checkpoint every N.
+    #[arg(long, default_value_t = 50)]
+    pub differential_full_every: u64,
+    #[arg(long, default_value_t = 0.02)]
+    pub incrcp_threshold: f64,
+    /// DECK: a full checkpoint when live deltas exceed this many times one delta.
+    #[arg(long, default_value_t = 8.0)]
+    pub deck_live_factor: f64,
+    #[arg(long, default_value_t = 2048)]
+    pub batch_size: usize,
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    #[arg(long)]
+    pub skip_deck: bool,
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

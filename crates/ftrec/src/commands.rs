@@ -17,6 +17,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Data(DataCommand::Convert(a)) => data_convert(a),
         Command::Data(DataCommand::Stats(a)) => data_stats(a),
         Command::Bench(BenchCommand::Train(a)) => bench_train(a),
+        Command::Bench(BenchCommand::Ckpt(a)) => crate::bench_ckpt::run(a),
         Command::Demo(a) => demo(a),
         Command::Ckpt(c) => crate::ckpt::run(c),
     }

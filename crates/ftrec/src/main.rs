@@ -1,5 +1,6 @@
 //! The `ftrec` command line.
 
+mod bench_ckpt;
 mod ckpt;
 mod cli;
 mod commands;

@@ -187,3 +187,69 @@ fn bad_configuration_is_reported_by_key() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent"), "{err}");
 }
+
+#[test]
+fn bench_ckpt_writes_csv_plots_and_a_verified_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let scratch = dir.path().join("scratch");
+    let summary = json_of(&ftrec(&[
+        "bench",
+        "ckpt",
+        "--scale",
+        "0.003",
+        "--checkpoints",
+        "6",
+        "--interval",
+        "2",
+        "--restore-every",
+        "2",
+        "--full-samples",
+        "2",
+        "--differential-full-every",
+        "4",
+        "--batch-size",
+        "256",
+        "--dir",
+        scratch.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--json",
+    ]));
+    let strategies = summary["strategies"].as_array().unwrap();
+    let names: Vec<&str> = strategies
+        .iter()
+        .map(|s| s["strategy"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["full", "differential", "naive-incremental", "incrcp"]
+    );
+    for s in strategies {
+        assert_eq!(s["verified_digest"], true, "{s}");
+        assert_eq!(s["checkpoints"], 6, "{s}");
+    }
+    assert!(summary["incrcp_restore_speedup_vs_naive"].as_f64().unwrap() > 0.0);
+    assert!(
+        summary["disk"]["dd_write_bytes_per_second"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    let deck = summary["deck"].as_array().unwrap();
+    assert_eq!(deck.len(), 2);
+    assert!(deck[1]["peak_resident_chunks"].as_u64().unwrap() <= 4);
+    let csv = std::fs::read_to_string(out.join("incrcp.csv")).unwrap();
+    // A header and 6 rows per strategy; restores timed on rows 0, 2, 4 and 5.
+    assert_eq!(csv.lines().count(), 1 + 4 * 6, "{csv}");
+    let timed = csv
+        .lines()
+        .skip(1)
+        .filter(|l| !l.split(',').nth(7).unwrap().is_empty());
+    assert_eq!(timed.count(), 4 * 4, "{csv}");
+    for png in ["restore.png", "construction.png", "storage.png", "deck.png"] {
+        let bytes = std::fs::read(out.join(png)).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG", "{png}");
+    }
+    assert!(!scratch.exists(), "scratch space is removed");
+}
