@@ -58,7 +58,13 @@ impl ListChunk {
     /// Reads the chunk's bytes and checks them against the list's length and checksum.
     pub fn read(&self, store: &dyn Store) -> Result<Vec<u8>, CkptError> {
         let bytes = store.get_range(&self.key, self.offset, self.len as usize)?;
-        if bytes.len() as u64 != self.len || crc32c::crc32c(&bytes) != self.crc32c {
+        self.check(store, &bytes)?;
+        Ok(bytes)
+    }
+
+    /// Checks bytes read for this chunk against the list's length and checksum.
+    pub fn check(&self, store: &dyn Store, bytes: &[u8]) -> Result<(), CkptError> {
+        if bytes.len() as u64 != self.len || crc32c::crc32c(bytes) != self.crc32c {
             return Err(CkptError::corrupt(
                 &store.describe(&self.key),
                 format!(
@@ -68,7 +74,7 @@ impl ListChunk {
                 ),
             ));
         }
-        Ok(bytes)
+        Ok(())
     }
 
     /// Row of the 2-D list the chunk is in, given the newest column.
@@ -89,6 +95,9 @@ pub struct ChunkList {
     pub chunks: Vec<ListChunk>,
     /// Live chunks per object; an object is deleted when its count drops to zero.
     pub live: BTreeMap<String, u32>,
+    /// Sizes of row-0 bundles, to find those mostly dead.
+    #[serde(default)]
+    pub object_bytes: BTreeMap<String, u64>,
 }
 
 impl ChunkList {
@@ -100,6 +109,7 @@ impl ChunkList {
             extracted_through: None,
             chunks: Vec::new(),
             live: BTreeMap::new(),
+            object_bytes: BTreeMap::new(),
         }
     }
 
@@ -137,6 +147,7 @@ impl ChunkList {
         *count -= 1;
         if *count == 0 {
             self.live.remove(&chunk.key);
+            self.object_bytes.remove(&chunk.key);
             Some(chunk.key)
         } else {
             None

@@ -23,6 +23,8 @@ use serde::{Deserialize, Serialize};
 use crate::engine::{GcReport, dense_entry};
 use crate::manifest::{CheckpointKind, FileEntry, Manifest};
 use crate::merge::{MergeReport, merge_pass};
+use rayon::prelude::*;
+
 use crate::{Checkpoints, CkptError, chunk};
 
 /// DECK's bound: at most this many chunks in memory at once, whatever the model size.
@@ -296,30 +298,39 @@ impl Stager {
                 }
                 Ok(staged)
             });
-            for (n, (t, part)) in specs.iter().enumerate() {
-                budget.acquire();
-                let table = &tables[*t];
-                let bytes =
-                    chunk::encode(*t as u32, table.stride(), part, |r| table.row(r as usize));
-                let staged = StagedChunk {
-                    path: dir.join(format!("{n:06}.chunk")),
-                    entry: FileEntry {
-                        key: format!("data/{id}/t{t:04}-{n:06}.chunk"),
-                        bytes: bytes.len() as u64,
-                        crc32c: crc32c::crc32c(&bytes),
-                        table: Some(*t as u32),
-                        rows: part.len() as u64,
-                    },
-                };
-                if tx.send((n, staged, bytes)).is_err() {
-                    budget.release();
-                    break; // the writer failed; its error is returned below
-                }
-            }
-            drop(tx);
-            writer
+            // Chunks are encoded in parallel (the copy out of the live tables is the part
+            // training waits for); the budget bounds how many exist at once.
+            self.checkpoints.on_io_pool(|| {
+                specs
+                    .par_iter()
+                    .enumerate()
+                    .for_each_with(tx, |tx, (n, (t, part))| {
+                        budget.acquire();
+                        let table = &tables[*t];
+                        let bytes = chunk::encode(*t as u32, table.stride(), part, |r| {
+                            table.row(r as usize)
+                        });
+                        let staged = StagedChunk {
+                            path: dir.join(format!("{n:06}.chunk")),
+                            entry: FileEntry {
+                                key: format!("data/{id}/t{t:04}-{n:06}.chunk"),
+                                bytes: bytes.len() as u64,
+                                crc32c: crc32c::crc32c(&bytes),
+                                table: Some(*t as u32),
+                                rows: part.len() as u64,
+                            },
+                        };
+                        if tx.send((n, staged, bytes)).is_err() {
+                            budget.release(); // the writer failed; its error is returned below
+                        }
+                    });
+            });
+            let mut staged = writer
                 .join()
-                .map_err(|_| CkptError::Invalid("staging writer panicked".into()))?
+                .map_err(|_| CkptError::Invalid("staging writer panicked".into()))??;
+            // The manifest lists chunks in key order.
+            staged.sort_by(|a, b| a.entry.key.cmp(&b.entry.key));
+            Ok(staged)
         })?;
         let (dense, dense_bytes) = dense_entry(state, &id);
         template.dense = dense;

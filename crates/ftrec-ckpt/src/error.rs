@@ -20,6 +20,15 @@ pub enum CkptError {
     Model(#[from] ftrec_model::ModelError),
 }
 
+impl From<ftrec_fsio::IoAt> for CkptError {
+    fn from(e: ftrec_fsio::IoAt) -> Self {
+        Self::Io {
+            path: e.path,
+            error: e.error,
+        }
+    }
+}
+
 impl CkptError {
     pub fn corrupt(key: &str, message: impl Into<String>) -> Self {
         Self::Corrupt {

@@ -128,6 +128,8 @@ pub struct ExtractionStats {
     pub skipped_by_actual: u32,
     pub extracted_chunks: u32,
     pub extracted_rows: u64,
+    /// Row-0 chunks moved out of bundles that had become mostly dead.
+    pub compacted_chunks: u32,
     pub bytes_read: u64,
     pub bytes_written: u64,
     pub deleted_files: u32,
@@ -139,6 +141,15 @@ enum Decision {
     Bloom,
     Actual { bytes_read: u64 },
     Split(Split),
+}
+
+/// A chunk bound for this round's row-0 bundle: a remainder, or a chunk moved out of a
+/// mostly dead bundle. `order` is (table, column, first row).
+struct Row0Item<'a> {
+    order: (u32, u32, u32),
+    index: usize,
+    bytes: &'a [u8],
+    remainder: Option<&'a EncodedChunk>,
 }
 
 struct Split {
@@ -282,19 +293,68 @@ impl IncrcpChain {
             stats.seconds = start.elapsed().as_secs_f64();
             return Ok(stats);
         }
+        // Grouped by table in the bundles, so a restore reads each table's part of a
+        // bundle in one request.
+        splits.sort_by_key(|s| {
+            let c = &self.list.chunks[s.index];
+            (c.table, c.column, c.min_row)
+        });
         let prefix = prefix_for(&self.list.baseline);
         let row0_key = format!("{prefix}x{round:06}-row0.bundle");
         let row1_key = format!("{prefix}x{round:06}-row1.bundle");
+        let moved = self.compaction_moves(store, &splits)?;
+        stats.compacted_chunks = moved.len() as u32;
+        // Row 0 of this round: the remainders and the chunks moved out of mostly dead
+        // bundles, grouped by table.
+        let mut row0_items: Vec<Row0Item> = Vec::new();
+        for s in &splits {
+            if let Some(rem) = &s.remainder {
+                let c = &self.list.chunks[s.index];
+                row0_items.push(Row0Item {
+                    order: (c.table, c.column, rem.rows[0]),
+                    index: s.index,
+                    bytes: &rem.bytes,
+                    remainder: Some(rem),
+                });
+            }
+        }
+        for (i, bytes) in &moved {
+            let c = &self.list.chunks[*i];
+            row0_items.push(Row0Item {
+                order: (c.table, c.column, c.min_row),
+                index: *i,
+                bytes,
+                remainder: None,
+            });
+        }
+        row0_items.sort_by_key(|item| item.order);
         let (mut row0, mut row1) = (Vec::new(), Vec::new());
         let (mut added, mut new_blooms) = (Vec::new(), Vec::new());
+        for item in &row0_items {
+            let (column, index, bytes) = (item.order.1, item.index, item.bytes);
+            let remainder = item.remainder;
+            let offset = row0.len() as u64;
+            match remainder {
+                Some(rem) => {
+                    added.push(list_chunk(rem, column, None, row0_key.clone(), offset));
+                    new_blooms.push(((row0_key.clone(), offset), bloom_of(&rem.rows)));
+                }
+                None => {
+                    let old = &self.list.chunks[index];
+                    if let Some(b) = self.blooms.remove(&(old.key.clone(), old.offset)) {
+                        new_blooms.push(((row0_key.clone(), offset), b));
+                    }
+                    added.push(ListChunk {
+                        key: row0_key.clone(),
+                        offset,
+                        ..old.clone()
+                    });
+                }
+            }
+            row0.extend_from_slice(bytes);
+        }
         for s in &splits {
             let column = self.list.chunks[s.index].column;
-            if let Some(rem) = &s.remainder {
-                let offset = row0.len() as u64;
-                added.push(list_chunk(rem, column, None, row0_key.clone(), offset));
-                new_blooms.push(((row0_key.clone(), offset), bloom_of(&rem.rows)));
-                row0.extend_from_slice(&rem.bytes);
-            }
             let ex = &s.extracted;
             added.push(list_chunk(
                 ex,
@@ -307,11 +367,18 @@ impl IncrcpChain {
         }
         if !row0.is_empty() {
             store.put(&row0_key, &row0)?;
+            self.list
+                .object_bytes
+                .insert(row0_key.clone(), row0.len() as u64);
         }
         store.put(&row1_key, &row1)?;
         stats.bytes_written = (row0.len() + row1.len()) as u64;
 
-        let mut indices: Vec<usize> = splits.iter().map(|s| s.index).collect();
+        let mut indices: Vec<usize> = splits
+            .iter()
+            .map(|s| s.index)
+            .chain(moved.iter().map(|(i, _)| *i))
+            .collect();
         indices.sort_unstable_by(|a, b| b.cmp(a));
         let mut dead = Vec::new();
         for i in indices {
@@ -328,6 +395,42 @@ impl IncrcpChain {
         self.publish(store, dead)?;
         stats.seconds = start.elapsed().as_secs_f64();
         Ok(stats)
+    }
+
+    /// Row-0 chunks to move into this round's row-0 bundle because the bundle they sit in
+    /// would be less than half live once `splits` leave it: without this, bundles whose
+    /// chunks were mostly extracted would keep their dead bytes until the baseline resets.
+    /// Returns the chunks' list indices and bytes.
+    fn compaction_moves(
+        &self,
+        store: &dyn Store,
+        splits: &[Split],
+    ) -> Result<Vec<(usize, Vec<u8>)>, CkptError> {
+        let leaving: std::collections::HashSet<usize> = splits.iter().map(|s| s.index).collect();
+        let mut live: HashMap<&str, u64> = HashMap::new();
+        for (i, c) in self.list.chunks.iter().enumerate() {
+            if !leaving.contains(&i) {
+                *live.entry(c.key.as_str()).or_default() += c.len;
+            }
+        }
+        let sparse: std::collections::HashSet<&str> = self
+            .list
+            .object_bytes
+            .iter()
+            .filter(|(key, size)| live.get(key.as_str()).is_some_and(|&l| 2 * l < **size))
+            .map(|(key, _)| key.as_str())
+            .collect();
+        self.list
+            .chunks
+            .iter()
+            .enumerate()
+            .filter(|(i, c)| {
+                !leaving.contains(i) && c.superseded_by.is_none() && sparse.contains(c.key.as_str())
+            })
+            .collect::<Vec<_>>()
+            .par_iter()
+            .map(|&(i, c)| Ok((i, c.read(store)?)))
+            .collect()
     }
 
     fn consider(

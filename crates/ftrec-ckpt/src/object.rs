@@ -1,11 +1,13 @@
-//! Checkpoints in object storage (S3 and S3-compatible servers) through the `object_store`
-//! crate. A single PUT is atomic, and the manifest is written after every file it names,
+//! Checkpoints in object storage (S3 and S3-compatible servers, Google Cloud Storage,
+//! Azure Blob Storage) through the `object_store` crate. A single PUT is atomic, and the manifest is written after every file it names,
 //! so the commit rule is the same as on a local disk.
 
 use std::sync::Arc;
 
 use futures::TryStreamExt;
 use object_store::aws::AmazonS3Builder;
+use object_store::azure::MicrosoftAzureBuilder;
+use object_store::gcp::GoogleCloudStorageBuilder;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 
@@ -19,37 +21,63 @@ pub struct ObjectStoreBackend {
 }
 
 impl ObjectStoreBackend {
-    /// `s3://bucket/prefix`. Credentials, region and endpoint come from the usual
-    /// environment variables (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`,
-    /// `AWS_ENDPOINT` and `AWS_ALLOW_HTTP` for S3-compatible servers).
+    /// `s3://bucket/prefix`, `gs://bucket/prefix` or `az://container/prefix`. Credentials
+    /// and endpoints come from each service's usual environment variables: for S3
+    /// `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, and `AWS_ENDPOINT` with
+    /// `AWS_ALLOW_HTTP` for S3-compatible servers; for GCS `GOOGLE_SERVICE_ACCOUNT` (a key
+    /// file) or `GOOGLE_SERVICE_ACCOUNT_KEY`; for Azure `AZURE_STORAGE_ACCOUNT_NAME` and
+    /// `AZURE_STORAGE_ACCOUNT_KEY` (or `AZURE_STORAGE_USE_EMULATOR=true` for Azurite).
     pub fn open(url: &str) -> Result<Self, CkptError> {
-        Self::open_with(url, |b| b)
+        let bad = |m: String| CkptError::Invalid(format!("{url}: {m}"));
+        let (scheme, bucket, prefix) = split_url(url)?;
+        let store: Arc<dyn ObjectStore> = match scheme {
+            "s3" => Arc::new(
+                AmazonS3Builder::from_env()
+                    .with_bucket_name(bucket)
+                    .build()
+                    .map_err(|e| bad(e.to_string()))?,
+            ),
+            "gs" => Arc::new(
+                GoogleCloudStorageBuilder::from_env()
+                    .with_bucket_name(bucket)
+                    .build()
+                    .map_err(|e| bad(e.to_string()))?,
+            ),
+            _ => Arc::new(
+                MicrosoftAzureBuilder::from_env()
+                    .with_container_name(bucket)
+                    .build()
+                    .map_err(|e| bad(e.to_string()))?,
+            ),
+        };
+        Self::with_store(url, store, prefix)
     }
 
-    /// Like [`ObjectStoreBackend::open`], with the builder adjusted by `configure` after
-    /// the environment is read (tests point it at a loopback server this way).
+    /// An `s3://` store with the builder adjusted by `configure` after the environment is
+    /// read (tests point it at a loopback server this way).
     pub fn open_with(
         url: &str,
         configure: impl FnOnce(AmazonS3Builder) -> AmazonS3Builder,
     ) -> Result<Self, CkptError> {
         let bad = |m: String| CkptError::Invalid(format!("{url}: {m}"));
-        let rest = url
-            .strip_prefix("s3://")
-            .ok_or_else(|| bad("only s3:// URLs are supported".into()))?;
-        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-        if bucket.is_empty() {
-            return Err(bad("missing bucket name".into()));
+        let (scheme, bucket, prefix) = split_url(url)?;
+        if scheme != "s3" {
+            return Err(bad("open_with configures S3 only".into()));
         }
         let store = configure(AmazonS3Builder::from_env().with_bucket_name(bucket))
             .build()
             .map_err(|e| bad(e.to_string()))?;
+        Self::with_store(url, Arc::new(store), prefix)
+    }
+
+    fn with_store(url: &str, inner: Arc<dyn ObjectStore>, prefix: &str) -> Result<Self, CkptError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
-            .map_err(|e| bad(format!("async runtime: {e}")))?;
+            .map_err(|e| CkptError::Invalid(format!("{url}: async runtime: {e}")))?;
         Ok(Self {
-            inner: Arc::new(store),
+            inner,
             prefix: prefix.trim_matches('/').to_string(),
             url: url.trim_end_matches('/').to_string(),
             runtime,
@@ -153,11 +181,51 @@ impl Store for ObjectStoreBackend {
     }
 }
 
-/// A store for a location given by the user: an `s3://` URL or a local directory.
+/// `scheme://bucket/prefix` split into its parts; the scheme must be one we build.
+fn split_url(url: &str) -> Result<(&str, &str, &str), CkptError> {
+    let bad = |m: &str| CkptError::Invalid(format!("{url}: {m}"));
+    let (scheme, rest) = url
+        .split_once("://")
+        .ok_or_else(|| bad("not a URL (expected s3://, gs:// or az://)"))?;
+    let scheme = match scheme {
+        "s3" => "s3",
+        "gs" => "gs",
+        "az" | "azure" => "az",
+        other => {
+            return Err(bad(&format!(
+                "unsupported scheme {other}:// (supported: s3://, gs://, az://)"
+            )));
+        }
+    };
+    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    if bucket.is_empty() {
+        return Err(bad("missing bucket or container name"));
+    }
+    Ok((scheme, bucket, prefix))
+}
+
+/// A store for a location given by the user: an `s3://`, `gs://` or `az://` URL, or a
+/// local directory.
 pub fn open_store(location: &str) -> Result<Box<dyn Store>, CkptError> {
     if location.contains("://") {
         Ok(Box::new(ObjectStoreBackend::open(location)?))
     } else {
         Ok(Box::new(LocalStore::open(std::path::Path::new(location))?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_name_scheme_bucket_and_prefix_or_get_a_clear_error() {
+        assert_eq!(split_url("s3://b/p/q").unwrap(), ("s3", "b", "p/q"));
+        assert_eq!(split_url("gs://b").unwrap(), ("gs", "b", ""));
+        assert_eq!(split_url("azure://c/x").unwrap(), ("az", "c", "x"));
+        let e = split_url("ftp://b/p").unwrap_err().to_string();
+        assert!(e.contains("unsupported scheme ftp://"), "{e}");
+        let e = split_url("s3:///p").unwrap_err().to_string();
+        assert!(e.contains("missing bucket"), "{e}");
     }
 }

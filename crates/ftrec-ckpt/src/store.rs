@@ -3,7 +3,7 @@
 //! so a crash leaves either the old object or the new one, never a torn one.
 
 use std::fs::{self, File};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use crate::CkptError;
@@ -28,6 +28,7 @@ pub struct LocalStore {
     root: PathBuf,
 }
 
+/// `ftrec_fsio::write_atomic`'s temporary names; listings skip them.
 const TMP_SUFFIX: &str = ".tmp";
 
 impl LocalStore {
@@ -64,26 +65,12 @@ fn io(path: &Path, error: std::io::Error) -> CkptError {
     }
 }
 
-fn sync_dir(dir: &Path) -> Result<(), CkptError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| io(dir, e))
-}
-
 impl Store for LocalStore {
     fn put(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
         let path = self.path(key)?;
         let dir = path.parent().unwrap_or(&self.root).to_path_buf();
         fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
-        let mut tmp = path.clone().into_os_string();
-        tmp.push(TMP_SUFFIX);
-        let tmp = PathBuf::from(tmp);
-        let mut f = File::create(&tmp).map_err(|e| io(&tmp, e))?;
-        f.write_all(bytes).map_err(|e| io(&tmp, e))?;
-        f.sync_all().map_err(|e| io(&tmp, e))?;
-        drop(f);
-        fs::rename(&tmp, &path).map_err(|e| io(&path, e))?;
-        sync_dir(&dir)
+        Ok(ftrec_fsio::write_atomic(&path, bytes)?)
     }
 
     fn get(&self, key: &str) -> Result<Vec<u8>, CkptError> {

@@ -114,7 +114,7 @@ impl DatasetWriter {
         num_sparse: usize,
         multi_hot: bool,
     ) -> Result<Self, DataError> {
-        let tmp = path.with_extension("ftrd.tmp");
+        let tmp = ftrec_fsio::temp_path(path);
         let file = File::create(&tmp).map_err(|e| DataError::io(&tmp, e))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         out.write_all(&[0u8; HEADER_LEN])
@@ -204,14 +204,7 @@ impl DatasetWriter {
             .map_err(|e| DataError::io(&self.tmp, e))?;
         file.write_all(&self.header.encode())
             .map_err(|e| DataError::io(&self.tmp, e))?;
-        file.sync_all().map_err(|e| DataError::io(&self.tmp, e))?;
-        drop(file);
-        std::fs::rename(&self.tmp, &self.path).map_err(|e| DataError::io(&self.path, e))?;
-        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| DataError::io(dir, e))?;
-        }
+        ftrec_fsio::publish(file, &self.tmp, &self.path)?;
         Ok(self.header.samples)
     }
 }

@@ -25,6 +25,12 @@ pub enum DataError {
     Invalid(String),
 }
 
+impl From<ftrec_fsio::IoAt> for DataError {
+    fn from(e: ftrec_fsio::IoAt) -> Self {
+        Self::io(e.path, e.error)
+    }
+}
+
 impl DataError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {

@@ -437,15 +437,12 @@ pub fn generate(
 }
 
 fn write_meta(dir: &Path, report: &GenReport) -> Result<(), DataError> {
-    let path = dir.join(META_FILE);
-    let tmp = dir.join("meta.json.tmp");
     let text =
         serde_json::to_string_pretty(report).map_err(|e| DataError::Invalid(e.to_string()))?;
-    let mut f = File::create(&tmp).map_err(|e| DataError::io(&tmp, e))?;
-    f.write_all(text.as_bytes())
-        .map_err(|e| DataError::io(&tmp, e))?;
-    f.sync_all().map_err(|e| DataError::io(&tmp, e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| DataError::io(&path, e))
+    Ok(ftrec_fsio::write_atomic(
+        &dir.join(META_FILE),
+        text.as_bytes(),
+    )?)
 }
 
 /// Reads the generator report of a dataset directory, if it was generated.

@@ -327,14 +327,27 @@ fn checkpointer_for(
     )?)
 }
 
-/// A full checkpoint's bytes, write seconds and cold restore seconds.
-type FullBandwidth = Option<(u64, f64, f64)>;
+/// Bandwidths (bytes per second) seen by the full strategy, with `dd` reads of a file of
+/// the same size interleaved with its restores, so both meet the same disk state.
+#[derive(Default)]
+struct FullBandwidth {
+    write: Vec<f64>,
+    restore: Vec<f64>,
+    dd_read: Vec<f64>,
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
 
 /// One strategy of the IncrCP experiment.
 fn run_strategy(
     c: &CkptBenchConfig,
     config: &TrainConfig,
     strategy: Strategy,
+    dd_file: &Path,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(Vec<CheckpointRow>, StrategySummary, FullBandwidth), TrainError> {
     let name = strategy_name(strategy);
@@ -376,9 +389,10 @@ fn run_strategy(
     let checkpoints = ck.checkpoints().clone();
     let listed = checkpoints.list()?;
     // Replay timing, cold cache, onto the trained state (its values are no longer needed).
-    let mut full_bw = None;
+    let mut full_bw = FullBandwidth::default();
     for (i, row) in rows.iter_mut().enumerate() {
-        if !(i % c.restore_every.max(1) == 0 || i + 1 == planned) {
+        let sampled = i % c.restore_every.max(1) == 0 || i + 1 == planned;
+        if !(sampled || strategy == Strategy::Full) {
             continue;
         }
         let Some(m) = listed.iter().find(|m| m.step == row.step) else {
@@ -391,6 +405,9 @@ fn run_strategy(
             row.restore_bytes = Some(0);
             continue;
         }
+        if strategy == Strategy::Full {
+            full_bw.dd_read.push(dd_read(dd_file)?);
+        }
         evict_from_cache(&dir);
         let start = Instant::now();
         let bytes = checkpoints.replay_increments(&m.id, &mut rig.state)?;
@@ -398,7 +415,8 @@ fn run_strategy(
         row.restore_seconds = Some(seconds);
         row.restore_bytes = Some(bytes);
         if strategy == Strategy::Full {
-            full_bw = Some((bytes, row.blocking_seconds, seconds));
+            full_bw.write.push(bytes as f64 / row.blocking_seconds);
+            full_bw.restore.push(bytes as f64 / seconds);
         }
         progress(&format!("{name}: replayed checkpoint {}", i + 1));
     }
@@ -479,16 +497,25 @@ fn dd(args: &[&str]) -> Result<f64, TrainError> {
     Ok(bytes / seconds)
 }
 
-fn measure_disk(dir: &Path, bytes: u64) -> Result<(f64, f64), TrainError> {
+/// Median `dd` write bandwidth (with fdatasync) of three `bytes`-sized writes; the file
+/// stays for the reads interleaved with the full strategy's restores.
+fn measure_disk_write(dir: &Path, bytes: u64) -> Result<(f64, PathBuf), TrainError> {
     fresh_dir(dir)?;
     let file = dir.join("dd.bin");
     let of = format!("of={}", file.display());
     let count = format!("count={}", bytes.div_ceil(4 << 20).max(1));
-    let write = dd(&["if=/dev/zero", &of, "bs=4M", &count, "conv=fdatasync"])?;
-    evict_from_cache(dir);
-    let read = dd(&[&format!("if={}", file.display()), "of=/dev/null", "bs=4M"])?;
-    fresh_dir(dir)?;
-    Ok((write, read))
+    let writes = (0..3)
+        .map(|_| dd(&["if=/dev/zero", &of, "bs=4M", &count, "conv=fdatasync"]))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((median(&writes), file))
+}
+
+/// Cold `dd` read bandwidth of `file`.
+fn dd_read(file: &Path) -> Result<f64, TrainError> {
+    if let Some(dir) = file.parent() {
+        evict_from_cache(dir);
+    }
+    dd(&[&format!("if={}", file.display()), "of=/dev/null", "bs=4M"])
 }
 
 fn run_deck_experiment(
@@ -571,19 +598,21 @@ pub fn bench_ckpt(
         ..Default::default()
     };
     progress("measuring the disk with dd");
-    let (w, r) = measure_disk(&c.dir.join("dd"), report.model_bytes as u64)?;
+    let dd_dir = c.dir.join("dd");
+    let (w, dd_file) = measure_disk_write(&dd_dir, report.model_bytes as u64)?;
     report.disk.dd_write_bytes_per_second = w;
-    report.disk.dd_read_bytes_per_second = r;
     for strategy in [
         Strategy::Full,
         Strategy::Differential,
         Strategy::NaiveIncremental,
         Strategy::Incrcp,
     ] {
-        let (rows, summary, full_bw) = run_strategy(c, &config, strategy, progress)?;
-        if let Some((bytes, write_s, read_s)) = full_bw {
-            report.disk.full_write_bytes_per_second = bytes as f64 / write_s;
-            report.disk.full_restore_bytes_per_second = bytes as f64 / read_s;
+        let (rows, summary, full_bw) = run_strategy(c, &config, strategy, &dd_file, progress)?;
+        if strategy == Strategy::Full {
+            report.disk.full_write_bytes_per_second = median(&full_bw.write);
+            report.disk.full_restore_bytes_per_second = median(&full_bw.restore);
+            report.disk.dd_read_bytes_per_second = median(&full_bw.dd_read);
+            fresh_dir(&dd_dir)?;
         }
         report.rows.extend(rows);
         report.summaries.push(summary);

@@ -37,7 +37,7 @@ fn write_section(out: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 pub fn save(path: &Path, state: &ModelState, progress: Progress) -> Result<(), TrainError> {
-    let tmp = path.with_extension("tmp");
+    let tmp = ftrec_fsio::temp_path(path);
     let err = io_err(&tmp);
     let file = File::create(&tmp).map_err(&err)?;
     let mut out = BufWriter::with_capacity(1 << 22, file);
@@ -56,15 +56,10 @@ pub fn save(path: &Path, state: &ModelState, progress: Progress) -> Result<(), T
     write_section(&mut out, bytemuck::cast_slice(&state.dense.params)).map_err(&err)?;
     write_section(&mut out, bytemuck::cast_slice(&state.dense.optimizer_state)).map_err(&err)?;
     let file = out.into_inner().map_err(|e| err(e.into_error()))?;
-    file.sync_all().map_err(&err)?;
-    drop(file);
-    std::fs::rename(&tmp, path).map_err(io_err(path))?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io_err(dir))?;
-    }
-    Ok(())
+    ftrec_fsio::publish(file, &tmp, path).map_err(|e| TrainError::Io {
+        path: e.path,
+        error: e.error,
+    })
 }
 
 struct Reader<'a, R> {

@@ -274,7 +274,7 @@ pub struct BenchCkptArgs {
     #[arg(long, default_value_t = 0.02)]
     pub incrcp_threshold: f64,
     /// DECK: a full checkpoint when live deltas exceed this many times one delta.
-    #[arg(long, default_value_t = 8.0)]
+    #[arg(long, default_value_t = 64.0)]
     pub deck_live_factor: f64,
     #[arg(long, default_value_t = 2048)]
     pub batch_size: usize,
