@@ -90,7 +90,18 @@ pub fn encode<'a>(
     rows: &[u32],
     row_data: impl Fn(u32) -> &'a [f32],
 ) -> Vec<u8> {
-    encode_bytes(table, stride, rows, |i| {
+    encode_with_crc(table, stride, rows, row_data).0
+}
+
+/// [`encode`], also returning the CRC32C of the whole chunk, combined from the block
+/// checksums instead of a second pass over the bytes.
+pub fn encode_with_crc<'a>(
+    table: u32,
+    stride: usize,
+    rows: &[u32],
+    row_data: impl Fn(u32) -> &'a [f32],
+) -> (Vec<u8>, u32) {
+    encode_bytes_with_crc(table, stride, rows, |i| {
         bytemuck::cast_slice(row_data(rows[i]))
     })
 }
@@ -103,6 +114,15 @@ pub fn encode_bytes<'a>(
     rows: &[u32],
     payload: impl Fn(usize) -> &'a [u8],
 ) -> Vec<u8> {
+    encode_bytes_with_crc(table, stride, rows, payload).0
+}
+
+fn encode_bytes_with_crc<'a>(
+    table: u32,
+    stride: usize,
+    rows: &[u32],
+    payload: impl Fn(usize) -> &'a [u8],
+) -> (Vec<u8>, u32) {
     let header = ChunkHeader {
         table,
         stride: stride as u32,
@@ -111,6 +131,7 @@ pub fn encode_bytes<'a>(
     };
     let mut out = Vec::with_capacity(header.file_len() as usize);
     out.extend_from_slice(&header.encode());
+    let mut file_crc = crc32c::crc32c(&out);
     for (b, block) in rows.chunks(BLOCK_ROWS).enumerate() {
         let start = out.len();
         for r in block {
@@ -120,9 +141,11 @@ pub fn encode_bytes<'a>(
             out.extend_from_slice(payload(b * BLOCK_ROWS + i));
         }
         let crc = crc32c::crc32c(&out[start..]);
+        file_crc = crc32c::crc32c_combine(file_crc, crc, out.len() - start);
         out.extend_from_slice(&crc.to_le_bytes());
+        file_crc = crc32c::crc32c_append(file_crc, &crc.to_le_bytes());
     }
-    out
+    (out, file_crc)
 }
 
 /// Checks a whole chunk and calls `visit(row, little-endian row bytes)` for each row, in
@@ -131,8 +154,18 @@ pub fn encode_bytes<'a>(
 pub fn decode<'b>(
     key: &str,
     bytes: &'b [u8],
-    mut visit: impl FnMut(u32, &'b [u8]) -> Result<(), CkptError>,
+    visit: impl FnMut(u32, &'b [u8]) -> Result<(), CkptError>,
 ) -> Result<ChunkHeader, CkptError> {
+    decode_with_crc(key, bytes, visit).map(|(h, _)| h)
+}
+
+/// [`decode`], also returning the CRC32C of the whole chunk, combined from the block
+/// checksums it verifies anyway, so checking it against a manifest costs no extra pass.
+pub fn decode_with_crc<'b>(
+    key: &str,
+    bytes: &'b [u8],
+    mut visit: impl FnMut(u32, &'b [u8]) -> Result<(), CkptError>,
+) -> Result<(ChunkHeader, u32), CkptError> {
     let h = ChunkHeader::decode(key, bytes)?;
     if bytes.len() as u64 != h.file_len() {
         return Err(CkptError::corrupt(
@@ -146,6 +179,7 @@ pub fn decode<'b>(
     }
     let row_bytes = 4 * h.stride as usize;
     let mut at = HEADER_LEN;
+    let mut file_crc = crc32c::crc32c(&bytes[..HEADER_LEN]);
     let mut remaining = h.rows as usize;
     let mut previous: Option<u32> = None;
     while remaining > 0 {
@@ -157,7 +191,10 @@ pub fn decode<'b>(
                 .try_into()
                 .unwrap_or_default(),
         );
-        if crc32c::crc32c(block) != stored {
+        let crc = crc32c::crc32c(block);
+        file_crc = crc32c::crc32c_combine(file_crc, crc, block_len);
+        file_crc = crc32c::crc32c_append(file_crc, &stored.to_le_bytes());
+        if crc != stored {
             return Err(CkptError::corrupt(
                 key,
                 format!(
@@ -181,7 +218,22 @@ pub fn decode<'b>(
         at += block_len + 4;
         remaining -= n;
     }
-    Ok(h)
+    Ok((h, file_crc))
+}
+
+#[cfg(test)]
+mod crc_tests {
+    use super::*;
+
+    #[test]
+    fn combined_crc_equals_the_crc_of_the_whole_chunk() {
+        let rows: Vec<u32> = (0..(2 * BLOCK_ROWS as u32 + 17)).map(|r| r * 3).collect();
+        let data = vec![1.5f32; 5];
+        let (bytes, crc) = encode_with_crc(2, 5, &rows, |_| &data);
+        assert_eq!(crc, crc32c::crc32c(&bytes));
+        let (_, decoded) = decode_with_crc("k", &bytes, |_, _| Ok(())).unwrap();
+        assert_eq!(decoded, crc);
+    }
 }
 
 #[cfg(test)]

@@ -307,15 +307,16 @@ impl Stager {
                     .for_each_with(tx, |tx, (n, (t, part))| {
                         budget.acquire();
                         let table = &tables[*t];
-                        let bytes = chunk::encode(*t as u32, table.stride(), part, |r| {
-                            table.row(r as usize)
-                        });
+                        let (bytes, crc) =
+                            chunk::encode_with_crc(*t as u32, table.stride(), part, |r| {
+                                table.row(r as usize)
+                            });
                         let staged = StagedChunk {
                             path: dir.join(format!("{n:06}.chunk")),
                             entry: FileEntry {
                                 key: format!("data/{id}/t{t:04}-{n:06}.chunk"),
                                 bytes: bytes.len() as u64,
-                                crc32c: crc32c::crc32c(&bytes),
+                                crc32c: crc,
                                 table: Some(*t as u32),
                                 rows: part.len() as u64,
                             },
@@ -503,12 +504,14 @@ fn upload(ck: &Checkpoints, budget: &ChunkBudget, job: &UploadJob) -> Result<(),
                         "staged chunk changed on the local disk",
                     ));
                 }
-                ck.store().put(&s.entry.key, &bytes)
+                ck.store().put_part(&s.entry.key, &bytes)
             });
         budget.release();
         result?;
     }
-    ck.store().put(&job.manifest.dense.key, &job.dense)?;
+    ck.store().put_part(&job.manifest.dense.key, &job.dense)?;
+    ck.store()
+        .sync_parts(&format!("data/{}/", job.manifest.id))?;
     ck.store().put(
         &Manifest::key_for(&job.manifest.id),
         &job.manifest.encode()?,

@@ -167,14 +167,15 @@ impl Checkpoints {
                 if part.last().is_some_and(|&r| r as usize >= table.rows()) {
                     return Err(CkptError::Invalid(format!("table {t}: row out of range")));
                 }
-                let bytes =
-                    chunk::encode(t as u32, table.stride(), part, |r| table.row(r as usize));
+                let (bytes, crc) = chunk::encode_with_crc(t as u32, table.stride(), part, |r| {
+                    table.row(r as usize)
+                });
                 let key = format!("data/{id}/t{t:04}-{n:06}.chunk");
-                self.store.put(&key, &bytes)?;
+                self.store.put_part(&key, &bytes)?;
                 Ok(FileEntry {
                     key,
                     bytes: bytes.len() as u64,
-                    crc32c: crc32c::crc32c(&bytes),
+                    crc32c: crc,
                     table: Some(t as u32),
                     rows: part.len() as u64,
                 })
@@ -182,7 +183,8 @@ impl Checkpoints {
             .collect::<Result<Vec<_>, CkptError>>()?;
         chunks.sort_by(|a, b| a.key.cmp(&b.key));
         let (dense, dense_bytes) = dense_entry(state, &id);
-        self.store.put(&dense.key, &dense_bytes)?;
+        self.store.put_part(&dense.key, &dense_bytes)?;
+        self.store.sync_parts(&format!("data/{id}/"))?;
         let manifest = Manifest {
             id: id.clone(),
             kind,
@@ -250,6 +252,23 @@ impl Checkpoints {
     /// The newest checkpoint, if any.
     pub fn latest(&self) -> Result<Option<Manifest>, CkptError> {
         Ok(self.list()?.pop())
+    }
+
+    /// An object's bytes with its length checked against the manifest; the caller checks
+    /// the CRC (chunks combine it from their block checksums while decoding).
+    fn fetch_unchecked(&self, entry: &FileEntry) -> Result<Vec<u8>, CkptError> {
+        let bytes = self.store.get(&entry.key)?;
+        if bytes.len() as u64 != entry.bytes {
+            return Err(CkptError::corrupt(
+                &self.store.describe(&entry.key),
+                format!(
+                    "length is {} bytes, manifest says {}",
+                    bytes.len(),
+                    entry.bytes
+                ),
+            ));
+        }
+        Ok(bytes)
     }
 
     pub(crate) fn fetch(&self, entry: &FileEntry) -> Result<Vec<u8>, CkptError> {
@@ -540,9 +559,9 @@ impl Checkpoints {
                 // delta stores each row at most once.
                 let mut next_row = 0usize;
                 for entry in files {
-                    let bytes = self.fetch(entry)?;
+                    let bytes = self.fetch_unchecked(entry)?;
                     let where_ = self.store.describe(&entry.key);
-                    let header = chunk::decode(&where_, &bytes, |row, payload| {
+                    let (header, crc) = chunk::decode_with_crc(&where_, &bytes, |row, payload| {
                         let r = row as usize;
                         if (full && r != next_row) || r < next_row {
                             return Err(CkptError::corrupt(
@@ -557,6 +576,14 @@ impl Checkpoints {
                         return Err(CkptError::corrupt(
                             &where_,
                             format!("holds table {}, manifest says {t}", header.table),
+                        ));
+                    }
+                    // Every block checked out; the whole file must also be the one the
+                    // manifest names (not, say, a valid chunk of another checkpoint).
+                    if crc != entry.crc32c {
+                        return Err(CkptError::corrupt(
+                            &where_,
+                            "checksum differs from the manifest's",
                         ));
                     }
                 }

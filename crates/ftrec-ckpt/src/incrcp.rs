@@ -211,11 +211,13 @@ impl IncrcpChain {
             .enumerate()
             .map(|(n, c)| {
                 let key = format!("{prefix}c{column:06}-{n:06}.chunk");
-                store.put(&key, &c.bytes)?;
+                store.put_part(&key, &c.bytes)?;
                 Ok(list_chunk(c, column, None, key, 0))
             })
             .collect::<Result<Vec<_>, CkptError>>()?;
-        store.put(&inc.manifest.dense.key, &inc.dense)?;
+        store.put_part(&inc.manifest.dense.key, &inc.dense)?;
+        store.sync_parts(&format!("data/{}/", inc.manifest.id))?;
+        store.sync_parts(&prefix)?;
         for (entry, c) in entries.into_iter().zip(&inc.chunks) {
             self.blooms
                 .insert((entry.key.clone(), entry.offset), bloom_of(&c.rows));
@@ -366,12 +368,13 @@ impl IncrcpChain {
             row1.extend_from_slice(&ex.bytes);
         }
         if !row0.is_empty() {
-            store.put(&row0_key, &row0)?;
+            store.put_part(&row0_key, &row0)?;
             self.list
                 .object_bytes
                 .insert(row0_key.clone(), row0.len() as u64);
         }
-        store.put(&row1_key, &row1)?;
+        store.put_part(&row1_key, &row1)?;
+        store.sync_parts(&prefix)?;
         stats.bytes_written = (row0.len() + row1.len()) as u64;
 
         let mut indices: Vec<usize> = splits

@@ -208,7 +208,8 @@ fn merge(
         key: format!("data/{id}/dense.bin"),
         ..last.dense.clone()
     };
-    ck.store().put(&dense.key, &dense_bytes)?;
+    ck.store().put_part(&dense.key, &dense_bytes)?;
+    ck.store().sync_parts(&format!("data/{id}/"))?;
     let manifest = Manifest {
         id: id.clone(),
         kind: CheckpointKind::Merged,
@@ -311,7 +312,7 @@ fn merge_table(
             &payload[i * 4 * stride..(i + 1) * 4 * stride]
         });
         let key = format!("data/{id}/t{t:04}-{:06}.chunk", entries.len());
-        ck.store().put(&key, &bytes)?;
+        ck.store().put_part(&key, &bytes)?;
         entries.push(FileEntry {
             key,
             bytes: bytes.len() as u64,

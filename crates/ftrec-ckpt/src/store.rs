@@ -3,7 +3,7 @@
 //! so a crash leaves either the old object or the new one, never a torn one.
 
 use std::fs::{self, File};
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use crate::CkptError;
@@ -12,6 +12,18 @@ use crate::CkptError;
 pub trait Store: Send + Sync {
     /// Writes `bytes` under `key`, atomically and durably.
     fn put(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError>;
+    /// Writes a part of something a later record commits (a manifest or chunk list that
+    /// names it with its length and checksum): durable once [`Store::sync_parts`] returns
+    /// for its directory, but not atomic by itself, as the record's checksum catches a torn
+    /// part. Stores where every put is atomic anyway just put.
+    fn put_part(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
+        self.put(key, bytes)
+    }
+    /// Makes the names of the parts written under `prefix` (a directory-like prefix
+    /// ending in `/`) durable.
+    fn sync_parts(&self, _prefix: &str) -> Result<(), CkptError> {
+        Ok(())
+    }
     fn get(&self, key: &str) -> Result<Vec<u8>, CkptError>;
     /// `len` bytes from `offset`.
     fn get_range(&self, key: &str, offset: u64, len: usize) -> Result<Vec<u8>, CkptError>;
@@ -71,6 +83,26 @@ impl Store for LocalStore {
         let dir = path.parent().unwrap_or(&self.root).to_path_buf();
         fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
         Ok(ftrec_fsio::write_atomic(&path, bytes)?)
+    }
+
+    /// No temporary name, rename or directory sync per part: on this VM they cost a full
+    /// checkpoint about half its write bandwidth (the numbers are in BENCHMARKS.md).
+    fn put_part(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
+        let path = self.path(key)?;
+        let dir = path.parent().unwrap_or(&self.root).to_path_buf();
+        fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
+        File::create(&path)
+            .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_data()))
+            .map_err(|e| io(&path, e))
+    }
+
+    fn sync_parts(&self, prefix: &str) -> Result<(), CkptError> {
+        let dir = self.root.join(prefix.trim_end_matches('/'));
+        match File::open(&dir).and_then(|d| d.sync_all()) {
+            // Nothing was written there, so nothing needs syncing.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            other => other.map_err(|e| io(&dir, e)),
+        }
     }
 
     fn get(&self, key: &str) -> Result<Vec<u8>, CkptError> {

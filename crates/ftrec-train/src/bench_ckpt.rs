@@ -331,6 +331,7 @@ fn checkpointer_for(
 /// the same size interleaved with its restores, so both meet the same disk state.
 #[derive(Default)]
 struct FullBandwidth {
+    dd_write: Vec<f64>,
     write: Vec<f64>,
     restore: Vec<f64>,
     dd_read: Vec<f64>,
@@ -361,10 +362,18 @@ fn run_strategy(
         c.checkpoints
     };
     let mut rows = Vec::new();
+    let mut full_bw = FullBandwidth::default();
     let started = Instant::now();
     for index in 0..planned {
         for _ in 0..c.interval {
             rig.step(&mut ck)?;
+        }
+        if strategy == Strategy::Full {
+            // dd writes a file of the model's size just before each full checkpoint, so
+            // the two meet the same state of this VM's (host-cached) disk.
+            full_bw
+                .dd_write
+                .push(dd_write(dd_file, rig.state.bytes() as u64)?);
         }
         let (m, blocking) = rig.checkpoint(&mut ck)?;
         rows.push(CheckpointRow {
@@ -389,7 +398,6 @@ fn run_strategy(
     let checkpoints = ck.checkpoints().clone();
     let listed = checkpoints.list()?;
     // Replay timing, cold cache, onto the trained state (its values are no longer needed).
-    let mut full_bw = FullBandwidth::default();
     for (i, row) in rows.iter_mut().enumerate() {
         let sampled = i % c.restore_every.max(1) == 0 || i + 1 == planned;
         if !(sampled || strategy == Strategy::Full) {
@@ -497,17 +505,11 @@ fn dd(args: &[&str]) -> Result<f64, TrainError> {
     Ok(bytes / seconds)
 }
 
-/// Median `dd` write bandwidth (with fdatasync) of three `bytes`-sized writes; the file
-/// stays for the reads interleaved with the full strategy's restores.
-fn measure_disk_write(dir: &Path, bytes: u64) -> Result<(f64, PathBuf), TrainError> {
-    fresh_dir(dir)?;
-    let file = dir.join("dd.bin");
+/// `dd` write bandwidth (with fdatasync) of a `bytes`-sized file.
+fn dd_write(file: &Path, bytes: u64) -> Result<f64, TrainError> {
     let of = format!("of={}", file.display());
     let count = format!("count={}", bytes.div_ceil(4 << 20).max(1));
-    let writes = (0..3)
-        .map(|_| dd(&["if=/dev/zero", &of, "bs=4M", &count, "conv=fdatasync"]))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok((median(&writes), file))
+    dd(&["if=/dev/zero", &of, "bs=4M", &count, "conv=fdatasync"])
 }
 
 /// Cold `dd` read bandwidth of `file`.
@@ -599,8 +601,8 @@ pub fn bench_ckpt(
     };
     progress("measuring the disk with dd");
     let dd_dir = c.dir.join("dd");
-    let (w, dd_file) = measure_disk_write(&dd_dir, report.model_bytes as u64)?;
-    report.disk.dd_write_bytes_per_second = w;
+    fresh_dir(&dd_dir)?;
+    let dd_file = dd_dir.join("dd.bin");
     for strategy in [
         Strategy::Full,
         Strategy::Differential,
@@ -609,6 +611,7 @@ pub fn bench_ckpt(
     ] {
         let (rows, summary, full_bw) = run_strategy(c, &config, strategy, &dd_file, progress)?;
         if strategy == Strategy::Full {
+            report.disk.dd_write_bytes_per_second = median(&full_bw.dd_write);
             report.disk.full_write_bytes_per_second = median(&full_bw.write);
             report.disk.full_restore_bytes_per_second = median(&full_bw.restore);
             report.disk.dd_read_bytes_per_second = median(&full_bw.dd_read);

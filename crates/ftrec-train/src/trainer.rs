@@ -68,6 +68,8 @@ pub struct Trainer {
     checkpointer: Option<Checkpointer>,
     /// The checkpoint this trainer was resumed from.
     pub resumed_from: Option<String>,
+    /// How fast that restore read the model, for IncrCP's baseline-reset estimate.
+    restore_bytes_per_second: Option<f64>,
 }
 
 impl Trainer {
@@ -132,6 +134,7 @@ impl Trainer {
             pool,
             checkpointer: None,
             resumed_from: None,
+            restore_bytes_per_second: None,
         })
     }
 
@@ -156,14 +159,18 @@ impl Trainer {
                 )?);
                 return Ok(());
             }
-            self.checkpointer = Some(Checkpointer::with_threshold(
+            let mut ck = Checkpointer::with_threshold(
                 checkpoints,
                 strategy,
                 c.full_every
                     .unwrap_or_else(|| strategy.default_full_every()),
                 self.model_config.tables(),
                 c.incrcp_threshold,
-            )?);
+            )?;
+            if let Some(speed) = self.restore_bytes_per_second {
+                ck.set_read_bandwidth(speed);
+            }
+            self.checkpointer = Some(ck);
         }
         Ok(())
     }
@@ -178,6 +185,7 @@ impl Trainer {
         id: Option<&str>,
         fallback: bool,
     ) -> Result<Self, TrainError> {
+        let restore_started = Instant::now();
         let ck = Checkpoints::new(open_store(&dir.to_string_lossy())?);
         let no_checkpoint =
             || TrainError::Config(format!("{}: no checkpoint to resume from", dir.display()));
@@ -226,6 +234,8 @@ impl Trainer {
         let mut trainer =
             Self::assemble(config, model_config, Self::pool(config)?, state, progress)?;
         trainer.resumed_from = Some(id);
+        let seconds = restore_started.elapsed().as_secs_f64();
+        trainer.restore_bytes_per_second = Some(trainer.state.bytes() as f64 / seconds.max(1e-9));
         Ok(trainer)
     }
 
