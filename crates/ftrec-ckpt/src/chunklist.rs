@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{CkptError, Store};
+use crate::{CkptError, Store, envelope};
 
 const MAGIC: &[u8; 8] = b"FTRECCLS";
 const VERSION: u32 = 1;
@@ -179,42 +179,14 @@ impl ChunkList {
 
     pub fn encode(&self) -> Result<Vec<u8>, CkptError> {
         let json = serde_json::to_vec(self).map_err(|e| CkptError::Invalid(e.to_string()))?;
-        let mut out = Vec::with_capacity(json.len() + 20);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&crc32c::crc32c(&json).to_le_bytes());
-        out.extend_from_slice(&(json.len() as u32).to_le_bytes());
-        out.extend_from_slice(&json);
-        Ok(out)
+        Ok(envelope::wrap(MAGIC, VERSION, &json))
     }
 
     /// Decodes and checks a list: header, checksum, and that the live counters match the
     /// chunks (a mismatch would delete a file still in use).
     pub fn decode(key: &str, b: &[u8]) -> Result<Self, CkptError> {
-        if b.len() < 20 || &b[..8] != MAGIC {
-            return Err(CkptError::corrupt(
-                key,
-                "not a chunk list (bad magic or shorter than 20 bytes)",
-            ));
-        }
-        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-        if u32_at(8) != VERSION {
-            return Err(CkptError::corrupt(
-                key,
-                format!("unsupported chunk list version {}", u32_at(8)),
-            ));
-        }
-        let len = u32_at(16) as usize;
-        if b.len() != 20 + len {
-            return Err(CkptError::corrupt(
-                key,
-                format!("length {} but header says {}", b.len(), 20 + len),
-            ));
-        }
-        if crc32c::crc32c(&b[20..]) != u32_at(12) {
-            return Err(CkptError::corrupt(key, "checksum mismatch in bytes 20.."));
-        }
-        let list: Self = serde_json::from_slice(&b[20..])
+        let json = envelope::unwrap(key, "chunk list", MAGIC, VERSION, b)?;
+        let list: Self = serde_json::from_slice(json)
             .map_err(|e| CkptError::corrupt(key, format!("bad chunk list JSON: {e}")))?;
         let mut counted: BTreeMap<&str, u32> = BTreeMap::new();
         for c in &list.chunks {

@@ -16,6 +16,39 @@ pub const CHUNK_BYTES: usize = 4 << 20;
 /// Longest parent chain a restore follows before declaring the lineage broken.
 const MAX_CHAIN: usize = 100_000;
 
+/// One chunk to encode: table, chunk number within the table, rows.
+pub(crate) type ChunkJob<'a> = (usize, usize, &'a [u32]);
+
+/// `rows` (per table, sorted and unique) cut into chunks of about `chunk_bytes`; rows out
+/// of a table's range are an error.
+pub(crate) fn chunk_jobs<'a>(
+    state: &ModelState,
+    rows: &'a [Vec<u32>],
+    chunk_bytes: usize,
+) -> Result<Vec<ChunkJob<'a>>, CkptError> {
+    if rows.len() != state.tables().len() {
+        return Err(CkptError::Invalid(format!(
+            "row lists for {} tables, model has {}",
+            rows.len(),
+            state.tables().len()
+        )));
+    }
+    let mut jobs = Vec::new();
+    for (t, table) in state.tables().iter().enumerate() {
+        if rows[t].last().is_some_and(|&r| r as usize >= table.rows()) {
+            return Err(CkptError::Invalid(format!("table {t}: row out of range")));
+        }
+        let per_chunk = (chunk_bytes / (4 + 4 * table.stride())).max(1);
+        jobs.extend(
+            rows[t]
+                .chunks(per_chunk)
+                .enumerate()
+                .map(|(n, part)| (t, n, part)),
+        );
+    }
+    Ok(jobs)
+}
+
 pub(crate) fn now_unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -146,27 +179,10 @@ impl Checkpoints {
                 &all_rows
             }
         };
-        if rows.len() != state.tables().len() {
-            return Err(CkptError::Invalid(format!(
-                "row lists for {} tables, model has {}",
-                rows.len(),
-                state.tables().len()
-            )));
-        }
-        let mut jobs = Vec::new();
-        for (t, table) in state.tables().iter().enumerate() {
-            let per_chunk = (CHUNK_BYTES / (4 + 4 * table.stride())).max(1);
-            for (n, part) in rows[t].chunks(per_chunk).enumerate() {
-                jobs.push((t, n, part));
-            }
-        }
-        let mut chunks = jobs
+        let mut chunks = chunk_jobs(state, rows, CHUNK_BYTES)?
             .par_iter()
             .map(|&(t, n, part)| {
                 let table = &state.tables()[t];
-                if part.last().is_some_and(|&r| r as usize >= table.rows()) {
-                    return Err(CkptError::Invalid(format!("table {t}: row out of range")));
-                }
                 let (bytes, crc) = chunk::encode_with_crc(t as u32, table.stride(), part, |r| {
                     table.row(r as usize)
                 });

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::chunklist::{ChunkList, ListChunk, prefix_for};
-use crate::engine::{dense_entry, now_unix_ms};
+use crate::engine::{chunk_jobs, dense_entry, now_unix_ms};
 use crate::manifest::{CheckpointKind, IncrcpRef, Manifest};
 use crate::{Checkpoints, CkptError, Store, chunk};
 
@@ -65,24 +65,9 @@ pub fn copy_increment(
     trainer: serde_json::Value,
     chunk_bytes: usize,
 ) -> Result<Increment, CkptError> {
-    if rows.len() != state.tables().len() {
-        return Err(CkptError::Invalid(format!(
-            "row lists for {} tables, model has {}",
-            rows.len(),
-            state.tables().len()
-        )));
-    }
-    let mut jobs = Vec::new();
-    for (t, table) in state.tables().iter().enumerate() {
-        let per_chunk = (chunk_bytes / (4 + 4 * table.stride())).max(1);
-        if rows[t].last().is_some_and(|&r| r as usize >= table.rows()) {
-            return Err(CkptError::Invalid(format!("table {t}: row out of range")));
-        }
-        jobs.extend(rows[t].chunks(per_chunk).map(|part| (t, part)));
-    }
-    let chunks = jobs
+    let chunks = chunk_jobs(state, rows, chunk_bytes)?
         .par_iter()
-        .map(|&(t, part)| {
+        .map(|&(t, _, part)| {
             let table = &state.tables()[t];
             EncodedChunk {
                 table: t as u32,

@@ -12,6 +12,7 @@ pub mod chunklist;
 pub mod deck;
 pub mod dense;
 mod engine;
+mod envelope;
 mod error;
 mod export;
 pub mod incrcp;

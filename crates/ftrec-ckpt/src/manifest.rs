@@ -4,7 +4,7 @@
 use ftrec_model::ModelConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::CkptError;
+use crate::{CkptError, envelope};
 
 const MAGIC: &[u8; 8] = b"FTRECMAN";
 const VERSION: u32 = 1;
@@ -107,40 +107,11 @@ impl Manifest {
     pub fn encode(&self) -> Result<Vec<u8>, CkptError> {
         let json =
             serde_json::to_vec_pretty(self).map_err(|e| CkptError::Invalid(e.to_string()))?;
-        let mut out = Vec::with_capacity(json.len() + 20);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&crc32c::crc32c(&json).to_le_bytes());
-        out.extend_from_slice(&(json.len() as u32).to_le_bytes());
-        out.extend_from_slice(&json);
-        Ok(out)
+        Ok(envelope::wrap(MAGIC, VERSION, &json))
     }
 
     pub fn decode(key: &str, b: &[u8]) -> Result<Self, CkptError> {
-        if b.len() < 20 || &b[..8] != MAGIC {
-            return Err(CkptError::corrupt(
-                key,
-                "not a manifest (bad magic or shorter than 20 bytes)",
-            ));
-        }
-        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-        if u32_at(8) != VERSION {
-            return Err(CkptError::corrupt(
-                key,
-                format!("unsupported manifest version {}", u32_at(8)),
-            ));
-        }
-        let len = u32_at(16) as usize;
-        if b.len() != 20 + len {
-            return Err(CkptError::corrupt(
-                key,
-                format!("length {} but header says {}", b.len(), 20 + len),
-            ));
-        }
-        let json = &b[20..];
-        if crc32c::crc32c(json) != u32_at(12) {
-            return Err(CkptError::corrupt(key, "checksum mismatch in bytes 20.."));
-        }
+        let json = envelope::unwrap(key, "manifest", MAGIC, VERSION, b)?;
         serde_json::from_slice(json)
             .map_err(|e| CkptError::corrupt(key, format!("bad manifest JSON: {e}")))
     }
