@@ -270,10 +270,11 @@ impl Checkpoints {
         Ok(self.list()?.pop())
     }
 
-    /// An object's bytes with its length checked against the manifest; the caller checks
-    /// the CRC (chunks combine it from their block checksums while decoding).
-    fn fetch_unchecked(&self, entry: &FileEntry) -> Result<Vec<u8>, CkptError> {
-        let bytes = self.store.get(&entry.key)?;
+    /// An object's bytes, read into `bytes`, with the length checked against the manifest;
+    /// the caller checks the CRC (chunks combine it from their block checksums while
+    /// decoding).
+    fn fetch_unchecked(&self, entry: &FileEntry, bytes: &mut Vec<u8>) -> Result<(), CkptError> {
+        self.store.get_into(&entry.key, bytes)?;
         if bytes.len() as u64 != entry.bytes {
             return Err(CkptError::corrupt(
                 &self.store.describe(&entry.key),
@@ -284,7 +285,7 @@ impl Checkpoints {
                 ),
             ));
         }
-        Ok(bytes)
+        Ok(())
     }
 
     pub(crate) fn fetch(&self, entry: &FileEntry) -> Result<Vec<u8>, CkptError> {
@@ -574,8 +575,9 @@ impl Checkpoints {
                 // A full checkpoint stores rows 0..rows in key order, each exactly once; a
                 // delta stores each row at most once.
                 let mut next_row = 0usize;
+                let mut bytes = Vec::new();
                 for entry in files {
-                    let bytes = self.fetch_unchecked(entry)?;
+                    self.fetch_unchecked(entry, &mut bytes)?;
                     let where_ = self.store.describe(&entry.key);
                     let (header, crc) = chunk::decode_with_crc(&where_, &bytes, |row, payload| {
                         let r = row as usize;

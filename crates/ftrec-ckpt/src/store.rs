@@ -25,6 +25,12 @@ pub trait Store: Send + Sync {
         Ok(())
     }
     fn get(&self, key: &str) -> Result<Vec<u8>, CkptError>;
+    /// Like [`Store::get`], into `buf` (replacing its contents), so a caller reading many
+    /// objects can reuse one allocation.
+    fn get_into(&self, key: &str, buf: &mut Vec<u8>) -> Result<(), CkptError> {
+        *buf = self.get(key)?;
+        Ok(())
+    }
     /// `len` bytes from `offset`.
     fn get_range(&self, key: &str, offset: u64, len: usize) -> Result<Vec<u8>, CkptError>;
     /// Keys under `prefix` (a directory-like prefix ending in `/`, or empty), sorted.
@@ -113,6 +119,21 @@ impl Store for LocalStore {
             }
             _ => io(&path, e),
         })
+    }
+
+    /// A fresh 4 MiB buffer per chunk costs a page fault per 4 KiB page: in `perf` on a
+    /// cold 678 MB restore, faulting in fresh pages was about a fifth of the CPU profile.
+    fn get_into(&self, key: &str, buf: &mut Vec<u8>) -> Result<(), CkptError> {
+        let path = self.path(key)?;
+        let mut file = File::open(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => {
+                CkptError::NotFound(format!("{} does not exist", path.display()))
+            }
+            _ => io(&path, e),
+        })?;
+        buf.clear();
+        file.read_to_end(buf).map_err(|e| io(&path, e))?;
+        Ok(())
     }
 
     fn get_range(&self, key: &str, offset: u64, len: usize) -> Result<Vec<u8>, CkptError> {
