@@ -147,18 +147,6 @@ impl Checkpoints {
         parents: Vec<String>,
         trainer: serde_json::Value,
     ) -> Result<Manifest, CkptError> {
-        self.on_io_pool(|| self.write_on_pool(state, step, kind, rows, parents, trainer))
-    }
-
-    fn write_on_pool(
-        &self,
-        state: &ModelState,
-        step: u64,
-        kind: CheckpointKind,
-        rows: Option<&[Vec<u32>]>,
-        parents: Vec<String>,
-        trainer: serde_json::Value,
-    ) -> Result<Manifest, CkptError> {
         let id = Self::id_for(step, kind);
         if (kind == CheckpointKind::Full) != rows.is_none()
             || (kind == CheckpointKind::Full) != parents.is_empty()
@@ -179,24 +167,27 @@ impl Checkpoints {
                 &all_rows
             }
         };
-        let mut chunks = chunk_jobs(state, rows, CHUNK_BYTES)?
-            .par_iter()
-            .map(|&(t, n, part)| {
-                let table = &state.tables()[t];
-                let (bytes, crc) = chunk::encode_with_crc(t as u32, table.stride(), part, |r| {
-                    table.row(r as usize)
-                });
-                let key = format!("data/{id}/t{t:04}-{n:06}.chunk");
-                self.store.put_part(&key, &bytes)?;
-                Ok(FileEntry {
-                    key,
-                    bytes: bytes.len() as u64,
-                    crc32c: crc,
-                    table: Some(t as u32),
-                    rows: part.len() as u64,
+        let jobs = chunk_jobs(state, rows, CHUNK_BYTES)?;
+        let mut chunks = self.on_io_pool(|| {
+            jobs.par_iter()
+                .map(|&(t, n, part)| {
+                    let table = &state.tables()[t];
+                    let (bytes, crc) =
+                        chunk::encode_with_crc(t as u32, table.stride(), part, |r| {
+                            table.row(r as usize)
+                        });
+                    let key = format!("data/{id}/t{t:04}-{n:06}.chunk");
+                    self.store.put_part(&key, &bytes)?;
+                    Ok(FileEntry {
+                        key,
+                        bytes: bytes.len() as u64,
+                        crc32c: crc,
+                        table: Some(t as u32),
+                        rows: part.len() as u64,
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>, CkptError>>()?;
+                .collect::<Result<Vec<_>, CkptError>>()
+        })?;
         chunks.sort_by(|a, b| a.key.cmp(&b.key));
         let (dense, dense_bytes) = dense_entry(state, &id);
         self.store.put_part(&dense.key, &dense_bytes)?;

@@ -66,6 +66,26 @@ pub fn synthetic_batches(
         .collect())
 }
 
+/// The pool, a freshly initialised state and the `Dlrm` workspace a benchmark trains with.
+pub(crate) fn fresh_model(
+    config: &TrainConfig,
+) -> Result<(rayon::ThreadPool, ModelState, Dlrm), TrainError> {
+    let threads = config.threads();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| TrainError::Threads(e.to_string()))?;
+    let mc = config.model_config()?;
+    let state = pool.install(|| ModelState::new(&mc, config.seed))?;
+    let model = Dlrm::new(
+        &mc,
+        config.train.batch_size,
+        threads,
+        Box::new(GemmMatMul::new(threads)),
+    )?;
+    Ok((pool, state, model))
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
@@ -77,18 +97,7 @@ pub fn bench_train(
     mut on_step: impl FnMut(usize),
 ) -> Result<BenchReport, TrainError> {
     let threads = config.threads();
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| TrainError::Threads(e.to_string()))?;
-    let mc = config.model_config()?;
-    let mut state = pool.install(|| ModelState::new(&mc, config.seed))?;
-    let mut model = Dlrm::new(
-        &mc,
-        config.train.batch_size,
-        threads,
-        Box::new(GemmMatMul::new(threads)),
-    )?;
+    let (pool, mut state, mut model) = fresh_model(config)?;
     let batches = synthetic_batches(config, 8, config.seed)?;
     let mut times = Vec::with_capacity(steps);
     for i in 0..warmup_steps + steps.max(1) {

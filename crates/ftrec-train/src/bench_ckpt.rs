@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use ftrec_ckpt::deck::DeckOptions;
 use ftrec_ckpt::{Checkpointer, Checkpoints, LocalStore, Strategy};
-use ftrec_model::{Batch, Dlrm, GemmMatMul, ModelState, Optimizer};
+use ftrec_model::{Batch, Dlrm, ModelState, Optimizer};
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Zipf};
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -245,21 +245,9 @@ struct Rig {
 
 impl Rig {
     fn new(config: &TrainConfig) -> Result<Self, TrainError> {
-        let threads = config.threads();
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .map_err(|e| TrainError::Threads(e.to_string()))?;
-        let mc = config.model_config()?;
-        let state = pool.install(|| ModelState::new(&mc, config.seed))?;
-        let model = Dlrm::new(
-            &mc,
-            config.train.batch_size,
-            threads,
-            Box::new(GemmMatMul::new(threads)),
-        )?;
+        let (pool, state, model) = crate::bench::fresh_model(config)?;
         Ok(Self {
-            batch: Batch::with_tables(mc.tables()),
+            batch: Batch::with_tables(state.tables().len()),
             source: BatchSource::new(config, config.seed ^ 0x5eed)?,
             pool,
             state,
