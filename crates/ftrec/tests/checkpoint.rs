@@ -208,7 +208,13 @@ fn sigkill_while_checkpointing_never_damages_committed_checkpoints() {
         let _ = child.kill(); // SIGKILL on Unix
         let status = child.wait().unwrap();
         killed_mid_run += (!status.success()) as usize;
-        if !Path::new(ck).join("manifests").exists() {
+        // A kill can land after the manifests directory exists but before the first
+        // manifest's rename, so ask the engine what is committed rather than the file system.
+        let committed = Path::new(ck).exists()
+            && !json_of(&ftrec(&["ckpt", "ls", ck, "--json"]))
+                .as_array()
+                .is_none_or(|list| list.is_empty());
+        if !committed {
             continue; // killed before the first commit
         }
         let verify = ftrec(&["ckpt", "verify", ck]);
