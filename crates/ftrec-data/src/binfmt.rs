@@ -314,6 +314,16 @@ impl Dataset {
         }
     }
 
+    /// Opens split `file` (`TRAIN_FILE`, `TEST_FILE`) of dataset directory `dir`, or `dir`
+    /// itself when it is a file.
+    pub fn open_split(dir: &Path, file: &str) -> Result<Self, DataError> {
+        if dir.is_file() {
+            Self::open(dir)
+        } else {
+            Self::open(&dir.join(file))
+        }
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }

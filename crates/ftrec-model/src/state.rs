@@ -33,19 +33,10 @@ impl std::fmt::Display for StateDigest {
     }
 }
 
-impl ModelState {
-    /// A freshly initialised model. Deterministic in `seed` and independent of the
-    /// thread count (each table and the dense block have their own generator).
-    pub fn new(config: &ModelConfig, seed: u64) -> Result<Self, ModelError> {
-        config.validate()?;
-        let tables = config
-            .table_rows
-            .par_iter()
-            .enumerate()
-            .map(|(t, &rows)| {
-                EmbeddingTable::new_initialized(rows, config.dim, &config.sparse_optimizer, seed, t)
-            })
-            .collect();
+impl DenseState {
+    /// The initial dense parameters and optimizer state of `config` (DLRM reference init,
+    /// deterministic in `seed`).
+    pub fn initial(config: &ModelConfig, seed: u64) -> Result<Self, ModelError> {
         let (bottom, top) = MlpSpec::dlrm_pair(config);
         let total = top.end();
         let mut params = vec![0.0f32; total];
@@ -68,13 +59,59 @@ impl ModelState {
             .dense_optimizer
             .init_dense_state(&mut optimizer_state);
         Ok(Self {
+            params,
+            optimizer_state,
+            step: 0,
+        })
+    }
+}
+
+impl ModelState {
+    /// A freshly initialised model. Deterministic in `seed` and independent of the
+    /// thread count (each table and the dense block have their own generator).
+    pub fn new(config: &ModelConfig, seed: u64) -> Result<Self, ModelError> {
+        config.validate()?;
+        let tables = config
+            .table_rows
+            .par_iter()
+            .enumerate()
+            .map(|(t, &rows)| {
+                EmbeddingTable::new_initialized(rows, config.dim, &config.sparse_optimizer, seed, t)
+            })
+            .collect();
+        Ok(Self {
             config: config.clone(),
             tables,
-            dense: DenseState {
-                params,
-                optimizer_state,
-                step: 0,
-            },
+            dense: DenseState::initial(config, seed)?,
+        })
+    }
+
+    /// A state from its parts; the tables and dense buffers must have the shapes `config`
+    /// gives them.
+    pub fn from_parts(
+        config: ModelConfig,
+        tables: Vec<EmbeddingTable>,
+        dense: DenseState,
+    ) -> Result<Self, ModelError> {
+        config.validate()?;
+        let stride = config.row_stride();
+        let total = MlpSpec::dlrm_pair(&config).1.end();
+        let shapes_match = tables.len() == config.tables()
+            && tables
+                .iter()
+                .zip(&config.table_rows)
+                .all(|(t, &rows)| t.rows() == rows && t.stride() == stride && t.dim() == config.dim)
+            && dense.params.len() == total
+            && dense.optimizer_state.len() == config.dense_optimizer.dense_state_len(total)?;
+        if !shapes_match {
+            return Err(ModelError::Config(
+                "state parts do not have the shapes of the model configuration".into(),
+            ));
+        }
+        Ok(Self {
+            config,
+            tables,
+            dense,
         })
     }
 

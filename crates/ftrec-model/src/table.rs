@@ -27,23 +27,52 @@ impl EmbeddingTable {
     ) -> Self {
         let stride = dim + optimizer.row_state_len(dim);
         let mut data = vec![0.0f32; rows * stride];
-        let mut rng = Xoshiro256PlusPlus::seed_from_u64(
-            seed ^ (table as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
-        );
-        let bound = (1.0 / rows as f64).sqrt() as f32;
-        for row in data.chunks_exact_mut(stride) {
-            let (emb, state) = row.split_at_mut(dim);
-            for v in emb.iter_mut() {
-                *v = rng.gen_range(-bound..bound);
-            }
-            optimizer.init_row_state(state);
-        }
+        Self::initial_rows(rows, dim, optimizer, seed, table, |r, row| {
+            data[r * stride..(r + 1) * stride].copy_from_slice(row)
+        });
         Self {
             rows,
             dim,
             stride,
             data,
         }
+    }
+
+    /// Generates the initial value of every row of a table in row order and hands each to
+    /// `sink` as `(row, [embedding | optimizer state])`. A parameter server keeps only the
+    /// rows it owns and still gets the bits a single process would.
+    pub fn initial_rows(
+        rows: usize,
+        dim: usize,
+        optimizer: &Optimizer,
+        seed: u64,
+        table: usize,
+        mut sink: impl FnMut(usize, &[f32]),
+    ) {
+        let stride = dim + optimizer.row_state_len(dim);
+        let mut row = vec![0.0f32; stride];
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(
+            seed ^ (table as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        );
+        let bound = (1.0 / rows as f64).sqrt() as f32;
+        for r in 0..rows {
+            let (emb, state) = row.split_at_mut(dim);
+            for v in emb.iter_mut() {
+                *v = rng.gen_range(-bound..bound);
+            }
+            optimizer.init_row_state(state);
+            sink(r, &row);
+        }
+    }
+
+    /// A table built from its parts (a shard's rows, a received copy).
+    pub fn from_data(rows: usize, dim: usize, stride: usize, data: Vec<f32>) -> Option<Self> {
+        (stride >= dim && data.len() == rows * stride).then_some(Self {
+            rows,
+            dim,
+            stride,
+            data,
+        })
     }
 
     /// An all-zero table (for restore targets).

@@ -78,6 +78,66 @@ pub struct TrainConfig {
     pub data: DataSection,
     #[serde(default)]
     pub checkpoint: CheckpointSection,
+    /// Parameter-server cluster settings (`ftrec cluster run`); ignored by `ftrec train`.
+    #[serde(default)]
+    pub cluster: ClusterSection,
+}
+
+/// What a cluster does when a server dies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FaultTolerance {
+    /// A replacement server starts from the initial state: the shard's training is lost.
+    #[default]
+    None,
+    /// Periodic consistent checkpoints; on a failure every server rolls back to the last
+    /// one and the workers rewind their data position (Ckpt-T in the papers).
+    Checkpoint,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSection {
+    pub servers: usize,
+    pub workers: usize,
+    #[serde(default)]
+    pub ft: FaultTolerance,
+    /// Workers take steps strictly in order (each pull waits for the previous step's
+    /// push): bit-reproducible, and with one worker equal to `ftrec train`.
+    #[serde(default)]
+    pub deterministic: bool,
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_ms: u64,
+    /// A member silent this long is declared dead.
+    #[serde(default = "default_failure_timeout_ms")]
+    pub failure_timeout_ms: u64,
+    /// Bound on every RPC and every wait in the cluster.
+    #[serde(default = "default_rpc_timeout_ms")]
+    pub rpc_timeout_ms: u64,
+}
+
+fn default_heartbeat_ms() -> u64 {
+    100
+}
+fn default_failure_timeout_ms() -> u64 {
+    1000
+}
+fn default_rpc_timeout_ms() -> u64 {
+    30_000
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        Self {
+            servers: 2,
+            workers: 2,
+            ft: FaultTolerance::None,
+            deterministic: false,
+            heartbeat_ms: default_heartbeat_ms(),
+            failure_timeout_ms: default_failure_timeout_ms(),
+            rpc_timeout_ms: default_rpc_timeout_ms(),
+        }
+    }
 }
 
 /// Checkpoint strategies. Only `none` and `full` exist so far; the incremental ones are
@@ -177,6 +237,7 @@ impl TrainConfig {
                 },
                 data: DataSection::default(),
                 checkpoint: CheckpointSection::default(),
+                cluster: ClusterSection::default(),
             }),
             // The demo: the tiny architecture with optimizers that learn the synthetic
             // teacher within a minute (plain SGD at 0.01 needs many epochs).
@@ -227,6 +288,7 @@ impl TrainConfig {
             },
             data: DataSection::default(),
             checkpoint: CheckpointSection::default(),
+            cluster: ClusterSection::default(),
         }
     }
 
@@ -282,6 +344,22 @@ impl TrainConfig {
             | CheckpointStrategy::NaiveIncremental
             | CheckpointStrategy::Incrcp
             | CheckpointStrategy::Deck => {}
+        }
+        let c = &self.cluster;
+        if c.servers == 0 || c.workers == 0 {
+            return Err(TrainError::Config(format!(
+                "cluster.servers = {} and cluster.workers = {}: a cluster needs at least one of each",
+                c.servers, c.workers
+            )));
+        }
+        if c.heartbeat_ms == 0 || c.failure_timeout_ms <= c.heartbeat_ms {
+            return Err(TrainError::Config(format!(
+                "cluster.failure_timeout_ms = {} must exceed cluster.heartbeat_ms = {} (> 0)",
+                c.failure_timeout_ms, c.heartbeat_ms
+            )));
+        }
+        if c.rpc_timeout_ms == 0 {
+            return Err(TrainError::Config("cluster.rpc_timeout_ms must be positive".into()));
         }
         self.checkpoint
             .deck

@@ -26,6 +26,138 @@ pub enum Command {
     /// Inspect, verify and restore checkpoints.
     #[command(subcommand)]
     Ckpt(CkptCommand),
+    /// Run a parameter-server cluster on this host, or act on a running one.
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
+    /// A parameter server process (started by `cluster run`, or by hand across hosts).
+    Server(ServerArgs),
+    /// A worker process.
+    Worker(WorkerArgs),
+    /// A standalone coordinator (multi-host); `cluster run` embeds one.
+    Coordinator(CoordinatorArgs),
+    /// Plots.
+    #[command(subcommand)]
+    Plot(PlotCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ClusterCommand {
+    /// Launch servers and workers as separate processes on loopback and train.
+    Run(ClusterRunArgs),
+    /// SIGKILL a member of a running cluster, e.g. `server:1`.
+    Kill {
+        /// The coordinator's address (printed by `cluster run`).
+        #[arg(long)]
+        coordinator: String,
+        /// `server:ID` or `worker:ID`.
+        member: String,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum FtMode {
+    None,
+    Checkpoint,
+}
+
+#[derive(Args, Debug)]
+pub struct ClusterRunArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Dataset directory (overrides data.dir).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Total steps over all workers (overrides train.steps).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Parameter servers (overrides cluster.servers).
+    #[arg(long)]
+    pub servers: Option<usize>,
+    /// Workers (overrides cluster.workers).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Fault tolerance (overrides cluster.ft).
+    #[arg(long, value_enum)]
+    pub ft: Option<FtMode>,
+    /// Steps in strict order: bit-reproducible (overrides cluster.deterministic).
+    #[arg(long)]
+    pub deterministic: bool,
+    /// SIGKILL `ROLE:ID` this long after training starts, e.g. `server:1@10s` (repeatable).
+    #[arg(long = "kill", value_name = "ROLE:ID@SECONDS")]
+    pub kills: Vec<String>,
+    /// Spare servers to start; a failed server's slot goes to a spare before a new process.
+    #[arg(long, default_value_t = 0)]
+    pub spares: usize,
+    /// Checkpoint directory for `--ft checkpoint` (default: RUN_DIR/checkpoints).
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Job file, process logs, timeline CSV/JSON (default: a new temporary directory).
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 3600.0)]
+    pub time_limit: f64,
+    /// Skip the final evaluation on the test split.
+    #[arg(long)]
+    pub no_eval: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ServerArgs {
+    /// The job file `cluster run` writes (a TOML training configuration).
+    #[arg(long)]
+    pub job: PathBuf,
+    #[arg(long)]
+    pub coordinator: String,
+    /// Server slot; omit with `--spare`.
+    #[arg(long, required_unless_present = "spare")]
+    pub id: Option<usize>,
+    /// Join as a standby that takes over a failed server's slot.
+    #[arg(long, conflicts_with = "id")]
+    pub spare: bool,
+    /// Interface to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+}
+
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    #[arg(long)]
+    pub job: PathBuf,
+    #[arg(long)]
+    pub coordinator: String,
+    #[arg(long)]
+    pub id: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct CoordinatorArgs {
+    #[arg(long)]
+    pub job: PathBuf,
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    #[arg(long, default_value_t = 7070)]
+    pub port: u16,
+    /// Where the timeline goes.
+    #[arg(long, default_value = ".")]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PlotCommand {
+    /// Throughput against time with failure, detection and recovery marked (PNG).
+    Timeline {
+        /// `timeline.json` from a cluster run (or its run directory).
+        input: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "ftrec cluster throughput")]
+        title: String,
+    },
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]

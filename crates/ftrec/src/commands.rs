@@ -20,10 +20,21 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Ckpt(a)) => crate::bench_ckpt::run(a),
         Command::Demo(a) => demo(a),
         Command::Ckpt(c) => crate::ckpt::run(c),
+        Command::Cluster(ClusterCommand::Run(a)) => crate::cluster::run(a),
+        Command::Cluster(ClusterCommand::Kill {
+            coordinator,
+            member,
+        }) => crate::cluster::kill(&coordinator, &member),
+        Command::Server(a) => crate::cluster::server(a),
+        Command::Worker(a) => crate::cluster::worker(a),
+        Command::Coordinator(a) => crate::cluster::coordinator(a),
+        Command::Plot(PlotCommand::Timeline { input, out, title }) => {
+            crate::cluster::plot_timeline(&input, &out, &title)
+        }
     }
 }
 
-fn load_config(args: &ConfigArgs, extra: Vec<String>) -> Result<TrainConfig> {
+pub(crate) fn load_config(args: &ConfigArgs, extra: Vec<String>) -> Result<TrainConfig> {
     let mut overrides = args.overrides.clone();
     if let Some(s) = args.seed {
         overrides.push(format!("seed={s}"));
@@ -44,19 +55,14 @@ fn load_config(args: &ConfigArgs, extra: Vec<String>) -> Result<TrainConfig> {
     )?)
 }
 
-fn print_json(value: serde_json::Value) -> Result<()> {
+pub(crate) fn print_json(value: serde_json::Value) -> Result<()> {
     println!("{}", serde_json::to_string(&value)?);
     Ok(())
 }
 
 fn open_split(dir: &Path, file: &str) -> Result<Dataset> {
-    let path = if dir.is_file() {
-        dir.to_path_buf()
-    } else {
-        dir.join(file)
-    };
     // DataError already names the file.
-    Ok(Dataset::open(&path)?)
+    Ok(Dataset::open_split(dir, file)?)
 }
 
 struct TrainOutcome {
@@ -179,7 +185,7 @@ fn train(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
-fn toml_string(s: &str) -> String {
+pub(crate) fn toml_string(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| format!("{s:?}"))
 }
 

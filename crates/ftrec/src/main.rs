@@ -3,6 +3,7 @@
 mod bench_ckpt;
 mod ckpt;
 mod cli;
+mod cluster;
 mod commands;
 mod progress;
 

@@ -1,0 +1,441 @@
+//! `ftrec cluster run`: a whole cluster on this host. The launcher embeds the coordinator,
+//! starts every server and worker as a separate `ftrec` process on loopback, injects
+//! SIGKILLs on schedule, replaces dead servers with fresh processes, and at the end gathers
+//! the model from the servers for its digest and evaluation.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ftrec_model::{DenseState, EmbeddingTable, ModelState};
+use serde::Serialize;
+
+use crate::PsError;
+use crate::client::server_client;
+use crate::coordinator::{self, CoordinatorOptions, RunSummary, Spawner, sigkill};
+use crate::job::Job;
+use crate::placement::Layout;
+use crate::proto::{FetchShardRequest, Role};
+use crate::wire::bytes_to_f32s;
+
+/// `role:id@seconds`, e.g. `server:1@10s`: SIGKILL that process this long after training
+/// starts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KillSpec {
+    pub role: Role,
+    pub id: usize,
+    pub after: Duration,
+}
+
+impl std::str::FromStr for KillSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("--kill {s:?}: expected ROLE:ID@SECONDS, e.g. server:1@10s");
+        let (who, when) = s.split_once('@').ok_or_else(bad)?;
+        let (role, id) = parse_member(who).map_err(|_| bad())?;
+        let secs: f64 = when.trim_end_matches('s').parse().map_err(|_| bad())?;
+        if !(secs.is_finite() && secs >= 0.0) {
+            return Err(bad());
+        }
+        Ok(Self {
+            role,
+            id,
+            after: Duration::from_secs_f64(secs),
+        })
+    }
+}
+
+/// `server:1` or `worker:0`.
+pub fn parse_member(s: &str) -> Result<(Role, usize), String> {
+    let (role, id) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?}: expected ROLE:ID, e.g. server:1"))?;
+    let role = match role {
+        "server" => Role::Server,
+        "worker" => Role::Worker,
+        other => return Err(format!("{s:?}: unknown role {other:?} (server or worker)")),
+    };
+    let id = id
+        .parse()
+        .map_err(|_| format!("{s:?}: {id:?} is not a process id number"))?;
+    Ok((role, id))
+}
+
+pub struct LaunchOptions {
+    pub job: Job,
+    /// Where the job file, process logs and timeline go.
+    pub run_dir: PathBuf,
+    pub kills: Vec<KillSpec>,
+    /// Spare servers started up front and handed a slot on a failure.
+    pub spares: usize,
+    /// The `ftrec` binary to start processes with.
+    pub exe: PathBuf,
+    /// Bound on the whole run.
+    pub time_limit: Duration,
+    /// Evaluate the final model on the test split.
+    pub evaluate: bool,
+}
+
+/// Progress shown while the cluster trains.
+#[derive(Clone, Debug)]
+pub struct Progress {
+    pub steps: u64,
+    pub samples: u64,
+    pub epoch: u64,
+    pub seconds: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LaunchReport {
+    #[serde(flatten)]
+    pub summary: RunSummary,
+    pub state_digest: String,
+    pub servers: usize,
+    pub workers: usize,
+    /// From each SIGKILL to training resumed (detection included).
+    pub kill_to_resume_seconds: Vec<f64>,
+    pub auc: Option<f64>,
+    pub logloss: Option<f64>,
+    pub eval_samples: Option<usize>,
+    pub run_dir: PathBuf,
+}
+
+/// Child processes started by the launcher; every one is reaped or killed at the end.
+struct LocalSpawner {
+    exe: PathBuf,
+    job_file: PathBuf,
+    logs: PathBuf,
+    children: Mutex<Vec<(String, Child)>>,
+}
+
+impl LocalSpawner {
+    fn spawn(&self, name: String, args: &[String]) -> Result<(), PsError> {
+        let n = self.children.lock().map_or(0, |c| c.len());
+        let log_path = self.logs.join(format!("{name}-{n}.log"));
+        let log = std::fs::File::create(&log_path).map_err(|error| PsError::Io {
+            path: log_path.display().to_string(),
+            error,
+        })?;
+        let err_log = log.try_clone().map_err(|error| PsError::Io {
+            path: log_path.display().to_string(),
+            error,
+        })?;
+        let child = Command::new(&self.exe)
+            .args(args)
+            .env("FTREC_LOG", std::env::var("FTREC_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err_log)
+            .spawn()
+            .map_err(|error| PsError::Io {
+                path: self.exe.display().to_string(),
+                error,
+            })?;
+        if let Ok(mut c) = self.children.lock() {
+            c.push((name, child));
+        }
+        Ok(())
+    }
+
+    fn base_args(&self, role: &str, coordinator: &str) -> Vec<String> {
+        vec![
+            role.to_string(),
+            "--job".into(),
+            self.job_file.display().to_string(),
+            "--coordinator".into(),
+            coordinator.to_string(),
+        ]
+    }
+
+    /// Waits up to `grace` for every child to exit, then SIGKILLs the rest.
+    fn reap(&self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        let Ok(mut children) = self.children.lock() else {
+            return;
+        };
+        for (name, child) in children.iter_mut() {
+            loop {
+                match child.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    _ => {
+                        tracing::warn!("{name} did not exit; killing it");
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Spawner for Arc<LocalSpawner> {
+    fn spawn_server(&self, id: usize, coordinator: &str) -> Result<(), PsError> {
+        let mut args = self.base_args("server", coordinator);
+        args.extend(["--id".into(), id.to_string()]);
+        self.spawn(format!("server-{id}"), &args)
+    }
+
+    fn spawn_worker(&self, id: usize, coordinator: &str) -> Result<(), PsError> {
+        let mut args = self.base_args("worker", coordinator);
+        args.extend(["--id".into(), id.to_string()]);
+        self.spawn(format!("worker-{id}"), &args)
+    }
+}
+
+impl LocalSpawner {
+    fn spawn_spare(&self, n: usize, coordinator: &str) -> Result<(), PsError> {
+        let mut args = self.base_args("server", coordinator);
+        args.push("--spare".into());
+        self.spawn(format!("spare-{n}"), &args)
+    }
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> PsError + '_ {
+    move |error| PsError::Io {
+        path: path.display().to_string(),
+        error,
+    }
+}
+
+/// Runs the cluster to the end and reports. `on_progress` is called a few times a second.
+pub fn run(opts: LaunchOptions, on_progress: impl Fn(&Progress)) -> Result<LaunchReport, PsError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(io(Path::new("tokio runtime")))?;
+    rt.block_on(run_async(opts, on_progress))
+}
+
+async fn run_async(
+    opts: LaunchOptions,
+    on_progress: impl Fn(&Progress),
+) -> Result<LaunchReport, PsError> {
+    let job = opts.job;
+    let run_dir = opts.run_dir;
+    let logs = run_dir.join("logs");
+    std::fs::create_dir_all(&logs).map_err(io(&logs))?;
+    let job_file = run_dir.join("job.toml");
+    job.save(&job_file)?;
+    let cluster = job.config.cluster.clone();
+    let spawner = Arc::new(LocalSpawner {
+        exe: opts.exe,
+        job_file,
+        logs,
+        children: Mutex::new(Vec::new()),
+    });
+    let mut handle = coordinator::start(CoordinatorOptions {
+        job: job.clone(),
+        host: "127.0.0.1".into(),
+        port: 0,
+        spawner: Some(Box::new(spawner.clone())),
+    })
+    .await?;
+    let shared = handle.shared.clone();
+    let address = shared.address().to_string();
+    let result = async {
+        for id in 0..cluster.servers {
+            spawner.spawn_server(id, &address)?;
+        }
+        for n in 0..opts.spares {
+            spawner.spawn_spare(n, &address)?;
+        }
+        for id in 0..cluster.workers {
+            spawner.spawn_worker(id, &address)?;
+        }
+        let started = Instant::now();
+        let mut kills = opts.kills.clone();
+        kills.sort_by_key(|k| k.after);
+        let mut kill_times = Vec::new();
+        let mut training_start: Option<Instant> = None;
+        loop {
+            let summary = shared.summary();
+            let timeline = shared.timeline();
+            if training_start.is_none()
+                && timeline.events.iter().any(|e| e.kind == "training-start")
+            {
+                training_start = Some(Instant::now());
+            }
+            on_progress(&Progress {
+                steps: summary.steps,
+                samples: summary.samples,
+                epoch: summary.epoch,
+                seconds: started.elapsed().as_secs_f64(),
+            });
+            if let Some(t0) = training_start {
+                while kills.first().is_some_and(|k| t0.elapsed() >= k.after) {
+                    let k = kills.remove(0);
+                    match shared.pid_of(k.role, k.id) {
+                        Some(pid) => {
+                            sigkill(pid).map_err(io(Path::new("kill")))?;
+                            let t = shared.event(
+                                "killed",
+                                format!(
+                                    "{} {} (pid {pid}) by SIGKILL",
+                                    coordinator::role_name(k.role),
+                                    k.id
+                                ),
+                            );
+                            kill_times.push(t);
+                        }
+                        None => {
+                            shared.event("kill-skipped", format!("{k:?}: no such process"));
+                        }
+                    }
+                }
+            }
+            match handle.wait_done(Duration::from_millis(200)).await {
+                Ok(()) => break,
+                Err(PsError::Timeout(_)) => {}
+                Err(e) => {
+                    return Err(PsError::Refused(format!(
+                        "{e}; logs in {}",
+                        run_dir.join("logs").display()
+                    )));
+                }
+            }
+            if started.elapsed() > opts.time_limit {
+                return Err(PsError::Timeout(format!(
+                    "the cluster did not finish within {:?}; logs in {}",
+                    opts.time_limit,
+                    run_dir.display()
+                )));
+            }
+        }
+        let summary = shared.summary();
+        let timeline = shared.timeline();
+        let kill_to_resume: Vec<f64> = kill_times
+            .iter()
+            .filter_map(|&k| {
+                timeline
+                    .events
+                    .iter()
+                    .find(|e| e.kind == "recovery-end" && e.t >= k)
+                    .map(|e| e.t - k)
+            })
+            .collect();
+        let state = gather_state(&job, &shared.server_addresses()).await?;
+        let digest = state.digest().to_string();
+        let (mut auc, mut logloss, mut eval_samples) = (None, None, None);
+        if opts.evaluate {
+            let metrics = evaluate(&job, state)?;
+            auc = Some(metrics.auc);
+            logloss = Some(metrics.logloss);
+            eval_samples = Some(metrics.samples);
+        }
+        timeline.write(&run_dir)?;
+        Ok(LaunchReport {
+            summary,
+            state_digest: digest,
+            servers: cluster.servers,
+            workers: cluster.workers,
+            kill_to_resume_seconds: kill_to_resume,
+            auc,
+            logloss,
+            eval_samples,
+            run_dir: run_dir.clone(),
+        })
+    }
+    .await;
+    shared.stop();
+    let reaper = spawner.clone();
+    let grace = Duration::from_millis(cluster.failure_timeout_ms * 5).max(Duration::from_secs(3));
+    let _ = tokio::task::spawn_blocking(move || reaper.reap(grace)).await;
+    result
+}
+
+/// Reassembles the whole model from every server's shard.
+pub async fn gather_state(job: &Job, addresses: &[String]) -> Result<ModelState, PsError> {
+    let config = job.config.model_config()?;
+    let layout = Layout::new(addresses.len())?;
+    let stride = config.row_stride();
+    let mut clients = addresses
+        .iter()
+        .map(|a| server_client(a, job.timeout()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut tables = Vec::with_capacity(config.tables());
+    let mut dense = DenseState::initial(&config, job.config.seed)?;
+    let total = dense.params.len();
+    let per_param = config.dense_optimizer.dense_state_len(1)?;
+    for (t, &rows) in config.table_rows.iter().enumerate() {
+        let mut data = vec![0.0f32; rows * stride];
+        for (s, client) in clients.iter_mut().enumerate() {
+            let reply = client
+                .fetch_shard(FetchShardRequest { table: t as u32 })
+                .await
+                .map_err(|st| PsError::rpc(format!("fetching table {t} from server {s}"), &st))?
+                .into_inner();
+            let local = bytes_to_f32s(&reply.rows, "shard rows")?;
+            if local.len() != layout.local_rows(t, s, rows) * stride {
+                return Err(PsError::Request(format!(
+                    "server {s} sent {} values for table {t}",
+                    local.len()
+                )));
+            }
+            for (i, row) in local.chunks_exact(stride).enumerate() {
+                let g = layout.global_row(t, s, i) as usize;
+                data[g * stride..(g + 1) * stride].copy_from_slice(row);
+            }
+            if t == 0 {
+                let range = layout.dense_range(s, total);
+                let len = range.len();
+                let params = bytes_to_f32s(&reply.dense_params, "dense params")?;
+                let state = bytes_to_f32s(&reply.dense_state, "dense state")?;
+                if params.len() != len || state.len() != per_param * len {
+                    return Err(PsError::Request(format!(
+                        "server {s} sent a dense range of the wrong size"
+                    )));
+                }
+                dense.params[range.clone()].copy_from_slice(&params);
+                // Each optimizer state vector (Adam: m, then v) is laid out like the params.
+                for j in 0..per_param {
+                    dense.optimizer_state[j * total + range.start..j * total + range.end]
+                        .copy_from_slice(&state[j * len..(j + 1) * len]);
+                }
+                if s == 0 {
+                    dense.step = reply.dense_step;
+                }
+            }
+        }
+        tables.push(
+            EmbeddingTable::from_data(rows, config.dim, stride, data)
+                .ok_or_else(|| PsError::Config("table shape".into()))?,
+        );
+    }
+    Ok(ModelState::from_parts(config, tables, dense)?)
+}
+
+fn evaluate(job: &Job, state: ModelState) -> Result<ftrec_model::metrics::Metrics, PsError> {
+    let dir = job
+        .config
+        .data
+        .dir
+        .clone()
+        .ok_or_else(|| PsError::Config("data.dir is not set".into()))?;
+    let test = ftrec_data::Dataset::open_split(&dir, ftrec_data::TEST_FILE)?;
+    let mut trainer =
+        ftrec_train::Trainer::with_state(&job.config, state, ftrec_train::Progress::default())?;
+    Ok(trainer.evaluate(&test, job.config.train.eval_samples)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kill_specs_parse_and_reject_clearly() {
+        let k: KillSpec = "server:1@10s".parse().unwrap();
+        assert_eq!((k.role, k.id, k.after), (Role::Server, 1, Duration::from_secs(10)));
+        let k: KillSpec = "worker:0@2.5".parse().unwrap();
+        assert_eq!(k.after, Duration::from_millis(2500));
+        for bad in ["server1@3s", "disk:1@3s", "server:x@3s", "server:1@-1s", "server:1"] {
+            let e = bad.parse::<KillSpec>().unwrap_err();
+            assert!(e.contains(bad), "{e}");
+        }
+    }
+}

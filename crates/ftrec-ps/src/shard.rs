@@ -1,0 +1,390 @@
+//! One server's part of the model and the update pipeline every push goes through.
+//!
+//! The shard is stored as a [`ModelState`] of a *shard configuration* (the global model with
+//! each table cut to the rows this server owns), so the checkpoint engine writes and
+//! restores it unchanged. The server's dense range is packed at the front of the dense
+//! buffers: parameters `[0, len)`, optimizer state `[0, state_len(len))` laid out as the
+//! optimizer lays out a `len`-parameter model (Adam: `m` then `v`).
+//!
+//! The pipeline, built for the fault-tolerance layers that plug into it:
+//! - [`Shard::stage`] computes the new rows of an update without touching the shard, and
+//!   [`Shard::commit`] installs them (or the staged update is dropped: abort). ECRec's
+//!   two-phase commit sends parity deltas between the two.
+//! - Every committed row goes through the [`UpdateHook`]s with its old and new bytes
+//!   (difference propagation to parity holders, delta tracking).
+//! - [`Shard::lock_range`] defers updates to a row range (a range being rebuilt) and
+//!   [`Shard::unlock_range`] replays them in arrival order.
+
+use std::ops::Range;
+
+use ftrec_model::{DenseState, EmbeddingTable, ModelConfig, ModelState, Optimizer};
+
+use crate::PsError;
+use crate::placement::Layout;
+
+/// Sees every committed row update. `old` and `new` are the whole row
+/// (`[embedding | optimizer state]`).
+pub trait UpdateHook: Send + Sync {
+    fn after_update(&mut self, table: usize, row: u32, old: &[f32], new: &[f32]);
+}
+
+/// The gradients of one push, as decoded from the wire.
+#[derive(Clone, Debug, Default)]
+pub struct Update {
+    pub step: u64,
+    /// Per entry: table, global rows (ascending), gradients (`dim` per row).
+    pub sparse: Vec<(usize, Vec<u32>, Vec<f32>)>,
+    pub dense: Vec<f32>,
+}
+
+/// New values computed by [`Shard::stage`], not yet visible.
+#[derive(Debug, Default)]
+pub struct StagedUpdate {
+    pub step: u64,
+    /// Per entry: table, local indices, new rows (`stride` per row).
+    rows: Vec<(usize, Vec<u32>, Vec<f32>)>,
+    dense_params: Vec<f32>,
+    dense_state: Vec<f32>,
+    /// Gradients for rows in locked ranges: (table, global row, gradient).
+    deferred: Vec<(usize, u32, Vec<f32>)>,
+}
+
+impl StagedUpdate {
+    pub fn rows_changed(&self) -> usize {
+        self.rows.iter().map(|(_, l, _)| l.len()).sum()
+    }
+}
+
+struct LockedRange {
+    table: usize,
+    rows: Range<u32>,
+    buffered: Vec<(u32, Vec<f32>)>,
+}
+
+pub struct Shard {
+    server: usize,
+    layout: Layout,
+    global: ModelConfig,
+    state: ModelState,
+    dense_range: Range<usize>,
+    hooks: Vec<Box<dyn UpdateHook>>,
+    locked: Vec<LockedRange>,
+}
+
+impl Shard {
+    /// The configuration of `server`'s shard: the global model with each table holding the
+    /// rows the placement gives the server.
+    pub fn shard_config(
+        global: &ModelConfig,
+        layout: Layout,
+        server: usize,
+    ) -> Result<ModelConfig, PsError> {
+        let mut config = global.clone();
+        for (t, rows) in config.table_rows.iter_mut().enumerate() {
+            if *rows < 2 * layout.servers {
+                return Err(PsError::Config(format!(
+                    "model.table_rows[{t}] = {rows}: each of the {} servers needs at least 2 rows of every table",
+                    layout.servers
+                )));
+            }
+            *rows = layout.local_rows(t, server, *rows);
+        }
+        Ok(config)
+    }
+
+    /// The initial shard: the rows and dense range a single-process model initialised from
+    /// `seed` has, bit for bit.
+    pub fn initial(
+        global: &ModelConfig,
+        seed: u64,
+        layout: Layout,
+        server: usize,
+    ) -> Result<Self, PsError> {
+        let config = Self::shard_config(global, layout, server)?;
+        let stride = global.row_stride();
+        let tables = global
+            .table_rows
+            .iter()
+            .enumerate()
+            .map(|(t, &rows)| {
+                let local_rows = config.table_rows[t];
+                let mut data = vec![0.0f32; local_rows * stride];
+                EmbeddingTable::initial_rows(
+                    rows,
+                    global.dim,
+                    &global.sparse_optimizer,
+                    seed,
+                    t,
+                    |r, row| {
+                        if layout.server_of(t, r as u32) == server {
+                            let local = layout.local_index(r as u32);
+                            data[local * stride..(local + 1) * stride].copy_from_slice(row);
+                        }
+                    },
+                );
+                EmbeddingTable::from_data(local_rows, global.dim, stride, data)
+                    .ok_or_else(|| PsError::Config("shard table shape".into()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let full = DenseState::initial(global, seed)?;
+        let range = layout.dense_range(server, full.params.len());
+        let mut dense = DenseState::initial(&config, seed)?;
+        dense.params.fill(0.0);
+        dense.optimizer_state.fill(0.0);
+        let len = range.len();
+        dense.params[..len].copy_from_slice(&full.params[range.clone()]);
+        let state_len = global.dense_optimizer.dense_state_len(len)?;
+        global
+            .dense_optimizer
+            .init_dense_state(&mut dense.optimizer_state[..state_len]);
+        let state = ModelState::from_parts(config, tables, dense)?;
+        Self::from_state(global, layout, server, state)
+    }
+
+    /// A shard around a restored state, which must have this server's shard configuration.
+    pub fn from_state(
+        global: &ModelConfig,
+        layout: Layout,
+        server: usize,
+        state: ModelState,
+    ) -> Result<Self, PsError> {
+        let config = Self::shard_config(global, layout, server)?;
+        if state.config() != &config {
+            return Err(PsError::Config(format!(
+                "the state is not server {server}'s shard of this model (another shard, server count or model)"
+            )));
+        }
+        let total = ftrec_model::MlpSpec::dlrm_pair(global).1.end();
+        Ok(Self {
+            server,
+            layout,
+            global: global.clone(),
+            dense_range: layout.dense_range(server, total),
+            state,
+            hooks: Vec::new(),
+            locked: Vec::new(),
+        })
+    }
+
+    pub fn server(&self) -> usize {
+        self.server
+    }
+
+    pub fn state(&self) -> &ModelState {
+        &self.state
+    }
+
+    pub fn dense_range(&self) -> Range<usize> {
+        self.dense_range.clone()
+    }
+
+    fn dense_state_len(&self) -> usize {
+        // Validated at construction: the global dense optimizer accepts this length.
+        self.global
+            .dense_optimizer
+            .dense_state_len(self.dense_range.len())
+            .unwrap_or(0)
+    }
+
+    pub fn dense_params(&self) -> &[f32] {
+        &self.state.dense.params[..self.dense_range.len()]
+    }
+
+    pub fn dense_optimizer_state(&self) -> &[f32] {
+        &self.state.dense.optimizer_state[..self.dense_state_len()]
+    }
+
+    pub fn dense_step(&self) -> u64 {
+        self.state.dense.step
+    }
+
+    pub fn add_hook(&mut self, hook: Box<dyn UpdateHook>) {
+        self.hooks.push(hook);
+    }
+
+    fn local(&self, table: usize, row: u32) -> Result<usize, PsError> {
+        let rows = self
+            .global
+            .table_rows
+            .get(table)
+            .ok_or_else(|| PsError::Request(format!("table {table} does not exist")))?;
+        if row as usize >= *rows {
+            return Err(PsError::Request(format!(
+                "row {row} is outside table {table} ({rows} rows)"
+            )));
+        }
+        if self.layout.server_of(table, row) != self.server {
+            return Err(PsError::Request(format!(
+                "row {row} of table {table} belongs to server {}, not {} (stale placement map?)",
+                self.layout.server_of(table, row),
+                self.server
+            )));
+        }
+        Ok(self.layout.local_index(row))
+    }
+
+    /// Appends the embeddings (not the optimizer state) of `rows` of `table`, as f32 LE.
+    pub fn gather(&self, table: usize, rows: &[u32], out: &mut Vec<u8>) -> Result<(), PsError> {
+        let dim = self.global.dim;
+        out.reserve(rows.len() * dim * 4);
+        for &row in rows {
+            let local = self.local(table, row)?;
+            let emb = self.state.tables()[table].embedding(local);
+            out.extend_from_slice(bytemuck::cast_slice(emb));
+        }
+        Ok(())
+    }
+
+    fn is_locked(&self, table: usize, row: u32) -> bool {
+        self.locked
+            .iter()
+            .any(|l| l.table == table && l.rows.contains(&row))
+    }
+
+    /// Computes the update's new rows and dense range without changing the shard.
+    pub fn stage(&self, update: &Update) -> Result<StagedUpdate, PsError> {
+        let dim = self.global.dim;
+        let optimizer: Optimizer = self.global.sparse_optimizer;
+        let mut staged = StagedUpdate {
+            step: update.step,
+            ..Default::default()
+        };
+        for (table, rows, grads) in &update.sparse {
+            if grads.len() != rows.len() * dim {
+                return Err(PsError::Request(format!(
+                    "table {table}: {} gradient values for {} rows of dim {dim}",
+                    grads.len(),
+                    rows.len()
+                )));
+            }
+            let Some(stored) = self.state.tables().get(*table) else {
+                return Err(PsError::Request(format!("table {table} does not exist")));
+            };
+            let stride = stored.stride();
+            let mut locals = Vec::with_capacity(rows.len());
+            let mut new_rows = Vec::with_capacity(rows.len() * stride);
+            for (&row, grad) in rows.iter().zip(grads.chunks_exact(dim)) {
+                let local = self.local(*table, row)?;
+                if self.is_locked(*table, row) {
+                    staged.deferred.push((*table, row, grad.to_vec()));
+                    continue;
+                }
+                let start = new_rows.len();
+                new_rows.extend_from_slice(self.state.tables()[*table].row(local));
+                optimizer.apply_row(&mut new_rows[start..], grad);
+                locals.push(local as u32);
+            }
+            staged.rows.push((*table, locals, new_rows));
+        }
+        let len = self.dense_range.len();
+        if update.dense.len() != len {
+            return Err(PsError::Request(format!(
+                "dense gradient has {} values, server {} holds {len} parameters",
+                update.dense.len(),
+                self.server
+            )));
+        }
+        staged.dense_params = self.dense_params().to_vec();
+        staged.dense_state = self.dense_optimizer_state().to_vec();
+        let mut step = self.state.dense.step;
+        self.global.dense_optimizer.apply_dense(
+            &mut staged.dense_params,
+            &mut staged.dense_state,
+            &update.dense,
+            &mut step,
+        );
+        Ok(staged)
+    }
+
+    /// Installs a staged update: hooks see each row's old and new bytes, deferred rows go
+    /// to their range's buffer.
+    pub fn commit(&mut self, staged: StagedUpdate) {
+        for (table, locals, new_rows) in staged.rows {
+            let stored = &mut self.state.tables_mut()[table];
+            let stride = stored.stride();
+            for (&local, new) in locals.iter().zip(new_rows.chunks_exact(stride)) {
+                let row = stored.row_mut(local as usize);
+                if !self.hooks.is_empty() {
+                    let global = self.layout.global_row(table, self.server, local as usize);
+                    for hook in &mut self.hooks {
+                        hook.after_update(table, global, row, new);
+                    }
+                }
+                row.copy_from_slice(new);
+            }
+        }
+        let len = self.dense_range.len();
+        let state_len = staged.dense_state.len();
+        self.state.dense.params[..len].copy_from_slice(&staged.dense_params);
+        self.state.dense.optimizer_state[..state_len].copy_from_slice(&staged.dense_state);
+        self.state.dense.step += 1;
+        for (table, row, grad) in staged.deferred {
+            if let Some(l) = self
+                .locked
+                .iter_mut()
+                .find(|l| l.table == table && l.rows.contains(&row))
+            {
+                l.buffered.push((row, grad));
+            }
+        }
+    }
+
+    /// Stage and commit in one go (no two-phase protocol in this mode).
+    pub fn apply(&mut self, update: &Update) -> Result<(), PsError> {
+        let staged = self.stage(update)?;
+        self.commit(staged);
+        Ok(())
+    }
+
+    /// Defers updates of global rows `rows` of `table` until [`Shard::unlock_range`].
+    pub fn lock_range(&mut self, table: usize, rows: Range<u32>) {
+        self.locked.push(LockedRange {
+            table,
+            rows,
+            buffered: Vec::new(),
+        });
+    }
+
+    /// Releases a locked range and applies its buffered row updates in arrival order.
+    /// Returns how many were applied.
+    pub fn unlock_range(&mut self, table: usize, rows: Range<u32>) -> usize {
+        let Some(i) = self
+            .locked
+            .iter()
+            .position(|l| l.table == table && l.rows == rows)
+        else {
+            return 0;
+        };
+        let released = self.locked.remove(i);
+        let optimizer = self.global.sparse_optimizer;
+        let stride = self.state.tables()[table].stride();
+        let n = released.buffered.len();
+        for (row, grad) in released.buffered {
+            let local = self.layout.local_index(row);
+            let stored = &mut self.state.tables_mut()[table];
+            let mut new = stored.row(local).to_vec();
+            optimizer.apply_row(&mut new, &grad);
+            debug_assert_eq!(new.len(), stride);
+            let old = stored.row_mut(local);
+            for hook in &mut self.hooks {
+                hook.after_update(table, row, old, &new);
+            }
+            old.copy_from_slice(&new);
+        }
+        n
+    }
+
+    /// Replaces the whole state (a restore). The state must be this server's shard.
+    pub fn replace_state(&mut self, state: ModelState) -> Result<(), PsError> {
+        let config = Self::shard_config(&self.global, self.layout, self.server)?;
+        if state.config() != &config {
+            return Err(PsError::Config(format!(
+                "the restored state is not server {}'s shard",
+                self.server
+            )));
+        }
+        self.state = state;
+        self.locked.clear();
+        Ok(())
+    }
+}

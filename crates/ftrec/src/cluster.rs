@@ -1,0 +1,245 @@
+//! `ftrec cluster run|kill`, `ftrec server|worker|coordinator` and `ftrec plot timeline`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use ftrec_ps::coordinator::{self, CoordinatorOptions};
+use ftrec_ps::launch::{self, KillSpec, LaunchOptions};
+use ftrec_ps::proto::KillRequest;
+use ftrec_ps::server::ServerOptions;
+use ftrec_ps::timeline::TimelineData;
+use ftrec_ps::worker::WorkerOptions;
+use ftrec_ps::{Job, client};
+use serde_json::json;
+
+use crate::cli::*;
+use crate::commands::{load_config, print_json, toml_string};
+use crate::progress::bar;
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+fn absolute(p: &Path) -> Result<PathBuf> {
+    std::path::absolute(p).with_context(|| format!("{}: cannot make the path absolute", p.display()))
+}
+
+pub fn run(a: ClusterRunArgs) -> Result<()> {
+    let run_dir = match &a.run_dir {
+        Some(d) => absolute(d)?,
+        None => std::env::temp_dir().join(format!(
+            "ftrec-cluster-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis())
+        )),
+    };
+    let mut extra = Vec::new();
+    if let Some(s) = a.steps {
+        extra.push(format!("train.steps={s}"));
+    }
+    if let Some(d) = &a.data {
+        extra.push(format!("data.dir={}", toml_string(&absolute(d)?.display().to_string())));
+    }
+    if let Some(n) = a.servers {
+        extra.push(format!("cluster.servers={n}"));
+    }
+    if let Some(n) = a.workers {
+        extra.push(format!("cluster.workers={n}"));
+    }
+    if let Some(ft) = a.ft {
+        let name = match ft {
+            FtMode::None => "none",
+            FtMode::Checkpoint => "checkpoint",
+        };
+        extra.push(format!("cluster.ft=\"{name}\""));
+    }
+    if a.deterministic {
+        extra.push("cluster.deterministic=true".into());
+    }
+    if let Some(d) = &a.checkpoint_dir {
+        extra.push(format!("checkpoint.dir={}", toml_string(&absolute(d)?.display().to_string())));
+    }
+    let mut config = load_config(&a.config, extra)?;
+    if config.cluster.ft == ftrec_train::config::FaultTolerance::Checkpoint {
+        if config.checkpoint.dir.is_none() {
+            config.checkpoint.dir = Some(run_dir.join("checkpoints"));
+        }
+        if config.checkpoint.every_steps == 0 {
+            config.checkpoint.every_steps = 10;
+        }
+    }
+    if config.threads == 0 {
+        // Every process shares this host's cores; one compute thread per worker.
+        config.threads = 1;
+    }
+    let Some(data) = config.data.dir.clone() else {
+        bail!("no dataset: pass --data DIR or set data.dir");
+    };
+    config.data.dir = Some(absolute(&data)?);
+    let kills = a
+        .kills
+        .iter()
+        .map(|k| k.parse::<KillSpec>().map_err(anyhow::Error::msg))
+        .collect::<Result<Vec<_>>>()?;
+    let job = Job::new(config)?;
+    let total = job.config.train.steps;
+    let pb = bar(total, "cluster");
+    if a.json {
+        pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let report = launch::run(
+        LaunchOptions {
+            job: job.clone(),
+            run_dir,
+            kills,
+            spares: a.spares,
+            exe: std::env::current_exe().context("locating the ftrec binary")?,
+            time_limit: Duration::from_secs_f64(a.time_limit),
+            evaluate: !a.no_eval,
+        },
+        |p| {
+            pb.set_position(p.steps);
+            pb.set_message(format!(
+                "{} samples, epoch {}",
+                p.samples, p.epoch
+            ));
+        },
+    );
+    pb.finish_and_clear();
+    let report = report?;
+    if a.json {
+        return print_json(serde_json::to_value(&report)?);
+    }
+    let s = &report.summary;
+    println!(
+        "{} servers, {} workers: {} steps, {} samples in {:.1}s = {:.0} samples/s ({:.0} RPC bytes/sample)",
+        report.servers,
+        report.workers,
+        s.steps,
+        s.samples,
+        s.train_seconds,
+        s.samples_per_sec,
+        s.rpc_bytes_per_sample
+    );
+    for c in &s.checkpoints {
+        println!(
+            "checkpoint at step {}: {:.1} MB, training paused {:.3}s",
+            c.step,
+            c.bytes as f64 / 1e6,
+            c.pause_seconds
+        );
+    }
+    for r in &s.recoveries {
+        println!(
+            "server {} failure detected at {:.2}s, training resumed at {:.2}s from step {} ({} steps rolled back)",
+            r.server, r.detected_at, r.resumed_at, r.resumed_step, r.steps_rolled_back
+        );
+    }
+    for k in &report.kill_to_resume_seconds {
+        println!("SIGKILL to training resumed: {k:.2}s");
+    }
+    if let (Some(auc), Some(ll)) = (report.auc, report.logloss) {
+        println!(
+            "held-out ({} samples): AUC {auc:.4}, logloss {ll:.4}",
+            report.eval_samples.unwrap_or(0)
+        );
+    }
+    println!("state digest {}", report.state_digest);
+    println!(
+        "timeline: {}/timeline.json (plot: ftrec plot timeline {0} --out timeline.png)",
+        report.run_dir.display()
+    );
+    Ok(())
+}
+
+pub fn kill(coordinator: &str, member: &str) -> Result<()> {
+    let (role, id) = launch::parse_member(member).map_err(anyhow::Error::msg)?;
+    let rt = runtime()?;
+    let pid = rt.block_on(async {
+        let mut c = client::connect_coordinator(coordinator, Duration::from_secs(10)).await?;
+        let reply = c
+            .kill(KillRequest {
+                role: role as i32,
+                id: id as u32,
+            })
+            .await
+            .map_err(|s| ftrec_ps::PsError::rpc(format!("kill {member}"), &s))?;
+        Ok::<_, ftrec_ps::PsError>(reply.into_inner().pid)
+    })?;
+    println!("killed {member} (pid {pid})");
+    Ok(())
+}
+
+pub fn server(a: ServerArgs) -> Result<()> {
+    let job = Job::load(&a.job)?;
+    runtime()?.block_on(ftrec_ps::server::run(ServerOptions {
+        job,
+        id: if a.spare { None } else { a.id },
+        coordinator: a.coordinator,
+        host: a.host,
+    }))?;
+    Ok(())
+}
+
+pub fn worker(a: WorkerArgs) -> Result<()> {
+    let job = Job::load(&a.job)?;
+    ftrec_ps::worker::run(WorkerOptions {
+        job,
+        id: a.id,
+        coordinator: a.coordinator,
+    })?;
+    Ok(())
+}
+
+pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
+    let job = Job::load(&a.job)?;
+    let rt = runtime()?;
+    let report = rt.block_on(async {
+        let mut handle = coordinator::start(CoordinatorOptions {
+            job: job.clone(),
+            host: a.host.clone(),
+            port: a.port,
+            spawner: None,
+        })
+        .await?;
+        eprintln!("coordinator listening on {}", handle.shared.address());
+        handle.wait_done(Duration::from_secs(30 * 24 * 3600)).await?;
+        let shared = handle.shared.clone();
+        let state = launch::gather_state(&job, &shared.server_addresses()).await?;
+        shared.timeline().write(&a.out)?;
+        let summary = shared.summary();
+        shared.stop();
+        // Let the heartbeats carry `stop` to every server before exiting.
+        tokio::time::sleep(Duration::from_millis(job.config.cluster.heartbeat_ms * 5)).await;
+        Ok::<_, ftrec_ps::PsError>((summary, state.digest().to_string()))
+    })?;
+    let (summary, digest) = report;
+    if a.json {
+        let mut v = serde_json::to_value(&summary)?;
+        v["state_digest"] = json!(digest);
+        return print_json(v);
+    }
+    println!(
+        "{} samples at {:.0} samples/s; state digest {digest}",
+        summary.samples, summary.samples_per_sec
+    );
+    Ok(())
+}
+
+pub fn plot_timeline(input: &Path, out: &Path, title: &str) -> Result<()> {
+    let path = if input.is_dir() {
+        input.join("timeline.json")
+    } else {
+        input.to_path_buf()
+    };
+    let data = TimelineData::read(&path)?;
+    data.plot(out, title)?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
