@@ -586,7 +586,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         job,
     });
     let service = CoordinatorServer::new(Service(shared.clone()));
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tokio::spawn(async move {
         if let Err(e) = tonic::transport::Server::builder()
             .tcp_nodelay(true)

@@ -411,7 +411,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let service = ParameterServerServer::new(Service(core.clone()))
         .max_decoding_message_size(usize::MAX)
         .max_encoding_message_size(usize::MAX);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let serve_stop = stop.clone();
     let serving = tokio::spawn(async move {
         tonic::transport::Server::builder()

@@ -48,6 +48,17 @@ struct Worker {
     batch: Batch,
     dense: Vec<f32>,
     rpc_bytes: u64,
+    times: StepTimes,
+}
+
+/// Where a worker's time goes, logged when it stops.
+#[derive(Clone, Copy, Debug, Default)]
+struct StepTimes {
+    steps: u64,
+    coordinator: f64,
+    pull: f64,
+    compute: f64,
+    push: f64,
 }
 
 pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
@@ -125,6 +136,7 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
         pool,
         dense: Vec::new(),
         rpc_bytes: 0,
+        times: StepTimes::default(),
     };
     let result = worker.run();
     stop.store(true, Ordering::Relaxed);
@@ -170,10 +182,12 @@ impl Worker {
                 },
                 rpc_bytes: self.rpc_bytes,
             };
-            let reply = match self
+            let asked = Instant::now();
+            let reply = self
                 .rt
-                .block_on(self.coordinator.clone().next_step(request))
-            {
+                .block_on(self.coordinator.clone().next_step(request));
+            self.times.coordinator += asked.elapsed().as_secs_f64();
+            let reply = match reply {
                 Ok(r) => r.into_inner(),
                 Err(s) => {
                     let since = *unreachable_since.get_or_insert_with(Instant::now);
@@ -205,7 +219,20 @@ impl Worker {
                     epoch = reply.epoch;
                     std::thread::sleep(Duration::from_millis(reply.wait_ms.max(1) as u64));
                 }
-                Action::Stop => return Ok(()),
+                Action::Stop => {
+                    let t = self.times;
+                    let per = |x: f64| 1e3 * x / t.steps.max(1) as f64;
+                    tracing::info!(
+                        "worker {}: {} steps; per step: coordinator {:.2} ms, pull {:.2} ms, compute {:.2} ms, push {:.2} ms",
+                        self.id,
+                        t.steps,
+                        per(t.coordinator),
+                        per(t.pull),
+                        per(t.compute),
+                        per(t.push)
+                    );
+                    return Ok(());
+                }
             }
         }
     }
@@ -230,6 +257,7 @@ impl Worker {
 
     /// One granted step: pull, compute, push. Any server error loses the step.
     fn step(&mut self, step: u64, epoch: u64) -> Result<(), PsError> {
+        let started = Instant::now();
         let (position, count) = self.schedule.batch(step);
         self.data.fill_batch(
             position as usize,
@@ -274,7 +302,10 @@ impl Worker {
             let mut client = client.clone();
             async move { client.pull(request).await }
         });
+        let pull_started = Instant::now();
         let replies = self.rt.block_on(join_all(pulls));
+        let pulled = pull_started.elapsed().as_secs_f64();
+        self.times.pull += pulled;
         let mut decoded: Vec<Vec<Vec<f32>>> = Vec::with_capacity(servers);
         self.dense.clear();
         for (s, reply) in replies.into_iter().enumerate() {
@@ -358,6 +389,7 @@ impl Worker {
                         .sum::<u64>()
             })
             .sum::<u64>();
+        let push_started = Instant::now();
         let sends = pushes.into_iter().zip(&self.servers).map(|(p, c)| {
             let mut c = c.clone();
             async move { c.push(p).await }
@@ -365,6 +397,10 @@ impl Worker {
         for (s, r) in self.rt.block_on(join_all(sends)).into_iter().enumerate() {
             r.map_err(|st| PsError::rpc(format!("push to server {s}"), &st))?;
         }
+        let pushed = push_started.elapsed().as_secs_f64();
+        self.times.push += pushed;
+        self.times.compute += started.elapsed().as_secs_f64() - pushed - pulled;
+        self.times.steps += 1;
         Ok(())
     }
 }
