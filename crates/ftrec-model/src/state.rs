@@ -97,10 +97,9 @@ impl ModelState {
         let stride = config.row_stride();
         let total = MlpSpec::dlrm_pair(&config).1.end();
         let shapes_match = tables.len() == config.tables()
-            && tables
-                .iter()
-                .zip(&config.table_rows)
-                .all(|(t, &rows)| t.rows() == rows && t.stride() == stride && t.dim() == config.dim)
+            && tables.iter().zip(&config.table_rows).all(|(t, &rows)| {
+                t.rows() == rows && t.stride() == stride && t.dim() == config.dim
+            })
             && dense.params.len() == total
             && dense.optimizer_state.len() == config.dense_optimizer.dense_state_len(total)?;
         if !shapes_match {

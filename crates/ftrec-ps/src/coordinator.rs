@@ -112,6 +112,9 @@ struct State {
     busy: bool,
     next_token: u32,
     worker_respawns: Vec<u32>,
+    /// A worker lost a step to a server error: no new grants until the failure detector
+    /// confirms a failure (or this passes), so the schedule is not burnt on a dead server.
+    suspect_until: Option<Instant>,
     /// Why the run cannot go on (a crash loop); ends it with this error.
     fatal: Option<String>,
 }
@@ -240,7 +243,7 @@ impl Shared {
                 ..wait(epoch, version)
             };
         }
-        if s.phase != Phase::Running {
+        if s.phase != Phase::Running || s.suspect_until.is_some_and(|t| Instant::now() < t) {
             return wait(epoch, version);
         }
         let c = &self.job.config;
@@ -270,7 +273,8 @@ impl Shared {
         }
         if s.outstanding.is_empty() {
             s.phase = Phase::Done;
-            s.timeline.event("training-end", format!("{} steps", s.next_step));
+            s.timeline
+                .event("training-end", format!("{} steps", s.next_step));
             self.done.send_replace(true);
             return NextStepReply {
                 action: Action::Stop as i32,
@@ -289,7 +293,10 @@ impl Coordinator for Service {
         let shared = &self.0;
         let req = req.into_inner();
         if let Some(e) = shared.fence_error(req.fingerprint) {
-            shared.event("join-refused", format!("{:?} {}: {}", req.role(), req.id, e.message()));
+            shared.event(
+                "join-refused",
+                format!("{:?} {}: {}", req.role(), req.id, e.message()),
+            );
             return Err(e);
         }
         let c = &shared.job.config.cluster;
@@ -314,8 +321,10 @@ impl Coordinator for Service {
                     member,
                     assigned: None,
                 });
-                s.timeline
-                    .event("spare-joined", format!("spare {spare_token} at {}", req.address));
+                s.timeline.event(
+                    "spare-joined",
+                    format!("spare {spare_token} at {}", req.address),
+                );
             }
             (Role::Server, false) => {
                 let Some(slot) = s.servers.get(id) else {
@@ -333,8 +342,10 @@ impl Coordinator for Service {
                 }
                 s.servers[id] = member;
                 s.placement.assign(id, req.address.clone());
-                s.timeline
-                    .event("server-joined", format!("server {id} at {} (pid {})", req.address, req.pid));
+                s.timeline.event(
+                    "server-joined",
+                    format!("server {id} at {} (pid {})", req.address, req.pid),
+                );
             }
             (Role::Worker, _) => {
                 let Some(slot) = s.workers.get(id) else {
@@ -422,14 +433,14 @@ impl Coordinator for Service {
         }
         s.rpc_bytes += req.rpc_bytes;
         shared.metrics.add("ftrec_rpc_bytes_total", req.rpc_bytes);
-        if let Some(step) = req.finished {
-            if s.outstanding.remove(&step).is_some() {
-                let (_, n) = shared.schedule.batch(step);
-                s.samples += n;
-                s.timeline.samples(n);
-                shared.metrics.add("ftrec_samples_total", n);
-                shared.metrics.add("ftrec_steps_total", 1);
-            }
+        if let Some(step) = req.finished
+            && s.outstanding.remove(&step).is_some()
+        {
+            let (_, n) = shared.schedule.batch(step);
+            s.samples += n;
+            s.timeline.samples(n);
+            shared.metrics.add("ftrec_samples_total", n);
+            shared.metrics.add("ftrec_steps_total", 1);
         }
         if let Some(step) = req.lost {
             if s.outstanding.remove(&step).is_some() {
@@ -437,6 +448,10 @@ impl Coordinator for Service {
                 s.lost_samples += n;
                 shared.metrics.add("ftrec_lost_samples_total", n);
             }
+            let c = &shared.job.config.cluster;
+            s.suspect_until = Some(
+                Instant::now() + Duration::from_millis(c.failure_timeout_ms + 2 * c.heartbeat_ms),
+            );
         }
         let reply = shared.grant(&mut s, worker);
         Ok(Response::new(reply))
@@ -457,11 +472,16 @@ impl Coordinator for Service {
         let req = req.into_inner();
         let role = req.role();
         let Some(pid) = self.0.pid_of(role, req.id as usize) else {
-            return Err(Status::not_found(format!("no {role:?} {} has joined", req.id)));
+            return Err(Status::not_found(format!(
+                "no {role:?} {} has joined",
+                req.id
+            )));
         };
         sigkill(pid).map_err(|e| Status::internal(format!("kill {pid}: {e}")))?;
-        self.0
-            .event("killed", format!("{} {} (pid {pid}) by SIGKILL", role_name(role), req.id));
+        self.0.event(
+            "killed",
+            format!("{} {} (pid {pid}) by SIGKILL", role_name(role), req.id),
+        );
         Ok(Response::new(KillReply { pid }))
     }
 }
@@ -476,8 +496,8 @@ pub fn role_name(role: Role) -> &'static str {
 
 /// SIGKILLs a process on this host.
 pub fn sigkill(pid: u32) -> Result<(), std::io::Error> {
-    let pid = rustix::process::Pid::from_raw(pid as i32)
-        .ok_or_else(|| std::io::Error::other("pid 0"))?;
+    let pid =
+        rustix::process::Pid::from_raw(pid as i32).ok_or_else(|| std::io::Error::other("pid 0"))?;
     rustix::process::kill_process(pid, rustix::process::Signal::KILL).map_err(Into::into)
 }
 
@@ -543,7 +563,10 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         Metrics::new("role=\"coordinator\"".into())
             .counter("ftrec_samples_total", "Samples trained")
             .counter("ftrec_steps_total", "Steps finished")
-            .counter("ftrec_lost_samples_total", "Samples of steps lost to failures")
+            .counter(
+                "ftrec_lost_samples_total",
+                "Samples of steps lost to failures",
+            )
             .counter("ftrec_rpc_bytes_total", "Worker RPC payload bytes")
             .counter("ftrec_failures_total", "Server failures detected")
             .counter("ftrec_checkpoints_total", "Cluster checkpoints")
@@ -578,6 +601,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             busy: false,
             next_token: 1,
             worker_respawns: vec![0; cluster.workers],
+            suspect_until: None,
             fatal: None,
         }),
         spawner: opts.spawner,
@@ -607,8 +631,15 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
 
 /// Work the control loop decided on under the lock and runs after releasing it.
 enum Task {
-    Checkpoint { epoch: u64, step: u64 },
-    Recover { epoch: u64, restore: Option<Option<u64>>, applied: u64 },
+    Checkpoint {
+        epoch: u64,
+        step: u64,
+    },
+    Recover {
+        epoch: u64,
+        restore: Option<Option<u64>>,
+        applied: u64,
+    },
 }
 
 async fn control_loop(shared: Arc<Shared>) {
@@ -622,11 +653,7 @@ async fn control_loop(shared: Arc<Shared>) {
                 continue;
             }
             detect_failures(&shared, &mut s);
-            if s.busy {
-                None
-            } else {
-                plan(&shared, &mut s)
-            }
+            if s.busy { None } else { plan(&shared, &mut s) }
         };
         if let Some(task) = task {
             let shared = shared.clone();
@@ -660,6 +687,7 @@ fn detect_failures(shared: &Shared, s: &mut State) {
             format!("server {id} silent for {silent:?}; epoch {}", s.epoch),
         );
         s.failed.push((id, t));
+        s.suspect_until = None;
         // Steps in flight are lost (ft=none) or rolled back (ft=checkpoint).
         let lost: Vec<u64> = std::mem::take(&mut s.outstanding).into_keys().collect();
         for step in lost {
@@ -674,7 +702,8 @@ fn detect_failures(shared: &Shared, s: &mut State) {
             continue;
         }
         s.workers[id].alive = false;
-        s.timeline.event("worker-failure-detected", format!("worker {id}"));
+        s.timeline
+            .event("worker-failure-detected", format!("worker {id}"));
         let held: Vec<u64> = s
             .outstanding
             .iter()
@@ -697,10 +726,11 @@ fn detect_failures(shared: &Shared, s: &mut State) {
             shared.done.send_replace(true);
             return;
         }
-        if let Some(sp) = &shared.spawner {
-            if let Err(e) = sp.spawn_worker(id, &shared.address) {
-                s.timeline.event("replacement-failed", format!("worker {id}: {e}"));
-            }
+        if let Some(sp) = &shared.spawner
+            && let Err(e) = sp.spawn_worker(id, &shared.address)
+        {
+            s.timeline
+                .event("replacement-failed", format!("worker {id}: {e}"));
         }
     }
 }
@@ -720,8 +750,10 @@ fn replace_server(shared: &Shared, s: &mut State, id: usize) {
         let (token, address) = (spare.token, member.address.clone());
         s.servers[id] = member;
         s.placement.assign(id, address.clone());
-        s.timeline
-            .event("replacement", format!("spare {token} at {address} takes server {id}"));
+        s.timeline.event(
+            "replacement",
+            format!("spare {token} at {address} takes server {id}"),
+        );
         return;
     }
     match &shared.spawner {
@@ -751,10 +783,8 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
             let workers_joined = s.workers.iter().all(|m| m.joined);
             if servers_ready && workers_joined {
                 s.phase = Phase::Running;
-                s.timeline.event(
-                    "training-start",
-                    format!("{} steps", shared.total_steps),
-                );
+                s.timeline
+                    .event("training-start", format!("{} steps", shared.total_steps));
             }
             None
         }
@@ -770,7 +800,8 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 return None;
             }
             s.busy = true;
-            s.timeline.event("recovery-start", format!("epoch {}", s.epoch));
+            s.timeline
+                .event("recovery-start", format!("epoch {}", s.epoch));
             let restore = match shared.job.config.cluster.ft {
                 FaultTolerance::Checkpoint => Some(s.last_checkpoint),
                 FaultTolerance::None => None,
@@ -806,9 +837,9 @@ async fn run_task(shared: &Shared, task: Task) {
     match task {
         Task::Checkpoint { epoch, step } => {
             let started_at = shared.event("checkpoint-start", format!("step {step}"));
-            let calls = clients.into_iter().map(|mut c| async move {
-                c.checkpoint(CheckpointRequest { epoch, step }).await
-            });
+            let calls = clients
+                .into_iter()
+                .map(|mut c| async move { c.checkpoint(CheckpointRequest { epoch, step }).await });
             let results = futures::future::join_all(calls).await;
             let mut bytes = 0;
             let mut failed = None;
@@ -819,7 +850,10 @@ async fn run_task(shared: &Shared, task: Task) {
                 }
             }
             let mut s = shared.lock();
-            let pause = s.pause_started.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
+            let pause = s
+                .pause_started
+                .take()
+                .map_or(0.0, |t| t.elapsed().as_secs_f64());
             if s.epoch == epoch && s.phase == Phase::Checkpointing {
                 s.phase = Phase::Running;
             }
@@ -839,8 +873,10 @@ async fn run_task(shared: &Shared, task: Task) {
                     );
                 }
                 None => {
-                    s.timeline
-                        .event("checkpoint-abandoned", format!("step {step}: epoch changed"));
+                    s.timeline.event(
+                        "checkpoint-abandoned",
+                        format!("step {step}: epoch changed"),
+                    );
                 }
                 Some(e) => {
                     s.timeline
@@ -855,10 +891,7 @@ async fn run_task(shared: &Shared, task: Task) {
         } => {
             let calls = clients.into_iter().map(|mut c| async move {
                 match restore {
-                    Some(step) => c
-                        .restore(RestoreRequest { epoch, step })
-                        .await
-                        .map(|_| ()),
+                    Some(step) => c.restore(RestoreRequest { epoch, step }).await.map(|_| ()),
                     None => c
                         .set_epoch(SetEpochRequest { epoch, applied })
                         .await
@@ -869,7 +902,11 @@ async fn run_task(shared: &Shared, task: Task) {
             let failed: Vec<String> = results
                 .iter()
                 .enumerate()
-                .filter_map(|(i, r)| r.as_ref().err().map(|e| format!("server {i}: {}", e.message())))
+                .filter_map(|(i, r)| {
+                    r.as_ref()
+                        .err()
+                        .map(|e| format!("server {i}: {}", e.message()))
+                })
                 .collect();
             let mut s = shared.lock();
             if !failed.is_empty() || s.epoch != epoch {

@@ -25,10 +25,7 @@ pub enum PsError {
     #[error(transparent)]
     Train(#[from] ftrec_train::TrainError),
     #[error("{path}: {error}")]
-    Io {
-        path: String,
-        error: std::io::Error,
-    },
+    Io { path: String, error: std::io::Error },
 }
 
 impl From<ftrec_fsio::IoAt> for PsError {
@@ -52,7 +49,9 @@ impl PsError {
 impl From<PsError> for tonic::Status {
     fn from(e: PsError) -> Self {
         match &e {
-            PsError::Request(_) | PsError::Config(_) => tonic::Status::invalid_argument(e.to_string()),
+            PsError::Request(_) | PsError::Config(_) => {
+                tonic::Status::invalid_argument(e.to_string())
+            }
             PsError::StaleEpoch { .. } => tonic::Status::failed_precondition(e.to_string()),
             PsError::Refused(_) => tonic::Status::permission_denied(e.to_string()),
             PsError::Timeout(_) => tonic::Status::deadline_exceeded(e.to_string()),

@@ -123,7 +123,10 @@ impl LocalSpawner {
         })?;
         let child = Command::new(&self.exe)
             .args(args)
-            .env("FTREC_LOG", std::env::var("FTREC_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "FTREC_LOG",
+                std::env::var("FTREC_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err_log)
@@ -430,10 +433,19 @@ mod tests {
     #[test]
     fn kill_specs_parse_and_reject_clearly() {
         let k: KillSpec = "server:1@10s".parse().unwrap();
-        assert_eq!((k.role, k.id, k.after), (Role::Server, 1, Duration::from_secs(10)));
+        assert_eq!(
+            (k.role, k.id, k.after),
+            (Role::Server, 1, Duration::from_secs(10))
+        );
         let k: KillSpec = "worker:0@2.5".parse().unwrap();
         assert_eq!(k.after, Duration::from_millis(2500));
-        for bad in ["server1@3s", "disk:1@3s", "server:x@3s", "server:1@-1s", "server:1"] {
+        for bad in [
+            "server1@3s",
+            "disk:1@3s",
+            "server:x@3s",
+            "server:1@-1s",
+            "server:1",
+        ] {
             let e = bad.parse::<KillSpec>().unwrap_err();
             assert!(e.contains(bad), "{e}");
         }

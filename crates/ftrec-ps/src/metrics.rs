@@ -110,7 +110,9 @@ mod tests {
         m.add("ftrec_pushes_total", 3);
         m.set("ftrec_epoch", 2.0);
         let text = m.render();
-        assert!(text.contains("# TYPE ftrec_pushes_total counter\nftrec_pushes_total{role=\"server\",id=\"1\"} 3\n"));
+        assert!(text.contains(
+            "# TYPE ftrec_pushes_total counter\nftrec_pushes_total{role=\"server\",id=\"1\"} 3\n"
+        ));
         assert!(text.contains("ftrec_epoch{role=\"server\",id=\"1\"} 2\n"));
     }
 }

@@ -10,6 +10,7 @@ use ftrec_ckpt::{CheckpointKind, Checkpoints, open_store};
 use tokio::sync::{Notify, watch};
 use tonic::{Request, Response, Status};
 
+use crate::PsError;
 use crate::client::connect_coordinator;
 use crate::job::Job;
 use crate::metrics::{self, Metrics};
@@ -18,7 +19,6 @@ use crate::proto::parameter_server_server::{ParameterServer, ParameterServerServ
 use crate::proto::*;
 use crate::shard::{Shard, Update};
 use crate::wire::{bytes_to_f32s, bytes_to_u32s, f32s_to_bytes};
-use crate::PsError;
 
 pub struct ServerOptions {
     pub job: Job,
@@ -132,7 +132,10 @@ impl ParameterServer for Service {
         let mut embeddings = Vec::with_capacity(req.tables.len());
         let mut rows_sent = 0;
         let (dense, applied) = {
-            let shard = core.shard.read().map_err(|_| Status::internal("shard lock"))?;
+            let shard = core
+                .shard
+                .read()
+                .map_err(|_| Status::internal("shard lock"))?;
             for t in &req.tables {
                 let rows = bytes_to_u32s(&t.rows, "pull rows")?;
                 let mut out = Vec::new();
@@ -145,7 +148,8 @@ impl ParameterServer for Service {
         let out_bytes = embeddings.iter().map(|e| e.len()).sum::<usize>() + dense.len();
         core.metrics.add("ftrec_pulls_total", 1);
         core.metrics.add("ftrec_rows_pulled_total", rows_sent);
-        core.metrics.add("ftrec_rpc_bytes_out_total", out_bytes as u64);
+        core.metrics
+            .add("ftrec_rpc_bytes_out_total", out_bytes as u64);
         Ok(Response::new(PullReply {
             embeddings,
             dense,
@@ -177,7 +181,10 @@ impl ParameterServer for Service {
         }
         let rows: usize = update.sparse.iter().map(|(_, r, _)| r.len()).sum();
         let applied = {
-            let mut shard = core.shard.write().map_err(|_| Status::internal("shard lock"))?;
+            let mut shard = core
+                .shard
+                .write()
+                .map_err(|_| Status::internal("shard lock"))?;
             // Checked again under the lock: a restore may have run while this push waited.
             core.check_epoch(req.epoch)?;
             shard.apply(&update)?;
@@ -192,7 +199,8 @@ impl ParameterServer for Service {
         };
         core.metrics.add("ftrec_pushes_total", 1);
         core.metrics.add("ftrec_rows_updated_total", rows as u64);
-        core.metrics.add("ftrec_rpc_bytes_in_total", in_bytes as u64);
+        core.metrics
+            .add("ftrec_rpc_bytes_in_total", in_bytes as u64);
         core.metrics.set("ftrec_applied_steps", applied as f64);
         Ok(Response::new(PushReply { applied }))
     }
@@ -298,7 +306,10 @@ impl ParameterServer for Service {
         let core = &self.0;
         let req = req.into_inner();
         // Under the shard lock so no push straddles the change.
-        let _shard = core.shard.write().map_err(|_| Status::internal("shard lock"))?;
+        let _shard = core
+            .shard
+            .write()
+            .map_err(|_| Status::internal("shard lock"))?;
         core.live.send_replace(Live {
             epoch: req.epoch,
             applied: req.applied,
@@ -313,9 +324,14 @@ impl ParameterServer for Service {
     ) -> Result<Response<FetchShardReply>, Status> {
         let core = &self.0;
         let table = req.into_inner().table as usize;
-        let shard = core.shard.read().map_err(|_| Status::internal("shard lock"))?;
+        let shard = core
+            .shard
+            .read()
+            .map_err(|_| Status::internal("shard lock"))?;
         let Some(t) = shard.state().tables().get(table) else {
-            return Err(Status::invalid_argument(format!("table {table} does not exist")));
+            return Err(Status::invalid_argument(format!(
+                "table {table} does not exist"
+            )));
         };
         Ok(Response::new(FetchShardReply {
             rows: Bytes::copy_from_slice(t.as_bytes()),
@@ -388,7 +404,10 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         .map_err(|e| PsError::Refused(e.to_string()))??;
     let checkpoints = match &c.checkpoint.dir {
         Some(dir) => {
-            let location = format!("{}/server-{id}", dir.to_string_lossy().trim_end_matches('/'));
+            let location = format!(
+                "{}/server-{id}",
+                dir.to_string_lossy().trim_end_matches('/')
+            );
             Some(Checkpoints::new(open_store(&location)?))
         }
         None => None,
@@ -420,7 +439,13 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             .serve_with_incoming_shutdown(incoming, async move { serve_stop.notified().await })
             .await
     });
-    heartbeat_loop(&mut coordinator, core, heartbeat, cluster.failure_timeout_ms).await?;
+    heartbeat_loop(
+        &mut coordinator,
+        core,
+        heartbeat,
+        cluster.failure_timeout_ms,
+    )
+    .await?;
     stop.notify_waiters();
     let _ = tokio::time::timeout(Duration::from_secs(2), serving).await;
     Ok(())

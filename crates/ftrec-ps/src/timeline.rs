@@ -88,7 +88,12 @@ impl TimelineData {
         ftrec_fsio::write_atomic(&p, csv.as_bytes())?;
         let mut csv = String::from("t,kind,detail\n");
         for e in &self.events {
-            csv.push_str(&format!("{:.3},{},\"{}\"\n", e.t, e.kind, e.detail.replace('"', "'")));
+            csv.push_str(&format!(
+                "{:.3},{},\"{}\"\n",
+                e.t,
+                e.kind,
+                e.detail.replace('"', "'")
+            ));
         }
         let p = dir.join("events.csv");
         ftrec_fsio::write_atomic(&p, csv.as_bytes())?;
@@ -109,7 +114,14 @@ impl TimelineData {
         let root = BitMapBackend::new(out, (1000, 500)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
         let seconds = self.samples_per_second.len().max(1) as f64;
-        let top = self.samples_per_second.iter().copied().max().unwrap_or(1).max(1) as f64 * 1.15;
+        let top = self
+            .samples_per_second
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(1)
+            .max(1) as f64
+            * 1.15;
         let mut chart = ChartBuilder::on(&root)
             .caption(title, ("sans-serif", 22))
             .margin(12)
@@ -150,9 +162,10 @@ impl TimelineData {
                 continue;
             }
             chart
-                .draw_series(xs.into_iter().map(|x| {
-                    PathElement::new(vec![(x, 0.0), (x, top)], color.stroke_width(1))
-                }))
+                .draw_series(
+                    xs.into_iter()
+                        .map(|x| PathElement::new(vec![(x, 0.0), (x, top)], color.stroke_width(1))),
+                )
                 .map_err(|e| err(e.to_string()))?
                 .label(kind)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));

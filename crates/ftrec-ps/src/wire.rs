@@ -14,7 +14,7 @@ pub fn f32s_to_bytes(v: &[f32]) -> Bytes {
 }
 
 fn check_len(b: &[u8], what: &str) -> Result<(), PsError> {
-    if b.len() % 4 != 0 {
+    if !b.len().is_multiple_of(4) {
         return Err(PsError::Request(format!(
             "{what}: {} bytes is not a whole number of 4-byte values",
             b.len()

@@ -298,10 +298,13 @@ impl Worker {
             .flat_map(|r| &r.tables)
             .map(|t| t.rows.len() as u64)
             .sum::<u64>();
-        let pulls = requests.into_iter().zip(&self.servers).map(|(request, client)| {
-            let mut client = client.clone();
-            async move { client.pull(request).await }
-        });
+        let pulls = requests
+            .into_iter()
+            .zip(&self.servers)
+            .map(|(request, client)| {
+                let mut client = client.clone();
+                async move { client.pull(request).await }
+            });
         let pull_started = Instant::now();
         let replies = self.rt.block_on(join_all(pulls));
         let pulled = pull_started.elapsed().as_secs_f64();
@@ -336,15 +339,19 @@ impl Worker {
             self.rpc_bytes += reply.dense.len() as u64;
             extend_f32s(&mut self.dense, &reply.dense, "pulled dense parameters")?;
         }
+        let mut cursor = vec![0usize; servers];
+        let mut unique = Vec::new();
         for t in 0..tables {
-            let mut cursor = vec![0usize; servers];
-            let unique: Vec<u32> = self.model.unique_rows(t).to_vec();
+            cursor.fill(0);
+            unique.clear();
+            unique.extend_from_slice(self.model.unique_rows(t));
             let pulled = self.model.pulled_mut(t);
             pulled.clear();
-            for row in unique {
+            for &row in &unique {
                 let s = self.layout.server_of(t, row);
                 let at = cursor[s];
-                pulled.extend_from_slice(&decoded[s][t][at * dim..(at + 1) * dim]);
+                let from_server: &[Vec<f32>] = &decoded[s];
+                pulled.extend_from_slice(&from_server[t][at * dim..(at + 1) * dim]);
                 cursor[s] += 1;
             }
         }
@@ -371,11 +378,11 @@ impl Worker {
                 let s = self.layout.server_of(t, row);
                 grads_by_server[s].extend_from_slice(&grads.sparse[t][i * dim..(i + 1) * dim]);
             }
-            for (s, push) in pushes.iter_mut().enumerate() {
+            for ((push, rows), grads) in pushes.iter_mut().zip(&owned).zip(&grads_by_server) {
                 push.tables.push(TableGrads {
                     table: t as u32,
-                    rows: u32s_to_bytes(&owned[s][t]),
-                    grads: f32s_to_bytes(&grads_by_server[s]),
+                    rows: u32s_to_bytes(&rows[t]),
+                    grads: f32s_to_bytes(grads),
                 });
             }
         }

@@ -359,7 +359,9 @@ impl TrainConfig {
             )));
         }
         if c.rpc_timeout_ms == 0 {
-            return Err(TrainError::Config("cluster.rpc_timeout_ms must be positive".into()));
+            return Err(TrainError::Config(
+                "cluster.rpc_timeout_ms must be positive".into(),
+            ));
         }
         self.checkpoint
             .deck

@@ -43,7 +43,7 @@ pub enum Command {
 #[derive(Subcommand, Debug)]
 pub enum ClusterCommand {
     /// Launch servers and workers as separate processes on loopback and train.
-    Run(ClusterRunArgs),
+    Run(Box<ClusterRunArgs>),
     /// SIGKILL a member of a running cluster, e.g. `server:1`.
     Kill {
         /// The coordinator's address (printed by `cluster run`).

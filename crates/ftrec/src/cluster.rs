@@ -25,7 +25,8 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 fn absolute(p: &Path) -> Result<PathBuf> {
-    std::path::absolute(p).with_context(|| format!("{}: cannot make the path absolute", p.display()))
+    std::path::absolute(p)
+        .with_context(|| format!("{}: cannot make the path absolute", p.display()))
 }
 
 pub fn run(a: ClusterRunArgs) -> Result<()> {
@@ -44,7 +45,10 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         extra.push(format!("train.steps={s}"));
     }
     if let Some(d) = &a.data {
-        extra.push(format!("data.dir={}", toml_string(&absolute(d)?.display().to_string())));
+        extra.push(format!(
+            "data.dir={}",
+            toml_string(&absolute(d)?.display().to_string())
+        ));
     }
     if let Some(n) = a.servers {
         extra.push(format!("cluster.servers={n}"));
@@ -63,7 +67,10 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         extra.push("cluster.deterministic=true".into());
     }
     if let Some(d) = &a.checkpoint_dir {
-        extra.push(format!("checkpoint.dir={}", toml_string(&absolute(d)?.display().to_string())));
+        extra.push(format!(
+            "checkpoint.dir={}",
+            toml_string(&absolute(d)?.display().to_string())
+        ));
     }
     let mut config = load_config(&a.config, extra)?;
     if config.cluster.ft == ftrec_train::config::FaultTolerance::Checkpoint {
@@ -105,10 +112,7 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         },
         |p| {
             pb.set_position(p.steps);
-            pb.set_message(format!(
-                "{} samples, epoch {}",
-                p.samples, p.epoch
-            ));
+            pb.set_message(format!("{} samples, epoch {}", p.samples, p.epoch));
         },
     );
     pb.finish_and_clear();
@@ -209,7 +213,9 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
         })
         .await?;
         eprintln!("coordinator listening on {}", handle.shared.address());
-        handle.wait_done(Duration::from_secs(30 * 24 * 3600)).await?;
+        handle
+            .wait_done(Duration::from_secs(30 * 24 * 3600))
+            .await?;
         let shared = handle.shared.clone();
         let state = launch::gather_state(&job, &shared.server_addresses()).await?;
         shared.timeline().write(&a.out)?;

@@ -20,7 +20,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Ckpt(a)) => crate::bench_ckpt::run(a),
         Command::Demo(a) => demo(a),
         Command::Ckpt(c) => crate::ckpt::run(c),
-        Command::Cluster(ClusterCommand::Run(a)) => crate::cluster::run(a),
+        Command::Cluster(ClusterCommand::Run(a)) => crate::cluster::run(*a),
         Command::Cluster(ClusterCommand::Kill {
             coordinator,
             member,

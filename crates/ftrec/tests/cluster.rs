@@ -1,0 +1,369 @@
+//! The parameter-server cluster as real processes over loopback TCP: equivalence with the
+//! single-process trainer, SIGKILLed servers replaced and rolled back, and clear refusals.
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ftrec");
+
+const MODEL: [&str; 14] = [
+    "--seed",
+    "4",
+    "--set",
+    "model.rows_per_table=2000",
+    "--set",
+    "model.dim=16",
+    "--set",
+    "model.bottom=[32, 16]",
+    "--set",
+    "model.top=[32, 1]",
+    "--set",
+    "train.batch_size=128",
+    "--set",
+    "optimizer.sparse.kind=\"adam\"",
+];
+
+fn ftrec(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("run ftrec")
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "ftrec failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+fn setup(dir: &Path) -> String {
+    let data = dir.join("data");
+    json_of(&ftrec(&[
+        "data",
+        "gen",
+        "--rows",
+        "8000",
+        "--seed",
+        "2",
+        "--out",
+        data.to_str().unwrap(),
+        "--json",
+    ]));
+    data.to_str().unwrap().to_string()
+}
+
+fn single_process_digest(data: &str, steps: &str) -> Value {
+    let mut args = vec!["train", "--data", data, "--steps", steps, "--json"];
+    args.extend(MODEL);
+    json_of(&ftrec(&args))["state_digest"].clone()
+}
+
+fn cluster(data: &str, run_dir: &Path, steps: &str, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "cluster",
+        "run",
+        "--data",
+        data,
+        "--steps",
+        steps,
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+        "--time-limit",
+        "240",
+        "--json",
+    ];
+    args.extend(MODEL);
+    args.extend(extra);
+    json_of(&ftrec(&args))
+}
+
+fn events(run_dir: &Path) -> Vec<String> {
+    let timeline: Value =
+        serde_json::from_slice(&std::fs::read(run_dir.join("timeline.json")).unwrap()).unwrap();
+    timeline["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn one_deterministic_worker_equals_the_single_process_trainer() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    // 7200 train samples / 128 = 56.25 steps per epoch: 70 steps cross an epoch.
+    let expected = single_process_digest(&data, "70");
+    for servers in ["1", "3"] {
+        let run = dir.path().join(format!("run-{servers}"));
+        let out = cluster(
+            &data,
+            &run,
+            "70",
+            &[
+                "--servers",
+                servers,
+                "--workers",
+                "1",
+                "--deterministic",
+                "--no-eval",
+            ],
+        );
+        assert_eq!(out["state_digest"], expected, "{servers} servers");
+        assert_eq!(out["steps"], 70);
+        assert_eq!(out["samples"], 70 * 128 - (128 - 7200 % 128));
+        assert!(out["rpc_bytes_per_sample"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn a_sigkilled_server_is_replaced_and_the_rollback_is_bit_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let expected = single_process_digest(&data, "1000");
+    let run = dir.path().join("run");
+    let out = cluster(
+        &data,
+        &run,
+        "1000",
+        &[
+            "--servers",
+            "2",
+            "--workers",
+            "1",
+            "--deterministic",
+            "--ft",
+            "checkpoint",
+            "--set",
+            "checkpoint.every_steps=50",
+            "--kill",
+            "server:1@0.5s",
+        ],
+    );
+    // The replacement restored the last cut and training replayed the rolled-back steps:
+    // the end state is the uninterrupted run's, bit for bit.
+    assert_eq!(out["state_digest"], expected);
+    let recoveries = out["recoveries"].as_array().unwrap();
+    assert_eq!(recoveries.len(), 1, "{out}");
+    assert_eq!(recoveries[0]["server"], 1);
+    assert_eq!(recoveries[0]["resumed_step"].as_u64().unwrap() % 50, 0);
+    assert!(out["recovery_seconds"].as_f64().unwrap() > 0.0);
+    assert_eq!(out["kill_to_resume_seconds"].as_array().unwrap().len(), 1);
+    assert!(out["auc"].as_f64().unwrap() > 0.5);
+    let kinds = events(&run);
+    for kind in [
+        "killed",
+        "failure-detected",
+        "replacement",
+        "recovery-start",
+        "recovery-end",
+    ] {
+        assert!(
+            kinds.iter().any(|k| k == kind),
+            "no {kind} event in {kinds:?}"
+        );
+    }
+    let server_joins = kinds.iter().filter(|k| *k == "server-joined").count();
+    assert_eq!(server_joins, 3, "two servers and one replacement");
+    // Each server's checkpoints are ordinary verified checkpoints of its shard.
+    for s in 0..2 {
+        let ck = run.join(format!("checkpoints/server-{s}"));
+        let verify = ftrec(&["ckpt", "verify", ck.to_str().unwrap()]);
+        assert!(
+            verify.status.success(),
+            "{}",
+            String::from_utf8_lossy(&verify.stdout)
+        );
+    }
+    let png = dir.path().join("timeline.png");
+    let plot = ftrec(&[
+        "plot",
+        "timeline",
+        run.to_str().unwrap(),
+        "--out",
+        png.to_str().unwrap(),
+    ]);
+    assert!(
+        plot.status.success(),
+        "{}",
+        String::from_utf8_lossy(&plot.stderr)
+    );
+    assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
+}
+
+#[test]
+fn asynchronous_workers_survive_a_kill_with_a_spare_and_without_rollback() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let run = dir.path().join("run");
+    let out = cluster(
+        &data,
+        &run,
+        "1500",
+        &[
+            "--servers",
+            "2",
+            "--workers",
+            "2",
+            "--spares",
+            "1",
+            "--ft",
+            "none",
+            "--kill",
+            "server:0@0.5s",
+            "--no-eval",
+        ],
+    );
+    assert_eq!(out["steps"], 1500);
+    assert_eq!(out["recoveries"].as_array().unwrap().len(), 1, "{out}");
+    assert_eq!(out["recoveries"][0]["steps_rolled_back"], 0);
+    let timeline: Value =
+        serde_json::from_slice(&std::fs::read(run.join("timeline.json")).unwrap()).unwrap();
+    let replacement = timeline["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["kind"] == "replacement")
+        .expect("a replacement event");
+    assert!(
+        replacement["detail"].as_str().unwrap().contains("spare"),
+        "the spare took the slot: {replacement}"
+    );
+}
+
+fn wait_with_limit(mut child: Child, limit: Duration) -> (bool, String) {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return (status.success(), err);
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            panic!("process did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn write_job(dir: &Path, data: &str, name: &str, extra: &[&str]) -> std::path::PathBuf {
+    // `cluster run` writes the job file; a short run with a tiny time limit gives us one.
+    let run = dir.join(name);
+    let mut args = vec![
+        "cluster",
+        "run",
+        "--data",
+        data,
+        "--steps",
+        "2",
+        "--run-dir",
+        run.to_str().unwrap(),
+        "--no-eval",
+        "--json",
+        "--servers",
+        "1",
+        "--workers",
+        "1",
+    ];
+    args.extend(MODEL);
+    args.extend(extra);
+    json_of(&ftrec(&args));
+    run.join("job.toml")
+}
+
+#[test]
+fn bad_addresses_mismatched_configs_and_stolen_identities_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let job = write_job(dir.path(), &data, "a", &[]);
+    let other = write_job(
+        dir.path(),
+        &data,
+        "b",
+        &["--set", "optimizer.sparse.lr=0.5"],
+    );
+    let job_s = job.to_str().unwrap();
+
+    // Nothing listens on port 1: a bounded wait and an error naming the address.
+    let worker = Command::new(BIN)
+        .args([
+            "worker",
+            "--job",
+            job_s,
+            "--coordinator",
+            "127.0.0.1:1",
+            "--id",
+            "0",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (ok, err) = wait_with_limit(worker, Duration::from_secs(30));
+    assert!(!ok);
+    assert!(err.contains("127.0.0.1:1"), "{err}");
+
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let address = format!("127.0.0.1:{port}");
+    let mut coordinator = Command::new(BIN)
+        .args([
+            "coordinator",
+            "--job",
+            job_s,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+        ])
+        .args(["--out", dir.path().join("coord").to_str().unwrap()])
+        .stderr(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let server = |job: &str| {
+        Command::new(BIN)
+            .args([
+                "server",
+                "--job",
+                job,
+                "--coordinator",
+                &address,
+                "--id",
+                "0",
+            ])
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let (ok, err) = wait_with_limit(server(other.to_str().unwrap()), Duration::from_secs(30));
+    assert!(!ok);
+    assert!(err.contains("another configuration"), "{err}");
+
+    let mut first = server(job_s);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        first.try_wait().unwrap().is_none(),
+        "the real server 0 runs"
+    );
+    let (ok, err) = wait_with_limit(server(job_s), Duration::from_secs(30));
+    assert!(!ok);
+    assert!(err.contains("already held"), "{err}");
+
+    let _ = first.kill();
+    let _ = coordinator.kill();
+    let _ = first.wait();
+    let _ = coordinator.wait();
+}
