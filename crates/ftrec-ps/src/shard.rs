@@ -388,3 +388,156 @@ impl Shard {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    fn model() -> ModelConfig {
+        ModelConfig {
+            num_dense: 3,
+            table_rows: vec![23, 40, 9],
+            dim: 4,
+            bottom: vec![8, 4],
+            top: vec![6, 1],
+            sparse_optimizer: Optimizer::Adam {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+            dense_optimizer: Optimizer::Adam {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        }
+    }
+
+    fn shards(servers: usize) -> Vec<Shard> {
+        let layout = Layout::new(servers).unwrap();
+        (0..servers)
+            .map(|s| Shard::initial(&model(), 7, layout, s).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn initial_shards_hold_exactly_the_single_process_rows_and_dense_ranges() {
+        let global = ModelState::new(&model(), 7).unwrap();
+        for servers in 1..4 {
+            let layout = Layout::new(servers).unwrap();
+            let mut dense_seen = Vec::new();
+            for shard in shards(servers) {
+                for (t, table) in shard.state().tables().iter().enumerate() {
+                    for local in 0..table.rows() {
+                        let g = layout.global_row(t, shard.server(), local);
+                        assert_eq!(table.row(local), global.row(t, g as u64).unwrap());
+                    }
+                }
+                dense_seen.extend_from_slice(shard.dense_params());
+            }
+            assert_eq!(dense_seen, global.dense.params);
+        }
+    }
+
+    struct Recorder(Arc<Mutex<Vec<(usize, u32, Vec<f32>, Vec<f32>)>>>);
+    impl UpdateHook for Recorder {
+        fn after_update(&mut self, table: usize, row: u32, old: &[f32], new: &[f32]) {
+            self.0
+                .lock()
+                .unwrap()
+                .push((table, row, old.to_vec(), new.to_vec()));
+        }
+    }
+
+    fn update(shard: &Shard, rows: Vec<u32>, seed: f32) -> Update {
+        let dim = model().dim;
+        Update {
+            step: 0,
+            sparse: vec![(
+                1,
+                rows.clone(),
+                (0..rows.len() * dim)
+                    .map(|i| seed + i as f32 * 0.01)
+                    .collect(),
+            )],
+            dense: vec![0.5; shard.dense_params().len()],
+        }
+    }
+
+    #[test]
+    fn stage_changes_nothing_commit_applies_and_hooks_see_old_and_new_rows() {
+        let mut shard = shards(2).remove(0);
+        let rows: Vec<u32> = (0..40u32).filter(|r| (r + 1) % 2 == 0).take(3).collect();
+        let before = shard.state().clone();
+        let u = update(&shard, rows.clone(), 0.3);
+        let staged = shard.stage(&u).unwrap();
+        assert_eq!(shard.state(), &before, "staging is invisible");
+        drop(staged); // abort
+        assert_eq!(shard.state(), &before);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        shard.add_hook(Box::new(Recorder(seen.clone())));
+        shard.commit(shard.stage(&u).unwrap());
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 3);
+        for ((t, row, old, new), &r) in seen.iter().zip(&rows) {
+            let local = r as usize / 2;
+            assert_eq!((*t, *row), (1, r));
+            assert_eq!(old.as_slice(), before.tables()[1].row(local));
+            assert_eq!(new.as_slice(), shard.state().tables()[1].row(local));
+            assert_ne!(old, new);
+        }
+        assert_eq!(shard.dense_step(), 1);
+    }
+
+    #[test]
+    fn misdirected_rows_and_bad_lengths_are_refused() {
+        let shard = shards(2).remove(0);
+        let mut u = update(&shard, vec![0], 0.1); // row 0 of table 1 lives on server 1
+        assert!(
+            shard
+                .stage(&u)
+                .unwrap_err()
+                .to_string()
+                .contains("belongs to server 1")
+        );
+        u.sparse[0].1 = vec![1];
+        u.sparse[0].2.pop();
+        assert!(shard.stage(&u).is_err());
+        let mut u = update(&shard, vec![1], 0.1);
+        u.dense.pop();
+        assert!(
+            shard
+                .stage(&u)
+                .unwrap_err()
+                .to_string()
+                .contains("dense gradient")
+        );
+    }
+
+    #[test]
+    fn a_locked_range_buffers_updates_and_replays_them_in_order() {
+        let mut direct = shards(2).remove(0);
+        let mut locked = shards(2).remove(0);
+        let rows = vec![1u32, 3, 5];
+        locked.lock_range(1, 0..4);
+        for seed in [0.1f32, 0.2, 0.3] {
+            let u = update(&direct, rows.clone(), seed);
+            direct.apply(&u).unwrap();
+            locked.apply(&u).unwrap();
+        }
+        // Row 5 was outside the range and is already current; rows 1 and 3 wait.
+        assert_eq!(
+            locked.state().tables()[1].row(2),
+            direct.state().tables()[1].row(2)
+        );
+        assert_ne!(
+            locked.state().tables()[1].row(0),
+            direct.state().tables()[1].row(0)
+        );
+        assert_eq!(locked.unlock_range(1, 0..4), 6);
+        assert_eq!(locked.state(), direct.state());
+    }
+}
