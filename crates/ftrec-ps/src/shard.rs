@@ -442,7 +442,8 @@ mod tests {
         }
     }
 
-    struct Recorder(Arc<Mutex<Vec<(usize, u32, Vec<f32>, Vec<f32>)>>>);
+    type Seen = Vec<(usize, u32, Vec<f32>, Vec<f32>)>;
+    struct Recorder(Arc<Mutex<Seen>>);
     impl UpdateHook for Recorder {
         fn after_update(&mut self, table: usize, row: u32, old: &[f32], new: &[f32]) {
             self.0

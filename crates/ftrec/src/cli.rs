@@ -21,7 +21,8 @@ pub enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Generate Criteo-shaped data, train about a minute, and compare AUC with the teacher's.
+    /// Generate Criteo-shaped data, train it on a local cluster (2 servers, 2 workers) with
+    /// checkpoints, SIGKILL a server mid-run, recover, and compare AUC with the teacher's.
     Demo(DemoArgs),
     /// Inspect, verify and restore checkpoints.
     #[command(subcommand)]
@@ -442,6 +443,9 @@ pub struct DemoArgs {
     pub rows: u64,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// SIGKILL server 1 this many seconds after training starts.
+    #[arg(long, default_value_t = 20.0)]
+    pub kill_after: f64,
     #[arg(long)]
     pub json: bool,
 }

@@ -376,29 +376,105 @@ fn demo(a: DemoArgs) -> Result<()> {
     };
     let mut config = TrainConfig::preset("demo")?;
     config.seed = a.seed;
+    config.threads = 1;
+    config.data.dir = Some(std::path::absolute(&a.dir)?);
+    config.cluster.servers = 2;
+    config.cluster.workers = 2;
+    config.cluster.ft = ftrec_train::config::FaultTolerance::Checkpoint;
+    config.checkpoint.every_steps = 100;
+    let run_dir = std::path::absolute(a.dir.join("cluster-run"))?;
+    config.checkpoint.dir = Some(run_dir.join("checkpoints"));
     if !a.json {
         println!(
-            "training the tiny DLRM (26 tables x 100k rows x 64, batch 2048) for one pass over {} samples ...",
-            meta.train_samples
+            "training the tiny DLRM (26 tables x 100k rows x 64, batch 2048) for one pass over {} samples\n\
+             on a local cluster: 2 parameter servers + 2 workers as separate processes over TCP,\n\
+             a consistent checkpoint every 100 steps; server 1 is SIGKILLed {}s into training ...",
+            meta.train_samples, a.kill_after
         );
     }
-    let out = train_and_eval(&config, &a.dir, None, None, false, a.json)?;
-    let gap = meta.teacher_auc - out.metrics.auc;
+    let job = ftrec_ps::Job::new(config)?;
+    let total =
+        job.config.train.epochs * (meta.train_samples).div_ceil(job.config.train.batch_size as u64);
+    let pb = bar(total, "cluster");
+    if a.json {
+        pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let report = ftrec_ps::launch::run(
+        ftrec_ps::launch::LaunchOptions {
+            job,
+            run_dir: run_dir.clone(),
+            kills: vec![
+                format!("server:1@{}s", a.kill_after)
+                    .parse()
+                    .map_err(anyhow::Error::msg)?,
+            ],
+            spares: 0,
+            exe: std::env::current_exe()?,
+            time_limit: std::time::Duration::from_secs(3600),
+            evaluate: true,
+        },
+        |p| {
+            pb.set_position(p.steps);
+            pb.set_message(format!("{} samples, epoch {}", p.samples, p.epoch));
+        },
+    );
+    pb.finish_and_clear();
+    let report = report?;
+    let auc = report.auc.unwrap_or(f64::NAN);
+    let gap = meta.teacher_auc - auc;
+    let s = &report.summary;
     if a.json {
         return print_json(json!({
-            "auc": out.metrics.auc, "teacher_auc": meta.teacher_auc, "auc_gap": gap,
-            "logloss": out.metrics.logloss, "samples": out.report.samples,
-            "samples_per_sec": out.report.samples_per_sec, "seconds": out.report.seconds,
-            "state_digest": out.digest,
+            "auc": auc, "teacher_auc": meta.teacher_auc, "auc_gap": gap,
+            "logloss": report.logloss, "samples": s.samples,
+            "samples_per_sec": s.samples_per_sec, "seconds": s.train_seconds,
+            "state_digest": report.state_digest, "recovery_seconds": s.recovery_seconds,
+            "kill_to_resume_seconds": report.kill_to_resume_seconds,
+            "recoveries": s.recoveries, "run_dir": report.run_dir,
         }));
     }
+    let timeline = ftrec_ps::timeline::TimelineData::read(&run_dir.join("timeline.json"))?;
+    for e in timeline.events.iter().filter(|e| {
+        matches!(
+            e.kind.as_str(),
+            "training-start"
+                | "killed"
+                | "failure-detected"
+                | "replacement"
+                | "server-joined"
+                | "recovery-start"
+                | "recovery-end"
+                | "training-end"
+        )
+    }) {
+        println!("  [{:7.2}s] {:<17} {}", e.t, e.kind, e.detail);
+    }
     println!(
-        "trained {} samples in {:.1}s ({:.0} samples/s)",
-        out.report.samples, out.report.seconds, out.report.samples_per_sec
+        "trained {} samples in {:.1}s ({:.0} samples/s); {} checkpoints; recovery took {:.2}s \
+         (SIGKILL to training resumed: {})",
+        s.samples,
+        s.train_seconds,
+        s.samples_per_sec,
+        s.checkpoints.len(),
+        s.recovery_seconds,
+        report
+            .kill_to_resume_seconds
+            .iter()
+            .map(|k| format!("{k:.2}s"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     println!(
         "held-out AUC {:.4} vs teacher ceiling {:.4} (gap {:.4}); logloss {:.4}",
-        out.metrics.auc, meta.teacher_auc, gap, out.metrics.logloss
+        auc,
+        meta.teacher_auc,
+        gap,
+        report.logloss.unwrap_or(f64::NAN)
+    );
+    println!(
+        "timeline and logs in {}; plot: ftrec plot timeline {} --out timeline.png",
+        run_dir.display(),
+        run_dir.display()
     );
     Ok(())
 }
