@@ -344,7 +344,10 @@ impl Coordinator for Service {
                 s.placement.assign(id, req.address.clone());
                 s.timeline.event(
                     "server-joined",
-                    format!("server {id} at {} (pid {})", req.address, req.pid),
+                    format!(
+                        "server {id} at {} (pid {}, metrics http://{}/metrics)",
+                        req.address, req.pid, req.metrics_address
+                    ),
                 );
             }
             (Role::Worker, _) => {
@@ -364,8 +367,13 @@ impl Coordinator for Service {
                     ready: true,
                     ..member
                 };
-                s.timeline
-                    .event("worker-joined", format!("worker {id} (pid {})", req.pid));
+                s.timeline.event(
+                    "worker-joined",
+                    format!(
+                        "worker {id} (pid {}, metrics http://{}/metrics)",
+                        req.pid, req.metrics_address
+                    ),
+                );
             }
             (Role::Unspecified, _) => return Err(Status::invalid_argument("join without a role")),
         }
@@ -622,6 +630,13 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         }
     });
     tokio::spawn(control_loop(shared.clone()));
+    shared.event(
+        "coordinator",
+        format!(
+            "listening on {address} (metrics http://{}/metrics)",
+            metrics_address.as_deref().unwrap_or("-")
+        ),
+    );
     Ok(Handle {
         shared,
         metrics_address,

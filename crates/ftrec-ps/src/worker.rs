@@ -14,6 +14,7 @@ use rayon::ThreadPool;
 use crate::PsError;
 use crate::client::{CoordinatorClient, ServerClient, connect_coordinator, server_client};
 use crate::job::{Job, Schedule};
+use crate::metrics::{self, Metrics};
 use crate::placement::Layout;
 use crate::proto::next_step_reply::Action;
 use crate::proto::*;
@@ -49,6 +50,7 @@ struct Worker {
     dense: Vec<f32>,
     rpc_bytes: u64,
     times: StepTimes,
+    metrics: Arc<Metrics>,
 }
 
 /// Where a worker's time goes, logged when it stops.
@@ -95,6 +97,15 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
         threads,
         Box::new(GemmMatMul::new(threads)),
     )?;
+    let metrics = Arc::new(
+        Metrics::new(format!("role=\"worker\",id=\"{}\"", opts.id))
+            .counter("ftrec_steps_total", "Steps finished")
+            .counter("ftrec_lost_steps_total", "Steps lost to server errors")
+            .counter("ftrec_rpc_bytes_total", "Pull and push payload bytes"),
+    );
+    let metrics_address = rt
+        .block_on(metrics::start("127.0.0.1", metrics.clone()))
+        .unwrap_or_default();
     let mut coordinator = rt.block_on(connect_coordinator(&opts.coordinator, job.timeout()))?;
     let joined = rt
         .block_on(coordinator.join(JoinRequest {
@@ -103,7 +114,7 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
             address: String::new(),
             fingerprint: job.fingerprint(),
             pid: std::process::id(),
-            metrics_address: String::new(),
+            metrics_address,
             spare: false,
         }))
         .map_err(|s| PsError::rpc(format!("worker {} joining", opts.id), &s))?
@@ -137,6 +148,7 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
         dense: Vec::new(),
         rpc_bytes: 0,
         times: StepTimes::default(),
+        metrics,
     };
     let result = worker.run();
     stop.store(true, Ordering::Relaxed);
@@ -207,9 +219,17 @@ impl Worker {
                     if reply.placement_version != self.placement_version {
                         self.refresh_placement()?;
                     }
-                    report = Some(match self.step(reply.step, reply.epoch) {
-                        Ok(()) => Outcome::Finished(reply.step),
+                    let bytes_before = self.rpc_bytes;
+                    let outcome = self.step(reply.step, reply.epoch);
+                    self.metrics
+                        .add("ftrec_rpc_bytes_total", self.rpc_bytes - bytes_before);
+                    report = Some(match outcome {
+                        Ok(()) => {
+                            self.metrics.add("ftrec_steps_total", 1);
+                            Outcome::Finished(reply.step)
+                        }
                         Err(e) => {
+                            self.metrics.add("ftrec_lost_steps_total", 1);
                             tracing::warn!("worker {}: step {} lost: {e}", self.id, reply.step);
                             Outcome::Lost(reply.step)
                         }
