@@ -80,6 +80,8 @@ pub struct LaunchOptions {
 /// Progress shown while the cluster trains.
 #[derive(Clone, Debug)]
 pub struct Progress {
+    /// The embedded coordinator's address (for `ftrec cluster kill`).
+    pub coordinator: String,
     pub steps: u64,
     pub samples: u64,
     pub epoch: u64,
@@ -265,6 +267,7 @@ async fn run_async(
                 training_start = Some(Instant::now());
             }
             on_progress(&Progress {
+                coordinator: address.clone(),
                 steps: summary.steps,
                 samples: summary.samples,
                 epoch: summary.epoch,

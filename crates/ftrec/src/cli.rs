@@ -377,6 +377,36 @@ pub enum BenchCommand {
     /// Checkpoint strategies side by side on a Criteo-shaped model (~2.3 GB at scale 1):
     /// IncrCP and DECK experiments, disk bandwidth by dd; CSV, PNG plots, summary JSON.
     Ckpt(BenchCkptArgs),
+    /// The cluster (2 servers, 2 workers by default) against the single-process trainer on
+    /// the same cores; RPC bytes per sample; checkpoint pause; SIGKILL to training resumed.
+    Cluster(BenchClusterArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchClusterArgs {
+    /// Dataset directory (generated with the tiny Criteo shape when missing).
+    #[arg(long, default_value = "bench-cluster-data")]
+    pub data: PathBuf,
+    #[arg(long, default_value_t = 1_000_000)]
+    pub rows: u64,
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+    #[arg(long, default_value_t = 300)]
+    pub steps: u64,
+    #[arg(long, default_value_t = 2)]
+    pub servers: usize,
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    #[arg(long, default_value_t = 50)]
+    pub checkpoint_every: u64,
+    /// SIGKILL server 1 this many seconds into the checkpointed run.
+    #[arg(long, default_value_t = 5.0)]
+    pub kill_after: f64,
+    /// Where summary.json and the timeline plots go.
+    #[arg(long, default_value = "bench-cluster")]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

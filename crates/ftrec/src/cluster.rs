@@ -100,6 +100,7 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
     if a.json {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
+    let announced = std::cell::Cell::new(false);
     let report = launch::run(
         LaunchOptions {
             job: job.clone(),
@@ -111,6 +112,9 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
             evaluate: !a.no_eval,
         },
         |p| {
+            if !announced.replace(true) {
+                pb.suspend(|| eprintln!("coordinator at {}", p.coordinator));
+            }
             pb.set_position(p.steps);
             pb.set_message(format!("{} samples, epoch {}", p.samples, p.epoch));
         },

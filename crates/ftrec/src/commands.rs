@@ -18,6 +18,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Data(DataCommand::Stats(a)) => data_stats(a),
         Command::Bench(BenchCommand::Train(a)) => bench_train(a),
         Command::Bench(BenchCommand::Ckpt(a)) => crate::bench_ckpt::run(a),
+        Command::Bench(BenchCommand::Cluster(a)) => crate::bench_cluster::run(a),
         Command::Demo(a) => demo(a),
         Command::Ckpt(c) => crate::ckpt::run(c),
         Command::Cluster(ClusterCommand::Run(a)) => crate::cluster::run(*a),
@@ -221,7 +222,7 @@ fn gen_config(a: &GenArgs) -> Result<GenConfig> {
     Ok(c)
 }
 
-fn run_gen(
+pub(crate) fn run_gen(
     config: &GenConfig,
     out: &Path,
     format: OutputFormat,

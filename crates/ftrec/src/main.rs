@@ -1,6 +1,7 @@
 //! The `ftrec` command line.
 
 mod bench_ckpt;
+mod bench_cluster;
 mod ckpt;
 mod cli;
 mod cluster;

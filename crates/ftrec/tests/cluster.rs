@@ -367,3 +367,45 @@ fn bad_addresses_mismatched_configs_and_stolen_identities_are_refused() {
     let _ = first.wait();
     let _ = coordinator.wait();
 }
+
+#[test]
+fn cluster_kill_sigkills_a_member_of_a_running_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let run = dir.path().join("run");
+    let mut args = vec![
+        "cluster", "run", "--data", &data, "--steps", "3000", "--run-dir", run.to_str().unwrap(),
+        "--servers", "2", "--workers", "1", "--ft", "checkpoint", "--set",
+        "checkpoint.every_steps=100", "--no-eval", "--json", "--time-limit", "240",
+    ];
+    args.extend(MODEL);
+    let mut child = Command::new(BIN)
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The launcher announces its coordinator on stderr before training starts.
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    let address = loop {
+        line.clear();
+        assert!(std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() > 0, "no address");
+        if let Some(a) = line.trim().strip_prefix("coordinator at ") {
+            break a.to_string();
+        }
+    };
+    std::thread::sleep(Duration::from_millis(1500));
+    let kill = ftrec(&["cluster", "kill", "--coordinator", &address, "server:0"]);
+    assert!(kill.status.success(), "{}", String::from_utf8_lossy(&kill.stderr));
+    assert!(String::from_utf8_lossy(&kill.stdout).contains("killed server:0"));
+    let bad = ftrec(&["cluster", "kill", "--coordinator", &address, "disk:0"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown role"));
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["steps"], 3000);
+    assert_eq!(report["recoveries"].as_array().unwrap().len(), 1, "{report}");
+    assert_eq!(report["recoveries"][0]["server"], 0);
+}

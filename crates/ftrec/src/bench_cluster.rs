@@ -1,0 +1,140 @@
+//! `ftrec bench cluster`: the cluster against the single-process trainer on the same cores,
+//! RPC bytes per sample, checkpoint pause and the time from a SIGKILL to training resumed.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use ftrec_data::generate::{GenConfig, OutputFormat, read_meta};
+use ftrec_data::{Dataset, TRAIN_FILE};
+use ftrec_ps::launch::{self, LaunchOptions, LaunchReport};
+use ftrec_ps::timeline::TimelineData;
+use ftrec_train::config::FaultTolerance;
+use ftrec_train::{TrainConfig, Trainer};
+use serde_json::json;
+
+use crate::cli::BenchClusterArgs;
+use crate::commands::{print_json, run_gen};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn cluster(
+    a: &BenchClusterArgs,
+    config: &TrainConfig,
+    name: &str,
+    ft: FaultTolerance,
+    kill: Option<String>,
+) -> Result<LaunchReport> {
+    let mut c = config.clone();
+    c.threads = 1;
+    c.cluster.servers = a.servers;
+    c.cluster.workers = a.workers;
+    c.cluster.ft = ft;
+    let run_dir = std::path::absolute(a.out.join(name))?;
+    let _ = std::fs::remove_dir_all(&run_dir);
+    if ft == FaultTolerance::Checkpoint {
+        c.checkpoint.dir = Some(run_dir.join("checkpoints"));
+        c.checkpoint.every_steps = a.checkpoint_every;
+    }
+    let kills = kill
+        .map(|k| k.parse().map_err(anyhow::Error::msg))
+        .transpose()?
+        .into_iter()
+        .collect();
+    if !a.json {
+        eprintln!("cluster run {name} ...");
+    }
+    let report = launch::run(
+        LaunchOptions {
+            job: ftrec_ps::Job::new(c)?,
+            run_dir: run_dir.clone(),
+            kills,
+            spares: 0,
+            exe: std::env::current_exe()?,
+            time_limit: Duration::from_secs(1800),
+            evaluate: false,
+        },
+        |_| {},
+    )?;
+    TimelineData::read(&run_dir.join("timeline.json"))?.plot(
+        &a.out.join(format!("{name}.png")),
+        &format!("{name}: {} servers, {} workers", a.servers, a.workers),
+    )?;
+    Ok(report)
+}
+
+pub fn run(a: BenchClusterArgs) -> Result<()> {
+    std::fs::create_dir_all(&a.out).with_context(|| a.out.display().to_string())?;
+    let gen_config = GenConfig::criteo(a.rows, 1, 0.01);
+    let fresh = read_meta(&a.data).is_some_and(|m| m.config == gen_config)
+        && a.data.join(TRAIN_FILE).exists();
+    if !fresh {
+        run_gen(&gen_config, &a.data, OutputFormat::Binary, a.json)?;
+    }
+    let mut config = TrainConfig::preset(&a.preset)?;
+    config.train.steps = a.steps;
+    config.data.dir = Some(std::path::absolute(&a.data)?);
+
+    // The single-process trainer on every core of this host.
+    if !a.json {
+        eprintln!("single-process trainer, {} steps ...", a.steps);
+    }
+    let train = Dataset::open_split(&a.data, TRAIN_FILE)?;
+    let mut single = config.clone();
+    single.threads = 0;
+    let mut trainer = Trainer::new(&single)?;
+    let total = trainer.planned_steps(&train);
+    let single_report = trainer.train(&train, total, |_| {})?;
+    drop(trainer);
+
+    let plain = cluster(&a, &config, "async", FaultTolerance::None, None)?;
+    let ckpt = cluster(
+        &a,
+        &config,
+        "checkpoint-kill",
+        FaultTolerance::Checkpoint,
+        Some(format!("server:1@{}s", a.kill_after)),
+    )?;
+    let s = &ckpt.summary;
+    let detection: Vec<f64> = s
+        .recoveries
+        .iter()
+        .zip(&ckpt.kill_to_resume_seconds)
+        .map(|(r, k)| k - (r.resumed_at - r.detected_at))
+        .collect();
+    let summary = json!({
+        "preset": a.preset,
+        "steps": a.steps,
+        "servers": a.servers,
+        "workers": a.workers,
+        "single_process_samples_per_sec": single_report.samples_per_sec,
+        "cluster_samples_per_sec": plain.summary.samples_per_sec,
+        "cluster_vs_single": plain.summary.samples_per_sec / single_report.samples_per_sec,
+        "rpc_bytes_per_sample": plain.summary.rpc_bytes_per_sample,
+        "checkpoints": s.checkpoints.len(),
+        "checkpoint_pause_median_seconds":
+            median(s.checkpoints.iter().map(|c| c.pause_seconds).collect()),
+        "checkpoint_bytes": s.checkpoints.first().map(|c| c.bytes),
+        "kill_to_resume_seconds": ckpt.kill_to_resume_seconds,
+        "detection_seconds": detection,
+        "recovery_seconds": s.recovery_seconds,
+        "steps_rolled_back": s.recoveries.iter().map(|r| r.steps_rolled_back).collect::<Vec<_>>(),
+        "checkpoint_run_samples_per_sec": s.samples_per_sec,
+        "lost_samples": s.lost_samples,
+    });
+    let path = a.out.join("summary.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| path.display().to_string())?;
+    if a.json {
+        return print_json(summary);
+    }
+    println!("{}", serde_json::to_string_pretty(&summary)?);
+    println!("wrote {}", Path::new(&a.out).display());
+    Ok(())
+}
