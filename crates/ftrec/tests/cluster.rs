@@ -98,8 +98,10 @@ fn one_deterministic_worker_equals_the_single_process_trainer() {
     let data = setup(dir.path());
     // 7200 train samples / 128 = 56.25 steps per epoch: 70 steps cross an epoch.
     let expected = single_process_digest(&data, "70");
-    for servers in ["1", "3"] {
-        let run = dir.path().join(format!("run-{servers}"));
+    // Deterministic mode orders steps globally, so two workers taking turns give the same
+    // bits as one.
+    for (servers, workers) in [("1", "1"), ("3", "1"), ("2", "2")] {
+        let run = dir.path().join(format!("run-{servers}-{workers}"));
         let out = cluster(
             &data,
             &run,
@@ -108,12 +110,15 @@ fn one_deterministic_worker_equals_the_single_process_trainer() {
                 "--servers",
                 servers,
                 "--workers",
-                "1",
+                workers,
                 "--deterministic",
                 "--no-eval",
             ],
         );
-        assert_eq!(out["state_digest"], expected, "{servers} servers");
+        assert_eq!(
+            out["state_digest"], expected,
+            "{servers} servers, {workers} workers"
+        );
         assert_eq!(out["steps"], 70);
         assert_eq!(out["samples"], 70 * 128 - (128 - 7200 % 128));
         assert!(out["rpc_bytes_per_sample"].as_f64().unwrap() > 0.0);
@@ -374,9 +379,26 @@ fn cluster_kill_sigkills_a_member_of_a_running_cluster() {
     let data = setup(dir.path());
     let run = dir.path().join("run");
     let mut args = vec![
-        "cluster", "run", "--data", &data, "--steps", "3000", "--run-dir", run.to_str().unwrap(),
-        "--servers", "2", "--workers", "1", "--ft", "checkpoint", "--set",
-        "checkpoint.every_steps=100", "--no-eval", "--json", "--time-limit", "240",
+        "cluster",
+        "run",
+        "--data",
+        &data,
+        "--steps",
+        "3000",
+        "--run-dir",
+        run.to_str().unwrap(),
+        "--servers",
+        "2",
+        "--workers",
+        "1",
+        "--ft",
+        "checkpoint",
+        "--set",
+        "checkpoint.every_steps=100",
+        "--no-eval",
+        "--json",
+        "--time-limit",
+        "240",
     ];
     args.extend(MODEL);
     let mut child = Command::new(BIN)
@@ -390,14 +412,21 @@ fn cluster_kill_sigkills_a_member_of_a_running_cluster() {
     let mut line = String::new();
     let address = loop {
         line.clear();
-        assert!(std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() > 0, "no address");
+        assert!(
+            std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() > 0,
+            "no address"
+        );
         if let Some(a) = line.trim().strip_prefix("coordinator at ") {
             break a.to_string();
         }
     };
     std::thread::sleep(Duration::from_millis(1500));
     let kill = ftrec(&["cluster", "kill", "--coordinator", &address, "server:0"]);
-    assert!(kill.status.success(), "{}", String::from_utf8_lossy(&kill.stderr));
+    assert!(
+        kill.status.success(),
+        "{}",
+        String::from_utf8_lossy(&kill.stderr)
+    );
     assert!(String::from_utf8_lossy(&kill.stdout).contains("killed server:0"));
     let bad = ftrec(&["cluster", "kill", "--coordinator", &address, "disk:0"]);
     assert!(!bad.status.success());
@@ -406,6 +435,10 @@ fn cluster_kill_sigkills_a_member_of_a_running_cluster() {
     assert!(out.status.success());
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["steps"], 3000);
-    assert_eq!(report["recoveries"].as_array().unwrap().len(), 1, "{report}");
+    assert_eq!(
+        report["recoveries"].as_array().unwrap().len(),
+        1,
+        "{report}"
+    );
     assert_eq!(report["recoveries"][0]["server"], 0);
 }
