@@ -208,7 +208,7 @@ fn asynchronous_workers_survive_a_kill_with_a_spare_and_without_rollback() {
     let out = cluster(
         &data,
         &run,
-        "1500",
+        "2500",
         &[
             "--servers",
             "2",
@@ -220,10 +220,12 @@ fn asynchronous_workers_survive_a_kill_with_a_spare_and_without_rollback() {
             "none",
             "--kill",
             "server:0@0.5s",
+            "--kill",
+            "worker:1@2.5s",
             "--no-eval",
         ],
     );
-    assert_eq!(out["steps"], 1500);
+    assert_eq!(out["steps"], 2500);
     assert_eq!(out["recoveries"].as_array().unwrap().len(), 1, "{out}");
     assert_eq!(out["recoveries"][0]["steps_rolled_back"], 0);
     let timeline: Value =
@@ -238,6 +240,10 @@ fn asynchronous_workers_survive_a_kill_with_a_spare_and_without_rollback() {
         replacement["detail"].as_str().unwrap().contains("spare"),
         "the spare took the slot: {replacement}"
     );
+    // A killed worker is stateless: it is detected, respawned, and training completes.
+    let kinds = events(&run);
+    assert!(kinds.iter().any(|k| k == "worker-failure-detected"), "{kinds:?}");
+    assert_eq!(kinds.iter().filter(|k| *k == "worker-joined").count(), 3);
 }
 
 fn wait_with_limit(mut child: Child, limit: Duration) -> (bool, String) {
