@@ -14,7 +14,7 @@ use ftrec_ps::{Job, client};
 use serde_json::json;
 
 use crate::cli::*;
-use crate::commands::{load_config, print_json, toml_string};
+use crate::commands::{load_config, print_json, run_overrides};
 use crate::progress::bar;
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -40,16 +40,9 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
                 .map_or(0, |d| d.as_millis())
         )),
     };
-    let mut extra = Vec::new();
-    if let Some(s) = a.steps {
-        extra.push(format!("train.steps={s}"));
-    }
-    if let Some(d) = &a.data {
-        extra.push(format!(
-            "data.dir={}",
-            toml_string(&absolute(d)?.display().to_string())
-        ));
-    }
+    let data = a.data.as_deref().map(absolute).transpose()?;
+    let checkpoint_dir = a.checkpoint_dir.as_deref().map(absolute).transpose()?;
+    let mut extra = run_overrides(a.steps, data.as_deref(), checkpoint_dir.as_deref());
     if let Some(n) = a.servers {
         extra.push(format!("cluster.servers={n}"));
     }
@@ -65,12 +58,6 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
     }
     if a.deterministic {
         extra.push("cluster.deterministic=true".into());
-    }
-    if let Some(d) = &a.checkpoint_dir {
-        extra.push(format!(
-            "checkpoint.dir={}",
-            toml_string(&absolute(d)?.display().to_string())
-        ));
     }
     let mut config = load_config(&a.config, extra)?;
     if config.cluster.ft == ftrec_train::config::FaultTolerance::Checkpoint {

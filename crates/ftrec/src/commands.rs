@@ -119,23 +119,33 @@ fn train_and_eval(
     })
 }
 
-fn train(a: TrainArgs) -> Result<()> {
+/// The `--set` overrides behind the run flags shared by `train` and `cluster run`.
+pub(crate) fn run_overrides(
+    steps: Option<u64>,
+    data: Option<&Path>,
+    checkpoint_dir: Option<&Path>,
+) -> Vec<String> {
     let mut extra = Vec::new();
-    if let Some(s) = a.steps {
+    if let Some(s) = steps {
         extra.push(format!("train.steps={s}"));
     }
-    if let Some(d) = &a.data {
+    if let Some(d) = data {
         extra.push(format!(
             "data.dir={}",
             toml_string(&d.display().to_string())
         ));
     }
-    if let Some(d) = &a.checkpoint_dir {
+    if let Some(d) = checkpoint_dir {
         extra.push(format!(
             "checkpoint.dir={}",
             toml_string(&d.display().to_string())
         ));
     }
+    extra
+}
+
+fn train(a: TrainArgs) -> Result<()> {
+    let extra = run_overrides(a.steps, a.data.as_deref(), a.checkpoint_dir.as_deref());
     let config = load_config(&a.config, extra)?;
     let Some(dir) = config.data.dir.clone() else {
         bail!("no dataset: pass --data DIR or set data.dir");
@@ -186,7 +196,7 @@ fn train(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn toml_string(s: &str) -> String {
+fn toml_string(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| format!("{s:?}"))
 }
 

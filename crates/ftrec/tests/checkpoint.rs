@@ -1,28 +1,17 @@
 //! Checkpoints through the CLI: resume equivalence and crash safety with real SIGKILLs.
 
+#[path = "support/cli.rs"]
+mod cli;
+use cli::{BIN, ftrec, json_of, setup};
+
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
 
 #[path = "../../ftrec-ckpt/tests/support/moto.rs"]
 mod moto;
-
-const BIN: &str = env!("CARGO_BIN_EXE_ftrec");
-
-fn ftrec(args: &[&str]) -> Output {
-    Command::new(BIN).args(args).output().expect("run ftrec")
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "ftrec failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON object")
-}
 
 const MODEL: [&str; 12] = [
     "--set",
@@ -46,22 +35,6 @@ fn train_args<'a>(data: &'a str, steps: &'a str, extra: &[&'a str]) -> Vec<&'a s
     a.extend(MODEL);
     a.extend(extra);
     a
-}
-
-fn setup(dir: &Path) -> String {
-    let data = dir.join("data");
-    json_of(&ftrec(&[
-        "data",
-        "gen",
-        "--rows",
-        "8000",
-        "--seed",
-        "2",
-        "--out",
-        data.to_str().unwrap(),
-        "--json",
-    ]));
-    data.to_str().unwrap().to_string()
 }
 
 #[test]

@@ -1,14 +1,16 @@
 //! The parameter-server cluster as real processes over loopback TCP: equivalence with the
 //! single-process trainer, SIGKILLed servers replaced and rolled back, and clear refusals.
 
+#[path = "support/cli.rs"]
+mod cli;
+use cli::{BIN, ftrec, json_of, setup};
+
 use std::io::Read;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-
-const BIN: &str = env!("CARGO_BIN_EXE_ftrec");
 
 const MODEL: [&str; 14] = [
     "--seed",
@@ -26,35 +28,6 @@ const MODEL: [&str; 14] = [
     "--set",
     "optimizer.sparse.kind=\"adam\"",
 ];
-
-fn ftrec(args: &[&str]) -> Output {
-    Command::new(BIN).args(args).output().expect("run ftrec")
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "ftrec failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON object")
-}
-
-fn setup(dir: &Path) -> String {
-    let data = dir.join("data");
-    json_of(&ftrec(&[
-        "data",
-        "gen",
-        "--rows",
-        "8000",
-        "--seed",
-        "2",
-        "--out",
-        data.to_str().unwrap(),
-        "--json",
-    ]));
-    data.to_str().unwrap().to_string()
-}
 
 fn single_process_digest(data: &str, steps: &str) -> Value {
     let mut args = vec!["train", "--data", data, "--steps", steps, "--json"];
@@ -242,7 +215,10 @@ fn asynchronous_workers_survive_a_kill_with_a_spare_and_without_rollback() {
     );
     // A killed worker is stateless: it is detected, respawned, and training completes.
     let kinds = events(&run);
-    assert!(kinds.iter().any(|k| k == "worker-failure-detected"), "{kinds:?}");
+    assert!(
+        kinds.iter().any(|k| k == "worker-failure-detected"),
+        "{kinds:?}"
+    );
     assert_eq!(kinds.iter().filter(|k| *k == "worker-joined").count(), 3);
 }
 
