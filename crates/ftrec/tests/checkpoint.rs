@@ -2,7 +2,7 @@
 
 #[path = "support/cli.rs"]
 mod cli;
-use cli::{BIN, ftrec, json_of, setup};
+use cli::{BIN, MODEL, ftrec, json_of, setup};
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -12,21 +12,6 @@ use serde_json::Value;
 
 #[path = "../../ftrec-ckpt/tests/support/moto.rs"]
 mod moto;
-
-const MODEL: [&str; 12] = [
-    "--set",
-    "model.rows_per_table=2000",
-    "--set",
-    "model.dim=16",
-    "--set",
-    "model.bottom=[32, 16]",
-    "--set",
-    "model.top=[32, 1]",
-    "--set",
-    "train.batch_size=128",
-    "--set",
-    "optimizer.sparse.kind=\"adam\"",
-];
 
 fn train_args<'a>(data: &'a str, steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut a = vec![

@@ -3,7 +3,7 @@
 
 #[path = "support/cli.rs"]
 mod cli;
-use cli::{BIN, ftrec, json_of, setup};
+use cli::{BIN, MODEL, ftrec, json_of, setup};
 
 use std::io::Read;
 use std::path::Path;
@@ -12,26 +12,16 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-const MODEL: [&str; 14] = [
-    "--seed",
-    "4",
-    "--set",
-    "model.rows_per_table=2000",
-    "--set",
-    "model.dim=16",
-    "--set",
-    "model.bottom=[32, 16]",
-    "--set",
-    "model.top=[32, 1]",
-    "--set",
-    "train.batch_size=128",
-    "--set",
-    "optimizer.sparse.kind=\"adam\"",
-];
+/// The small model with the seed every run here shares.
+fn model() -> Vec<&'static str> {
+    let mut m = vec!["--seed", "4"];
+    m.extend(MODEL);
+    m
+}
 
 fn single_process_digest(data: &str, steps: &str) -> Value {
     let mut args = vec!["train", "--data", data, "--steps", steps, "--json"];
-    args.extend(MODEL);
+    args.extend(model());
     json_of(&ftrec(&args))["state_digest"].clone()
 }
 
@@ -49,7 +39,7 @@ fn cluster(data: &str, run_dir: &Path, steps: &str, extra: &[&str]) -> Value {
         "240",
         "--json",
     ];
-    args.extend(MODEL);
+    args.extend(model());
     args.extend(extra);
     json_of(&ftrec(&args))
 }
@@ -262,7 +252,7 @@ fn write_job(dir: &Path, data: &str, name: &str, extra: &[&str]) -> std::path::P
         "--workers",
         "1",
     ];
-    args.extend(MODEL);
+    args.extend(model());
     args.extend(extra);
     json_of(&ftrec(&args));
     run.join("job.toml")
@@ -382,7 +372,7 @@ fn cluster_kill_sigkills_a_member_of_a_running_cluster() {
         "--time-limit",
         "240",
     ];
-    args.extend(MODEL);
+    args.extend(model());
     let mut child = Command::new(BIN)
         .args(&args)
         .stdout(Stdio::piped())

@@ -9,6 +9,22 @@ use serde_json::Value;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_ftrec");
 
+/// A small model (2000-row tables, dim 16, Adam rows) that trains in milliseconds per step.
+pub const MODEL: [&str; 12] = [
+    "--set",
+    "model.rows_per_table=2000",
+    "--set",
+    "model.dim=16",
+    "--set",
+    "model.bottom=[32, 16]",
+    "--set",
+    "model.top=[32, 1]",
+    "--set",
+    "train.batch_size=128",
+    "--set",
+    "optimizer.sparse.kind=\"adam\"",
+];
+
 pub fn ftrec(args: &[&str]) -> Output {
     Command::new(BIN).args(args).output().expect("run ftrec")
 }
