@@ -82,6 +82,8 @@ pub struct LaunchOptions {
 pub struct Progress {
     /// The embedded coordinator's address (for `ftrec cluster kill`).
     pub coordinator: String,
+    /// Its Prometheus endpoint, `host:port`.
+    pub coordinator_metrics: Option<String>,
     pub steps: u64,
     pub samples: u64,
     pub epoch: u64,
@@ -268,6 +270,7 @@ async fn run_async(
             }
             on_progress(&Progress {
                 coordinator: address.clone(),
+                coordinator_metrics: handle.metrics_address.clone(),
                 steps: summary.steps,
                 samples: summary.samples,
                 epoch: summary.epoch,

@@ -118,6 +118,20 @@ impl Core {
     }
 }
 
+/// Refuses a shard checkpoint written by another server (a swapped or copied directory):
+/// restoring it would silently put another shard's rows in this server's slots.
+fn check_owner(identity: &serde_json::Value, server: usize, what: &str) -> Result<(), PsError> {
+    match identity.get("server").and_then(|v| v.as_u64()) {
+        Some(owner) if owner == server as u64 => Ok(()),
+        Some(owner) => Err(PsError::Refused(format!(
+            "{what} is server {owner}'s shard; server {server} refuses to restore it"
+        ))),
+        None => Err(PsError::Refused(format!(
+            "{what} carries no server identity; it is not a cluster shard checkpoint"
+        ))),
+    }
+}
+
 struct Service(Arc<Core>);
 
 #[tonic::async_trait]
@@ -262,14 +276,11 @@ impl ParameterServer for Service {
                     };
                     let id = Core::checkpoint_id(step);
                     let (state, manifest) = checkpoints.restore(&id)?;
-                    let owner = manifest.trainer.get("server").and_then(|v| v.as_u64());
-                    if owner != Some(core.id as u64) {
-                        return Err(PsError::Refused(format!(
-                            "checkpoint {id} in {} belongs to server {owner:?}, not server {}",
-                            checkpoints.store().describe(""),
-                            core.id
-                        )));
-                    }
+                    check_owner(
+                        &manifest.trainer,
+                        core.id,
+                        &checkpoints.store().describe(&id),
+                    )?;
                     (state, id)
                 }
                 None => {
@@ -523,5 +534,23 @@ async fn heartbeat_loop(
             }
             Err(_) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_owner;
+
+    #[test]
+    fn a_shard_checkpoint_of_another_server_is_refused() {
+        let identity = serde_json::json!({"server": 1, "servers": 2, "step": 40});
+        assert!(check_owner(&identity, 1, "ck").is_ok());
+        let e = check_owner(&identity, 0, "ck").unwrap_err().to_string();
+        assert!(
+            e.contains("server 1's shard") && e.contains("server 0 refuses"),
+            "{e}"
+        );
+        let e = check_owner(&serde_json::json!({"step": 3}), 0, "ck").unwrap_err();
+        assert!(e.to_string().contains("no server identity"));
     }
 }

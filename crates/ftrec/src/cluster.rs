@@ -100,7 +100,13 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         },
         |p| {
             if !announced.replace(true) {
-                pb.suspend(|| eprintln!("coordinator at {}", p.coordinator));
+                pb.suspend(|| {
+                    eprintln!(
+                        "coordinator at {} (metrics http://{}/metrics)",
+                        p.coordinator,
+                        p.coordinator_metrics.as_deref().unwrap_or("-")
+                    )
+                });
             }
             pb.set_position(p.steps);
             pb.set_message(format!("{} samples, epoch {}", p.samples, p.epoch));

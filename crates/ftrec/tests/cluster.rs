@@ -388,10 +388,18 @@ fn cluster_kill_sigkills_a_member_of_a_running_cluster() {
             std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() > 0,
             "no address"
         );
-        if let Some(a) = line.trim().strip_prefix("coordinator at ") {
-            break a.to_string();
+        if let Some(rest) = line.trim().strip_prefix("coordinator at ") {
+            let address = rest.split_whitespace().next().unwrap().to_string();
+            let metrics = rest
+                .split("http://")
+                .nth(1)
+                .and_then(|m| m.split('/').next())
+                .expect("a metrics address")
+                .to_string();
+            break (address, metrics);
         }
     };
+    let (address, metrics_address) = address;
     std::thread::sleep(Duration::from_millis(1500));
     let kill = ftrec(&["cluster", "kill", "--coordinator", &address, "server:0"]);
     assert!(
@@ -403,6 +411,20 @@ fn cluster_kill_sigkills_a_member_of_a_running_cluster() {
     let bad = ftrec(&["cluster", "kill", "--coordinator", &address, "disk:0"]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown role"));
+    // The coordinator's Prometheus endpoint counts the steps trained so far.
+    let metrics = http_get(&metrics_address, "/metrics");
+    assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+    assert!(
+        metrics.contains("# TYPE ftrec_steps_total counter"),
+        "{metrics}"
+    );
+    let steps: u64 = metrics
+        .lines()
+        .find(|l| l.starts_with("ftrec_steps_total{"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .expect("a steps sample");
+    assert!(steps > 0, "{metrics}");
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -413,4 +435,20 @@ fn cluster_kill_sigkills_a_member_of_a_running_cluster() {
         "{report}"
     );
     assert_eq!(report["recoveries"][0]["server"], 0);
+}
+
+fn http_get(address: &str, path: &str) -> String {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
 }
