@@ -107,12 +107,22 @@ fn a_consistent_but_wrong_manifest_cannot_double_cover_rows() {
     let mut m = ck
         .write_full(&state(6), 3, serde_json::Value::Null)
         .unwrap();
-    // Same row count per table, but one chunk listed twice and its neighbour dropped.
+    let good = m.chunks.clone();
     let first = m.chunks.iter().position(|c| c.table == Some(0)).unwrap();
+    let rewrite = |m: &ftrec_ckpt::Manifest| {
+        ck.store()
+            .put(&ftrec_ckpt::Manifest::key_for(&m.id), &m.encode().unwrap())
+            .unwrap();
+    };
+    // One chunk listed twice and its neighbour dropped: the row counts no longer add up.
     m.chunks[first + 1] = m.chunks[first].clone();
-    ck.store()
-        .put(&ftrec_ckpt::Manifest::key_for(&m.id), &m.encode().unwrap())
-        .unwrap();
+    rewrite(&m);
+    let e = ck.restore(&m.id).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("table 0 has") && e.contains("rows"), "{e}");
+    // Every chunk listed once, counts intact, but two swapped: rows land out of order.
+    m.chunks = good;
+    m.chunks.swap(first, first + 1);
+    rewrite(&m);
     let e = ck.restore(&m.id).map(|_| ()).unwrap_err().to_string();
     assert!(e.contains("out of order"), "{e}");
 }
