@@ -410,9 +410,14 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let c = &job.config;
     let model = c.model_config()?;
     let (seed, host_layout) = (c.seed, layout);
+    // Building a large shard takes longer than the failure timeout: heartbeat (not yet
+    // ready) meanwhile, or the coordinator would declare the newcomer dead.
+    let starting = tokio::spawn(starting_heartbeats(coordinator.clone(), id, heartbeat));
     let shard = tokio::task::spawn_blocking(move || Shard::initial(&model, seed, host_layout, id))
         .await
-        .map_err(|e| PsError::Refused(e.to_string()))??;
+        .map_err(|e| PsError::Refused(e.to_string()));
+    starting.abort();
+    let shard = shard??;
     let checkpoints = match &c.checkpoint.dir {
         Some(dir) => {
             let location = format!(
@@ -496,6 +501,26 @@ async fn wait_for_assignment(
             }
             Err(_) => {}
         }
+    }
+}
+
+/// Heartbeats of a server still building its shard (`ready = false`).
+async fn starting_heartbeats(
+    mut coordinator: crate::client::CoordinatorClient,
+    id: usize,
+    period: Duration,
+) {
+    loop {
+        let _ = coordinator
+            .heartbeat(HeartbeatRequest {
+                role: Role::Server as i32,
+                id: id as u32,
+                epoch: 0,
+                spare: false,
+                ready: false,
+            })
+            .await;
+        tokio::time::sleep(period).await;
     }
 }
 
