@@ -634,41 +634,71 @@ impl Checkpoints {
         jobs.into_par_iter().try_for_each_init(
             Vec::new,
             |bytes, (t, stride, entry, rows, first)| -> Result<(), CkptError> {
-                self.fetch_unchecked(entry, bytes)?;
                 let where_ = self.store.describe(&entry.key);
-                let stride_bytes = 4 * stride;
                 let out: &mut [u8] = bytemuck::cast_slice_mut(rows);
-                let mut next = first;
-                let (header, crc) = chunk::decode_with_crc(&where_, bytes, |row, payload| {
-                    if row as u64 != next || next >= first + entry.rows {
-                        return Err(CkptError::corrupt(
-                            &where_,
-                            format!("row {row} out of order: row {next} was due"),
-                        ));
+                let (header, crc) = match self.store.open_reader(&entry.key)? {
+                    // Local files: the payload is read straight into the table.
+                    Some((mut reader, len)) => {
+                        if len != entry.bytes {
+                            return Err(CkptError::corrupt(
+                                &where_,
+                                format!("length is {len} bytes, manifest says {}", entry.bytes),
+                            ));
+                        }
+                        let decoded =
+                            chunk::read_consecutive_into(&where_, &mut reader, first, stride, out)?;
+                        if decoded.0.file_len() != len {
+                            return Err(CkptError::corrupt(
+                                &where_,
+                                format!(
+                                    "length is {len} bytes but the header describes {}",
+                                    decoded.0.file_len()
+                                ),
+                            ));
+                        }
+                        decoded
                     }
-                    if payload.len() != stride_bytes {
-                        return Err(CkptError::corrupt(
-                            &where_,
-                            format!("row {row} does not fit table {t}"),
-                        ));
+                    None => {
+                        self.fetch_unchecked(entry, bytes)?;
+                        let stride_bytes = 4 * stride;
+                        let mut next = first;
+                        let decoded = chunk::decode_with_crc(&where_, bytes, |row, payload| {
+                            if row as u64 != next || next >= first + entry.rows {
+                                return Err(CkptError::corrupt(
+                                    &where_,
+                                    format!("row {row} out of order: row {next} was due"),
+                                ));
+                            }
+                            if payload.len() != stride_bytes {
+                                return Err(CkptError::corrupt(
+                                    &where_,
+                                    format!("row {row} does not fit table {t}"),
+                                ));
+                            }
+                            let at = (next - first) as usize * stride_bytes;
+                            // Little-endian f32 in the file and in memory (lib.rs
+                            // refuses big-endian targets): a row is one copy.
+                            out[at..at + stride_bytes].copy_from_slice(payload);
+                            next += 1;
+                            Ok(())
+                        })?;
+                        if next != first + entry.rows {
+                            return Err(CkptError::corrupt(
+                                &where_,
+                                format!(
+                                    "holds {} rows, manifest says {}",
+                                    next - first,
+                                    entry.rows
+                                ),
+                            ));
+                        }
+                        decoded
                     }
-                    let at = (next - first) as usize * stride_bytes;
-                    // Little-endian f32 in the file and in memory (lib.rs refuses
-                    // big-endian targets): a row is one copy.
-                    out[at..at + stride_bytes].copy_from_slice(payload);
-                    next += 1;
-                    Ok(())
-                })?;
+                };
                 if header.table as usize != t {
                     return Err(CkptError::corrupt(
                         &where_,
                         format!("holds table {}, manifest says {t}", header.table),
-                    ));
-                }
-                if next != first + entry.rows {
-                    return Err(CkptError::corrupt(
-                        &where_,
-                        format!("holds {} rows, manifest says {}", next - first, entry.rows),
                     ));
                 }
                 if crc != entry.crc32c {

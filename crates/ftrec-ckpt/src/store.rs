@@ -31,6 +31,12 @@ pub trait Store: Send + Sync {
         *buf = self.get(key)?;
         Ok(())
     }
+    /// A sequential reader over an object and its length, where the backend has a cheap
+    /// one (local files), so a large object can be decoded into its destination without an
+    /// intermediate copy. `None`: use [`Store::get_into`].
+    fn open_reader(&self, _key: &str) -> Result<Option<(Box<dyn Read + Send>, u64)>, CkptError> {
+        Ok(None)
+    }
     /// `len` bytes from `offset`.
     fn get_range(&self, key: &str, offset: u64, len: usize) -> Result<Vec<u8>, CkptError>;
     /// Keys under `prefix` (a directory-like prefix ending in `/`, or empty), sorted.
@@ -119,6 +125,18 @@ impl Store for LocalStore {
             }
             _ => io(&path, e),
         })
+    }
+
+    fn open_reader(&self, key: &str) -> Result<Option<(Box<dyn Read + Send>, u64)>, CkptError> {
+        let path = self.path(key)?;
+        let file = File::open(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => {
+                CkptError::NotFound(format!("{} does not exist", path.display()))
+            }
+            _ => io(&path, e),
+        })?;
+        let len = file.metadata().map_err(|e| io(&path, e))?.len();
+        Ok(Some((Box::new(file), len)))
     }
 
     /// A fresh 4 MiB buffer per chunk costs a page fault per 4 KiB page: in `perf` on a
