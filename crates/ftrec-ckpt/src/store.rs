@@ -34,7 +34,7 @@ pub trait Store: Send + Sync {
     /// A sequential reader over an object and its length, where the backend has a cheap
     /// one (local files), so a large object can be decoded into its destination without an
     /// intermediate copy. `None`: use [`Store::get_into`].
-    fn open_reader(&self, _key: &str) -> Result<Option<(Box<dyn Read + Send>, u64)>, CkptError> {
+    fn open_reader(&self, _key: &str) -> Result<Option<ObjectReader>, CkptError> {
         Ok(None)
     }
     /// `len` bytes from `offset`.
@@ -45,6 +45,9 @@ pub trait Store: Send + Sync {
     /// A human-readable location, for messages.
     fn describe(&self, key: &str) -> String;
 }
+
+/// A sequential reader over a stored object, and the object's length.
+pub type ObjectReader = (Box<dyn Read + Send>, u64);
 
 /// A directory on a local (or mounted) file system.
 #[derive(Clone, Debug)]
@@ -127,7 +130,7 @@ impl Store for LocalStore {
         })
     }
 
-    fn open_reader(&self, key: &str) -> Result<Option<(Box<dyn Read + Send>, u64)>, CkptError> {
+    fn open_reader(&self, key: &str) -> Result<Option<ObjectReader>, CkptError> {
         let path = self.path(key)?;
         let file = File::open(&path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => {
