@@ -646,15 +646,29 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
 
 /// Work the control loop decided on under the lock and runs after releasing it.
 enum Task {
-    Checkpoint {
-        epoch: u64,
-        step: u64,
-    },
-    Recover {
-        epoch: u64,
-        restore: Option<Option<u64>>,
-        applied: u64,
-    },
+    Checkpoint { epoch: u64, step: u64 },
+    Recover { epoch: u64, action: RecoveryAction },
+}
+
+/// How the servers come back after a failure.
+#[derive(Clone, Copy)]
+enum RecoveryAction {
+    /// `ft = checkpoint`: every server restores the cut of this step (`None`: no cut yet,
+    /// back to the initial state), and training continues from it.
+    Rollback { cut: Option<u64> },
+    /// `ft = none`: every server keeps its state and adopts the new epoch; training goes
+    /// on from `next_step`.
+    KeepState { next_step: u64 },
+}
+
+impl RecoveryAction {
+    /// The step training continues from.
+    fn resume_step(self) -> u64 {
+        match self {
+            Self::Rollback { cut } => cut.unwrap_or(0),
+            Self::KeepState { next_step } => next_step,
+        }
+    }
 }
 
 async fn control_loop(shared: Arc<Shared>) {
@@ -817,18 +831,17 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
             s.busy = true;
             s.timeline
                 .event("recovery-start", format!("epoch {}", s.epoch));
-            let restore = match shared.job.config.cluster.ft {
-                FaultTolerance::Checkpoint => Some(s.last_checkpoint),
-                FaultTolerance::None => None,
-            };
-            let applied = match restore {
-                Some(cut) => cut.unwrap_or(0),
-                None => s.next_step,
+            let action = match shared.job.config.cluster.ft {
+                FaultTolerance::Checkpoint => RecoveryAction::Rollback {
+                    cut: s.last_checkpoint,
+                },
+                FaultTolerance::None => RecoveryAction::KeepState {
+                    next_step: s.next_step,
+                },
             };
             Some(Task::Recover {
                 epoch: s.epoch,
-                restore,
-                applied,
+                action,
             })
         }
         _ => None,
@@ -899,15 +912,15 @@ async fn run_task(shared: &Shared, task: Task) {
                 }
             }
         }
-        Task::Recover {
-            epoch,
-            restore,
-            applied,
-        } => {
+        Task::Recover { epoch, action } => {
+            let applied = action.resume_step();
             let calls = clients.into_iter().map(|mut c| async move {
-                match restore {
-                    Some(step) => c.restore(RestoreRequest { epoch, step }).await.map(|_| ()),
-                    None => c
+                match action {
+                    RecoveryAction::Rollback { cut } => c
+                        .restore(RestoreRequest { epoch, step: cut })
+                        .await
+                        .map(|_| ()),
+                    RecoveryAction::KeepState { .. } => c
                         .set_epoch(SetEpochRequest { epoch, applied })
                         .await
                         .map(|_| ()),
