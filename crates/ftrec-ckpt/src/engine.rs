@@ -582,20 +582,7 @@ impl Checkpoints {
                         next_row = r + 1;
                         store_row(table, t, &where_, row, payload)
                     })?;
-                    if header.table as usize != t {
-                        return Err(CkptError::corrupt(
-                            &where_,
-                            format!("holds table {}, manifest says {t}", header.table),
-                        ));
-                    }
-                    // Every block checked out; the whole file must also be the one the
-                    // manifest names (not, say, a valid chunk of another checkpoint).
-                    if crc != entry.crc32c {
-                        return Err(CkptError::corrupt(
-                            &where_,
-                            "checksum differs from the manifest's",
-                        ));
-                    }
+                    check_named_chunk(&where_, entry, t, &header, crc)?;
                 }
                 Ok(())
             })
@@ -695,19 +682,7 @@ impl Checkpoints {
                         decoded
                     }
                 };
-                if header.table as usize != t {
-                    return Err(CkptError::corrupt(
-                        &where_,
-                        format!("holds table {}, manifest says {t}", header.table),
-                    ));
-                }
-                if crc != entry.crc32c {
-                    return Err(CkptError::corrupt(
-                        &where_,
-                        "checksum differs from the manifest's",
-                    ));
-                }
-                Ok(())
+                check_named_chunk(&where_, entry, t, &header, crc)
             },
         )
     }
@@ -819,6 +794,31 @@ impl Checkpoints {
 }
 
 /// Writes one row's little-endian payload into table `t`.
+/// A decoded chunk, every block of which checked out, must also be the file the manifest
+/// names: the right table, and the manifest's CRC (not, say, a valid chunk of another
+/// checkpoint).
+fn check_named_chunk(
+    where_: &str,
+    entry: &FileEntry,
+    table: usize,
+    header: &chunk::ChunkHeader,
+    crc: u32,
+) -> Result<(), CkptError> {
+    if header.table as usize != table {
+        return Err(CkptError::corrupt(
+            where_,
+            format!("holds table {}, manifest says {table}", header.table),
+        ));
+    }
+    if crc != entry.crc32c {
+        return Err(CkptError::corrupt(
+            where_,
+            "checksum differs from the manifest's",
+        ));
+    }
+    Ok(())
+}
+
 fn store_row(
     table: &mut EmbeddingTable,
     t: usize,
