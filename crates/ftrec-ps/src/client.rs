@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::PsError;
-use crate::proto::coordinator_client;
 use crate::proto::parameter_server_client;
+use crate::proto::{HeartbeatRequest, coordinator_client};
 
 pub type CoordinatorClient = coordinator_client::CoordinatorClient<Channel>;
 pub type ServerClient = parameter_server_client::ParameterServerClient<Channel>;
@@ -49,5 +49,19 @@ pub async fn connect_coordinator(
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
+    }
+}
+
+/// Sends `request` every `period`, ignoring failures, until the task is aborted: keeps a
+/// member alive at the coordinator while its main loop is busy (a worker computing, a
+/// server building its shard). Losing the coordinator is the main loop's to notice.
+pub async fn keep_alive(
+    mut coordinator: CoordinatorClient,
+    request: HeartbeatRequest,
+    period: Duration,
+) {
+    loop {
+        let _ = coordinator.heartbeat(request).await;
+        tokio::time::sleep(period).await;
     }
 }

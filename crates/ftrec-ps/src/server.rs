@@ -412,7 +412,17 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let (seed, host_layout) = (c.seed, layout);
     // Building a large shard takes longer than the failure timeout: heartbeat (not yet
     // ready) meanwhile, or the coordinator would declare the newcomer dead.
-    let starting = tokio::spawn(starting_heartbeats(coordinator.clone(), id, heartbeat));
+    let starting = tokio::spawn(crate::client::keep_alive(
+        coordinator.clone(),
+        HeartbeatRequest {
+            role: Role::Server as i32,
+            id: id as u32,
+            epoch: 0,
+            spare: false,
+            ready: false,
+        },
+        heartbeat,
+    ));
     let shard = tokio::task::spawn_blocking(move || Shard::initial(&model, seed, host_layout, id))
         .await
         .map_err(|e| PsError::Refused(e.to_string()));
@@ -501,26 +511,6 @@ async fn wait_for_assignment(
             }
             Err(_) => {}
         }
-    }
-}
-
-/// Heartbeats of a server still building its shard (`ready = false`).
-async fn starting_heartbeats(
-    mut coordinator: crate::client::CoordinatorClient,
-    id: usize,
-    period: Duration,
-) {
-    loop {
-        let _ = coordinator
-            .heartbeat(HeartbeatRequest {
-                role: Role::Server as i32,
-                id: id as u32,
-                epoch: 0,
-                spare: false,
-                ready: false,
-            })
-            .await;
-        tokio::time::sleep(period).await;
     }
 }
 

@@ -3,7 +3,6 @@
 //! server, computes gradients and pushes each server its part.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use ftrec_data::Dataset;
@@ -12,7 +11,9 @@ use futures::future::join_all;
 use rayon::ThreadPool;
 
 use crate::PsError;
-use crate::client::{CoordinatorClient, ServerClient, connect_coordinator, server_client};
+use crate::client::{
+    CoordinatorClient, ServerClient, connect_coordinator, keep_alive, server_client,
+};
 use crate::job::{Job, Schedule};
 use crate::metrics::{self, Metrics};
 use crate::placement::Layout;
@@ -120,12 +121,16 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
         .map_err(|s| PsError::rpc(format!("worker {} joining", opts.id), &s))?
         .into_inner();
     tracing::info!("worker {} joined in epoch {}", opts.id, joined.epoch);
-    let stop = Arc::new(AtomicBool::new(false));
-    rt.spawn(heartbeats(
+    let heartbeats = rt.spawn(keep_alive(
         coordinator.clone(),
-        opts.id,
+        HeartbeatRequest {
+            role: Role::Worker as i32,
+            id: opts.id as u32,
+            epoch: 0,
+            spare: false,
+            ready: true,
+        },
         Duration::from_millis(job.config.cluster.heartbeat_ms),
-        stop.clone(),
     ));
     let mut worker = Worker {
         layout: job.layout()?,
@@ -151,28 +156,8 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
         metrics,
     };
     let result = worker.run();
-    stop.store(true, Ordering::Relaxed);
+    heartbeats.abort();
     result
-}
-
-async fn heartbeats(
-    mut coordinator: CoordinatorClient,
-    id: usize,
-    period: Duration,
-    stop: Arc<AtomicBool>,
-) {
-    while !stop.load(Ordering::Relaxed) {
-        let _ = coordinator
-            .heartbeat(HeartbeatRequest {
-                role: Role::Worker as i32,
-                id: id as u32,
-                epoch: 0,
-                spare: false,
-                ready: true,
-            })
-            .await;
-        tokio::time::sleep(period).await;
-    }
 }
 
 impl Worker {
