@@ -623,6 +623,9 @@ impl Checkpoints {
             |bytes, (t, stride, entry, rows, first)| -> Result<(), CkptError> {
                 let where_ = self.store.describe(&entry.key);
                 let out: &mut [u8] = bytemuck::cast_slice_mut(rows);
+                let mut decode = |reader: &mut dyn std::io::Read| {
+                    chunk::read_consecutive_into(&where_, reader, first, stride, out)
+                };
                 let (header, crc) = match self.store.open_reader(&entry.key)? {
                     // Local files: the payload is read straight into the table.
                     Some((mut reader, len)) => {
@@ -632,56 +635,24 @@ impl Checkpoints {
                                 format!("length is {len} bytes, manifest says {}", entry.bytes),
                             ));
                         }
-                        let decoded =
-                            chunk::read_consecutive_into(&where_, &mut reader, first, stride, out)?;
-                        if decoded.0.file_len() != len {
-                            return Err(CkptError::corrupt(
-                                &where_,
-                                format!(
-                                    "length is {len} bytes but the header describes {}",
-                                    decoded.0.file_len()
-                                ),
-                            ));
-                        }
-                        decoded
+                        decode(&mut reader)?
                     }
+                    // Object stores: one GET into the reused buffer, decoded from there.
                     None => {
                         self.fetch_unchecked(entry, bytes)?;
-                        let stride_bytes = 4 * stride;
-                        let mut next = first;
-                        let decoded = chunk::decode_with_crc(&where_, bytes, |row, payload| {
-                            if row as u64 != next || next >= first + entry.rows {
-                                return Err(CkptError::corrupt(
-                                    &where_,
-                                    format!("row {row} out of order: row {next} was due"),
-                                ));
-                            }
-                            if payload.len() != stride_bytes {
-                                return Err(CkptError::corrupt(
-                                    &where_,
-                                    format!("row {row} does not fit table {t}"),
-                                ));
-                            }
-                            let at = (next - first) as usize * stride_bytes;
-                            // Little-endian f32 in the file and in memory (lib.rs
-                            // refuses big-endian targets): a row is one copy.
-                            out[at..at + stride_bytes].copy_from_slice(payload);
-                            next += 1;
-                            Ok(())
-                        })?;
-                        if next != first + entry.rows {
-                            return Err(CkptError::corrupt(
-                                &where_,
-                                format!(
-                                    "holds {} rows, manifest says {}",
-                                    next - first,
-                                    entry.rows
-                                ),
-                            ));
-                        }
-                        decoded
+                        decode(&mut bytes.as_slice())?
                     }
                 };
+                if header.file_len() != entry.bytes {
+                    return Err(CkptError::corrupt(
+                        &where_,
+                        format!(
+                            "length is {} bytes but the header describes {}",
+                            entry.bytes,
+                            header.file_len()
+                        ),
+                    ));
+                }
                 check_named_chunk(&where_, entry, t, &header, crc)
             },
         )
