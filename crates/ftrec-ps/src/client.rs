@@ -65,3 +65,16 @@ pub async fn keep_alive(
         tokio::time::sleep(period).await;
     }
 }
+
+/// Binds a listener on `host:port` (port 0: any) and returns it with the address it got.
+pub async fn bind(host: &str, port: u16) -> Result<(tokio::net::TcpListener, String), PsError> {
+    let io = |error| PsError::Io {
+        path: format!("{host}:{port}"),
+        error,
+    };
+    let listener = tokio::net::TcpListener::bind((host, port))
+        .await
+        .map_err(io)?;
+    let address = listener.local_addr().map_err(io)?.to_string();
+    Ok((listener, address))
+}

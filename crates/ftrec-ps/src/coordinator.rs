@@ -554,19 +554,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
     } else {
         c.train.epochs * schedule.batches_per_epoch()
     };
-    let listener = tokio::net::TcpListener::bind((opts.host.as_str(), opts.port))
-        .await
-        .map_err(|error| PsError::Io {
-            path: format!("{}:{}", opts.host, opts.port),
-            error,
-        })?;
-    let address = listener
-        .local_addr()
-        .map_err(|error| PsError::Io {
-            path: "coordinator listener".into(),
-            error,
-        })?
-        .to_string();
+    let (listener, address) = crate::client::bind(&opts.host, opts.port).await?;
     let metrics = Arc::new(
         Metrics::new("role=\"coordinator\"".into())
             .counter("ftrec_samples_total", "Samples trained")

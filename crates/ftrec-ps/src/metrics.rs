@@ -85,11 +85,10 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
 
 /// Binds the metrics endpoint on `host:0` and starts serving it; returns its address.
 pub async fn start(host: &str, metrics: Arc<Metrics>) -> Option<String> {
-    match tokio::net::TcpListener::bind((host, 0)).await {
-        Ok(listener) => {
-            let addr = listener.local_addr().ok()?.to_string();
+    match crate::client::bind(host, 0).await {
+        Ok((listener, address)) => {
             tokio::spawn(serve(listener, metrics));
-            Some(addr)
+            Some(address)
         }
         Err(e) => {
             tracing::warn!("no metrics endpoint: {e}");

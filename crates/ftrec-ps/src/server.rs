@@ -366,19 +366,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let job = opts.job;
     let layout = job.layout()?;
     let cluster = job.config.cluster.clone();
-    let listener = tokio::net::TcpListener::bind((opts.host.as_str(), 0))
-        .await
-        .map_err(|error| PsError::Io {
-            path: format!("{}:0", opts.host),
-            error,
-        })?;
-    let address = listener
-        .local_addr()
-        .map_err(|error| PsError::Io {
-            path: "listener".into(),
-            error,
-        })?
-        .to_string();
+    let (listener, address) = crate::client::bind(&opts.host, 0).await?;
     let label = opts.id.map_or("spare".to_string(), |i| i.to_string());
     let metrics = Arc::new(server_metrics(&label));
     let metrics_address = metrics::start(&opts.host, metrics.clone())
