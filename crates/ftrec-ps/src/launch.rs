@@ -262,9 +262,13 @@ async fn run_async(
         let mut training_start: Option<Instant> = None;
         loop {
             let summary = shared.summary();
-            let timeline = shared.timeline();
+            // The event log is copied only until training has started.
             if training_start.is_none()
-                && timeline.events.iter().any(|e| e.kind == "training-start")
+                && shared
+                    .timeline()
+                    .events
+                    .iter()
+                    .any(|e| e.kind == "training-start")
             {
                 training_start = Some(Instant::now());
             }
