@@ -3,7 +3,7 @@
 //! so a crash leaves either the old object or the new one, never a torn one.
 
 use std::fs::{self, File};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use crate::CkptError;
@@ -53,6 +53,9 @@ pub type ObjectReader = (Box<dyn Read + Send>, u64);
 #[derive(Clone, Debug)]
 pub struct LocalStore {
     root: PathBuf,
+    /// Aligned staging buffers for unbuffered part writes, one per concurrent writer,
+    /// reused so no part write faults in fresh pages.
+    scratch: std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
 }
 
 /// `ftrec_fsio::write_atomic`'s temporary names; listings skip them.
@@ -63,7 +66,19 @@ impl LocalStore {
         fs::create_dir_all(root).map_err(|e| io(root, e))?;
         Ok(Self {
             root: root.to_path_buf(),
+            scratch: Default::default(),
         })
+    }
+
+    fn take_scratch(&self) -> Vec<u8> {
+        // A poisoned pool only means a writer panicked; its buffers are still buffers.
+        let mut pool = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        pool.pop().unwrap_or_default()
+    }
+
+    fn return_scratch(&self, buffer: Vec<u8>) {
+        let mut pool = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        pool.push(buffer);
     }
 
     fn path(&self, key: &str) -> Result<PathBuf, CkptError> {
@@ -101,14 +116,18 @@ impl Store for LocalStore {
     }
 
     /// No temporary name, rename or directory sync per part: on this VM they cost a full
-    /// checkpoint about half its write bandwidth (the numbers are in BENCHMARKS.md).
+    /// checkpoint about half its write bandwidth (the numbers are in BENCHMARKS.md). Parts
+    /// bypass the page cache (`ftrec_fsio::write_unbuffered`): a checkpoint is read back
+    /// only after a failure, and filling fresh page-cache pages was a full checkpoint's
+    /// largest CPU cost.
     fn put_part(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
         let path = self.path(key)?;
         let dir = path.parent().unwrap_or(&self.root).to_path_buf();
         fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
-        File::create(&path)
-            .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_data()))
-            .map_err(|e| io(&path, e))
+        let mut scratch = self.take_scratch();
+        let written = ftrec_fsio::write_unbuffered(&path, bytes, &mut scratch);
+        self.return_scratch(scratch);
+        Ok(written?)
     }
 
     fn sync_parts(&self, prefix: &str) -> Result<(), CkptError> {

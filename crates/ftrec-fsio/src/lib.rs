@@ -9,6 +9,9 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
+mod direct;
+pub use direct::{DIRECT_ALIGN, write_unbuffered};
+
 /// An I/O error and the file it happened on.
 #[derive(Debug, Error)]
 #[error("{path}: {error}")]

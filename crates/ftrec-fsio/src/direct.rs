@@ -1,0 +1,116 @@
+//! Durable writes of large files that bypass the page cache (`O_DIRECT`).
+//!
+//! Why: a checkpoint is written once and read back only after a failure, so caching it
+//! buys nothing, and on this VM copying into freshly allocated page-cache pages was the
+//! largest CPU cost of a full checkpoint (37% of its `perf` samples). `dd` measured here,
+//! four alternations: buffered with `fdatasync` 0.25-1.1 GB/s, `oflag=direct` a steady
+//! 1.1-1.2 GB/s. File systems without `O_DIRECT` (tmpfs) get the buffered path.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+
+use crate::IoAt;
+
+/// Alignment of buffer addresses, lengths and offsets for unbuffered I/O: the page size,
+/// which covers every logical block size in use (512 B or 4 KiB).
+pub const DIRECT_ALIGN: usize = 4096;
+
+/// Creates (or truncates) `path` and writes `bytes` to it durably (`fdatasync`), without
+/// going through the page cache where the file system allows it. `scratch` is a reusable
+/// buffer: unbuffered writes need an aligned source, so `bytes` is copied into it (a
+/// memcpy into warm memory, far cheaper than the page-cache copy it replaces). Not
+/// atomic: callers publish the file through a record that names its length and checksum.
+pub fn write_unbuffered(path: &Path, bytes: &[u8], scratch: &mut Vec<u8>) -> Result<(), IoAt> {
+    #[cfg(target_os = "linux")]
+    if let Some(file) = open_direct(path)? {
+        match write_aligned(&file, bytes, scratch) {
+            Ok(true) => return file.sync_data().map_err(|e| IoAt::new(path, e)),
+            Ok(false) => {}
+            // Some file systems accept O_DIRECT at open and refuse the write instead; the
+            // buffered path below rewrites the file from the start.
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {}
+            Err(e) => return Err(IoAt::new(path, e)),
+        }
+    }
+    File::create(path)
+        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_data()))
+        .map_err(|e| IoAt::new(path, e))
+}
+
+/// The file opened for unbuffered writing, or `None` where the file system refuses
+/// `O_DIRECT` (`EINVAL`).
+#[cfg(target_os = "linux")]
+fn open_direct(path: &Path) -> Result<Option<File>, IoAt> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let direct = rustix::fs::OFlags::DIRECT.bits() as i32;
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(direct)
+        .open(path)
+    {
+        Ok(f) => Ok(Some(f)),
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => Ok(None),
+        Err(e) => Err(IoAt::new(path, e)),
+    }
+}
+
+/// Writes `bytes` padded with zeros to a multiple of [`DIRECT_ALIGN`] from an aligned
+/// region of `scratch`, then cuts the file back to `bytes.len()`. `Ok(false)`: no aligned
+/// region could be had, nothing was written.
+#[cfg(target_os = "linux")]
+fn write_aligned(mut file: &File, bytes: &[u8], scratch: &mut Vec<u8>) -> std::io::Result<bool> {
+    let padded = bytes.len().next_multiple_of(DIRECT_ALIGN);
+    if scratch.len() < padded + DIRECT_ALIGN {
+        scratch.resize(padded + DIRECT_ALIGN, 0);
+    }
+    let start = scratch.as_ptr().align_offset(DIRECT_ALIGN);
+    let Some(region) = scratch.get_mut(start..start.saturating_add(padded)) else {
+        return Ok(false);
+    };
+    let (data, pad) = region.split_at_mut(bytes.len());
+    data.copy_from_slice(bytes);
+    pad.fill(0);
+    file.write_all(region)?;
+    if padded != bytes.len() {
+        file.set_len(bytes.len() as u64)?;
+    }
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_exact_contents_for_aligned_and_unaligned_lengths() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut scratch = Vec::new();
+        for len in [0usize, 1, 511, 4096, 4097, 3 * 4096 + 17, 1 << 20] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 31 + len) as u8).collect();
+            let path = dir.path().join(format!("f{len}"));
+            write_unbuffered(&path, &bytes, &mut scratch).unwrap();
+            assert_eq!(std::fs::read(&path).unwrap(), bytes, "length {len}");
+        }
+    }
+
+    #[test]
+    fn rewriting_a_longer_file_leaves_no_old_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let mut scratch = Vec::new();
+        write_unbuffered(&path, &[7u8; 10_000], &mut scratch).unwrap();
+        write_unbuffered(&path, &[1u8; 100], &mut scratch).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), vec![1u8; 100]);
+    }
+
+    #[test]
+    fn a_missing_directory_is_an_error_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("missing").join("a.chunk");
+        let e = write_unbuffered(&path, b"x", &mut Vec::new()).unwrap_err();
+        assert!(e.to_string().contains("a.chunk"), "{e}");
+    }
+}
