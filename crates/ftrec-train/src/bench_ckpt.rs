@@ -44,6 +44,8 @@ pub struct CkptBenchConfig {
     pub threads: usize,
     pub seed: u64,
     pub skip_deck: bool,
+    /// Strategies of the IncrCP experiment, run in this order.
+    pub strategies: Vec<Strategy>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -78,8 +80,15 @@ pub struct StrategySummary {
 
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct DiskBandwidth {
+    /// The disk's sequential write bandwidth: per sample the faster of `dd` through the
+    /// page cache (`conv=fdatasync`) and `dd oflag=direct`, median over samples.
     pub dd_write_bytes_per_second: f64,
+    /// Likewise for cold reads: the faster of buffered and `iflag=direct`.
     pub dd_read_bytes_per_second: f64,
+    pub dd_write_buffered_bytes_per_second: f64,
+    pub dd_write_direct_bytes_per_second: f64,
+    pub dd_read_buffered_bytes_per_second: f64,
+    pub dd_read_direct_bytes_per_second: f64,
     pub full_write_bytes_per_second: f64,
     pub full_restore_bytes_per_second: f64,
 }
@@ -319,10 +328,27 @@ fn checkpointer_for(
 /// the same size interleaved with its restores, so both meet the same disk state.
 #[derive(Default)]
 struct FullBandwidth {
-    dd_write: Vec<f64>,
+    dd_write: Vec<DdPair>,
     write: Vec<f64>,
     restore: Vec<f64>,
-    dd_read: Vec<f64>,
+    dd_read: Vec<DdPair>,
+}
+
+/// One `dd` sample through the page cache and one bypassing it, taken back to back.
+#[derive(Clone, Copy)]
+struct DdPair {
+    buffered: f64,
+    direct: f64,
+}
+
+impl DdPair {
+    fn best(&self) -> f64 {
+        self.buffered.max(self.direct)
+    }
+}
+
+fn median_of(pairs: &[DdPair], f: impl Fn(&DdPair) -> f64) -> f64 {
+    median(&pairs.iter().map(f).collect::<Vec<_>>())
 }
 
 fn median(values: &[f64]) -> f64 {
@@ -493,19 +519,36 @@ fn dd(args: &[&str]) -> Result<f64, TrainError> {
     Ok(bytes / seconds)
 }
 
-/// `dd` write bandwidth (with fdatasync) of a `bytes`-sized file.
-fn dd_write(file: &Path, bytes: u64) -> Result<f64, TrainError> {
+/// `dd` write bandwidth of a `bytes`-sized file, through the page cache with
+/// `fdatasync` and with `oflag=direct` (and `fdatasync`).
+fn dd_write(file: &Path, bytes: u64) -> Result<DdPair, TrainError> {
     let of = format!("of={}", file.display());
     let count = format!("count={}", bytes.div_ceil(4 << 20).max(1));
-    dd(&["if=/dev/zero", &of, "bs=4M", &count, "conv=fdatasync"])
+    let buffered = dd(&["if=/dev/zero", &of, "bs=4M", &count, "conv=fdatasync"])?;
+    let direct = dd(&[
+        "if=/dev/zero",
+        &of,
+        "bs=4M",
+        &count,
+        "oflag=direct",
+        "conv=fdatasync",
+    ])?;
+    Ok(DdPair { buffered, direct })
 }
 
-/// Cold `dd` read bandwidth of `file`.
-fn dd_read(file: &Path) -> Result<f64, TrainError> {
-    if let Some(dir) = file.parent() {
-        evict_from_cache(dir);
-    }
-    dd(&[&format!("if={}", file.display()), "of=/dev/null", "bs=4M"])
+/// Cold `dd` read bandwidth of `file`, through the page cache and with `iflag=direct`.
+fn dd_read(file: &Path) -> Result<DdPair, TrainError> {
+    let evict = || {
+        if let Some(dir) = file.parent() {
+            evict_from_cache(dir);
+        }
+    };
+    let input = format!("if={}", file.display());
+    evict();
+    let buffered = dd(&[&input, "of=/dev/null", "bs=4M"])?;
+    evict();
+    let direct = dd(&[&input, "of=/dev/null", "bs=4M", "iflag=direct"])?;
+    Ok(DdPair { buffered, direct })
 }
 
 fn run_deck_experiment(
@@ -591,18 +634,18 @@ pub fn bench_ckpt(
     let dd_dir = c.dir.join("dd");
     fresh_dir(&dd_dir)?;
     let dd_file = dd_dir.join("dd.bin");
-    for strategy in [
-        Strategy::Full,
-        Strategy::Differential,
-        Strategy::NaiveIncremental,
-        Strategy::Incrcp,
-    ] {
+    for &strategy in &c.strategies {
         let (rows, summary, full_bw) = run_strategy(c, &config, strategy, &dd_file, progress)?;
         if strategy == Strategy::Full {
-            report.disk.dd_write_bytes_per_second = median(&full_bw.dd_write);
+            let d = &mut report.disk;
+            d.dd_write_bytes_per_second = median_of(&full_bw.dd_write, DdPair::best);
+            d.dd_write_buffered_bytes_per_second = median_of(&full_bw.dd_write, |p| p.buffered);
+            d.dd_write_direct_bytes_per_second = median_of(&full_bw.dd_write, |p| p.direct);
+            d.dd_read_buffered_bytes_per_second = median_of(&full_bw.dd_read, |p| p.buffered);
+            d.dd_read_direct_bytes_per_second = median_of(&full_bw.dd_read, |p| p.direct);
             report.disk.full_write_bytes_per_second = median(&full_bw.write);
             report.disk.full_restore_bytes_per_second = median(&full_bw.restore);
-            report.disk.dd_read_bytes_per_second = median(&full_bw.dd_read);
+            report.disk.dd_read_bytes_per_second = median_of(&full_bw.dd_read, DdPair::best);
             fresh_dir(&dd_dir)?;
         }
         report.rows.extend(rows);

@@ -26,6 +26,7 @@ pub fn run(a: BenchCkptArgs) -> Result<()> {
         threads: a.threads,
         seed: a.seed,
         skip_deck: a.skip_deck,
+        strategies: a.strategies.clone(),
     };
     let bar = indicatif::ProgressBar::new_spinner();
     if a.json {

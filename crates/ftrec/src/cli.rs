@@ -447,6 +447,15 @@ pub struct BenchCkptArgs {
     pub seed: u64,
     #[arg(long)]
     pub skip_deck: bool,
+    /// Strategies of the IncrCP experiment, comma-separated (full must be among them for
+    /// the disk comparison).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_parser = parse_experiment_strategy,
+        default_value = "full,differential,naive-incremental,incrcp"
+    )]
+    pub strategies: Vec<ftrec_ckpt::Strategy>,
     #[arg(long)]
     pub json: bool,
 }
@@ -478,4 +487,15 @@ pub struct DemoArgs {
     pub kill_after: f64,
     #[arg(long)]
     pub json: bool,
+}
+
+fn parse_experiment_strategy(s: &str) -> Result<ftrec_ckpt::Strategy, String> {
+    use ftrec_ckpt::Strategy;
+    match serde_json::from_value(serde_json::Value::String(s.into())) {
+        Ok(Strategy::Deck) => Err("deck has its own experiment (see --skip-deck)".into()),
+        Ok(strategy) => Ok(strategy),
+        Err(_) => Err(format!(
+            "unknown strategy {s:?}: expected full, differential, naive-incremental or incrcp"
+        )),
+    }
 }
