@@ -584,6 +584,11 @@ fn run_deck_experiment(
             if step.is_multiple_of(every) {
                 blocking += rig.checkpoint(&mut ck)?.1;
                 checkpoints += 1;
+                if name == "full" {
+                    // Retention as a production run would keep it (12 full copies of the
+                    // model would fill this disk); deleting is housekeeping, not blocking.
+                    ck.checkpoints().gc(Some(2))?;
+                }
                 timeline.push((step, blocking));
                 progress(&format!("deck experiment, {name}: step {step}/{steps}"));
             }
