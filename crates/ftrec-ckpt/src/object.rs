@@ -53,6 +53,41 @@ impl ObjectStoreBackend {
         Self::with_store(url, store, prefix)
     }
 
+    /// Like [`ObjectStoreBackend::open`], with `options` applied after the environment:
+    /// `object_store`'s configuration keys for the URL's service, e.g.
+    /// `("aws_endpoint", "http://127.0.0.1:9000")` for S3, `("google_service_account",
+    /// path)` for GCS, `("azure_storage_endpoint", url)` for Azure; `allow_http` for all.
+    /// An unknown key or a bad value is an error naming it.
+    pub fn open_with_options(url: &str, options: &[(&str, &str)]) -> Result<Self, CkptError> {
+        let bad = |m: String| CkptError::Invalid(format!("{url}: {m}"));
+        let (scheme, bucket, prefix) = split_url(url)?;
+        let key_error = |key: &str, e: object_store::Error| bad(format!("option {key:?}: {e}"));
+        let store: Arc<dyn ObjectStore> = match scheme {
+            "s3" => {
+                let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
+                for (key, value) in options {
+                    b = b.with_config(key.parse().map_err(|e| key_error(key, e))?, *value);
+                }
+                Arc::new(b.build().map_err(|e| bad(e.to_string()))?)
+            }
+            "gs" => {
+                let mut b = GoogleCloudStorageBuilder::from_env().with_bucket_name(bucket);
+                for (key, value) in options {
+                    b = b.with_config(key.parse().map_err(|e| key_error(key, e))?, *value);
+                }
+                Arc::new(b.build().map_err(|e| bad(e.to_string()))?)
+            }
+            _ => {
+                let mut b = MicrosoftAzureBuilder::from_env().with_container_name(bucket);
+                for (key, value) in options {
+                    b = b.with_config(key.parse().map_err(|e| key_error(key, e))?, *value);
+                }
+                Arc::new(b.build().map_err(|e| bad(e.to_string()))?)
+            }
+        };
+        Self::with_store(url, store, prefix)
+    }
+
     /// An `s3://` store with the builder adjusted by `configure` after the environment is
     /// read (tests point it at a loopback server this way).
     pub fn open_with(
