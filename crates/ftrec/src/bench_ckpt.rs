@@ -66,6 +66,33 @@ fn mean_of(report: &CkptBenchReport, strategy: &str) -> Option<(f64, f64, u64)> 
         })
 }
 
+/// Bytes naive incremental restores read over those IncrCP's rectangles read, summed over
+/// the checkpoints both timed: the ceiling on IncrCP's restore speedup when both restores
+/// are bound by what they read.
+fn restore_bytes_ratio(report: &CkptBenchReport, over: &str, under: &str) -> f64 {
+    let bytes_of = |strategy: &str| -> std::collections::BTreeMap<usize, u64> {
+        report
+            .rows
+            .iter()
+            .filter(|r| r.strategy == strategy && r.measured)
+            .filter_map(|r| r.restore_bytes.map(|b| (r.index, b)))
+            .collect()
+    };
+    let (a, b) = (bytes_of(over), bytes_of(under));
+    let (mut sum_a, mut sum_b) = (0u64, 0u64);
+    for (index, bytes) in &a {
+        if let Some(other) = b.get(index) {
+            sum_a += bytes;
+            sum_b += other;
+        }
+    }
+    if sum_b == 0 {
+        f64::NAN
+    } else {
+        sum_a as f64 / sum_b as f64
+    }
+}
+
 fn summary(report: &CkptBenchReport) -> serde_json::Value {
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
     let incr = mean_of(report, "incrcp");
@@ -78,6 +105,8 @@ fn summary(report: &CkptBenchReport) -> serde_json::Value {
         "strategies": report.summaries,
         "incrcp_restore_speedup_vs_naive": match (incr, naive) {
             (Some(i), Some(n)) => ratio(n.0, i.0), _ => f64::NAN },
+        "incrcp_restore_bytes_ratio_vs_naive":
+            restore_bytes_ratio(report, "naive-incremental", "incrcp"),
         "incrcp_storage_vs_differential": match (incr, diff) {
             (Some(i), Some(df)) => ratio(i.2 as f64, df.2 as f64), _ => f64::NAN },
         "disk": d,

@@ -230,12 +230,29 @@ fn bench_ckpt_writes_csv_plots_and_a_verified_summary() {
         assert_eq!(s["checkpoints"], 6, "{s}");
     }
     assert!(summary["incrcp_restore_speedup_vs_naive"].as_f64().unwrap() > 0.0);
+    // IncrCP's rectangle never holds more than naive's chain: the extracted rows are
+    // de-duplicated, never copied.
     assert!(
-        summary["disk"]["dd_write_bytes_per_second"]
+        summary["incrcp_restore_bytes_ratio_vs_naive"]
             .as_f64()
             .unwrap()
-            > 0.0
+            >= 1.0
     );
+    let disk = &summary["disk"];
+    for side in ["write", "read"] {
+        let best = disk[format!("dd_{side}_bytes_per_second")]
+            .as_f64()
+            .unwrap();
+        let buffered = disk[format!("dd_{side}_buffered_bytes_per_second")]
+            .as_f64()
+            .unwrap();
+        let direct = disk[format!("dd_{side}_direct_bytes_per_second")]
+            .as_f64()
+            .unwrap();
+        assert!(buffered > 0.0 && direct > 0.0, "{disk}");
+        // Per sample the faster of the two, so its median is at least either median.
+        assert!(best >= buffered.max(direct), "{disk}");
+    }
     let deck = summary["deck"].as_array().unwrap();
     assert_eq!(deck.len(), 2);
     assert!(deck[1]["peak_resident_chunks"].as_u64().unwrap() <= 4);
@@ -252,4 +269,17 @@ fn bench_ckpt_writes_csv_plots_and_a_verified_summary() {
         assert_eq!(&bytes[1..4], b"PNG", "{png}");
     }
     assert!(!scratch.exists(), "scratch space is removed");
+}
+
+#[test]
+fn bench_ckpt_rejects_an_unknown_or_deck_strategy_by_name() {
+    for (value, expected) in [
+        ("foo", "unknown strategy \"foo\""),
+        ("deck", "own experiment"),
+    ] {
+        let out = ftrec(&["bench", "ckpt", "--strategies", value]);
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{stderr}");
+    }
 }
