@@ -57,24 +57,37 @@ fn open_direct(path: &Path) -> Result<Option<File>, IoAt> {
     }
 }
 
-/// Writes `bytes` padded with zeros to a multiple of [`DIRECT_ALIGN`] from an aligned
-/// region of `scratch`, then cuts the file back to `bytes.len()`. `Ok(false)`: no aligned
-/// region could be had, nothing was written.
+/// Bytes staged and written per request: a multiple of [`DIRECT_ALIGN`], large enough
+/// for full-bandwidth requests, and the most `scratch` ever holds, however large the file.
+pub const DIRECT_PIECE: usize = 4 << 20;
+
+/// Writes `bytes` in pieces of at most [`DIRECT_PIECE`] through an aligned region of
+/// `scratch`, the last piece padded with zeros to a multiple of [`DIRECT_ALIGN`], then cuts
+/// the file back to `bytes.len()`. `Ok(false)`: no aligned region could be had, nothing
+/// was written.
 #[cfg(target_os = "linux")]
 fn write_aligned(mut file: &File, bytes: &[u8], scratch: &mut Vec<u8>) -> std::io::Result<bool> {
-    let padded = bytes.len().next_multiple_of(DIRECT_ALIGN);
-    if scratch.len() < padded + DIRECT_ALIGN {
-        scratch.resize(padded + DIRECT_ALIGN, 0);
+    let region_len = bytes
+        .len()
+        .next_multiple_of(DIRECT_ALIGN)
+        .clamp(DIRECT_ALIGN, DIRECT_PIECE);
+    if scratch.len() < region_len + DIRECT_ALIGN {
+        scratch.resize(region_len + DIRECT_ALIGN, 0);
     }
     let start = scratch.as_ptr().align_offset(DIRECT_ALIGN);
-    let Some(region) = scratch.get_mut(start..start.saturating_add(padded)) else {
+    let Some(region) = scratch.get_mut(start..start.saturating_add(region_len)) else {
         return Ok(false);
     };
-    let (data, pad) = region.split_at_mut(bytes.len());
-    data.copy_from_slice(bytes);
-    pad.fill(0);
-    file.write_all(region)?;
-    if padded != bytes.len() {
+    // Every piece but the last is exactly DIRECT_PIECE long, so every request starts at
+    // an aligned file offset.
+    for piece in bytes.chunks(DIRECT_PIECE) {
+        let padded = piece.len().next_multiple_of(DIRECT_ALIGN);
+        let (data, pad) = region[..padded].split_at_mut(piece.len());
+        data.copy_from_slice(piece);
+        pad.fill(0);
+        file.write_all(&region[..padded])?;
+    }
+    if !bytes.len().is_multiple_of(DIRECT_ALIGN) {
         file.set_len(bytes.len() as u64)?;
     }
     Ok(true)
@@ -88,11 +101,27 @@ mod tests {
     fn writes_exact_contents_for_aligned_and_unaligned_lengths() {
         let dir = tempfile::tempdir().unwrap();
         let mut scratch = Vec::new();
-        for len in [0usize, 1, 511, 4096, 4097, 3 * 4096 + 17, 1 << 20] {
+        let piece = DIRECT_PIECE;
+        for len in [
+            0usize,
+            1,
+            511,
+            4096,
+            4097,
+            3 * 4096 + 17,
+            1 << 20,
+            piece,
+            2 * piece + 5,
+        ] {
             let bytes: Vec<u8> = (0..len).map(|i| (i * 31 + len) as u8).collect();
             let path = dir.path().join(format!("f{len}"));
             write_unbuffered(&path, &bytes, &mut scratch).unwrap();
             assert_eq!(std::fs::read(&path).unwrap(), bytes, "length {len}");
+            assert!(
+                scratch.len() <= DIRECT_PIECE + DIRECT_ALIGN,
+                "scratch grew to {} bytes",
+                scratch.len()
+            );
         }
     }
 

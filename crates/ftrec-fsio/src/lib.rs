@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 mod direct;
-pub use direct::{DIRECT_ALIGN, write_unbuffered};
+pub use direct::{DIRECT_ALIGN, DIRECT_PIECE, write_unbuffered};
 
 /// An I/O error and the file it happened on.
 #[derive(Debug, Error)]
