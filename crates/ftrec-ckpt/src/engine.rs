@@ -478,9 +478,18 @@ impl Checkpoints {
     /// block is written, the whole-chunk checksum (combined from the blocks) against the
     /// chunk list's.
     fn apply_incrcp(&self, manifest: &Manifest, state: &mut ModelState) -> Result<u64, CkptError> {
+        let started = std::time::Instant::now();
         let (list, column) = self.incrcp_list(manifest)?;
         let rectangle = list.rectangle(column);
         let bytes = rectangle.iter().map(|c| c.len).sum();
+        tracing::debug!(
+            checkpoint = %manifest.id,
+            list_chunks = list.chunks.len(),
+            rectangle_chunks = rectangle.len(),
+            rectangle_bytes = bytes,
+            list_ms = started.elapsed().as_secs_f64() * 1e3,
+            "IncrCP restore planned"
+        );
         let mut by_table: Vec<Vec<&ListChunk>> = vec![Vec::new(); state.tables().len()];
         for c in rectangle {
             by_table
