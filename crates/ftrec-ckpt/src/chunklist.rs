@@ -65,16 +65,21 @@ impl ListChunk {
     /// Checks bytes read for this chunk against the list's length and checksum.
     pub fn check(&self, store: &dyn Store, bytes: &[u8]) -> Result<(), CkptError> {
         if bytes.len() as u64 != self.len || crc32c::crc32c(bytes) != self.crc32c {
-            return Err(CkptError::corrupt(
-                &store.describe(&self.key),
-                format!(
-                    "chunk at bytes {}..{} differs from the chunk list's checksum or length",
-                    self.offset,
-                    self.offset + self.len
-                ),
-            ));
+            return Err(self.mismatch(store));
         }
         Ok(())
+    }
+
+    /// The error for bytes that are not this chunk (another length or checksum).
+    pub fn mismatch(&self, store: &dyn Store) -> CkptError {
+        CkptError::corrupt(
+            &store.describe(&self.key),
+            format!(
+                "chunk at bytes {}..{} differs from the chunk list's checksum or length",
+                self.offset,
+                self.offset + self.len
+            ),
+        )
     }
 
     /// Row of the 2-D list the chunk is in, given the newest column.

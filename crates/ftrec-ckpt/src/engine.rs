@@ -475,7 +475,7 @@ impl Checkpoints {
     /// baseline): the chunks of its rectangle, per table in column order, newest wins.
     /// Each table's spans are read into one buffer reused across tables, and each chunk
     /// is checked in the same pass that applies it: block checksums before any row of the
-    /// block is written, the whole-chunk checksum (combined from the blocks) against the
+    /// block is written, the whole-chunk checksum (accumulated in the same pass) against the
     /// chunk list's.
     fn apply_incrcp(&self, manifest: &Manifest, state: &mut ModelState) -> Result<u64, CkptError> {
         let started = std::time::Instant::now();
@@ -515,14 +515,7 @@ impl Checkpoints {
                         store_row(table, t, &where_, row, payload)
                     })?;
                     if crc != c.crc32c {
-                        return Err(CkptError::corrupt(
-                            &where_,
-                            format!(
-                                "chunk at bytes {}..{} differs from the chunk list's checksum",
-                                c.offset,
-                                c.offset + c.len
-                            ),
-                        ));
+                        return Err(c.mismatch(&*self.store));
                     }
                     if header.table as usize != t {
                         return Err(CkptError::corrupt(

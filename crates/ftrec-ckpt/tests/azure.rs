@@ -3,6 +3,8 @@
 
 #[path = "support/azurite.rs"]
 mod azurite;
+#[path = "support/loopback.rs"]
+mod loopback;
 #[path = "support/object_suite.rs"]
 mod object_suite;
 

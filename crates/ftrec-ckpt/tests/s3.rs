@@ -1,6 +1,8 @@
 //! The checkpoint engine against a real S3-compatible server (moto's, from PyPI) that the
 //! test starts on loopback. No mock: requests go over HTTP to the server.
 
+#[path = "support/loopback.rs"]
+mod loopback;
 #[path = "support/moto.rs"]
 mod moto;
 #[path = "support/object_suite.rs"]

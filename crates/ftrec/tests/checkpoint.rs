@@ -2,6 +2,8 @@
 
 #[path = "support/cli.rs"]
 mod cli;
+#[path = "../../ftrec-ckpt/tests/support/loopback.rs"]
+mod loopback;
 use cli::{BIN, MODEL, ftrec, json_of, setup};
 
 use std::path::Path;

@@ -2,58 +2,37 @@
 //! tests; shared by the ftrec-ckpt and ftrec test suites through `#[path]`.
 #![allow(dead_code)]
 
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+
+// The including test declares `mod loopback` (support/loopback.rs) once for both servers.
+use super::loopback;
 
 /// Azurite's well-known development account and key (public, documented by Microsoft).
 pub const ACCOUNT: &str = "devstoreaccount1";
 pub const KEY: &str =
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
 
-pub struct AzureServer {
-    child: Child,
-    pub port: u16,
-}
-
-impl Drop for AzureServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+pub type AzureServer = loopback::LoopbackServer;
 
 pub fn start_server() -> AzureServer {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("azurite-blob")
-        .args([
-            "--blobHost",
-            "127.0.0.1",
-            "--blobPort",
-            &port.to_string(),
-            "--inMemoryPersistence",
-            "--skipApiVersionCheck",
-            "--disableTelemetry",
-            "--silent",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("azurite-blob (npm install -g azurite)");
-    let server = AzureServer { child, port };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "azurite did not start on port {port}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    server
+    loopback::start(
+        "azurite-blob",
+        |port| {
+            [
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                port,
+                "--inMemoryPersistence",
+                "--skipApiVersionCheck",
+                "--disableTelemetry",
+                "--silent",
+            ]
+            .map(String::from)
+            .to_vec()
+        },
+        "npm install -g azurite",
+    )
 }
 
 /// Creates a container with a Shared Key signed REST call (object_store does not manage

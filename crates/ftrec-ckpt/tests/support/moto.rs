@@ -3,51 +3,23 @@
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::net::TcpStream;
 
-pub struct S3Server {
-    child: Child,
-    pub port: u16,
-}
+// The including test declares `mod loopback` (support/loopback.rs) once for both servers.
+use super::loopback;
 
-impl Drop for S3Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+pub type S3Server = loopback::LoopbackServer;
 
 pub fn start_server() -> S3Server {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("python3")
-        .args([
-            "-m",
-            "moto.server",
-            "-H",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("python3 -m moto.server (pip install 'moto[server]')");
-    let server = S3Server { child, port };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "moto server did not start on port {port}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    server
+    loopback::start(
+        "python3",
+        |port| {
+            ["-m", "moto.server", "-H", "127.0.0.1", "-p", port]
+                .map(String::from)
+                .to_vec()
+        },
+        "pip install 'moto[server]'",
+    )
 }
 
 /// Creates a bucket with a plain HTTP PUT (object_store does not manage buckets).
