@@ -28,29 +28,7 @@ impl ObjectStoreBackend {
     /// file) or `GOOGLE_SERVICE_ACCOUNT_KEY`; for Azure `AZURE_STORAGE_ACCOUNT_NAME` and
     /// `AZURE_STORAGE_ACCOUNT_KEY` (or `AZURE_STORAGE_USE_EMULATOR=true` for Azurite).
     pub fn open(url: &str) -> Result<Self, CkptError> {
-        let bad = |m: String| CkptError::Invalid(format!("{url}: {m}"));
-        let (scheme, bucket, prefix) = split_url(url)?;
-        let store: Arc<dyn ObjectStore> = match scheme {
-            "s3" => Arc::new(
-                AmazonS3Builder::from_env()
-                    .with_bucket_name(bucket)
-                    .build()
-                    .map_err(|e| bad(e.to_string()))?,
-            ),
-            "gs" => Arc::new(
-                GoogleCloudStorageBuilder::from_env()
-                    .with_bucket_name(bucket)
-                    .build()
-                    .map_err(|e| bad(e.to_string()))?,
-            ),
-            _ => Arc::new(
-                MicrosoftAzureBuilder::from_env()
-                    .with_container_name(bucket)
-                    .build()
-                    .map_err(|e| bad(e.to_string()))?,
-            ),
-        };
-        Self::with_store(url, store, prefix)
+        Self::open_with_options(url, &[])
     }
 
     /// Like [`ObjectStoreBackend::open`], with `options` applied after the environment:
@@ -61,48 +39,24 @@ impl ObjectStoreBackend {
     pub fn open_with_options(url: &str, options: &[(&str, &str)]) -> Result<Self, CkptError> {
         let bad = |m: String| CkptError::Invalid(format!("{url}: {m}"));
         let (scheme, bucket, prefix) = split_url(url)?;
-        let key_error = |key: &str, e: object_store::Error| bad(format!("option {key:?}: {e}"));
         let store: Arc<dyn ObjectStore> = match scheme {
             "s3" => {
-                let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
-                for (key, value) in options {
-                    b = b.with_config(key.parse().map_err(|e| key_error(key, e))?, *value);
-                }
+                let b = AmazonS3Builder::from_env().with_bucket_name(bucket);
+                let b = configure(b, options, url, |b, k, v| b.with_config(k, v))?;
                 Arc::new(b.build().map_err(|e| bad(e.to_string()))?)
             }
             "gs" => {
-                let mut b = GoogleCloudStorageBuilder::from_env().with_bucket_name(bucket);
-                for (key, value) in options {
-                    b = b.with_config(key.parse().map_err(|e| key_error(key, e))?, *value);
-                }
+                let b = GoogleCloudStorageBuilder::from_env().with_bucket_name(bucket);
+                let b = configure(b, options, url, |b, k, v| b.with_config(k, v))?;
                 Arc::new(b.build().map_err(|e| bad(e.to_string()))?)
             }
             _ => {
-                let mut b = MicrosoftAzureBuilder::from_env().with_container_name(bucket);
-                for (key, value) in options {
-                    b = b.with_config(key.parse().map_err(|e| key_error(key, e))?, *value);
-                }
+                let b = MicrosoftAzureBuilder::from_env().with_container_name(bucket);
+                let b = configure(b, options, url, |b, k, v| b.with_config(k, v))?;
                 Arc::new(b.build().map_err(|e| bad(e.to_string()))?)
             }
         };
         Self::with_store(url, store, prefix)
-    }
-
-    /// An `s3://` store with the builder adjusted by `configure` after the environment is
-    /// read (tests point it at a loopback server this way).
-    pub fn open_with(
-        url: &str,
-        configure: impl FnOnce(AmazonS3Builder) -> AmazonS3Builder,
-    ) -> Result<Self, CkptError> {
-        let bad = |m: String| CkptError::Invalid(format!("{url}: {m}"));
-        let (scheme, bucket, prefix) = split_url(url)?;
-        if scheme != "s3" {
-            return Err(bad("open_with configures S3 only".into()));
-        }
-        let store = configure(AmazonS3Builder::from_env().with_bucket_name(bucket))
-            .build()
-            .map_err(|e| bad(e.to_string()))?;
-        Self::with_store(url, Arc::new(store), prefix)
     }
 
     fn with_store(url: &str, inner: Arc<dyn ObjectStore>, prefix: &str) -> Result<Self, CkptError> {
@@ -214,6 +168,25 @@ impl Store for ObjectStoreBackend {
     fn describe(&self, key: &str) -> String {
         format!("{}/{key}", self.url)
     }
+}
+
+/// Applies `object_store` configuration `options` to a service's builder through its
+/// `with_config`; a key the service does not know is an error naming it and the URL.
+fn configure<B, K>(
+    builder: B,
+    options: &[(&str, &str)],
+    url: &str,
+    with_config: impl Fn(B, K, &str) -> B,
+) -> Result<B, CkptError>
+where
+    K: std::str::FromStr<Err = object_store::Error>,
+{
+    options.iter().try_fold(builder, |b, (key, value)| {
+        let k = key
+            .parse()
+            .map_err(|e| CkptError::Invalid(format!("{url}: option {key:?}: {e}")))?;
+        Ok(with_config(b, k, value))
+    })
 }
 
 /// `scheme://bucket/prefix` split into its parts; the scheme must be one we build.
