@@ -20,9 +20,11 @@ use std::time::Instant;
 use ftrec_model::ModelState;
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{GcReport, dense_entry};
+use crate::engine::dense_entry;
 use crate::manifest::{CheckpointKind, FileEntry, Manifest};
 use crate::merge::{MergeReport, merge_pass};
+use crate::parts::Parts;
+use crate::retention::GcReport;
 use rayon::prelude::*;
 
 use crate::{Checkpoints, CkptError, chunk};
@@ -173,9 +175,8 @@ impl DeckEvent {
 /// The staging pipeline and its background uploader and merger.
 pub struct Stager {
     checkpoints: Checkpoints,
+    /// This run's own staging directory, removed on drop.
     root: PathBuf,
-    /// Whether `root` was created here (and is removed on drop).
-    owns_root: bool,
     budget: Arc<ChunkBudget>,
     uploads: Option<SyncSender<UploadJob>>,
     events: Receiver<Result<DeckEvent, CkptError>>,
@@ -189,16 +190,18 @@ pub struct Stager {
 impl Stager {
     pub fn start(checkpoints: Checkpoints, options: &DeckOptions) -> Result<Self, CkptError> {
         options.validate()?;
-        let (root, owns_root) = match &options.staging_dir {
-            Some(d) => (d.clone(), false),
-            None => {
-                let nanos = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos());
-                let name = format!("ftrec-staging-{}-{nanos}", std::process::id());
-                (std::env::temp_dir().join(name), true)
-            }
-        };
+        // Each run stages under a directory of its own, named by its pid, so the next
+        // start can tell a SIGKILLed run's leftovers (its process is gone) from a live
+        // run's and remove them.
+        let parent = options
+            .staging_dir
+            .clone()
+            .unwrap_or_else(std::env::temp_dir);
+        remove_dead_staging(&parent);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let root = parent.join(format!("{STAGING_PREFIX}{}-{nanos}", std::process::id()));
         fs::create_dir_all(&root).map_err(|e| io(&root, e))?;
         let budget = Arc::new(ChunkBudget {
             state: Mutex::new((0, 0)),
@@ -223,7 +226,6 @@ impl Stager {
         Ok(Self {
             checkpoints,
             root,
-            owns_root,
             budget,
             uploads: Some(uploads),
             events,
@@ -423,9 +425,7 @@ impl Drop for Stager {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        if self.owns_root {
-            let _ = fs::remove_dir_all(&self.root);
-        }
+        let _ = fs::remove_dir_all(&self.root);
     }
 }
 
@@ -440,6 +440,38 @@ fn io(path: &Path, error: std::io::Error) -> CkptError {
     CkptError::Io {
         path: path.to_path_buf(),
         error,
+    }
+}
+
+/// The name of a run's staging directory starts with this, then `<pid>-<nanos>`.
+const STAGING_PREFIX: &str = "ftrec-staging-";
+
+/// Removes the staging directories under `parent` whose process no longer runs: staged
+/// chunks are not durable and are useless once their run is gone (the checkpoint they
+/// belonged to was never committed).
+fn remove_dead_staging(parent: &Path) {
+    let Ok(entries) = fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(STAGING_PREFIX))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            match fs::remove_dir_all(entry.path()) {
+                Ok(()) => tracing::info!(
+                    "removed {}, the staging directory of a run that died",
+                    entry.path().display()
+                ),
+                Err(e) => tracing::warn!("could not remove {}: {e}", entry.path().display()),
+            }
+        }
     }
 }
 
@@ -492,6 +524,17 @@ fn upload_loop(
 }
 
 fn upload(ck: &Checkpoints, budget: &ChunkBudget, job: &UploadJob) -> Result<(), CkptError> {
+    let parts = Parts::new(ck);
+    let uploaded = upload_parts(ck, &parts, budget, job);
+    parts.finish(uploaded)
+}
+
+fn upload_parts(
+    ck: &Checkpoints,
+    parts: &Parts,
+    budget: &ChunkBudget,
+    job: &UploadJob,
+) -> Result<(), CkptError> {
     for s in &job.staged {
         budget.acquire();
         let result = fs::read(&s.path)
@@ -504,18 +547,15 @@ fn upload(ck: &Checkpoints, budget: &ChunkBudget, job: &UploadJob) -> Result<(),
                         "staged chunk changed on the local disk",
                     ));
                 }
-                ck.store().put_part(&s.entry.key, &bytes)
+                parts.put(&s.entry.key, &bytes)
             });
         budget.release();
         result?;
     }
-    ck.store().put_part(&job.manifest.dense.key, &job.dense)?;
+    parts.put(&job.manifest.dense.key, &job.dense)?;
     ck.store()
         .sync_parts(&format!("data/{}/", job.manifest.id))?;
-    ck.store().put(
-        &Manifest::key_for(&job.manifest.id),
-        &job.manifest.encode()?,
-    )
+    ck.commit_manifest(&job.manifest)
 }
 
 fn merge_loop(
@@ -530,7 +570,14 @@ fn merge_loop(
                 retain_lineage(ck, &m.id, options.lineage).map(DeckEvent::Retained)
             }
             (_, Some(base)) if options.merge_in_background => {
-                merge_pass(ck, base, options.stride, options.chunk_bytes).map(DeckEvent::Merged)
+                match merge_pass(ck, base, options.stride, options.chunk_bytes) {
+                    // `ftrec ckpt merge` (or gc) is at work; the next delta tries again.
+                    Err(CkptError::Busy(why)) => {
+                        tracing::debug!("deck: merge after {} skipped: {why}", m.id);
+                        Ok(DeckEvent::Idle)
+                    }
+                    other => other.map(DeckEvent::Merged),
+                }
             }
             _ => Ok(DeckEvent::Idle),
         };
@@ -552,7 +599,14 @@ pub fn retain_lineage(
     current: &str,
     policy: LineagePolicy,
 ) -> Result<GcReport, CkptError> {
-    let all = ck.list()?;
+    // The policy works within the current base's branch: another branch's history is
+    // never DECK's to thin out.
+    let branch = crate::branch::branch_of_id(current);
+    let all: Vec<Manifest> = ck
+        .list()?
+        .into_iter()
+        .filter(|m| m.branch == branch)
+        .collect();
     let fulls: Vec<&Manifest> = all
         .iter()
         .filter(|m| m.kind == CheckpointKind::Full)

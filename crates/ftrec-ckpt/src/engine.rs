@@ -7,7 +7,9 @@ use ftrec_model::{EmbeddingTable, ModelState};
 use rayon::prelude::*;
 
 use crate::chunklist::{ChunkList, ListChunk, prefix_for};
+use crate::lease::Lease;
 use crate::manifest::{CheckpointKind, FileEntry, Manifest};
+use crate::parts::Parts;
 use crate::{CkptError, Store, chunk, dense};
 
 /// Target size of one row chunk.
@@ -72,11 +74,9 @@ pub(crate) fn dense_entry(state: &ModelState, id: &str) -> (FileEntry, Vec<u8>) 
     (entry, bytes)
 }
 
-/// What [`Checkpoints::gc`] removed.
-#[derive(Clone, Debug, Default, serde::Serialize)]
-pub struct GcReport {
-    pub checkpoints: Vec<String>,
-    pub files: u64,
+/// Bytes of the dense file's payload.
+pub(crate) fn dense_bytes(state: &ModelState) -> u64 {
+    4 * (state.dense.params.len() + state.dense.optimizer_state.len()) as u64
 }
 
 /// Concurrent reads and writes while a checkpoint is written or restored. Storage I/O
@@ -90,6 +90,11 @@ const IO_THREADS: usize = 8;
 pub struct Checkpoints {
     store: Arc<dyn Store>,
     io: Option<Arc<rayon::ThreadPool>>,
+    /// The branch new checkpoints go to (see `branch.rs`), fixed by
+    /// [`Checkpoints::start_writing`]; 0 for a handle that only reads.
+    pub(crate) branch: u32,
+    /// The writer lease, when this handle writes: checked before every commit.
+    pub(crate) lease: Option<Arc<Lease>>,
 }
 
 impl Checkpoints {
@@ -105,7 +110,52 @@ impl Checkpoints {
         Self {
             store: Arc::from(store),
             io: io.map(Arc::new),
+            branch: 0,
+            lease: None,
         }
+    }
+
+    pub(crate) fn store_arc(&self) -> Arc<dyn Store> {
+        Arc::clone(&self.store)
+    }
+
+    /// The branch this handle writes to.
+    pub fn branch(&self) -> u32 {
+        self.branch
+    }
+
+    /// Commits a checkpoint by creating its manifest, after every file it names. Refused
+    /// once this writer lost its lease, and when the id is taken: history is never
+    /// rewritten.
+    pub(crate) fn commit_manifest(&self, manifest: &Manifest) -> Result<(), CkptError> {
+        if let Some(lease) = &self.lease {
+            lease.check()?;
+        }
+        self.store
+            .put(&Manifest::key_for(&manifest.id), &manifest.encode()?)
+    }
+
+    /// Fails early, with the numbers, when a checkpoint of `bytes` will not fit where it
+    /// goes (with 5% to spare), instead of dying on ENOSPC halfway.
+    pub(crate) fn check_free_space(&self, what: &str, bytes: u64) -> Result<(), CkptError> {
+        let Some(free) = self.store.free_bytes() else {
+            return Ok(());
+        };
+        let needed = bytes + bytes / 20;
+        if free < needed {
+            return Err(CkptError::Io {
+                path: self.store.describe("").into(),
+                error: std::io::Error::new(
+                    std::io::ErrorKind::StorageFull,
+                    format!(
+                        "{what} needs about {:.1} MB but only {:.1} MB are free; free space or lower the retention (checkpoint.keep)",
+                        needed as f64 / 1e6,
+                        free as f64 / 1e6
+                    ),
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Runs `f` on the I/O pool, where the engine's parallel reads and writes go.
@@ -120,9 +170,18 @@ impl Checkpoints {
         &*self.store
     }
 
-    /// The id of a checkpoint taken after `step`: sorts by step.
-    pub fn id_for(step: u64, kind: CheckpointKind) -> String {
-        format!("{step:012}-{}", kind.tag())
+    /// The id of a checkpoint taken after `step` on this handle's branch: sorts by step.
+    pub fn id_for(&self, step: u64, kind: CheckpointKind) -> String {
+        Self::id_on_branch(step, kind, self.branch)
+    }
+
+    /// The id of a checkpoint taken after `step` on `branch`.
+    pub fn id_on_branch(step: u64, kind: CheckpointKind, branch: u32) -> String {
+        format!(
+            "{step:012}-{}{}",
+            kind.tag(),
+            crate::branch::id_suffix(branch)
+        )
     }
 
     /// Writes a full checkpoint of `state` after `step`.
@@ -147,7 +206,7 @@ impl Checkpoints {
         parents: Vec<String>,
         trainer: serde_json::Value,
     ) -> Result<Manifest, CkptError> {
-        let id = Self::id_for(step, kind);
+        let id = self.id_for(step, kind);
         if (kind == CheckpointKind::Full) != rows.is_none()
             || (kind == CheckpointKind::Full) != parents.is_empty()
         {
@@ -168,46 +227,55 @@ impl Checkpoints {
             }
         };
         let jobs = chunk_jobs(state, rows, CHUNK_BYTES)?;
-        let mut chunks = self.on_io_pool(|| {
-            jobs.par_iter()
-                .map(|&(t, n, part)| {
-                    let table = &state.tables()[t];
-                    let (bytes, crc) =
-                        chunk::encode_with_crc(t as u32, table.stride(), part, |r| {
-                            table.row(r as usize)
-                        });
-                    let key = format!("data/{id}/t{t:04}-{n:06}.chunk");
-                    self.store.put_part(&key, &bytes)?;
-                    Ok(FileEntry {
-                        key,
-                        bytes: bytes.len() as u64,
-                        crc32c: crc,
-                        table: Some(t as u32),
-                        rows: part.len() as u64,
+        let row_bytes: u64 = jobs
+            .iter()
+            .map(|&(t, _, part)| part.len() as u64 * (4 + 4 * state.tables()[t].stride() as u64))
+            .sum();
+        self.check_free_space(&format!("checkpoint {id}"), row_bytes + dense_bytes(state))?;
+        let parts = Parts::new(self);
+        let written = (|| {
+            let mut chunks = self.on_io_pool(|| {
+                jobs.par_iter()
+                    .map(|&(t, n, part)| {
+                        let table = &state.tables()[t];
+                        let (bytes, crc) =
+                            chunk::encode_with_crc(t as u32, table.stride(), part, |r| {
+                                table.row(r as usize)
+                            });
+                        let key = format!("data/{id}/t{t:04}-{n:06}.chunk");
+                        parts.put(&key, &bytes)?;
+                        Ok(FileEntry {
+                            key,
+                            bytes: bytes.len() as u64,
+                            crc32c: crc,
+                            table: Some(t as u32),
+                            rows: part.len() as u64,
+                        })
                     })
-                })
-                .collect::<Result<Vec<_>, CkptError>>()
-        })?;
-        chunks.sort_by(|a, b| a.key.cmp(&b.key));
-        let (dense, dense_bytes) = dense_entry(state, &id);
-        self.store.put_part(&dense.key, &dense_bytes)?;
-        self.store.sync_parts(&format!("data/{id}/"))?;
-        let manifest = Manifest {
-            id: id.clone(),
-            kind,
-            step,
-            parents,
-            created_unix_ms: now_unix_ms(),
-            model: state.config().clone(),
-            dense,
-            chunks,
-            trainer,
-            incrcp: None,
-            deck: None,
-        };
-        self.store
-            .put(&Manifest::key_for(&id), &manifest.encode()?)?;
-        Ok(manifest)
+                    .collect::<Result<Vec<_>, CkptError>>()
+            })?;
+            chunks.sort_by(|a, b| a.key.cmp(&b.key));
+            let (dense, dense_bytes) = dense_entry(state, &id);
+            parts.put(&dense.key, &dense_bytes)?;
+            self.store.sync_parts(&format!("data/{id}/"))?;
+            let manifest = Manifest {
+                id: id.clone(),
+                kind,
+                step,
+                parents,
+                created_unix_ms: now_unix_ms(),
+                model: state.config().clone(),
+                dense,
+                chunks,
+                trainer,
+                incrcp: None,
+                deck: None,
+                branch: self.branch,
+            };
+            self.commit_manifest(&manifest)?;
+            Ok(manifest)
+        })();
+        parts.finish(written)
     }
 
     /// All committed checkpoints, oldest first. A damaged manifest is an error naming it.
@@ -228,9 +296,10 @@ impl Checkpoints {
         Ok(all)
     }
 
-    /// Like [`Checkpoints::list`], but damaged manifests are returned apart instead of
-    /// failing the listing (for `--fallback`).
-    pub fn list_lenient(&self) -> Result<(Vec<Manifest>, Vec<CkptError>), CkptError> {
+    /// Like [`Checkpoints::list`], but damaged manifests are returned apart, with their
+    /// ids, instead of failing the listing (`--fallback`, `ls`, `verify`, `gc`).
+    #[allow(clippy::type_complexity)]
+    pub fn list_lenient(&self) -> Result<(Vec<Manifest>, Vec<(String, CkptError)>), CkptError> {
         let (mut good, mut bad) = (Vec::new(), Vec::new());
         for key in self
             .store
@@ -244,7 +313,15 @@ impl Checkpoints {
                 .and_then(|b| Manifest::decode(&self.store.describe(key), &b))
             {
                 Ok(m) => good.push(m),
-                Err(e) => bad.push(e),
+                // Deleted between listing and reading (gc, a DECK merge).
+                Err(CkptError::NotFound(_)) => {}
+                Err(e) => {
+                    let id = key
+                        .trim_start_matches("manifests/")
+                        .trim_end_matches(".man")
+                        .to_string();
+                    bad.push((id, e));
+                }
             }
         }
         good.sort_by_key(|m| (m.step, m.created_unix_ms));
@@ -256,9 +333,15 @@ impl Checkpoints {
         Manifest::decode(&self.store.describe(&key), &self.store.get(&key)?)
     }
 
-    /// The newest checkpoint, if any.
+    /// The newest commit of the newest branch that has one, if any: what `--resume DIR`
+    /// continues from.
     pub fn latest(&self) -> Result<Option<Manifest>, CkptError> {
-        Ok(self.list()?.pop())
+        let all = self.list()?;
+        let newest_branch = all.iter().map(|m| m.branch).max();
+        Ok(all
+            .into_iter()
+            .rev()
+            .find(|m| Some(m.branch) == newest_branch))
     }
 
     /// An object's bytes, read into `bytes`, with the length checked against the manifest;
@@ -682,73 +765,6 @@ impl Checkpoints {
         )
     }
 
-    /// Deletes what no retained checkpoint needs. With `keep = Some(n)` the newest `n`
-    /// checkpoints and every ancestor their restore reads are retained; otherwise all
-    /// committed checkpoints are. Manifests go first, so a checkpoint disappears at once.
-    /// Data of uncommitted checkpoints (a crash between data and manifest) is deleted when
-    /// its step is not newer than the newest commit; newer data may belong to a checkpoint
-    /// being written right now and is left alone.
-    pub fn gc(&self, keep: Option<usize>) -> Result<GcReport, CkptError> {
-        let all = self.list()?;
-        let newest_step = all.last().map(|m| m.step);
-        let mut retained: std::collections::BTreeSet<String> = match keep {
-            None => all.iter().map(|m| m.id.clone()).collect(),
-            Some(n) => all.iter().rev().take(n).map(|m| m.id.clone()).collect(),
-        };
-        for id in retained.clone() {
-            for m in self.lineage(&id)? {
-                retained.insert(m.id);
-            }
-        }
-        let mut report = GcReport::default();
-        for m in all.iter().filter(|m| !retained.contains(&m.id)) {
-            self.store.delete(&Manifest::key_for(&m.id))?;
-            report.checkpoints.push(m.id.clone());
-        }
-        for key in self.store.list("data/")? {
-            let Some(id) = key.strip_prefix("data/").and_then(|k| k.split('/').next()) else {
-                continue;
-            };
-            if retained.contains(id) {
-                continue;
-            }
-            let step: Option<u64> = id.split('-').next().and_then(|s| s.parse().ok());
-            let committed = all.iter().any(|m| m.id == id);
-            let crashed = step.is_some_and(|s| newest_step.is_some_and(|n| s <= n));
-            if committed || crashed {
-                self.store.delete(&key)?;
-                report.files += 1;
-            }
-        }
-        let mut lists: std::collections::BTreeMap<String, Option<ChunkList>> = Default::default();
-        for key in self.store.list("incrcp/")? {
-            let Some((baseline, name)) =
-                key.strip_prefix("incrcp/").and_then(|k| k.split_once('/'))
-            else {
-                continue;
-            };
-            let dead = if retained.contains(baseline) {
-                if !lists.contains_key(baseline) {
-                    let list = ChunkList::load_current(&*self.store, baseline)?;
-                    lists.insert(baseline.to_string(), list);
-                }
-                lists
-                    .get(baseline)
-                    .and_then(|l| l.as_ref())
-                    .is_some_and(|list| list.is_garbage(name))
-            } else {
-                let step: Option<u64> = baseline.split('-').next().and_then(|s| s.parse().ok());
-                all.iter().any(|m| m.id == baseline)
-                    || step.is_some_and(|s| newest_step.is_some_and(|n| s <= n))
-            };
-            if dead {
-                self.store.delete(&key)?;
-                report.files += 1;
-            }
-        }
-        Ok(report)
-    }
-
     /// Deletes checkpoint `m`: its manifest first (so it disappears at once), then its
     /// data objects. Objects already gone are fine (another merger or gc got there).
     pub fn delete_checkpoint(&self, m: &Manifest) -> Result<(), CkptError> {
@@ -763,28 +779,41 @@ impl Checkpoints {
         Ok(())
     }
 
-    /// Checks every object of checkpoint `id` (lengths and checksums, and each chunk's
-    /// internal block checksums) and that its parents exist, without building a model.
+    /// Checks everything a restore of checkpoint `id` reads: every object of every
+    /// checkpoint in its lineage (lengths, checksums, each chunk's block checksums; for
+    /// IncrCP the rectangle of the chunk list), and its dense file, without building a
+    /// model. A delta over a damaged baseline is damaged.
     pub fn verify(&self, id: &str) -> Result<Manifest, CkptError> {
-        self.on_io_pool(|| self.verify_on_pool(id))
-    }
-
-    fn verify_on_pool(&self, id: &str) -> Result<Manifest, CkptError> {
-        let manifest = self.manifest(id)?;
-        manifest.chunks.par_iter().try_for_each(|entry| {
-            let bytes = self.fetch(entry)?;
-            chunk::decode(&self.store.describe(&entry.key), &bytes, |_, _| Ok(())).map(|_| ())
-        })?;
-        if manifest.kind == CheckpointKind::Incrcp {
-            let (list, column) = self.incrcp_list(&manifest)?;
-            list.rectangle(column).par_iter().try_for_each(|c| {
-                let bytes = c.read(&*self.store)?;
-                chunk::decode(&self.store.describe(&c.key), &bytes, |_, _| Ok(())).map(|_| ())
+        let target = self.manifest(id)?;
+        for link in self.lineage(id)? {
+            self.verify_own(&link).map_err(|e| {
+                if link.id == id {
+                    e
+                } else {
+                    CkptError::Invalid(format!("its ancestor {} is damaged: {e}", link.id))
+                }
             })?;
         }
-        self.fetch(&manifest.dense)?;
-        self.lineage(id)?;
-        Ok(manifest)
+        self.fetch(&target.dense)?;
+        Ok(target)
+    }
+
+    /// Checks the objects checkpoint `manifest` itself stores.
+    pub(crate) fn verify_own(&self, manifest: &Manifest) -> Result<(), CkptError> {
+        self.on_io_pool(|| {
+            manifest.chunks.par_iter().try_for_each(|entry| {
+                let bytes = self.fetch(entry)?;
+                chunk::decode(&self.store.describe(&entry.key), &bytes, |_, _| Ok(())).map(|_| ())
+            })?;
+            if manifest.kind == CheckpointKind::Incrcp {
+                let (list, column) = self.incrcp_list(manifest)?;
+                list.rectangle(column).par_iter().try_for_each(|c| {
+                    let bytes = c.read(&*self.store)?;
+                    chunk::decode(&self.store.describe(&c.key), &bytes, |_, _| Ok(())).map(|_| ())
+                })?;
+            }
+            self.fetch(&manifest.dense).map(|_| ())
+        })
     }
 }
 

@@ -14,6 +14,15 @@ pub enum CkptError {
     Corrupt { key: String, message: String },
     #[error("{0}")]
     NotFound(String),
+    /// A write found its name taken: committed history is never overwritten.
+    #[error("{key} already exists; checkpoint files are never overwritten")]
+    AlreadyExists { key: String },
+    /// A compare-and-swap found the object changed by someone else.
+    #[error("{0}")]
+    Conflict(String),
+    /// Another live process holds the lease this one needs.
+    #[error("{0}")]
+    Busy(String),
     #[error("{0}")]
     Invalid(String),
     #[error(transparent)]

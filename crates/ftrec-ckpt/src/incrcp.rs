@@ -17,6 +17,7 @@ use serde::Serialize;
 use crate::chunklist::{ChunkList, ListChunk, prefix_for};
 use crate::engine::{chunk_jobs, dense_entry, now_unix_ms};
 use crate::manifest::{CheckpointKind, IncrcpRef, Manifest};
+use crate::parts::Parts;
 use crate::{Checkpoints, CkptError, Store, chunk};
 
 /// The paper's threshold R (its evaluation uses 0.02): an extraction must move at least
@@ -58,6 +59,7 @@ impl Increment {
 /// training.
 pub fn copy_increment(
     state: &ModelState,
+    id: String,
     step: u64,
     rows: &[Vec<u32>],
     baseline: &str,
@@ -76,7 +78,6 @@ pub fn copy_increment(
             }
         })
         .collect::<Vec<_>>();
-    let id = Checkpoints::id_for(step, CheckpointKind::Incrcp);
     let (dense, dense_bytes) = dense_entry(state, &id);
     let manifest = Manifest {
         id,
@@ -93,6 +94,7 @@ pub fn copy_increment(
             bytes: chunks.iter().map(|c| c.bytes.len() as u64).sum(),
         }),
         deck: None,
+        branch: crate::branch::branch_of_id(baseline),
     };
     Ok(Increment {
         manifest,
@@ -180,7 +182,19 @@ impl IncrcpChain {
 
     /// Writes an increment: its chunks as plain files and its dense file, then a list
     /// version naming them, then the manifest, which commits the checkpoint.
-    pub fn commit(&mut self, store: &dyn Store, inc: Increment) -> Result<Manifest, CkptError> {
+    pub fn commit(&mut self, ck: &Checkpoints, inc: Increment) -> Result<Manifest, CkptError> {
+        let parts = Parts::new(ck);
+        let committed = self.commit_parts(ck, &parts, inc);
+        parts.finish(committed)
+    }
+
+    fn commit_parts(
+        &mut self,
+        ck: &Checkpoints,
+        parts: &Parts,
+        inc: Increment,
+    ) -> Result<Manifest, CkptError> {
+        let store = ck.store();
         let column = self.list.columns.len() as u32;
         let expected = inc.manifest.incrcp.as_ref().map(|r| r.column);
         if expected != Some(column) || inc.manifest.parents != [self.list.baseline.clone()] {
@@ -196,11 +210,11 @@ impl IncrcpChain {
             .enumerate()
             .map(|(n, c)| {
                 let key = format!("{prefix}c{column:06}-{n:06}.chunk");
-                store.put_part(&key, &c.bytes)?;
+                parts.put(&key, &c.bytes)?;
                 Ok(list_chunk(c, column, None, key, 0))
             })
             .collect::<Result<Vec<_>, CkptError>>()?;
-        store.put_part(&inc.manifest.dense.key, &inc.dense)?;
+        parts.put(&inc.manifest.dense.key, &inc.dense)?;
         store.sync_parts(&format!("data/{}/", inc.manifest.id))?;
         store.sync_parts(&prefix)?;
         for (entry, c) in entries.into_iter().zip(&inc.chunks) {
@@ -210,10 +224,7 @@ impl IncrcpChain {
         }
         self.list.columns.push(inc.manifest.id.clone());
         self.publish(store, Vec::new())?;
-        store.put(
-            &Manifest::key_for(&inc.manifest.id),
-            &inc.manifest.encode()?,
-        )?;
+        ck.commit_manifest(&inc.manifest)?;
         Ok(inc.manifest)
     }
 

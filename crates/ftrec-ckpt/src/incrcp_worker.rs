@@ -137,7 +137,7 @@ fn run(
     let start = Instant::now();
     let keys = inc.keys(tables);
     let store = checkpoints.store();
-    let manifest = chain.commit(store, inc)?;
+    let manifest = chain.commit(checkpoints, inc)?;
     let write_seconds = start.elapsed().as_secs_f64();
     let column = manifest.incrcp.as_ref().map_or(0, |r| r.column);
     let extraction = chain.extract(store, column, &keys)?;

@@ -7,6 +7,7 @@
 #[cfg(target_endian = "big")]
 compile_error!("ftrec-ckpt writes native f32 bytes and supports only little-endian targets");
 
+pub mod branch;
 pub mod chunk;
 pub mod chunklist;
 pub mod deck;
@@ -17,19 +18,25 @@ mod error;
 mod export;
 pub mod incrcp;
 mod incrcp_worker;
+pub mod lease;
 pub mod manifest;
 pub mod merge;
 mod object;
+mod parts;
 mod policy;
+mod retention;
+mod session;
 mod store;
 pub mod tracker;
 
-pub use engine::{CHUNK_BYTES, Checkpoints, GcReport};
+pub use engine::{CHUNK_BYTES, Checkpoints};
 pub use error::CkptError;
 pub use export::export_safetensors;
 pub use incrcp_worker::CommitReport;
 pub use manifest::{CheckpointKind, DeckRef, IncrcpRef, Manifest};
 pub use object::{ObjectStoreBackend, open_store};
 pub use policy::{Checkpointer, DeckStats, Strategy};
+pub use retention::{GcOptions, GcReport};
+pub use session::{BranchStart, WriterStart};
 pub use store::{LocalStore, Store};
 pub use tracker::{DeltaTracker, TenantId};

@@ -75,6 +75,10 @@ pub struct Manifest {
     /// For a DECK delta or merged checkpoint, the deltas it covers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deck: Option<DeckRef>,
+    /// The branch of history this checkpoint belongs to (`branch.rs`); 0 for manifests
+    /// written before branches existed.
+    #[serde(default)]
+    pub branch: u32,
 }
 
 /// The deltas after a base that a DECK checkpoint covers: delta number `k` (from 1)

@@ -12,7 +12,9 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::engine::now_unix_ms;
+use crate::lease::{self, Lease, LeaseOptions};
 use crate::manifest::{CheckpointKind, DeckRef, FileEntry, Manifest};
+use crate::parts::Parts;
 use crate::{Checkpoints, CkptError, chunk};
 
 /// What merging did.
@@ -50,9 +52,30 @@ impl MergeReport {
     }
 }
 
+/// Takes the merger lease, so that two mergers (the trainer's background one and
+/// `ftrec ckpt merge`) or a merger and `ftrec ckpt gc` never work on one location at
+/// once: two mergers would write the same merged id.
+fn merger_lease(ck: &Checkpoints) -> Result<Lease, CkptError> {
+    Lease::acquire(
+        ck.store_arc(),
+        lease::MERGER,
+        &LeaseOptions::new(format!("DECK merger ({})", std::process::id())),
+    )
+}
+
 /// Merges every complete group of the deltas on `base`, lowest layer first, until none is
-/// left.
+/// left. [`CkptError::Busy`] when another merger (or gc) holds the location.
 pub fn merge_pass(
+    ck: &Checkpoints,
+    base: &str,
+    stride: u32,
+    chunk_bytes: usize,
+) -> Result<MergeReport, CkptError> {
+    let _lease = merger_lease(ck)?;
+    merge_base(ck, base, stride, chunk_bytes)
+}
+
+fn merge_base(
     ck: &Checkpoints,
     base: &str,
     stride: u32,
@@ -109,6 +132,7 @@ pub fn merge_all(
     stride: u32,
     chunk_bytes: usize,
 ) -> Result<MergeReport, CkptError> {
+    let _lease = merger_lease(ck)?;
     let mut bases: Vec<String> = ck
         .list()?
         .into_iter()
@@ -119,7 +143,7 @@ pub fn merge_all(
     bases.dedup();
     let mut report = MergeReport::default();
     for base in bases {
-        report.absorb(merge_pass(ck, &base, stride, chunk_bytes)?);
+        report.absorb(merge_base(ck, &base, stride, chunk_bytes)?);
     }
     Ok(report)
 }
@@ -185,17 +209,44 @@ fn merge(
     let (Some(first), Some(last)) = (inputs.first(), inputs.last()) else {
         return Err(CkptError::Invalid("nothing to merge".into()));
     };
+    let Some(a) = &first.deck else {
+        return Err(CkptError::Invalid(
+            "merge inputs must be DECK checkpoints".into(),
+        ));
+    };
+    let layer = a.layer + 1;
+    // A merged checkpoint belongs to its inputs' branch.
+    let id = format!(
+        "{:012}-merged{layer}-{:06}{}",
+        last.step,
+        a.from,
+        crate::branch::id_suffix(last.branch)
+    );
+    let parts = Parts::new(ck);
+    let merged = merge_into(ck, &parts, inputs, &id, chunk_bytes);
+    parts.finish(merged)
+}
+
+fn merge_into(
+    ck: &Checkpoints,
+    parts: &Parts,
+    inputs: &[Manifest],
+    id: &str,
+    chunk_bytes: usize,
+) -> Result<(Manifest, u64), CkptError> {
+    let (Some(first), Some(last)) = (inputs.first(), inputs.last()) else {
+        return Err(CkptError::Invalid("nothing to merge".into()));
+    };
     let (Some(a), Some(b)) = (&first.deck, &last.deck) else {
         return Err(CkptError::Invalid(
             "merge inputs must be DECK checkpoints".into(),
         ));
     };
     let layer = a.layer + 1;
-    let id = format!("{:012}-merged{layer}-{:06}", last.step, a.from);
     let tables = first.model.table_rows.len();
     let outputs = (0..tables)
         .into_par_iter()
-        .map(|t| merge_table(ck, inputs, t, &id, chunk_bytes))
+        .map(|t| merge_table(parts, inputs, t, id, chunk_bytes))
         .collect::<Result<Vec<_>, CkptError>>()?;
     let mut chunks = Vec::new();
     let mut bytes_in = 0;
@@ -208,10 +259,10 @@ fn merge(
         key: format!("data/{id}/dense.bin"),
         ..last.dense.clone()
     };
-    ck.store().put_part(&dense.key, &dense_bytes)?;
+    parts.put(&dense.key, &dense_bytes)?;
     ck.store().sync_parts(&format!("data/{id}/"))?;
     let manifest = Manifest {
-        id: id.clone(),
+        id: id.to_string(),
         kind: CheckpointKind::Merged,
         step: last.step,
         parents: last.parents.clone(),
@@ -226,9 +277,9 @@ fn merge(
             to: b.to,
             layer,
         }),
+        branch: last.branch,
     };
-    ck.store()
-        .put(&Manifest::key_for(&id), &manifest.encode()?)?;
+    ck.commit_manifest(&manifest)?;
     Ok((manifest, bytes_in))
 }
 
@@ -275,12 +326,13 @@ impl<'a> RowStream<'a> {
 }
 
 fn merge_table(
-    ck: &Checkpoints,
+    parts: &Parts,
     inputs: &[Manifest],
     t: usize,
     id: &str,
     chunk_bytes: usize,
 ) -> Result<(Vec<FileEntry>, u64), CkptError> {
+    let ck = parts.checkpoints();
     let mut streams: Vec<RowStream> = inputs
         .iter()
         .map(|m| RowStream {
@@ -312,7 +364,7 @@ fn merge_table(
             &payload[i * 4 * stride..(i + 1) * 4 * stride]
         });
         let key = format!("data/{id}/t{t:04}-{:06}.chunk", entries.len());
-        ck.store().put_part(&key, &bytes)?;
+        parts.put(&key, &bytes)?;
         entries.push(FileEntry {
             key,
             bytes: bytes.len() as u64,

@@ -9,7 +9,7 @@ use object_store::aws::AmazonS3Builder;
 use object_store::azure::MicrosoftAzureBuilder;
 use object_store::gcp::GoogleCloudStorageBuilder;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion};
 
 use crate::{CkptError, LocalStore, Store};
 
@@ -88,22 +88,80 @@ impl ObjectStoreBackend {
             object_store::Error::NotFound { .. } => {
                 CkptError::NotFound(format!("{} does not exist", self.describe(key)))
             }
+            object_store::Error::AlreadyExists { .. } => CkptError::AlreadyExists {
+                key: self.describe(key),
+            },
+            object_store::Error::Precondition { .. } => {
+                CkptError::Conflict(format!("{} changed under us", self.describe(key)))
+            }
             other => CkptError::Io {
                 path: self.describe(key).into(),
                 error: std::io::Error::other(other.to_string()),
             },
         }
     }
+
+    /// One PUT with `mode` (a conditional create or update); returns the new ETag.
+    fn put_mode(&self, key: &str, bytes: &[u8], mode: PutMode) -> Result<String, CkptError> {
+        let path = self.path(key)?;
+        let payload = PutPayload::from(bytes.to_vec());
+        let result = self
+            .runtime
+            .block_on(self.inner.put_opts(&path, payload, PutOptions::from(mode)))
+            .map_err(|e| self.error(key, e))?;
+        Ok(result.e_tag.unwrap_or_default())
+    }
 }
 
 impl Store for ObjectStoreBackend {
+    /// A conditional create (`If-None-Match: *`), so a name clash fails on the server
+    /// instead of replacing a committed object.
     fn put(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
+        self.put_mode(key, bytes, PutMode::Create).map(|_| ())
+    }
+
+    fn get_versioned(&self, key: &str) -> Result<Option<(Vec<u8>, String)>, CkptError> {
         let path = self.path(key)?;
-        let payload = PutPayload::from(bytes.to_vec());
-        self.runtime
-            .block_on(self.inner.put(&path, payload))
-            .map(|_| ())
-            .map_err(|e| self.error(key, e))
+        let got = self.runtime.block_on(async {
+            let r = self.inner.get(&path).await?;
+            let tag = r.meta.e_tag.clone().unwrap_or_default();
+            Ok::<_, object_store::Error>((r.bytes().await?.to_vec(), tag))
+        });
+        match got {
+            Ok(v) => Ok(Some(v)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.error(key, e)),
+        }
+    }
+
+    fn put_versioned(
+        &self,
+        key: &str,
+        bytes: &[u8],
+        expected: Option<&str>,
+    ) -> Result<String, CkptError> {
+        let mode = match expected {
+            None => PutMode::Create,
+            Some(tag) => PutMode::Update(UpdateVersion {
+                e_tag: Some(tag.to_string()),
+                version: None,
+            }),
+        };
+        self.put_mode(key, bytes, mode).map_err(|e| match e {
+            CkptError::AlreadyExists { key } => {
+                CkptError::Conflict(format!("{key} was created by someone else"))
+            }
+            other => other,
+        })
+    }
+
+    fn modified_unix_ms(&self, key: &str) -> Result<Option<u64>, CkptError> {
+        let path = self.path(key)?;
+        match self.runtime.block_on(self.inner.head(&path)) {
+            Ok(meta) => Ok(Some(meta.last_modified.timestamp_millis().max(0) as u64)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.error(key, e)),
+        }
     }
 
     fn get(&self, key: &str) -> Result<Vec<u8>, CkptError> {

@@ -456,6 +456,7 @@ impl Checkpointer {
         };
         let inc = incrcp::copy_increment(
             state,
+            self.checkpoints.id_for(step, CheckpointKind::Incrcp),
             step,
             &rows,
             &baseline,
@@ -494,8 +495,9 @@ impl Checkpointer {
             || (o.live_factor > 0.0
                 && d.last_delta_bytes > 0
                 && d.live_bytes as f64 > o.live_factor * d.last_delta_bytes as f64);
+        let checkpoints = &self.checkpoints;
         let template = |kind, parents, deck| Manifest {
-            id: Checkpoints::id_for(step, kind),
+            id: checkpoints.id_for(step, kind),
             kind,
             step,
             parents,
@@ -512,6 +514,7 @@ impl Checkpointer {
             trainer: trainer.clone(),
             incrcp: None,
             deck,
+            branch: checkpoints.branch(),
         };
         let manifest = match self.baseline.clone().filter(|_| !due) {
             None => {

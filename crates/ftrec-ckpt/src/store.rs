@@ -1,6 +1,9 @@
-//! Where checkpoint objects live. Keys are `/`-separated relative paths. The local store
-//! commits every object atomically (temporary name, fsync, rename, fsync of the directory),
-//! so a crash leaves either the old object or the new one, never a torn one.
+//! Where checkpoint objects live. Keys are `/`-separated relative paths.
+//!
+//! History is append-only: every write creates a new object and a name clash is an error
+//! ([`CkptError::AlreadyExists`]), never an overwrite (`O_EXCL` and `link` locally,
+//! `PutMode::Create` on object stores). The one object that changes in place is a lease,
+//! and only by compare-and-swap ([`Store::put_versioned`]).
 
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom};
@@ -10,12 +13,13 @@ use crate::CkptError;
 
 /// Object storage as the checkpoint engine needs it.
 pub trait Store: Send + Sync {
-    /// Writes `bytes` under `key`, atomically and durably.
+    /// Creates `key` with `bytes`, atomically and durably; an existing `key` is
+    /// [`CkptError::AlreadyExists`] and stays as it was.
     fn put(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError>;
-    /// Writes a part of something a later record commits (a manifest or chunk list that
+    /// Creates a part of something a later record commits (a manifest or chunk list that
     /// names it with its length and checksum): durable once [`Store::sync_parts`] returns
     /// for its directory, but not atomic by itself, as the record's checksum catches a torn
-    /// part. Stores where every put is atomic anyway just put.
+    /// part. Exclusive like [`Store::put`]. Stores where every put is atomic anyway just put.
     fn put_part(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
         self.put(key, bytes)
     }
@@ -51,6 +55,24 @@ pub trait Store: Send + Sync {
         buf.extend_from_slice(&self.get_range(key, offset, len)?);
         Ok(())
     }
+    /// The object at `key` and its version (`None`: no object), for compare-and-swap.
+    fn get_versioned(&self, key: &str) -> Result<Option<(Vec<u8>, String)>, CkptError>;
+    /// Writes `key` only if its version is still `expected` (`None`: only if it does not
+    /// exist); otherwise [`CkptError::Conflict`]. Returns the new version. Used for leases
+    /// alone: nothing else in a checkpoint location is ever replaced.
+    fn put_versioned(
+        &self,
+        key: &str,
+        bytes: &[u8],
+        expected: Option<&str>,
+    ) -> Result<String, CkptError>;
+    /// When `key` was last written, in ms since the Unix epoch (`None`: no object), so
+    /// abandoned uncommitted data can be told by its age.
+    fn modified_unix_ms(&self, key: &str) -> Result<Option<u64>, CkptError>;
+    /// Free bytes where new objects go, where the backend can tell (a local file system).
+    fn free_bytes(&self) -> Option<u64> {
+        None
+    }
     /// Keys under `prefix` (a directory-like prefix ending in `/`, or empty), sorted.
     fn list(&self, prefix: &str) -> Result<Vec<String>, CkptError>;
     fn delete(&self, key: &str) -> Result<(), CkptError>;
@@ -70,8 +92,10 @@ pub struct LocalStore {
     scratch: std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
 }
 
-/// `ftrec_fsio::write_atomic`'s temporary names; listings skip them.
+/// `ftrec_fsio::write_atomic_new`'s temporary names; listings skip them.
 const TMP_SUFFIX: &str = ".tmp";
+/// The lock file beside a versioned object that serialises its compare-and-swap.
+const GUARD_SUFFIX: &str = ".guard";
 
 impl LocalStore {
     pub fn open(root: &Path) -> Result<Self, CkptError> {
@@ -96,6 +120,29 @@ impl LocalStore {
     fn path(&self, key: &str) -> Result<PathBuf, CkptError> {
         check_key(key)?;
         Ok(self.root.join(key))
+    }
+
+    /// The directory `path` goes in, created (durably) when missing.
+    fn make_parent(&self, path: &Path) -> Result<(), CkptError> {
+        let dir = path.parent().unwrap_or(&self.root);
+        Ok(ftrec_fsio::create_dir_durable(&self.root, dir)?)
+    }
+}
+
+/// A local object's version: the CRC32C of its bytes and their length. Every lease write
+/// carries a fresh nonce and expiry, so two writes never share a version.
+fn local_version(bytes: &[u8]) -> String {
+    format!("{:08x}-{}", crc32c::crc32c(bytes), bytes.len())
+}
+
+/// Maps "the name is taken" to [`CkptError::AlreadyExists`].
+fn exclusive(e: ftrec_fsio::IoAt) -> CkptError {
+    if e.error.kind() == std::io::ErrorKind::AlreadyExists {
+        CkptError::AlreadyExists {
+            key: e.path.display().to_string(),
+        }
+    } else {
+        e.into()
     }
 }
 
@@ -122,9 +169,8 @@ fn io(path: &Path, error: std::io::Error) -> CkptError {
 impl Store for LocalStore {
     fn put(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
         let path = self.path(key)?;
-        let dir = path.parent().unwrap_or(&self.root).to_path_buf();
-        fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
-        Ok(ftrec_fsio::write_atomic(&path, bytes)?)
+        self.make_parent(&path)?;
+        ftrec_fsio::write_atomic_new(&path, bytes).map_err(exclusive)
     }
 
     /// No temporary name, rename or directory sync per part: on this VM they cost a full
@@ -134,12 +180,72 @@ impl Store for LocalStore {
     /// largest CPU cost.
     fn put_part(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
         let path = self.path(key)?;
-        let dir = path.parent().unwrap_or(&self.root).to_path_buf();
-        fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
+        self.make_parent(&path)?;
         let mut scratch = self.take_scratch();
         let written = ftrec_fsio::write_unbuffered(&path, bytes, &mut scratch);
         self.return_scratch(scratch);
-        Ok(written?)
+        written.map_err(exclusive)
+    }
+
+    fn get_versioned(&self, key: &str) -> Result<Option<(Vec<u8>, String)>, CkptError> {
+        match self.get(key) {
+            Ok(bytes) => {
+                let version = local_version(&bytes);
+                Ok(Some((bytes, version)))
+            }
+            Err(CkptError::NotFound(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Serialised by an exclusive `flock` on a guard file beside the object, so the
+    /// compare and the swap are one step for every process on this host (and on file
+    /// systems whose `flock` is coherent across hosts).
+    fn put_versioned(
+        &self,
+        key: &str,
+        bytes: &[u8],
+        expected: Option<&str>,
+    ) -> Result<String, CkptError> {
+        let path = self.path(key)?;
+        self.make_parent(&path)?;
+        let guard_path = PathBuf::from(format!("{}{GUARD_SUFFIX}", path.display()));
+        let guard = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&guard_path)
+            .map_err(|e| io(&guard_path, e))?;
+        rustix::fs::flock(&guard, rustix::fs::FlockOperation::LockExclusive)
+            .map_err(|e| io(&guard_path, e.into()))?;
+        let current = self.get_versioned(key)?.map(|(_, v)| v);
+        if current.as_deref() != expected {
+            return Err(CkptError::Conflict(format!(
+                "{} changed under us (expected version {expected:?}, found {current:?})",
+                path.display()
+            )));
+        }
+        // The guard makes this replace safe: no other writer is between our compare and
+        // this write.
+        ftrec_fsio::write_atomic(&path, bytes)?;
+        Ok(local_version(bytes))
+    }
+
+    fn modified_unix_ms(&self, key: &str) -> Result<Option<u64>, CkptError> {
+        let path = self.path(key)?;
+        match fs::metadata(&path).and_then(|m| m.modified()) {
+            Ok(t) => Ok(Some(
+                t.duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64),
+            )),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io(&path, e)),
+        }
+    }
+
+    fn free_bytes(&self) -> Option<u64> {
+        let st = rustix::fs::statvfs(&self.root).ok()?;
+        Some(st.f_bavail.saturating_mul(st.f_frsize))
     }
 
     fn sync_parts(&self, prefix: &str) -> Result<(), CkptError> {
@@ -238,7 +344,7 @@ impl Store for LocalStore {
                     stack.push(p);
                 } else if let Ok(rel) = p.strip_prefix(&self.root) {
                     let key = rel.to_string_lossy().replace('\\', "/");
-                    if !key.ends_with(TMP_SUFFIX) {
+                    if !key.ends_with(TMP_SUFFIX) && !key.ends_with(GUARD_SUFFIX) {
                         out.push(key);
                     }
                 }
@@ -265,6 +371,52 @@ impl Store for LocalStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn objects_are_created_once_and_never_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path()).unwrap();
+        s.put("m/a.man", b"one").unwrap();
+        s.put_part("d/x/a.chunk", b"part").unwrap();
+        assert!(matches!(
+            s.put("m/a.man", b"two"),
+            Err(CkptError::AlreadyExists { .. })
+        ));
+        assert!(matches!(
+            s.put_part("d/x/a.chunk", b"other"),
+            Err(CkptError::AlreadyExists { .. })
+        ));
+        assert_eq!(s.get("m/a.man").unwrap(), b"one");
+        assert_eq!(s.get("d/x/a.chunk").unwrap(), b"part");
+    }
+
+    #[test]
+    fn versioned_puts_are_compare_and_swap() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(dir.path()).unwrap();
+        assert!(s.get_versioned("locks/w").unwrap().is_none());
+        let v1 = s.put_versioned("locks/w", b"a", None).unwrap();
+        assert!(matches!(
+            s.put_versioned("locks/w", b"b", None),
+            Err(CkptError::Conflict(_))
+        ));
+        let v2 = s.put_versioned("locks/w", b"bb", Some(&v1)).unwrap();
+        assert!(matches!(
+            s.put_versioned("locks/w", b"c", Some(&v1)),
+            Err(CkptError::Conflict(_))
+        ));
+        assert_eq!(
+            s.get_versioned("locks/w").unwrap().unwrap(),
+            (b"bb".to_vec(), v2)
+        );
+        assert_eq!(
+            s.list("locks/").unwrap(),
+            vec!["locks/w"],
+            "guards are not objects"
+        );
+        assert!(s.modified_unix_ms("locks/w").unwrap().is_some());
+        assert!(s.modified_unix_ms("locks/none").unwrap().is_none());
+    }
 
     #[test]
     fn put_get_list_delete_and_key_validation() {

@@ -16,45 +16,54 @@ use crate::IoAt;
 /// which covers every logical block size in use (512 B or 4 KiB).
 pub const DIRECT_ALIGN: usize = 4096;
 
-/// Creates (or truncates) `path` and writes `bytes` to it durably (`fdatasync`), without
-/// going through the page cache where the file system allows it. `scratch` is a reusable
-/// buffer: unbuffered writes need an aligned source, so `bytes` is copied into it (a
-/// memcpy into warm memory, far cheaper than the page-cache copy it replaces). Not
+/// Creates `path`, which must not exist (`O_EXCL`: a name clash is an error of kind
+/// `AlreadyExists`, never an overwrite), and writes `bytes` to it durably (`fdatasync`),
+/// without going through the page cache where the file system allows it. `scratch` is a
+/// reusable buffer: unbuffered writes need an aligned source, so `bytes` is copied into it
+/// (a memcpy into warm memory, far cheaper than the page-cache copy it replaces). Not
 /// atomic: callers publish the file through a record that names its length and checksum.
 pub fn write_unbuffered(path: &Path, bytes: &[u8], scratch: &mut Vec<u8>) -> Result<(), IoAt> {
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| IoAt::new(path, e))?;
     #[cfg(target_os = "linux")]
-    if let Some(file) = open_direct(path)? {
+    if set_direct(&file, true) {
         match write_aligned(&file, bytes, scratch) {
             Ok(true) => return file.sync_data().map_err(|e| IoAt::new(path, e)),
             Ok(false) => {}
-            // Some file systems accept O_DIRECT at open and refuse the write instead; the
-            // buffered path below rewrites the file from the start.
+            // Some file systems accept O_DIRECT and refuse the write instead; the file is
+            // ours (created above), so the buffered path below rewrites it from the start.
             Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {}
             Err(e) => return Err(IoAt::new(path, e)),
         }
+        set_direct(&file, false);
     }
-    File::create(path)
-        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_data()))
+    let mut file = &file;
+    file.set_len(0)
+        .and_then(|()| std::io::Seek::rewind(&mut file))
+        .and_then(|()| file.write_all(bytes))
+        .and_then(|()| file.sync_data())
         .map_err(|e| IoAt::new(path, e))
 }
 
-/// The file opened for unbuffered writing, or `None` where the file system refuses
-/// `O_DIRECT` (`EINVAL`).
+/// Turns `O_DIRECT` on or off for `file`; `false` where the file system refuses it.
+/// Set after an exclusive create rather than at open: a file system that refuses
+/// `O_DIRECT` at open may already have created the file, which would then clash with the
+/// buffered retry.
 #[cfg(target_os = "linux")]
-fn open_direct(path: &Path) -> Result<Option<File>, IoAt> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let direct = rustix::fs::OFlags::DIRECT.bits() as i32;
-    match std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(direct)
-        .open(path)
-    {
-        Ok(f) => Ok(Some(f)),
-        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => Ok(None),
-        Err(e) => Err(IoAt::new(path, e)),
-    }
+fn set_direct(file: &File, on: bool) -> bool {
+    use rustix::fs::OFlags;
+    let Ok(flags) = rustix::fs::fcntl_getfl(file) else {
+        return false;
+    };
+    let flags = if on {
+        flags | OFlags::DIRECT
+    } else {
+        flags - OFlags::DIRECT
+    };
+    rustix::fs::fcntl_setfl(file, flags).is_ok()
 }
 
 /// Bytes staged and written per request: a multiple of [`DIRECT_ALIGN`], large enough
@@ -126,13 +135,14 @@ mod tests {
     }
 
     #[test]
-    fn rewriting_a_longer_file_leaves_no_old_tail() {
+    fn an_existing_file_is_never_overwritten() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
         let mut scratch = Vec::new();
         write_unbuffered(&path, &[7u8; 10_000], &mut scratch).unwrap();
-        write_unbuffered(&path, &[1u8; 100], &mut scratch).unwrap();
-        assert_eq!(std::fs::read(&path).unwrap(), vec![1u8; 100]);
+        let e = write_unbuffered(&path, &[1u8; 100], &mut scratch).unwrap_err();
+        assert_eq!(e.error.kind(), std::io::ErrorKind::AlreadyExists, "{e}");
+        assert_eq!(std::fs::read(&path).unwrap(), vec![7u8; 10_000]);
     }
 
     #[test]

@@ -59,6 +59,74 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), IoAt> {
     publish(file, &tmp, path)
 }
 
+/// Writes `bytes` as the file at `path`, atomically and durably, only if no file is there:
+/// a name clash is an error of kind `AlreadyExists` and leaves the existing file untouched.
+/// The data goes to a temporary name unique to this call, is fsynced, then hard-linked to
+/// `path` (`link` fails on an existing name, where `rename` would replace it), and the
+/// directory is fsynced.
+pub fn write_atomic_new(path: &Path, bytes: &[u8]) -> Result<(), IoAt> {
+    let mut name = OsString::from(path.as_os_str());
+    name.push(format!(".{}-{}.tmp", std::process::id(), unique_suffix()));
+    let tmp = PathBuf::from(name);
+    let written = File::create_new(&tmp)
+        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()))
+        .map_err(|e| IoAt::new(&tmp, e))
+        .and_then(|()| std::fs::hard_link(&tmp, path).map_err(|e| IoAt::new(path, e)));
+    // The temporary name is ours alone; whatever happened, it goes.
+    let _ = std::fs::remove_file(&tmp);
+    written?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+/// A value no other call in this process has had, so temporary names never collide.
+fn unique_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos() as u64);
+    (NEXT.fetch_add(1, Ordering::Relaxed) << 32) ^ nanos
+}
+
+/// Fsyncs a directory, so the names created or removed in it survive a power loss.
+pub fn sync_dir(dir: &Path) -> Result<(), IoAt> {
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| IoAt::new(dir, e))
+}
+
+/// Creates `dir` and any missing parents below `root` (which must exist), fsyncing the
+/// parent of every directory it creates: a new directory's name is only durable once its
+/// parent is synced, and a checkpoint's files are lost with it.
+pub fn create_dir_durable(root: &Path, dir: &Path) -> Result<(), IoAt> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let mut missing = Vec::new();
+    let mut at = dir;
+    while !at.is_dir() && at != root {
+        missing.push(at);
+        match at.parent() {
+            Some(p) => at = p,
+            None => break,
+        }
+    }
+    for d in missing.into_iter().rev() {
+        match std::fs::create_dir(d) {
+            Ok(()) => sync_dir(d.parent().unwrap_or(root))?,
+            // Another writer made it first; its creator syncs the parent.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(IoAt::new(d, e)),
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,6 +140,27 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), b"two");
         assert!(!temp_path(&path).exists());
         assert_eq!(temp_path(&path), dir.path().join("a.bin.tmp"));
+    }
+
+    #[test]
+    fn exclusive_publish_refuses_an_existing_name_and_leaves_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.man");
+        write_atomic_new(&path, b"one").unwrap();
+        let e = write_atomic_new(&path, b"two").unwrap_err();
+        assert_eq!(e.error.kind(), std::io::ErrorKind::AlreadyExists, "{e}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"one");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(names.len(), 1, "a temporary was left behind");
+    }
+
+    #[test]
+    fn durable_directories_are_created_with_their_parents() {
+        let dir = tempfile::tempdir().unwrap();
+        let deep = dir.path().join("a/b/c");
+        create_dir_durable(dir.path(), &deep).unwrap();
+        assert!(deep.is_dir());
+        create_dir_durable(dir.path(), &deep).unwrap();
     }
 
     #[test]

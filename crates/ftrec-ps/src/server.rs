@@ -6,7 +6,8 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use ftrec_ckpt::{CheckpointKind, Checkpoints, open_store};
+use ftrec_ckpt::lease::LeaseOptions;
+use ftrec_ckpt::{BranchStart, CheckpointKind, Checkpoints, open_store};
 use tokio::sync::{Notify, watch};
 use tonic::{Request, Response, Status};
 
@@ -43,7 +44,13 @@ struct Core {
     id: usize,
     shard: RwLock<Shard>,
     live: watch::Sender<Live>,
+    /// The shard's checkpoint location (for reads).
     checkpoints: Option<Checkpoints>,
+    /// The handle that writes there, holding the location's writer lease: started on the
+    /// first checkpoint of a fresh run, and again on every restore (a restore to a cut
+    /// older than this shard's newest checkpoint forks a new branch, so no committed
+    /// checkpoint is ever rewritten).
+    writer: std::sync::Mutex<Option<Checkpoints>>,
     metrics: Arc<Metrics>,
     stop: Arc<Notify>,
 }
@@ -113,8 +120,77 @@ impl Core {
         Ok(())
     }
 
-    fn checkpoint_id(step: u64) -> String {
-        Checkpoints::id_for(step, CheckpointKind::Full)
+    /// A lease key shared by every process that holds this job's slot, so a replacement
+    /// takes the lease over from its predecessor, which the coordinator declared dead and
+    /// fenced off by epoch.
+    fn lease_options(&self) -> LeaseOptions {
+        LeaseOptions {
+            owner_key: Some(format!(
+                "job {:016x} server {}",
+                self.job.fingerprint(),
+                self.id
+            )),
+            ..LeaseOptions::new(format!("ftrec server {}", self.id))
+        }
+    }
+
+    /// The writing handle, started as a fresh run's when no restore started one.
+    fn writer(&self, checkpoints: &Checkpoints) -> Result<Checkpoints, PsError> {
+        let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(w) = writer.as_ref() {
+            return Ok(w.clone());
+        }
+        let start = BranchStart::Fresh {
+            new_branch: self.job.config.checkpoint.new_branch,
+        };
+        let (w, _) = checkpoints.start_writing(start, &self.lease_options())?;
+        *writer = Some(w.clone());
+        Ok(w)
+    }
+
+    /// Restores the shard checkpoint of cut `step`, then writes on from there.
+    fn restore_cut(
+        &self,
+        checkpoints: &Checkpoints,
+        step: u64,
+    ) -> Result<(ftrec_model::ModelState, String), PsError> {
+        // The cut's checkpoint at this step written last: an older one at the same step
+        // belongs to a cut that failed part-way and was rolled back below it.
+        let id = checkpoints
+            .list()?
+            .into_iter()
+            .filter(|m| m.step == step && m.kind == CheckpointKind::Full)
+            .max_by_key(|m| m.created_unix_ms)
+            .map(|m| m.id)
+            .ok_or_else(|| {
+                PsError::Config(format!(
+                    "server {}: no checkpoint of step {step} in {}",
+                    self.id,
+                    checkpoints.store().describe("")
+                ))
+            })?;
+        let (state, manifest) = checkpoints.restore(&id)?;
+        check_owner(
+            &manifest.trainer,
+            self.id,
+            &checkpoints.store().describe(&id),
+        )?;
+        let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        // Let go of the old lease first; the same owner key could take it over anyway.
+        *writer = None;
+        let (w, started) = checkpoints.start_writing(
+            BranchStart::Resume { from: id.clone() },
+            &self.lease_options(),
+        )?;
+        if let Some(fork) = &started.forked_from {
+            tracing::info!(
+                "server {}: restored {fork}, newer checkpoints exist: writing branch {}",
+                self.id,
+                started.branch
+            );
+        }
+        *writer = Some(w);
+        Ok((state, id))
     }
 }
 
@@ -231,6 +307,7 @@ impl ParameterServer for Service {
         };
         let started = Instant::now();
         let manifest = tokio::task::spawn_blocking(move || -> Result<_, PsError> {
+            let checkpoints = core.writer(&checkpoints)?;
             let shard = core
                 .shard
                 .read()
@@ -274,16 +351,17 @@ impl ParameterServer for Service {
                     let Some(checkpoints) = &core.checkpoints else {
                         return Err(PsError::Config("checkpoint.dir is not set".into()));
                     };
-                    let id = Core::checkpoint_id(step);
-                    let (state, manifest) = checkpoints.restore(&id)?;
-                    check_owner(
-                        &manifest.trainer,
-                        core.id,
-                        &checkpoints.store().describe(&id),
-                    )?;
-                    (state, id)
+                    core.restore_cut(checkpoints, step)?
                 }
                 None => {
+                    // Back to the initial shard: whatever this slot committed before is
+                    // another history, so new checkpoints go to a branch of their own.
+                    if let Some(checkpoints) = &core.checkpoints {
+                        let mut writer = core.writer.lock().unwrap_or_else(|p| p.into_inner());
+                        *writer = None;
+                        let start = BranchStart::Fresh { new_branch: true };
+                        *writer = Some(checkpoints.start_writing(start, &core.lease_options())?.0);
+                    }
                     let c = &core.job.config;
                     let shard = Shard::initial(&c.model_config()?, c.seed, core.layout, core.id)?;
                     (shard.state().clone(), "initial".to_string())
@@ -438,6 +516,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         shard: RwLock::new(shard),
         live,
         checkpoints,
+        writer: std::sync::Mutex::new(None),
         metrics,
         stop: stop.clone(),
     });

@@ -178,6 +178,18 @@ pub struct CheckpointSection {
     /// DECK's knobs (`checkpoint.deck.stride`, `.full_every_deltas`, `.live_factor`, ...).
     #[serde(default)]
     pub deck: ftrec_ckpt::deck::DeckOptions,
+    /// Start an independent branch of history in a location that already holds
+    /// checkpoints (`--new-branch`); a fresh run there is refused otherwise.
+    #[serde(default)]
+    pub new_branch: bool,
+    /// Cluster: keep the newest this many consistent cuts; older shard checkpoints are
+    /// deleted once a newer cut commits (0 keeps every cut).
+    #[serde(default = "default_keep")]
+    pub keep: usize,
+}
+
+fn default_keep() -> usize {
+    2
 }
 
 fn default_incrcp_threshold() -> f64 {
@@ -193,6 +205,8 @@ impl Default for CheckpointSection {
             full_every: None,
             incrcp_threshold: default_incrcp_threshold(),
             deck: Default::default(),
+            new_branch: false,
+            keep: default_keep(),
         }
     }
 }

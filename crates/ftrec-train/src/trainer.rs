@@ -10,7 +10,10 @@ use serde::Serialize;
 
 use crate::config::CheckpointStrategy;
 use crate::{TrainConfig, TrainError};
-use ftrec_ckpt::{Checkpointer, Checkpoints, Manifest, Strategy, open_store};
+use ftrec_ckpt::lease::LeaseOptions;
+use ftrec_ckpt::{
+    BranchStart, Checkpointer, Checkpoints, Manifest, Strategy, WriterStart, open_store,
+};
 
 /// Where training is: steps done and the next sample of the training split. Saved with
 /// checkpoints so a resumed run reads exactly the samples an uninterrupted one would.
@@ -68,6 +71,10 @@ pub struct Trainer {
     checkpointer: Option<Checkpointer>,
     /// The checkpoint this trainer was resumed from.
     pub resumed_from: Option<String>,
+    /// The checkpoint location `resumed_from` is in.
+    resumed_location: Option<String>,
+    /// Where this run's checkpoints go: branch, fork point.
+    pub writer_start: Option<WriterStart>,
     /// How fast that restore read the model, for IncrCP's baseline-reset estimate.
     restore_bytes_per_second: Option<f64>,
 }
@@ -134,11 +141,16 @@ impl Trainer {
             pool,
             checkpointer: None,
             resumed_from: None,
+            resumed_location: None,
+            writer_start: None,
             restore_bytes_per_second: None,
         })
     }
 
-    /// Opens the configured checkpoint directory (if any) so `train` writes checkpoints.
+    /// Opens the configured checkpoint directory (if any) so `train` writes checkpoints:
+    /// takes its writer lease and picks the branch (a resume from an older checkpoint of
+    /// the same location forks a new branch; a fresh run into a location with history is
+    /// refused unless `checkpoint.new_branch`).
     pub fn enable_checkpoints(&mut self) -> Result<(), TrainError> {
         let c = &self.config.checkpoint;
         let strategy = match c.effective_strategy() {
@@ -150,7 +162,30 @@ impl Trainer {
             CheckpointStrategy::Deck => Strategy::Deck,
         };
         if let Some(dir) = &c.dir {
-            let checkpoints = Checkpoints::new(open_store(&dir.to_string_lossy())?);
+            let location = dir.to_string_lossy().to_string();
+            let same_location = self
+                .resumed_location
+                .as_deref()
+                .is_some_and(|r| same_location(r, &location));
+            let start = match (&self.resumed_from, same_location) {
+                (Some(id), true) => BranchStart::Resume { from: id.clone() },
+                _ => BranchStart::Fresh {
+                    new_branch: c.new_branch,
+                },
+            };
+            let (checkpoints, started) = Checkpoints::new(open_store(&location)?)
+                .start_writing(start, &LeaseOptions::new("ftrec train"))?;
+            if started.new_branch || started.cleaned > 0 {
+                tracing::info!(
+                    "checkpoints go to branch {} of {location}{}",
+                    started.branch,
+                    started
+                        .forked_from
+                        .as_ref()
+                        .map_or(String::new(), |f| format!(", forked at {f}"))
+                );
+            }
+            self.writer_start = Some(started);
             if strategy == Strategy::Deck {
                 self.checkpointer = Some(Checkpointer::deck(
                     checkpoints,
@@ -186,14 +221,15 @@ impl Trainer {
         fallback: bool,
     ) -> Result<Self, TrainError> {
         let restore_started = Instant::now();
-        let ck = Checkpoints::new(open_store(&dir.to_string_lossy())?);
+        let location = dir.to_string_lossy().to_string();
+        let ck = Checkpoints::new(open_store(&location)?);
         let no_checkpoint =
             || TrainError::Config(format!("{}: no checkpoint to resume from", dir.display()));
         let (state, manifest) = if fallback {
             // Newest first, starting at the requested checkpoint; damaged ones are skipped
             // and reported, so the user sees what was passed over.
             let (good, damaged) = ck.list_lenient()?;
-            for e in &damaged {
+            for (_, e) in &damaged {
                 tracing::warn!("skipping a damaged manifest: {e}");
             }
             let limit = id
@@ -234,6 +270,7 @@ impl Trainer {
         let mut trainer =
             Self::assemble(config, model_config, Self::pool(config)?, state, progress)?;
         trainer.resumed_from = Some(id);
+        trainer.resumed_location = Some(location);
         let seconds = restore_started.elapsed().as_secs_f64();
         trainer.restore_bytes_per_second = Some(trainer.state.bytes() as f64 / seconds.max(1e-9));
         Ok(trainer)
@@ -405,5 +442,17 @@ impl Trainer {
     pub fn digest(&self) -> ftrec_model::StateDigest {
         let state = &self.state;
         self.pool.install(|| state.digest())
+    }
+}
+
+/// Whether two checkpoint locations name the same place (local paths compared after
+/// resolving them; URLs as written, less a trailing `/`).
+fn same_location(a: &str, b: &str) -> bool {
+    if a.contains("://") || b.contains("://") {
+        return a.trim_end_matches('/') == b.trim_end_matches('/');
+    }
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
     }
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Result, bail};
 use ftrec_ckpt::merge::merge_all;
 use ftrec_ckpt::{
-    CHUNK_BYTES, CheckpointKind, Checkpoints, Manifest, export_safetensors, open_store,
+    CHUNK_BYTES, CheckpointKind, Checkpoints, GcOptions, Manifest, export_safetensors, open_store,
 };
 use ftrec_train::{Progress, snapshot};
 use serde_json::json;
@@ -47,8 +47,69 @@ fn resolve(ck: &Checkpoints, dir: &Path, id: Option<String>) -> Result<String> {
 fn summary(m: &Manifest) -> serde_json::Value {
     json!({
         "id": m.id, "kind": m.kind, "step": m.step, "parents": m.parents,
-        "bytes": m.bytes(), "time": m.created_unix_ms as f64 / 1e3,
+        "bytes": m.bytes(), "time": m.created_unix_ms as f64 / 1e3, "branch": m.branch,
     })
+}
+
+/// Refuses a location with nothing in it: an empty `ls`, `verify` or `gc` is more often a
+/// wrong path than a fact worth exit code 0.
+fn require_history(dir: &Path, good: usize, damaged: usize) -> Result<()> {
+    if good + damaged == 0 {
+        bail!("{}: no checkpoints here", dir.display());
+    }
+    Ok(())
+}
+
+/// `ckpt ls`: the branches (with where each forked), then every checkpoint by branch;
+/// a damaged manifest is reported and the rest still listed.
+fn list(dir: &Path, json: bool) -> Result<()> {
+    let ck = open(dir)?;
+    let (all, damaged) = ck.list_lenient()?;
+    require_history(dir, all.len(), damaged.len())?;
+    let branches = ftrec_ckpt::branch::list(ck.store())?;
+    if json {
+        let damaged: Vec<_> = damaged
+            .iter()
+            .map(|(id, e)| json!({"id": id, "error": e.to_string()}))
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string(&json!({
+                "checkpoints": all.iter().map(summary).collect::<Vec<_>>(),
+                "branches": branches,
+                "damaged": damaged,
+            }))?
+        );
+    } else {
+        let mut numbers: Vec<u32> = all.iter().map(|m| m.branch).collect();
+        numbers.extend(branches.iter().map(|b| b.branch));
+        numbers.sort_unstable();
+        numbers.dedup();
+        for b in numbers {
+            let record = branches.iter().find(|r| r.branch == b);
+            let origin = match record.and_then(|r| r.parent.as_ref()) {
+                Some(f) => format!("forked from {} (branch {})", f.checkpoint, f.branch),
+                None => "independent".into(),
+            };
+            println!("branch {b}: {origin}");
+            for m in all.iter().filter(|m| m.branch == b) {
+                println!(
+                    "  {}  {:?}  step {:>8}  {:>12} bytes",
+                    m.id,
+                    m.kind,
+                    m.step,
+                    m.bytes()
+                );
+            }
+        }
+        for (id, e) in &damaged {
+            println!("{id}: DAMAGED MANIFEST: {e}");
+        }
+    }
+    if !damaged.is_empty() {
+        bail!("{} manifests are damaged", damaged.len());
+    }
+    Ok(())
 }
 
 /// What a restore of an IncrCP checkpoint reads: its rectangle of the 2-D chunk list.
@@ -71,25 +132,7 @@ fn rectangle_summary(ck: &Checkpoints, m: &Manifest) -> Result<serde_json::Value
 
 pub fn run(command: CkptCommand) -> Result<()> {
     match command {
-        CkptCommand::Ls { dir, json } => {
-            let all = open(&dir)?.list()?;
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string(&all.iter().map(summary).collect::<Vec<_>>())?
-                );
-            } else {
-                for m in &all {
-                    println!(
-                        "{}  {:?}  step {:>8}  {:>12} bytes",
-                        m.id,
-                        m.kind,
-                        m.step,
-                        m.bytes()
-                    );
-                }
-            }
-        }
+        CkptCommand::Ls { dir, json } => list(&dir, json)?,
         CkptCommand::Show { dir, id } => {
             let ck = open(&dir)?;
             let m = ck.manifest(&id)?;
@@ -101,14 +144,22 @@ pub fn run(command: CkptCommand) -> Result<()> {
         }
         CkptCommand::Verify { dir, id, json } => {
             let ck = open(&dir)?;
-            let ids = match id {
-                Some(id) => vec![id],
-                None => ck.list()?.into_iter().map(|m| m.id).collect(),
+            let results = match id {
+                Some(id) => {
+                    let result = ck.verify(&id).map(|_| ());
+                    vec![(id, result)]
+                }
+                None => {
+                    let results = ck.verify_all()?;
+                    require_history(&dir, results.len(), 0)?;
+                    results
+                }
             };
+            let ids: Vec<&String> = results.iter().map(|(id, _)| id).collect();
             let mut failures = Vec::new();
-            for id in &ids {
-                match ck.verify(id) {
-                    Ok(_) => {
+            for (id, result) in &results {
+                match result {
+                    Ok(()) => {
                         if !json {
                             println!("{id}: ok");
                         }
@@ -165,7 +216,16 @@ pub fn run(command: CkptCommand) -> Result<()> {
         } => {
             let ck = open(&dir)?;
             loop {
-                let report = merge_all(&ck, stride, CHUNK_BYTES)?;
+                let report = match merge_all(&ck, stride, CHUNK_BYTES) {
+                    Ok(r) => r,
+                    // Another merger (the trainer's, or gc) is at work: wait for the next
+                    // round when watching, else say who holds the location.
+                    Err(ftrec_ckpt::CkptError::Busy(why)) if watch.is_some() => {
+                        tracing::info!("merge skipped: {why}");
+                        ftrec_ckpt::merge::MergeReport::default()
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 if json {
                     println!(
                         "{}",
@@ -191,16 +251,34 @@ pub fn run(command: CkptCommand) -> Result<()> {
                 }
             }
         }
-        CkptCommand::Gc { dir, keep, json } => {
-            let report = open(&dir)?.gc(keep)?;
+        CkptCommand::Gc {
+            dir,
+            keep,
+            drop_branch,
+            abandoned_after,
+            json,
+        } => {
+            let ck = open(&dir)?;
+            let (all, damaged) = ck.list_lenient()?;
+            require_history(&dir, all.len(), damaged.len())?;
+            for (id, e) in &damaged {
+                eprintln!("{id}: damaged manifest, its data is kept: {e}");
+            }
+            let options = GcOptions {
+                keep,
+                drop_branches: drop_branch,
+                abandoned_after: std::time::Duration::from_secs_f64(abandoned_after.max(0.0)),
+            };
+            let report = ck.gc_with(&options)?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 println!(
-                    "removed {} checkpoints ({}) and {} files",
+                    "removed {} checkpoints ({}) and {} files; kept {} files of writes in progress",
                     report.checkpoints.len(),
                     report.checkpoints.join(", "),
-                    report.files
+                    report.files,
+                    report.kept_in_flight
                 );
             }
         }

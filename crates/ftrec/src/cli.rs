@@ -177,7 +177,8 @@ pub enum CkptCommand {
     },
     /// Print a checkpoint's manifest.
     Show { dir: PathBuf, id: String },
-    /// Check every file of one checkpoint (or all); exits non-zero on any damage.
+    /// Check everything a restore of one checkpoint (or of each) reads, its whole lineage
+    /// included; exits non-zero on any damage.
     Verify {
         dir: PathBuf,
         id: Option<String>,
@@ -212,9 +213,17 @@ pub enum CkptCommand {
     /// Delete checkpoints not retained and the data of crashed writes.
     Gc {
         dir: PathBuf,
-        /// Keep the newest N checkpoints (and every checkpoint their restore needs).
+        /// Keep the newest N checkpoints of every branch (and every checkpoint their
+        /// restore needs).
         #[arg(long)]
         keep: Option<usize>,
+        /// Delete branch B entirely (repeatable): the explicit way to drop a branch.
+        #[arg(long = "drop-branch", value_name = "B")]
+        drop_branch: Vec<u32>,
+        /// While a writer holds the location, uncommitted data this old (seconds) is
+        /// taken as abandoned; without a live writer, all uncommitted data is.
+        #[arg(long, default_value_t = 3600.0)]
+        abandoned_after: f64,
         #[arg(long)]
         json: bool,
     },
@@ -275,6 +284,10 @@ pub struct TrainArgs {
     /// restores cleanly (reported as `resumed_from`).
     #[arg(long, requires = "resume")]
     pub fallback: bool,
+    /// Start an independent branch of history in a checkpoint location that already
+    /// holds checkpoints (a fresh run there is refused otherwise).
+    #[arg(long)]
+    pub new_branch: bool,
     /// Print one JSON object with the results.
     #[arg(long)]
     pub json: bool,

@@ -68,6 +68,7 @@ fn open_split(dir: &Path, file: &str) -> Result<Dataset> {
 
 struct TrainOutcome {
     resumed_from: Option<String>,
+    writer: Option<ftrec_ckpt::WriterStart>,
     report: ftrec_train::TrainReport,
     metrics: ftrec_model::metrics::Metrics,
     digest: String,
@@ -113,6 +114,7 @@ fn train_and_eval(
     }
     Ok(TrainOutcome {
         resumed_from: trainer.resumed_from.clone(),
+        writer: trainer.writer_start.clone(),
         report,
         metrics,
         digest: trainer.digest().to_string(),
@@ -145,7 +147,10 @@ pub(crate) fn run_overrides(
 }
 
 fn train(a: TrainArgs) -> Result<()> {
-    let extra = run_overrides(a.steps, a.data.as_deref(), a.checkpoint_dir.as_deref());
+    let mut extra = run_overrides(a.steps, a.data.as_deref(), a.checkpoint_dir.as_deref());
+    if a.new_branch {
+        extra.push("checkpoint.new_branch=true".into());
+    }
     let config = load_config(&a.config, extra)?;
     let Some(dir) = config.data.dir.clone() else {
         bail!("no dataset: pass --data DIR or set data.dir");
@@ -174,6 +179,8 @@ fn train(a: TrainArgs) -> Result<()> {
             "teacher_auc": teacher_auc,
             "checkpoints": out.report.checkpoints,
             "resumed_from": out.resumed_from,
+            "checkpoint_branch": out.writer.as_ref().map(|w| w.branch),
+            "forked_from": out.writer.as_ref().and_then(|w| w.forked_from.clone()),
         }));
     }
     println!(

@@ -1,0 +1,387 @@
+//! Leases: at most one live writer (and one merger) per checkpoint location.
+//!
+//! A lease is one small object (`locks/<name>.lease`) holding who has it and until when.
+//! It is taken and renewed only by compare-and-swap ([`Store::put_versioned`]: a
+//! conditional PUT on S3 and Azure, a `flock`-guarded replace locally), so two processes
+//! can never both believe they hold it: the loser of a race gets a conflict. A holder
+//! renews it from a background thread every third of its time to live; a holder that finds
+//! it taken over (it was too slow, or its host stalled) marks it lost, and a writer checks
+//! that before each commit. A crashed holder's lease expires; on the same host a holder
+//! whose process is gone is dead at once, so a restart after a SIGKILL does not wait.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::now_unix_ms;
+use crate::{CkptError, Store};
+
+/// The lease of the process that writes checkpoints (a trainer, a cluster server).
+pub const WRITER: &str = "writer";
+/// The lease of whoever merges or garbage-collects (DECK's merger, `ckpt merge`, `ckpt gc`).
+pub const MERGER: &str = "merger";
+
+/// How long a lease lives without renewal, unless configured.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
+
+/// Who asks for a lease, and for how long.
+#[derive(Clone, Debug)]
+pub struct LeaseOptions {
+    /// Shown to a process that finds the lease taken, e.g. "ftrec train".
+    pub purpose: String,
+    pub ttl: Duration,
+    /// A holder with the same key may take the lease over while it is live: a cluster
+    /// server's replacement (`job <fingerprint> server <id>`), whose predecessor the
+    /// coordinator has declared dead and fenced off by epoch.
+    pub owner_key: Option<String>,
+}
+
+impl LeaseOptions {
+    pub fn new(purpose: impl Into<String>) -> Self {
+        Self {
+            purpose: purpose.into(),
+            ttl: DEFAULT_TTL,
+            owner_key: None,
+        }
+    }
+}
+
+/// The stored lease.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRecord {
+    pub purpose: String,
+    pub host: String,
+    pub pid: u32,
+    /// Distinguishes two holders in one process (and a reused pid).
+    pub nonce: u64,
+    #[serde(default)]
+    pub owner_key: Option<String>,
+    pub acquired_unix_ms: u64,
+    pub expires_unix_ms: u64,
+    /// Set when the holder let go; the lease is then free.
+    #[serde(default)]
+    pub released: bool,
+}
+
+impl LeaseRecord {
+    /// Whether the holder may still be writing.
+    pub fn is_live(&self) -> bool {
+        if self.released || self.expires_unix_ms <= now_unix_ms() {
+            return false;
+        }
+        // On this host a vanished process holds nothing, whatever its expiry says.
+        !(self.host == host_name() && !process_exists(self.pid))
+    }
+
+    pub fn describe(&self) -> String {
+        let left = self.expires_unix_ms.saturating_sub(now_unix_ms()) as f64 / 1e3;
+        format!(
+            "{} (pid {} on {}, lease expires in {left:.0} s)",
+            self.purpose, self.pid, self.host
+        )
+    }
+}
+
+fn key_for(name: &str) -> String {
+    format!("locks/{name}.lease")
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "unknown-host".into())
+}
+
+fn process_exists(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Tells two holders apart (std's randomly keyed hasher over the clock); not a secret.
+fn fresh_nonce() -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(now_unix_ms())
+}
+
+fn encode(record: &LeaseRecord) -> Result<Vec<u8>, CkptError> {
+    serde_json::to_vec_pretty(record).map_err(|e| CkptError::Invalid(e.to_string()))
+}
+
+fn decode(store: &dyn Store, key: &str, bytes: &[u8]) -> Result<LeaseRecord, CkptError> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| CkptError::corrupt(&store.describe(key), format!("unreadable lease: {e}")))
+}
+
+/// The current holder of lease `name`, if it is live.
+pub fn live_holder(store: &dyn Store, name: &str) -> Result<Option<LeaseRecord>, CkptError> {
+    let key = key_for(name);
+    match store.get_versioned(&key)? {
+        Some((bytes, _)) => Ok(Some(decode(store, &key, &bytes)?).filter(LeaseRecord::is_live)),
+        None => Ok(None),
+    }
+}
+
+struct Held {
+    store: Arc<dyn Store>,
+    key: String,
+    ttl: Duration,
+    state: Mutex<(LeaseRecord, String)>,
+    lost: AtomicBool,
+}
+
+impl Held {
+    /// Extends the lease by one time to live; a conflict means it was taken over.
+    fn renew(&self) -> Result<(), CkptError> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut record = state.0.clone();
+        record.expires_unix_ms = now_unix_ms() + self.ttl.as_millis() as u64;
+        match self
+            .store
+            .put_versioned(&self.key, &encode(&record)?, Some(&state.1))
+        {
+            Ok(version) => {
+                *state = (record, version);
+                Ok(())
+            }
+            Err(CkptError::Conflict(m)) => {
+                self.lost.store(true, Ordering::SeqCst);
+                Err(CkptError::Busy(format!(
+                    "lost the lease {}: {m}",
+                    self.store.describe(&self.key)
+                )))
+            }
+            Err(e) => {
+                if state.0.expires_unix_ms <= now_unix_ms() {
+                    self.lost.store(true, Ordering::SeqCst);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A held lease. Renewed in the background until dropped; dropping releases it.
+pub struct Lease {
+    held: Arc<Held>,
+    stop: Option<Sender<()>>,
+    renewer: Option<JoinHandle<()>>,
+}
+
+impl Lease {
+    /// Takes lease `name`: free, expired, released, held by a dead process on this host,
+    /// or held under the same `owner_key`. A live holder makes it [`CkptError::Busy`],
+    /// naming the holder.
+    pub fn acquire(
+        store: Arc<dyn Store>,
+        name: &str,
+        options: &LeaseOptions,
+    ) -> Result<Self, CkptError> {
+        let key = key_for(name);
+        let now = now_unix_ms();
+        let record = LeaseRecord {
+            purpose: options.purpose.clone(),
+            host: host_name(),
+            pid: std::process::id(),
+            nonce: fresh_nonce(),
+            owner_key: options.owner_key.clone(),
+            acquired_unix_ms: now,
+            expires_unix_ms: now + options.ttl.as_millis() as u64,
+            released: false,
+        };
+        let bytes = encode(&record)?;
+        // A conflict means another process moved between our read and our write: look
+        // again, a few times, then report whoever holds it.
+        for _ in 0..5 {
+            let expected = match store.get_versioned(&key)? {
+                None => None,
+                Some((current, version)) => {
+                    let holder = decode(&*store, &key, &current)?;
+                    let same_owner =
+                        options.owner_key.is_some() && holder.owner_key == options.owner_key;
+                    if holder.is_live() && !same_owner {
+                        return Err(CkptError::Busy(format!(
+                            "{} is in use: its {name} lease is held by {}",
+                            store.describe(""),
+                            holder.describe()
+                        )));
+                    }
+                    Some(version)
+                }
+            };
+            match store.put_versioned(&key, &bytes, expected.as_deref()) {
+                Ok(version) => return Ok(Self::hold(store, key, options.ttl, record, version)),
+                Err(CkptError::Conflict(_)) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(CkptError::Busy(format!(
+            "{}: the {name} lease keeps changing hands; another process is taking it",
+            store.describe("")
+        )))
+    }
+
+    fn hold(
+        store: Arc<dyn Store>,
+        key: String,
+        ttl: Duration,
+        record: LeaseRecord,
+        version: String,
+    ) -> Self {
+        let held = Arc::new(Held {
+            store,
+            key,
+            ttl,
+            state: Mutex::new((record, version)),
+            lost: AtomicBool::new(false),
+        });
+        let (stop, stopped) = channel();
+        let renewing = Arc::clone(&held);
+        let renewer = std::thread::Builder::new()
+            .name("ckpt-lease".into())
+            .spawn(move || renew_until_stopped(&renewing, &stopped))
+            .map_err(|e| tracing::warn!("no lease renewer thread ({e}); the lease will expire"))
+            .ok();
+        Self {
+            held,
+            stop: Some(stop),
+            renewer,
+        }
+    }
+
+    /// Fails once the lease was lost: the caller must not commit anything more.
+    pub fn check(&self) -> Result<(), CkptError> {
+        if self.held.lost.load(Ordering::SeqCst) {
+            return Err(CkptError::Busy(format!(
+                "{}: this process lost its lease, so it stops writing checkpoints",
+                self.held.store.describe(&self.held.key)
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn record(&self) -> LeaseRecord {
+        let state = self.held.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.0.clone()
+    }
+}
+
+fn renew_until_stopped(held: &Held, stopped: &Receiver<()>) {
+    let period = (held.ttl / 3).max(Duration::from_millis(10));
+    loop {
+        match stopped.recv_timeout(period) {
+            Err(RecvTimeoutError::Timeout) => {}
+            _ => return,
+        }
+        if let Err(e) = held.renew() {
+            tracing::warn!("checkpoint lease renewal failed: {e}");
+            if held.lost.load(Ordering::SeqCst) {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(r) = self.renewer.take() {
+            let _ = r.join();
+        }
+        if self.held.lost.load(Ordering::SeqCst) {
+            return;
+        }
+        let state = self.held.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut record = state.0.clone();
+        record.released = true;
+        let released = encode(&record).and_then(|bytes| {
+            self.held
+                .store
+                .put_versioned(&self.held.key, &bytes, Some(&state.1))
+        });
+        if let Err(e) = released {
+            tracing::debug!("releasing the checkpoint lease: {e} (it expires by itself)");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::LocalStore;
+
+    fn store() -> (tempfile::TempDir, Arc<dyn Store>) {
+        let dir = tempfile::tempdir().unwrap();
+        let s: Arc<dyn Store> = Arc::new(LocalStore::open(dir.path()).unwrap());
+        (dir, s)
+    }
+
+    #[test]
+    fn a_live_lease_excludes_a_second_holder_until_released() {
+        let (_dir, s) = store();
+        let first = Lease::acquire(s.clone(), WRITER, &LeaseOptions::new("trainer A")).unwrap();
+        let e = Lease::acquire(s.clone(), WRITER, &LeaseOptions::new("trainer B"))
+            .err()
+            .unwrap();
+        assert!(matches!(e, CkptError::Busy(_)), "{e}");
+        assert!(e.to_string().contains("trainer A"), "{e}");
+        assert!(
+            e.to_string().contains(&std::process::id().to_string()),
+            "{e}"
+        );
+        assert_eq!(
+            live_holder(&*s, WRITER).unwrap().unwrap().purpose,
+            "trainer A"
+        );
+        drop(first);
+        assert!(live_holder(&*s, WRITER).unwrap().is_none());
+        Lease::acquire(s, WRITER, &LeaseOptions::new("trainer B")).unwrap();
+    }
+
+    #[test]
+    fn an_expired_lease_is_taken_over_and_its_holder_learns_it_lost() {
+        let (_dir, s) = store();
+        let short = LeaseOptions {
+            ttl: Duration::from_millis(300),
+            ..LeaseOptions::new("slow")
+        };
+        let slow = Lease::acquire(s.clone(), WRITER, &short).unwrap();
+        // Stop the renewer, as a stalled host would.
+        let mut slow = slow;
+        drop(slow.stop.take());
+        slow.renewer.take().unwrap().join().unwrap();
+        std::thread::sleep(Duration::from_millis(400));
+        let _new = Lease::acquire(s.clone(), WRITER, &LeaseOptions::new("new")).unwrap();
+        assert!(slow.held.renew().is_err());
+        assert!(slow.check().is_err(), "the old holder must stop committing");
+    }
+
+    #[test]
+    fn the_same_owner_key_takes_a_live_lease_over() {
+        let (_dir, s) = store();
+        let keyed = LeaseOptions {
+            owner_key: Some("job 7 server 1".into()),
+            ..LeaseOptions::new("server 1")
+        };
+        let old = Lease::acquire(s.clone(), WRITER, &keyed).unwrap();
+        let new = Lease::acquire(s.clone(), WRITER, &keyed).unwrap();
+        assert!(old.held.renew().is_err());
+        assert!(new.check().is_ok());
+        assert!(Lease::acquire(s, WRITER, &LeaseOptions::new("other")).is_err());
+    }
+
+    #[test]
+    fn renewal_keeps_a_short_lease_alive() {
+        let (_dir, s) = store();
+        let short = LeaseOptions {
+            ttl: Duration::from_millis(300),
+            ..LeaseOptions::new("renewing")
+        };
+        let held = Lease::acquire(s.clone(), WRITER, &short).unwrap();
+        std::thread::sleep(Duration::from_millis(900));
+        assert!(held.check().is_ok());
+        assert!(Lease::acquire(s, WRITER, &LeaseOptions::new("other")).is_err());
+    }
+}

@@ -1,0 +1,157 @@
+//! Starting to write: the writer lease, and the branch new checkpoints go to.
+//!
+//! - A fresh run into an empty location writes branch 0.
+//! - A fresh run into a location that holds checkpoints is refused, unless it asks for a
+//!   new, independent branch (`--new-branch`): it would otherwise interleave its steps
+//!   with another run's history.
+//! - A resume from the newest commit of its branch continues that branch; from any older
+//!   checkpoint it starts a new branch forked there, so the old branch's later
+//!   checkpoints stay exactly as they were.
+
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::branch::{self, ForkPoint};
+use crate::lease::{self, Lease, LeaseOptions};
+use crate::{Checkpoints, CkptError, Manifest};
+
+/// How a writer starts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BranchStart {
+    /// A run from scratch; `new_branch` allows it into a location with history.
+    Fresh { new_branch: bool },
+    /// A run restored from checkpoint `from`.
+    Resume { from: String },
+}
+
+/// Where a writer landed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WriterStart {
+    pub branch: u32,
+    /// Set when this writer started a new branch forked at a checkpoint.
+    pub forked_from: Option<String>,
+    /// Whether the branch is new (forked, independent, or the first one).
+    pub new_branch: bool,
+    /// Objects of crashed writes on this branch that were removed before writing.
+    pub cleaned: usize,
+}
+
+impl Checkpoints {
+    /// Takes the writer lease and picks the branch (module docs); the returned handle
+    /// writes there and holds the lease until it and its clones are dropped. A live
+    /// writer elsewhere is [`CkptError::Busy`], naming it.
+    pub fn start_writing(
+        &self,
+        start: BranchStart,
+        options: &LeaseOptions,
+    ) -> Result<(Checkpoints, WriterStart), CkptError> {
+        let held = Lease::acquire(self.store_arc(), lease::WRITER, options)?;
+        let (good, damaged) = self.list_lenient()?;
+        let ids: Vec<String> = good.iter().map(|m| m.id.clone()).collect();
+        let describe = |m: &Manifest| format!("{} (branch {})", m.id, m.branch);
+        let (branch, forked_from, new_branch, head_step) = match &start {
+            BranchStart::Fresh { new_branch } => {
+                if good.is_empty() && damaged.is_empty() {
+                    // Nothing committed: take over the newest recorded branch (a run that
+                    // died before its first commit), or start branch 0.
+                    match branch::list(self.store())?.last() {
+                        Some(b) => (b.branch, None, false, None),
+                        None => (
+                            branch::create(self.store(), None, &options.purpose, &ids)?.branch,
+                            None,
+                            true,
+                            None,
+                        ),
+                    }
+                } else if !new_branch {
+                    let newest = self.latest()?;
+                    return Err(CkptError::Invalid(format!(
+                        "{} already holds checkpoints (newest: {}); resume from one (--resume), or start an independent branch with --new-branch",
+                        self.store().describe(""),
+                        newest
+                            .as_ref()
+                            .map_or("a damaged manifest".into(), describe)
+                    )));
+                } else {
+                    let b = branch::create(self.store(), None, &options.purpose, &ids)?;
+                    (b.branch, None, true, None)
+                }
+            }
+            BranchStart::Resume { from } => {
+                let m = self.manifest(from)?;
+                let newest_on_branch = good
+                    .iter()
+                    .filter(|o| o.branch == m.branch)
+                    .map(|o| o.step)
+                    .max()
+                    .unwrap_or(m.step);
+                if m.step >= newest_on_branch {
+                    (m.branch, None, false, Some(m.step))
+                } else {
+                    let fork = ForkPoint {
+                        branch: m.branch,
+                        checkpoint: m.id.clone(),
+                        step: m.step,
+                    };
+                    let b = branch::create(self.store(), Some(fork), &options.purpose, &ids)?;
+                    tracing::info!(
+                        "resuming from {} (not the newest of branch {}): new branch {}",
+                        m.id,
+                        m.branch,
+                        b.branch
+                    );
+                    (b.branch, Some(m.id.clone()), true, None)
+                }
+            }
+        };
+        let mut writer = self.clone();
+        writer.branch = branch;
+        writer.lease = Some(Arc::new(held));
+        let cleaned = writer.clean_crashed_writes(&ids, head_step)?;
+        Ok((
+            writer,
+            WriterStart {
+                branch,
+                forked_from,
+                new_branch,
+                cleaned,
+            },
+        ))
+    }
+
+    /// Removes the uncommitted objects a crashed writer of this branch left after
+    /// `head_step` (all of them when `None`): the lease says no one else writes here, and
+    /// this writer is about to reuse their names.
+    fn clean_crashed_writes(
+        &self,
+        committed: &[String],
+        head_step: Option<u64>,
+    ) -> Result<usize, CkptError> {
+        let mut removed = 0;
+        for key in self
+            .store()
+            .list("data/")?
+            .into_iter()
+            .chain(self.store().list("incrcp/")?)
+        {
+            let Some(id) = key.split('/').nth(1) else {
+                continue;
+            };
+            let crashed = branch::branch_of_id(id) == self.branch
+                && !committed.iter().any(|c| c == id)
+                && branch::step_of_id(id).is_some_and(|s| head_step.is_none_or(|head| s > head));
+            if crashed {
+                self.store().delete(&key)?;
+                removed += 1;
+            }
+        }
+        if removed > 0 {
+            tracing::info!(
+                "removed {removed} objects of crashed checkpoint writes on branch {}",
+                self.branch
+            );
+        }
+        Ok(removed)
+    }
+}
