@@ -109,10 +109,11 @@ fn a_consistent_but_wrong_manifest_cannot_double_cover_rows() {
         .unwrap();
     let good = m.chunks.clone();
     let first = m.chunks.iter().position(|c| c.table == Some(0)).unwrap();
+    // Simulated tampering: the store itself never replaces a committed object.
     let rewrite = |m: &ftrec_ckpt::Manifest| {
-        ck.store()
-            .put(&ftrec_ckpt::Manifest::key_for(&m.id), &m.encode().unwrap())
-            .unwrap();
+        let key = ftrec_ckpt::Manifest::key_for(&m.id);
+        ck.store().delete(&key).unwrap();
+        ck.store().put(&key, &m.encode().unwrap()).unwrap();
     };
     // One chunk listed twice and its neighbour dropped: the row counts no longer add up.
     m.chunks[first + 1] = m.chunks[first].clone();
@@ -156,11 +157,33 @@ fn gc_keeps_the_lineage_of_retained_checkpoints_and_removes_crash_leftovers() {
         .put("data/000000000099-incr/t0001-000000.chunk", b"y")
         .unwrap();
     let before = store.restore(&ids[4]).unwrap().0;
+    // While a writer holds the location, fresh uncommitted data may be its write in
+    // progress, whatever its step: kept.
+    let writer = ftrec_ckpt::lease::Lease::acquire(
+        std::sync::Arc::new(ftrec_ckpt::LocalStore::open(dir.path()).unwrap()),
+        ftrec_ckpt::lease::WRITER,
+        &ftrec_ckpt::lease::LeaseOptions::new("a live trainer"),
+    )
+    .unwrap();
     let report = store.gc(Some(1)).unwrap();
     assert_eq!(
         report.checkpoints,
         vec![ids[0].clone(), ids[1].clone(), ids[2].clone()]
     );
+    assert_eq!(report.kept_in_flight, 2, "{report:?}");
+    let keys = store.store().list("data/").unwrap();
+    assert!(keys.iter().any(|k| k.contains("000000000035")));
+    assert!(keys.iter().any(|k| k.contains("000000000099")));
+    // Older than the abandonment age: gone, even below the newest step or above it.
+    let aged = ftrec_ckpt::GcOptions {
+        keep: Some(1),
+        abandoned_after: std::time::Duration::ZERO,
+        ..Default::default()
+    };
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let report = store.gc_with(&aged).unwrap();
+    assert_eq!(report.files, 2, "{report:?}");
+    drop(writer);
     let left: Vec<String> = store.list().unwrap().into_iter().map(|m| m.id).collect();
     assert_eq!(
         left,
@@ -170,15 +193,16 @@ fn gc_keeps_the_lineage_of_retained_checkpoints_and_removes_crash_leftovers() {
     assert_eq!(store.manifest(&ids[3]).unwrap().kind, CheckpointKind::Full);
     assert_eq!(store.restore(&ids[4]).unwrap().0, before);
     let keys = store.store().list("data/").unwrap();
-    assert!(
-        !keys.iter().any(|k| k.contains("000000000035")),
-        "crash leftover removed"
-    );
-    assert!(
-        keys.iter().any(|k| k.contains("000000000099")),
-        "possibly in-progress data kept"
-    );
+    assert!(!keys.iter().any(|k| k.contains("000000000035")));
+    assert!(!keys.iter().any(|k| k.contains("000000000099")));
     assert!(!keys.iter().any(|k| k.contains(&ids[0])));
+    // With no live writer, uncommitted data is abandoned at once.
+    store
+        .store()
+        .put("data/000000000077-incr/t0001-000000.chunk", b"z")
+        .unwrap();
+    assert_eq!(store.gc(Some(1)).unwrap().files, 1);
+    assert!(store.gc(Some(0)).is_err(), "keep 0 would delete everything");
 }
 
 #[test]

@@ -36,6 +36,7 @@ pub fn run(root: &str, open: impl Fn(&str) -> ObjectStoreBackend) {
         store.get("a/b"),
         Err(ftrec_ckpt::CkptError::NotFound(_))
     ));
+    lease_contract(open(&format!("{root}/leases")));
 
     for (i, strategy) in [
         Strategy::Full,
@@ -91,10 +92,48 @@ pub fn run(root: &str, open: impl Fn(&str) -> ObjectStoreBackend) {
     let mut bytes = store.get(&m.chunks[0].key).unwrap();
     let n = bytes.len();
     bytes[n / 2] ^= 1;
+    // The store refuses to replace a committed object; damage comes from outside.
+    assert!(matches!(
+        store.put(&m.chunks[0].key, &bytes),
+        Err(ftrec_ckpt::CkptError::AlreadyExists { .. })
+    ));
+    store.delete(&m.chunks[0].key).unwrap();
     store.put(&m.chunks[0].key, &bytes).unwrap();
     let e = ck.restore(&m.id).map(|_| ()).unwrap_err().to_string();
     assert!(
         e.contains(&format!("{root}/damage/")) && e.contains(&m.chunks[0].key),
         "{e}"
     );
+}
+
+/// Conditional writes on the real server: a create never replaces, a compare-and-swap
+/// with a stale version fails, and so a live lease excludes a second holder.
+fn lease_contract(store: ObjectStoreBackend) {
+    use ftrec_ckpt::CkptError;
+    use ftrec_ckpt::lease::{Lease, LeaseOptions, WRITER};
+    store.put("once", b"first").unwrap();
+    assert!(matches!(
+        store.put("once", b"second"),
+        Err(CkptError::AlreadyExists { .. })
+    ));
+    assert_eq!(store.get("once").unwrap(), b"first");
+    let v1 = store.put_versioned("cas", b"a", None).unwrap();
+    assert!(matches!(
+        store.put_versioned("cas", b"b", None),
+        Err(CkptError::Conflict(_))
+    ));
+    let v2 = store.put_versioned("cas", b"bb", Some(&v1)).unwrap();
+    assert!(matches!(
+        store.put_versioned("cas", b"c", Some(&v1)),
+        Err(CkptError::Conflict(_))
+    ));
+    assert_eq!(store.get_versioned("cas").unwrap().unwrap().1, v2);
+    let store: std::sync::Arc<dyn Store> = std::sync::Arc::new(store);
+    let held = Lease::acquire(store.clone(), WRITER, &LeaseOptions::new("first")).unwrap();
+    let e = Lease::acquire(store.clone(), WRITER, &LeaseOptions::new("second"))
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("first"), "{e}");
+    drop(held);
+    Lease::acquire(store, WRITER, &LeaseOptions::new("second")).unwrap();
 }
