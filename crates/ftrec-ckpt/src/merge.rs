@@ -222,6 +222,11 @@ fn merge(
         a.from,
         crate::branch::id_suffix(last.branch)
     );
+    // Files under this id without its manifest are a killed merger's: the merger lease
+    // this merger holds says no other is writing them.
+    for key in ck.store().list(&format!("data/{id}/"))? {
+        ck.store().delete(&key)?;
+    }
     let parts = Parts::new(ck);
     let merged = merge_into(ck, &parts, inputs, &id, chunk_bytes);
     parts.finish(merged)

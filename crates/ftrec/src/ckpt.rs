@@ -68,18 +68,29 @@ fn list(dir: &Path, json: bool) -> Result<()> {
     require_history(dir, all.len(), damaged.len())?;
     let branches = ftrec_ckpt::branch::list(ck.store())?;
     if json {
-        let damaged: Vec<_> = damaged
+        // One entry per checkpoint, each with its branch and where that branch forked;
+        // a damaged manifest is an entry with its error.
+        let fork_of = |b: u32| {
+            branches
+                .iter()
+                .find(|r| r.branch == b)
+                .and_then(|r| r.parent.as_ref())
+                .map(|f| f.checkpoint.clone())
+        };
+        let mut entries: Vec<serde_json::Value> = all
             .iter()
-            .map(|(id, e)| json!({"id": id, "error": e.to_string()}))
+            .map(|m| {
+                let mut e = summary(m);
+                e["branch_forked_from"] = json!(fork_of(m.branch));
+                e
+            })
             .collect();
-        println!(
-            "{}",
-            serde_json::to_string(&json!({
-                "checkpoints": all.iter().map(summary).collect::<Vec<_>>(),
-                "branches": branches,
-                "damaged": damaged,
-            }))?
+        entries.extend(
+            damaged
+                .iter()
+                .map(|(id, e)| json!({"id": id, "error": e.to_string()})),
         );
+        println!("{}", serde_json::to_string(&entries)?);
     } else {
         let mut numbers: Vec<u32> = all.iter().map(|m| m.branch).collect();
         numbers.extend(branches.iter().map(|b| b.branch));

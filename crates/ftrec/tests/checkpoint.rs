@@ -172,10 +172,10 @@ fn sigkill_while_checkpointing_never_damages_committed_checkpoints() {
         killed_mid_run += (!status.success()) as usize;
         // A kill can land after the manifests directory exists but before the first
         // manifest's rename, so ask the engine what is committed rather than the file system.
+        let ls = ftrec(&["ckpt", "ls", ck, "--json"]);
         let committed = Path::new(ck).exists()
-            && !json_of(&ftrec(&["ckpt", "ls", ck, "--json"]))
-                .as_array()
-                .is_none_or(|list| list.is_empty());
+            && ls.status.success()
+            && !json_of(&ls).as_array().is_none_or(|list| list.is_empty());
         if !committed {
             continue; // killed before the first commit
         }
