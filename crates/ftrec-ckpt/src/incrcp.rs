@@ -54,19 +54,30 @@ impl Increment {
     }
 }
 
+/// Where an increment goes in its baseline's chunk list.
+pub struct IncrementPlace<'a> {
+    pub id: String,
+    pub step: u64,
+    pub baseline: &'a str,
+    pub column: u32,
+}
+
 /// Copies `rows` (per table, sorted and unique) and the dense state out of `state` in
 /// chunks of about `chunk_bytes`: the only part of an IncrCP checkpoint that blocks
 /// training.
 pub fn copy_increment(
     state: &ModelState,
-    id: String,
-    step: u64,
+    place: IncrementPlace<'_>,
     rows: &[Vec<u32>],
-    baseline: &str,
-    column: u32,
     trainer: serde_json::Value,
     chunk_bytes: usize,
 ) -> Result<Increment, CkptError> {
+    let IncrementPlace {
+        id,
+        step,
+        baseline,
+        column,
+    } = place;
     let chunks = chunk_jobs(state, rows, chunk_bytes)?
         .par_iter()
         .map(|&(t, _, part)| {

@@ -74,7 +74,7 @@ impl LeaseRecord {
             return false;
         }
         // On this host a vanished process holds nothing, whatever its expiry says.
-        !(self.host == host_name() && !process_exists(self.pid))
+        self.host != host_name() || process_exists(self.pid)
     }
 
     pub fn describe(&self) -> String {

@@ -454,16 +454,13 @@ impl Checkpointer {
         let Some(i) = &mut self.incrcp else {
             return Err(CkptError::Invalid("incrcp state missing".into()));
         };
-        let inc = incrcp::copy_increment(
-            state,
-            self.checkpoints.id_for(step, CheckpointKind::Incrcp),
+        let place = incrcp::IncrementPlace {
+            id: self.checkpoints.id_for(step, CheckpointKind::Incrcp),
             step,
-            &rows,
-            &baseline,
-            i.column,
-            trainer,
-            self.chunk_bytes,
-        )?;
+            baseline: &baseline,
+            column: i.column,
+        };
+        let inc = incrcp::copy_increment(state, place, &rows, trainer, self.chunk_bytes)?;
         let manifest = inc.manifest.clone();
         i.worker.submit(inc, state.tables().len())?;
         i.column += 1;

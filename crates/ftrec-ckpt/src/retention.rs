@@ -36,6 +36,10 @@ pub struct GcOptions {
     pub drop_branches: Vec<u32>,
     /// Uncommitted objects this old are abandoned even while a writer holds the lease.
     pub abandoned_after: Duration,
+    /// Retain exactly these checkpoints (and what their restores read), whatever their
+    /// branch; `keep` and `drop_branches` are then not used. A cluster keeps its newest
+    /// consistent cuts this way.
+    pub keep_ids: Option<Vec<String>>,
 }
 
 impl Default for GcOptions {
@@ -44,6 +48,7 @@ impl Default for GcOptions {
             keep: None,
             drop_branches: Vec::new(),
             abandoned_after: Duration::from_secs(3600),
+            keep_ids: None,
         }
     }
 }
@@ -84,12 +89,20 @@ impl Checkpoints {
             by_branch.entry(m.branch).or_default().push(m);
         }
         let mut retained: BTreeSet<String> = BTreeSet::new();
-        for (branch, ms) in &by_branch {
-            if options.drop_branches.contains(branch) {
-                continue;
+        if let Some(ids) = &options.keep_ids {
+            retained.extend(
+                all.iter()
+                    .filter(|m| ids.contains(&m.id))
+                    .map(|m| m.id.clone()),
+            );
+        } else {
+            for (branch, ms) in &by_branch {
+                if options.drop_branches.contains(branch) {
+                    continue;
+                }
+                let n = options.keep.unwrap_or(usize::MAX);
+                retained.extend(ms.iter().rev().take(n).map(|m| m.id.clone()));
             }
-            let n = options.keep.unwrap_or(usize::MAX);
-            retained.extend(ms.iter().rev().take(n).map(|m| m.id.clone()));
         }
         for id in retained.clone() {
             for m in self.lineage(&id)? {

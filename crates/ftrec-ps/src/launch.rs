@@ -103,6 +103,39 @@ pub struct LaunchReport {
     pub logloss: Option<f64>,
     pub eval_samples: Option<usize>,
     pub run_dir: PathBuf,
+    /// The caller removed the run directory after the run (a temporary one).
+    pub run_dir_removed: bool,
+}
+
+/// Set in every child's environment: the launcher's pid, so the child dies with it.
+pub const LAUNCHER_PID_ENV: &str = "FTREC_LAUNCHER_PID";
+
+/// Called first thing by `ftrec server` and `ftrec worker`. When a launcher started this
+/// process, the kernel SIGKILLs it as soon as the launcher dies, even by SIGKILL
+/// (`PR_SET_PDEATHSIG`), so no server or worker lingers as an orphan. The launcher spawns
+/// children only from threads that live as long as it does (its main thread and its
+/// runtime's workers), since the signal follows the spawning thread's exit.
+pub fn die_with_launcher() -> Result<(), PsError> {
+    let Some(launcher) = std::env::var(LAUNCHER_PID_ENV)
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+    else {
+        return Ok(());
+    };
+    rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL)).map_err(
+        |e| PsError::Io {
+            path: "prctl(PR_SET_PDEATHSIG)".into(),
+            error: e.into(),
+        },
+    )?;
+    // The launcher may have died before the call above: this process was then adopted.
+    let parent = rustix::process::getppid().map(|p| p.as_raw_pid());
+    if parent != Some(launcher) {
+        return Err(PsError::Refused(format!(
+            "the launcher (pid {launcher}) is gone; not starting without it"
+        )));
+    }
+    Ok(())
 }
 
 /// Child processes started by the launcher; every one is reaped or killed at the end.
@@ -127,6 +160,7 @@ impl LocalSpawner {
         })?;
         let child = Command::new(&self.exe)
             .args(args)
+            .env(LAUNCHER_PID_ENV, std::process::id().to_string())
             .env(
                 "FTREC_LOG",
                 std::env::var("FTREC_LOG").unwrap_or_else(|_| "info".into()),
@@ -256,6 +290,7 @@ async fn run_async(
             spawner.spawn_worker(id, &address)?;
         }
         let started = Instant::now();
+        let mut stop_signals = StopSignals::new()?;
         let mut kills = opts.kills.clone();
         kills.sort_by_key(|k| k.after);
         let mut kill_times = Vec::new();
@@ -302,7 +337,17 @@ async fn run_async(
                     }
                 }
             }
-            match handle.wait_done(Duration::from_millis(200)).await {
+            let waited = tokio::select! {
+                waited = handle.wait_done(Duration::from_millis(200)) => waited,
+                signal = stop_signals.recv() => {
+                    shared.event("interrupted", format!("{signal}: stopping every process"));
+                    return Err(PsError::Refused(format!(
+                        "stopped by {signal}; timeline and logs in {}",
+                        run_dir.display()
+                    )));
+                }
+            };
+            match waited {
                 Ok(()) => break,
                 Err(PsError::Timeout(_)) => {}
                 Err(e) => {
@@ -341,7 +386,6 @@ async fn run_async(
             logloss = Some(metrics.logloss);
             eval_samples = Some(metrics.samples);
         }
-        timeline.write(&run_dir)?;
         Ok(LaunchReport {
             summary,
             state_digest: digest,
@@ -352,6 +396,7 @@ async fn run_async(
             logloss,
             eval_samples,
             run_dir: run_dir.clone(),
+            run_dir_removed: false,
         })
     }
     .await;
@@ -359,7 +404,43 @@ async fn run_async(
     let reaper = spawner.clone();
     let grace = Duration::from_millis(cluster.failure_timeout_ms * 5).max(Duration::from_secs(3));
     let _ = tokio::task::spawn_blocking(move || reaper.reap(grace)).await;
-    result
+    // Written on every way out (success, error, time limit, signal): the record of what
+    // happened is most wanted when the run did not finish.
+    let written = shared.timeline().write(&run_dir);
+    match (result, written) {
+        (Ok(report), Ok(())) => Ok(report),
+        (Ok(_), Err(e)) => Err(e),
+        (Err(e), written) => {
+            if let Err(w) = written {
+                tracing::warn!("writing the timeline: {w}");
+            }
+            Err(e)
+        }
+    }
+}
+
+/// SIGTERM and SIGINT, which stop the run cleanly (children stopped, timeline written)
+/// instead of killing the launcher outright.
+struct StopSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn new() -> Result<Self, PsError> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).map_err(io(Path::new("SIGTERM handler")))?,
+            int: signal(SignalKind::interrupt()).map_err(io(Path::new("SIGINT handler")))?,
+        })
+    }
+
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
 }
 
 /// Reassembles the whole model from every server's shard.

@@ -2,6 +2,7 @@
 //! pulling rows and pushing gradients, and a coordinator for membership, failure detection,
 //! consistent checkpoints and recovery. All processes talk gRPC over TCP (tonic).
 
+pub mod applied;
 pub mod client;
 pub mod coordinator;
 mod error;

@@ -279,6 +279,7 @@ pub fn run(command: CkptCommand) -> Result<()> {
                 keep,
                 drop_branches: drop_branch,
                 abandoned_after: std::time::Duration::from_secs_f64(abandoned_after.max(0.0)),
+                keep_ids: None,
             };
             let report = ck.gc_with(&options)?;
             if json {

@@ -30,6 +30,8 @@ fn absolute(p: &Path) -> Result<PathBuf> {
 }
 
 pub fn run(a: ClusterRunArgs) -> Result<()> {
+    // A run directory of our own choosing is scratch: removed after a successful run.
+    let temporary_run_dir = a.run_dir.is_none();
     let run_dir = match &a.run_dir {
         Some(d) => absolute(d)?,
         None => std::env::temp_dir().join(format!(
@@ -113,7 +115,12 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         },
     );
     pb.finish_and_clear();
-    let report = report?;
+    let mut report = report?;
+    if temporary_run_dir {
+        std::fs::remove_dir_all(&report.run_dir)
+            .with_context(|| format!("removing the run directory {}", report.run_dir.display()))?;
+        report.run_dir_removed = true;
+    }
     if a.json {
         return print_json(serde_json::to_value(&report)?);
     }
@@ -152,10 +159,16 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         );
     }
     println!("state digest {}", report.state_digest);
-    println!(
-        "timeline: {}/timeline.json (plot: ftrec plot timeline {0} --out timeline.png)",
-        report.run_dir.display()
-    );
+    if report.run_dir_removed {
+        println!(
+            "run directory removed; pass --run-dir DIR to keep the timeline, logs and checkpoints"
+        );
+    } else {
+        println!(
+            "timeline: {}/timeline.json (plot: ftrec plot timeline {0} --out timeline.png)",
+            report.run_dir.display()
+        );
+    }
     Ok(())
 }
 
@@ -178,6 +191,7 @@ pub fn kill(coordinator: &str, member: &str) -> Result<()> {
 }
 
 pub fn server(a: ServerArgs) -> Result<()> {
+    launch::die_with_launcher()?;
     let job = Job::load(&a.job)?;
     runtime()?.block_on(ftrec_ps::server::run(ServerOptions {
         job,
@@ -189,6 +203,7 @@ pub fn server(a: ServerArgs) -> Result<()> {
 }
 
 pub fn worker(a: WorkerArgs) -> Result<()> {
+    launch::die_with_launcher()?;
     let job = Job::load(&a.job)?;
     ftrec_ps::worker::run(WorkerOptions {
         job,

@@ -371,6 +371,15 @@ fn bench_train(a: BenchTrainArgs) -> Result<()> {
     Ok(())
 }
 
+fn remove_if_present(dir: &Path) -> Result<()> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("removing {}", dir.display()))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn demo(a: DemoArgs) -> Result<()> {
     let gen_config = GenConfig::criteo(a.rows, a.seed, 0.01);
     let meta = match read_meta(&a.dir) {
@@ -401,7 +410,11 @@ fn demo(a: DemoArgs) -> Result<()> {
     config.cluster.ft = ftrec_train::config::FaultTolerance::Checkpoint;
     config.checkpoint.every_steps = 100;
     let run_dir = std::path::absolute(a.dir.join("cluster-run"))?;
-    config.checkpoint.dir = Some(run_dir.join("checkpoints"));
+    let checkpoints = run_dir.join("checkpoints");
+    // The demo's checkpoints are its own scratch: each demo is a fresh run, and a full
+    // cut of this model is about 680 MB.
+    remove_if_present(&checkpoints)?;
+    config.checkpoint.dir = Some(checkpoints.clone());
     if !a.json {
         println!(
             "training the tiny DLRM (26 tables x 100k rows x 64, batch 2048) for one pass over {} samples\n\
@@ -438,6 +451,8 @@ fn demo(a: DemoArgs) -> Result<()> {
     );
     pb.finish_and_clear();
     let report = report?;
+    // Recovery is over; what stays is the timeline and the logs (disk use bounded).
+    remove_if_present(&checkpoints)?;
     let auc = report.auc.unwrap_or(f64::NAN);
     let gap = meta.teacher_auc - auc;
     let s = &report.summary;

@@ -1,0 +1,240 @@
+//! The control loop: failure detection, and the work it plans (cuts, recoveries, orphan
+//! resolution), decided under the lock and run by `tasks` after releasing it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ftrec_train::config::FaultTolerance;
+
+use super::tasks::run_task;
+use super::{MAX_RESPAWNS, Member, Phase, Shared, State};
+
+/// Work the control loop decided on under the lock and runs after releasing it.
+pub(super) enum Task {
+    Checkpoint {
+        epoch: u64,
+        step: u64,
+    },
+    Recover {
+        epoch: u64,
+        action: RecoveryAction,
+    },
+    /// Ask every server which of these orphan steps it applied.
+    Resolve {
+        epoch: u64,
+        steps: Vec<u64>,
+    },
+}
+
+/// How the servers come back after a failure.
+#[derive(Clone, Copy)]
+pub(super) enum RecoveryAction {
+    /// `ft = checkpoint`: every server restores the cut of this step (`None`: no cut yet,
+    /// back to the initial state), and training continues from it.
+    Rollback { cut: Option<u64> },
+    /// `ft = none`: every server keeps its state and adopts the new epoch; training goes
+    /// on from `next_step`, after the steps still unsettled. Every step below `floor` is
+    /// applied on every survivor, and a replacement's fresh shard counts them as applied.
+    KeepState { floor: u64, next_step: u64 },
+}
+
+impl RecoveryAction {
+    /// The step training continues from.
+    pub(super) fn resume_step(self) -> u64 {
+        match self {
+            Self::Rollback { cut } => cut.unwrap_or(0),
+            Self::KeepState { next_step, .. } => next_step,
+        }
+    }
+}
+
+pub(super) async fn control_loop(shared: Arc<Shared>) {
+    let tick = Duration::from_millis(20);
+    loop {
+        tokio::time::sleep(tick).await;
+        let task = {
+            let mut s = shared.lock();
+            if s.stopping && s.phase == Phase::Done {
+                // Keep answering heartbeats with `stop` until the process exits.
+                continue;
+            }
+            detect_failures(&shared, &mut s);
+            if s.busy { None } else { plan(&shared, &mut s) }
+        };
+        if let Some(task) = task {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                run_task(&shared, task).await;
+                shared.lock().busy = false;
+            });
+        }
+    }
+}
+
+fn detect_failures(shared: &Shared, s: &mut State) {
+    let c = &shared.job.config.cluster;
+    let timeout = Duration::from_millis(c.failure_timeout_ms);
+    if s.phase == Phase::Done {
+        return;
+    }
+    for id in 0..s.servers.len() {
+        let m = &s.servers[id];
+        let silent = m.silent_for();
+        if !(m.joined && m.alive && silent > timeout) {
+            continue;
+        }
+        s.servers[id].alive = false;
+        s.servers[id].ready = false;
+        s.epoch += 1;
+        shared.metrics.add("ftrec_failures_total", 1);
+        shared.metrics.set("ftrec_epoch", s.epoch as f64);
+        let t = s.timeline.event(
+            "failure-detected",
+            format!("server {id} silent for {silent:?}; epoch {}", s.epoch),
+        );
+        s.failed.push((id, t));
+        s.suspect_until = None;
+        if c.ft == FaultTolerance::None {
+            // The run keeps its state: steps in flight are resolved after recovery (granted
+            // again, or settled where every server applied them). With a rollback every
+            // step from the cut is trained again anyway.
+            s.steps.orphan_outstanding();
+        }
+        s.phase = Phase::Recovering;
+        replace_server(shared, s, id);
+    }
+    for id in 0..s.workers.len() {
+        let m = &s.workers[id];
+        if !(m.joined && m.alive && m.silent_for() > timeout) {
+            continue;
+        }
+        s.workers[id].alive = false;
+        // Its steps are resolved with the servers and granted again: never skipped.
+        let held = s.steps.worker_died(id);
+        s.timeline.event(
+            "worker-failure-detected",
+            format!("worker {id}; {held} granted steps to resolve"),
+        );
+        s.worker_respawns[id] += 1;
+        if s.worker_respawns[id] > MAX_RESPAWNS {
+            let why = format!(
+                "worker {id} failed {} times; giving up (see its log)",
+                s.worker_respawns[id]
+            );
+            s.timeline.event("fatal", why.clone());
+            s.fatal = Some(why);
+            s.phase = Phase::Done;
+            shared.done.send_replace(true);
+            return;
+        }
+        if let Some(sp) = &shared.spawner
+            && let Err(e) = sp.spawn_worker(id, &shared.address)
+        {
+            s.timeline
+                .event("replacement-failed", format!("worker {id}: {e}"));
+        }
+    }
+}
+
+fn replace_server(shared: &Shared, s: &mut State, id: usize) {
+    if let Some(spare) = s
+        .spares
+        .iter_mut()
+        .find(|sp| sp.assigned.is_none() && sp.member.alive)
+    {
+        spare.assigned = Some(id);
+        let member = Member {
+            ready: false,
+            last_seen: Some(Instant::now()),
+            ..spare.member.clone()
+        };
+        let (token, address) = (spare.token, member.address.clone());
+        s.servers[id] = member;
+        s.placement.assign(id, address.clone());
+        s.timeline.event(
+            "replacement",
+            format!("spare {token} at {address} takes server {id}"),
+        );
+        return;
+    }
+    match &shared.spawner {
+        Some(sp) => match sp.spawn_server(id, &shared.address) {
+            Ok(()) => {
+                s.timeline
+                    .event("replacement", format!("spawned a new server {id}"));
+            }
+            Err(e) => {
+                s.timeline
+                    .event("replacement-failed", format!("server {id}: {e}"));
+            }
+        },
+        None => {
+            s.timeline.event(
+                "replacement",
+                format!("waiting for a spare or a new `ftrec server --id {id}`"),
+            );
+        }
+    }
+}
+
+fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
+    match s.phase {
+        Phase::Starting => {
+            let servers_ready = s.servers.iter().all(|m| m.alive && m.ready);
+            let workers_joined = s.workers.iter().all(|m| m.joined);
+            if servers_ready && workers_joined {
+                s.phase = Phase::Running;
+                let total = s.steps.total();
+                s.timeline.event("training-start", format!("{total} steps"));
+            }
+            None
+        }
+        Phase::Checkpointing if s.steps.quiet() => {
+            s.busy = true;
+            Some(Task::Checkpoint {
+                epoch: s.epoch,
+                step: s.steps.next_step(),
+            })
+        }
+        Phase::Recovering => {
+            if !s.servers.iter().all(|m| m.alive && m.ready) {
+                return None;
+            }
+            s.busy = true;
+            s.timeline
+                .event("recovery-start", format!("epoch {}", s.epoch));
+            let action = match shared.job.config.cluster.ft {
+                FaultTolerance::Checkpoint => RecoveryAction::Rollback {
+                    cut: s.last_checkpoint,
+                },
+                FaultTolerance::None => RecoveryAction::KeepState {
+                    floor: s.steps.floor(),
+                    next_step: s.steps.next_step(),
+                },
+            };
+            Some(Task::Recover {
+                epoch: s.epoch,
+                action,
+            })
+        }
+        Phase::Running | Phase::Checkpointing => {
+            let now = Instant::now();
+            let orphans = s.steps.orphans();
+            // A worker that lost a step to a server error makes the coordinator wait for
+            // the failure detector first; asking a dying server would only fail.
+            let waiting = [s.suspect_until, s.resolve_after]
+                .into_iter()
+                .flatten()
+                .any(|t| now < t);
+            if orphans.is_empty() || waiting {
+                return None;
+            }
+            s.busy = true;
+            Some(Task::Resolve {
+                epoch: s.epoch,
+                steps: orphans,
+            })
+        }
+        Phase::Done => None,
+    }
+}

@@ -1,0 +1,300 @@
+//! Where every step of the schedule stands, so that no step is lost and none is applied
+//! twice.
+//!
+//! A step is *fresh* (not granted yet), *outstanding* (granted to a worker in an epoch),
+//! an *orphan* (its worker died or lost it, and nobody knows yet which servers applied its
+//! push), *to regrant* (known to be safe to hand out again), or settled. Orphans are
+//! resolved by asking every server whether it applied the step ([`Applied`]): everywhere
+//! settles it; nowhere makes it a regrant; partly is repaired by a regrant (servers ignore
+//! a push of a step they already applied) or, where that would not be exact, by rolling
+//! back to the last cut.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A granted step's holder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grant {
+    pub worker: usize,
+    pub epoch: u64,
+}
+
+/// How many servers applied an orphan step's push.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Applied {
+    Everywhere,
+    Nowhere,
+    Partly,
+}
+
+/// What resolving an orphan decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resolution {
+    /// Every server applied it: the step is done.
+    Settled,
+    /// It goes to the next worker that asks.
+    Regranted,
+    /// Some servers applied it and a regrant would not be exact: roll back to the cut.
+    NeedsRollback,
+    /// It was no orphan (settled meanwhile, or rolled back).
+    Unknown,
+}
+
+#[derive(Debug, Default)]
+pub struct StepLedger {
+    total: u64,
+    next: u64,
+    outstanding: BTreeMap<u64, Grant>,
+    orphans: BTreeSet<u64>,
+    regrant: BTreeSet<u64>,
+}
+
+impl StepLedger {
+    pub fn new(total: u64) -> Self {
+        Self {
+            total,
+            ..Self::default()
+        }
+    }
+
+    /// The first step never granted.
+    pub fn next_step(&self) -> u64 {
+        self.next
+    }
+
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// A step for `worker`: a regrant first (they hold the cut and, in deterministic mode,
+    /// every later step back), then a fresh one when `fresh` allows it.
+    pub fn take(&mut self, worker: usize, epoch: u64, fresh: bool) -> Option<u64> {
+        let step = match self.regrant.pop_first() {
+            Some(step) => step,
+            None if fresh && self.next < self.total => {
+                self.next += 1;
+                self.next - 1
+            }
+            None => return None,
+        };
+        self.outstanding.insert(step, Grant { worker, epoch });
+        Some(step)
+    }
+
+    /// `worker` reports `step` (granted in `epoch`) pushed to every server. True when that
+    /// settles a step, so the caller counts its samples once. A late report of a step that
+    /// became an orphan or a regrant settles it too: the push reached every server.
+    pub fn finish(&mut self, step: u64, worker: usize, epoch: u64) -> bool {
+        if self.outstanding.get(&step) == Some(&Grant { worker, epoch }) {
+            self.outstanding.remove(&step);
+            return true;
+        }
+        self.orphans.remove(&step) || self.regrant.remove(&step)
+    }
+
+    /// `worker` lost `step` (a server refused or failed its push): it becomes an orphan.
+    /// False for a report that does not match the current grant (an older epoch's).
+    pub fn lose(&mut self, step: u64, worker: usize, epoch: u64) -> bool {
+        if self.outstanding.get(&step) != Some(&Grant { worker, epoch }) {
+            return false;
+        }
+        self.outstanding.remove(&step);
+        self.orphans.insert(step);
+        true
+    }
+
+    /// A dead worker's steps become orphans; returns how many.
+    pub fn worker_died(&mut self, worker: usize) -> usize {
+        let held: Vec<u64> = self
+            .outstanding
+            .iter()
+            .filter(|(_, g)| g.worker == worker)
+            .map(|(s, _)| *s)
+            .collect();
+        for step in &held {
+            self.outstanding.remove(step);
+            self.orphans.insert(*step);
+        }
+        held.len()
+    }
+
+    /// Every outstanding step becomes an orphan (a server died and the run keeps its state).
+    pub fn orphan_outstanding(&mut self) {
+        let all = std::mem::take(&mut self.outstanding);
+        self.orphans.extend(all.into_keys());
+    }
+
+    pub fn orphans(&self) -> Vec<u64> {
+        self.orphans.iter().copied().collect()
+    }
+
+    /// Decides an orphan's fate from what the servers say. `partial_regrant`: a partly
+    /// applied step may be granted again (the run does not promise bit-exactness after a
+    /// failure), rather than rolled back.
+    pub fn resolve(&mut self, step: u64, applied: Applied, partial_regrant: bool) -> Resolution {
+        if !self.orphans.contains(&step) {
+            return Resolution::Unknown;
+        }
+        match applied {
+            Applied::Everywhere => {
+                self.orphans.remove(&step);
+                Resolution::Settled
+            }
+            Applied::Partly if !partial_regrant => Resolution::NeedsRollback,
+            Applied::Nowhere | Applied::Partly => {
+                self.orphans.remove(&step);
+                self.regrant.insert(step);
+                Resolution::Regranted
+            }
+        }
+    }
+
+    /// A rollback to the cut at `step`: everything from there is trained again.
+    pub fn rewind(&mut self, step: u64) {
+        self.outstanding.clear();
+        self.orphans.clear();
+        self.regrant.clear();
+        self.next = step;
+    }
+
+    /// No step is in flight or unresolved: every step below `next_step` is applied on
+    /// every server, which is what a cut needs.
+    pub fn quiet(&self) -> bool {
+        self.outstanding.is_empty() && self.orphans.is_empty() && self.regrant.is_empty()
+    }
+
+    pub fn done(&self) -> bool {
+        self.next >= self.total && self.quiet()
+    }
+
+    /// The lowest step not known to be applied everywhere: every step below it is.
+    pub fn floor(&self) -> u64 {
+        [
+            self.outstanding.keys().next(),
+            self.orphans.first(),
+            self.regrant.first(),
+        ]
+        .into_iter()
+        .flatten()
+        .copied()
+        .fold(self.next, u64::min)
+    }
+
+    pub fn outstanding_len(&self) -> usize {
+        self.outstanding.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_dead_workers_step_is_granted_again_before_fresh_ones() {
+        let mut l = StepLedger::new(10);
+        assert_eq!(l.take(0, 1, true), Some(0));
+        assert_eq!(l.take(1, 1, true), Some(1));
+        assert_eq!(l.worker_died(0), 1);
+        assert!(!l.quiet());
+        assert_eq!(l.floor(), 0);
+        assert_eq!(l.resolve(0, Applied::Nowhere, false), Resolution::Regranted);
+        // Even while a cut is pending (no fresh steps), the regrant goes out.
+        assert_eq!(l.take(1, 1, false), Some(0));
+        assert_eq!(l.take(1, 1, false), None);
+        assert!(l.finish(0, 1, 1));
+        assert!(l.finish(1, 1, 1));
+        assert!(l.quiet());
+        assert_eq!(l.floor(), 2);
+    }
+
+    #[test]
+    fn stale_reports_do_not_touch_a_newer_grant() {
+        let mut l = StepLedger::new(10);
+        l.take(0, 1, true);
+        l.rewind(0);
+        assert_eq!(l.take(1, 2, true), Some(0));
+        // Worker 0's report of epoch 1 arrives after the rollback.
+        assert!(!l.lose(0, 0, 1));
+        assert!(!l.finish(0, 0, 1));
+        assert!(!l.quiet());
+        assert!(l.finish(0, 1, 2));
+    }
+
+    #[test]
+    fn partly_applied_steps_roll_back_unless_regrants_are_allowed() {
+        let mut l = StepLedger::new(10);
+        l.take(0, 1, true);
+        assert!(l.lose(0, 0, 1));
+        assert_eq!(
+            l.resolve(0, Applied::Partly, false),
+            Resolution::NeedsRollback
+        );
+        assert_eq!(l.orphans(), vec![0]);
+        assert_eq!(l.resolve(0, Applied::Partly, true), Resolution::Regranted);
+        assert_eq!(l.resolve(0, Applied::Everywhere, true), Resolution::Unknown);
+    }
+
+    #[test]
+    fn a_late_finish_settles_an_orphan_once() {
+        let mut l = StepLedger::new(3);
+        l.take(0, 1, true);
+        l.worker_died(0);
+        assert!(l.finish(0, 0, 1));
+        assert!(!l.finish(0, 0, 1));
+        assert_eq!(
+            l.resolve(0, Applied::Everywhere, false),
+            Resolution::Unknown
+        );
+    }
+
+    proptest! {
+        /// Whatever workers die and whatever the servers answer, every step is settled
+        /// exactly once (or rolled back and trained again), and the run ends.
+        #[test]
+        fn every_step_is_settled_exactly_once(
+            events in prop::collection::vec((0usize..3, 0u8..4, 0u8..3), 1..200)
+        ) {
+            let total = 25;
+            let mut l = StepLedger::new(total);
+            let mut settled = vec![0u32; total as usize];
+            let epoch = 1;
+            for (worker, what, answer) in events {
+                match what {
+                    0 | 1 => {
+                        if let Some(step) = l.take(worker, epoch, true)
+                            && what == 0 && l.finish(step, worker, epoch)
+                        {
+                            settled[step as usize] += 1;
+                        }
+                    }
+                    2 => { l.worker_died(worker); }
+                    _ => {
+                        for step in l.orphans() {
+                            let applied = [Applied::Everywhere, Applied::Nowhere, Applied::Partly]
+                                [answer as usize];
+                            if l.resolve(step, applied, true) == Resolution::Settled {
+                                settled[step as usize] += 1;
+                            }
+                        }
+                    }
+                }
+            }
+            // Drain: one healthy worker finishes everything.
+            for step in l.orphans() {
+                l.resolve(step, Applied::Nowhere, true);
+            }
+            let held: Vec<u64> = l.outstanding.keys().copied().collect();
+            for step in held {
+                let g = l.outstanding[&step];
+                prop_assert!(l.finish(step, g.worker, g.epoch));
+                settled[step as usize] += 1;
+            }
+            while let Some(step) = l.take(0, epoch, true) {
+                prop_assert!(l.finish(step, 0, epoch));
+                settled[step as usize] += 1;
+            }
+            prop_assert!(l.done());
+            prop_assert!(settled.iter().all(|&n| n == 1), "{settled:?}");
+        }
+    }
+}

@@ -1,0 +1,283 @@
+//! The work the control loop plans, run against the servers without holding the lock:
+//! consistent cuts (and pruning the cuts no longer kept), recoveries, and resolving the
+//! steps of dead workers.
+
+use std::time::{Duration, Instant};
+
+use ftrec_train::config::FaultTolerance;
+
+use super::control::{RecoveryAction, Task};
+use super::ledger::{Applied, Resolution};
+use super::{CheckpointRecord, Phase, Recovery, Shared};
+use crate::client::{ServerClient, server_client};
+use crate::proto::*;
+
+/// The first wait after a failed cut; it doubles on each failure in a row up to the cap.
+const FIRST_CUT_BACKOFF: Duration = Duration::from_secs(2);
+const MAX_CUT_BACKOFF: Duration = Duration::from_secs(300);
+/// How long to wait before asking the servers about orphan steps again after one did not
+/// answer.
+const RESOLVE_RETRY: Duration = Duration::from_millis(200);
+
+pub(super) async fn run_task(shared: &Shared, task: Task) {
+    let timeout = shared.job.timeout();
+    let clients: Result<Vec<_>, _> = shared
+        .server_addresses()
+        .iter()
+        .map(|a| server_client(a, timeout))
+        .collect();
+    let clients = match clients {
+        Ok(c) => c,
+        Err(e) => {
+            shared.event("error", e.to_string());
+            return;
+        }
+    };
+    match task {
+        Task::Checkpoint { epoch, step } => checkpoint(shared, clients, epoch, step).await,
+        Task::Recover { epoch, action } => recover(shared, clients, epoch, action).await,
+        Task::Resolve { epoch, steps } => resolve(shared, clients, epoch, steps).await,
+    }
+}
+
+async fn checkpoint(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, step: u64) {
+    let started_at = shared.event("checkpoint-start", format!("step {step}"));
+    let calls = clients
+        .iter()
+        .cloned()
+        .map(|mut c| async move { c.checkpoint(CheckpointRequest { epoch, step }).await });
+    let results = futures::future::join_all(calls).await;
+    let mut bytes = 0;
+    let mut ids = Vec::with_capacity(results.len());
+    let mut failed = None;
+    for (i, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(r) => {
+                let r = r.into_inner();
+                bytes += r.bytes;
+                ids.push(r.id);
+            }
+            Err(e) => failed = Some(format!("server {i}: {}", e.message())),
+        }
+    }
+    let prune = {
+        let mut s = shared.lock();
+        let pause = s
+            .pause_started
+            .take()
+            .map_or(0.0, |t| t.elapsed().as_secs_f64());
+        if s.epoch == epoch && s.phase == Phase::Checkpointing {
+            s.phase = Phase::Running;
+        }
+        match failed {
+            None if s.epoch == epoch => {
+                let record = CheckpointRecord {
+                    step,
+                    started_at,
+                    pause_seconds: pause,
+                    bytes,
+                    ids,
+                };
+                s.last_checkpoint = Some(step);
+                s.checkpoint_backoff = None;
+                s.checkpoints.push(record.clone());
+                s.retained_cuts.push(record);
+                shared.metrics.add("ftrec_checkpoints_total", 1);
+                s.timeline.event(
+                    "checkpoint-end",
+                    format!("step {step}, {bytes} bytes, paused {pause:.3}s"),
+                );
+                let keep = shared.job.config.checkpoint.keep;
+                let excess = s.retained_cuts.len().saturating_sub(keep);
+                (keep > 0 && excess > 0).then(|| {
+                    s.retained_cuts.drain(..excess);
+                    s.retained_cuts.clone()
+                })
+            }
+            None => {
+                s.timeline.event(
+                    "checkpoint-abandoned",
+                    format!("step {step}: epoch changed"),
+                );
+                None
+            }
+            Some(e) => {
+                let wait = s
+                    .checkpoint_backoff
+                    .map_or(FIRST_CUT_BACKOFF, |(_, d)| (d * 2).min(MAX_CUT_BACKOFF));
+                s.checkpoint_backoff = Some((Instant::now() + wait, wait));
+                let fallback = s
+                    .last_checkpoint
+                    .map_or("the initial state".to_string(), |c| {
+                        format!("the cut of step {c}")
+                    });
+                let why = format!(
+                    "checkpoint of step {step} failed: {e}. Training goes on; a failure now \
+                     rolls back to {fallback}. Next attempt in {wait:?} or later."
+                );
+                tracing::error!("{why}");
+                s.timeline.event("checkpoint-failed", why);
+                None
+            }
+        }
+    };
+    if let Some(kept) = prune {
+        prune_cuts(shared, clients, epoch, &kept).await;
+    }
+}
+
+/// Deletes every shard checkpoint that is not part of a kept cut. A newer cut has
+/// committed before this runs, so a failure at any moment leaves at least `keep` cuts.
+async fn prune_cuts(
+    shared: &Shared,
+    clients: Vec<ServerClient>,
+    epoch: u64,
+    kept: &[CheckpointRecord],
+) {
+    let calls = clients.into_iter().enumerate().map(|(i, mut c)| {
+        let keep = kept.iter().filter_map(|r| r.ids.get(i).cloned()).collect();
+        async move { c.prune(PruneRequest { epoch, keep }).await }
+    });
+    let mut deleted = 0;
+    let mut failed = Vec::new();
+    for (i, r) in futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        match r {
+            Ok(r) => deleted += r.into_inner().deleted,
+            Err(e) => failed.push(format!("server {i}: {}", e.message())),
+        }
+    }
+    if !failed.is_empty() {
+        // The next cut's prune lists the same keep set, so nothing is left behind for good.
+        let why = failed.join("; ");
+        tracing::warn!("pruning old checkpoints: {why}");
+        shared.event("prune-failed", why);
+    } else if deleted > 0 {
+        let steps: Vec<u64> = kept.iter().map(|r| r.step).collect();
+        shared.event(
+            "checkpoints-pruned",
+            format!("{deleted} shard checkpoints deleted; cuts kept: {steps:?}"),
+        );
+    }
+}
+
+async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action: RecoveryAction) {
+    let applied = action.resume_step();
+    let calls = clients.into_iter().map(|mut c| async move {
+        match action {
+            RecoveryAction::Rollback { cut } => c
+                .restore(RestoreRequest { epoch, step: cut })
+                .await
+                .map(|_| ()),
+            RecoveryAction::KeepState { floor, .. } => c
+                .set_epoch(SetEpochRequest {
+                    epoch,
+                    applied: floor,
+                })
+                .await
+                .map(|_| ()),
+        }
+    });
+    let results = futures::future::join_all(calls).await;
+    let failed: Vec<String> = results
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| {
+            r.as_ref()
+                .err()
+                .map(|e| format!("server {i}: {}", e.message()))
+        })
+        .collect();
+    let mut s = shared.lock();
+    if !failed.is_empty() || s.epoch != epoch {
+        s.timeline.event(
+            "recovery-retry",
+            format!("epoch {epoch}: {}", failed.join("; ")),
+        );
+        return;
+    }
+    let rolled_back = s.steps.next_step().saturating_sub(applied);
+    if let RecoveryAction::Rollback { .. } = action {
+        s.steps.rewind(applied);
+    }
+    s.phase = Phase::Running;
+    let resumed_at = s.timeline.event(
+        "recovery-end",
+        format!("training resumes at step {applied} (rolled back {rolled_back} steps)"),
+    );
+    for (server, detected_at) in std::mem::take(&mut s.failed) {
+        s.recoveries.push(Recovery {
+            server,
+            detected_at,
+            resumed_at,
+            resumed_step: applied,
+            steps_rolled_back: rolled_back,
+        });
+    }
+}
+
+/// Asks every server which orphan steps it applied, then settles, regrants or rolls back.
+async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps: Vec<u64>) {
+    let calls = clients.into_iter().map(|mut c| {
+        let steps = steps.clone();
+        async move { c.applied(AppliedRequest { epoch, steps }).await }
+    });
+    let mut answers = Vec::new();
+    for r in futures::future::join_all(calls).await {
+        match r.map(|r| r.into_inner().applied) {
+            Ok(a) if a.len() == steps.len() => answers.push(a),
+            Ok(_) | Err(_) => {
+                // A server that does not answer is dead or busy restoring: the failure
+                // detector decides; ask again shortly.
+                shared.lock().resolve_after = Some(Instant::now() + RESOLVE_RETRY);
+                return;
+            }
+        }
+    }
+    let config = &shared.job.config.cluster;
+    // Regranting a step some servers applied is exact only if nobody promised bit-exact
+    // results; in deterministic mode with checkpoints, roll back instead.
+    let partial_regrant = !(config.deterministic && config.ft == FaultTolerance::Checkpoint);
+    let mut s = shared.lock();
+    if s.epoch != epoch {
+        return;
+    }
+    let servers = answers.len();
+    let mut rollback = None;
+    for (i, &step) in steps.iter().enumerate() {
+        let count = answers.iter().filter(|a| a[i]).count();
+        let applied = match count {
+            n if n == servers => Applied::Everywhere,
+            0 => Applied::Nowhere,
+            _ => Applied::Partly,
+        };
+        match s.steps.resolve(step, applied, partial_regrant) {
+            Resolution::Settled => shared.settled(&mut s, step),
+            Resolution::Regranted => {
+                s.timeline.event(
+                    "step-regranted",
+                    format!("step {step}: applied on {count} of {servers} servers"),
+                );
+            }
+            Resolution::NeedsRollback => rollback = Some((step, count)),
+            Resolution::Unknown => {}
+        }
+    }
+    if let Some((step, count)) = rollback {
+        s.epoch += 1;
+        shared.metrics.set("ftrec_epoch", s.epoch as f64);
+        s.phase = Phase::Recovering;
+        s.pause_started = None;
+        let epoch = s.epoch;
+        s.timeline.event(
+            "rollback-needed",
+            format!(
+                "step {step} reached {count} of {servers} servers before its worker stopped; \
+                 rolling back to the last cut for exact results; epoch {epoch}"
+            ),
+        );
+    }
+}

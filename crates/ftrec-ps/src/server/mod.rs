@@ -1,0 +1,325 @@
+//! `ftrec server`: one parameter server process. It joins the coordinator (or waits as a
+//! spare until it is given a slot), builds or restores its shard, serves pulls and pushes
+//! over gRPC and heartbeats until told to stop.
+//!
+//! Files: this one runs the process and holds its state (`Core`); `service.rs` answers the
+//! RPCs; `checkpoints.rs` writes, restores and prunes the shard's checkpoints.
+
+mod checkpoints;
+mod service;
+
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+use ftrec_ckpt::{Checkpoints, open_store};
+use tokio::sync::{Notify, watch};
+
+use crate::PsError;
+use crate::applied::AppliedSteps;
+use crate::client::connect_coordinator;
+use crate::job::Job;
+use crate::metrics::{self, Metrics};
+use crate::placement::Layout;
+use crate::proto::parameter_server_server::ParameterServerServer;
+use crate::proto::*;
+use crate::shard::Shard;
+
+pub struct ServerOptions {
+    pub job: Job,
+    /// The server slot; `None` starts a spare that waits to be assigned one.
+    pub id: Option<usize>,
+    /// Coordinator address, `host:port`.
+    pub coordinator: String,
+    /// Host to listen on (port chosen by the OS).
+    pub host: String,
+}
+
+/// The epoch and the first step not applied (every step below it is), published together
+/// so a waiting pull sees both change at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Live {
+    epoch: u64,
+    applied: u64,
+}
+
+struct Core {
+    job: Job,
+    layout: Layout,
+    id: usize,
+    shard: RwLock<Shard>,
+    /// Which steps the shard holds. Changed only under the shard's write lock, so the two
+    /// always agree.
+    steps: Mutex<AppliedSteps>,
+    live: watch::Sender<Live>,
+    /// The shard's checkpoint location (for reads).
+    checkpoints: Option<Checkpoints>,
+    /// The handle that writes there, holding the location's writer lease: started on the
+    /// first checkpoint of a fresh run, and again on every restore (a restore to a cut
+    /// older than this shard's newest checkpoint forks a new branch, so no committed
+    /// checkpoint is ever rewritten).
+    writer: std::sync::Mutex<Option<Checkpoints>>,
+    metrics: Arc<Metrics>,
+    stop: Arc<Notify>,
+}
+
+fn server_metrics(id: &str) -> Metrics {
+    Metrics::new(format!("role=\"server\",id=\"{id}\""))
+        .counter("ftrec_pulls_total", "Pull requests served")
+        .counter("ftrec_pushes_total", "Push requests applied")
+        .counter("ftrec_rows_pulled_total", "Embedding rows sent")
+        .counter("ftrec_rows_updated_total", "Embedding rows updated")
+        .counter("ftrec_rpc_bytes_in_total", "Payload bytes received")
+        .counter("ftrec_rpc_bytes_out_total", "Payload bytes sent")
+        .counter("ftrec_checkpoints_total", "Shard checkpoints written")
+        .counter("ftrec_restores_total", "Shard restores")
+        .counter(
+            "ftrec_duplicate_pushes_total",
+            "Pushes of a step applied already (a dead worker's step granted again), ignored",
+        )
+        .gauge("ftrec_epoch", "Cluster epoch")
+        .gauge("ftrec_applied_steps", "Global steps applied to this shard")
+}
+
+impl Core {
+    fn live(&self) -> Live {
+        *self.live.borrow()
+    }
+
+    fn check_epoch(&self, epoch: u64) -> Result<(), PsError> {
+        let current = self.live().epoch;
+        if epoch != current {
+            return Err(PsError::StaleEpoch {
+                got: epoch,
+                current,
+            });
+        }
+        Ok(())
+    }
+
+    fn steps(&self) -> MutexGuard<'_, AppliedSteps> {
+        self.steps.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes `steps` this shard's record in `epoch` and wakes the waiting pulls and pushes.
+    fn publish(&self, epoch: u64, steps: AppliedSteps) {
+        let live = Live {
+            epoch,
+            applied: steps.low(),
+        };
+        self.metrics
+            .set("ftrec_applied_steps", steps.count() as f64);
+        *self.steps() = steps;
+        self.live.send_replace(live);
+    }
+
+    /// Deterministic mode: waits (bounded) until every step below `target` is applied.
+    /// Whether `target` itself is applied already is the caller's question.
+    async fn wait_applied(&self, epoch: u64, target: u64) -> Result<(), PsError> {
+        let mut rx = self.live.subscribe();
+        let waited = tokio::time::timeout(
+            self.job.timeout(),
+            rx.wait_for(|l| l.epoch != epoch || l.applied >= target),
+        )
+        .await;
+        let live = match waited {
+            Ok(Ok(l)) => *l,
+            Ok(Err(_)) => return Err(PsError::Refused("server shutting down".into())),
+            Err(_) => {
+                return Err(PsError::Timeout(format!(
+                    "server {} waited {:?} for step {target} (at {})",
+                    self.id,
+                    self.job.timeout(),
+                    self.live().applied
+                )));
+            }
+        };
+        if live.epoch != epoch {
+            return Err(PsError::StaleEpoch {
+                got: epoch,
+                current: live.epoch,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Runs a server until the coordinator stops it or becomes unreachable.
+pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
+    let job = opts.job;
+    let layout = job.layout()?;
+    let cluster = job.config.cluster.clone();
+    let (listener, address) = crate::client::bind(&opts.host, 0).await?;
+    let label = opts.id.map_or("spare".to_string(), |i| i.to_string());
+    let metrics = Arc::new(server_metrics(&label));
+    let metrics_address = metrics::start(&opts.host, metrics.clone())
+        .await
+        .unwrap_or_default();
+    let mut coordinator = connect_coordinator(&opts.coordinator, job.timeout()).await?;
+    let joined = coordinator
+        .join(JoinRequest {
+            role: Role::Server as i32,
+            id: opts.id.unwrap_or(0) as u32,
+            address: address.clone(),
+            fingerprint: job.fingerprint(),
+            pid: std::process::id(),
+            metrics_address,
+            spare: opts.id.is_none(),
+        })
+        .await
+        .map_err(|s| PsError::rpc(format!("joining coordinator {}", opts.coordinator), &s))?
+        .into_inner();
+    let heartbeat = Duration::from_millis(cluster.heartbeat_ms);
+    let id = match opts.id {
+        Some(id) => id,
+        None => {
+            tracing::info!("spare server at {address} waiting for a slot");
+            wait_for_assignment(&mut coordinator, joined.spare_token, heartbeat, &job).await?
+        }
+    };
+    tracing::info!("server {id} at {address}, epoch {}", joined.epoch);
+    let c = &job.config;
+    let model = c.model_config()?;
+    let (seed, host_layout) = (c.seed, layout);
+    // Building a large shard takes longer than the failure timeout: heartbeat (not yet
+    // ready) meanwhile, or the coordinator would declare the newcomer dead.
+    let starting = tokio::spawn(crate::client::keep_alive(
+        coordinator.clone(),
+        HeartbeatRequest {
+            role: Role::Server as i32,
+            id: id as u32,
+            epoch: 0,
+            spare: false,
+            ready: false,
+        },
+        heartbeat,
+    ));
+    let shard = tokio::task::spawn_blocking(move || Shard::initial(&model, seed, host_layout, id))
+        .await
+        .map_err(|e| PsError::Refused(e.to_string()));
+    starting.abort();
+    let shard = shard??;
+    let checkpoints = match &c.checkpoint.dir {
+        Some(dir) => {
+            let location = format!(
+                "{}/server-{id}",
+                dir.to_string_lossy().trim_end_matches('/')
+            );
+            Some(Checkpoints::new(open_store(&location)?))
+        }
+        None => None,
+    };
+    let (live, _) = watch::channel(Live {
+        epoch: joined.epoch,
+        applied: 0,
+    });
+    let stop = Arc::new(Notify::new());
+    let core = Arc::new(Core {
+        job: job.clone(),
+        layout,
+        id,
+        shard: RwLock::new(shard),
+        steps: Mutex::new(AppliedSteps::default()),
+        live,
+        checkpoints,
+        writer: std::sync::Mutex::new(None),
+        metrics,
+        stop: stop.clone(),
+    });
+    let service = ParameterServerServer::new(service::Service(core.clone()))
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX);
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let serve_stop = stop.clone();
+    let serving = tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(service)
+            .serve_with_incoming_shutdown(incoming, async move { serve_stop.notified().await })
+            .await
+    });
+    heartbeat_loop(
+        &mut coordinator,
+        core,
+        heartbeat,
+        cluster.failure_timeout_ms,
+    )
+    .await?;
+    stop.notify_waiters();
+    let _ = tokio::time::timeout(Duration::from_secs(2), serving).await;
+    Ok(())
+}
+
+async fn wait_for_assignment(
+    coordinator: &mut crate::client::CoordinatorClient,
+    token: u32,
+    period: Duration,
+    job: &Job,
+) -> Result<usize, PsError> {
+    let mut silent_since = Instant::now();
+    loop {
+        tokio::time::sleep(period).await;
+        match coordinator
+            .heartbeat(HeartbeatRequest {
+                role: Role::Server as i32,
+                id: token,
+                epoch: 0,
+                spare: true,
+                ready: false,
+            })
+            .await
+        {
+            Ok(r) => {
+                let r = r.into_inner();
+                if r.stop {
+                    return Err(PsError::Refused("stopped while a spare".into()));
+                }
+                if let Some(slot) = r.assign {
+                    return Ok(slot as usize);
+                }
+                silent_since = Instant::now();
+            }
+            Err(s) if silent_since.elapsed() > job.timeout() => {
+                return Err(PsError::rpc("coordinator unreachable", &s));
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// Heartbeats until the coordinator says stop, a Shutdown RPC arrives, or the coordinator
+/// has been unreachable for ten failure timeouts (so no server outlives its cluster).
+async fn heartbeat_loop(
+    coordinator: &mut crate::client::CoordinatorClient,
+    core: Arc<Core>,
+    period: Duration,
+    failure_timeout_ms: u64,
+) -> Result<(), PsError> {
+    let give_up = Duration::from_millis(failure_timeout_ms * 10).max(Duration::from_secs(5));
+    let mut last_ok = Instant::now();
+    loop {
+        tokio::select! {
+            _ = core.stop.notified() => return Ok(()),
+            _ = tokio::time::sleep(period) => {}
+        }
+        let reply = coordinator
+            .heartbeat(HeartbeatRequest {
+                role: Role::Server as i32,
+                id: core.id as u32,
+                epoch: core.live().epoch,
+                spare: false,
+                ready: true,
+            })
+            .await;
+        match reply {
+            Ok(r) if r.get_ref().stop => return Ok(()),
+            Ok(_) => last_ok = Instant::now(),
+            Err(s) if s.code() == tonic::Code::PermissionDenied => {
+                return Err(PsError::rpc("coordinator removed this server", &s));
+            }
+            Err(s) if last_ok.elapsed() > give_up => {
+                return Err(PsError::rpc("coordinator unreachable; exiting", &s));
+            }
+            Err(_) => {}
+        }
+    }
+}

@@ -1,0 +1,286 @@
+//! The parameter server's RPCs.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use ftrec_ckpt::BranchStart;
+use ftrec_train::config::FaultTolerance;
+use tonic::{Request, Response, Status};
+
+use super::Core;
+use crate::PsError;
+use crate::applied::AppliedSteps;
+use crate::proto::parameter_server_server::ParameterServer;
+use crate::proto::*;
+use crate::shard::{Shard, Update};
+use crate::wire::{bytes_to_f32s, bytes_to_u32s, f32s_to_bytes};
+
+pub(super) struct Service(pub(super) Arc<Core>);
+
+#[tonic::async_trait]
+impl ParameterServer for Service {
+    async fn pull(&self, req: Request<PullRequest>) -> Result<Response<PullReply>, Status> {
+        let core = &self.0;
+        let req = req.into_inner();
+        core.check_epoch(req.epoch)?;
+        if let Some(target) = req.wait_applied {
+            core.wait_applied(req.epoch, target).await?;
+            // A step applied here already was granted again after its worker died. With
+            // checkpoints the coordinator rolls back for exact results, so say so; without,
+            // the run promised nothing exact after a failure and the pull goes ahead.
+            let exact = core.job.config.cluster.ft == FaultTolerance::Checkpoint;
+            if exact && core.steps().contains(target) {
+                return Err(Status::failed_precondition(format!(
+                    "server {} applied step {target} already: the state it was computed from \
+                     is gone",
+                    core.id
+                )));
+            }
+        }
+        let mut embeddings = Vec::with_capacity(req.tables.len());
+        let mut rows_sent = 0;
+        let (dense, applied) = {
+            let shard = core
+                .shard
+                .read()
+                .map_err(|_| Status::internal("shard lock"))?;
+            for t in &req.tables {
+                let rows = bytes_to_u32s(&t.rows, "pull rows")?;
+                let mut out = Vec::new();
+                shard.gather(t.table as usize, &rows, &mut out)?;
+                rows_sent += rows.len() as u64;
+                embeddings.push(Bytes::from(out));
+            }
+            (f32s_to_bytes(shard.dense_params()), core.steps().count())
+        };
+        let out_bytes = embeddings.iter().map(|e| e.len()).sum::<usize>() + dense.len();
+        core.metrics.add("ftrec_pulls_total", 1);
+        core.metrics.add("ftrec_rows_pulled_total", rows_sent);
+        core.metrics
+            .add("ftrec_rpc_bytes_out_total", out_bytes as u64);
+        Ok(Response::new(PullReply {
+            embeddings,
+            dense,
+            applied,
+        }))
+    }
+
+    async fn push(&self, req: Request<PushRequest>) -> Result<Response<PushReply>, Status> {
+        let core = &self.0;
+        let req = req.into_inner();
+        core.check_epoch(req.epoch)?;
+        let deterministic = core.job.config.cluster.deterministic;
+        if deterministic {
+            core.wait_applied(req.epoch, req.step).await?;
+        }
+        let mut in_bytes = req.dense.len();
+        let mut update = Update {
+            step: req.step,
+            dense: bytes_to_f32s(&req.dense, "push dense gradient")?,
+            sparse: Vec::with_capacity(req.tables.len()),
+        };
+        for t in &req.tables {
+            in_bytes += t.rows.len() + t.grads.len();
+            update.sparse.push((
+                t.table as usize,
+                bytes_to_u32s(&t.rows, "push rows")?,
+                bytes_to_f32s(&t.grads, "push gradients")?,
+            ));
+        }
+        let rows: usize = update.sparse.iter().map(|(_, r, _)| r.len()).sum();
+        let applied = {
+            let mut shard = core
+                .shard
+                .write()
+                .map_err(|_| Status::internal("shard lock"))?;
+            // Checked again under the lock: a restore may have run while this push waited.
+            core.check_epoch(req.epoch)?;
+            let mut steps = core.steps().clone();
+            if !steps.insert(req.step) {
+                // A dead worker's step, granted again, that reached this server the first
+                // time: applying it twice would be wrong.
+                core.metrics.add("ftrec_duplicate_pushes_total", 1);
+                return Ok(Response::new(PushReply {
+                    applied: steps.count(),
+                }));
+            }
+            shard.apply(&update)?;
+            let applied = steps.count();
+            core.publish(req.epoch, steps);
+            applied
+        };
+        core.metrics.add("ftrec_pushes_total", 1);
+        core.metrics.add("ftrec_rows_updated_total", rows as u64);
+        core.metrics
+            .add("ftrec_rpc_bytes_in_total", in_bytes as u64);
+        Ok(Response::new(PushReply { applied }))
+    }
+
+    async fn checkpoint(
+        &self,
+        req: Request<CheckpointRequest>,
+    ) -> Result<Response<CheckpointReply>, Status> {
+        let core = self.0.clone();
+        let req = req.into_inner();
+        core.check_epoch(req.epoch)?;
+        let Some(checkpoints) = core.checkpoints.clone() else {
+            return Err(PsError::Config("checkpoint.dir is not set".into()).into());
+        };
+        let started = Instant::now();
+        let manifest = tokio::task::spawn_blocking(move || -> Result<_, PsError> {
+            let checkpoints = core.writer(&checkpoints)?;
+            let shard = core
+                .shard
+                .read()
+                .map_err(|_| PsError::Refused("shard lock poisoned".into()))?;
+            let steps = core.steps().clone();
+            if !steps.is_cut_at(req.step) {
+                return Err(PsError::Request(format!(
+                    "checkpoint of step {} asked for, but server {} has applied {} steps \
+                     (every step below {} and {} more)",
+                    req.step,
+                    core.id,
+                    steps.count(),
+                    steps.low(),
+                    steps.count() - steps.low()
+                )));
+            }
+            let identity = serde_json::json!({
+                "server": core.id,
+                "servers": core.layout.servers,
+                "fingerprint": core.job.fingerprint(),
+                "step": req.step,
+            });
+            let m = checkpoints.write_full(shard.state(), req.step, identity)?;
+            core.metrics.add("ftrec_checkpoints_total", 1);
+            Ok(m)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(CheckpointReply {
+            id: manifest.id.clone(),
+            bytes: manifest.bytes(),
+            seconds: started.elapsed().as_secs_f64(),
+        }))
+    }
+
+    async fn restore(
+        &self,
+        req: Request<RestoreRequest>,
+    ) -> Result<Response<RestoreReply>, Status> {
+        let core = self.0.clone();
+        let req = req.into_inner();
+        let started = Instant::now();
+        let id = tokio::task::spawn_blocking(move || -> Result<String, PsError> {
+            let (state, id) = match req.step {
+                Some(step) => {
+                    let Some(checkpoints) = &core.checkpoints else {
+                        return Err(PsError::Config("checkpoint.dir is not set".into()));
+                    };
+                    core.restore_cut(checkpoints, step)?
+                }
+                None => {
+                    // Back to the initial shard: whatever this slot committed before is
+                    // another history, so new checkpoints go to a branch of their own.
+                    if let Some(checkpoints) = &core.checkpoints {
+                        let mut writer = core.writer.lock().unwrap_or_else(|p| p.into_inner());
+                        *writer = None;
+                        let start = BranchStart::Fresh { new_branch: true };
+                        *writer = Some(checkpoints.start_writing(start, &core.lease_options())?.0);
+                    }
+                    let c = &core.job.config;
+                    let shard = Shard::initial(&c.model_config()?, c.seed, core.layout, core.id)?;
+                    (shard.state().clone(), "initial".to_string())
+                }
+            };
+            let mut shard = core
+                .shard
+                .write()
+                .map_err(|_| PsError::Refused("shard lock poisoned".into()))?;
+            shard.replace_state(state)?;
+            core.publish(req.epoch, AppliedSteps::up_to(req.step.unwrap_or(0)));
+            core.metrics.add("ftrec_restores_total", 1);
+            core.metrics.set("ftrec_epoch", req.epoch as f64);
+            Ok(id)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(RestoreReply {
+            id,
+            seconds: started.elapsed().as_secs_f64(),
+        }))
+    }
+
+    async fn set_epoch(
+        &self,
+        req: Request<SetEpochRequest>,
+    ) -> Result<Response<SetEpochReply>, Status> {
+        let core = &self.0;
+        let req = req.into_inner();
+        // Under the shard lock so no push straddles the change.
+        let _shard = core
+            .shard
+            .write()
+            .map_err(|_| Status::internal("shard lock"))?;
+        let mut steps = core.steps().clone();
+        steps.raise_floor(req.applied);
+        core.publish(req.epoch, steps);
+        core.metrics.set("ftrec_epoch", req.epoch as f64);
+        Ok(Response::new(SetEpochReply {}))
+    }
+
+    async fn fetch_shard(
+        &self,
+        req: Request<FetchShardRequest>,
+    ) -> Result<Response<FetchShardReply>, Status> {
+        let core = &self.0;
+        let table = req.into_inner().table as usize;
+        let shard = core
+            .shard
+            .read()
+            .map_err(|_| Status::internal("shard lock"))?;
+        let Some(t) = shard.state().tables().get(table) else {
+            return Err(Status::invalid_argument(format!(
+                "table {table} does not exist"
+            )));
+        };
+        Ok(Response::new(FetchShardReply {
+            rows: Bytes::copy_from_slice(t.as_bytes()),
+            dense_params: f32s_to_bytes(shard.dense_params()),
+            dense_state: f32s_to_bytes(shard.dense_optimizer_state()),
+            dense_step: shard.dense_step(),
+        }))
+    }
+
+    async fn applied(
+        &self,
+        req: Request<AppliedRequest>,
+    ) -> Result<Response<AppliedReply>, Status> {
+        let core = &self.0;
+        let req = req.into_inner();
+        core.check_epoch(req.epoch)?;
+        let steps = core.steps();
+        Ok(Response::new(AppliedReply {
+            applied: req.steps.iter().map(|&s| steps.contains(s)).collect(),
+        }))
+    }
+
+    async fn prune(&self, req: Request<PruneRequest>) -> Result<Response<PruneReply>, Status> {
+        let core = self.0.clone();
+        let req = req.into_inner();
+        core.check_epoch(req.epoch)?;
+        let deleted = tokio::task::spawn_blocking(move || core.prune(req.keep))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(PruneReply { deleted }))
+    }
+
+    async fn shutdown(
+        &self,
+        _req: Request<ShutdownRequest>,
+    ) -> Result<Response<ShutdownReply>, Status> {
+        self.0.stop.notify_one();
+        Ok(Response::new(ShutdownReply {}))
+    }
+}
