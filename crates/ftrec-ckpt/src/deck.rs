@@ -524,7 +524,7 @@ fn upload_loop(
 }
 
 fn upload(ck: &Checkpoints, budget: &ChunkBudget, job: &UploadJob) -> Result<(), CkptError> {
-    let parts = Parts::new(ck);
+    let parts = Parts::new(ck, &job.manifest.id);
     let uploaded = upload_parts(ck, &parts, budget, job);
     parts.finish(uploaded)
 }
@@ -566,9 +566,14 @@ fn merge_loop(
 ) {
     for m in committed {
         let result = match (m.kind, m.parents.first()) {
-            (CheckpointKind::Full, _) => {
-                retain_lineage(ck, &m.id, options.lineage).map(DeckEvent::Retained)
-            }
+            (CheckpointKind::Full, _) => match retain_lineage(ck, &m.id, options.lineage) {
+                // A merger or gc holds the location; the next full checkpoint tries again.
+                Err(CkptError::Busy(why)) => {
+                    tracing::debug!("deck: retention after {} skipped: {why}", m.id);
+                    Ok(DeckEvent::Idle)
+                }
+                other => other.map(DeckEvent::Retained),
+            },
             (_, Some(base)) if options.merge_in_background => {
                 match merge_pass(ck, base, options.stride, options.chunk_bytes) {
                     // `ftrec ckpt merge` (or gc) is at work; the next delta tries again.
@@ -599,11 +604,14 @@ pub fn retain_lineage(
     current: &str,
     policy: LineagePolicy,
 ) -> Result<GcReport, CkptError> {
+    // Deletes only under the merger lease, as gc and merges do: none of them may see a
+    // checkpoint vanish halfway through its own work.
+    let _lease = crate::merge::merger_lease(ck)?;
     // The policy works within the current base's branch: another branch's history is
     // never DECK's to thin out.
     let branch = crate::branch::branch_of_id(current);
     let all: Vec<Manifest> = ck
-        .list()?
+        .list_readable()?
         .into_iter()
         .filter(|m| m.branch == branch)
         .collect();

@@ -232,7 +232,7 @@ impl Checkpoints {
             .map(|&(t, _, part)| part.len() as u64 * (4 + 4 * state.tables()[t].stride() as u64))
             .sum();
         self.check_free_space(&format!("checkpoint {id}"), row_bytes + dense_bytes(state))?;
-        let parts = Parts::new(self);
+        let parts = Parts::new(self, &id);
         let written = (|| {
             let mut chunks = self.on_io_pool(|| {
                 jobs.par_iter()
@@ -326,6 +326,20 @@ impl Checkpoints {
         }
         good.sort_by_key(|m| (m.step, m.created_unix_ms));
         Ok((good, bad))
+    }
+
+    /// The committed checkpoints whose manifests read back, oldest first; a damaged one is
+    /// logged and left out (and so never deleted). For work that one unrelated damaged
+    /// manifest must not stop: DECK lineage, merging, retention, shard restores.
+    pub fn list_readable(&self) -> Result<Vec<Manifest>, CkptError> {
+        let (good, bad) = self.list_lenient()?;
+        for (id, e) in bad {
+            tracing::warn!(
+                "{}: damaged manifest left alone: {e}",
+                self.store.describe(&id)
+            );
+        }
+        Ok(good)
     }
 
     pub fn manifest(&self, id: &str) -> Result<Manifest, CkptError> {
@@ -505,7 +519,7 @@ impl Checkpoints {
             )));
         }
         let siblings: Vec<Manifest> = self
-            .list()?
+            .list_readable()?
             .into_iter()
             .filter(|m| m.deck.is_some() && m.parents == target.parents)
             .collect();

@@ -194,7 +194,8 @@ impl IncrcpChain {
     /// Writes an increment: its chunks as plain files and its dense file, then a list
     /// version naming them, then the manifest, which commits the checkpoint.
     pub fn commit(&mut self, ck: &Checkpoints, inc: Increment) -> Result<Manifest, CkptError> {
-        let parts = Parts::new(ck);
+        let id = inc.manifest.id.clone();
+        let parts = Parts::new(ck, &id);
         let committed = self.commit_parts(ck, &parts, inc);
         parts.finish(committed)
     }

@@ -55,7 +55,7 @@ impl MergeReport {
 /// Takes the merger lease, so that two mergers (the trainer's background one and
 /// `ftrec ckpt merge`) or a merger and `ftrec ckpt gc` never work on one location at
 /// once: two mergers would write the same merged id.
-fn merger_lease(ck: &Checkpoints) -> Result<Lease, CkptError> {
+pub(crate) fn merger_lease(ck: &Checkpoints) -> Result<Lease, CkptError> {
     Lease::acquire(
         ck.store_arc(),
         lease::MERGER,
@@ -93,7 +93,7 @@ fn merge_base(
     };
     loop {
         let on_base: Vec<Manifest> = ck
-            .list()?
+            .list_readable()?
             .into_iter()
             .filter(|m| m.deck.is_some() && m.parents.len() == 1 && m.parents[0] == base)
             .collect();
@@ -134,7 +134,7 @@ pub fn merge_all(
 ) -> Result<MergeReport, CkptError> {
     let _lease = merger_lease(ck)?;
     let mut bases: Vec<String> = ck
-        .list()?
+        .list_readable()?
         .into_iter()
         .filter(|m| m.deck.is_some())
         .filter_map(|m| m.parents.first().cloned())
@@ -227,7 +227,7 @@ fn merge(
     for key in ck.store().list(&format!("data/{id}/"))? {
         ck.store().delete(&key)?;
     }
-    let parts = Parts::new(ck);
+    let parts = Parts::new(ck, &id);
     let merged = merge_into(ck, &parts, inputs, &id, chunk_bytes);
     parts.finish(merged)
 }

@@ -108,7 +108,13 @@ impl Checkpoints {
         let mut writer = self.clone();
         writer.branch = branch;
         writer.lease = Some(Arc::new(held));
-        let cleaned = writer.clean_crashed_writes(&ids, head_step)?;
+        // A damaged manifest still commits its data: never treat that as a crashed write.
+        let committed: Vec<String> = ids
+            .iter()
+            .cloned()
+            .chain(damaged.iter().map(|(id, _)| id.clone()))
+            .collect();
+        let cleaned = writer.clean_crashed_writes(&committed, head_step)?;
         Ok((
             writer,
             WriterStart {

@@ -99,7 +99,9 @@ const GUARD_SUFFIX: &str = ".guard";
 
 impl LocalStore {
     pub fn open(root: &Path) -> Result<Self, CkptError> {
-        fs::create_dir_all(root).map_err(|e| io(root, e))?;
+        // The location itself is a new directory too: its name must survive a power loss.
+        let absolute = std::path::absolute(root).map_err(|e| io(root, e))?;
+        ftrec_fsio::create_dir_durable(Path::new("/"), &absolute)?;
         Ok(Self {
             root: root.to_path_buf(),
             scratch: Default::default(),

@@ -255,7 +255,13 @@ async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps:
             _ => Applied::Partly,
         };
         match s.steps.resolve(step, applied, partial_regrant) {
-            Resolution::Settled => shared.settled(&mut s, step),
+            Resolution::Settled => {
+                shared.settled(&mut s, step);
+                s.timeline.event(
+                    "step-settled",
+                    format!("step {step}: applied on every server; only its report was lost"),
+                );
+            }
             Resolution::Regranted => {
                 s.timeline.event(
                     "step-regranted",

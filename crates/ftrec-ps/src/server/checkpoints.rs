@@ -45,7 +45,7 @@ impl Core {
         // The cut's checkpoint at this step written last: an older one at the same step
         // belongs to a cut that failed part-way and was rolled back below it.
         let id = checkpoints
-            .list()?
+            .list_readable()?
             .into_iter()
             .filter(|m| m.step == step && m.kind == CheckpointKind::Full)
             .max_by_key(|m| m.created_unix_ms)
