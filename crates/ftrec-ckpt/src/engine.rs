@@ -99,6 +99,11 @@ pub struct Checkpoints {
 
 impl Checkpoints {
     pub fn new(store: Box<dyn Store>) -> Self {
+        Self::from_arc(Arc::from(store))
+    }
+
+    /// Like [`Checkpoints::new`], for a store the caller keeps a handle to.
+    pub fn from_arc(store: Arc<dyn Store>) -> Self {
         // Building a pool fails only when threads cannot be spawned; then the caller's
         // pool does the work.
         let io = rayon::ThreadPoolBuilder::new()
@@ -108,7 +113,7 @@ impl Checkpoints {
             .map_err(|e| tracing::warn!("no checkpoint I/O pool ({e}); using the caller's"))
             .ok();
         Self {
-            store: Arc::from(store),
+            store,
             io: io.map(Arc::new),
             branch: 0,
             lease: None,

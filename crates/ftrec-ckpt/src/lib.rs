@@ -38,5 +38,5 @@ pub use object::{ObjectStoreBackend, open_store};
 pub use policy::{Checkpointer, DeckStats, Strategy};
 pub use retention::{GcOptions, GcReport};
 pub use session::{BranchStart, WriterStart};
-pub use store::{LocalStore, Store};
+pub use store::{LocalStore, ObjectReader, Store};
 pub use tracker::{DeltaTracker, TenantId};
