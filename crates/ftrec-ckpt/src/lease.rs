@@ -96,8 +96,16 @@ fn host_name() -> String {
         .unwrap_or_else(|_| "unknown-host".into())
 }
 
+/// Whether `pid` is a running process on this host. A zombie (killed, not yet reaped by
+/// its parent) holds nothing: a SIGKILLed server stays one until its launcher waits for it.
 fn process_exists(pid: u32) -> bool {
-    std::path::Path::new(&format!("/proc/{pid}")).exists()
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // `pid (comm) state ...`: the command may hold spaces and parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_none_or(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => false,
+    }
 }
 
 /// Tells two holders apart (std's randomly keyed hasher over the clock); not a secret.
@@ -304,6 +312,29 @@ impl Drop for Lease {
         if let Err(e) = released {
             tracing::debug!("releasing the checkpoint lease: {e} (it expires by itself)");
         }
+    }
+}
+
+#[cfg(test)]
+mod process_tests {
+    use super::process_exists;
+
+    #[test]
+    fn a_zombie_holds_nothing() {
+        assert!(process_exists(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        // Not waited for: it exits and stays a zombie until `wait`.
+        let pid = child.id();
+        let started = std::time::Instant::now();
+        while process_exists(pid) {
+            assert!(started.elapsed().as_secs() < 10, "pid {pid} still running");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(
+            std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "a zombie"
+        );
+        child.wait().unwrap();
     }
 }
 

@@ -82,7 +82,6 @@ impl Checkpoints {
             lease::MERGER,
             &LeaseOptions::new("ftrec ckpt gc"),
         )?;
-        let writer_live = lease::live_holder(self.store(), lease::WRITER)?;
         let (all, damaged) = self.list_lenient()?;
         let mut by_branch: BTreeMap<u32, Vec<&Manifest>> = BTreeMap::new();
         for m in &all {
@@ -116,8 +115,10 @@ impl Checkpoints {
             self.store().delete(&Manifest::key_for(&m.id))?;
             report.checkpoints.push(m.id.clone());
         }
+        // Asked afresh at each decision, after the keys were listed: a writer that took the
+        // lease before the listing is seen, and one that took it later made none of them.
         let abandoned = |keys: &[String]| -> Result<bool, CkptError> {
-            if writer_live.is_none() {
+            if lease::live_holder(self.store(), lease::WRITER)?.is_none() {
                 return Ok(true);
             }
             let limit = now_unix_ms().saturating_sub(options.abandoned_after.as_millis() as u64);

@@ -189,6 +189,16 @@ impl LocalSpawner {
         ]
     }
 
+    /// Reaps the children that have exited, so a killed one does not linger as a zombie
+    /// (whose pid would still look alive to the checkpoint leases it held).
+    fn reap_exited(&self) {
+        if let Ok(mut children) = self.children.lock() {
+            for (_, child) in children.iter_mut() {
+                let _ = child.try_wait();
+            }
+        }
+    }
+
     /// Waits up to `grace` for every child to exit, then SIGKILLs the rest.
     fn reap(&self, grace: Duration) {
         let deadline = Instant::now() + grace;
@@ -296,6 +306,7 @@ async fn run_async(
         let mut kill_times = Vec::new();
         let mut training_start: Option<Instant> = None;
         loop {
+            spawner.reap_exited();
             let summary = shared.summary();
             // The event log is copied only until training has started.
             if training_start.is_none()

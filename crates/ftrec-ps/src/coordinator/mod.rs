@@ -118,6 +118,8 @@ struct State {
     /// failure (doubling, bounded), so a full disk is neither hammered nor logged 45 times a
     /// second.
     checkpoint_backoff: Option<(Instant, Duration)>,
+    /// The last prune failed (said once, until one succeeds).
+    prune_failing: bool,
     /// Orphan steps are not asked about again before this (a server did not answer).
     resolve_after: Option<Instant>,
     /// Slots waiting for their replacement, with the detection time.
@@ -412,6 +414,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             retained_cuts: Vec::new(),
             checkpoint_backoff: None,
             resolve_after: None,
+            prune_failing: false,
             failed: Vec::new(),
             recoveries: Vec::new(),
             timeline: Timeline::new(),

@@ -150,14 +150,21 @@ async fn prune_cuts(
             Err(e) => failed.push(format!("server {i}: {}", e.message())),
         }
     }
+    let mut s = shared.lock();
     if !failed.is_empty() {
         // The next cut's prune lists the same keep set, so nothing is left behind for good.
-        let why = failed.join("; ");
-        tracing::warn!("pruning old checkpoints: {why}");
-        shared.event("prune-failed", why);
-    } else if deleted > 0 {
+        // Said once until a prune succeeds again, not at every cut.
+        if !std::mem::replace(&mut s.prune_failing, true) {
+            let why = failed.join("; ");
+            tracing::warn!("pruning old checkpoints: {why}; retrying after each cut");
+            s.timeline.event("prune-failed", why);
+        }
+        return;
+    }
+    s.prune_failing = false;
+    if deleted > 0 {
         let steps: Vec<u64> = kept.iter().map(|r| r.step).collect();
-        shared.event(
+        s.timeline.event(
             "checkpoints-pruned",
             format!("{deleted} shard checkpoints deleted; cuts kept: {steps:?}"),
         );
@@ -203,6 +210,9 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
     if let RecoveryAction::Rollback { .. } = action {
         s.steps.rewind(applied);
     }
+    // A cut that failed just before was most likely the dead server's doing: try the next
+    // one on time. A full disk fails it again and backs off again.
+    s.checkpoint_backoff = None;
     s.phase = Phase::Running;
     let resumed_at = s.timeline.event(
         "recovery-end",
