@@ -19,30 +19,45 @@ use crate::placement::Layout;
 use crate::proto::{FetchShardRequest, Role};
 use crate::wire::bytes_to_f32s;
 
-/// `role:id@seconds`, e.g. `server:1@10s`: SIGKILL that process this long after training
-/// starts.
+/// When a `--kill` fires.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KillAt {
+    /// This long after training starts.
+    After(Duration),
+    /// As soon as the coordinator grants this global step (exact, for tests).
+    Step(u64),
+}
+
+/// `role:id@seconds` (`server:1@10s`) or `role:id@step:N` (`server:1@step:8`): SIGKILL
+/// that process that long after training starts, or as soon as step N is granted.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KillSpec {
     pub role: Role,
     pub id: usize,
-    pub after: Duration,
+    pub at: KillAt,
 }
 
 impl std::str::FromStr for KillSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("--kill {s:?}: expected ROLE:ID@SECONDS, e.g. server:1@10s");
+        let bad = || {
+            format!(
+                "--kill {s:?}: expected ROLE:ID@SECONDS or ROLE:ID@step:N, e.g. server:1@10s or server:1@step:8"
+            )
+        };
         let (who, when) = s.split_once('@').ok_or_else(bad)?;
         let (role, id) = parse_member(who).map_err(|_| bad())?;
-        let secs: f64 = when.trim_end_matches('s').parse().map_err(|_| bad())?;
-        if !(secs.is_finite() && secs >= 0.0) {
-            return Err(bad());
-        }
-        Ok(Self {
-            role,
-            id,
-            after: Duration::from_secs_f64(secs),
-        })
+        let at = match when.strip_prefix("step:") {
+            Some(step) => KillAt::Step(step.parse().map_err(|_| bad())?),
+            None => {
+                let secs: f64 = when.trim_end_matches('s').parse().map_err(|_| bad())?;
+                if !(secs.is_finite() && secs >= 0.0) {
+                    return Err(bad());
+                }
+                KillAt::After(Duration::from_secs_f64(secs))
+            }
+        };
+        Ok(Self { role, id, at })
     }
 }
 
@@ -95,6 +110,10 @@ pub struct LaunchReport {
     #[serde(flatten)]
     pub summary: RunSummary,
     pub state_digest: String,
+    /// One per server, in server order: xxh3 of its shard (each table's local rows in
+    /// order, then its dense range, their optimizer state and the dense step), so a test
+    /// can tell which servers' state a recovery touched.
+    pub shard_digests: Vec<String>,
     pub servers: usize,
     pub workers: usize,
     /// From each SIGKILL to training resumed (detection included).
@@ -301,8 +320,14 @@ async fn run_async(
         }
         let started = Instant::now();
         let mut stop_signals = StopSignals::new()?;
-        let mut kills = opts.kills.clone();
-        kills.sort_by_key(|k| k.after);
+        let mut kills = Vec::new();
+        for k in &opts.kills {
+            match k.at {
+                KillAt::After(after) => kills.push((after, k.role, k.id)),
+                KillAt::Step(step) => shared.kill_at_step(k.role, k.id, step),
+            }
+        }
+        kills.sort_by_key(|k| k.0);
         let mut kill_times = Vec::new();
         let mut training_start: Option<Instant> = None;
         loop {
@@ -327,23 +352,23 @@ async fn run_async(
                 seconds: started.elapsed().as_secs_f64(),
             });
             if let Some(t0) = training_start {
-                while kills.first().is_some_and(|k| t0.elapsed() >= k.after) {
-                    let k = kills.remove(0);
-                    match shared.pid_of(k.role, k.id) {
+                while kills.first().is_some_and(|k| t0.elapsed() >= k.0) {
+                    let (_, role, id) = kills.remove(0);
+                    match shared.pid_of(role, id) {
                         Some(pid) => {
                             sigkill(pid).map_err(io(Path::new("kill")))?;
                             let t = shared.event(
                                 "killed",
                                 format!(
-                                    "{} {} (pid {pid}) by SIGKILL",
-                                    coordinator::role_name(k.role),
-                                    k.id
+                                    "{} {id} (pid {pid}) by SIGKILL",
+                                    coordinator::role_name(role)
                                 ),
                             );
                             kill_times.push(t);
                         }
                         None => {
-                            shared.event("kill-skipped", format!("{k:?}: no such process"));
+                            let who = coordinator::role_name(role);
+                            shared.event("kill-skipped", format!("{who} {id}: no such process"));
                         }
                     }
                 }
@@ -378,6 +403,13 @@ async fn run_async(
         }
         let summary = shared.summary();
         let timeline = shared.timeline();
+        kill_times.extend(
+            timeline
+                .events
+                .iter()
+                .filter(|e| e.kind == "killed" && e.detail.contains("at step"))
+                .map(|e| e.t),
+        );
         let kill_to_resume: Vec<f64> = kill_times
             .iter()
             .filter_map(|&k| {
@@ -388,7 +420,7 @@ async fn run_async(
                     .map(|e| e.t - k)
             })
             .collect();
-        let state = gather_state(&job, &shared.server_addresses()).await?;
+        let (state, shard_digests) = gather_state(&job, &shared.server_addresses()).await?;
         let digest = state.digest().to_string();
         let (mut auc, mut logloss, mut eval_samples) = (None, None, None);
         if opts.evaluate {
@@ -400,6 +432,7 @@ async fn run_async(
         Ok(LaunchReport {
             summary,
             state_digest: digest,
+            shard_digests,
             servers: cluster.servers,
             workers: cluster.workers,
             kill_to_resume_seconds: kill_to_resume,
@@ -454,8 +487,11 @@ impl StopSignals {
     }
 }
 
-/// Reassembles the whole model from every server's shard.
-pub async fn gather_state(job: &Job, addresses: &[String]) -> Result<ModelState, PsError> {
+/// Reassembles the whole model from every server's shard; also each shard's digest.
+pub async fn gather_state(
+    job: &Job,
+    addresses: &[String],
+) -> Result<(ModelState, Vec<String>), PsError> {
     let config = job.config.model_config()?;
     let layout = Layout::new(addresses.len())?;
     let stride = config.row_stride();
@@ -467,6 +503,9 @@ pub async fn gather_state(job: &Job, addresses: &[String]) -> Result<ModelState,
     let mut dense = DenseState::initial(&config, job.config.seed)?;
     let total = dense.params.len();
     let per_param = config.dense_optimizer.dense_state_len(1)?;
+    let mut shard_hashes: Vec<xxhash_rust::xxh3::Xxh3> = (0..addresses.len())
+        .map(|_| xxhash_rust::xxh3::Xxh3::new())
+        .collect();
     for (t, &rows) in config.table_rows.iter().enumerate() {
         let mut data = vec![0.0f32; rows * stride];
         for (s, client) in clients.iter_mut().enumerate() {
@@ -475,6 +514,7 @@ pub async fn gather_state(job: &Job, addresses: &[String]) -> Result<ModelState,
                 .await
                 .map_err(|st| PsError::rpc(format!("fetching table {t} from server {s}"), &st))?
                 .into_inner();
+            shard_hashes[s].update(&reply.rows);
             let local = bytes_to_f32s(&reply.rows, "shard rows")?;
             if local.len() != layout.local_rows(t, s, rows) * stride {
                 return Err(PsError::Request(format!(
@@ -489,6 +529,9 @@ pub async fn gather_state(job: &Job, addresses: &[String]) -> Result<ModelState,
             if t == 0 {
                 let range = layout.dense_range(s, total);
                 let len = range.len();
+                shard_hashes[s].update(&reply.dense_params);
+                shard_hashes[s].update(&reply.dense_state);
+                shard_hashes[s].update(&reply.dense_step.to_le_bytes());
                 let params = bytes_to_f32s(&reply.dense_params, "dense params")?;
                 let state = bytes_to_f32s(&reply.dense_state, "dense state")?;
                 if params.len() != len || state.len() != per_param * len {
@@ -512,7 +555,11 @@ pub async fn gather_state(job: &Job, addresses: &[String]) -> Result<ModelState,
                 .ok_or_else(|| PsError::Config("table shape".into()))?,
         );
     }
-    Ok(ModelState::from_parts(config, tables, dense)?)
+    let digests = shard_hashes
+        .iter()
+        .map(|h| format!("{:016x}", h.digest()))
+        .collect();
+    Ok((ModelState::from_parts(config, tables, dense)?, digests))
 }
 
 fn evaluate(job: &Job, state: ModelState) -> Result<ftrec_model::metrics::Metrics, PsError> {
@@ -536,16 +583,19 @@ mod tests {
     fn kill_specs_parse_and_reject_clearly() {
         let k: KillSpec = "server:1@10s".parse().unwrap();
         assert_eq!(
-            (k.role, k.id, k.after),
-            (Role::Server, 1, Duration::from_secs(10))
+            (k.role, k.id, k.at),
+            (Role::Server, 1, KillAt::After(Duration::from_secs(10)))
         );
         let k: KillSpec = "worker:0@2.5".parse().unwrap();
-        assert_eq!(k.after, Duration::from_millis(2500));
+        assert_eq!(k.at, KillAt::After(Duration::from_millis(2500)));
+        let k: KillSpec = "server:1@step:8".parse().unwrap();
+        assert_eq!(k.at, KillAt::Step(8));
         for bad in [
             "server1@3s",
             "disk:1@3s",
             "server:x@3s",
             "server:1@-1s",
+            "server:1@step:x",
             "server:1",
         ] {
             let e = bad.parse::<KillSpec>().unwrap_err();

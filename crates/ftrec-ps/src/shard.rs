@@ -6,14 +6,16 @@
 //! buffers: parameters `[0, len)`, optimizer state `[0, state_len(len))` laid out as the
 //! optimizer lays out a `len`-parameter model (Adam: `m` then `v`).
 //!
-//! The pipeline, built for the fault-tolerance layers that plug into it:
-//! - [`Shard::stage`] computes the new rows of an update without touching the shard, and
-//!   [`Shard::commit`] installs them (or the staged update is dropped: abort). ECRec's
-//!   two-phase commit sends parity deltas between the two.
-//! - Every committed row goes through the [`UpdateHook`]s with its old and new bytes
-//!   (difference propagation to parity holders, delta tracking).
+//! The pipeline, built for the fault-tolerance layers that plug into it (the server runs
+//! it on every push: stage, pre-commit observers, commit, post-commit observers):
+//! - [`Shard::stage`] computes the new rows of an update, keeping their old bytes beside
+//!   them, without touching the shard; [`Shard::commit`] installs them (or the staged
+//!   update is dropped: abort). A [`PreCommit`] observer sees the whole staged update
+//!   between the two and may await or veto (ECRec sends `old XOR new` to parity holders);
+//!   a [`PostCommit`] observer sees the rows installed (delta tracking for checkpoints).
 //! - [`Shard::lock_range`] defers updates to a row range (a range being rebuilt) and
-//!   [`Shard::unlock_range`] replays them in arrival order.
+//!   [`Shard::unlock_range`] replays them in arrival order, returning the rows it changed
+//!   for the post-commit observers.
 
 use std::ops::Range;
 
@@ -22,10 +24,29 @@ use ftrec_model::{DenseState, EmbeddingTable, ModelConfig, ModelState, Optimizer
 use crate::PsError;
 use crate::placement::Layout;
 
-/// Sees every committed row update. `old` and `new` are the whole row
-/// (`[embedding | optimizer state]`).
-pub trait UpdateHook: Send + Sync {
-    fn after_update(&mut self, table: usize, row: u32, old: &[f32], new: &[f32]);
+/// Sees a staged update before it is installed. It may await (ECRec: parity differences
+/// sent to their holders and acknowledged) and may veto the update with an error, which
+/// aborts it: nothing of it is installed.
+#[tonic::async_trait]
+pub trait PreCommit: Send + Sync {
+    async fn pre_commit(&self, staged: &StagedUpdate) -> Result<(), PsError>;
+}
+
+/// Sees the rows an update (or a replay of deferred updates) installed, before the push
+/// is acknowledged.
+pub trait PostCommit: Send + Sync {
+    fn post_commit(&self, rows: &[StagedRows]);
+}
+
+/// The rows of one table an update changes: whole rows (`[embedding | optimizer
+/// state]`, `stride` words each), before and after.
+#[derive(Clone, Debug, Default)]
+pub struct StagedRows {
+    pub table: usize,
+    pub globals: Vec<u32>,
+    pub locals: Vec<u32>,
+    pub old: Vec<f32>,
+    pub new: Vec<f32>,
 }
 
 /// The gradients of one push, as decoded from the wire.
@@ -41,8 +62,7 @@ pub struct Update {
 #[derive(Debug, Default)]
 pub struct StagedUpdate {
     pub step: u64,
-    /// Per entry: table, local indices, new rows (`stride` per row).
-    rows: Vec<(usize, Vec<u32>, Vec<f32>)>,
+    rows: Vec<StagedRows>,
     dense_params: Vec<f32>,
     dense_state: Vec<f32>,
     /// Gradients for rows in locked ranges: (table, global row, gradient).
@@ -51,7 +71,17 @@ pub struct StagedUpdate {
 
 impl StagedUpdate {
     pub fn rows_changed(&self) -> usize {
-        self.rows.iter().map(|(_, l, _)| l.len()).sum()
+        self.rows.iter().map(|r| r.locals.len()).sum()
+    }
+
+    /// The changed rows, per table.
+    pub fn rows(&self) -> &[StagedRows] {
+        &self.rows
+    }
+
+    /// The server's dense range and its optimizer state after the update.
+    pub fn dense(&self) -> (&[f32], &[f32]) {
+        (&self.dense_params, &self.dense_state)
     }
 }
 
@@ -67,7 +97,6 @@ pub struct Shard {
     global: ModelConfig,
     state: ModelState,
     dense_range: Range<usize>,
-    hooks: Vec<Box<dyn UpdateHook>>,
     locked: Vec<LockedRange>,
 }
 
@@ -161,7 +190,6 @@ impl Shard {
             global: global.clone(),
             dense_range: layout.dense_range(server, total),
             state,
-            hooks: Vec::new(),
             locked: Vec::new(),
         })
     }
@@ -196,10 +224,6 @@ impl Shard {
 
     pub fn dense_step(&self) -> u64 {
         self.state.dense.step
-    }
-
-    pub fn add_hook(&mut self, hook: Box<dyn UpdateHook>) {
-        self.hooks.push(hook);
     }
 
     fn local(&self, table: usize, row: u32) -> Result<usize, PsError> {
@@ -261,20 +285,28 @@ impl Shard {
                 return Err(PsError::Request(format!("table {table} does not exist")));
             };
             let stride = stored.stride();
-            let mut locals = Vec::with_capacity(rows.len());
-            let mut new_rows = Vec::with_capacity(rows.len() * stride);
+            let mut out = StagedRows {
+                table: *table,
+                globals: Vec::with_capacity(rows.len()),
+                locals: Vec::with_capacity(rows.len()),
+                old: Vec::with_capacity(rows.len() * stride),
+                new: Vec::with_capacity(rows.len() * stride),
+            };
             for (&row, grad) in rows.iter().zip(grads.chunks_exact(dim)) {
                 let local = self.local(*table, row)?;
                 if self.is_locked(*table, row) {
                     staged.deferred.push((*table, row, grad.to_vec()));
                     continue;
                 }
-                let start = new_rows.len();
-                new_rows.extend_from_slice(self.state.tables()[*table].row(local));
-                optimizer.apply_row(&mut new_rows[start..], grad);
-                locals.push(local as u32);
+                let current = stored.row(local);
+                out.old.extend_from_slice(current);
+                let start = out.new.len();
+                out.new.extend_from_slice(current);
+                optimizer.apply_row(&mut out.new[start..], grad);
+                out.globals.push(row);
+                out.locals.push(local as u32);
             }
-            staged.rows.push((*table, locals, new_rows));
+            staged.rows.push(out);
         }
         let len = self.dense_range.len();
         if update.dense.len() != len {
@@ -296,21 +328,13 @@ impl Shard {
         Ok(staged)
     }
 
-    /// Installs a staged update: hooks see each row's old and new bytes, deferred rows go
-    /// to their range's buffer.
-    pub fn commit(&mut self, staged: StagedUpdate) {
-        for (table, locals, new_rows) in staged.rows {
-            let stored = &mut self.state.tables_mut()[table];
+    /// Installs a staged update; deferred rows go to their range's buffer.
+    pub fn commit(&mut self, staged: &StagedUpdate) {
+        for rows in &staged.rows {
+            let stored = &mut self.state.tables_mut()[rows.table];
             let stride = stored.stride();
-            for (&local, new) in locals.iter().zip(new_rows.chunks_exact(stride)) {
-                let row = stored.row_mut(local as usize);
-                if !self.hooks.is_empty() {
-                    let global = self.layout.global_row(table, self.server, local as usize);
-                    for hook in &mut self.hooks {
-                        hook.after_update(table, global, row, new);
-                    }
-                }
-                row.copy_from_slice(new);
+            for (&local, new) in rows.locals.iter().zip(rows.new.chunks_exact(stride)) {
+                stored.row_mut(local as usize).copy_from_slice(new);
             }
         }
         let len = self.dense_range.len();
@@ -318,21 +342,21 @@ impl Shard {
         self.state.dense.params[..len].copy_from_slice(&staged.dense_params);
         self.state.dense.optimizer_state[..state_len].copy_from_slice(&staged.dense_state);
         self.state.dense.step += 1;
-        for (table, row, grad) in staged.deferred {
+        for (table, row, grad) in &staged.deferred {
             if let Some(l) = self
                 .locked
                 .iter_mut()
-                .find(|l| l.table == table && l.rows.contains(&row))
+                .find(|l| l.table == *table && l.rows.contains(row))
             {
-                l.buffered.push((row, grad));
+                l.buffered.push((*row, grad.clone()));
             }
         }
     }
 
-    /// Stage and commit in one go (no two-phase protocol in this mode).
+    /// Stage and commit in one go, with no observers (tests and tools).
     pub fn apply(&mut self, update: &Update) -> Result<(), PsError> {
         let staged = self.stage(update)?;
-        self.commit(staged);
+        self.commit(&staged);
         Ok(())
     }
 
@@ -346,32 +370,32 @@ impl Shard {
     }
 
     /// Releases a locked range and applies its buffered row updates in arrival order.
-    /// Returns how many were applied.
-    pub fn unlock_range(&mut self, table: usize, rows: Range<u32>) -> usize {
+    /// Returns each replayed update's rows (old and new), for the post-commit observers.
+    pub fn unlock_range(&mut self, table: usize, rows: Range<u32>) -> StagedRows {
+        let mut replayed = StagedRows {
+            table,
+            ..StagedRows::default()
+        };
         let Some(i) = self
             .locked
             .iter()
             .position(|l| l.table == table && l.rows == rows)
         else {
-            return 0;
+            return replayed;
         };
         let released = self.locked.remove(i);
         let optimizer = self.global.sparse_optimizer;
-        let stride = self.state.tables()[table].stride();
-        let n = released.buffered.len();
         for (row, grad) in released.buffered {
             let local = self.layout.local_index(row);
             let stored = &mut self.state.tables_mut()[table];
-            let mut new = stored.row(local).to_vec();
-            optimizer.apply_row(&mut new, &grad);
-            debug_assert_eq!(new.len(), stride);
-            let old = stored.row_mut(local);
-            for hook in &mut self.hooks {
-                hook.after_update(table, row, old, &new);
-            }
-            old.copy_from_slice(&new);
+            let current = stored.row_mut(local);
+            replayed.old.extend_from_slice(current);
+            optimizer.apply_row(current, &grad);
+            replayed.new.extend_from_slice(current);
+            replayed.globals.push(row);
+            replayed.locals.push(local as u32);
         }
-        n
+        replayed
     }
 
     /// Replaces the whole state (a restore). The state must be this server's shard.
@@ -392,7 +416,6 @@ impl Shard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::{Arc, Mutex};
 
     fn model() -> ModelConfig {
         ModelConfig {
@@ -442,17 +465,6 @@ mod tests {
         }
     }
 
-    type Seen = Vec<(usize, u32, Vec<f32>, Vec<f32>)>;
-    struct Recorder(Arc<Mutex<Seen>>);
-    impl UpdateHook for Recorder {
-        fn after_update(&mut self, table: usize, row: u32, old: &[f32], new: &[f32]) {
-            self.0
-                .lock()
-                .unwrap()
-                .push((table, row, old.to_vec(), new.to_vec()));
-        }
-    }
-
     fn update(shard: &Shard, rows: Vec<u32>, seed: f32) -> Update {
         let dim = model().dim;
         Update {
@@ -469,7 +481,7 @@ mod tests {
     }
 
     #[test]
-    fn stage_changes_nothing_commit_applies_and_hooks_see_old_and_new_rows() {
+    fn stage_changes_nothing_and_keeps_old_and_new_rows_then_commit_installs_them() {
         let mut shard = shards(2).remove(0);
         let rows: Vec<u32> = (0..40u32).filter(|r| (r + 1) % 2 == 0).take(3).collect();
         let before = shard.state().clone();
@@ -478,16 +490,20 @@ mod tests {
         assert_eq!(shard.state(), &before, "staging is invisible");
         drop(staged); // abort
         assert_eq!(shard.state(), &before);
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        shard.add_hook(Box::new(Recorder(seen.clone())));
-        shard.commit(shard.stage(&u).unwrap());
-        let seen = seen.lock().unwrap();
-        assert_eq!(seen.len(), 3);
-        for ((t, row, old, new), &r) in seen.iter().zip(&rows) {
+        let staged = shard.stage(&u).unwrap();
+        shard.commit(&staged);
+        let changed = &staged.rows()[0];
+        assert_eq!((changed.table, &changed.globals), (1, &rows));
+        let stride = shard.state().tables()[1].stride();
+        for (i, &r) in rows.iter().enumerate() {
             let local = r as usize / 2;
-            assert_eq!((*t, *row), (1, r));
-            assert_eq!(old.as_slice(), before.tables()[1].row(local));
-            assert_eq!(new.as_slice(), shard.state().tables()[1].row(local));
+            assert_eq!(changed.locals[i] as usize, local);
+            let (old, new) = (
+                &changed.old[i * stride..(i + 1) * stride],
+                &changed.new[i * stride..(i + 1) * stride],
+            );
+            assert_eq!(old, before.tables()[1].row(local));
+            assert_eq!(new, shard.state().tables()[1].row(local));
             assert_ne!(old, new);
         }
         assert_eq!(shard.dense_step(), 1);
@@ -538,7 +554,14 @@ mod tests {
             locked.state().tables()[1].row(0),
             direct.state().tables()[1].row(0)
         );
-        assert_eq!(locked.unlock_range(1, 0..4), 6);
+        let replayed = locked.unlock_range(1, 0..4);
+        assert_eq!(replayed.globals, vec![1, 3, 1, 3, 1, 3]);
         assert_eq!(locked.state(), direct.state());
+        let stride = direct.state().tables()[1].stride();
+        assert_eq!(
+            &replayed.new[5 * stride..],
+            direct.state().tables()[1].row(1),
+            "the last replay's new row is the current row"
+        );
     }
 }

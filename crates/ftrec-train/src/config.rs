@@ -220,6 +220,45 @@ impl CheckpointSection {
             (Some(s), Some(_)) => s,
         }
     }
+
+    /// The checkpoint engine's strategy for this section (`None`: no checkpoints).
+    pub fn engine_strategy(&self) -> Option<ftrec_ckpt::Strategy> {
+        use ftrec_ckpt::Strategy;
+        Some(match self.effective_strategy() {
+            CheckpointStrategy::None => return None,
+            CheckpointStrategy::Full => Strategy::Full,
+            CheckpointStrategy::Differential => Strategy::Differential,
+            CheckpointStrategy::NaiveIncremental => Strategy::NaiveIncremental,
+            CheckpointStrategy::Incrcp => Strategy::Incrcp,
+            CheckpointStrategy::Deck => Strategy::Deck,
+        })
+    }
+
+    /// The checkpointer this section asks for, writing through `checkpoints` (a handle
+    /// that holds the location's writer lease), for a model of `tables` tables: the
+    /// trainer's, and each cluster server's over its shard.
+    pub fn checkpointer(
+        &self,
+        checkpoints: ftrec_ckpt::Checkpoints,
+        tables: usize,
+    ) -> Result<Option<ftrec_ckpt::Checkpointer>, TrainError> {
+        use ftrec_ckpt::{Checkpointer, Strategy};
+        let Some(strategy) = self.engine_strategy() else {
+            return Ok(None);
+        };
+        Ok(Some(if strategy == Strategy::Deck {
+            Checkpointer::deck(checkpoints, tables, self.deck.clone())?
+        } else {
+            Checkpointer::with_threshold(
+                checkpoints,
+                strategy,
+                self.full_every
+                    .unwrap_or_else(|| strategy.default_full_every()),
+                tables,
+                self.incrcp_threshold,
+            )?
+        }))
+    }
 }
 
 impl TrainConfig {
@@ -387,6 +426,12 @@ impl TrainConfig {
                 "checkpoint.incrcp_threshold = {r}: must be within 0..=1"
             )));
         }
+        Ok(())
+    }
+
+    /// A single-process run that names a strategy must say where checkpoints go (a
+    /// cluster defaults to its run directory, so this is not part of [`Self::validate`]).
+    pub fn require_checkpoint_dir(&self) -> Result<(), TrainError> {
         if self
             .checkpoint
             .strategy

@@ -8,12 +8,9 @@ use ftrec_model::{Batch, Dlrm, GemmMatMul, ModelConfig, ModelState};
 use rayon::ThreadPool;
 use serde::Serialize;
 
-use crate::config::CheckpointStrategy;
 use crate::{TrainConfig, TrainError};
 use ftrec_ckpt::lease::LeaseOptions;
-use ftrec_ckpt::{
-    BranchStart, Checkpointer, Checkpoints, Manifest, Strategy, WriterStart, open_store,
-};
+use ftrec_ckpt::{BranchStart, Checkpointer, Checkpoints, Manifest, WriterStart, open_store};
 
 /// Where training is: steps done and the next sample of the training split. Saved with
 /// checkpoints so a resumed run reads exactly the samples an uninterrupted one would.
@@ -153,14 +150,9 @@ impl Trainer {
     /// refused unless `checkpoint.new_branch`).
     pub fn enable_checkpoints(&mut self) -> Result<(), TrainError> {
         let c = &self.config.checkpoint;
-        let strategy = match c.effective_strategy() {
-            CheckpointStrategy::None => return Ok(()),
-            CheckpointStrategy::Full => Strategy::Full,
-            CheckpointStrategy::Differential => Strategy::Differential,
-            CheckpointStrategy::NaiveIncremental => Strategy::NaiveIncremental,
-            CheckpointStrategy::Incrcp => Strategy::Incrcp,
-            CheckpointStrategy::Deck => Strategy::Deck,
-        };
+        if c.engine_strategy().is_none() {
+            return Ok(());
+        }
         if let Some(dir) = &c.dir {
             let location = dir.to_string_lossy().to_string();
             let same_location = self
@@ -186,22 +178,9 @@ impl Trainer {
                 );
             }
             self.writer_start = Some(started);
-            if strategy == Strategy::Deck {
-                self.checkpointer = Some(Checkpointer::deck(
-                    checkpoints,
-                    self.model_config.tables(),
-                    c.deck.clone(),
-                )?);
+            let Some(mut ck) = c.checkpointer(checkpoints, self.model_config.tables())? else {
                 return Ok(());
-            }
-            let mut ck = Checkpointer::with_threshold(
-                checkpoints,
-                strategy,
-                c.full_every
-                    .unwrap_or_else(|| strategy.default_full_every()),
-                self.model_config.tables(),
-                c.incrcp_threshold,
-            )?;
+            };
             if let Some(speed) = self.restore_bytes_per_second {
                 ck.set_read_bandwidth(speed);
             }

@@ -229,7 +229,7 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
             .wait_done(Duration::from_secs(30 * 24 * 3600))
             .await?;
         let shared = handle.shared.clone();
-        let state = launch::gather_state(&job, &shared.server_addresses()).await?;
+        let (state, _) = launch::gather_state(&job, &shared.server_addresses()).await?;
         shared.timeline().write(&a.out)?;
         let summary = shared.summary();
         shared.stop();

@@ -152,6 +152,7 @@ fn train(a: TrainArgs) -> Result<()> {
         extra.push("checkpoint.new_branch=true".into());
     }
     let config = load_config(&a.config, extra)?;
+    config.require_checkpoint_dir()?;
     let Some(dir) = config.data.dir.clone() else {
         bail!("no dataset: pass --data DIR or set data.dir");
     };

@@ -118,6 +118,8 @@ struct State {
     /// failure (doubling, bounded), so a full disk is neither hammered nor logged 45 times a
     /// second.
     checkpoint_backoff: Option<(Instant, Duration)>,
+    /// Kills to fire when a step is granted (`--kill server:1@step:8`): role, id, step.
+    step_kills: Vec<(Role, usize, u64)>,
     /// The last prune failed (said once, until one succeeds).
     prune_failing: bool,
     /// Orphan steps are not asked about again before this (a server did not answer).
@@ -230,6 +232,44 @@ impl Shared {
         }
     }
 
+    /// SIGKILLs `role` `id` as soon as global step `step` is granted (failure injection at
+    /// an exact point of the schedule, for tests and benchmarks).
+    pub fn kill_at_step(&self, role: Role, id: usize, step: u64) {
+        self.lock().step_kills.push((role, id, step));
+    }
+
+    /// Fires the step kills that `granted` reached.
+    fn fire_step_kills(&self, s: &mut State, granted: u64) {
+        let (due, rest): (Vec<_>, Vec<_>) = s
+            .step_kills
+            .iter()
+            .copied()
+            .partition(|&(_, _, step)| step <= granted);
+        s.step_kills = rest;
+        for (role, id, _) in due {
+            let member = match role {
+                Role::Server => s.servers.get(id),
+                Role::Worker => s.workers.get(id),
+                Role::Unspecified => None,
+            };
+            let Some(pid) = member.filter(|m| m.joined && m.pid != 0).map(|m| m.pid) else {
+                s.timeline.event(
+                    "kill-skipped",
+                    format!("{} {id}: no such process", role_name(role)),
+                );
+                continue;
+            };
+            let detail = match sigkill(pid) {
+                Ok(()) => format!(
+                    "{} {id} (pid {pid}) by SIGKILL at step {granted}",
+                    role_name(role)
+                ),
+                Err(e) => format!("{} {id} (pid {pid}): kill failed: {e}", role_name(role)),
+            };
+            s.timeline.event("killed", detail);
+        }
+    }
+
     /// Tells every process to exit (heartbeat replies carry `stop`).
     pub fn stop(&self) {
         self.lock().stopping = true;
@@ -271,6 +311,9 @@ impl Shared {
         // Regrants go out even while a cut waits: the cut needs them settled.
         let fresh = s.phase == Phase::Running;
         if let Some(step) = s.steps.take(worker, epoch, fresh) {
+            if !s.step_kills.is_empty() {
+                self.fire_step_kills(s, step);
+            }
             return NextStepReply {
                 action: Action::Train as i32,
                 step,
@@ -415,6 +458,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             checkpoint_backoff: None,
             resolve_after: None,
             prune_failing: false,
+            step_kills: Vec::new(),
             failed: Vec::new(),
             recoveries: Vec::new(),
             timeline: Timeline::new(),

@@ -134,9 +134,10 @@ async fn prune_cuts(
     epoch: u64,
     kept: &[CheckpointRecord],
 ) {
-    let calls = clients.into_iter().enumerate().map(|(i, mut c)| {
-        let keep = kept.iter().filter_map(|r| r.ids.get(i).cloned()).collect();
-        async move { c.prune(PruneRequest { epoch, keep }).await }
+    let keep_steps: Vec<u64> = kept.iter().map(|r| r.step).collect();
+    let calls = clients.into_iter().map(|mut c| {
+        let keep_steps = keep_steps.clone();
+        async move { c.prune(PruneRequest { epoch, keep_steps }).await }
     });
     let mut deleted = 0;
     let mut failed = Vec::new();

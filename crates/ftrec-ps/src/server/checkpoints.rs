@@ -1,11 +1,58 @@
-//! The shard's checkpoints: the writer lease, writing a cut, restoring one, and deleting
-//! the cuts the coordinator no longer keeps.
+//! The shard's checkpoints: the writer lease, the job's checkpoint strategy over the
+//! shard (its delta tracker fed by the update pipeline), writing a cut, restoring one, and
+//! deleting the cuts the coordinator no longer keeps.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use ftrec_ckpt::lease::LeaseOptions;
-use ftrec_ckpt::{BranchStart, CheckpointKind, Checkpoints, GcOptions};
+use ftrec_ckpt::{BranchStart, Checkpointer, Checkpoints, GcOptions, Manifest};
 
 use super::Core;
 use crate::PsError;
+use crate::shard::{PostCommit, StagedRows};
+
+/// The shard's checkpointer, shared by the server and its tracking observer. `None` until
+/// the first cut (and again after a restore): a new one starts with a full checkpoint.
+pub(super) type SharedCheckpointer = Arc<Mutex<Option<Checkpointer>>>;
+
+fn lock(c: &SharedCheckpointer) -> MutexGuard<'_, Option<Checkpointer>> {
+    c.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Feeds the strategy's delta tracker with the rows each update installed (local row
+/// indices of the shard, which is what the checkpoint engine sees as rows).
+pub(super) struct Tracking {
+    pub(super) checkpointer: SharedCheckpointer,
+    commits: AtomicU64,
+}
+
+/// Compact the tracked rows this often, as the trainer does, to bound their memory.
+const COMPACT_EVERY: u64 = 16;
+
+impl Tracking {
+    pub(super) fn new(checkpointer: SharedCheckpointer) -> Self {
+        Self {
+            checkpointer,
+            commits: AtomicU64::new(0),
+        }
+    }
+}
+
+impl PostCommit for Tracking {
+    fn post_commit(&self, rows: &[StagedRows]) {
+        let mut guard = lock(&self.checkpointer);
+        let Some(ck) = guard.as_mut() else {
+            return;
+        };
+        for r in rows {
+            ck.track(r.table, &r.locals);
+        }
+        if self.commits.fetch_add(1, Ordering::Relaxed) % COMPACT_EVERY == COMPACT_EVERY - 1 {
+            ck.compact();
+        }
+    }
+}
 
 impl Core {
     /// A lease key shared by every process that holds this job's slot, so a replacement
@@ -36,33 +83,91 @@ impl Core {
         Ok(w)
     }
 
+    /// This shard's checkpoint of the cut at `step`: of any kind (a delta, an IncrCP
+    /// increment, a DECK merged checkpoint standing in for its deltas), the one written
+    /// last, since an older one at the same step belongs to a cut that failed part-way and
+    /// was rolled back below it.
+    fn cut_checkpoint(&self, all: &[Manifest], step: u64) -> Option<String> {
+        all.iter()
+            .filter(|m| m.step == step)
+            .max_by_key(|m| m.created_unix_ms)
+            .map(|m| m.id.clone())
+    }
+
+    /// Takes this shard's checkpoint of the cut at `step` with the job's strategy, and
+    /// waits until it is committed: the coordinator counts a cut only once every server's
+    /// part is durable.
+    pub(super) fn write_cut(
+        &self,
+        checkpoints: &Checkpoints,
+        step: u64,
+    ) -> Result<Manifest, PsError> {
+        let shard = self
+            .shard
+            .read()
+            .map_err(|_| PsError::Refused("shard lock poisoned".into()))?;
+        let steps = self.steps().clone();
+        if !steps.is_cut_at(step) {
+            return Err(PsError::Request(format!(
+                "checkpoint of step {step} asked for, but server {} has applied {} steps \
+                 (every step below {} and {} more)",
+                self.id,
+                steps.count(),
+                steps.low(),
+                steps.count() - steps.low()
+            )));
+        }
+        let identity = serde_json::json!({
+            "server": self.id,
+            "servers": self.layout.servers,
+            "fingerprint": self.job.fingerprint(),
+            "step": step,
+        });
+        let mut guard = lock(&self.checkpointer);
+        if guard.is_none() {
+            let tables = shard.state().tables().len();
+            let writer = self.writer(checkpoints)?;
+            *guard = self.job.config.checkpoint.checkpointer(writer, tables)?;
+        }
+        let Some(ck) = guard.as_mut() else {
+            return Err(PsError::Config(
+                "checkpoint.strategy is none: the cluster cannot take cuts".into(),
+            ));
+        };
+        let written = ck.checkpoint(shard.state(), step, identity);
+        // The copy is taken; waiting for the commit needs no shard.
+        drop(shard);
+        let committed = written.and_then(|m| ck.flush().map(|()| m));
+        if committed.is_err() {
+            // Whatever the strategy held in flight is unknown now: start over with a
+            // full checkpoint at the next cut.
+            *guard = None;
+        }
+        Ok(committed?)
+    }
+
     /// Restores the shard checkpoint of cut `step`, then writes on from there.
     pub(super) fn restore_cut(
         &self,
         checkpoints: &Checkpoints,
         step: u64,
     ) -> Result<(ftrec_model::ModelState, String), PsError> {
-        // The cut's checkpoint at this step written last: an older one at the same step
-        // belongs to a cut that failed part-way and was rolled back below it.
-        let id = checkpoints
-            .list_readable()?
-            .into_iter()
-            .filter(|m| m.step == step && m.kind == CheckpointKind::Full)
-            .max_by_key(|m| m.created_unix_ms)
-            .map(|m| m.id)
-            .ok_or_else(|| {
-                PsError::Config(format!(
-                    "server {}: no checkpoint of step {step} in {}",
-                    self.id,
-                    checkpoints.store().describe("")
-                ))
-            })?;
+        let all = checkpoints.list_readable()?;
+        let id = self.cut_checkpoint(&all, step).ok_or_else(|| {
+            PsError::Config(format!(
+                "server {}: no checkpoint of step {step} in {}",
+                self.id,
+                checkpoints.store().describe("")
+            ))
+        })?;
         let (state, manifest) = checkpoints.restore(&id)?;
         check_owner(
             &manifest.trainer,
             self.id,
             &checkpoints.store().describe(&id),
         )?;
+        // The tracked history is gone with the state it described.
+        *lock(&self.checkpointer) = None;
         let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         // Let go of the old lease first; the same owner key could take it over anyway.
         *writer = None;
@@ -81,14 +186,20 @@ impl Core {
         Ok((state, id))
     }
 
-    /// Deletes every checkpoint of this shard except the `keep` ids (the coordinator's kept
-    /// cuts) and what their restores read, plus abandoned uncommitted data. Returns how many
-    /// checkpoints went.
-    pub(super) fn prune(&self, keep: Vec<String>) -> Result<u64, PsError> {
+    /// Deletes every checkpoint of this shard except its part of the kept cuts (at
+    /// `keep_steps`) and what their restores read, plus abandoned uncommitted data. Cuts
+    /// are found by step, as a restore finds them: a DECK merge may have replaced a cut's
+    /// delta by a merged checkpoint since. Returns how many checkpoints went.
+    pub(super) fn prune(&self, keep_steps: &[u64]) -> Result<u64, PsError> {
         let Some(checkpoints) = &self.checkpoints else {
             return Ok(0);
         };
         let writer = self.writer(checkpoints)?;
+        let all = writer.list_readable()?;
+        let keep = keep_steps
+            .iter()
+            .filter_map(|&step| self.cut_checkpoint(&all, step))
+            .collect();
         let report = writer.gc_with(&GcOptions {
             keep_ids: Some(keep),
             ..GcOptions::default()

@@ -6,6 +6,7 @@
 //! RPCs; `checkpoints.rs` writes, restores and prunes the shard's checkpoints.
 
 mod checkpoints;
+mod pipeline;
 mod service;
 
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -22,7 +23,7 @@ use crate::metrics::{self, Metrics};
 use crate::placement::Layout;
 use crate::proto::parameter_server_server::ParameterServerServer;
 use crate::proto::*;
-use crate::shard::Shard;
+use crate::shard::{PostCommit, PreCommit, Shard};
 
 pub struct ServerOptions {
     pub job: Job,
@@ -51,6 +52,16 @@ struct Core {
     /// always agree.
     steps: Mutex<AppliedSteps>,
     live: watch::Sender<Live>,
+    /// One update at a time goes through stage, pre-commit, commit and post-commit, in
+    /// arrival order (tokio's mutex is fair), so each is staged from the state its
+    /// predecessor left. The shard lock is held only to stage (read) and to install
+    /// (write): pulls are served while a pre-commit observer awaits. Restores, epoch changes
+    /// and cuts take this turn too, so no update straddles them.
+    commit_turn: tokio::sync::Mutex<()>,
+    pre_commit: Vec<Arc<dyn PreCommit>>,
+    post_commit: Vec<Arc<dyn PostCommit>>,
+    /// The job's checkpoint strategy over this shard.
+    checkpointer: checkpoints::SharedCheckpointer,
     /// The shard's checkpoint location (for reads).
     checkpoints: Option<Checkpoints>,
     /// The handle that writes there, holding the location's writer lease: started on the
@@ -213,7 +224,13 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         applied: 0,
     });
     let stop = Arc::new(Notify::new());
+    let checkpointer = checkpoints::SharedCheckpointer::default();
+    let tracking = Arc::new(checkpoints::Tracking::new(checkpointer.clone()));
     let core = Arc::new(Core {
+        commit_turn: tokio::sync::Mutex::new(()),
+        pre_commit: Vec::new(),
+        post_commit: vec![tracking],
+        checkpointer,
         job: job.clone(),
         layout,
         id,

@@ -9,6 +9,7 @@ use ftrec_train::config::FaultTolerance;
 use tonic::{Request, Response, Status};
 
 use super::Core;
+use super::pipeline::Pushed;
 use crate::PsError;
 use crate::applied::AppliedSteps;
 use crate::proto::parameter_server_server::ParameterServer;
@@ -88,27 +89,11 @@ impl ParameterServer for Service {
                 bytes_to_f32s(&t.grads, "push gradients")?,
             ));
         }
-        let rows: usize = update.sparse.iter().map(|(_, r, _)| r.len()).sum();
-        let applied = {
-            let mut shard = core
-                .shard
-                .write()
-                .map_err(|_| Status::internal("shard lock"))?;
-            // Checked again under the lock: a restore may have run while this push waited.
-            core.check_epoch(req.epoch)?;
-            let mut steps = core.steps().clone();
-            if !steps.insert(req.step) {
-                // A dead worker's step, granted again, that reached this server the first
-                // time: applying it twice would be wrong.
-                core.metrics.add("ftrec_duplicate_pushes_total", 1);
-                return Ok(Response::new(PushReply {
-                    applied: steps.count(),
-                }));
+        let (applied, rows) = match core.run_update(req.epoch, update).await? {
+            Pushed::Applied { steps, rows } => (steps, rows),
+            Pushed::Duplicate { steps } => {
+                return Ok(Response::new(PushReply { applied: steps }));
             }
-            shard.apply(&update)?;
-            let applied = steps.count();
-            core.publish(req.epoch, steps);
-            applied
         };
         core.metrics.add("ftrec_pushes_total", 1);
         core.metrics.add("ftrec_rows_updated_total", rows as u64);
@@ -129,30 +114,8 @@ impl ParameterServer for Service {
         };
         let started = Instant::now();
         let manifest = tokio::task::spawn_blocking(move || -> Result<_, PsError> {
-            let checkpoints = core.writer(&checkpoints)?;
-            let shard = core
-                .shard
-                .read()
-                .map_err(|_| PsError::Refused("shard lock poisoned".into()))?;
-            let steps = core.steps().clone();
-            if !steps.is_cut_at(req.step) {
-                return Err(PsError::Request(format!(
-                    "checkpoint of step {} asked for, but server {} has applied {} steps \
-                     (every step below {} and {} more)",
-                    req.step,
-                    core.id,
-                    steps.count(),
-                    steps.low(),
-                    steps.count() - steps.low()
-                )));
-            }
-            let identity = serde_json::json!({
-                "server": core.id,
-                "servers": core.layout.servers,
-                "fingerprint": core.job.fingerprint(),
-                "step": req.step,
-            });
-            let m = checkpoints.write_full(shard.state(), req.step, identity)?;
+            let _turn = core.commit_turn.blocking_lock();
+            let m = core.write_cut(&checkpoints, req.step)?;
             core.metrics.add("ftrec_checkpoints_total", 1);
             Ok(m)
         })
@@ -173,6 +136,7 @@ impl ParameterServer for Service {
         let req = req.into_inner();
         let started = Instant::now();
         let id = tokio::task::spawn_blocking(move || -> Result<String, PsError> {
+            let _turn = core.commit_turn.blocking_lock();
             let (state, id) = match req.step {
                 Some(step) => {
                     let Some(checkpoints) = &core.checkpoints else {
@@ -218,7 +182,8 @@ impl ParameterServer for Service {
     ) -> Result<Response<SetEpochReply>, Status> {
         let core = &self.0;
         let req = req.into_inner();
-        // Under the shard lock so no push straddles the change.
+        // In the commit turn and under the shard lock, so no push straddles the change.
+        let _turn = core.commit_turn.lock().await;
         let _shard = core
             .shard
             .write()
@@ -270,7 +235,7 @@ impl ParameterServer for Service {
         let core = self.0.clone();
         let req = req.into_inner();
         core.check_epoch(req.epoch)?;
-        let deleted = tokio::task::spawn_blocking(move || core.prune(req.keep))
+        let deleted = tokio::task::spawn_blocking(move || core.prune(&req.keep_steps))
             .await
             .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(PruneReply { deleted }))
