@@ -6,30 +6,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ftrec_ckpt::{CheckpointKind, Checkpoints, CkptError, LocalStore, ObjectReader, Store};
-use ftrec_model::{ModelConfig, ModelState, Optimizer};
+#[path = "support/model.rs"]
+mod model;
+use model::state;
 
-fn state(seed: u64) -> ModelState {
-    let config = ModelConfig {
-        num_dense: 3,
-        table_rows: vec![30_000, 17, 2],
-        dim: 16,
-        bottom: vec![8, 16],
-        top: vec![8, 1],
-        sparse_optimizer: Optimizer::Adam {
-            lr: 0.1,
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-8,
-        },
-        dense_optimizer: Optimizer::Adagrad {
-            lr: 0.1,
-            eps: 1e-8,
-            initial_accumulator: 0.1,
-        },
-    };
-    ModelState::new(&config, seed).unwrap()
-}
+use ftrec_ckpt::{CheckpointKind, Checkpoints, CkptError, LocalStore, ObjectReader, Store};
 
 /// A local store that fails on command, the way a full disk or a lost reply would.
 struct Faulty {

@@ -1,30 +1,8 @@
-use ftrec_ckpt::{Checkpoints, CkptError, LocalStore};
-use ftrec_model::{ModelConfig, ModelState, Optimizer};
+#[path = "support/model.rs"]
+mod model;
+use model::state;
 
-fn state(seed: u64) -> ModelState {
-    let config = ModelConfig {
-        num_dense: 3,
-        // a table larger than one 4 MiB chunk (stride 2*16+1 words)
-        table_rows: vec![40_000, 17, 2],
-        dim: 16,
-        bottom: vec![8, 16],
-        top: vec![8, 1],
-        sparse_optimizer: Optimizer::Adam {
-            lr: 0.1,
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-8,
-        },
-        dense_optimizer: Optimizer::Adagrad {
-            lr: 0.1,
-            eps: 1e-8,
-            initial_accumulator: 0.1,
-        },
-    };
-    let mut s = ModelState::new(&config, seed).unwrap();
-    s.dense.step = 77;
-    s
-}
+use ftrec_ckpt::{Checkpoints, CkptError, LocalStore};
 
 fn open(dir: &std::path::Path) -> Checkpoints {
     Checkpoints::new(Box::new(LocalStore::open(dir).unwrap()))

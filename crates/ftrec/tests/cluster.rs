@@ -3,7 +3,10 @@
 
 #[path = "support/cli.rs"]
 mod cli;
-use cli::{BIN, MODEL, ftrec, json_of, setup};
+#[path = "support/cluster.rs"]
+mod cluster_support;
+use cli::{BIN, ftrec, json_of, setup};
+use cluster_support::{cluster_args, event_kinds as events, model, single_process_digest};
 
 use std::io::Read;
 use std::path::Path;
@@ -12,47 +15,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-/// The small model with the seed every run here shares.
-fn model() -> Vec<&'static str> {
-    let mut m = vec!["--seed", "4"];
-    m.extend(MODEL);
-    m
-}
-
-fn single_process_digest(data: &str, steps: &str) -> Value {
-    let mut args = vec!["train", "--data", data, "--steps", steps, "--json"];
-    args.extend(model());
-    json_of(&ftrec(&args))["state_digest"].clone()
-}
-
 fn cluster(data: &str, run_dir: &Path, steps: &str, extra: &[&str]) -> Value {
-    let mut args = vec![
-        "cluster",
-        "run",
-        "--data",
-        data,
-        "--steps",
-        steps,
-        "--run-dir",
-        run_dir.to_str().unwrap(),
-        "--time-limit",
-        "240",
-        "--json",
-    ];
-    args.extend(model());
+    let mut args = cluster_args(data, run_dir, steps);
     args.extend(extra);
     json_of(&ftrec(&args))
-}
-
-fn events(run_dir: &Path) -> Vec<String> {
-    let timeline: Value =
-        serde_json::from_slice(&std::fs::read(run_dir.join("timeline.json")).unwrap()).unwrap();
-    timeline["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["kind"].as_str().unwrap().to_string())
-        .collect()
 }
 
 #[test]

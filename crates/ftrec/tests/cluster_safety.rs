@@ -4,23 +4,18 @@
 
 #[path = "support/cli.rs"]
 mod cli;
-use cli::{BIN, MODEL, ftrec, json_of, setup};
+#[path = "support/cluster.rs"]
+mod cluster_support;
+use cli::{BIN, ftrec, json_of, setup};
+use cluster_support::{events, model, single_process_digest, timed_events};
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
-
 const TRAIN_SAMPLES: u64 = 7200;
 const BATCH: u64 = 128;
-
-fn model() -> Vec<&'static str> {
-    let mut m = vec!["--seed", "4"];
-    m.extend(MODEL);
-    m
-}
 
 /// Samples in the first `steps` batches of the schedule (the last batch of an epoch is
 /// short), which is what a run that trains every step exactly once reports.
@@ -35,46 +30,9 @@ fn samples_of(steps: u64) -> u64 {
 }
 
 fn cluster_args<'a>(data: &'a str, run_dir: &'a Path, steps: &'a str) -> Vec<&'a str> {
-    let mut args = vec![
-        "cluster",
-        "run",
-        "--data",
-        data,
-        "--steps",
-        steps,
-        "--run-dir",
-        run_dir.to_str().unwrap(),
-        "--time-limit",
-        "240",
-        "--no-eval",
-        "--json",
-    ];
-    args.extend(model());
+    let mut args = cluster_support::cluster_args(data, run_dir, steps);
+    args.push("--no-eval");
     args
-}
-
-fn events(run_dir: &Path) -> Vec<(String, String)> {
-    timed_events(run_dir)
-        .into_iter()
-        .map(|(_, k, d)| (k, d))
-        .collect()
-}
-
-fn timed_events(run_dir: &Path) -> Vec<(f64, String, String)> {
-    let timeline: Value =
-        serde_json::from_slice(&std::fs::read(run_dir.join("timeline.json")).unwrap()).unwrap();
-    timeline["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            (
-                e["t"].as_f64().unwrap(),
-                e["kind"].as_str().unwrap().to_string(),
-                e["detail"].as_str().unwrap_or_default().to_string(),
-            )
-        })
-        .collect()
 }
 
 /// A few kill moments per run, different each time the suite runs (printed, so a failure
@@ -102,12 +60,6 @@ fn kill_moments(n: usize, spread_ms: u64, min_gap: f64) -> Vec<f64> {
             at
         })
         .collect()
-}
-
-fn single_process_digest(data: &str, steps: &str) -> Value {
-    let mut args = vec!["train", "--data", data, "--steps", steps, "--json"];
-    args.extend(model());
-    json_of(&ftrec(&args))["state_digest"].clone()
 }
 
 /// Workers SIGKILLed at random moments, in two shapes: two workers with a cut every 5

@@ -4,23 +4,18 @@
 
 #[path = "support/cli.rs"]
 mod cli;
-use cli::{MODEL, ftrec, json_of, setup};
+#[path = "support/cluster.rs"]
+mod cluster_support;
+use cli::{ftrec, json_of, setup};
+use cluster_support::{cluster_args, single_process_digest};
 
 use serde_json::Value;
-
-fn model() -> Vec<&'static str> {
-    let mut m = vec!["--seed", "4"];
-    m.extend(MODEL);
-    m
-}
 
 #[test]
 fn every_strategy_recovers_a_killed_server_bit_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let data = setup(dir.path());
-    let mut train = vec!["train", "--data", &data, "--steps", "300", "--json"];
-    train.extend(model());
-    let expected = json_of(&ftrec(&train))["state_digest"].clone();
+    let expected = single_process_digest(&data, "300");
     for strategy in [
         "full",
         "differential",
@@ -30,15 +25,8 @@ fn every_strategy_recovers_a_killed_server_bit_exactly() {
     ] {
         let run = dir.path().join(strategy);
         let set_strategy = format!("checkpoint.strategy=\"{strategy}\"");
-        let mut args = vec![
-            "cluster",
-            "run",
-            "--data",
-            &data,
-            "--steps",
-            "300",
-            "--run-dir",
-            run.to_str().unwrap(),
+        let mut args = cluster_args(&data, &run, "300");
+        args.extend([
             "--servers",
             "2",
             "--workers",
@@ -53,11 +41,7 @@ fn every_strategy_recovers_a_killed_server_bit_exactly() {
             "--kill",
             "server:1@step:130",
             "--no-eval",
-            "--json",
-            "--time-limit",
-            "240",
-        ];
-        args.extend(model());
+        ]);
         let out = json_of(&ftrec(&args));
         assert_eq!(out["state_digest"], expected, "{strategy}: {out}");
         let recoveries = out["recoveries"].as_array().unwrap();

@@ -139,6 +139,18 @@ struct State {
     fatal: Option<String>,
 }
 
+impl State {
+    /// The pid of the process that joined as `role` `id`, if any.
+    fn pid_of(&self, role: Role, id: usize) -> Option<u32> {
+        let m = match role {
+            Role::Server => self.servers.get(id),
+            Role::Worker => self.workers.get(id),
+            Role::Unspecified => None,
+        }?;
+        (m.joined && m.pid != 0).then_some(m.pid)
+    }
+}
+
 pub struct Shared {
     job: Job,
     schedule: Schedule,
@@ -188,13 +200,7 @@ impl Shared {
     }
 
     pub fn pid_of(&self, role: Role, id: usize) -> Option<u32> {
-        let s = self.lock();
-        let m = match role {
-            Role::Server => s.servers.get(id),
-            Role::Worker => s.workers.get(id),
-            Role::Unspecified => None,
-        }?;
-        (m.joined && m.pid != 0).then_some(m.pid)
+        self.lock().pid_of(role, id)
     }
 
     pub fn summary(&self) -> RunSummary {
@@ -247,12 +253,7 @@ impl Shared {
             .partition(|&(_, _, step)| step <= granted);
         s.step_kills = rest;
         for (role, id, _) in due {
-            let member = match role {
-                Role::Server => s.servers.get(id),
-                Role::Worker => s.workers.get(id),
-                Role::Unspecified => None,
-            };
-            let Some(pid) = member.filter(|m| m.joined && m.pid != 0).map(|m| m.pid) else {
+            let Some(pid) = s.pid_of(role, id) else {
                 s.timeline.event(
                     "kill-skipped",
                     format!("{} {id}: no such process", role_name(role)),

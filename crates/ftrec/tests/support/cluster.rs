@@ -1,0 +1,77 @@
+//! Helpers shared by the cluster tests: the small model, a `cluster run` command line,
+//! the single-process digest to compare with, and the run's event log.
+
+#![allow(dead_code)]
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::cli::{MODEL, ftrec, json_of};
+
+/// The small model with the seed every cluster test shares.
+pub fn model() -> Vec<&'static str> {
+    let mut m = vec!["--seed", "4"];
+    m.extend(MODEL);
+    m
+}
+
+/// The state digest `ftrec train` reaches after `steps` steps.
+pub fn single_process_digest(data: &str, steps: &str) -> Value {
+    let mut args = vec!["train", "--data", data, "--steps", steps, "--json"];
+    args.extend(model());
+    json_of(&ftrec(&args))["state_digest"].clone()
+}
+
+/// `cluster run` of the small model into `run_dir`, with JSON output and a time limit.
+pub fn cluster_args<'a>(data: &'a str, run_dir: &'a Path, steps: &'a str) -> Vec<&'a str> {
+    let mut args = vec![
+        "cluster",
+        "run",
+        "--data",
+        data,
+        "--steps",
+        steps,
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+        "--time-limit",
+        "240",
+        "--json",
+    ];
+    args.extend(model());
+    args
+}
+
+/// The run's events: time, kind, detail.
+pub fn timed_events(run_dir: &Path) -> Vec<(f64, String, String)> {
+    let timeline: Value =
+        serde_json::from_slice(&std::fs::read(run_dir.join("timeline.json")).unwrap()).unwrap();
+    timeline["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["t"].as_f64().unwrap(),
+                e["kind"].as_str().unwrap().to_string(),
+                e["detail"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The run's events: kind, detail.
+pub fn events(run_dir: &Path) -> Vec<(String, String)> {
+    timed_events(run_dir)
+        .into_iter()
+        .map(|(_, k, d)| (k, d))
+        .collect()
+}
+
+/// The kinds of the run's events, in order.
+pub fn event_kinds(run_dir: &Path) -> Vec<String> {
+    timed_events(run_dir)
+        .into_iter()
+        .map(|(_, k, _)| k)
+        .collect()
+}
