@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod placement;
 pub mod server;
 pub mod shard;
+pub mod shard_client;
 pub mod timeline;
 pub mod wire;
 pub mod worker;

@@ -237,12 +237,13 @@ impl Shard {
                 "row {row} is outside table {table} ({rows} rows)"
             )));
         }
-        if self.layout.server_of(table, row) != self.server {
-            return Err(PsError::Request(format!(
-                "row {row} of table {table} belongs to server {}, not {} (stale placement map?)",
-                self.layout.server_of(table, row),
-                self.server
-            )));
+        let owner = self.layout.server_of(table, row);
+        if owner != self.server {
+            return Err(PsError::NotOwner {
+                table: table as u32,
+                row,
+                owner: owner as u32,
+            });
         }
         Ok(self.layout.local_index(row))
     }

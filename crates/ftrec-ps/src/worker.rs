@@ -7,19 +7,15 @@ use std::time::{Duration, Instant};
 
 use ftrec_data::Dataset;
 use ftrec_model::{Batch, Dlrm, GemmMatMul, ModelConfig};
-use futures::future::join_all;
 use rayon::ThreadPool;
 
 use crate::PsError;
-use crate::client::{
-    CoordinatorClient, ServerClient, connect_coordinator, keep_alive, server_client,
-};
+use crate::client::{CoordinatorClient, connect_coordinator, keep_alive};
 use crate::job::{Job, Schedule};
 use crate::metrics::{self, Metrics};
-use crate::placement::Layout;
 use crate::proto::next_step_reply::Action;
 use crate::proto::*;
-use crate::wire::{extend_f32s, f32s_to_bytes, u32s_to_bytes};
+use crate::shard_client::ShardClient;
 
 pub struct WorkerOptions {
     pub job: Job,
@@ -38,9 +34,7 @@ struct Worker {
     id: usize,
     rt: tokio::runtime::Runtime,
     coordinator: CoordinatorClient,
-    servers: Vec<ServerClient>,
-    placement_version: u64,
-    layout: Layout,
+    shards: ShardClient,
     config: ModelConfig,
     data: Dataset,
     schedule: Schedule,
@@ -48,7 +42,6 @@ struct Worker {
     model: Dlrm,
     pool: ThreadPool,
     batch: Batch,
-    dense: Vec<f32>,
     rpc_bytes: u64,
     times: StepTimes,
     metrics: Arc<Metrics>,
@@ -132,8 +125,14 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
         },
         Duration::from_millis(job.config.cluster.heartbeat_ms),
     ));
+    let shards = ShardClient::new(
+        coordinator.clone(),
+        job.layout()?,
+        config.dim,
+        job.timeout(),
+    );
     let mut worker = Worker {
-        layout: job.layout()?,
+        shards,
         schedule: Schedule {
             samples: data.len() as u64,
             batch_size: batch_size as u64,
@@ -144,13 +143,10 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
         id: opts.id,
         rt,
         coordinator,
-        servers: Vec::new(),
-        placement_version: 0,
         config,
         data,
         model,
         pool,
-        dense: Vec::new(),
         rpc_bytes: 0,
         times: StepTimes::default(),
         metrics,
@@ -201,13 +197,10 @@ impl Worker {
             match reply.action() {
                 Action::Train => {
                     epoch = reply.epoch;
-                    if reply.placement_version != self.placement_version {
-                        self.refresh_placement()?;
-                    }
-                    let bytes_before = self.rpc_bytes;
-                    let outcome = self.step(reply.step, reply.epoch);
-                    self.metrics
-                        .add("ftrec_rpc_bytes_total", self.rpc_bytes - bytes_before);
+                    let outcome = self.step(reply.step, reply.epoch, reply.placement_version);
+                    let moved = self.shards.take_bytes();
+                    self.rpc_bytes += moved;
+                    self.metrics.add("ftrec_rpc_bytes_total", moved);
                     report = Some(match outcome {
                         Ok(()) => {
                             self.metrics.add("ftrec_steps_total", 1);
@@ -242,27 +235,12 @@ impl Worker {
         }
     }
 
-    fn refresh_placement(&mut self) -> Result<(), PsError> {
-        let p = self
-            .rt
-            .block_on(self.coordinator.placement(PlacementRequest {}))
-            .map_err(|s| PsError::rpc("placement", &s))?
-            .into_inner();
-        let timeout = self.job.timeout();
-        // Lazy channels spawn their connection task on the current runtime.
-        let _runtime = self.rt.enter();
-        self.servers = p
-            .servers
-            .iter()
-            .map(|a| server_client(a, timeout))
-            .collect::<Result<_, _>>()?;
-        self.placement_version = p.version;
-        Ok(())
-    }
-
-    /// One granted step: pull, compute, push. Any server error loses the step.
-    fn step(&mut self, step: u64, epoch: u64) -> Result<(), PsError> {
+    /// One granted step: pull, compute, push. An error the shard client could not get
+    /// past loses the step (the coordinator then resolves it).
+    fn step(&mut self, step: u64, epoch: u64, placement_version: u64) -> Result<(), PsError> {
         let started = Instant::now();
+        self.rt
+            .block_on(self.shards.ensure_placement(placement_version))?;
         let (position, count) = self.schedule.batch(step);
         self.data.fill_batch(
             position as usize,
@@ -272,146 +250,35 @@ impl Worker {
         )?;
         let (model, batch) = (&mut self.model, &self.batch);
         self.pool.install(|| model.prepare(batch))?;
-        let servers = self.layout.servers;
         let tables = self.config.tables();
-        let dim = self.config.dim;
-        // Unique rows of each table split by owner, kept ascending.
-        let mut owned: Vec<Vec<Vec<u32>>> = vec![vec![Vec::new(); tables]; servers];
-        for t in 0..tables {
-            for &row in self.model.unique_rows(t) {
-                owned[self.layout.server_of(t, row)][t].push(row);
-            }
-        }
-        let wait_applied = self.job.config.cluster.deterministic.then_some(step);
-        let requests: Vec<PullRequest> = owned
-            .iter()
-            .map(|rows| PullRequest {
-                epoch,
-                wait_applied,
-                tables: rows
-                    .iter()
-                    .enumerate()
-                    .map(|(t, r)| TableRows {
-                        table: t as u32,
-                        rows: u32s_to_bytes(r),
-                    })
-                    .collect(),
-            })
+        let unique: Vec<Vec<u32>> = (0..tables)
+            .map(|t| self.model.unique_rows(t).to_vec())
             .collect();
-        self.rpc_bytes += requests
-            .iter()
-            .flat_map(|r| &r.tables)
-            .map(|t| t.rows.len() as u64)
-            .sum::<u64>();
-        let pulls = requests
-            .into_iter()
-            .zip(&self.servers)
-            .map(|(request, client)| {
-                let mut client = client.clone();
-                async move { client.pull(request).await }
-            });
+        let unique: Vec<&[u32]> = unique.iter().map(Vec::as_slice).collect();
+        let routed = self.shards.route(&unique);
+        let wait_applied = self.job.config.cluster.deterministic.then_some(step);
         let pull_started = Instant::now();
-        let replies = self.rt.block_on(join_all(pulls));
-        let pulled = pull_started.elapsed().as_secs_f64();
-        self.times.pull += pulled;
-        let mut decoded: Vec<Vec<Vec<f32>>> = Vec::with_capacity(servers);
-        self.dense.clear();
-        for (s, reply) in replies.into_iter().enumerate() {
-            let reply = reply
-                .map_err(|st| PsError::rpc(format!("pull from server {s}"), &st))?
-                .into_inner();
-            if reply.embeddings.len() != tables {
-                return Err(PsError::Request(format!(
-                    "server {s} answered {} tables of {tables}",
-                    reply.embeddings.len()
-                )));
-            }
-            let mut per_table = Vec::with_capacity(tables);
-            for (t, e) in reply.embeddings.iter().enumerate() {
-                self.rpc_bytes += e.len() as u64;
-                let mut v = Vec::with_capacity(owned[s][t].len() * dim);
-                extend_f32s(&mut v, e, "pulled embeddings")?;
-                if v.len() != owned[s][t].len() * dim {
-                    return Err(PsError::Request(format!(
-                        "server {s} sent {} values for {} rows of table {t}",
-                        v.len(),
-                        owned[s][t].len()
-                    )));
-                }
-                per_table.push(v);
-            }
-            decoded.push(per_table);
-            self.rpc_bytes += reply.dense.len() as u64;
-            extend_f32s(&mut self.dense, &reply.dense, "pulled dense parameters")?;
+        let pulled = self
+            .rt
+            .block_on(self.shards.pull(epoch, wait_applied, &routed))?;
+        let pulled_seconds = pull_started.elapsed().as_secs_f64();
+        self.times.pull += pulled_seconds;
+        for (t, rows) in unique.iter().enumerate() {
+            self.shards
+                .assemble(&pulled, t, rows, self.model.pulled_mut(t));
         }
-        let mut cursor = vec![0usize; servers];
-        let mut unique = Vec::new();
-        for t in 0..tables {
-            cursor.fill(0);
-            unique.clear();
-            unique.extend_from_slice(self.model.unique_rows(t));
-            let pulled = self.model.pulled_mut(t);
-            pulled.clear();
-            for &row in &unique {
-                let s = self.layout.server_of(t, row);
-                let at = cursor[s];
-                let from_server: &[Vec<f32>] = &decoded[s];
-                pulled.extend_from_slice(&from_server[t][at * dim..(at + 1) * dim]);
-                cursor[s] += 1;
-            }
-        }
-        let (model, batch, dense) = (&mut self.model, &self.batch, &self.dense);
+        let (model, batch, dense) = (&mut self.model, &self.batch, &pulled.dense);
         self.pool.install(|| model.forward_backward(dense, batch));
         let grads = self.model.gradients();
-        let mut pushes: Vec<PushRequest> = (0..servers)
-            .map(|s| {
-                let range = self.layout.dense_range(s, grads.dense.len());
-                PushRequest {
-                    epoch,
-                    step,
-                    tables: Vec::with_capacity(tables),
-                    dense: f32s_to_bytes(&grads.dense[range]),
-                }
-            })
-            .collect();
-        let mut grads_by_server: Vec<Vec<f32>> = vec![Vec::new(); servers];
-        for t in 0..tables {
-            for g in &mut grads_by_server {
-                g.clear();
-            }
-            for (i, &row) in self.model.unique_rows(t).iter().enumerate() {
-                let s = self.layout.server_of(t, row);
-                grads_by_server[s].extend_from_slice(&grads.sparse[t][i * dim..(i + 1) * dim]);
-            }
-            for ((push, rows), grads) in pushes.iter_mut().zip(&owned).zip(&grads_by_server) {
-                push.tables.push(TableGrads {
-                    table: t as u32,
-                    rows: u32s_to_bytes(&rows[t]),
-                    grads: f32s_to_bytes(grads),
-                });
-            }
-        }
-        self.rpc_bytes += pushes
-            .iter()
-            .map(|p| {
-                p.dense.len() as u64
-                    + p.tables
-                        .iter()
-                        .map(|t| (t.rows.len() + t.grads.len()) as u64)
-                        .sum::<u64>()
-            })
-            .sum::<u64>();
+        let sparse: Vec<&[f32]> = grads.sparse.iter().map(Vec::as_slice).collect();
         let push_started = Instant::now();
-        let sends = pushes.into_iter().zip(&self.servers).map(|(p, c)| {
-            let mut c = c.clone();
-            async move { c.push(p).await }
-        });
-        for (s, r) in self.rt.block_on(join_all(sends)).into_iter().enumerate() {
-            r.map_err(|st| PsError::rpc(format!("push to server {s}"), &st))?;
-        }
+        self.rt.block_on(
+            self.shards
+                .push(epoch, step, &unique, &sparse, &grads.dense),
+        )?;
         let pushed = push_started.elapsed().as_secs_f64();
         self.times.push += pushed;
-        self.times.compute += started.elapsed().as_secs_f64() - pushed - pulled;
+        self.times.compute += started.elapsed().as_secs_f64() - pushed - pulled_seconds;
         self.times.steps += 1;
         Ok(())
     }

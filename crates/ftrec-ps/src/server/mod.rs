@@ -134,7 +134,7 @@ impl Core {
         .await;
         let live = match waited {
             Ok(Ok(l)) => *l,
-            Ok(Err(_)) => return Err(PsError::Refused("server shutting down".into())),
+            Ok(Err(_)) => return Err(PsError::Unavailable("server shutting down".into())),
             Err(_) => {
                 return Err(PsError::Timeout(format!(
                     "server {} waited {:?} for step {target} (at {})",

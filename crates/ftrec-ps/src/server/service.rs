@@ -32,11 +32,11 @@ impl ParameterServer for Service {
             // the run promised nothing exact after a failure and the pull goes ahead.
             let exact = core.job.config.cluster.ft == FaultTolerance::Checkpoint;
             if exact && core.steps().contains(target) {
-                return Err(Status::failed_precondition(format!(
-                    "server {} applied step {target} already: the state it was computed from \
-                     is gone",
-                    core.id
-                )));
+                return Err(PsError::AlreadyApplied {
+                    server: core.id as u32,
+                    step: target,
+                }
+                .into());
             }
         }
         let mut embeddings = Vec::with_capacity(req.tables.len());
