@@ -8,16 +8,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ftrec_model::{DenseState, EmbeddingTable, ModelState};
+use ftrec_model::ModelState;
 use serde::Serialize;
 
 use crate::PsError;
-use crate::client::server_client;
 use crate::coordinator::{self, CoordinatorOptions, RunSummary, Spawner, sigkill};
 use crate::job::Job;
-use crate::placement::Layout;
-use crate::proto::{FetchShardRequest, Role};
-use crate::wire::bytes_to_f32s;
+use crate::proto::Role;
 
 /// When a `--kill` fires.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -420,7 +417,9 @@ async fn run_async(
                     .map(|e| e.t - k)
             })
             .collect();
-        let (state, shard_digests) = gather_state(&job, &shared.server_addresses()).await?;
+        let epoch = shared.summary().epoch;
+        let (state, shard_digests) =
+            crate::gather::gather_state(&job, &shared.server_addresses(), epoch).await?;
         let digest = state.digest().to_string();
         let (mut auc, mut logloss, mut eval_samples) = (None, None, None);
         if opts.evaluate {
@@ -485,81 +484,6 @@ impl StopSignals {
             _ = self.int.recv() => "SIGINT",
         }
     }
-}
-
-/// Reassembles the whole model from every server's shard; also each shard's digest.
-pub async fn gather_state(
-    job: &Job,
-    addresses: &[String],
-) -> Result<(ModelState, Vec<String>), PsError> {
-    let config = job.config.model_config()?;
-    let layout = Layout::new(addresses.len())?;
-    let stride = config.row_stride();
-    let mut clients = addresses
-        .iter()
-        .map(|a| server_client(a, job.timeout()))
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut tables = Vec::with_capacity(config.tables());
-    let mut dense = DenseState::initial(&config, job.config.seed)?;
-    let total = dense.params.len();
-    let per_param = config.dense_optimizer.dense_state_len(1)?;
-    let mut shard_hashes: Vec<xxhash_rust::xxh3::Xxh3> = (0..addresses.len())
-        .map(|_| xxhash_rust::xxh3::Xxh3::new())
-        .collect();
-    for (t, &rows) in config.table_rows.iter().enumerate() {
-        let mut data = vec![0.0f32; rows * stride];
-        for (s, client) in clients.iter_mut().enumerate() {
-            let reply = client
-                .fetch_shard(FetchShardRequest { table: t as u32 })
-                .await
-                .map_err(|st| PsError::rpc(format!("fetching table {t} from server {s}"), &st))?
-                .into_inner();
-            shard_hashes[s].update(&reply.rows);
-            let local = bytes_to_f32s(&reply.rows, "shard rows")?;
-            if local.len() != layout.local_rows(t, s, rows) * stride {
-                return Err(PsError::Request(format!(
-                    "server {s} sent {} values for table {t}",
-                    local.len()
-                )));
-            }
-            for (i, row) in local.chunks_exact(stride).enumerate() {
-                let g = layout.global_row(t, s, i) as usize;
-                data[g * stride..(g + 1) * stride].copy_from_slice(row);
-            }
-            if t == 0 {
-                let range = layout.dense_range(s, total);
-                let len = range.len();
-                shard_hashes[s].update(&reply.dense_params);
-                shard_hashes[s].update(&reply.dense_state);
-                shard_hashes[s].update(&reply.dense_step.to_le_bytes());
-                let params = bytes_to_f32s(&reply.dense_params, "dense params")?;
-                let state = bytes_to_f32s(&reply.dense_state, "dense state")?;
-                if params.len() != len || state.len() != per_param * len {
-                    return Err(PsError::Request(format!(
-                        "server {s} sent a dense range of the wrong size"
-                    )));
-                }
-                dense.params[range.clone()].copy_from_slice(&params);
-                // Each optimizer state vector (Adam: m, then v) is laid out like the params.
-                for j in 0..per_param {
-                    dense.optimizer_state[j * total + range.start..j * total + range.end]
-                        .copy_from_slice(&state[j * len..(j + 1) * len]);
-                }
-                if s == 0 {
-                    dense.step = reply.dense_step;
-                }
-            }
-        }
-        tables.push(
-            EmbeddingTable::from_data(rows, config.dim, stride, data)
-                .ok_or_else(|| PsError::Config("table shape".into()))?,
-        );
-    }
-    let digests = shard_hashes
-        .iter()
-        .map(|h| format!("{:016x}", h.digest()))
-        .collect();
-    Ok((ModelState::from_parts(config, tables, dense)?, digests))
 }
 
 fn evaluate(job: &Job, state: ModelState) -> Result<ftrec_model::metrics::Metrics, PsError> {

@@ -6,6 +6,7 @@ pub mod applied;
 pub mod client;
 pub mod coordinator;
 mod error;
+pub mod gather;
 pub mod job;
 pub mod launch;
 pub mod metrics;

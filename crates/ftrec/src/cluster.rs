@@ -229,7 +229,9 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
             .wait_done(Duration::from_secs(30 * 24 * 3600))
             .await?;
         let shared = handle.shared.clone();
-        let (state, _) = launch::gather_state(&job, &shared.server_addresses()).await?;
+        let epoch = shared.summary().epoch;
+        let (state, _) =
+            ftrec_ps::gather::gather_state(&job, &shared.server_addresses(), epoch).await?;
         shared.timeline().write(&a.out)?;
         let summary = shared.summary();
         shared.stop();

@@ -17,6 +17,9 @@ use crate::proto::*;
 use crate::shard::{Shard, Update};
 use crate::wire::{bytes_to_f32s, bytes_to_u32s, f32s_to_bytes};
 
+/// The most bytes one `FetchRows` piece carries.
+const FETCH_CHUNK_BYTES: usize = 4 << 20;
+
 pub(super) struct Service(pub(super) Arc<Core>);
 
 #[tonic::async_trait]
@@ -195,26 +198,71 @@ impl ParameterServer for Service {
         Ok(Response::new(SetEpochReply {}))
     }
 
-    async fn fetch_shard(
+    type FetchRowsStream =
+        std::pin::Pin<Box<dyn futures::Stream<Item = Result<FetchRowsChunk, Status>> + Send>>;
+
+    async fn fetch_rows(
         &self,
-        req: Request<FetchShardRequest>,
-    ) -> Result<Response<FetchShardReply>, Status> {
+        req: Request<FetchRowsRequest>,
+    ) -> Result<Response<Self::FetchRowsStream>, Status> {
+        let core = self.0.clone();
+        let req = req.into_inner();
+        core.check_epoch(req.epoch)?;
+        let table = req.table as usize;
+        let (rows, stride) = {
+            let shard = core
+                .shard
+                .read()
+                .map_err(|_| Status::internal("shard lock"))?;
+            let Some(t) = shard.state().tables().get(table) else {
+                return Err(PsError::Request(format!("table {table} does not exist")).into());
+            };
+            (t.rows(), t.stride())
+        };
+        let end = (req.end_row as usize).min(rows);
+        let per_chunk = (FETCH_CHUNK_BYTES / (4 * stride)).max(1);
+        // Each piece is copied under a short read lock when the stream is polled, so a large
+        // table is never held in memory twice, nor in one message.
+        let pieces = futures::stream::unfold(req.first_row as usize, move |first| {
+            let core = core.clone();
+            async move {
+                if first >= end {
+                    return None;
+                }
+                let last = (first + per_chunk).min(end);
+                let piece = core
+                    .shard
+                    .read()
+                    .map_err(|_| Status::internal("shard lock"))
+                    .map(|shard| {
+                        let bytes = shard.state().tables()[table].as_bytes();
+                        FetchRowsChunk {
+                            first_row: first as u32,
+                            rows: Bytes::copy_from_slice(
+                                &bytes[first * stride * 4..last * stride * 4],
+                            ),
+                        }
+                    });
+                Some((piece, last))
+            }
+        });
+        Ok(Response::new(Box::pin(pieces)))
+    }
+
+    async fn fetch_dense(
+        &self,
+        req: Request<FetchDenseRequest>,
+    ) -> Result<Response<FetchDenseReply>, Status> {
         let core = &self.0;
-        let table = req.into_inner().table as usize;
+        core.check_epoch(req.into_inner().epoch)?;
         let shard = core
             .shard
             .read()
             .map_err(|_| Status::internal("shard lock"))?;
-        let Some(t) = shard.state().tables().get(table) else {
-            return Err(Status::invalid_argument(format!(
-                "table {table} does not exist"
-            )));
-        };
-        Ok(Response::new(FetchShardReply {
-            rows: Bytes::copy_from_slice(t.as_bytes()),
-            dense_params: f32s_to_bytes(shard.dense_params()),
-            dense_state: f32s_to_bytes(shard.dense_optimizer_state()),
-            dense_step: shard.dense_step(),
+        Ok(Response::new(FetchDenseReply {
+            params: f32s_to_bytes(shard.dense_params()),
+            state: f32s_to_bytes(shard.dense_optimizer_state()),
+            step: shard.dense_step(),
         }))
     }
 
