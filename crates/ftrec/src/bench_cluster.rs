@@ -30,6 +30,7 @@ fn cluster(
     name: &str,
     ft: FaultTolerance,
     kill: Option<String>,
+    every: u64,
 ) -> Result<LaunchReport> {
     let mut c = config.clone();
     c.threads = 1;
@@ -40,7 +41,7 @@ fn cluster(
     let _ = std::fs::remove_dir_all(&run_dir);
     if ft == FaultTolerance::Checkpoint {
         c.checkpoint.dir = Some(run_dir.join("checkpoints"));
-        c.checkpoint.every_steps = a.checkpoint_every;
+        c.checkpoint.every_steps = every;
     }
     let kills = kill
         .map(|k| k.parse().map_err(anyhow::Error::msg))
@@ -69,6 +70,29 @@ fn cluster(
     Ok(report)
 }
 
+/// One checkpointed run's figures. Effective training time is the share of the wall
+/// time that trained steps which were kept: the rest went to cut pauses, to the recovery,
+/// and to retraining the steps rolled back (each costed at the run's mean step time).
+fn strategy_figures(r: &LaunchReport, every: u64) -> serde_json::Value {
+    let s = &r.summary;
+    let pauses: f64 = s.checkpoints.iter().map(|c| c.pause_seconds).sum();
+    let rolled_back: u64 = s.recoveries.iter().map(|x| x.steps_rolled_back).sum();
+    let per_step = s.train_seconds / (s.steps + rolled_back).max(1) as f64;
+    let lost = pauses + s.recovery_seconds + rolled_back as f64 * per_step;
+    json!({
+        "every_steps": every,
+        "checkpoints": s.checkpoints.len(),
+        "blocking_seconds_per_checkpoint":
+            median(s.checkpoints.iter().map(|c| c.pause_seconds).collect()),
+        "bytes_written": s.checkpoints.iter().map(|c| c.bytes).sum::<u64>(),
+        "effective_training_time": (1.0 - lost / s.train_seconds).max(0.0),
+        "recovery_seconds": s.recovery_seconds,
+        "kill_to_resume_seconds": r.kill_to_resume_seconds,
+        "steps_rolled_back": rolled_back,
+        "train_seconds": s.train_seconds,
+    })
+}
+
 pub fn run(a: BenchClusterArgs) -> Result<()> {
     std::fs::create_dir_all(&a.out).with_context(|| a.out.display().to_string())?;
     let gen_config = GenConfig::criteo(a.rows, 1, 0.01);
@@ -93,14 +117,34 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
     let single_report = trainer.train(&train, total, |_| {})?;
     drop(trainer);
 
-    let plain = cluster(&a, &config, "async", FaultTolerance::None, None)?;
-    let ckpt = cluster(
-        &a,
-        &config,
-        "checkpoint-kill",
-        FaultTolerance::Checkpoint,
-        Some(format!("server:1@{}s", a.kill_after)),
-    )?;
+    let plain = cluster(&a, &config, "async", FaultTolerance::None, None, 0)?;
+    let kill = Some(format!("server:1@{}s", a.kill_after));
+    let mut per_strategy = serde_json::Map::new();
+    let mut ckpt = None;
+    for name in &a.strategies {
+        let mut c = config.clone();
+        c.checkpoint.strategy = Some(
+            serde_json::from_value(json!(name))
+                .with_context(|| format!("--strategies: unknown strategy {name:?}"))?,
+        );
+        let every = match name.as_str() {
+            "full" => a.checkpoint_every,
+            _ => a.delta_every.unwrap_or(a.checkpoint_every),
+        };
+        let run_name = if name == "full" {
+            "checkpoint-kill".to_string()
+        } else {
+            format!("checkpoint-kill-{name}")
+        };
+        let r = cluster(&a, &c, &run_name, FaultTolerance::Checkpoint, kill.clone(), every)?;
+        per_strategy.insert(name.clone(), strategy_figures(&r, every));
+        if ckpt.is_none() || name == "full" {
+            ckpt = Some(r);
+        }
+    }
+    let Some(ckpt) = ckpt else {
+        anyhow::bail!("--strategies: name at least one strategy");
+    };
     let s = &ckpt.summary;
     let detection: Vec<f64> = s
         .recoveries
@@ -127,6 +171,7 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
         "steps_rolled_back": s.recoveries.iter().map(|r| r.steps_rolled_back).collect::<Vec<_>>(),
         "checkpoint_run_samples_per_sec": s.samples_per_sec,
         "lost_samples": s.lost_samples,
+        "strategies": per_strategy,
     });
     let path = a.out.join("summary.json");
     std::fs::write(&path, serde_json::to_string_pretty(&summary)?)

@@ -415,6 +415,14 @@ pub struct BenchClusterArgs {
     /// SIGKILL server 1 this many seconds into the checkpointed run.
     #[arg(long, default_value_t = 5.0)]
     pub kill_after: f64,
+    /// Checkpoint strategies to run side by side, each with a SIGKILLed server (comma
+    /// separated: full, differential, naive-incremental, incrcp, deck).
+    #[arg(long, value_delimiter = ',', default_value = "full")]
+    pub strategies: Vec<String>,
+    /// Cut interval for the strategies other than `full` (default: --checkpoint-every),
+    /// e.g. 12x more often for DECK's experiment.
+    #[arg(long)]
+    pub delta_every: Option<u64>,
     /// Where summary.json and the timeline plots go.
     #[arg(long, default_value = "bench-cluster")]
     pub out: PathBuf,
