@@ -639,6 +639,7 @@ pub fn retain_lineage(
         .take(policy.keep_full_max as usize)
         .map(|m| m.id.as_str())
         .collect();
+    let protected = ck.protected()?;
     let mut report = GcReport::default();
     for m in &all {
         let older_base = m.deck.is_some() && m.parents.first().is_some_and(|b| b != current);
@@ -649,8 +650,9 @@ pub fn retain_lineage(
             && !all
                 .iter()
                 .any(|x| x.deck.is_none() && x.parents.contains(&m.id));
-        // Only DECK's own checkpoints and the full ones older than the current base.
-        if older_base || old_full {
+        // Only DECK's own checkpoints and the full ones older than the current base, and
+        // none that is pinned or that a pinned one's restore reads.
+        if (older_base || old_full) && !protected.contains(&m.id) {
             ck.delete_checkpoint(m)?;
             report.checkpoints.push(m.id.clone());
         }

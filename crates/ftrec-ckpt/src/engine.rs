@@ -95,6 +95,11 @@ pub struct Checkpoints {
     pub(crate) branch: u32,
     /// The writer lease, when this handle writes: checked before every commit.
     pub(crate) lease: Option<Arc<Lease>>,
+    /// Checkpoints that merges, DECK retention and gc in this process must not delete, nor
+    /// what their restores read; shared by every clone of this handle. A cluster server
+    /// pins its parts of the kept cuts: its own DECK merger would otherwise fold the last
+    /// committed cut's delta into a newer one that other servers have not committed.
+    pins: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
 }
 
 impl Checkpoints {
@@ -117,6 +122,7 @@ impl Checkpoints {
             io: io.map(Arc::new),
             branch: 0,
             lease: None,
+            pins: Default::default(),
         }
     }
 
@@ -281,6 +287,36 @@ impl Checkpoints {
             Ok(manifest)
         })();
         parts.finish(written)
+    }
+
+    /// Protects checkpoint `id` (see the `pins` field) until [`Checkpoints::set_pins`]
+    /// leaves it out.
+    pub fn pin(&self, id: &str) {
+        self.pins
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.to_string());
+    }
+
+    /// Makes exactly `ids` the pinned checkpoints.
+    pub fn set_pins(&self, ids: impl IntoIterator<Item = String>) {
+        *self.pins.lock().unwrap_or_else(|p| p.into_inner()) = ids.into_iter().collect();
+    }
+
+    /// The pinned checkpoints that exist, and everything their restores read.
+    pub(crate) fn protected(&self) -> Result<std::collections::BTreeSet<String>, CkptError> {
+        let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut protected = std::collections::BTreeSet::new();
+        for id in pins {
+            match self.lineage(&id) {
+                Ok(chain) => protected.extend(chain.into_iter().map(|m| m.id)),
+                // Gone already (deleted before it was pinned, or by another process).
+                Err(CkptError::NotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+            protected.insert(id);
+        }
+        Ok(protected)
     }
 
     /// All committed checkpoints, oldest first. A damaged manifest is an error naming it.

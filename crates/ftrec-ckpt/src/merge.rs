@@ -92,11 +92,16 @@ fn merge_base(
         ..Default::default()
     };
     loop {
-        let on_base: Vec<Manifest> = ck
+        let protected = ck.protected()?;
+        let mut on_base: Vec<Manifest> = ck
             .list_readable()?
             .into_iter()
             .filter(|m| m.deck.is_some() && m.parents.len() == 1 && m.parents[0] == base)
             .collect();
+        // A pinned checkpoint a merged one covers stays (a cluster's committed cut), but
+        // the merger no longer sees it: no plan needs it for anything newer.
+        let all = on_base.clone();
+        on_base.retain(|m| !(protected.contains(&m.id) && is_covered(m, &all)));
         // Leftovers of a merger killed while deleting inputs: covered by a larger merged
         // checkpoint, so no restore plan uses them.
         let covered: Vec<&Manifest> = on_base.iter().filter(|m| is_covered(m, &on_base)).collect();
@@ -118,6 +123,9 @@ fn merge_base(
         // The merged checkpoint is committed: its inputs go, newest first, so a merger
         // killed in between leaves the oldest inputs, which still restore.
         for m in inputs.iter().rev() {
+            if protected.contains(&m.id) {
+                continue;
+            }
             ck.delete_checkpoint(m)?;
             report.deleted.push(m.id.clone());
         }

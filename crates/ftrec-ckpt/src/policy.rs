@@ -265,6 +265,21 @@ impl Checkpointer {
         self.incrcp.as_ref().map_or(0, |i| i.baselines)
     }
 
+    /// Takes in, without waiting, what the background writers finished: a write that
+    /// failed is reported here. A caller that wants to know whether a checkpoint is
+    /// committed looks for its manifest (a DECK merge may have replaced a delta since).
+    pub fn poll(&mut self) -> Result<(), CkptError> {
+        if let Some(d) = &mut self.deck {
+            let events = d.stager.poll();
+            return self.absorb_deck(events);
+        }
+        let Some(i) = &mut self.incrcp else {
+            return Ok(());
+        };
+        let reports = i.worker.poll();
+        self.absorb(reports)
+    }
+
     /// Waits until every checkpoint taken so far is committed. A background write that
     /// failed is reported here (or by the next `checkpoint`).
     pub fn flush(&mut self) -> Result<(), CkptError> {

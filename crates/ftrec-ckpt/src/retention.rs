@@ -109,6 +109,7 @@ impl Checkpoints {
             }
         }
         retained.extend(damaged.iter().map(|(id, _)| id.clone()));
+        retained.extend(self.protected()?);
         let committed: BTreeSet<&str> = all.iter().map(|m| m.id.as_str()).collect();
         let mut report = GcReport::default();
         for m in all.iter().filter(|m| !retained.contains(&m.id)) {

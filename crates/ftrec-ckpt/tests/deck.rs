@@ -136,3 +136,48 @@ fn staging_holds_at_most_four_chunks_whatever_the_model_size() {
     let (restored, _) = ck.checkpoints().restore(&m.id).unwrap();
     assert_eq!(restored, s);
 }
+
+/// A cluster pins its committed cut: DECK's merger folds the pinned delta into a merged
+/// checkpoint but keeps it, and it still restores to its own state; gc keeps it too.
+#[test]
+fn a_pinned_delta_survives_merges_and_gc_and_restores_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Checkpoints::new(Box::new(LocalStore::open(dir.path()).unwrap()));
+    let options = DeckOptions {
+        merge_in_background: false,
+        full_every_deltas: 0,
+        live_factor: 0.0,
+        ..DeckOptions::default()
+    };
+    let mut ck = Checkpointer::deck(store.clone(), 2, options).unwrap();
+    let mut s = state();
+    let mut states = Vec::new();
+    let mut ids = Vec::new();
+    for step in 1..=3u64 {
+        let rows: Vec<u32> = (step as u32 * 10..step as u32 * 10 + 50).collect();
+        for &r in &rows {
+            s.set_row(0, r as u64, &vec![step as f32; s.tables()[0].stride()])
+                .unwrap();
+        }
+        ck.track(0, &rows);
+        ids.push(ck.checkpoint(&s, step, serde_json::Value::Null).unwrap().id);
+        ck.flush_background().unwrap();
+        states.push(s.clone());
+    }
+    // Full at step 1, deltas at 2 and 3: pin the first delta, then merge both.
+    store.pin(&ids[1]);
+    let report = ftrec_ckpt::merge::merge_pass(&store, &ids[0], 2, 1 << 20).unwrap();
+    assert_eq!(report.merged.len(), 1, "{report:?}");
+    assert!(!report.deleted.contains(&ids[1]), "{report:?}");
+    assert!(report.deleted.contains(&ids[2]), "{report:?}");
+    assert_eq!(store.restore(&ids[1]).unwrap().0, states[1]);
+    let merged = &report.merged[0];
+    assert_eq!(store.restore(merged).unwrap().0, states[2]);
+    // gc keeping only the newest per branch still keeps the pinned delta's chain.
+    store.gc(Some(1)).unwrap();
+    assert_eq!(store.restore(&ids[1]).unwrap().0, states[1]);
+    // Unpinned, it goes.
+    store.set_pins(Vec::new());
+    store.gc(Some(1)).unwrap();
+    assert!(store.restore(&ids[1]).is_err());
+}

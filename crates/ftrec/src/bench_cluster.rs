@@ -136,7 +136,14 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
         } else {
             format!("checkpoint-kill-{name}")
         };
-        let r = cluster(&a, &c, &run_name, FaultTolerance::Checkpoint, kill.clone(), every)?;
+        let r = cluster(
+            &a,
+            &c,
+            &run_name,
+            FaultTolerance::Checkpoint,
+            kill.clone(),
+            every,
+        )?;
         per_strategy.insert(name.clone(), strategy_figures(&r, every));
         if ckpt.is_none() || name == "full" {
             ckpt = Some(r);

@@ -24,6 +24,11 @@ pub(super) enum Task {
         epoch: u64,
         steps: Vec<u64>,
     },
+    /// Ask every server whether its part of the cut at `step` is committed.
+    ConfirmCut {
+        epoch: u64,
+        step: u64,
+    },
 }
 
 /// How the servers come back after a failure.
@@ -219,6 +224,16 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
         }
         Phase::Running | Phase::Checkpointing => {
             let now = Instant::now();
+            if let Some(step) = s.pending_cut.as_ref().map(|c| c.step)
+                && s.confirm_after.is_none_or(|t| now >= t)
+            {
+                s.busy = true;
+                s.confirm_after = None;
+                return Some(Task::ConfirmCut {
+                    epoch: s.epoch,
+                    step,
+                });
+            }
             let orphans = s.steps.orphans();
             // A worker that lost a step to a server error makes the coordinator wait for
             // the failure detector first; asking a dying server would only fail.

@@ -118,6 +118,11 @@ struct State {
     /// failure (doubling, bounded), so a full disk is neither hammered nor logged 45 times a
     /// second.
     checkpoint_backoff: Option<(Instant, Duration)>,
+    /// A cut every server has copied, committing in the background (DECK, IncrCP): it
+    /// becomes the rollback target once every server confirms. No new cut starts before.
+    pending_cut: Option<CheckpointRecord>,
+    /// Not asked about again before this.
+    confirm_after: Option<Instant>,
     /// Kills to fire when a step is granted (`--kill server:1@step:8`): role, id, step.
     step_kills: Vec<(Role, usize, u64)>,
     /// The last prune failed (said once, until one succeeds).
@@ -355,6 +360,7 @@ impl Shared {
             && next > 0
             && next.is_multiple_of(every)
             && s.last_checkpoint != Some(next)
+            && s.pending_cut.is_none()
             && next < s.steps.total()
             && s.checkpoint_backoff
                 .is_none_or(|(until, _)| Instant::now() >= until)
@@ -460,6 +466,8 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             resolve_after: None,
             prune_failing: false,
             step_kills: Vec::new(),
+            pending_cut: None,
+            confirm_after: None,
             failed: Vec::new(),
             recoveries: Vec::new(),
             timeline: Timeline::new(),

@@ -8,7 +8,7 @@ use ftrec_train::config::FaultTolerance;
 
 use super::control::{RecoveryAction, Task};
 use super::ledger::{Applied, Resolution};
-use super::{CheckpointRecord, Phase, Recovery, Shared};
+use super::{CheckpointRecord, Phase, Recovery, Shared, State};
 use crate::client::{ServerClient, server_client};
 use crate::proto::*;
 
@@ -18,6 +18,8 @@ const MAX_CUT_BACKOFF: Duration = Duration::from_secs(300);
 /// How long to wait before asking the servers about orphan steps again after one did not
 /// answer.
 const RESOLVE_RETRY: Duration = Duration::from_millis(200);
+/// How often to ask whether a cut committing in the background is done.
+const CONFIRM_RETRY: Duration = Duration::from_millis(50);
 
 pub(super) async fn run_task(shared: &Shared, task: Task) {
     let timeout = shared.job.timeout();
@@ -37,6 +39,7 @@ pub(super) async fn run_task(shared: &Shared, task: Task) {
         Task::Checkpoint { epoch, step } => checkpoint(shared, clients, epoch, step).await,
         Task::Recover { epoch, action } => recover(shared, clients, epoch, action).await,
         Task::Resolve { epoch, steps } => resolve(shared, clients, epoch, steps).await,
+        Task::ConfirmCut { epoch, step } => confirm_cut(shared, clients, epoch, step).await,
     }
 }
 
@@ -50,11 +53,13 @@ async fn checkpoint(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, ste
     let mut bytes = 0;
     let mut ids = Vec::with_capacity(results.len());
     let mut failed = None;
+    let mut committed = true;
     for (i, r) in results.into_iter().enumerate() {
         match r {
             Ok(r) => {
                 let r = r.into_inner();
                 bytes += r.bytes;
+                committed &= r.committed;
                 ids.push(r.id);
             }
             Err(e) => failed = Some(format!("server {i}: {}", e.message())),
@@ -78,21 +83,18 @@ async fn checkpoint(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, ste
                     bytes,
                     ids,
                 };
-                s.last_checkpoint = Some(step);
-                s.checkpoint_backoff = None;
-                s.checkpoints.push(record.clone());
-                s.retained_cuts.push(record);
-                shared.metrics.add("ftrec_checkpoints_total", 1);
-                s.timeline.event(
-                    "checkpoint-end",
-                    format!("step {step}, {bytes} bytes, paused {pause:.3}s"),
-                );
-                let keep = shared.job.config.checkpoint.keep;
-                let excess = s.retained_cuts.len().saturating_sub(keep);
-                (keep > 0 && excess > 0).then(|| {
-                    s.retained_cuts.drain(..excess);
-                    s.retained_cuts.clone()
-                })
+                if committed {
+                    commit_cut(shared, &mut s, record)
+                } else {
+                    // Every part is copied, so training goes on; the cut counts for a
+                    // rollback only once every server confirms its commit.
+                    s.timeline.event(
+                        "checkpoint-copied",
+                        format!("step {step}, paused {pause:.3}s; committing in the background"),
+                    );
+                    s.pending_cut = Some(record);
+                    None
+                }
             }
             None => {
                 s.timeline.event(
@@ -102,24 +104,99 @@ async fn checkpoint(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, ste
                 None
             }
             Some(e) => {
-                let wait = s
-                    .checkpoint_backoff
-                    .map_or(FIRST_CUT_BACKOFF, |(_, d)| (d * 2).min(MAX_CUT_BACKOFF));
-                s.checkpoint_backoff = Some((Instant::now() + wait, wait));
-                let fallback = s
-                    .last_checkpoint
-                    .map_or("the initial state".to_string(), |c| {
-                        format!("the cut of step {c}")
-                    });
-                let why = format!(
-                    "checkpoint of step {step} failed: {e}. Training goes on; a failure now \
-                     rolls back to {fallback}. Next attempt in {wait:?} or later."
-                );
-                tracing::error!("{why}");
-                s.timeline.event("checkpoint-failed", why);
+                cut_failed(&mut s, step, &e);
                 None
             }
         }
+    };
+    if let Some(kept) = prune {
+        prune_cuts(shared, clients, epoch, &kept).await;
+    }
+}
+
+/// Counts a cut every server committed: it becomes the rollback target. Returns the cuts
+/// to keep when older ones are due for deletion.
+fn commit_cut(
+    shared: &Shared,
+    s: &mut State,
+    record: CheckpointRecord,
+) -> Option<Vec<CheckpointRecord>> {
+    let (step, bytes, pause) = (record.step, record.bytes, record.pause_seconds);
+    s.last_checkpoint = Some(step);
+    s.checkpoint_backoff = None;
+    s.checkpoints.push(record.clone());
+    s.retained_cuts.push(record);
+    shared.metrics.add("ftrec_checkpoints_total", 1);
+    s.timeline.event(
+        "checkpoint-end",
+        format!("step {step}, {bytes} bytes, paused {pause:.3}s"),
+    );
+    let keep = shared.job.config.checkpoint.keep;
+    let excess = s.retained_cuts.len().saturating_sub(keep);
+    (keep > 0 && excess > 0).then(|| {
+        s.retained_cuts.drain(..excess);
+        s.retained_cuts.clone()
+    })
+}
+
+/// A cut that will not count: said once on stderr and in the event log, and the next one
+/// waits (doubling, bounded), so a full disk is neither hammered nor logged in a loop.
+fn cut_failed(s: &mut State, step: u64, why: &str) {
+    let wait = s
+        .checkpoint_backoff
+        .map_or(FIRST_CUT_BACKOFF, |(_, d)| (d * 2).min(MAX_CUT_BACKOFF));
+    s.checkpoint_backoff = Some((Instant::now() + wait, wait));
+    let fallback = s
+        .last_checkpoint
+        .map_or("the initial state".to_string(), |c| {
+            format!("the cut of step {c}")
+        });
+    let why = format!(
+        "checkpoint of step {step} failed: {why}. Training goes on; a failure now \
+         rolls back to {fallback}. Next attempt in {wait:?} or later."
+    );
+    tracing::error!("{why}");
+    s.timeline.event("checkpoint-failed", why);
+}
+
+/// Asks every server whether its part of the pending cut is committed; counts the cut
+/// when all are, fails it when one's background write failed, and otherwise asks again
+/// shortly.
+async fn confirm_cut(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, step: u64) {
+    let calls = clients
+        .iter()
+        .cloned()
+        .map(|mut c| async move { c.cut_committed(CutCommittedRequest { epoch, step }).await });
+    let mut all = true;
+    let mut failed = None;
+    for (i, r) in futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        match r {
+            Ok(r) => all &= r.into_inner().committed,
+            Err(e) => failed = Some(format!("server {i}: {}", e.message())),
+        }
+    }
+    let prune = {
+        let mut s = shared.lock();
+        if s.epoch != epoch || s.pending_cut.as_ref().is_none_or(|c| c.step != step) {
+            return;
+        }
+        if let Some(e) = failed {
+            s.pending_cut = None;
+            cut_failed(&mut s, step, &e);
+            return;
+        }
+        if !all {
+            s.confirm_after = Some(Instant::now() + CONFIRM_RETRY);
+            return;
+        }
+        let Some(record) = s.pending_cut.take() else {
+            return;
+        };
+        commit_cut(shared, &mut s, record)
     };
     if let Some(kept) = prune {
         prune_cuts(shared, clients, epoch, &kept).await;
@@ -214,6 +291,8 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
     // A cut that failed just before was most likely the dead server's doing: try the next
     // one on time. A full disk fails it again and backs off again.
     s.checkpoint_backoff = None;
+    // A cut still committing never counted; the restored state is older anyway.
+    s.pending_cut = None;
     s.phase = Phase::Running;
     let resumed_at = s.timeline.event(
         "recovery-end",

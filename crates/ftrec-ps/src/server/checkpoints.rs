@@ -94,14 +94,15 @@ impl Core {
             .map(|m| m.id.clone())
     }
 
-    /// Takes this shard's checkpoint of the cut at `step` with the job's strategy, and
-    /// waits until it is committed: the coordinator counts a cut only once every server's
-    /// part is durable.
+    /// Takes this shard's checkpoint of the cut at `step` with the job's strategy. Returns
+    /// once the shard is copied (for DECK and IncrCP the commit goes on in the background),
+    /// with whether it is committed already: the coordinator counts a cut only once every
+    /// server's part is durable ([`Core::cut_committed`]).
     pub(super) fn write_cut(
         &self,
         checkpoints: &Checkpoints,
         step: u64,
-    ) -> Result<Manifest, PsError> {
+    ) -> Result<(Manifest, bool), PsError> {
         let shard = self
             .shard
             .read()
@@ -135,15 +136,49 @@ impl Core {
             ));
         };
         let written = ck.checkpoint(shard.state(), step, identity);
-        // The copy is taken; waiting for the commit needs no shard.
         drop(shard);
-        let committed = written.and_then(|m| ck.flush().map(|()| m));
-        if committed.is_err() {
-            // Whatever the strategy held in flight is unknown now: start over with a
-            // full checkpoint at the next cut.
-            *guard = None;
+        let manifest = match written {
+            Ok(m) => {
+                // Kept through merges and retention until the coordinator's prune lets it go.
+                ck.checkpoints().pin(&m.id);
+                m
+            }
+            Err(e) => {
+                // Whatever the strategy held in flight is unknown now: start over with a
+                // full checkpoint at the next cut.
+                *guard = None;
+                return Err(e.into());
+            }
+        };
+        drop(guard);
+        let committed = self.cut_committed(checkpoints, step)?;
+        Ok((manifest, committed))
+    }
+
+    /// Whether this shard's part of the cut at `step` is committed: a manifest at that
+    /// step on the branch being written (a DECK merged checkpoint counts for the delta it
+    /// replaced). A background write that failed is an error, and the next cut starts over
+    /// with a full checkpoint.
+    pub(super) fn cut_committed(
+        &self,
+        checkpoints: &Checkpoints,
+        step: u64,
+    ) -> Result<bool, PsError> {
+        {
+            let mut guard = lock(&self.checkpointer);
+            if let Some(ck) = guard.as_mut()
+                && let Err(e) = ck.poll()
+            {
+                *guard = None;
+                return Err(e.into());
+            }
         }
-        Ok(committed?)
+        let writer = self.writer(checkpoints)?;
+        let branch = writer.branch();
+        Ok(writer
+            .list_readable()?
+            .iter()
+            .any(|m| m.step == step && m.branch == branch))
     }
 
     /// Restores the shard checkpoint of cut `step`, then writes on from there.
@@ -196,10 +231,11 @@ impl Core {
         };
         let writer = self.writer(checkpoints)?;
         let all = writer.list_readable()?;
-        let keep = keep_steps
+        let keep: Vec<String> = keep_steps
             .iter()
             .filter_map(|&step| self.cut_checkpoint(&all, step))
             .collect();
+        writer.set_pins(keep.clone());
         let report = writer.gc_with(&GcOptions {
             keep_ids: Some(keep),
             ..GcOptions::default()

@@ -118,17 +118,36 @@ impl ParameterServer for Service {
         let started = Instant::now();
         let manifest = tokio::task::spawn_blocking(move || -> Result<_, PsError> {
             let _turn = core.commit_turn.blocking_lock();
-            let m = core.write_cut(&checkpoints, req.step)?;
+            let written = core.write_cut(&checkpoints, req.step)?;
             core.metrics.add("ftrec_checkpoints_total", 1);
-            Ok(m)
+            Ok(written)
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
+        let (manifest, committed) = manifest;
         Ok(Response::new(CheckpointReply {
             id: manifest.id.clone(),
             bytes: manifest.bytes(),
             seconds: started.elapsed().as_secs_f64(),
+            committed,
         }))
+    }
+
+    async fn cut_committed(
+        &self,
+        req: Request<CutCommittedRequest>,
+    ) -> Result<Response<CutCommittedReply>, Status> {
+        let core = self.0.clone();
+        let req = req.into_inner();
+        core.check_epoch(req.epoch)?;
+        let Some(checkpoints) = core.checkpoints.clone() else {
+            return Err(PsError::Config("checkpoint.dir is not set".into()).into());
+        };
+        let committed =
+            tokio::task::spawn_blocking(move || core.cut_committed(&checkpoints, req.step))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(CutCommittedReply { committed }))
     }
 
     async fn restore(
