@@ -95,11 +95,10 @@ pub struct Checkpoints {
     pub(crate) branch: u32,
     /// The writer lease, when this handle writes: checked before every commit.
     pub(crate) lease: Option<Arc<Lease>>,
-    /// Checkpoints that merges, DECK retention and gc in this process must not delete, nor
-    /// what their restores read; shared by every clone of this handle. A cluster server
-    /// pins its parts of the kept cuts: its own DECK merger would otherwise fold the last
-    /// committed cut's delta into a newer one that other servers have not committed.
-    pins: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+}
+
+fn pin_key(id: &str) -> String {
+    format!("pins/{id}.pin")
 }
 
 impl Checkpoints {
@@ -122,7 +121,6 @@ impl Checkpoints {
             io: io.map(Arc::new),
             branch: 0,
             lease: None,
-            pins: Default::default(),
         }
     }
 
@@ -289,32 +287,47 @@ impl Checkpoints {
         parts.finish(written)
     }
 
-    /// Protects checkpoint `id` (see the `pins` field) until [`Checkpoints::set_pins`]
-    /// leaves it out.
-    pub fn pin(&self, id: &str) {
-        self.pins
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.to_string());
+    /// Pins checkpoint `id`: merges, DECK retention and gc (of any process) delete
+    /// neither it nor what its restore reads until [`Checkpoints::set_pins`] leaves it out.
+    /// A pin is an empty object `pins/<id>.pin`. A cluster server pins its parts of the
+    /// kept cuts: a DECK merger would otherwise fold the last committed cut's delta into a
+    /// newer one that other servers have not committed.
+    pub fn pin(&self, id: &str) -> Result<(), CkptError> {
+        match self.store.put(&pin_key(id), b"") {
+            Ok(()) | Err(CkptError::AlreadyExists { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// Makes exactly `ids` the pinned checkpoints.
-    pub fn set_pins(&self, ids: impl IntoIterator<Item = String>) {
-        *self.pins.lock().unwrap_or_else(|p| p.into_inner()) = ids.into_iter().collect();
+    pub fn set_pins(&self, ids: &[String]) -> Result<(), CkptError> {
+        for id in ids {
+            self.pin(id)?;
+        }
+        for key in self.store.list("pins/")? {
+            let id = key.trim_start_matches("pins/").trim_end_matches(".pin");
+            if !ids.iter().any(|k| k == id) {
+                match self.store.delete(&key) {
+                    Ok(()) | Err(CkptError::NotFound(_)) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The pinned checkpoints that exist, and everything their restores read.
     pub(crate) fn protected(&self) -> Result<std::collections::BTreeSet<String>, CkptError> {
-        let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let mut protected = std::collections::BTreeSet::new();
-        for id in pins {
-            match self.lineage(&id) {
+        for key in self.store.list("pins/")? {
+            let id = key.trim_start_matches("pins/").trim_end_matches(".pin");
+            match self.lineage(id) {
                 Ok(chain) => protected.extend(chain.into_iter().map(|m| m.id)),
-                // Gone already (deleted before it was pinned, or by another process).
+                // Gone already (deleted before it was pinned).
                 Err(CkptError::NotFound(_)) => {}
                 Err(e) => return Err(e),
             }
-            protected.insert(id);
+            protected.insert(id.to_string());
         }
         Ok(protected)
     }

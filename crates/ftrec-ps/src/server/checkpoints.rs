@@ -140,7 +140,7 @@ impl Core {
         let manifest = match written {
             Ok(m) => {
                 // Kept through merges and retention until the coordinator's prune lets it go.
-                ck.checkpoints().pin(&m.id);
+                ck.checkpoints().pin(&m.id)?;
                 m
             }
             Err(e) => {
@@ -235,7 +235,7 @@ impl Core {
             .iter()
             .filter_map(|&step| self.cut_checkpoint(&all, step))
             .collect();
-        writer.set_pins(keep.clone());
+        writer.set_pins(&keep)?;
         let report = writer.gc_with(&GcOptions {
             keep_ids: Some(keep),
             ..GcOptions::default()
