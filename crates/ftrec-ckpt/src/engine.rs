@@ -415,7 +415,11 @@ impl Checkpoints {
     /// An object's bytes, read into `bytes`, with the length checked against the manifest;
     /// the caller checks the CRC (chunks combine it from their block checksums while
     /// decoding).
-    fn fetch_unchecked(&self, entry: &FileEntry, bytes: &mut Vec<u8>) -> Result<(), CkptError> {
+    pub(crate) fn fetch_unchecked(
+        &self,
+        entry: &FileEntry,
+        bytes: &mut Vec<u8>,
+    ) -> Result<(), CkptError> {
         self.store.get_into(&entry.key, bytes)?;
         if bytes.len() as u64 != entry.bytes {
             return Err(CkptError::corrupt(
@@ -889,7 +893,7 @@ impl Checkpoints {
 /// A decoded chunk, every block of which checked out, must also be the file the manifest
 /// names: the right table, and the manifest's CRC (not, say, a valid chunk of another
 /// checkpoint).
-fn check_named_chunk(
+pub(crate) fn check_named_chunk(
     where_: &str,
     entry: &FileEntry,
     table: usize,

@@ -22,6 +22,7 @@ pub mod lease;
 pub mod manifest;
 pub mod merge;
 mod object;
+mod partial;
 mod parts;
 mod policy;
 mod retention;

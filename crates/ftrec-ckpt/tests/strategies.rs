@@ -137,6 +137,31 @@ fn run(
             m.id
         );
         ck.checkpoints().verify(&m.id).unwrap();
+        // A row range restored into another table: exactly those rows change, to the
+        // checkpoint's values.
+        let (t, rows) = (0, 13u32..41);
+        let mut into = restored.tables()[t].clone();
+        let stride = into.stride();
+        for r in 0..into.rows() {
+            into.row_mut(r).fill(-7.0);
+        }
+        ck.checkpoints()
+            .restore_rows(&m.id, t, rows.clone(), &mut into)
+            .unwrap();
+        for r in 0..into.rows() {
+            let want = if rows.contains(&(r as u32)) {
+                restored.tables()[t].row(r).to_vec()
+            } else {
+                vec![-7.0; stride]
+            };
+            prop_assert!(
+                into.row(r) == want.as_slice(),
+                "{:?} {} row {}",
+                strategy,
+                m.id,
+                r
+            );
+        }
     }
     if strategy == CkptStrategy::Incrcp && threshold == 0.0 {
         assert_rectangles_hold_each_row_once(&ck)?;
