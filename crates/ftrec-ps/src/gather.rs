@@ -96,8 +96,7 @@ pub async fn gather_state(
         hashes[s].update(&reply.params);
         hashes[s].update(&reply.state);
         hashes[s].update(&reply.step.to_le_bytes());
-        let range = layout.dense_range(s, total);
-        let len = range.len();
+        let len = layout.dense_range(s, total).len();
         let (mut params, mut state) = (Vec::new(), Vec::new());
         extend_f32s(&mut params, &reply.params, "dense params")?;
         extend_f32s(&mut state, &reply.state, "dense state")?;
@@ -106,12 +105,7 @@ pub async fn gather_state(
                 "server {s} sent a dense range of the wrong size"
             )));
         }
-        dense.params[range.clone()].copy_from_slice(&params);
-        // Each optimizer state vector (Adam: m, then v) is laid out like the params.
-        for j in 0..per_param {
-            dense.optimizer_state[j * total + range.start..j * total + range.end]
-                .copy_from_slice(&state[j * len..(j + 1) * len]);
-        }
+        crate::assemble::place_dense(&mut dense, layout, s, &params, &state, per_param)?;
         if s == 0 {
             dense.step = reply.step;
         }

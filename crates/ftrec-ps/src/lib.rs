@@ -3,6 +3,7 @@
 //! consistent checkpoints and recovery. All processes talk gRPC over TCP (tonic).
 
 pub mod applied;
+pub mod assemble;
 pub mod client;
 pub mod coordinator;
 mod error;

@@ -10,6 +10,7 @@ use ftrec_ckpt::{
 use ftrec_train::{Progress, snapshot};
 use serde_json::json;
 
+use crate::ckpt_cluster as cluster;
 use crate::cli::{CkptCommand, ExportFormat};
 
 /// `DIR` or `DIR@ID`. A path that exists as given is taken whole, so directories whose
@@ -141,9 +142,56 @@ fn rectangle_summary(ck: &Checkpoints, m: &Manifest) -> Result<serde_json::Value
     }))
 }
 
+/// `ckpt verify`: everything a restore of `id` (or of every checkpoint) reads.
+fn verify(dir: &Path, id: Option<String>, json: bool) -> Result<()> {
+    let ck = open(dir)?;
+    let results = match id {
+        Some(id) => {
+            let result = ck.verify(&id).map(|_| ());
+            vec![(id, result)]
+        }
+        None => {
+            let results = ck.verify_all()?;
+            require_history(dir, results.len(), 0)?;
+            results
+        }
+    };
+    let ids: Vec<&String> = results.iter().map(|(id, _)| id).collect();
+    let mut failures = Vec::new();
+    for (id, result) in &results {
+        match result {
+            Ok(()) => {
+                if !json {
+                    println!("{id}: ok");
+                }
+            }
+            Err(e) => {
+                if !json {
+                    println!("{id}: DAMAGED: {e}");
+                }
+                failures.push(json!({"id": id, "error": e.to_string()}));
+            }
+        }
+    }
+    if json {
+        println!("{}", json!({"checked": ids.len(), "damaged": failures}));
+    }
+    if !failures.is_empty() {
+        bail!(
+            "{} of {} checkpoints are damaged",
+            failures.len(),
+            ids.len()
+        );
+    }
+    Ok(())
+}
+
 pub fn run(command: CkptCommand) -> Result<()> {
     match command {
-        CkptCommand::Ls { dir, json } => list(&dir, json)?,
+        CkptCommand::Ls { dir, json } => match cluster::servers_of(&dir)? {
+            Some(servers) => cluster::each_server(&servers, |d| list(d, json))?,
+            None => list(&dir, json)?,
+        },
         CkptCommand::Show { dir, id } => {
             let ck = open(&dir)?;
             let m = ck.manifest(&id)?;
@@ -153,47 +201,10 @@ pub fn run(command: CkptCommand) -> Result<()> {
             }
             println!("{}", serde_json::to_string_pretty(&shown)?);
         }
-        CkptCommand::Verify { dir, id, json } => {
-            let ck = open(&dir)?;
-            let results = match id {
-                Some(id) => {
-                    let result = ck.verify(&id).map(|_| ());
-                    vec![(id, result)]
-                }
-                None => {
-                    let results = ck.verify_all()?;
-                    require_history(&dir, results.len(), 0)?;
-                    results
-                }
-            };
-            let ids: Vec<&String> = results.iter().map(|(id, _)| id).collect();
-            let mut failures = Vec::new();
-            for (id, result) in &results {
-                match result {
-                    Ok(()) => {
-                        if !json {
-                            println!("{id}: ok");
-                        }
-                    }
-                    Err(e) => {
-                        if !json {
-                            println!("{id}: DAMAGED: {e}");
-                        }
-                        failures.push(json!({"id": id, "error": e.to_string()}));
-                    }
-                }
-            }
-            if json {
-                println!("{}", json!({"checked": ids.len(), "damaged": failures}));
-            }
-            if !failures.is_empty() {
-                bail!(
-                    "{} of {} checkpoints are damaged",
-                    failures.len(),
-                    ids.len()
-                );
-            }
-        }
+        CkptCommand::Verify { dir, id, json } => match cluster::servers_of(&dir)? {
+            Some(servers) => cluster::each_server(&servers, |d| verify(d, id.clone(), json))?,
+            None => verify(&dir, id, json)?,
+        },
         CkptCommand::Export {
             dir,
             id,
@@ -201,10 +212,18 @@ pub fn run(command: CkptCommand) -> Result<()> {
             out,
             json,
         } => {
-            let ck = open(&dir)?;
-            let id = resolve(&ck, &dir, id)?;
-            let (state, manifest) = ck.restore(&id)?;
-            let tensors = export_safetensors(&state, manifest.step, &out)?;
+            let (id, state, step) = match cluster::servers_of(&dir)? {
+                // One global model from the servers' parts of a cut (`--id STEP`, or the
+                // newest cut every server holds).
+                Some(servers) => cluster::restore_cut(&servers, id.as_deref())?,
+                None => {
+                    let ck = open(&dir)?;
+                    let id = resolve(&ck, &dir, id)?;
+                    let (state, manifest) = ck.restore(&id)?;
+                    (id, state, manifest.step)
+                }
+            };
+            let tensors = export_safetensors(&state, step, &out)?;
             if json {
                 println!(
                     "{}",
@@ -225,34 +244,42 @@ pub fn run(command: CkptCommand) -> Result<()> {
             watch,
             json,
         } => {
-            let ck = open(&dir)?;
+            // A cluster location merges each server's history in turn, every round.
+            let locations = cluster::servers_of(&dir)?
+                .unwrap_or_else(|| vec![dir.to_string_lossy().into_owned()]);
+            let cks = locations
+                .iter()
+                .map(|l| open(Path::new(l)))
+                .collect::<Result<Vec<_>>>()?;
             loop {
-                let report = match merge_all(&ck, stride, CHUNK_BYTES) {
-                    Ok(r) => r,
-                    // Another merger (the trainer's, or gc) is at work: wait for the next
-                    // round when watching, else say who holds the location.
-                    Err(ftrec_ckpt::CkptError::Busy(why)) if watch.is_some() => {
-                        tracing::info!("merge skipped: {why}");
-                        ftrec_ckpt::merge::MergeReport::default()
-                    }
-                    Err(e) => return Err(e.into()),
-                };
-                if json {
-                    println!(
-                        "{}",
-                        json!({"merged": report.merged, "deleted": report.deleted,
+                for ck in &cks {
+                    let report = match merge_all(ck, stride, CHUNK_BYTES) {
+                        Ok(r) => r,
+                        // Another merger (the trainer's, or gc) is at work: wait for the next
+                        // round when watching, else say who holds the location.
+                        Err(ftrec_ckpt::CkptError::Busy(why)) if watch.is_some() => {
+                            tracing::info!("merge skipped: {why}");
+                            ftrec_ckpt::merge::MergeReport::default()
+                        }
+                        Err(e) => return Err(e.into()),
+                    };
+                    if json {
+                        println!(
+                            "{}",
+                            json!({"merged": report.merged, "deleted": report.deleted,
                                "bytes_in": report.bytes_in, "bytes_out": report.bytes_out,
                                "seconds": report.seconds,
                                "bytes_per_second": report.bytes_per_second()})
-                    );
-                } else if !report.merged.is_empty() || watch.is_none() {
-                    println!(
-                        "merged {} checkpoints into {} ({} MB read at {:.0} MB/s)",
-                        report.deleted.len(),
-                        report.merged.len(),
-                        report.bytes_in / 1_000_000,
-                        report.bytes_per_second() / 1e6
-                    );
+                        );
+                    } else if !report.merged.is_empty() || watch.is_none() {
+                        println!(
+                            "merged {} checkpoints into {} ({} MB read at {:.0} MB/s)",
+                            report.deleted.len(),
+                            report.merged.len(),
+                            report.bytes_in / 1_000_000,
+                            report.bytes_per_second() / 1e6
+                        );
+                    }
                 }
                 match watch {
                     Some(seconds) => {

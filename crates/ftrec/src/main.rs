@@ -3,6 +3,7 @@
 mod bench_ckpt;
 mod bench_cluster;
 mod ckpt;
+mod ckpt_cluster;
 mod cli;
 mod cluster;
 mod commands;

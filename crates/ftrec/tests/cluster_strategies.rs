@@ -16,6 +16,9 @@ fn every_strategy_recovers_a_killed_server_bit_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let data = setup(dir.path());
     let expected = single_process_digest(&data, "300");
+    // The last cut before step 300 (every 40 steps), and the one before it.
+    let at_280 = single_process_digest(&data, "280");
+    let at_240 = single_process_digest(&data, "240");
     for strategy in [
         "full",
         "differential",
@@ -73,6 +76,40 @@ fn every_strategy_recovers_a_killed_server_bit_exactly() {
                 strategy == "full",
                 "{strategy} server {s}: newest checkpoint is {newest}"
             );
+        }
+        // The cluster location as a whole: listed, verified, merged, and exported as one
+        // global model equal to the single-process trainer's at the cut.
+        let location = run.join("checkpoints");
+        let location = location.to_str().unwrap();
+        for args in [
+            vec!["ckpt", "ls", location],
+            vec!["ckpt", "verify", location],
+            vec!["ckpt", "merge", location],
+        ] {
+            let out = ftrec(&args);
+            assert!(
+                out.status.success(),
+                "{strategy} {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        for (id, digest) in [(None, &at_280), (Some("240"), &at_240)] {
+            let file = run.join(format!("export-{}.safetensors", id.unwrap_or("newest")));
+            let mut args = vec![
+                "ckpt",
+                "export",
+                location,
+                "--format",
+                "safetensors",
+                "--out",
+                file.to_str().unwrap(),
+                "--json",
+            ];
+            if let Some(id) = id {
+                args.extend(["--id", id]);
+            }
+            let out = json_of(&ftrec(&args));
+            assert_eq!(&out["state_digest"], digest, "{strategy} export {id:?}: {out}");
         }
     }
 }

@@ -1,0 +1,129 @@
+//! From shards to one global model: the inverse of the placement (`placement.rs`), for
+//! shard states restored from a cluster's checkpoints (`ftrec ckpt export` of a cut) and
+//! for the dense ranges the servers stream at the end of a run (`gather.rs`).
+
+use ftrec_model::{DenseState, ModelConfig, ModelState};
+
+use crate::PsError;
+use crate::placement::Layout;
+
+/// The global configuration of shards' configurations (each table's rows summed).
+pub fn global_config(shards: &[&ModelConfig]) -> Result<ModelConfig, PsError> {
+    let Some(first) = shards.first() else {
+        return Err(PsError::Config("no shards to assemble".into()));
+    };
+    let mut global = (*first).clone();
+    for (t, rows) in global.table_rows.iter_mut().enumerate() {
+        *rows = shards
+            .iter()
+            .map(|c| c.table_rows.get(t).copied().unwrap_or(0))
+            .sum();
+    }
+    Ok(global)
+}
+
+/// Writes server `s`'s dense range into the global dense state: its parameters, and each
+/// optimizer state vector (Adam: `m`, then `v`) laid out like the parameters.
+pub fn place_dense(
+    global: &mut DenseState,
+    layout: Layout,
+    s: usize,
+    params: &[f32],
+    state: &[f32],
+    per_param: usize,
+) -> Result<(), PsError> {
+    let total = global.params.len();
+    let range = layout.dense_range(s, total);
+    let len = range.len();
+    if params.len() < len || state.len() < per_param * len {
+        return Err(PsError::Request(format!(
+            "server {s}'s dense range is shorter than the placement's {len} parameters"
+        )));
+    }
+    global.params[range.clone()].copy_from_slice(&params[..len]);
+    for j in 0..per_param {
+        global.optimizer_state[j * total + range.start..j * total + range.end]
+            .copy_from_slice(&state[j * len..(j + 1) * len]);
+    }
+    Ok(())
+}
+
+/// The global model whose shards (server order) these are.
+pub fn assemble(shards: &[ModelState]) -> Result<ModelState, PsError> {
+    let configs: Vec<&ModelConfig> = shards.iter().map(ModelState::config).collect();
+    let config = global_config(&configs)?;
+    let layout = Layout::new(shards.len())?;
+    let mut global = ModelState::zeroed(&config)?;
+    for (s, shard) in shards.iter().enumerate() {
+        for (t, (rows, stored)) in config.table_rows.iter().zip(shard.tables()).enumerate() {
+            if stored.rows() != layout.local_rows(t, s, *rows) {
+                return Err(PsError::Config(format!(
+                    "server {s}'s table {t} has {} rows; the placement gives it {}",
+                    stored.rows(),
+                    layout.local_rows(t, s, *rows)
+                )));
+            }
+            for local in 0..stored.rows() {
+                let g = layout.global_row(t, s, local) as usize;
+                global.tables_mut()[t]
+                    .row_mut(g)
+                    .copy_from_slice(stored.row(local));
+            }
+        }
+        let per_param = config.dense_optimizer.dense_state_len(1)?;
+        place_dense(
+            &mut global.dense,
+            layout,
+            s,
+            &shard.dense.params,
+            &shard.dense.optimizer_state,
+            per_param,
+        )?;
+    }
+    global.dense.step = shards[0].dense.step;
+    Ok(global)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::Shard;
+    use ftrec_model::Optimizer;
+
+    #[test]
+    fn shards_reassemble_into_the_global_model_bit_for_bit() {
+        let config = ModelConfig {
+            num_dense: 3,
+            table_rows: vec![23, 40, 9],
+            dim: 4,
+            bottom: vec![8, 4],
+            top: vec![6, 1],
+            sparse_optimizer: Optimizer::Adam {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+            dense_optimizer: Optimizer::Adam {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        };
+        let global = ModelState::new(&config, 7).unwrap();
+        for servers in 1..4 {
+            let layout = Layout::new(servers).unwrap();
+            let shards: Vec<ModelState> = (0..servers)
+                .map(|s| {
+                    Shard::initial(&config, 7, layout, s)
+                        .unwrap()
+                        .state()
+                        .clone()
+                })
+                .collect();
+            let back = assemble(&shards).unwrap();
+            assert_eq!(back.digest(), global.digest(), "{servers} servers");
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! `ftrec ckpt` on a cluster's checkpoint location: `<dir>/server-<i>` per server, each an
+//! ordinary location. `ls`, `verify` and `merge` go through every server; `export`
+//! reassembles one global model from the servers' parts of a cut, with the same tensor
+//! names as a single-process export.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use ftrec_ckpt::{Checkpoints, Manifest, open_store};
+use ftrec_model::ModelState;
+
+/// The server locations under `dir` when it is a cluster's checkpoint location (no
+/// manifests of its own, `server-0` and on beside each other), else `None`.
+pub fn servers_of(dir: &Path) -> Result<Option<Vec<String>>> {
+    let root = dir.to_string_lossy().trim_end_matches('/').to_string();
+    let remote = root.contains("://");
+    if !remote && (dir.join("manifests").is_dir() || !dir.join("server-0").is_dir()) {
+        return Ok(None);
+    }
+    let mut servers = Vec::new();
+    loop {
+        let location = format!("{root}/server-{}", servers.len());
+        let present = if remote {
+            !open_store(&location)?.list("manifests/")?.is_empty()
+        } else {
+            Path::new(&location).is_dir()
+        };
+        if !present {
+            break;
+        }
+        servers.push(location);
+    }
+    Ok((!servers.is_empty()).then_some(servers))
+}
+
+/// Runs `f` on every server's location, each under a header; fails, after all ran, if
+/// any failed.
+pub fn each_server(servers: &[String], f: impl Fn(&Path) -> Result<()>) -> Result<()> {
+    let mut failed = Vec::new();
+    for (i, location) in servers.iter().enumerate() {
+        eprintln!("server {i}: {location}");
+        if let Err(e) = f(Path::new(location)) {
+            eprintln!("server {i}: {e:#}");
+            failed.push(i);
+        }
+    }
+    if !failed.is_empty() {
+        bail!("servers {failed:?} of {} failed", servers.len());
+    }
+    Ok(())
+}
+
+/// The global model at a cut: `step` (a number, optionally `step:N`), or the newest step
+/// every server holds a checkpoint of. Each server's part is its checkpoint at that step
+/// written last, as a cluster rollback picks it. Returns a name for the cut, the state and
+/// the step.
+pub fn restore_cut(servers: &[String], step: Option<&str>) -> Result<(String, ModelState, u64)> {
+    let cks: Vec<Checkpoints> = servers
+        .iter()
+        .map(|l| Ok(Checkpoints::new(open_store(l)?)))
+        .collect::<Result<_>>()?;
+    let listed: Vec<Vec<Manifest>> = cks
+        .iter()
+        .map(|c| c.list_readable())
+        .collect::<Result<_, _>>()?;
+    let step = match step {
+        Some(s) => s
+            .trim_start_matches("step:")
+            .parse::<u64>()
+            .with_context(|| format!("--id {s:?}: a cluster location takes a cut's step"))?,
+        None => listed[0]
+            .iter()
+            .rev()
+            .map(|m| m.step)
+            .find(|&s| listed.iter().all(|l| l.iter().any(|m| m.step == s)))
+            .context("no step has a checkpoint on every server")?,
+    };
+    let mut shards = Vec::with_capacity(cks.len());
+    for (i, (ck, all)) in cks.iter().zip(&listed).enumerate() {
+        let Some(part) = all
+            .iter()
+            .filter(|m| m.step == step)
+            .max_by_key(|m| m.created_unix_ms)
+        else {
+            bail!(
+                "server {i} ({}) has no checkpoint of step {step}",
+                servers[i]
+            );
+        };
+        let (state, manifest) = ck.restore(&part.id)?;
+        let owner = manifest.trainer.get("server").and_then(|v| v.as_u64());
+        if owner != Some(i as u64) {
+            bail!(
+                "{}: {} is server {owner:?}'s shard, not server {i}'s",
+                servers[i],
+                part.id
+            );
+        }
+        shards.push(state);
+    }
+    let state = ftrec_ps::assemble::assemble(&shards)?;
+    Ok((format!("cut at step {step}"), state, step))
+}
