@@ -1,12 +1,16 @@
 //! Writing, listing, verifying and restoring checkpoints in a [`Store`].
 
+mod lineage;
+mod listing;
+mod verify;
+
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use ftrec_model::{EmbeddingTable, ModelState};
 use rayon::prelude::*;
 
-use crate::chunklist::{ChunkList, ListChunk, prefix_for};
+use crate::chunklist::ListChunk;
 use crate::lease::Lease;
 use crate::manifest::{CheckpointKind, FileEntry, Manifest};
 use crate::parts::Parts;
@@ -95,10 +99,6 @@ pub struct Checkpoints {
     pub(crate) branch: u32,
     /// The writer lease, when this handle writes: checked before every commit.
     pub(crate) lease: Option<Arc<Lease>>,
-}
-
-fn pin_key(id: &str) -> String {
-    format!("pins/{id}.pin")
 }
 
 impl Checkpoints {
@@ -287,131 +287,6 @@ impl Checkpoints {
         parts.finish(written)
     }
 
-    /// Pins checkpoint `id`: merges, DECK retention and gc (of any process) delete
-    /// neither it nor what its restore reads until [`Checkpoints::set_pins`] leaves it out.
-    /// A pin is an empty object `pins/<id>.pin`. A cluster server pins its parts of the
-    /// kept cuts: a DECK merger would otherwise fold the last committed cut's delta into a
-    /// newer one that other servers have not committed.
-    pub fn pin(&self, id: &str) -> Result<(), CkptError> {
-        match self.store.put(&pin_key(id), b"") {
-            Ok(()) | Err(CkptError::AlreadyExists { .. }) => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Makes exactly `ids` the pinned checkpoints.
-    pub fn set_pins(&self, ids: &[String]) -> Result<(), CkptError> {
-        for id in ids {
-            self.pin(id)?;
-        }
-        for key in self.store.list("pins/")? {
-            let id = key.trim_start_matches("pins/").trim_end_matches(".pin");
-            if !ids.iter().any(|k| k == id) {
-                match self.store.delete(&key) {
-                    Ok(()) | Err(CkptError::NotFound(_)) => {}
-                    Err(e) => return Err(e),
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The pinned checkpoints that exist, and everything their restores read.
-    pub(crate) fn protected(&self) -> Result<std::collections::BTreeSet<String>, CkptError> {
-        let mut protected = std::collections::BTreeSet::new();
-        for key in self.store.list("pins/")? {
-            let id = key.trim_start_matches("pins/").trim_end_matches(".pin");
-            match self.lineage(id) {
-                Ok(chain) => protected.extend(chain.into_iter().map(|m| m.id)),
-                // Gone already (deleted before it was pinned).
-                Err(CkptError::NotFound(_)) => {}
-                Err(e) => return Err(e),
-            }
-            protected.insert(id.to_string());
-        }
-        Ok(protected)
-    }
-
-    /// All committed checkpoints, oldest first. A damaged manifest is an error naming it.
-    pub fn list(&self) -> Result<Vec<Manifest>, CkptError> {
-        // A manifest deleted between listing and reading (gc, a DECK merge) is skipped.
-        let mut all = self
-            .store
-            .list("manifests/")?
-            .iter()
-            .filter(|k| k.ends_with(".man"))
-            .filter_map(|k| match self.store.get(k) {
-                Ok(b) => Some(Manifest::decode(&self.store.describe(k), &b)),
-                Err(CkptError::NotFound(_)) => None,
-                Err(e) => Some(Err(e)),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        all.sort_by_key(|m| (m.step, m.created_unix_ms));
-        Ok(all)
-    }
-
-    /// Like [`Checkpoints::list`], but damaged manifests are returned apart, with their
-    /// ids, instead of failing the listing (`--fallback`, `ls`, `verify`, `gc`).
-    #[allow(clippy::type_complexity)]
-    pub fn list_lenient(&self) -> Result<(Vec<Manifest>, Vec<(String, CkptError)>), CkptError> {
-        let (mut good, mut bad) = (Vec::new(), Vec::new());
-        for key in self
-            .store
-            .list("manifests/")?
-            .iter()
-            .filter(|k| k.ends_with(".man"))
-        {
-            match self
-                .store
-                .get(key)
-                .and_then(|b| Manifest::decode(&self.store.describe(key), &b))
-            {
-                Ok(m) => good.push(m),
-                // Deleted between listing and reading (gc, a DECK merge).
-                Err(CkptError::NotFound(_)) => {}
-                Err(e) => {
-                    let id = key
-                        .trim_start_matches("manifests/")
-                        .trim_end_matches(".man")
-                        .to_string();
-                    bad.push((id, e));
-                }
-            }
-        }
-        good.sort_by_key(|m| (m.step, m.created_unix_ms));
-        Ok((good, bad))
-    }
-
-    /// The committed checkpoints whose manifests read back, oldest first; a damaged one is
-    /// logged and left out (and so never deleted). For work that one unrelated damaged
-    /// manifest must not stop: DECK lineage, merging, retention, shard restores.
-    pub fn list_readable(&self) -> Result<Vec<Manifest>, CkptError> {
-        let (good, bad) = self.list_lenient()?;
-        for (id, e) in bad {
-            tracing::warn!(
-                "{}: damaged manifest left alone: {e}",
-                self.store.describe(&id)
-            );
-        }
-        Ok(good)
-    }
-
-    pub fn manifest(&self, id: &str) -> Result<Manifest, CkptError> {
-        let key = Manifest::key_for(id);
-        Manifest::decode(&self.store.describe(&key), &self.store.get(&key)?)
-    }
-
-    /// The newest commit of the newest branch that has one, if any: what `--resume DIR`
-    /// continues from.
-    pub fn latest(&self) -> Result<Option<Manifest>, CkptError> {
-        let all = self.list()?;
-        let newest_branch = all.iter().map(|m| m.branch).max();
-        Ok(all
-            .into_iter()
-            .rev()
-            .find(|m| Some(m.branch) == newest_branch))
-    }
-
     /// An object's bytes, read into `bytes`, with the length checked against the manifest;
     /// the caller checks the CRC (chunks combine it from their block checksums while
     /// decoding).
@@ -454,43 +329,6 @@ impl Checkpoints {
             ));
         }
         Ok(bytes)
-    }
-
-    /// The checkpoints a restore of `id` reads, oldest (a full checkpoint) first.
-    pub fn lineage(&self, id: &str) -> Result<Vec<Manifest>, CkptError> {
-        let target = self.manifest(id)?;
-        if matches!(target.kind, CheckpointKind::Delta | CheckpointKind::Merged) {
-            return self.deck_lineage(&target);
-        }
-        let mut chain = vec![target];
-        while let Some(last) = chain.last().filter(|m| m.kind != CheckpointKind::Full) {
-            let parent = last.parents.first().ok_or_else(|| {
-                CkptError::Invalid(format!(
-                    "checkpoint {}: a {:?} checkpoint without a parent",
-                    last.id, last.kind
-                ))
-            })?;
-            if chain.len() >= MAX_CHAIN || chain.iter().any(|m| &m.id == parent) {
-                return Err(CkptError::Invalid(format!(
-                    "checkpoint {id}: parent chain loops or is too long"
-                )));
-            }
-            let parent = self.manifest(parent).map_err(|e| match e {
-                CkptError::NotFound(m) => {
-                    CkptError::NotFound(format!("checkpoint {id} needs {parent}: {m}"))
-                }
-                other => other,
-            })?;
-            if parent.model != chain[0].model {
-                return Err(CkptError::Invalid(format!(
-                    "checkpoint {id}: parent {} has another model",
-                    parent.id
-                )));
-            }
-            chain.push(parent);
-        }
-        chain.reverse();
-        Ok(chain)
     }
 
     /// Restores the exact state of checkpoint `id` into a fresh [`ModelState`]: its full
@@ -553,77 +391,6 @@ impl Checkpoints {
             bytes += self.apply_rows(m, state)?;
         }
         Ok(bytes)
-    }
-
-    /// The base of a DECK checkpoint and the fewest stored deltas and merged checkpoints
-    /// that cover every delta up to it: greedily the one reaching furthest from each point.
-    fn deck_lineage(&self, target: &Manifest) -> Result<Vec<Manifest>, CkptError> {
-        let (Some(d), [base]) = (&target.deck, target.parents.as_slice()) else {
-            return Err(CkptError::Invalid(format!(
-                "checkpoint {}: a DECK checkpoint needs its delta range and one base",
-                target.id
-            )));
-        };
-        let base_manifest = self.manifest(base).map_err(|e| match e {
-            CkptError::NotFound(m) => {
-                CkptError::NotFound(format!("checkpoint {} needs {base}: {m}", target.id))
-            }
-            other => other,
-        })?;
-        if base_manifest.kind != CheckpointKind::Full || base_manifest.model != target.model {
-            return Err(CkptError::Invalid(format!(
-                "checkpoint {}: base {base} is not a full checkpoint of the same model",
-                target.id
-            )));
-        }
-        let siblings: Vec<Manifest> = self
-            .list_readable()?
-            .into_iter()
-            .filter(|m| m.deck.is_some() && m.parents == target.parents)
-            .collect();
-        let mut chain = vec![base_manifest];
-        let mut at = 0;
-        while at < d.to {
-            let next = siblings
-                .iter()
-                .filter_map(|m| m.deck.as_ref().map(|r| (m, r)))
-                .filter(|(_, r)| r.from == at && r.to <= d.to && r.to > r.from)
-                .max_by_key(|(m, r)| (r.to, m.id == target.id))
-                .map(|(m, _)| m.clone())
-                .ok_or_else(|| {
-                    CkptError::NotFound(format!(
-                        "checkpoint {}: no stored delta after {base} starts at delta {at}",
-                        target.id
-                    ))
-                })?;
-            at = next.deck.as_ref().map_or(d.to, |r| r.to);
-            chain.push(next);
-        }
-        Ok(chain)
-    }
-
-    /// The current chunk list of an IncrCP checkpoint's baseline, and its column there.
-    pub fn incrcp_list(&self, manifest: &Manifest) -> Result<(ChunkList, u32), CkptError> {
-        let invalid = |m: &str| CkptError::Invalid(format!("checkpoint {}: {m}", manifest.id));
-        let (Some(r), [baseline]) = (&manifest.incrcp, manifest.parents.as_slice()) else {
-            return Err(invalid(
-                "an IncrCP checkpoint needs its column and one baseline",
-            ));
-        };
-        let list = ChunkList::load_current(&*self.store, baseline)?.ok_or_else(|| {
-            CkptError::NotFound(format!(
-                "checkpoint {}: no chunk list under {}",
-                manifest.id,
-                self.store.describe(&prefix_for(baseline))
-            ))
-        })?;
-        if list.columns.get(r.column as usize) != Some(&manifest.id) {
-            return Err(CkptError::corrupt(
-                &self.store.describe(&list.key()),
-                format!("column {} is not checkpoint {}", r.column, manifest.id),
-            ));
-        }
-        Ok((list, r.column))
     }
 
     /// Writes the rows of an IncrCP checkpoint into `state` (already holding its
@@ -835,57 +602,6 @@ impl Checkpoints {
                 check_named_chunk(&where_, entry, t, &header, crc)
             },
         )
-    }
-
-    /// Deletes checkpoint `m`: its manifest first (so it disappears at once), then its
-    /// data objects. Objects already gone are fine (another merger or gc got there).
-    pub fn delete_checkpoint(&self, m: &Manifest) -> Result<(), CkptError> {
-        let keys = std::iter::once(Manifest::key_for(&m.id))
-            .chain(self.store.list(&format!("data/{}/", m.id))?);
-        for key in keys {
-            match self.store.delete(&key) {
-                Ok(()) | Err(CkptError::NotFound(_)) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
-    /// Checks everything a restore of checkpoint `id` reads: every object of every
-    /// checkpoint in its lineage (lengths, checksums, each chunk's block checksums; for
-    /// IncrCP the rectangle of the chunk list), and its dense file, without building a
-    /// model. A delta over a damaged baseline is damaged.
-    pub fn verify(&self, id: &str) -> Result<Manifest, CkptError> {
-        let target = self.manifest(id)?;
-        for link in self.lineage(id)? {
-            self.verify_own(&link).map_err(|e| {
-                if link.id == id {
-                    e
-                } else {
-                    CkptError::Invalid(format!("its ancestor {} is damaged: {e}", link.id))
-                }
-            })?;
-        }
-        self.fetch(&target.dense)?;
-        Ok(target)
-    }
-
-    /// Checks the objects checkpoint `manifest` itself stores.
-    pub(crate) fn verify_own(&self, manifest: &Manifest) -> Result<(), CkptError> {
-        self.on_io_pool(|| {
-            manifest.chunks.par_iter().try_for_each(|entry| {
-                let bytes = self.fetch(entry)?;
-                chunk::decode(&self.store.describe(&entry.key), &bytes, |_, _| Ok(())).map(|_| ())
-            })?;
-            if manifest.kind == CheckpointKind::Incrcp {
-                let (list, column) = self.incrcp_list(manifest)?;
-                list.rectangle(column).par_iter().try_for_each(|c| {
-                    let bytes = c.read(&*self.store)?;
-                    chunk::decode(&self.store.describe(&c.key), &bytes, |_, _| Ok(())).map(|_| ())
-                })?;
-            }
-            self.fetch(&manifest.dense).map(|_| ())
-        })
     }
 }
 

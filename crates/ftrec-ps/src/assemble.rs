@@ -88,29 +88,11 @@ pub fn assemble(shards: &[ModelState]) -> Result<ModelState, PsError> {
 mod tests {
     use super::*;
     use crate::shard::Shard;
-    use ftrec_model::Optimizer;
+    use crate::shard::tests::model;
 
     #[test]
     fn shards_reassemble_into_the_global_model_bit_for_bit() {
-        let config = ModelConfig {
-            num_dense: 3,
-            table_rows: vec![23, 40, 9],
-            dim: 4,
-            bottom: vec![8, 4],
-            top: vec![6, 1],
-            sparse_optimizer: Optimizer::Adam {
-                lr: 0.01,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            },
-            dense_optimizer: Optimizer::Adam {
-                lr: 0.01,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            },
-        };
+        let config = model();
         let global = ModelState::new(&config, 7).unwrap();
         for servers in 1..4 {
             let layout = Layout::new(servers).unwrap();

@@ -415,10 +415,11 @@ impl Shard {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn model() -> ModelConfig {
+    /// A small model with Adam rows and Adam dense state (other tests of the crate use it).
+    pub(crate) fn model() -> ModelConfig {
         ModelConfig {
             num_dense: 3,
             table_rows: vec![23, 40, 9],

@@ -109,7 +109,10 @@ fn every_strategy_recovers_a_killed_server_bit_exactly() {
                 args.extend(["--id", id]);
             }
             let out = json_of(&ftrec(&args));
-            assert_eq!(&out["state_digest"], digest, "{strategy} export {id:?}: {out}");
+            assert_eq!(
+                &out["state_digest"], digest,
+                "{strategy} export {id:?}: {out}"
+            );
         }
     }
 }

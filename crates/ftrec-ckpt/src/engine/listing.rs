@@ -1,0 +1,137 @@
+//! What a location holds: its committed checkpoints (strictly, leniently, or the
+//! readable ones), the newest to resume from, and the pinned ones that no merge, retention
+//! or gc may delete.
+
+use super::Checkpoints;
+use crate::{CkptError, Manifest};
+
+fn pin_key(id: &str) -> String {
+    format!("pins/{id}.pin")
+}
+
+impl Checkpoints {
+    /// Pins checkpoint `id`: merges, DECK retention and gc (of any process) delete
+    /// neither it nor what its restore reads until [`Checkpoints::set_pins`] leaves it out.
+    /// A pin is an empty object `pins/<id>.pin`. A cluster server pins its parts of the
+    /// kept cuts: a DECK merger would otherwise fold the last committed cut's delta into a
+    /// newer one that other servers have not committed.
+    pub fn pin(&self, id: &str) -> Result<(), CkptError> {
+        match self.store.put(&pin_key(id), b"") {
+            Ok(()) | Err(CkptError::AlreadyExists { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Makes exactly `ids` the pinned checkpoints.
+    pub fn set_pins(&self, ids: &[String]) -> Result<(), CkptError> {
+        for id in ids {
+            self.pin(id)?;
+        }
+        for key in self.store.list("pins/")? {
+            let id = key.trim_start_matches("pins/").trim_end_matches(".pin");
+            if !ids.iter().any(|k| k == id) {
+                match self.store.delete(&key) {
+                    Ok(()) | Err(CkptError::NotFound(_)) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The pinned checkpoints that exist, and everything their restores read.
+    pub(crate) fn protected(&self) -> Result<std::collections::BTreeSet<String>, CkptError> {
+        let mut protected = std::collections::BTreeSet::new();
+        for key in self.store.list("pins/")? {
+            let id = key.trim_start_matches("pins/").trim_end_matches(".pin");
+            match self.lineage(id) {
+                Ok(chain) => protected.extend(chain.into_iter().map(|m| m.id)),
+                // Gone already (deleted before it was pinned).
+                Err(CkptError::NotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+            protected.insert(id.to_string());
+        }
+        Ok(protected)
+    }
+
+    /// All committed checkpoints, oldest first. A damaged manifest is an error naming it.
+    pub fn list(&self) -> Result<Vec<Manifest>, CkptError> {
+        // A manifest deleted between listing and reading (gc, a DECK merge) is skipped.
+        let mut all = self
+            .store
+            .list("manifests/")?
+            .iter()
+            .filter(|k| k.ends_with(".man"))
+            .filter_map(|k| match self.store.get(k) {
+                Ok(b) => Some(Manifest::decode(&self.store.describe(k), &b)),
+                Err(CkptError::NotFound(_)) => None,
+                Err(e) => Some(Err(e)),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        all.sort_by_key(|m| (m.step, m.created_unix_ms));
+        Ok(all)
+    }
+
+    /// Like [`Checkpoints::list`], but damaged manifests are returned apart, with their
+    /// ids, instead of failing the listing (`--fallback`, `ls`, `verify`, `gc`).
+    #[allow(clippy::type_complexity)]
+    pub fn list_lenient(&self) -> Result<(Vec<Manifest>, Vec<(String, CkptError)>), CkptError> {
+        let (mut good, mut bad) = (Vec::new(), Vec::new());
+        for key in self
+            .store
+            .list("manifests/")?
+            .iter()
+            .filter(|k| k.ends_with(".man"))
+        {
+            match self
+                .store
+                .get(key)
+                .and_then(|b| Manifest::decode(&self.store.describe(key), &b))
+            {
+                Ok(m) => good.push(m),
+                // Deleted between listing and reading (gc, a DECK merge).
+                Err(CkptError::NotFound(_)) => {}
+                Err(e) => {
+                    let id = key
+                        .trim_start_matches("manifests/")
+                        .trim_end_matches(".man")
+                        .to_string();
+                    bad.push((id, e));
+                }
+            }
+        }
+        good.sort_by_key(|m| (m.step, m.created_unix_ms));
+        Ok((good, bad))
+    }
+
+    /// The committed checkpoints whose manifests read back, oldest first; a damaged one is
+    /// logged and left out (and so never deleted). For work that one unrelated damaged
+    /// manifest must not stop: DECK lineage, merging, retention, shard restores.
+    pub fn list_readable(&self) -> Result<Vec<Manifest>, CkptError> {
+        let (good, bad) = self.list_lenient()?;
+        for (id, e) in bad {
+            tracing::warn!(
+                "{}: damaged manifest left alone: {e}",
+                self.store.describe(&id)
+            );
+        }
+        Ok(good)
+    }
+
+    pub fn manifest(&self, id: &str) -> Result<Manifest, CkptError> {
+        let key = Manifest::key_for(id);
+        Manifest::decode(&self.store.describe(&key), &self.store.get(&key)?)
+    }
+
+    /// The newest commit of the newest branch that has one, if any: what `--resume DIR`
+    /// continues from.
+    pub fn latest(&self) -> Result<Option<Manifest>, CkptError> {
+        let all = self.list()?;
+        let newest_branch = all.iter().map(|m| m.branch).max();
+        Ok(all
+            .into_iter()
+            .rev()
+            .find(|m| Some(m.branch) == newest_branch))
+    }
+}
