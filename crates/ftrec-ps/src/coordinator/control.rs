@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use ftrec_train::config::FaultTolerance;
 
+use super::planner::{self, Cause, RecoveryAction, Situation};
 use super::tasks::run_task;
 use super::{MAX_RESPAWNS, Member, Phase, Shared, State};
 
@@ -29,28 +30,6 @@ pub(super) enum Task {
         epoch: u64,
         step: u64,
     },
-}
-
-/// How the servers come back after a failure.
-#[derive(Clone, Copy)]
-pub(super) enum RecoveryAction {
-    /// `ft = checkpoint`: every server restores the cut of this step (`None`: no cut yet,
-    /// back to the initial state), and training continues from it.
-    Rollback { cut: Option<u64> },
-    /// `ft = none`: every server keeps its state and adopts the new epoch; training goes
-    /// on from `next_step`, after the steps still unsettled. Every step below `floor` is
-    /// applied on every survivor, and a replacement's fresh shard counts them as applied.
-    KeepState { floor: u64, next_step: u64 },
-}
-
-impl RecoveryAction {
-    /// The step training continues from.
-    pub(super) fn resume_step(self) -> u64 {
-        match self {
-            Self::Rollback { cut } => cut.unwrap_or(0),
-            Self::KeepState { next_step, .. } => next_step,
-        }
-    }
 }
 
 pub(super) async fn control_loop(shared: Arc<Shared>) {
@@ -208,15 +187,19 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
             s.busy = true;
             s.timeline
                 .event("recovery-start", format!("epoch {}", s.epoch));
-            let action = match shared.job.config.cluster.ft {
-                FaultTolerance::Checkpoint => RecoveryAction::Rollback {
-                    cut: s.last_checkpoint,
+            let cluster = &shared.job.config.cluster;
+            let action = planner::plan(&Situation {
+                ft: cluster.ft,
+                deterministic: cluster.deterministic,
+                cause: if s.failed.is_empty() {
+                    Cause::StepPartlyApplied
+                } else {
+                    Cause::ServersLost(s.failed.iter().map(|(id, _)| *id).collect())
                 },
-                FaultTolerance::None => RecoveryAction::KeepState {
-                    floor: s.steps.floor(),
-                    next_step: s.steps.next_step(),
-                },
-            };
+                last_cut: s.last_checkpoint,
+                floor: s.steps.floor(),
+                next_step: s.steps.next_step(),
+            });
             Some(Task::Recover {
                 epoch: s.epoch,
                 action,

@@ -10,11 +10,13 @@
 //! (`ft = none`). A step whose worker died is never skipped: it is granted again, or the
 //! cluster rolls back to the cut (see `ledger`).
 //!
-//! Files: `service.rs` answers the RPCs, `control.rs` detects failures and plans work,
-//! `tasks.rs` runs that work against the servers.
+//! Files: `service.rs` answers the RPCs; `control.rs` detects failures and decides what
+//! to do next; `planner.rs` is the pure recovery planner (a situation in, a plan out);
+//! `ledger.rs` grants steps; `tasks.rs` executes plans against the servers.
 
 mod control;
 pub mod ledger;
+pub mod planner;
 mod service;
 mod tasks;
 

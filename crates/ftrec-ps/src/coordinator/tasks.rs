@@ -4,10 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use ftrec_train::config::FaultTolerance;
-
-use super::control::{RecoveryAction, Task};
+use super::control::Task;
 use super::ledger::{Applied, Resolution};
+use super::planner::{self, RecoveryAction};
 use super::{CheckpointRecord, Phase, Recovery, Shared, State};
 use crate::client::{ServerClient, server_client};
 use crate::proto::*;
@@ -328,9 +327,7 @@ async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps:
         }
     }
     let config = &shared.job.config.cluster;
-    // Regranting a step some servers applied is exact only if nobody promised bit-exact
-    // results; in deterministic mode with checkpoints, roll back instead.
-    let partial_regrant = !(config.deterministic && config.ft == FaultTolerance::Checkpoint);
+    let partial_regrant = planner::regrant_partly_applied(config.ft, config.deterministic);
     let mut s = shared.lock();
     if s.epoch != epoch {
         return;

@@ -1,0 +1,128 @@
+//! The recovery planner: a pure function from what the coordinator knows to what the
+//! servers do. No I/O, no clock, no lock, so every case is a unit test; `tasks.rs`
+//! executes the plan. Partial recovery (CPR: reload one shard from its own checkpoint) and
+//! erasure coding (rebuild a shard from parity while reads degrade) add their plans here.
+
+use ftrec_train::config::FaultTolerance;
+
+/// Why a recovery is needed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Cause {
+    /// These server slots died (their replacements have joined).
+    ServersLost(Vec<usize>),
+    /// A dead worker's step reached only some servers, and regranting it would not be
+    /// exact ([`regrant_partly_applied`]).
+    StepPartlyApplied,
+}
+
+/// What the planner decides from.
+#[derive(Clone, Debug)]
+pub struct Situation {
+    pub ft: FaultTolerance,
+    pub deterministic: bool,
+    pub cause: Cause,
+    /// The newest cut every server committed, if any.
+    pub last_cut: Option<u64>,
+    /// Every step below this is applied on every surviving server.
+    pub floor: u64,
+    /// The first step never granted.
+    pub next_step: u64,
+}
+
+/// How the servers come back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecoveryAction {
+    /// Every server restores the cut of this step (`None`: no cut yet, back to the initial
+    /// state), and training continues from it.
+    Rollback { cut: Option<u64> },
+    /// Every server keeps its state and adopts the new epoch; training goes on from
+    /// `next_step`, after the steps still unsettled. Every step below `floor` is applied on
+    /// every survivor, and a replacement's fresh shard counts them as applied.
+    KeepState { floor: u64, next_step: u64 },
+}
+
+impl RecoveryAction {
+    /// The step training continues from.
+    pub fn resume_step(self) -> u64 {
+        match self {
+            Self::Rollback { cut } => cut.unwrap_or(0),
+            Self::KeepState { next_step, .. } => next_step,
+        }
+    }
+}
+
+pub fn plan(s: &Situation) -> RecoveryAction {
+    match (s.ft, &s.cause) {
+        // Checkpoints: back to the last consistent cut, whatever the cause; in
+        // deterministic mode the run then ends bit-identical to an uninterrupted one.
+        (FaultTolerance::Checkpoint, _) => RecoveryAction::Rollback { cut: s.last_cut },
+        // No fault tolerance: the lost shards start over, everyone else goes on.
+        (FaultTolerance::None, _) => RecoveryAction::KeepState {
+            floor: s.floor,
+            next_step: s.next_step,
+        },
+    }
+}
+
+/// Whether a dead worker's step that reached only some servers may be granted again
+/// (the servers that have it ignore the second push). Exact only where nobody promised
+/// bit-exact results: in deterministic mode with checkpoints, the run rolls back instead.
+pub fn regrant_partly_applied(ft: FaultTolerance, deterministic: bool) -> bool {
+    !(deterministic && ft == FaultTolerance::Checkpoint)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn situation(ft: FaultTolerance, cause: Cause, last_cut: Option<u64>) -> Situation {
+        Situation {
+            ft,
+            deterministic: true,
+            cause,
+            last_cut,
+            floor: 37,
+            next_step: 41,
+        }
+    }
+
+    #[test]
+    fn checkpoints_roll_back_to_the_last_committed_cut_for_any_cause() {
+        for cause in [Cause::ServersLost(vec![1]), Cause::StepPartlyApplied] {
+            let s = situation(FaultTolerance::Checkpoint, cause, Some(30));
+            assert_eq!(plan(&s), RecoveryAction::Rollback { cut: Some(30) });
+            assert_eq!(plan(&s).resume_step(), 30);
+        }
+        let s = situation(
+            FaultTolerance::Checkpoint,
+            Cause::ServersLost(vec![0]),
+            None,
+        );
+        assert_eq!(plan(&s).resume_step(), 0, "no cut yet: the initial state");
+    }
+
+    #[test]
+    fn without_fault_tolerance_the_survivors_keep_their_state() {
+        let s = situation(
+            FaultTolerance::None,
+            Cause::ServersLost(vec![0, 2]),
+            Some(30),
+        );
+        assert_eq!(
+            plan(&s),
+            RecoveryAction::KeepState {
+                floor: 37,
+                next_step: 41
+            }
+        );
+        assert_eq!(plan(&s).resume_step(), 41);
+    }
+
+    #[test]
+    fn only_deterministic_checkpointed_runs_refuse_partial_regrants() {
+        assert!(!regrant_partly_applied(FaultTolerance::Checkpoint, true));
+        assert!(regrant_partly_applied(FaultTolerance::Checkpoint, false));
+        assert!(regrant_partly_applied(FaultTolerance::None, true));
+        assert!(regrant_partly_applied(FaultTolerance::None, false));
+    }
+}
