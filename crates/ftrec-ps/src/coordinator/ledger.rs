@@ -9,7 +9,7 @@
 //! a push of a step they already applied) or, where that would not be exact, by rolling
 //! back to the last cut.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 /// A granted step's holder.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,8 +44,11 @@ pub struct StepLedger {
     total: u64,
     next: u64,
     outstanding: BTreeMap<u64, Grant>,
-    orphans: BTreeSet<u64>,
-    regrant: BTreeSet<u64>,
+    /// Orphans and steps to regrant, each with the epoch it was last granted in: only a
+    /// report of that epoch may settle it (an older one describes pushes the epoch fence
+    /// threw away).
+    orphans: BTreeMap<u64, u64>,
+    regrant: BTreeMap<u64, u64>,
 }
 
 impl StepLedger {
@@ -69,7 +72,7 @@ impl StepLedger {
     /// every later step back), then a fresh one when `fresh` allows it.
     pub fn take(&mut self, worker: usize, epoch: u64, fresh: bool) -> Option<u64> {
         let step = match self.regrant.pop_first() {
-            Some(step) => step,
+            Some((step, _)) => step,
             None if fresh && self.next < self.total => {
                 self.next += 1;
                 self.next - 1
@@ -82,13 +85,20 @@ impl StepLedger {
 
     /// `worker` reports `step` (granted in `epoch`) pushed to every server. True when that
     /// settles a step, so the caller counts its samples once. A late report of a step that
-    /// became an orphan or a regrant settles it too: the push reached every server.
+    /// became an orphan or a regrant in the same epoch settles it too: the push reached
+    /// every server.
     pub fn finish(&mut self, step: u64, worker: usize, epoch: u64) -> bool {
         if self.outstanding.get(&step) == Some(&Grant { worker, epoch }) {
             self.outstanding.remove(&step);
             return true;
         }
-        self.orphans.remove(&step) || self.regrant.remove(&step)
+        for pending in [&mut self.orphans, &mut self.regrant] {
+            if pending.get(&step) == Some(&epoch) {
+                pending.remove(&step);
+                return true;
+            }
+        }
+        false
     }
 
     /// `worker` lost `step` (a server refused or failed its push): it becomes an orphan.
@@ -98,21 +108,21 @@ impl StepLedger {
             return false;
         }
         self.outstanding.remove(&step);
-        self.orphans.insert(step);
+        self.orphans.insert(step, epoch);
         true
     }
 
     /// A dead worker's steps become orphans; returns how many.
     pub fn worker_died(&mut self, worker: usize) -> usize {
-        let held: Vec<u64> = self
+        let held: Vec<(u64, u64)> = self
             .outstanding
             .iter()
             .filter(|(_, g)| g.worker == worker)
-            .map(|(s, _)| *s)
+            .map(|(s, g)| (*s, g.epoch))
             .collect();
-        for step in &held {
+        for (step, epoch) in &held {
             self.outstanding.remove(step);
-            self.orphans.insert(*step);
+            self.orphans.insert(*step, *epoch);
         }
         held.len()
     }
@@ -120,20 +130,21 @@ impl StepLedger {
     /// Every outstanding step becomes an orphan (a server died and the run keeps its state).
     pub fn orphan_outstanding(&mut self) {
         let all = std::mem::take(&mut self.outstanding);
-        self.orphans.extend(all.into_keys());
+        self.orphans
+            .extend(all.into_iter().map(|(step, g)| (step, g.epoch)));
     }
 
     pub fn orphans(&self) -> Vec<u64> {
-        self.orphans.iter().copied().collect()
+        self.orphans.keys().copied().collect()
     }
 
     /// Decides an orphan's fate from what the servers say. `partial_regrant`: a partly
     /// applied step may be granted again (the run does not promise bit-exactness after a
     /// failure), rather than rolled back.
     pub fn resolve(&mut self, step: u64, applied: Applied, partial_regrant: bool) -> Resolution {
-        if !self.orphans.contains(&step) {
+        let Some(&epoch) = self.orphans.get(&step) else {
             return Resolution::Unknown;
-        }
+        };
         match applied {
             Applied::Everywhere => {
                 self.orphans.remove(&step);
@@ -142,7 +153,7 @@ impl StepLedger {
             Applied::Partly if !partial_regrant => Resolution::NeedsRollback,
             Applied::Nowhere | Applied::Partly => {
                 self.orphans.remove(&step);
-                self.regrant.insert(step);
+                self.regrant.insert(step, epoch);
                 Resolution::Regranted
             }
         }
@@ -170,8 +181,8 @@ impl StepLedger {
     pub fn floor(&self) -> u64 {
         [
             self.outstanding.keys().next(),
-            self.orphans.first(),
-            self.regrant.first(),
+            self.orphans.keys().next(),
+            self.regrant.keys().next(),
         ]
         .into_iter()
         .flatten()
@@ -232,6 +243,19 @@ mod tests {
         assert_eq!(l.orphans(), vec![0]);
         assert_eq!(l.resolve(0, Applied::Partly, true), Resolution::Regranted);
         assert_eq!(l.resolve(0, Applied::Everywhere, true), Resolution::Unknown);
+    }
+
+    #[test]
+    fn a_report_from_an_older_epoch_never_settles_a_newer_orphan() {
+        let mut l = StepLedger::new(5);
+        l.take(0, 1, true);
+        l.rewind(0);
+        assert_eq!(l.take(1, 2, true), Some(0));
+        l.worker_died(1);
+        // Worker 0's epoch-1 push was fenced off; its late report must not count.
+        assert!(!l.finish(0, 0, 1));
+        assert_eq!(l.orphans(), vec![0]);
+        assert!(l.finish(0, 1, 2));
     }
 
     #[test]

@@ -18,6 +18,8 @@ mod control;
 pub mod ledger;
 pub mod planner;
 mod service;
+#[cfg(test)]
+mod sim_tests;
 mod tasks;
 
 use std::sync::{Arc, Mutex, MutexGuard};
