@@ -164,9 +164,9 @@ fn a_pinned_delta_survives_merges_and_gc_and_restores_exactly() {
         ck.flush_background().unwrap();
         states.push(s.clone());
     }
-    // Full at step 1, deltas at 2 and 3: pin the first delta, then merge both (through a
+    // Full at step 1, deltas at 2 and 3: pin step 2, then merge both deltas (through a
     // second handle, as `ftrec ckpt merge` from another process would).
-    store.pin(&ids[1]).unwrap();
+    store.pin_step(2).unwrap();
     let other = Checkpoints::new(Box::new(LocalStore::open(dir.path()).unwrap()));
     let report = ftrec_ckpt::merge::merge_pass(&other, &ids[0], 2, 1 << 20).unwrap();
     assert_eq!(report.merged.len(), 1, "{report:?}");
@@ -179,7 +179,7 @@ fn a_pinned_delta_survives_merges_and_gc_and_restores_exactly() {
     store.gc(Some(1)).unwrap();
     assert_eq!(store.restore(&ids[1]).unwrap().0, states[1]);
     // Unpinned, it goes.
-    store.set_pins(&[]).unwrap();
+    store.set_pinned_steps(&[]).unwrap();
     store.gc(Some(1)).unwrap();
     assert!(store.restore(&ids[1]).is_err());
 }

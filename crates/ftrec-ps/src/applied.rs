@@ -58,6 +58,23 @@ impl AppliedSteps {
         }
     }
 
+    /// Counts every step below `end` as applied, except `unsettled` (which keep their
+    /// state): what every surviving server holds after a failure without rollback.
+    pub fn settle_below(&mut self, end: u64, unsettled: &[u64]) {
+        let first_gap = unsettled
+            .iter()
+            .copied()
+            .filter(|&s| s < end)
+            .min()
+            .unwrap_or(end);
+        self.raise_floor(first_gap);
+        for step in first_gap..end {
+            if !unsettled.contains(&step) {
+                self.insert(step);
+            }
+        }
+    }
+
     /// Exactly the steps below `step` are applied: the state of a cut at `step`.
     pub fn is_cut_at(&self, step: u64) -> bool {
         self.low == step && self.above.is_empty()
@@ -84,6 +101,16 @@ mod tests {
         assert!(a.is_cut_at(6), "a lower floor changes nothing");
         a.raise_floor(9);
         assert!(a.is_cut_at(9));
+    }
+
+    #[test]
+    fn settling_below_skips_the_unsettled_steps() {
+        let mut fresh = AppliedSteps::default();
+        fresh.settle_below(10, &[4, 7]);
+        assert_eq!(fresh.low(), 4);
+        assert!(!fresh.contains(4) && !fresh.contains(7) && fresh.contains(5) && fresh.contains(9));
+        assert!(!fresh.contains(10));
+        assert_eq!(fresh.count(), 8);
     }
 
     proptest! {

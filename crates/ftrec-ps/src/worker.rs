@@ -174,6 +174,7 @@ impl Worker {
                     _ => None,
                 },
                 rpc_bytes: self.rpc_bytes,
+                pid: std::process::id(),
             };
             let asked = Instant::now();
             let reply = self
@@ -182,6 +183,9 @@ impl Worker {
             self.times.coordinator += asked.elapsed().as_secs_f64();
             let reply = match reply {
                 Ok(r) => r.into_inner(),
+                Err(s) if s.code() == tonic::Code::PermissionDenied => {
+                    return Err(PsError::rpc("the coordinator removed this worker", &s));
+                }
                 Err(s) => {
                     let since = *unreachable_since.get_or_insert_with(Instant::now);
                     if since.elapsed() > self.job.timeout() {

@@ -5,31 +5,32 @@
 use super::Checkpoints;
 use crate::{CkptError, Manifest};
 
-fn pin_key(id: &str) -> String {
-    format!("pins/{id}.pin")
+fn pin_key(step: u64) -> String {
+    format!("pins/{step:012}.pin")
 }
 
 impl Checkpoints {
-    /// Pins checkpoint `id`: merges, DECK retention and gc (of any process) delete
-    /// neither it nor what its restore reads until [`Checkpoints::set_pins`] leaves it out.
-    /// A pin is an empty object `pins/<id>.pin`. A cluster server pins its parts of the
-    /// kept cuts: a DECK merger would otherwise fold the last committed cut's delta into a
-    /// newer one that other servers have not committed.
-    pub fn pin(&self, id: &str) -> Result<(), CkptError> {
-        match self.store.put(&pin_key(id), b"") {
+    /// Pins the checkpoints at `step`: merges, DECK retention and gc (of any process)
+    /// delete none of them (a delta, or the merged checkpoint that stands in for it) nor
+    /// what their restores read, until [`Checkpoints::set_pinned_steps`] leaves the step
+    /// out. A pin is an empty object `pins/<step:012>.pin`, written before the checkpoint
+    /// is taken, so no merge can fold the checkpoint away before it is protected. A cluster
+    /// server pins its cuts: a DECK merger would otherwise fold the last committed cut's
+    /// delta into a newer one that other servers have not committed.
+    pub fn pin_step(&self, step: u64) -> Result<(), CkptError> {
+        match self.store.put(&pin_key(step), b"") {
             Ok(()) | Err(CkptError::AlreadyExists { .. }) => Ok(()),
             Err(e) => Err(e),
         }
     }
 
-    /// Makes exactly `ids` the pinned checkpoints.
-    pub fn set_pins(&self, ids: &[String]) -> Result<(), CkptError> {
-        for id in ids {
-            self.pin(id)?;
+    /// Makes exactly `steps` the pinned steps.
+    pub fn set_pinned_steps(&self, steps: &[u64]) -> Result<(), CkptError> {
+        for &step in steps {
+            self.pin_step(step)?;
         }
-        for key in self.store.list("pins/")? {
-            let id = key.trim_start_matches("pins/").trim_end_matches(".pin");
-            if !ids.iter().any(|k| k == id) {
+        for (key, step) in self.pinned_steps()? {
+            if !steps.contains(&step) {
                 match self.store.delete(&key) {
                     Ok(()) | Err(CkptError::NotFound(_)) => {}
                     Err(e) => return Err(e),
@@ -39,18 +40,40 @@ impl Checkpoints {
         Ok(())
     }
 
-    /// The pinned checkpoints that exist, and everything their restores read.
+    fn pinned_steps(&self) -> Result<Vec<(String, u64)>, CkptError> {
+        Ok(self
+            .store
+            .list("pins/")?
+            .into_iter()
+            .filter_map(|key| {
+                let step = key
+                    .trim_start_matches("pins/")
+                    .trim_end_matches(".pin")
+                    .parse()
+                    .ok()?;
+                Some((key, step))
+            })
+            .collect())
+    }
+
+    /// The checkpoints at pinned steps, and everything their restores read.
     pub(crate) fn protected(&self) -> Result<std::collections::BTreeSet<String>, CkptError> {
+        let steps: Vec<u64> = self.pinned_steps()?.into_iter().map(|(_, s)| s).collect();
         let mut protected = std::collections::BTreeSet::new();
-        for key in self.store.list("pins/")? {
-            let id = key.trim_start_matches("pins/").trim_end_matches(".pin");
-            match self.lineage(id) {
-                Ok(chain) => protected.extend(chain.into_iter().map(|m| m.id)),
-                // Gone already (deleted before it was pinned).
+        if steps.is_empty() {
+            return Ok(protected);
+        }
+        for m in self.list_readable()? {
+            if !steps.contains(&m.step) {
+                continue;
+            }
+            match self.lineage(&m.id) {
+                Ok(chain) => protected.extend(chain.into_iter().map(|c| c.id)),
+                // Deleted meanwhile by the merger that replaced it.
                 Err(CkptError::NotFound(_)) => {}
                 Err(e) => return Err(e),
             }
-            protected.insert(id.to_string());
+            protected.insert(m.id);
         }
         Ok(protected)
     }

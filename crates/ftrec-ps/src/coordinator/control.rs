@@ -80,9 +80,12 @@ fn detect_failures(shared: &Shared, s: &mut State) {
         s.suspect_until = None;
         if c.ft == FaultTolerance::None {
             // The run keeps its state: steps in flight are resolved after recovery (granted
-            // again, or settled where every server applied them). With a rollback every
-            // step from the cut is trained again anyway.
+            // again, or settled where every server applied them).
             s.steps.orphan_outstanding();
+        } else {
+            // A rollback trains every step from the cut again: late reports of the steps in
+            // flight must count nothing.
+            s.steps.forget_outstanding();
         }
         s.phase = Phase::Recovering;
         replace_server(shared, s, id);
@@ -181,7 +184,8 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
             })
         }
         Phase::Recovering => {
-            if !s.servers.iter().all(|m| m.alive && m.ready) {
+            let waiting = s.recover_after.is_some_and(|t| Instant::now() < t);
+            if waiting || !s.servers.iter().all(|m| m.alive && m.ready) {
                 return None;
             }
             s.busy = true;
@@ -197,7 +201,7 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                     Cause::ServersLost(s.failed.iter().map(|(id, _)| *id).collect())
                 },
                 last_cut: s.last_checkpoint,
-                floor: s.steps.floor(),
+                unsettled: s.steps.unsettled(),
                 next_step: s.steps.next_step(),
             });
             Some(Task::Recover {

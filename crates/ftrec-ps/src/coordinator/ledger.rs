@@ -69,8 +69,11 @@ impl StepLedger {
     }
 
     /// A step for `worker`: a regrant first (they hold the cut and, in deterministic mode,
-    /// every later step back), then a fresh one when `fresh` allows it.
+    /// every later step back), then a fresh one when `fresh` allows it. A worker asks only
+    /// once done with its step, so a step it still holds here is one whose grant never
+    /// reached it (a lost reply): that step becomes an orphan.
     pub fn take(&mut self, worker: usize, epoch: u64, fresh: bool) -> Option<u64> {
+        self.worker_died(worker);
         let step = match self.regrant.pop_first() {
             Some((step, _)) => step,
             None if fresh && self.next < self.total => {
@@ -112,7 +115,8 @@ impl StepLedger {
         true
     }
 
-    /// A dead worker's steps become orphans; returns how many.
+    /// A dead worker's steps (or those of a worker that never got their grant) become
+    /// orphans; returns how many.
     pub fn worker_died(&mut self, worker: usize) -> usize {
         let held: Vec<(u64, u64)> = self
             .outstanding
@@ -159,6 +163,12 @@ impl StepLedger {
         }
     }
 
+    /// Forgets the steps in flight: a rollback will train them again, so their late reports
+    /// must count nothing.
+    pub fn forget_outstanding(&mut self) {
+        self.outstanding.clear();
+    }
+
     /// A rollback to the cut at `step`: everything from there is trained again.
     pub fn rewind(&mut self, step: u64) {
         self.outstanding.clear();
@@ -175,6 +185,19 @@ impl StepLedger {
 
     pub fn done(&self) -> bool {
         self.next >= self.total && self.quiet()
+    }
+
+    /// The steps granted but not known to be applied everywhere.
+    pub fn unsettled(&self) -> Vec<u64> {
+        let mut all: Vec<u64> = self
+            .outstanding
+            .keys()
+            .chain(self.orphans.keys())
+            .chain(self.regrant.keys())
+            .copied()
+            .collect();
+        all.sort_unstable();
+        all
     }
 
     /// The lowest step not known to be applied everywhere: every step below it is.
@@ -216,6 +239,15 @@ mod tests {
         assert!(l.finish(1, 1, 1));
         assert!(l.quiet());
         assert_eq!(l.floor(), 2);
+    }
+
+    #[test]
+    fn a_grant_whose_reply_was_lost_is_orphaned_when_the_worker_asks_again() {
+        let mut l = StepLedger::new(10);
+        assert_eq!(l.take(0, 1, true), Some(0));
+        // The reply never reached worker 0; it asks again with nothing to report.
+        assert_eq!(l.take(0, 1, true), Some(1));
+        assert_eq!(l.orphans(), vec![0]);
     }
 
     #[test]

@@ -127,6 +127,12 @@ struct State {
     pending_cut: Option<CheckpointRecord>,
     /// Not asked about again before this.
     confirm_after: Option<Instant>,
+    /// When the pending cut was copied: one that does not commit within the RPC timeout
+    /// fails.
+    pending_since: Option<Instant>,
+    /// Recovery attempts that failed in a row, and when to try the next.
+    recovery_failures: u32,
+    recover_after: Option<Instant>,
     /// Kills to fire when a step is granted (`--kill server:1@step:8`): role, id, step.
     step_kills: Vec<(Role, usize, u64)>,
     /// The last prune failed (said once, until one succeeds).
@@ -472,6 +478,9 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             step_kills: Vec::new(),
             pending_cut: None,
             confirm_after: None,
+            pending_since: None,
+            recovery_failures: 0,
+            recover_after: None,
             failed: Vec::new(),
             recoveries: Vec::new(),
             timeline: Timeline::new(),

@@ -23,30 +23,31 @@ pub struct Situation {
     pub cause: Cause,
     /// The newest cut every server committed, if any.
     pub last_cut: Option<u64>,
-    /// Every step below this is applied on every surviving server.
-    pub floor: u64,
+    /// Steps granted but not known to be applied everywhere (in flight, orphaned, to be
+    /// granted again).
+    pub unsettled: Vec<u64>,
     /// The first step never granted.
     pub next_step: u64,
 }
 
 /// How the servers come back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RecoveryAction {
     /// Every server restores the cut of this step (`None`: no cut yet, back to the initial
     /// state), and training continues from it.
     Rollback { cut: Option<u64> },
     /// Every server keeps its state and adopts the new epoch; training goes on from
-    /// `next_step`, after the steps still unsettled. Every step below `floor` is applied on
-    /// every survivor, and a replacement's fresh shard counts them as applied.
-    KeepState { floor: u64, next_step: u64 },
+    /// `next_step`, after the `unsettled` steps. Every other step below `next_step` is
+    /// applied on every survivor, and a replacement's fresh shard counts it as applied.
+    KeepState { next_step: u64, unsettled: Vec<u64> },
 }
 
 impl RecoveryAction {
     /// The step training continues from.
-    pub fn resume_step(self) -> u64 {
+    pub fn resume_step(&self) -> u64 {
         match self {
             Self::Rollback { cut } => cut.unwrap_or(0),
-            Self::KeepState { next_step, .. } => next_step,
+            Self::KeepState { next_step, .. } => *next_step,
         }
     }
 }
@@ -58,8 +59,8 @@ pub fn plan(s: &Situation) -> RecoveryAction {
         (FaultTolerance::Checkpoint, _) => RecoveryAction::Rollback { cut: s.last_cut },
         // No fault tolerance: the lost shards start over, everyone else goes on.
         (FaultTolerance::None, _) => RecoveryAction::KeepState {
-            floor: s.floor,
             next_step: s.next_step,
+            unsettled: s.unsettled.clone(),
         },
     }
 }
@@ -81,7 +82,7 @@ mod tests {
             deterministic: true,
             cause,
             last_cut,
-            floor: 37,
+            unsettled: vec![37, 39],
             next_step: 41,
         }
     }
@@ -111,8 +112,8 @@ mod tests {
         assert_eq!(
             plan(&s),
             RecoveryAction::KeepState {
-                floor: 37,
-                next_step: 41
+                next_step: 41,
+                unsettled: vec![37, 39]
             }
         );
         assert_eq!(plan(&s).resume_step(), 41);

@@ -161,6 +161,14 @@ impl Coordinator for Service {
         let worker = req.worker as usize;
         let mut s = shared.lock();
         if let Some(m) = s.workers.get_mut(worker) {
+            // A worker declared dead whose slot went to a replacement must not take steps
+            // under that slot: they would be settled or lost under the wrong process.
+            if req.pid != 0 && m.pid != 0 && m.pid != req.pid {
+                return Err(Status::permission_denied(format!(
+                    "worker {worker} is held by pid {}; this process (pid {}) was declared dead",
+                    m.pid, req.pid
+                )));
+            }
             m.last_seen = Some(Instant::now());
         }
         s.rpc_bytes += req.rpc_bytes;

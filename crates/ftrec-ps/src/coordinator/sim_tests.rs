@@ -184,7 +184,7 @@ impl Sim {
                 deterministic: self.deterministic,
                 cause: Cause::StepPartlyApplied,
                 last_cut: self.last_cut,
-                floor: self.ledger.floor(),
+                unsettled: self.ledger.unsettled(),
                 next_step: self.ledger.next_step(),
             });
             let RecoveryAction::Rollback { cut } = action else {

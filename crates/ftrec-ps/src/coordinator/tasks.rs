@@ -17,6 +17,9 @@ const MAX_CUT_BACKOFF: Duration = Duration::from_secs(300);
 /// How long to wait before asking the servers about orphan steps again after one did not
 /// answer.
 const RESOLVE_RETRY: Duration = Duration::from_millis(200);
+/// A failed recovery is tried again after this, at most this many times in a row.
+const RECOVERY_RETRY: Duration = Duration::from_millis(200);
+const MAX_RECOVERY_FAILURES: u32 = 50;
 /// How often to ask whether a cut committing in the background is done.
 const CONFIRM_RETRY: Duration = Duration::from_millis(50);
 
@@ -92,6 +95,7 @@ async fn checkpoint(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, ste
                         format!("step {step}, paused {pause:.3}s; committing in the background"),
                     );
                     s.pending_cut = Some(record);
+                    s.pending_since = Some(Instant::now());
                     None
                 }
             }
@@ -189,6 +193,16 @@ async fn confirm_cut(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, st
             return;
         }
         if !all {
+            let limit = shared.job.timeout();
+            if s.pending_since.is_some_and(|t| t.elapsed() > limit) {
+                s.pending_cut = None;
+                cut_failed(
+                    &mut s,
+                    step,
+                    &format!("its background commit did not finish within {limit:?}"),
+                );
+                return;
+            }
             s.confirm_after = Some(Instant::now() + CONFIRM_RETRY);
             return;
         }
@@ -250,19 +264,26 @@ async fn prune_cuts(
 
 async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action: RecoveryAction) {
     let applied = action.resume_step();
-    let calls = clients.into_iter().map(|mut c| async move {
-        match action {
-            RecoveryAction::Rollback { cut } => c
-                .restore(RestoreRequest { epoch, step: cut })
-                .await
-                .map(|_| ()),
-            RecoveryAction::KeepState { floor, .. } => c
-                .set_epoch(SetEpochRequest {
-                    epoch,
-                    applied: floor,
-                })
-                .await
-                .map(|_| ()),
+    let calls = clients.into_iter().map(|mut c| {
+        let action = action.clone();
+        async move {
+            match action {
+                RecoveryAction::Rollback { cut } => c
+                    .restore(RestoreRequest { epoch, step: cut })
+                    .await
+                    .map(|_| ()),
+                RecoveryAction::KeepState {
+                    next_step,
+                    unsettled,
+                } => c
+                    .set_epoch(SetEpochRequest {
+                        epoch,
+                        applied: next_step,
+                        unsettled,
+                    })
+                    .await
+                    .map(|_| ()),
+            }
         }
     });
     let results = futures::future::join_all(calls).await;
@@ -276,13 +297,35 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
         })
         .collect();
     let mut s = shared.lock();
-    if !failed.is_empty() || s.epoch != epoch {
-        s.timeline.event(
-            "recovery-retry",
-            format!("epoch {epoch}: {}", failed.join("; ")),
-        );
+    if s.epoch != epoch {
         return;
     }
+    if !failed.is_empty() {
+        // Said on the first failure and every tenth; a cause that does not pass (a missing
+        // cut, a shard of another server) ends the run with it rather than looping.
+        s.recovery_failures += 1;
+        let why = failed.join("; ");
+        if s.recovery_failures % 10 == 1 {
+            tracing::warn!("recovery of epoch {epoch} failed: {why}; retrying");
+            s.timeline
+                .event("recovery-retry", format!("epoch {epoch}: {why}"));
+        }
+        if s.recovery_failures >= MAX_RECOVERY_FAILURES {
+            let fatal = format!(
+                "recovery failed {} times in a row; giving up: {why}",
+                s.recovery_failures
+            );
+            s.timeline.event("fatal", fatal.clone());
+            s.fatal = Some(fatal);
+            s.phase = Phase::Done;
+            shared.done.send_replace(true);
+        } else {
+            s.recover_after = Some(Instant::now() + RECOVERY_RETRY);
+        }
+        return;
+    }
+    s.recovery_failures = 0;
+    s.recover_after = None;
     let rolled_back = s.steps.next_step().saturating_sub(applied);
     if let RecoveryAction::Rollback { .. } = action {
         s.steps.rewind(applied);

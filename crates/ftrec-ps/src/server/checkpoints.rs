@@ -135,14 +135,16 @@ impl Core {
                 "checkpoint.strategy is none: the cluster cannot take cuts".into(),
             ));
         };
+        // Pinned before it exists, so no merge can fold it away unprotected; kept through
+        // merges and retention until the coordinator's prune lets the step go.
+        if let Err(e) = ck.checkpoints().pin_step(step) {
+            *guard = None;
+            return Err(e.into());
+        }
         let written = ck.checkpoint(shard.state(), step, identity);
         drop(shard);
         let manifest = match written {
-            Ok(m) => {
-                // Kept through merges and retention until the coordinator's prune lets it go.
-                ck.checkpoints().pin(&m.id)?;
-                m
-            }
+            Ok(m) => m,
             Err(e) => {
                 // Whatever the strategy held in flight is unknown now: start over with a
                 // full checkpoint at the next cut.
@@ -179,6 +181,20 @@ impl Core {
             .list_readable()?
             .iter()
             .any(|m| m.step == step && m.branch == branch))
+    }
+
+    /// Back to the initial shard: whatever this slot committed before is another history,
+    /// so new checkpoints go to a branch of their own, with a new checkpointer (the old
+    /// one's tracked rows and in-flight writes belong to the history left behind).
+    pub(super) fn restart_history(&self) -> Result<(), PsError> {
+        *lock(&self.checkpointer) = None;
+        if let Some(checkpoints) = &self.checkpoints {
+            let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+            *writer = None;
+            let start = BranchStart::Fresh { new_branch: true };
+            *writer = Some(checkpoints.start_writing(start, &self.lease_options())?.0);
+        }
+        Ok(())
     }
 
     /// Restores the shard checkpoint of cut `step`, then writes on from there.
@@ -235,7 +251,7 @@ impl Core {
             .iter()
             .filter_map(|&step| self.cut_checkpoint(&all, step))
             .collect();
-        writer.set_pins(&keep)?;
+        writer.set_pinned_steps(keep_steps)?;
         let report = writer.gc_with(&GcOptions {
             keep_ids: Some(keep),
             ..GcOptions::default()

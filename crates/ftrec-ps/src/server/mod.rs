@@ -107,6 +107,19 @@ impl Core {
         Ok(())
     }
 
+    /// Restores and epoch changes only move forward: a delayed one from an older recovery
+    /// must not undo a newer one.
+    fn check_epoch_forward(&self, epoch: u64) -> Result<(), PsError> {
+        let current = self.live().epoch;
+        if epoch < current {
+            return Err(PsError::StaleEpoch {
+                got: epoch,
+                current,
+            });
+        }
+        Ok(())
+    }
+
     fn steps(&self) -> MutexGuard<'_, AppliedSteps> {
         self.steps.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -4,7 +4,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use ftrec_ckpt::BranchStart;
 use ftrec_train::config::FaultTolerance;
 use tonic::{Request, Response, Status};
 
@@ -159,6 +158,7 @@ impl ParameterServer for Service {
         let started = Instant::now();
         let id = tokio::task::spawn_blocking(move || -> Result<String, PsError> {
             let _turn = core.commit_turn.blocking_lock();
+            core.check_epoch_forward(req.epoch)?;
             let (state, id) = match req.step {
                 Some(step) => {
                     let Some(checkpoints) = &core.checkpoints else {
@@ -167,14 +167,7 @@ impl ParameterServer for Service {
                     core.restore_cut(checkpoints, step)?
                 }
                 None => {
-                    // Back to the initial shard: whatever this slot committed before is
-                    // another history, so new checkpoints go to a branch of their own.
-                    if let Some(checkpoints) = &core.checkpoints {
-                        let mut writer = core.writer.lock().unwrap_or_else(|p| p.into_inner());
-                        *writer = None;
-                        let start = BranchStart::Fresh { new_branch: true };
-                        *writer = Some(checkpoints.start_writing(start, &core.lease_options())?.0);
-                    }
+                    core.restart_history()?;
                     let c = &core.job.config;
                     let shard = Shard::initial(&c.model_config()?, c.seed, core.layout, core.id)?;
                     (shard.state().clone(), "initial".to_string())
@@ -206,12 +199,13 @@ impl ParameterServer for Service {
         let req = req.into_inner();
         // In the commit turn and under the shard lock, so no push straddles the change.
         let _turn = core.commit_turn.lock().await;
+        core.check_epoch_forward(req.epoch)?;
         let _shard = core
             .shard
             .write()
             .map_err(|_| Status::internal("shard lock"))?;
         let mut steps = core.steps().clone();
-        steps.raise_floor(req.applied);
+        steps.settle_below(req.applied, &req.unsettled);
         core.publish(req.epoch, steps);
         core.metrics.set("ftrec_epoch", req.epoch as f64);
         Ok(Response::new(SetEpochReply {}))
