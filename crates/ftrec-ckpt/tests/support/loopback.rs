@@ -19,30 +19,43 @@ impl Drop for LoopbackServer {
 
 /// Starts `program` with `args(port)` on a free port and waits (30 s at most) until the
 /// port accepts connections. `install` says how to get the program when it is missing.
+/// The port is found by binding and releasing it, so another process may take it first:
+/// then the server exits, and it is started again on another port (3 tries).
 pub fn start(
     program: &str,
-    args: impl FnOnce(&str) -> Vec<String>,
+    args: impl Fn(&str) -> Vec<String>,
     install: &str,
 ) -> LoopbackServer {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new(program)
-        .args(args(&port.to_string()))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("{program}: {e} ({install})"));
-    let server = LoopbackServer { child, port };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "{program} did not start on port {port}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
+    for _ in 0..3 {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(program)
+            .args(args(&port.to_string()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{program}: {e} ({install})"));
+        let mut server = LoopbackServer { child, port };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut up = false;
+        while Instant::now() < deadline {
+            if server.child.try_wait().ok().flatten().is_some() {
+                break; // exited: most likely the port was taken
+            }
+            if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                up = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // Answering on the port is not enough: it must be our process that does.
+        std::thread::sleep(Duration::from_millis(200));
+        if up && server.child.try_wait().ok().flatten().is_none() {
+            return server;
+        }
     }
-    server
+    panic!("{program} did not start on a loopback port in 3 tries ({install})")
 }

@@ -22,13 +22,25 @@ pub fn start_server() -> S3Server {
     )
 }
 
-/// Creates a bucket with a plain HTTP PUT (object_store does not manage buckets).
+/// Creates a bucket with a plain HTTP PUT (object_store does not manage buckets), asking
+/// again for a few seconds while the server is still coming up.
 pub fn create_bucket(port: u16, bucket: &str) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(s, "PUT /{bucket} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").unwrap();
-    let mut reply = String::new();
-    s.read_to_string(&mut reply).unwrap();
-    assert!(reply.starts_with("HTTP/1.1 200"), "create bucket: {reply}");
+    let attempt = || -> std::io::Result<String> {
+        let mut s = TcpStream::connect(("127.0.0.1", port))?;
+        write!(s, "PUT /{bucket} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")?;
+        let mut reply = String::new();
+        s.read_to_string(&mut reply)?;
+        Ok(reply)
+    };
+    let mut last = None;
+    for _ in 0..50 {
+        match attempt() {
+            Ok(reply) if reply.starts_with("HTTP/1.1 200") => return,
+            other => last = Some(other),
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("create bucket {bucket}: {last:?}");
 }
 
 /// Environment for a child process that talks to `server`.
