@@ -21,11 +21,7 @@ impl Drop for LoopbackServer {
 /// port accepts connections. `install` says how to get the program when it is missing.
 /// The port is found by binding and releasing it, so another process may take it first:
 /// then the server exits, and it is started again on another port (3 tries).
-pub fn start(
-    program: &str,
-    args: impl Fn(&str) -> Vec<String>,
-    install: &str,
-) -> LoopbackServer {
+pub fn start(program: &str, args: impl Fn(&str) -> Vec<String>, install: &str) -> LoopbackServer {
     for _ in 0..3 {
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()

@@ -27,7 +27,10 @@ pub fn start_server() -> S3Server {
 pub fn create_bucket(port: u16, bucket: &str) {
     let attempt = || -> std::io::Result<String> {
         let mut s = TcpStream::connect(("127.0.0.1", port))?;
-        write!(s, "PUT /{bucket} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")?;
+        write!(
+            s,
+            "PUT /{bucket} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )?;
         let mut reply = String::new();
         s.read_to_string(&mut reply)?;
         Ok(reply)
