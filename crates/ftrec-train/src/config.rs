@@ -95,6 +95,31 @@ pub enum FaultTolerance {
     Checkpoint,
 }
 
+impl FaultTolerance {
+    pub const ALL: [Self; 2] = [Self::None, Self::Checkpoint];
+
+    /// The name used in configuration files and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Checkpoint => "checkpoint",
+        }
+    }
+}
+
+impl std::str::FromStr for FaultTolerance {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|f| f.name()).collect();
+                format!("unknown fault tolerance {s:?}: one of {}", names.join(", "))
+            })
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterSection {
@@ -590,5 +615,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("bad.toml"), "{e}");
+    }
+
+    #[test]
+    fn fault_tolerance_names_round_trip_and_unknown_ones_are_named() {
+        for ft in FaultTolerance::ALL {
+            assert_eq!(ft.name().parse::<FaultTolerance>(), Ok(ft));
+            let toml = format!("{:?}", ft.name());
+            let back: FaultTolerance = toml::from_str(&format!("v = {toml}"))
+                .map(|t: std::collections::HashMap<String, FaultTolerance>| t["v"])
+                .unwrap();
+            assert_eq!(back, ft, "the config file uses the same names");
+        }
+        let e = "ecc".parse::<FaultTolerance>().unwrap_err();
+        assert!(
+            e.contains("\"ecc\"") && e.contains("none, checkpoint"),
+            "{e}"
+        );
     }
 }

@@ -55,12 +55,6 @@ pub enum ClusterCommand {
     },
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum FtMode {
-    None,
-    Checkpoint,
-}
-
 #[derive(Args, Debug)]
 pub struct ClusterRunArgs {
     #[command(flatten)]
@@ -77,9 +71,9 @@ pub struct ClusterRunArgs {
     /// Workers (overrides cluster.workers).
     #[arg(long)]
     pub workers: Option<usize>,
-    /// Fault tolerance (overrides cluster.ft).
-    #[arg(long, value_enum)]
-    pub ft: Option<FtMode>,
+    /// Fault tolerance: none or checkpoint (overrides cluster.ft).
+    #[arg(long, value_parser = str::parse::<ftrec_train::config::FaultTolerance>)]
+    pub ft: Option<ftrec_train::config::FaultTolerance>,
     /// Steps in strict order: bit-reproducible (overrides cluster.deterministic).
     #[arg(long)]
     pub deterministic: bool,

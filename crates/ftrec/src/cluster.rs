@@ -52,11 +52,7 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         extra.push(format!("cluster.workers={n}"));
     }
     if let Some(ft) = a.ft {
-        let name = match ft {
-            FtMode::None => "none",
-            FtMode::Checkpoint => "checkpoint",
-        };
-        extra.push(format!("cluster.ft=\"{name}\""));
+        extra.push(format!("cluster.ft=\"{}\"", ft.name()));
     }
     if a.deterministic {
         extra.push("cluster.deterministic=true".into());
