@@ -199,23 +199,6 @@ impl StepLedger {
         all.sort_unstable();
         all
     }
-
-    /// The lowest step not known to be applied everywhere: every step below it is.
-    pub fn floor(&self) -> u64 {
-        [
-            self.outstanding.keys().next(),
-            self.orphans.keys().next(),
-            self.regrant.keys().next(),
-        ]
-        .into_iter()
-        .flatten()
-        .copied()
-        .fold(self.next, u64::min)
-    }
-
-    pub fn outstanding_len(&self) -> usize {
-        self.outstanding.len()
-    }
 }
 
 #[cfg(test)]
@@ -230,7 +213,7 @@ mod tests {
         assert_eq!(l.take(1, 1, true), Some(1));
         assert_eq!(l.worker_died(0), 1);
         assert!(!l.quiet());
-        assert_eq!(l.floor(), 0);
+        assert_eq!(l.unsettled(), vec![0, 1]);
         assert_eq!(l.resolve(0, Applied::Nowhere, false), Resolution::Regranted);
         // Even while a cut is pending (no fresh steps), the regrant goes out.
         assert_eq!(l.take(1, 1, false), Some(0));
@@ -238,7 +221,8 @@ mod tests {
         assert!(l.finish(0, 1, 1));
         assert!(l.finish(1, 1, 1));
         assert!(l.quiet());
-        assert_eq!(l.floor(), 2);
+        assert!(l.unsettled().is_empty());
+        assert_eq!(l.next_step(), 2);
     }
 
     #[test]

@@ -107,7 +107,7 @@ impl Core {
             .shard
             .read()
             .map_err(|_| PsError::Refused("shard lock poisoned".into()))?;
-        let steps = self.steps().clone();
+        let steps = self.steps();
         if !steps.is_cut_at(step) {
             return Err(PsError::Request(format!(
                 "checkpoint of step {step} asked for, but server {} has applied {} steps \
@@ -118,6 +118,7 @@ impl Core {
                 steps.count() - steps.low()
             )));
         }
+        drop(steps);
         let identity = serde_json::json!({
             "server": self.id,
             "servers": self.layout.servers,

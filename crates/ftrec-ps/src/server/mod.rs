@@ -124,16 +124,19 @@ impl Core {
         self.steps.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Makes `steps` this shard's record in `epoch` and wakes the waiting pulls and pushes.
-    fn publish(&self, epoch: u64, steps: AppliedSteps) {
-        let live = Live {
+    /// Changes this shard's record of applied steps in place, adopts `epoch`, and wakes
+    /// the waiting pulls and pushes. Returns how many steps are applied.
+    fn publish(&self, epoch: u64, change: impl FnOnce(&mut AppliedSteps)) -> u64 {
+        let mut steps = self.steps();
+        change(&mut steps);
+        let (low, count) = (steps.low(), steps.count());
+        drop(steps);
+        self.metrics.set("ftrec_applied_steps", count as f64);
+        self.live.send_replace(Live {
             epoch,
-            applied: steps.low(),
-        };
-        self.metrics
-            .set("ftrec_applied_steps", steps.count() as f64);
-        *self.steps() = steps;
-        self.live.send_replace(live);
+            applied: low,
+        });
+        count
     }
 
     /// Deterministic mode: waits (bounded) until every step below `target` is applied.

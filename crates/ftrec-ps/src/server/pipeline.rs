@@ -42,11 +42,9 @@ impl Core {
             // Restores take the turn too, so this holds; checked where it matters anyway.
             self.check_epoch(epoch)?;
             shard.commit(&staged);
-            let mut steps = self.steps().clone();
-            steps.insert(update.step);
-            let count = steps.count();
-            self.publish(epoch, steps);
-            count
+            self.publish(epoch, |steps| {
+                steps.insert(update.step);
+            })
         };
         for observer in &self.post_commit {
             observer.post_commit(staged.rows());

@@ -178,7 +178,9 @@ impl ParameterServer for Service {
                 .write()
                 .map_err(|_| PsError::Refused("shard lock poisoned".into()))?;
             shard.replace_state(state)?;
-            core.publish(req.epoch, AppliedSteps::up_to(req.step.unwrap_or(0)));
+            core.publish(req.epoch, |steps| {
+                *steps = AppliedSteps::up_to(req.step.unwrap_or(0))
+            });
             core.metrics.add("ftrec_restores_total", 1);
             core.metrics.set("ftrec_epoch", req.epoch as f64);
             Ok(id)
@@ -204,9 +206,9 @@ impl ParameterServer for Service {
             .shard
             .write()
             .map_err(|_| Status::internal("shard lock"))?;
-        let mut steps = core.steps().clone();
-        steps.settle_below(req.applied, &req.unsettled);
-        core.publish(req.epoch, steps);
+        core.publish(req.epoch, |steps| {
+            steps.settle_below(req.applied, &req.unsettled)
+        });
         core.metrics.set("ftrec_epoch", req.epoch as f64);
         Ok(Response::new(SetEpochReply {}))
     }
