@@ -32,6 +32,25 @@ pub enum Strategy {
 }
 
 impl Strategy {
+    pub const ALL: [Self; 5] = [
+        Self::Full,
+        Self::Differential,
+        Self::NaiveIncremental,
+        Self::Incrcp,
+        Self::Deck,
+    ];
+
+    /// The name used in configuration files, on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Full => "full",
+            Self::Differential => "differential",
+            Self::NaiveIncremental => "naive-incremental",
+            Self::Incrcp => "incrcp",
+            Self::Deck => "deck",
+        }
+    }
+
     /// `checkpoint.full_every` when the user sets none: IncrCP decides its baseline
     /// resets from measured costs, so it has no fixed cap.
     pub fn default_full_every(self) -> u64 {

@@ -40,7 +40,7 @@ pub enum PsError {
     #[error(transparent)]
     Checkpoint(#[from] ftrec_ckpt::CkptError),
     #[error(transparent)]
-    Train(#[from] ftrec_train::TrainError),
+    Job(#[from] ftrec_config::ConfigError),
     #[error("{path}: {error}")]
     Io { path: String, error: std::io::Error },
 }

@@ -1,22 +1,22 @@
-//! The job every process of a cluster runs: one [`TrainConfig`] written by the launcher,
+//! The job every process of a cluster runs: one [`JobConfig`] written by the launcher,
 //! read by each server and worker, and fingerprinted so a process started with another
 //! configuration is refused when it joins.
 
 use std::path::Path;
 
+use ftrec_config::JobConfig;
 use ftrec_data::{Dataset, TRAIN_FILE};
-use ftrec_train::TrainConfig;
 
 use crate::PsError;
 use crate::placement::Layout;
 
 #[derive(Clone, Debug)]
 pub struct Job {
-    pub config: TrainConfig,
+    pub config: JobConfig,
 }
 
 impl Job {
-    pub fn new(config: TrainConfig) -> Result<Self, PsError> {
+    pub fn new(config: JobConfig) -> Result<Self, PsError> {
         config.validate()?;
         if config.data.dir.is_none() {
             return Err(PsError::Config(
@@ -27,7 +27,7 @@ impl Job {
     }
 
     pub fn load(path: &Path) -> Result<Self, PsError> {
-        Self::new(TrainConfig::load(None, Some(path), &[])?)
+        Self::new(JobConfig::load(None, Some(path), &[])?)
     }
 
     pub fn save(&self, path: &Path) -> Result<(), PsError> {

@@ -85,9 +85,14 @@ pub struct LaunchOptions {
     pub exe: PathBuf,
     /// Bound on the whole run.
     pub time_limit: Duration,
-    /// Evaluate the final model on the test split.
-    pub evaluate: bool,
+    /// Evaluates the final model (the caller's trainer on the test split, say); the
+    /// cluster itself has no evaluation of its own to depend on.
+    pub evaluate: Option<Evaluator>,
 }
+
+/// Metrics of the gathered final model, or why they could not be computed.
+pub type Evaluator =
+    Box<dyn FnOnce(&Job, ModelState) -> Result<ftrec_model::metrics::Metrics, String> + Send>;
 
 /// Progress shown while the cluster trains.
 #[derive(Clone, Debug)]
@@ -285,6 +290,7 @@ async fn run_async(
 ) -> Result<LaunchReport, PsError> {
     let job = opts.job;
     let run_dir = opts.run_dir;
+    let evaluator = opts.evaluate;
     let logs = run_dir.join("logs");
     std::fs::create_dir_all(&logs).map_err(io(&logs))?;
     let job_file = run_dir.join("job.toml");
@@ -422,8 +428,8 @@ async fn run_async(
             crate::gather::gather_state(&job, &shared.server_addresses(), epoch).await?;
         let digest = state.digest().to_string();
         let (mut auc, mut logloss, mut eval_samples) = (None, None, None);
-        if opts.evaluate {
-            let metrics = evaluate(&job, state)?;
+        if let Some(evaluate) = evaluator {
+            let metrics = evaluate(&job, state).map_err(PsError::Refused)?;
             auc = Some(metrics.auc);
             logloss = Some(metrics.logloss);
             eval_samples = Some(metrics.samples);
@@ -482,48 +488,6 @@ impl StopSignals {
         tokio::select! {
             _ = self.term.recv() => "SIGTERM",
             _ = self.int.recv() => "SIGINT",
-        }
-    }
-}
-
-fn evaluate(job: &Job, state: ModelState) -> Result<ftrec_model::metrics::Metrics, PsError> {
-    let dir = job
-        .config
-        .data
-        .dir
-        .clone()
-        .ok_or_else(|| PsError::Config("data.dir is not set".into()))?;
-    let test = ftrec_data::Dataset::open_split(&dir, ftrec_data::TEST_FILE)?;
-    let mut trainer =
-        ftrec_train::Trainer::with_state(&job.config, state, ftrec_train::Progress::default())?;
-    Ok(trainer.evaluate(&test, job.config.train.eval_samples)?)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kill_specs_parse_and_reject_clearly() {
-        let k: KillSpec = "server:1@10s".parse().unwrap();
-        assert_eq!(
-            (k.role, k.id, k.at),
-            (Role::Server, 1, KillAt::After(Duration::from_secs(10)))
-        );
-        let k: KillSpec = "worker:0@2.5".parse().unwrap();
-        assert_eq!(k.at, KillAt::After(Duration::from_millis(2500)));
-        let k: KillSpec = "server:1@step:8".parse().unwrap();
-        assert_eq!(k.at, KillAt::Step(8));
-        for bad in [
-            "server1@3s",
-            "disk:1@3s",
-            "server:x@3s",
-            "server:1@-1s",
-            "server:1@step:x",
-            "server:1",
-        ] {
-            let e = bad.parse::<KillSpec>().unwrap_err();
-            assert!(e.contains(bad), "{e}");
         }
     }
 }

@@ -9,7 +9,8 @@ use rand_distr::{Distribution, Zipf};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use serde::Serialize;
 
-use crate::{TrainConfig, TrainError};
+use crate::TrainError;
+use ftrec_config::JobConfig;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {
@@ -37,7 +38,7 @@ pub fn peak_rss_bytes() -> Option<u64> {
 
 /// Batches with Zipf(1.1) ids per table, random dense values and labels.
 pub fn synthetic_batches(
-    config: &TrainConfig,
+    config: &JobConfig,
     count: usize,
     seed: u64,
 ) -> Result<Vec<Batch>, TrainError> {
@@ -68,7 +69,7 @@ pub fn synthetic_batches(
 
 /// The pool, a freshly initialised state and the `Dlrm` workspace a benchmark trains with.
 pub(crate) fn fresh_model(
-    config: &TrainConfig,
+    config: &JobConfig,
 ) -> Result<(rayon::ThreadPool, ModelState, Dlrm), TrainError> {
     let threads = config.threads();
     let pool = rayon::ThreadPoolBuilder::new()
@@ -91,7 +92,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 pub fn bench_train(
-    config: &TrainConfig,
+    config: &JobConfig,
     warmup_steps: usize,
     steps: usize,
     mut on_step: impl FnMut(usize),

@@ -23,7 +23,8 @@ use rand_distr::{Distribution, Zipf};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use serde::Serialize;
 
-use crate::{TrainConfig, TrainError};
+use crate::TrainError;
+use ftrec_config::JobConfig;
 
 #[derive(Clone, Debug)]
 pub struct CkptBenchConfig {
@@ -123,8 +124,8 @@ pub struct CkptBenchReport {
 }
 
 /// Kaggle-shaped configuration: dim 16, row-wise Adagrad tables, DLRM MLPs.
-pub fn bench_model(c: &CkptBenchConfig) -> Result<TrainConfig, TrainError> {
-    let mut config = TrainConfig::preset("tiny")?;
+pub fn bench_model(c: &CkptBenchConfig) -> Result<JobConfig, TrainError> {
+    let mut config = JobConfig::preset("tiny")?;
     config.seed = c.seed;
     config.threads = c.threads;
     config.model.table_rows = ftrec_data::criteo::KAGGLE_CARDINALITIES
@@ -155,7 +156,7 @@ struct BatchSource {
 }
 
 impl BatchSource {
-    fn new(config: &TrainConfig, seed: u64) -> Result<Self, TrainError> {
+    fn new(config: &JobConfig, seed: u64) -> Result<Self, TrainError> {
         let mc = config.model_config()?;
         let zipfs = mc
             .table_rows
@@ -232,16 +233,6 @@ pub fn evict_from_cache(dir: &Path) {
     }
 }
 
-fn strategy_name(s: Strategy) -> &'static str {
-    match s {
-        Strategy::Full => "full",
-        Strategy::Differential => "differential",
-        Strategy::NaiveIncremental => "naive-incremental",
-        Strategy::Incrcp => "incrcp",
-        Strategy::Deck => "deck",
-    }
-}
-
 struct Rig {
     pool: rayon::ThreadPool,
     state: ModelState,
@@ -253,7 +244,7 @@ struct Rig {
 }
 
 impl Rig {
-    fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+    fn new(config: &JobConfig) -> Result<Self, TrainError> {
         let (pool, state, model) = crate::bench::fresh_model(config)?;
         Ok(Self {
             batch: Batch::with_tables(state.tables().len()),
@@ -360,12 +351,12 @@ fn median(values: &[f64]) -> f64 {
 /// One strategy of the IncrCP experiment.
 fn run_strategy(
     c: &CkptBenchConfig,
-    config: &TrainConfig,
+    config: &JobConfig,
     strategy: Strategy,
     dd_file: &Path,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(Vec<CheckpointRow>, StrategySummary, FullBandwidth), TrainError> {
-    let name = strategy_name(strategy);
+    let name = strategy.name();
     let dir = c.dir.join(name);
     fresh_dir(&dir)?;
     let mut rig = Rig::new(config)?;
@@ -553,7 +544,7 @@ fn dd_read(file: &Path) -> Result<DdPair, TrainError> {
 
 fn run_deck_experiment(
     c: &CkptBenchConfig,
-    config: &TrainConfig,
+    config: &JobConfig,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<DeckRun>, TrainError> {
     let steps = c.checkpoints as u64 * c.interval;

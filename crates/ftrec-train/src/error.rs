@@ -7,6 +7,8 @@ pub enum TrainError {
     #[error("configuration: {0}")]
     Config(String),
     #[error(transparent)]
+    Job(#[from] ftrec_config::ConfigError),
+    #[error(transparent)]
     Model(#[from] ftrec_model::ModelError),
     #[error(transparent)]
     Data(#[from] ftrec_data::DataError),

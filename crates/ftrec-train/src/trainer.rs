@@ -8,9 +8,10 @@ use ftrec_model::{Batch, Dlrm, GemmMatMul, ModelConfig, ModelState};
 use rayon::ThreadPool;
 use serde::Serialize;
 
-use crate::{TrainConfig, TrainError};
+use crate::TrainError;
 use ftrec_ckpt::lease::LeaseOptions;
 use ftrec_ckpt::{BranchStart, Checkpointer, Checkpoints, Manifest, WriterStart, open_store};
+use ftrec_config::JobConfig;
 
 /// Where training is: steps done and the next sample of the training split. Saved with
 /// checkpoints so a resumed run reads exactly the samples an uninterrupted one would.
@@ -57,7 +58,7 @@ pub struct CheckpointStats {
 }
 
 pub struct Trainer {
-    config: TrainConfig,
+    config: JobConfig,
     model_config: ModelConfig,
     table_rows: Vec<u32>,
     pub state: ModelState,
@@ -78,7 +79,7 @@ pub struct Trainer {
 
 impl Trainer {
     /// A trainer with a freshly initialised model (deterministic in `config.seed`).
-    pub fn new(config: &TrainConfig) -> Result<Self, TrainError> {
+    pub fn new(config: &JobConfig) -> Result<Self, TrainError> {
         let model_config = config.model_config()?;
         let pool = Self::pool(config)?;
         let state = pool.install(|| ModelState::new(&model_config, config.seed))?;
@@ -88,7 +89,7 @@ impl Trainer {
     /// A trainer around an existing state (a snapshot or checkpoint), without initialising
     /// a model first.
     pub fn with_state(
-        config: &TrainConfig,
+        config: &JobConfig,
         state: ModelState,
         progress: Progress,
     ) -> Result<Self, TrainError> {
@@ -100,7 +101,7 @@ impl Trainer {
         Self::assemble(config, model_config, pool, state, progress)
     }
 
-    fn pool(config: &TrainConfig) -> Result<ThreadPool, TrainError> {
+    fn pool(config: &JobConfig) -> Result<ThreadPool, TrainError> {
         rayon::ThreadPoolBuilder::new()
             .num_threads(config.threads())
             .build()
@@ -114,7 +115,7 @@ impl Trainer {
     }
 
     fn assemble(
-        config: &TrainConfig,
+        config: &JobConfig,
         model_config: ModelConfig,
         pool: ThreadPool,
         state: ModelState,
@@ -150,7 +151,7 @@ impl Trainer {
     /// refused unless `checkpoint.new_branch`).
     pub fn enable_checkpoints(&mut self) -> Result<(), TrainError> {
         let c = &self.config.checkpoint;
-        if c.engine_strategy().is_none() {
+        if c.effective_strategy().is_none() {
             return Ok(());
         }
         if let Some(dir) = &c.dir {
@@ -194,7 +195,7 @@ impl Trainer {
     /// A damaged checkpoint is an error, unless `fallback` is set: then the newest older
     /// checkpoint that restores cleanly is used.
     pub fn resume(
-        config: &TrainConfig,
+        config: &JobConfig,
         dir: &std::path::Path,
         id: Option<&str>,
         fallback: bool,
@@ -280,7 +281,7 @@ impl Trainer {
         }
     }
 
-    pub fn config(&self) -> &TrainConfig {
+    pub fn config(&self) -> &JobConfig {
         &self.config
     }
 

@@ -3,11 +3,12 @@
 
 use std::path::Path;
 
+use ftrec_config::JobConfig;
 use ftrec_data::generate::{GenConfig, OutputFormat, generate};
 use ftrec_data::{Dataset, TRAIN_FILE};
-use ftrec_train::{TrainConfig, Trainer, snapshot};
+use ftrec_train::{Trainer, snapshot};
 
-fn small_config(threads: usize, sparse_opt: &str) -> TrainConfig {
+fn small_config(threads: usize, sparse_opt: &str) -> JobConfig {
     let mut overrides: Vec<String> = vec![
         "model.rows_per_table=500".into(),
         "model.dim=8".into(),
@@ -21,7 +22,7 @@ fn small_config(threads: usize, sparse_opt: &str) -> TrainConfig {
     if sparse_opt == "momentum" {
         overrides.push("optimizer.sparse.momentum=0.9".into());
     }
-    TrainConfig::load(Some("tiny"), None, &overrides).unwrap()
+    JobConfig::load(Some("tiny"), None, &overrides).unwrap()
 }
 
 fn dataset(dir: &Path) -> Dataset {
@@ -30,7 +31,7 @@ fn dataset(dir: &Path) -> Dataset {
     Dataset::open(&dir.join(TRAIN_FILE)).unwrap()
 }
 
-fn run(config: &TrainConfig, data: &Dataset, steps: u64) -> Trainer {
+fn run(config: &JobConfig, data: &Dataset, steps: u64) -> Trainer {
     let mut t = Trainer::new(config).unwrap();
     t.train(data, steps, |_| {}).unwrap();
     t

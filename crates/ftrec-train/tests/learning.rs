@@ -1,9 +1,10 @@
 //! The model learns the planted teacher: held-out AUC approaches the teacher's ceiling.
 //! (The full-size check is `ftrec demo`; this is the same pipeline at test scale.)
 
+use ftrec_config::JobConfig;
 use ftrec_data::generate::{GenConfig, OutputFormat, generate};
 use ftrec_data::{Dataset, TEST_FILE, TRAIN_FILE};
-use ftrec_train::{TrainConfig, Trainer};
+use ftrec_train::Trainer;
 
 #[test]
 fn held_out_auc_approaches_the_teacher() {
@@ -15,7 +16,7 @@ fn held_out_auc_approaches_the_teacher() {
         |_| {},
     )
     .unwrap();
-    let config = TrainConfig::load(
+    let config = JobConfig::load(
         Some("demo"),
         None,
         &[

@@ -5,12 +5,13 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use ftrec_config::FaultTolerance;
+use ftrec_config::JobConfig;
 use ftrec_data::generate::{GenConfig, OutputFormat, read_meta};
 use ftrec_data::{Dataset, TRAIN_FILE};
 use ftrec_ps::launch::{self, LaunchOptions, LaunchReport};
 use ftrec_ps::timeline::TimelineData;
-use ftrec_train::config::FaultTolerance;
-use ftrec_train::{TrainConfig, Trainer};
+use ftrec_train::Trainer;
 use serde_json::json;
 
 use crate::cli::BenchClusterArgs;
@@ -26,7 +27,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn cluster(
     a: &BenchClusterArgs,
-    config: &TrainConfig,
+    config: &JobConfig,
     name: &str,
     ft: FaultTolerance,
     kill: Option<String>,
@@ -59,7 +60,7 @@ fn cluster(
             spares: 0,
             exe: std::env::current_exe()?,
             time_limit: Duration::from_secs(1800),
-            evaluate: false,
+            evaluate: None,
         },
         |_| {},
     )?;
@@ -101,7 +102,7 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
     if !fresh {
         run_gen(&gen_config, &a.data, OutputFormat::Binary, a.json)?;
     }
-    let mut config = TrainConfig::preset(&a.preset)?;
+    let mut config = JobConfig::preset(&a.preset)?;
     config.train.steps = a.steps;
     config.data.dir = Some(std::path::absolute(&a.data)?);
 
@@ -124,8 +125,7 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
     for name in &a.strategies {
         let mut c = config.clone();
         c.checkpoint.strategy = Some(
-            serde_json::from_value(json!(name))
-                .with_context(|| format!("--strategies: unknown strategy {name:?}"))?,
+            ftrec_config::parse_strategy(name).map_err(|e| anyhow::anyhow!("--strategies: {e}"))?,
         );
         let every = match name.as_str() {
             "full" => a.checkpoint_every,

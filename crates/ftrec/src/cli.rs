@@ -72,8 +72,8 @@ pub struct ClusterRunArgs {
     #[arg(long)]
     pub workers: Option<usize>,
     /// Fault tolerance: none or checkpoint (overrides cluster.ft).
-    #[arg(long, value_parser = str::parse::<ftrec_train::config::FaultTolerance>)]
-    pub ft: Option<ftrec_train::config::FaultTolerance>,
+    #[arg(long, value_parser = str::parse::<ftrec_config::FaultTolerance>)]
+    pub ft: Option<ftrec_config::FaultTolerance>,
     /// Steps in strict order: bit-reproducible (overrides cluster.deterministic).
     #[arg(long)]
     pub deterministic: bool,

@@ -58,7 +58,7 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         extra.push("cluster.deterministic=true".into());
     }
     let mut config = load_config(&a.config, extra)?;
-    if config.cluster.ft == ftrec_train::config::FaultTolerance::Checkpoint {
+    if config.cluster.ft == ftrec_config::FaultTolerance::Checkpoint {
         if config.checkpoint.dir.is_none() {
             config.checkpoint.dir = Some(run_dir.join("checkpoints"));
         }
@@ -94,7 +94,7 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
             spares: a.spares,
             exe: std::env::current_exe().context("locating the ftrec binary")?,
             time_limit: Duration::from_secs_f64(a.time_limit),
-            evaluate: !a.no_eval,
+            evaluate: (!a.no_eval).then(crate::cluster::evaluator),
         },
         |p| {
             if !announced.replace(true) {
@@ -258,4 +258,27 @@ pub fn plot_timeline(input: &Path, out: &Path, title: &str) -> Result<()> {
     data.plot(out, title)?;
     println!("wrote {}", out.display());
     Ok(())
+}
+
+/// The single-process trainer's evaluation on the job's test split, for the cluster's
+/// final model.
+pub fn evaluator() -> ftrec_ps::launch::Evaluator {
+    Box::new(|job, state| {
+        let run = || -> anyhow::Result<ftrec_model::metrics::Metrics> {
+            let dir = job
+                .config
+                .data
+                .dir
+                .clone()
+                .context("data.dir is not set: nothing to evaluate on")?;
+            let test = ftrec_data::Dataset::open_split(&dir, ftrec_data::TEST_FILE)?;
+            let mut trainer = ftrec_train::Trainer::with_state(
+                &job.config,
+                state,
+                ftrec_train::Progress::default(),
+            )?;
+            Ok(trainer.evaluate(&test, job.config.train.eval_samples)?)
+        };
+        run().map_err(|e| format!("evaluating the final model: {e:#}"))
+    })
 }

@@ -1,9 +1,10 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+use ftrec_config::JobConfig;
 use ftrec_data::generate::{GenConfig, OutputFormat, generate, read_meta};
 use ftrec_data::{Dataset, TEST_FILE, TRAIN_FILE, convert, criteo, schema::Schema, stats};
-use ftrec_train::{TrainConfig, Trainer, bench, snapshot};
+use ftrec_train::{Trainer, bench, snapshot};
 use serde_json::json;
 
 use crate::cli::*;
@@ -35,7 +36,7 @@ pub fn run(cli: Cli) -> Result<()> {
     }
 }
 
-pub(crate) fn load_config(args: &ConfigArgs, extra: Vec<String>) -> Result<TrainConfig> {
+pub(crate) fn load_config(args: &ConfigArgs, extra: Vec<String>) -> Result<JobConfig> {
     let mut overrides = args.overrides.clone();
     if let Some(s) = args.seed {
         overrides.push(format!("seed={s}"));
@@ -49,11 +50,7 @@ pub(crate) fn load_config(args: &ConfigArgs, extra: Vec<String>) -> Result<Train
         (None, None) => Some("tiny"),
         (None, Some(_)) => None,
     };
-    Ok(TrainConfig::load(
-        preset,
-        args.config.as_deref(),
-        &overrides,
-    )?)
+    Ok(JobConfig::load(preset, args.config.as_deref(), &overrides)?)
 }
 
 pub(crate) fn print_json(value: serde_json::Value) -> Result<()> {
@@ -75,7 +72,7 @@ struct TrainOutcome {
 }
 
 fn train_and_eval(
-    config: &TrainConfig,
+    config: &JobConfig,
     dir: &Path,
     save: Option<&Path>,
     resume: Option<&str>,
@@ -210,7 +207,7 @@ fn toml_string(s: &str) -> String {
 
 fn eval(a: EvalArgs) -> Result<()> {
     let (state, progress) = snapshot::load(&a.model)?;
-    let config = TrainConfig::for_model(state.config(), a.batch_size, a.threads);
+    let config = JobConfig::for_model(state.config(), a.batch_size, a.threads);
     let mut trainer = Trainer::with_state(&config, state, progress)?;
     let ds = open_split(&a.data, TEST_FILE)?;
     let m = trainer.evaluate(&ds, a.limit)?;
@@ -402,13 +399,13 @@ fn demo(a: DemoArgs) -> Result<()> {
             run_gen(&gen_config, &a.dir, OutputFormat::Binary, a.json)?
         }
     };
-    let mut config = TrainConfig::preset("demo")?;
+    let mut config = JobConfig::preset("demo")?;
     config.seed = a.seed;
     config.threads = 1;
     config.data.dir = Some(std::path::absolute(&a.dir)?);
     config.cluster.servers = 2;
     config.cluster.workers = 2;
-    config.cluster.ft = ftrec_train::config::FaultTolerance::Checkpoint;
+    config.cluster.ft = ftrec_config::FaultTolerance::Checkpoint;
     config.checkpoint.every_steps = 100;
     let run_dir = std::path::absolute(a.dir.join("cluster-run"))?;
     let checkpoints = run_dir.join("checkpoints");
@@ -443,7 +440,7 @@ fn demo(a: DemoArgs) -> Result<()> {
             spares: 0,
             exe: std::env::current_exe()?,
             time_limit: std::time::Duration::from_secs(3600),
-            evaluate: true,
+            evaluate: Some(crate::cluster::evaluator()),
         },
         |p| {
             pb.set_position(p.steps);

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ftrec_train::config::FaultTolerance;
+use ftrec_config::FaultTolerance;
 
 use super::planner::{self, Cause, RecoveryAction, Situation};
 use super::tasks::run_task;

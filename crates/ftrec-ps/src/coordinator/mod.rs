@@ -25,7 +25,7 @@ mod tasks;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use ftrec_train::config::FaultTolerance;
+use ftrec_config::FaultTolerance;
 use serde::Serialize;
 use tokio::sync::watch;
 use tonic::Status;

@@ -3,7 +3,7 @@
 //! executes the plan. Partial recovery (CPR: reload one shard from its own checkpoint) and
 //! erasure coding (rebuild a shard from parity while reads degrade) add their plans here.
 
-use ftrec_train::config::FaultTolerance;
+use ftrec_config::FaultTolerance;
 
 /// Why a recovery is needed.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -11,7 +11,7 @@ use proptest::prelude::*;
 use super::ledger::{Applied, Resolution, StepLedger};
 use super::planner::{self, Cause, RecoveryAction, Situation};
 use crate::applied::AppliedSteps;
-use ftrec_train::config::FaultTolerance;
+use ftrec_config::FaultTolerance;
 
 const SERVERS: usize = 3;
 const WORKERS: usize = 3;

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use ftrec_train::config::FaultTolerance;
+use ftrec_config::FaultTolerance;
 use tonic::{Request, Response, Status};
 
 use super::Core;

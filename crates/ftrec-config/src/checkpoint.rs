@@ -1,0 +1,166 @@
+//! The `[checkpoint]` section: which strategy, where, how often, and the checkpointer it
+//! builds (the trainer's, and every cluster server's over its shard).
+
+use std::path::PathBuf;
+
+use ftrec_ckpt::{Checkpointer, Checkpoints, Strategy};
+use serde::{Deserialize, Serialize};
+
+use crate::ConfigError;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Unset: `full` when a directory is given. `Some(None)`: the file said `"none"`, no
+    /// checkpoints even with a directory (it may still be resumed from).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "strategy_setting"
+    )]
+    pub strategy: Option<Option<Strategy>>,
+    /// Take a checkpoint every this many steps (0 = only at the end of training).
+    #[serde(default)]
+    pub every_steps: u64,
+    /// Directory (local path) to write checkpoints to.
+    #[serde(default)]
+    pub dir: Option<PathBuf>,
+    /// Incremental strategies: a full checkpoint every this many checkpoints (0 = only the
+    /// first one). Unset: 10 for differential and naive-incremental; for incrcp no cap, as
+    /// it resets its baseline when that is cheaper.
+    #[serde(default)]
+    pub full_every: Option<u64>,
+    /// IncrCP's extraction threshold R: an extraction must move at least this fraction of
+    /// a chunk's rows.
+    #[serde(default = "default_incrcp_threshold")]
+    pub incrcp_threshold: f64,
+    /// DECK's knobs (`checkpoint.deck.stride`, `.full_every_deltas`, `.live_factor`, ...).
+    #[serde(default)]
+    pub deck: ftrec_ckpt::deck::DeckOptions,
+    /// Start an independent branch of history in a location that already holds
+    /// checkpoints (`--new-branch`); a fresh run there is refused otherwise.
+    #[serde(default)]
+    pub new_branch: bool,
+    /// Cluster: keep the newest this many consistent cuts; older shard checkpoints are
+    /// deleted once a newer cut commits (0 keeps every cut).
+    #[serde(default = "default_keep")]
+    pub keep: usize,
+}
+
+fn default_keep() -> usize {
+    2
+}
+
+fn default_incrcp_threshold() -> f64 {
+    ftrec_ckpt::incrcp::DEFAULT_THRESHOLD
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        Self {
+            strategy: None,
+            every_steps: 0,
+            dir: None,
+            full_every: None,
+            incrcp_threshold: default_incrcp_threshold(),
+            deck: Default::default(),
+            new_branch: false,
+            keep: default_keep(),
+        }
+    }
+}
+
+/// Parses a strategy name as the configuration spells it: `none` or one of
+/// [`Strategy::ALL`].
+pub fn parse_strategy(name: &str) -> Result<Option<Strategy>, String> {
+    if name == "none" {
+        return Ok(None);
+    }
+    Strategy::ALL
+        .into_iter()
+        .find(|s| s.name() == name)
+        .map(Some)
+        .ok_or_else(|| {
+            let names: Vec<&str> = Strategy::ALL.iter().map(|s| s.name()).collect();
+            format!(
+                "unknown checkpoint strategy {name:?}: one of none, {}",
+                names.join(", ")
+            )
+        })
+}
+
+/// `checkpoint.strategy` as a name, where `"none"` is a setting of its own.
+mod strategy_setting {
+    use ftrec_ckpt::Strategy;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(
+        value: &Option<Option<Strategy>>,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(value.flatten().map_or("none", Strategy::name))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<Option<Strategy>>, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        super::parse_strategy(&name)
+            .map(Some)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+impl CheckpointSection {
+    /// The strategy in effect: none without a directory, full by default with one.
+    pub fn effective_strategy(&self) -> Option<Strategy> {
+        match (self.strategy, &self.dir) {
+            (_, None) => None,
+            (None, Some(_)) => Some(Strategy::Full),
+            (Some(s), Some(_)) => s,
+        }
+    }
+
+    /// Whether the section names a strategy other than `none`.
+    pub fn names_a_strategy(&self) -> bool {
+        self.strategy.flatten().is_some()
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.deck
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("checkpoint.deck: {e}")))?;
+        let r = self.incrcp_threshold;
+        if !(0.0..=1.0).contains(&r) {
+            return Err(ConfigError::Invalid(format!(
+                "checkpoint.incrcp_threshold = {r}: must be within 0..=1"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The checkpointer this section asks for, writing through `checkpoints` (a handle
+    /// that holds the location's writer lease), for a model of `tables` tables: the
+    /// trainer's, and each cluster server's over its shard.
+    pub fn checkpointer(
+        &self,
+        checkpoints: Checkpoints,
+        tables: usize,
+    ) -> Result<Option<Checkpointer>, ConfigError> {
+        let Some(strategy) = self.effective_strategy() else {
+            return Ok(None);
+        };
+        Ok(Some(if strategy == Strategy::Deck {
+            Checkpointer::deck(checkpoints, tables, self.deck.clone())?
+        } else {
+            Checkpointer::with_threshold(
+                checkpoints,
+                strategy,
+                self.full_every
+                    .unwrap_or_else(|| strategy.default_full_every()),
+                tables,
+                self.incrcp_threshold,
+            )?
+        }))
+    }
+}

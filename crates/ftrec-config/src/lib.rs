@@ -1,0 +1,329 @@
+//! The job configuration: a preset or defaults, then a TOML file, then `--set key=value`
+//! overrides, validated into a [`JobConfig`]. Errors name the offending key. One section
+//! per concern, each validating itself; the trainer, the cluster and the CLI all read the
+//! same type.
+
+mod checkpoint;
+mod cluster;
+mod error;
+mod layering;
+mod sections;
+
+use std::path::Path;
+
+use ftrec_model::{ModelConfig, Optimizer};
+use serde::{Deserialize, Serialize};
+use toml::Value;
+
+pub use checkpoint::{CheckpointSection, parse_strategy};
+pub use cluster::{ClusterSection, FaultTolerance};
+pub use error::ConfigError;
+pub use ftrec_ckpt::Strategy;
+pub use sections::{DataSection, ModelSection, OptimizerSection, TrainSection};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobConfig {
+    pub seed: u64,
+    /// Worker threads; results are bit-identical for a fixed value (and, as tested, across
+    /// values). 0 means all cores.
+    #[serde(default)]
+    pub threads: usize,
+    pub model: ModelSection,
+    pub optimizer: OptimizerSection,
+    pub train: TrainSection,
+    #[serde(default)]
+    pub data: DataSection,
+    #[serde(default)]
+    pub checkpoint: CheckpointSection,
+    /// Parameter-server cluster settings (`ftrec cluster run`); ignored by `ftrec train`.
+    #[serde(default)]
+    pub cluster: ClusterSection,
+}
+
+impl JobConfig {
+    /// Built-in presets. `tiny`: 26 tables x 100,000 rows x 64, bottom 13-512-256-64, top
+    /// 415-512-256-1, batch 2048, SGD lr 0.01 (the benchmark configuration).
+    pub fn preset(name: &str) -> Result<Self, ConfigError> {
+        match name {
+            "tiny" => Ok(Self {
+                seed: 1,
+                threads: 0,
+                model: ModelSection {
+                    num_dense: 13,
+                    table_rows: Vec::new(),
+                    num_tables: 26,
+                    rows_per_table: 100_000,
+                    dim: 64,
+                    bottom: vec![512, 256, 64],
+                    top: vec![512, 256, 1],
+                },
+                optimizer: OptimizerSection {
+                    sparse: Optimizer::Sgd { lr: 0.01 },
+                    dense: Optimizer::Sgd { lr: 0.01 },
+                },
+                train: TrainSection {
+                    batch_size: 2048,
+                    steps: 0,
+                    epochs: 1,
+                    eval_samples: 0,
+                },
+                data: DataSection::default(),
+                checkpoint: CheckpointSection::default(),
+                cluster: ClusterSection::default(),
+            }),
+            // The demo: the tiny architecture with optimizers that learn the synthetic
+            // teacher within a minute (plain SGD at 0.01 needs many epochs).
+            "demo" => {
+                let mut c = Self::preset("tiny")?;
+                c.optimizer.sparse = Optimizer::RowwiseAdagrad {
+                    lr: 0.05,
+                    eps: 1e-8,
+                    initial_accumulator: 0.0,
+                };
+                c.optimizer.dense = Optimizer::Adagrad {
+                    lr: 0.01,
+                    eps: 1e-8,
+                    initial_accumulator: 0.0,
+                };
+                Ok(c)
+            }
+            other => Err(ConfigError::Invalid(format!(
+                "unknown preset {other:?} (known: tiny, demo)"
+            ))),
+        }
+    }
+
+    /// A configuration that rebuilds `model` exactly (for evaluating a saved model), with
+    /// the given evaluation batch size and threads.
+    pub fn for_model(model: &ModelConfig, batch_size: usize, threads: usize) -> Self {
+        Self {
+            seed: 0,
+            threads,
+            model: ModelSection {
+                num_dense: model.num_dense,
+                table_rows: model.table_rows.clone(),
+                num_tables: 0,
+                rows_per_table: 0,
+                dim: model.dim,
+                bottom: model.bottom.clone(),
+                top: model.top.clone(),
+            },
+            optimizer: OptimizerSection {
+                sparse: model.sparse_optimizer,
+                dense: model.dense_optimizer,
+            },
+            train: TrainSection {
+                batch_size,
+                steps: 0,
+                epochs: 1,
+                eval_samples: 0,
+            },
+            data: DataSection::default(),
+            checkpoint: CheckpointSection::default(),
+            cluster: ClusterSection::default(),
+        }
+    }
+
+    /// `base` (a preset) merged with an optional TOML file, then `overrides` (`a.b=value`,
+    /// value parsed as TOML, or as a string when it is not valid TOML).
+    pub fn load(
+        base: Option<&str>,
+        file: Option<&Path>,
+        overrides: &[String],
+    ) -> Result<Self, ConfigError> {
+        let mut value = match base {
+            Some(p) => Value::try_from(Self::preset(p)?)
+                .map_err(|e| ConfigError::Invalid(e.to_string()))?,
+            None => Value::Table(Default::default()),
+        };
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
+                path: path.to_path_buf(),
+                error: e,
+            })?;
+            let file_value: Value = toml::from_str(&text)
+                .map_err(|e| ConfigError::Invalid(format!("{}: {e}", path.display())))?;
+            layering::merge(&mut value, file_value);
+        }
+        for o in overrides {
+            layering::apply_override(&mut value, o)?;
+        }
+        let config: JobConfig = value.try_into().map_err(|e: toml::de::Error| {
+            let origin = file.map_or_else(String::new, |p| format!("{}: ", p.display()));
+            ConfigError::Invalid(format!("{origin}{}", e.message()))
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.train.batch_size == 0 {
+            return Err(ConfigError::Invalid(
+                "train.batch_size must be positive".into(),
+            ));
+        }
+        if self.train.epochs == 0 && self.train.steps == 0 {
+            return Err(ConfigError::Invalid(
+                "train.epochs or train.steps must be positive".into(),
+            ));
+        }
+        self.model_config()?.validate()?;
+        self.checkpoint.validate()?;
+        self.cluster.validate()?;
+        Ok(())
+    }
+
+    /// A single-process run that names a strategy must say where checkpoints go (a
+    /// cluster defaults to its run directory, so this is not part of [`Self::validate`]).
+    pub fn require_checkpoint_dir(&self) -> Result<(), ConfigError> {
+        if self.checkpoint.names_a_strategy() && self.checkpoint.dir.is_none() {
+            return Err(ConfigError::Invalid(
+                "checkpoint.strategy needs a directory: --checkpoint-dir or checkpoint.dir".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn model_config(&self) -> Result<ModelConfig, ConfigError> {
+        let m = &self.model;
+        let table_rows = if !m.table_rows.is_empty() {
+            if m.num_tables != 0 && m.num_tables != m.table_rows.len() {
+                return Err(ConfigError::Invalid(format!(
+                    "model.num_tables = {} disagrees with the {} entries of model.table_rows",
+                    m.num_tables,
+                    m.table_rows.len()
+                )));
+            }
+            m.table_rows.clone()
+        } else if m.num_tables > 0 && m.rows_per_table > 0 {
+            vec![m.rows_per_table; m.num_tables]
+        } else {
+            return Err(ConfigError::Invalid(
+                "model: set model.table_rows, or model.num_tables and model.rows_per_table".into(),
+            ));
+        };
+        Ok(ModelConfig {
+            num_dense: m.num_dense,
+            table_rows,
+            dim: m.dim,
+            bottom: m.bottom.clone(),
+            top: m.top.clone(),
+            sparse_optimizer: self.optimizer.sparse,
+            dense_optimizer: self.optimizer.dense,
+        })
+    }
+
+    pub fn threads(&self) -> usize {
+        if self.threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            self.threads
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn preset_file_and_overrides_layer_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "seed = 9\n[train]\nbatch_size = 64\n").unwrap();
+        let c = JobConfig::load(
+            Some("tiny"),
+            Some(&f),
+            &[
+                "train.batch_size=32".into(),
+                "optimizer.sparse.kind=\"adam\"".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.seed, 9);
+        assert_eq!(c.train.batch_size, 32);
+        assert!(matches!(c.optimizer.sparse, Optimizer::Adam { lr, .. } if lr == 0.01));
+        assert_eq!(c.model_config().unwrap().table_rows.len(), 26);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = JobConfig::load(Some("tiny"), None, &["train.batch_sise=3".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("batch_sise"), "{e}");
+        let e = JobConfig::load(Some("tiny"), None, &["model.bottom=[512, 32]".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model.bottom"), "{e}");
+        let e = JobConfig::load(Some("tiny"), None, &["optimizer.dense.lr=-1".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("optimizer.dense"), "{e}");
+        let e = JobConfig::load(Some("tiny"), None, &["seed".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("key=value"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("bad.toml");
+        std::fs::write(&f, "[train]\nbatch_size = \"big\"\n").unwrap();
+        let e = JobConfig::load(Some("tiny"), Some(&f), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bad.toml"), "{e}");
+    }
+
+    #[test]
+    fn fault_tolerance_names_round_trip_and_unknown_ones_are_named() {
+        for ft in FaultTolerance::ALL {
+            assert_eq!(ft.name().parse::<FaultTolerance>(), Ok(ft));
+            let toml = format!("{:?}", ft.name());
+            let back: FaultTolerance = toml::from_str(&format!("v = {toml}"))
+                .map(|t: std::collections::HashMap<String, FaultTolerance>| t["v"])
+                .unwrap();
+            assert_eq!(back, ft, "the config file uses the same names");
+        }
+        let e = "ecc".parse::<FaultTolerance>().unwrap_err();
+        assert!(
+            e.contains("\"ecc\"") && e.contains("none, checkpoint"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn strategy_none_is_its_own_setting_and_unknown_names_are_listed() {
+        let c = JobConfig::load(Some("tiny"), None, &["checkpoint.dir=\"/x\"".into()]).unwrap();
+        assert_eq!(c.checkpoint.effective_strategy(), Some(Strategy::Full));
+        let c = JobConfig::load(
+            Some("tiny"),
+            None,
+            &[
+                "checkpoint.dir=\"/x\"".into(),
+                "checkpoint.strategy=\"none\"".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.checkpoint.effective_strategy(), None);
+        for s in Strategy::ALL {
+            let c = JobConfig::load(
+                Some("tiny"),
+                None,
+                &[format!("checkpoint.strategy={:?}", s.name())],
+            )
+            .unwrap();
+            assert_eq!(c.checkpoint.strategy, Some(Some(s)));
+            // Round trip through TOML, as presets are layered.
+            let back: JobConfig = toml::Value::try_from(&c).unwrap().try_into().unwrap();
+            assert_eq!(back.checkpoint.strategy, Some(Some(s)));
+        }
+        let e = JobConfig::load(
+            Some("tiny"),
+            None,
+            &["checkpoint.strategy=\"delta\"".into()],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("\"delta\"") && e.contains("none, full"), "{e}");
+    }
+}
