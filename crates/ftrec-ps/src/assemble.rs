@@ -5,7 +5,7 @@
 use ftrec_model::{DenseState, ModelConfig, ModelState};
 
 use crate::PsError;
-use crate::placement::Layout;
+use crate::placement::{Layout, LocalRow};
 
 /// The global configuration of shards' configurations (each table's rows summed).
 pub fn global_config(shards: &[&ModelConfig]) -> Result<ModelConfig, PsError> {
@@ -64,7 +64,7 @@ pub fn assemble(shards: &[ModelState]) -> Result<ModelState, PsError> {
                 )));
             }
             for local in 0..stored.rows() {
-                let g = layout.global_row(t, s, local) as usize;
+                let g = layout.global_row(t, s, LocalRow(local as u32)).0 as usize;
                 global.tables_mut()[t]
                     .row_mut(g)
                     .copy_from_slice(stored.row(local));

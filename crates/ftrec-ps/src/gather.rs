@@ -7,7 +7,7 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::PsError;
 use crate::client::server_client;
 use crate::job::Job;
-use crate::placement::Layout;
+use crate::placement::{Layout, LocalRow};
 use crate::proto::{FetchDenseRequest, FetchRowsRequest};
 use crate::wire::extend_f32s;
 
@@ -67,7 +67,7 @@ pub async fn gather_state(
                     )));
                 }
                 for (i, row) in local.chunks_exact(stride).enumerate() {
-                    let g = layout.global_row(t, s, next + i) as usize;
+                    let g = layout.global_row(t, s, LocalRow((next + i) as u32)).0 as usize;
                     data[g * stride..(g + 1) * stride].copy_from_slice(row);
                 }
                 next += local.len() / stride;

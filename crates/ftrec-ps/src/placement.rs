@@ -37,6 +37,42 @@ impl PlacementMap {
     }
 }
 
+/// A row id within a whole table, as workers and the single-process model see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GlobalRow(pub u32);
+
+/// A row's index within one server's part of a table: the index into the shard's storage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LocalRow(pub u32);
+
+impl LocalRow {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// What a server holds a parameter as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Role {
+    /// The copy that is read, updated by pushes and checkpointed.
+    Primary,
+    /// Holds coded redundancy for a stripe of primaries (erasure coding).
+    Parity,
+    /// Holds a full copy, updated alongside the primary.
+    Replica,
+    /// Holds nothing yet: waits to take a failed server's slot.
+    Spare,
+}
+
+/// One holder of a row: which server, as what, at which local index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Holder {
+    pub server: usize,
+    pub role: Role,
+    pub local: LocalRow,
+}
+
 /// The arithmetic of the placement scheme for a fixed server count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
@@ -51,18 +87,29 @@ impl Layout {
         Ok(Self { servers })
     }
 
-    pub fn server_of(&self, table: usize, row: u32) -> usize {
-        (row as usize + table) % self.servers
+    /// The server holding the primary copy of `row`.
+    pub fn server_of(&self, table: usize, row: GlobalRow) -> usize {
+        (row.0 as usize + table) % self.servers
     }
 
-    pub fn local_index(&self, row: u32) -> usize {
-        row as usize / self.servers
+    /// `row`'s index within its primary server's part of the table.
+    pub fn local_index(&self, row: GlobalRow) -> LocalRow {
+        LocalRow(row.0 / self.servers as u32)
+    }
+
+    /// Every holder of `row`; the primary first. Row-modulo keeps a single copy.
+    pub fn holders(&self, table: usize, row: GlobalRow) -> Vec<Holder> {
+        vec![Holder {
+            server: self.server_of(table, row),
+            role: Role::Primary,
+            local: self.local_index(row),
+        }]
     }
 
     /// The global row at local index `local` of `server`'s part of `table`.
-    pub fn global_row(&self, table: usize, server: usize, local: usize) -> u32 {
+    pub fn global_row(&self, table: usize, server: usize, local: LocalRow) -> GlobalRow {
         let first = (server + self.servers - table % self.servers) % self.servers;
-        (local * self.servers + first) as u32
+        GlobalRow((local.index() * self.servers + first) as u32)
     }
 
     /// Rows of a `rows`-row table that `server` holds.
@@ -89,11 +136,13 @@ mod tests {
         ) {
             let layout = Layout::new(servers).unwrap();
             let mut seen = vec![0usize; servers];
-            for r in 0..rows as u32 {
+            for r in (0..rows as u32).map(GlobalRow) {
                 let s = layout.server_of(table, r);
                 let local = layout.local_index(r);
                 prop_assert_eq!(layout.global_row(table, s, local), r);
-                prop_assert!(local < layout.local_rows(table, s, rows));
+                prop_assert!(local.index() < layout.local_rows(table, s, rows));
+                let holders = layout.holders(table, r);
+                prop_assert_eq!(holders[0], Holder { server: s, role: Role::Primary, local });
                 seen[s] += 1;
             }
             for (s, &n) in seen.iter().enumerate() {

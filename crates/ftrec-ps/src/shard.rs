@@ -22,7 +22,7 @@ use std::ops::Range;
 use ftrec_model::{DenseState, EmbeddingTable, ModelConfig, ModelState, Optimizer};
 
 use crate::PsError;
-use crate::placement::Layout;
+use crate::placement::{GlobalRow, Layout};
 
 /// Sees a staged update before it is installed. It may await (ECRec: parity differences
 /// sent to their holders and acknowledged) and may veto the update with an error, which
@@ -145,8 +145,9 @@ impl Shard {
                     seed,
                     t,
                     |r, row| {
-                        if layout.server_of(t, r as u32) == server {
-                            let local = layout.local_index(r as u32);
+                        let r = GlobalRow(r as u32);
+                        if layout.server_of(t, r) == server {
+                            let local = layout.local_index(r).index();
                             data[local * stride..(local + 1) * stride].copy_from_slice(row);
                         }
                     },
@@ -237,7 +238,7 @@ impl Shard {
                 "row {row} is outside table {table} ({rows} rows)"
             )));
         }
-        let owner = self.layout.server_of(table, row);
+        let owner = self.layout.server_of(table, GlobalRow(row));
         if owner != self.server {
             return Err(PsError::NotOwner {
                 table: table as u32,
@@ -245,7 +246,7 @@ impl Shard {
                 owner: owner as u32,
             });
         }
-        Ok(self.layout.local_index(row))
+        Ok(self.layout.local_index(GlobalRow(row)).index())
     }
 
     /// Appends the embeddings (not the optimizer state) of `rows` of `table`, as f32 LE.
@@ -387,7 +388,7 @@ impl Shard {
         let released = self.locked.remove(i);
         let optimizer = self.global.sparse_optimizer;
         for (row, grad) in released.buffered {
-            let local = self.layout.local_index(row);
+            let local = self.layout.local_index(GlobalRow(row)).index();
             let stored = &mut self.state.tables_mut()[table];
             let current = stored.row_mut(local);
             replayed.old.extend_from_slice(current);
@@ -417,6 +418,7 @@ impl Shard {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::placement::LocalRow;
 
     /// A small model with Adam rows and Adam dense state (other tests of the crate use it).
     pub(crate) fn model() -> ModelConfig {
@@ -457,8 +459,8 @@ pub(crate) mod tests {
             for shard in shards(servers) {
                 for (t, table) in shard.state().tables().iter().enumerate() {
                     for local in 0..table.rows() {
-                        let g = layout.global_row(t, shard.server(), local);
-                        assert_eq!(table.row(local), global.row(t, g as u64).unwrap());
+                        let g = layout.global_row(t, shard.server(), LocalRow(local as u32));
+                        assert_eq!(table.row(local), global.row(t, g.0 as u64).unwrap());
                     }
                 }
                 dense_seen.extend_from_slice(shard.dense_params());

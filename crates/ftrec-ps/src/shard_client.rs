@@ -15,7 +15,7 @@ use futures::future::join_all;
 
 use crate::PsError;
 use crate::client::{CoordinatorClient, ServerClient, server_client};
-use crate::placement::Layout;
+use crate::placement::{GlobalRow, Layout};
 use crate::proto::*;
 use crate::wire::{extend_f32s, f32s_to_bytes, u32s_to_bytes};
 
@@ -35,7 +35,7 @@ impl Routed {
         let mut owned = vec![vec![Vec::new(); unique.len()]; layout.servers];
         for (t, rows) in unique.iter().enumerate() {
             for &row in *rows {
-                owned[layout.server_of(t, row)][t].push(row);
+                owned[layout.server_of(t, GlobalRow(row))][t].push(row);
             }
         }
         Self { owned }
@@ -54,7 +54,7 @@ impl Pulled {
         let mut cursor = vec![0usize; layout.servers];
         out.clear();
         for &row in unique {
-            let s = layout.server_of(t, row);
+            let s = layout.server_of(t, GlobalRow(row));
             let at = cursor[s];
             out.extend_from_slice(&self.per_server[s][t][at * dim..(at + 1) * dim]);
             cursor[s] += 1;
@@ -227,7 +227,7 @@ impl ShardClient {
                 grads_by_server[s].clear();
             }
             for (i, &row) in rows.iter().enumerate() {
-                let s = self.layout.server_of(t, row);
+                let s = self.layout.server_of(t, GlobalRow(row));
                 rows_by_server[s].push(row);
                 grads_by_server[s].extend_from_slice(&grads[i * dim..(i + 1) * dim]);
             }
@@ -321,7 +321,7 @@ mod tests {
         let routed = Routed::new(layout, &refs);
         for (s, per_table) in routed.owned.iter().enumerate() {
             for (t, rows) in per_table.iter().enumerate() {
-                assert!(rows.iter().all(|&r| layout.server_of(t, r) == s));
+                assert!(rows.iter().all(|&r| layout.server_of(t, GlobalRow(r)) == s));
                 assert!(rows.windows(2).all(|w| w[0] < w[1]));
             }
         }
