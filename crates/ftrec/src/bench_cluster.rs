@@ -102,7 +102,7 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
     if !fresh {
         run_gen(&gen_config, &a.data, OutputFormat::Binary, a.json)?;
     }
-    let mut config = JobConfig::preset(&a.preset)?;
+    let mut config = JobConfig::load(Some(&a.preset), None, &a.set)?;
     config.train.steps = a.steps;
     config.data.dir = Some(std::path::absolute(&a.data)?);
 
@@ -161,6 +161,7 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
         .collect();
     let summary = json!({
         "preset": a.preset,
+        "overrides": a.set,
         "steps": a.steps,
         "servers": a.servers,
         "workers": a.workers,

@@ -420,6 +420,10 @@ pub struct BenchClusterArgs {
     /// Where summary.json and the timeline plots go.
     #[arg(long, default_value = "bench-cluster")]
     pub out: PathBuf,
+    /// Override a configuration key of the preset (repeatable), e.g.
+    /// `--set model.rows_per_table=300000` for a larger model.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
     #[arg(long)]
     pub json: bool,
 }
