@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use toml::Value;
 
 pub use checkpoint::{CheckpointSection, parse_strategy};
-pub use cluster::{ClusterSection, FaultTolerance};
+pub use cluster::{ClusterSection, EcSection, FaultTolerance};
 pub use error::ConfigError;
 pub use ftrec_ckpt::Strategy;
 pub use sections::{DataSection, ModelSection, OptimizerSection, TrainSection};
@@ -39,6 +39,9 @@ pub struct JobConfig {
     /// Parameter-server cluster settings (`ftrec cluster run`); ignored by `ftrec train`.
     #[serde(default)]
     pub cluster: ClusterSection,
+    /// Erasure coding, with `cluster.ft = "ec"`.
+    #[serde(default)]
+    pub ec: EcSection,
 }
 
 impl JobConfig {
@@ -71,6 +74,7 @@ impl JobConfig {
                 data: DataSection::default(),
                 checkpoint: CheckpointSection::default(),
                 cluster: ClusterSection::default(),
+                ec: EcSection::default(),
             }),
             // The demo: the tiny architecture with optimizers that learn the synthetic
             // teacher within a minute (plain SGD at 0.01 needs many epochs).
@@ -122,6 +126,7 @@ impl JobConfig {
             data: DataSection::default(),
             checkpoint: CheckpointSection::default(),
             cluster: ClusterSection::default(),
+            ec: EcSection::default(),
         }
     }
 
@@ -171,6 +176,7 @@ impl JobConfig {
         self.model_config()?.validate()?;
         self.checkpoint.validate()?;
         self.cluster.validate()?;
+        self.ec.validate(&self.cluster)?;
         Ok(())
     }
 
@@ -286,7 +292,7 @@ mod tests {
         }
         let e = "ecc".parse::<FaultTolerance>().unwrap_err();
         assert!(
-            e.contains("\"ecc\"") && e.contains("none, checkpoint"),
+            e.contains("\"ecc\"") && e.contains("none, checkpoint, ec, ec+checkpoint"),
             "{e}"
         );
     }
@@ -325,5 +331,43 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("\"delta\"") && e.contains("none, full"), "{e}");
+    }
+
+    #[test]
+    fn ec_settings_are_checked_against_the_cluster_with_key_names() {
+        let base = ["cluster.ft=\"ec\"".to_string()];
+        let c = JobConfig::load(
+            Some("tiny"),
+            None,
+            &[base[0].clone(), "cluster.servers=3".into()],
+        )
+        .unwrap();
+        assert_eq!((c.ec.k, c.ec.r, c.ec.groups), (2, 1, 1));
+        let e = JobConfig::load(
+            Some("tiny"),
+            None,
+            &[base[0].clone(), "cluster.servers=2".into()],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("cluster.servers = 2") && e.contains("ec.k + ec.r"),
+            "{e}"
+        );
+        let e = JobConfig::load(
+            Some("tiny"),
+            None,
+            &[
+                base[0].clone(),
+                "cluster.servers=6".into(),
+                "ec.groups=2".into(),
+                "ec.r=2".into(),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("ec.groups = 2"), "{e}");
+        // Without erasure coding the section is not checked.
+        JobConfig::load(Some("tiny"), None, &["ec.k=9".into()]).unwrap();
     }
 }

@@ -25,6 +25,16 @@ pub fn xor_into(a: &[u8], b: &[u8], out: &mut [u8]) {
     }
 }
 
+/// `parity ^= coef · delta` in GF(2^8): how a row change reaches a parity row (`coef` 1 is
+/// plain XOR).
+pub fn fold_with(coef: u8, delta: &[u8], parity: &mut [u8]) {
+    match coef {
+        0 => {}
+        1 => xor_assign(parity, delta),
+        c => galois_8::mul_slice_xor(c, delta, parity),
+    }
+}
+
 fn xor_assign(acc: &mut [u8], x: &[u8]) {
     for (a, b) in acc.iter_mut().zip(x) {
         *a ^= b;
@@ -92,10 +102,7 @@ impl Codec {
 
     /// Folds the difference `delta = old XOR new` of data row `i` into parity row `p`.
     pub fn fold(&self, p: usize, i: usize, delta: &[u8], parity: &mut [u8]) {
-        match self.coef[p][i] {
-            1 => xor_assign(parity, delta),
-            c => galois_8::mul_slice_xor(c, delta, parity),
-        }
+        fold_with(self.coef[p][i], delta, parity);
     }
 
     /// Rebuilds the missing rows of a stripe in place: `rows[..k]` data, `rows[k..]`

@@ -12,6 +12,6 @@ mod codec;
 mod error;
 mod layout;
 
-pub use codec::{Codec, xor_into};
+pub use codec::{Codec, fold_with, xor_into};
 pub use error::EcError;
 pub use layout::{EcParams, SCHEME, StripeLayout, StripeSlot};

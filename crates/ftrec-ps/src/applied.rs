@@ -21,6 +21,20 @@ impl AppliedSteps {
         }
     }
 
+    /// Every step below `low`, and `ahead` (another server's record, as sent on the wire).
+    pub fn from_parts(low: u64, ahead: impl IntoIterator<Item = u64>) -> Self {
+        let mut steps = Self::up_to(low);
+        for step in ahead {
+            steps.insert(step);
+        }
+        steps
+    }
+
+    /// The steps applied above [`AppliedSteps::low`].
+    pub fn ahead(&self) -> impl Iterator<Item = u64> + '_ {
+        self.above.iter().copied()
+    }
+
     /// The first step not applied: every step below it is.
     pub fn low(&self) -> u64 {
         self.low

@@ -64,10 +64,11 @@ pub fn assemble(shards: &[ModelState]) -> Result<ModelState, PsError> {
                 )));
             }
             for local in 0..stored.rows() {
-                let g = layout.global_row(t, s, LocalRow(local as u32)).0 as usize;
-                global.tables_mut()[t]
-                    .row_mut(g)
-                    .copy_from_slice(stored.row(local));
+                if let Some(g) = layout.global_row(t, s, LocalRow(local as u32), *rows) {
+                    global.tables_mut()[t]
+                        .row_mut(g.0 as usize)
+                        .copy_from_slice(stored.row(local));
+                }
             }
         }
         let per_param = config.dense_optimizer.dense_state_len(1)?;

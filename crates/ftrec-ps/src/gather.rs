@@ -7,7 +7,7 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::PsError;
 use crate::client::server_client;
 use crate::job::Job;
-use crate::placement::{Layout, LocalRow};
+use crate::placement::LocalRow;
 use crate::proto::{FetchDenseRequest, FetchRowsRequest};
 use crate::wire::extend_f32s;
 
@@ -20,7 +20,7 @@ pub async fn gather_state(
     epoch: u64,
 ) -> Result<(ModelState, Vec<String>), PsError> {
     let config = job.config.model_config()?;
-    let layout = Layout::new(addresses.len())?;
+    let layout = job.layout()?;
     let stride = config.row_stride();
     let mut clients = addresses
         .iter()
@@ -40,6 +40,7 @@ pub async fn gather_state(
                     table: t as u32,
                     first_row: 0,
                     end_row: u32::MAX,
+                    parity: false,
                 })
                 .await
                 .map_err(|st| PsError::rpc(what(), &st))?
@@ -67,8 +68,12 @@ pub async fn gather_state(
                     )));
                 }
                 for (i, row) in local.chunks_exact(stride).enumerate() {
-                    let g = layout.global_row(t, s, LocalRow((next + i) as u32)).0 as usize;
-                    data[g * stride..(g + 1) * stride].copy_from_slice(row);
+                    // Padding slots of a striped layout hold no row.
+                    let local = LocalRow((next + i) as u32);
+                    if let Some(g) = layout.global_row(t, s, local, rows) {
+                        let g = g.0 as usize;
+                        data[g * stride..(g + 1) * stride].copy_from_slice(row);
+                    }
                 }
                 next += local.len() / stride;
             }
@@ -89,7 +94,10 @@ pub async fn gather_state(
     let per_param = config.dense_optimizer.dense_state_len(1)?;
     for (s, client) in clients.iter_mut().enumerate() {
         let reply = client
-            .fetch_dense(FetchDenseRequest { epoch })
+            .fetch_dense(FetchDenseRequest {
+                epoch,
+                replica: false,
+            })
             .await
             .map_err(|st| PsError::rpc(format!("fetching server {s}'s dense range"), &st))?
             .into_inner();

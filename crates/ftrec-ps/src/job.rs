@@ -44,8 +44,16 @@ impl Job {
         xxhash_rust::xxh3::xxh3_64(&json)
     }
 
+    /// The placement arithmetic: striped with rotating parity when rows are erasure
+    /// coded, row-modulo otherwise.
     pub fn layout(&self) -> Result<Layout, PsError> {
-        Layout::new(self.config.cluster.servers)
+        let cluster = &self.config.cluster;
+        if cluster.ft.erasure_coded() {
+            let stripes = ftrec_ec::StripeLayout::new(self.config.ec.params(), cluster.servers)
+                .map_err(|e| PsError::Config(e.to_string()))?;
+            return Ok(Layout::striped(stripes));
+        }
+        Layout::new(cluster.servers)
     }
 
     pub fn train_data(&self) -> Result<Dataset, PsError> {

@@ -116,6 +116,12 @@ pub struct LaunchReport {
     /// order, then its dense range, their optimizer state and the dense step), so a test
     /// can tell which servers' state a recovery touched.
     pub shard_digests: Vec<String>,
+    /// Erasure coding: stripes whose stored parity disagrees with their data rows, and
+    /// dense replicas that differ from their primary, checked over everything at the end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parity_mismatches: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_mismatches: Option<u64>,
     pub servers: usize,
     pub workers: usize,
     /// From each SIGKILL to training resumed (detection included).
@@ -424,8 +430,15 @@ async fn run_async(
             })
             .collect();
         let epoch = shared.summary().epoch;
-        let (state, shard_digests) =
-            crate::gather::gather_state(&job, &shared.server_addresses(), epoch).await?;
+        let addresses = shared.server_addresses();
+        let (state, shard_digests) = crate::gather::gather_state(&job, &addresses, epoch).await?;
+        let (mut parity_mismatches, mut replica_mismatches) = (None, None);
+        if job.config.cluster.ft.erasure_coded() {
+            let report =
+                crate::parity_check::verify_parity(&job, &addresses, epoch, &state).await?;
+            parity_mismatches = Some(report.mismatches);
+            replica_mismatches = Some(report.replica_mismatches);
+        }
         let digest = state.digest().to_string();
         let (mut auc, mut logloss, mut eval_samples) = (None, None, None);
         if let Some(evaluate) = evaluator {
@@ -438,6 +451,8 @@ async fn run_async(
             summary,
             state_digest: digest,
             shard_digests,
+            parity_mismatches,
+            replica_mismatches,
             servers: cluster.servers,
             workers: cluster.workers,
             kill_to_resume_seconds: kill_to_resume,

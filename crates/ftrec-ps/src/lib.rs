@@ -11,6 +11,7 @@ pub mod gather;
 pub mod job;
 pub mod launch;
 pub mod metrics;
+pub mod parity_check;
 pub mod placement;
 pub mod server;
 pub mod shard;

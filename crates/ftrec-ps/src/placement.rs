@@ -9,6 +9,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use ftrec_ec::StripeLayout;
+
 use crate::PsError;
 
 pub const SCHEME: &str = "row-modulo-v1";
@@ -22,9 +24,10 @@ pub struct PlacementMap {
 }
 
 impl PlacementMap {
-    pub fn new(servers: usize) -> Self {
+    pub fn new(layout: &Layout) -> Self {
+        let servers = layout.servers();
         Self {
-            scheme: SCHEME.to_string(),
+            scheme: layout.scheme(),
             version: 1,
             servers: vec![String::new(); servers],
         }
@@ -73,10 +76,13 @@ pub struct Holder {
     pub local: LocalRow,
 }
 
-/// The arithmetic of the placement scheme for a fixed server count.
+/// The arithmetic of the placement scheme for a fixed server count: row-modulo, or
+/// `stripe-rotate-v1` (`ftrec_ec`) when rows are erasure coded. Dense ranges are the same
+/// in both; a striped layout also names each range's replica holder.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
-    pub servers: usize,
+    servers: usize,
+    stripes: Option<StripeLayout>,
 }
 
 impl Layout {
@@ -84,43 +90,129 @@ impl Layout {
         if servers == 0 {
             return Err(PsError::Config("cluster.servers must be at least 1".into()));
         }
-        Ok(Self { servers })
+        Ok(Self {
+            servers,
+            stripes: None,
+        })
+    }
+
+    pub fn striped(stripes: StripeLayout) -> Self {
+        Self {
+            servers: stripes.servers,
+            stripes: Some(stripes),
+        }
+    }
+
+    pub fn servers(&self) -> usize {
+        self.servers
+    }
+
+    /// The scheme's name and parameters, as the placement map carries them.
+    pub fn scheme(&self) -> String {
+        match &self.stripes {
+            Some(s) => format!(
+                "{} k={} r={} groups={}",
+                ftrec_ec::SCHEME,
+                s.params.k,
+                s.params.r,
+                s.params.groups
+            ),
+            None => SCHEME.to_string(),
+        }
+    }
+
+    /// The stripe layout, when rows are erasure coded.
+    pub fn stripes(&self) -> Option<StripeLayout> {
+        self.stripes
     }
 
     /// The server holding the primary copy of `row`.
     pub fn server_of(&self, table: usize, row: GlobalRow) -> usize {
-        (row.0 as usize + table) % self.servers
+        match &self.stripes {
+            Some(s) => s.row_slot(table, row.0 as usize).server,
+            None => (row.0 as usize + table) % self.servers,
+        }
     }
 
     /// `row`'s index within its primary server's part of the table.
-    pub fn local_index(&self, row: GlobalRow) -> LocalRow {
-        LocalRow(row.0 / self.servers as u32)
+    pub fn local_index(&self, table: usize, row: GlobalRow) -> LocalRow {
+        match &self.stripes {
+            Some(s) => LocalRow(s.row_slot(table, row.0 as usize).local as u32),
+            None => LocalRow(row.0 / self.servers as u32),
+        }
     }
 
-    /// Every holder of `row`; the primary first. Row-modulo keeps a single copy.
+    /// Every holder of `row`; the primary first, then (erasure coded) the holders of its
+    /// stripe's parity rows, at their parity-slot indices.
     pub fn holders(&self, table: usize, row: GlobalRow) -> Vec<Holder> {
-        vec![Holder {
+        let mut holders = vec![Holder {
             server: self.server_of(table, row),
             role: Role::Primary,
-            local: self.local_index(row),
-        }]
+            local: self.local_index(table, row),
+        }];
+        if let Some(s) = &self.stripes {
+            let (stripe, _) = s.stripe_of(row.0 as usize);
+            holders.extend((0..s.params.r).map(|p| {
+                let slot = s.parity_slot(table, stripe, p);
+                Holder {
+                    server: slot.server,
+                    role: Role::Parity,
+                    local: LocalRow(slot.local as u32),
+                }
+            }));
+        }
+        holders
     }
 
-    /// The global row at local index `local` of `server`'s part of `table`.
-    pub fn global_row(&self, table: usize, server: usize, local: LocalRow) -> GlobalRow {
-        let first = (server + self.servers - table % self.servers) % self.servers;
-        GlobalRow((local.index() * self.servers + first) as u32)
+    /// The global row at local index `local` of `server`'s part of a `rows`-row table;
+    /// `None` for a striped layout's padding slots.
+    pub fn global_row(
+        &self,
+        table: usize,
+        server: usize,
+        local: LocalRow,
+        rows: usize,
+    ) -> Option<GlobalRow> {
+        let row = match &self.stripes {
+            Some(s) => s.row_at(table, server, local.index(), rows)?,
+            None => {
+                let first = (server + self.servers - table % self.servers) % self.servers;
+                local.index() * self.servers + first
+            }
+        };
+        (row < rows).then_some(GlobalRow(row as u32))
     }
 
-    /// Rows of a `rows`-row table that `server` holds.
+    /// Row slots `server` stores for a `rows`-row table (a striped layout counts whole
+    /// rotation cycles, padding included).
     pub fn local_rows(&self, table: usize, server: usize, rows: usize) -> usize {
-        let first = (server + self.servers - table % self.servers) % self.servers;
-        rows.saturating_sub(first).div_ceil(self.servers)
+        match &self.stripes {
+            Some(s) => s.capacity(server, rows).0,
+            None => {
+                let first = (server + self.servers - table % self.servers) % self.servers;
+                rows.saturating_sub(first).div_ceil(self.servers)
+            }
+        }
+    }
+
+    /// Parity row slots `server` stores for a `rows`-row table (0 without coding).
+    pub fn parity_rows(&self, server: usize, rows: usize) -> usize {
+        self.stripes.map_or(0, |s| s.capacity(server, rows).1)
     }
 
     /// The dense parameter range of `server` out of `total`.
     pub fn dense_range(&self, server: usize, total: usize) -> std::ops::Range<usize> {
         server * total / self.servers..(server + 1) * total / self.servers
+    }
+
+    /// The server whose dense range `server` keeps a replica of (erasure coded only).
+    pub fn replicates(&self, server: usize) -> Option<usize> {
+        self.stripes.map(|s| s.dense_replicated_by(server))
+    }
+
+    /// The server keeping the replica of `server`'s dense range (erasure coded only).
+    pub fn replica_of(&self, server: usize) -> Option<usize> {
+        self.stripes.map(|s| s.dense_replica(server))
     }
 }
 
@@ -138,8 +230,8 @@ mod tests {
             let mut seen = vec![0usize; servers];
             for r in (0..rows as u32).map(GlobalRow) {
                 let s = layout.server_of(table, r);
-                let local = layout.local_index(r);
-                prop_assert_eq!(layout.global_row(table, s, local), r);
+                let local = layout.local_index(table, r);
+                prop_assert_eq!(layout.global_row(table, s, local, rows), Some(r));
                 prop_assert!(local.index() < layout.local_rows(table, s, rows));
                 let holders = layout.holders(table, r);
                 prop_assert_eq!(holders[0], Holder { server: s, role: Role::Primary, local });
@@ -147,6 +239,29 @@ mod tests {
             }
             for (s, &n) in seen.iter().enumerate() {
                 prop_assert_eq!(n, layout.local_rows(table, s, rows));
+            }
+        }
+
+        #[test]
+        fn striped_rows_have_one_primary_and_their_stripe_parity_elsewhere(
+            k in 1usize..4, r in 1usize..3, spare in 0usize..3, rows in 1usize..200, table in 0usize..9,
+        ) {
+            let params = ftrec_ec::EcParams { k, r, groups: 1 };
+            let layout = Layout::striped(StripeLayout::new(params, k + r + spare).unwrap());
+            let mut seen = std::collections::HashSet::new();
+            for g in (0..rows as u32).map(GlobalRow) {
+                let holders = layout.holders(table, g);
+                prop_assert_eq!(holders.len(), 1 + r);
+                let primary = holders[0];
+                prop_assert_eq!(primary.role, Role::Primary);
+                prop_assert!(seen.insert((primary.server, primary.local)));
+                prop_assert!(primary.local.index() < layout.local_rows(table, primary.server, rows));
+                prop_assert_eq!(layout.global_row(table, primary.server, primary.local, rows), Some(g));
+                for h in &holders[1..] {
+                    prop_assert_eq!(h.role, Role::Parity);
+                    prop_assert_ne!(h.server, primary.server);
+                    prop_assert!(h.local.index() < layout.parity_rows(h.server, rows));
+                }
             }
         }
 

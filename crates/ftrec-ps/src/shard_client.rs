@@ -32,7 +32,7 @@ pub struct Routed {
 
 impl Routed {
     pub fn new(layout: Layout, unique: &[&[u32]]) -> Self {
-        let mut owned = vec![vec![Vec::new(); unique.len()]; layout.servers];
+        let mut owned = vec![vec![Vec::new(); unique.len()]; layout.servers()];
         for (t, rows) in unique.iter().enumerate() {
             for &row in *rows {
                 owned[layout.server_of(t, GlobalRow(row))][t].push(row);
@@ -51,7 +51,7 @@ pub struct Pulled {
 
 impl Pulled {
     fn assemble(&self, layout: Layout, dim: usize, t: usize, unique: &[u32], out: &mut Vec<f32>) {
-        let mut cursor = vec![0usize; layout.servers];
+        let mut cursor = vec![0usize; layout.servers()];
         out.clear();
         for &row in unique {
             let s = layout.server_of(t, GlobalRow(row));
@@ -60,6 +60,18 @@ impl Pulled {
             cursor[s] += 1;
         }
     }
+}
+
+/// How a push installs its step on the servers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommitProtocol {
+    /// One round: each server applies its part as it arrives.
+    OneRound,
+    /// ECRec's two-phase commit: every server prepares (stages and propagates its parity
+    /// differences), then all commit; a failure in phase 1 aborts everywhere. `ordered`
+    /// prepares one server at a time in slot order, so concurrent workers, which hold a
+    /// server's commit turn from prepare to commit, never wait on each other in a cycle.
+    TwoPhase { ordered: bool },
 }
 
 pub struct ShardClient {
@@ -71,6 +83,7 @@ pub struct ShardClient {
     timeout: Duration,
     /// Payload bytes sent and received since the last [`ShardClient::take_bytes`].
     bytes: u64,
+    protocol: CommitProtocol,
 }
 
 impl ShardClient {
@@ -88,7 +101,13 @@ impl ShardClient {
             dim,
             timeout,
             bytes: 0,
+            protocol: CommitProtocol::OneRound,
         }
+    }
+
+    pub fn with_protocol(mut self, protocol: CommitProtocol) -> Self {
+        self.protocol = protocol;
+        self
     }
 
     /// Payload bytes moved since the last call.
@@ -210,13 +229,20 @@ impl ShardClient {
         dense: &[f32],
     ) -> Result<(), PsError> {
         let dim = self.dim;
-        let servers = self.layout.servers;
+        let servers = self.layout.servers();
+        let prepare = matches!(self.protocol, CommitProtocol::TwoPhase { .. });
         let mut pushes: Vec<PushRequest> = (0..servers)
             .map(|s| PushRequest {
                 epoch,
                 step,
                 tables: Vec::with_capacity(unique.len()),
                 dense: f32s_to_bytes(&dense[self.layout.dense_range(s, dense.len())]),
+                replica_dense: self
+                    .layout
+                    .replicates(s)
+                    .map(|of| f32s_to_bytes(&dense[self.layout.dense_range(of, dense.len())]))
+                    .unwrap_or_default(),
+                prepare,
             })
             .collect();
         let mut rows_by_server: Vec<Vec<u32>> = vec![Vec::new(); servers];
@@ -242,15 +268,70 @@ impl ShardClient {
         self.bytes += pushes
             .iter()
             .map(|p| {
-                p.dense.len() as u64
+                (p.dense.len() + p.replica_dense.len()) as u64
                     + p.tables
                         .iter()
                         .map(|t| (t.rows.len() + t.grads.len()) as u64)
                         .sum::<u64>()
             })
             .sum::<u64>();
-        self.each_server("push", pushes, |mut c, p| async move { c.push(p).await })
-            .await?;
+        let ordered = match self.protocol {
+            CommitProtocol::OneRound => {
+                self.each_server("push", pushes, |mut c, p| async move { c.push(p).await })
+                    .await?;
+                return Ok(());
+            }
+            CommitProtocol::TwoPhase { ordered } => ordered,
+        };
+        let prepared = if ordered {
+            self.prepare_in_order(pushes).await
+        } else {
+            self.each_server("prepare", pushes, |mut c, p| async move { c.push(p).await })
+                .await
+                .map(drop)
+        };
+        let decision: Vec<StepDecision> =
+            (0..servers).map(|_| StepDecision { epoch, step }).collect();
+        if let Err(e) = prepared {
+            // Best effort: a server that misses the abort drops its part when the step's
+            // decision times out, or at the next epoch.
+            let _ = self
+                .each_server("abort", decision, |mut c, d| async move {
+                    c.abort_step(d).await
+                })
+                .await;
+            return Err(e);
+        }
+        self.each_server("commit", decision, |mut c, d| async move {
+            c.commit_step(d).await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Phase 1 one server at a time, in slot order (see [`CommitProtocol::TwoPhase`]).
+    async fn prepare_in_order(&mut self, pushes: Vec<PushRequest>) -> Result<(), PsError> {
+        for (s, push) in pushes.into_iter().enumerate() {
+            let mut attempt = 1;
+            loop {
+                let mut client = self.servers[s].clone();
+                match client.push(push.clone()).await {
+                    Ok(_) => break,
+                    Err(status) => {
+                        let e = PsError::rpc(format!("prepare to server {s}"), &status);
+                        if !e.is_retryable() || attempt == ATTEMPTS {
+                            return Err(e);
+                        }
+                        if matches!(e, PsError::NotOwner { .. }) {
+                            self.refresh_placement().await?;
+                        } else {
+                            tokio::time::sleep(RETRY_WAIT).await;
+                        }
+                        attempt += 1;
+                    }
+                }
+            }
+        }
         Ok(())
     }
 

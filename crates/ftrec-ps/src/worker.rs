@@ -15,7 +15,7 @@ use crate::job::{Job, Schedule};
 use crate::metrics::{self, Metrics};
 use crate::proto::next_step_reply::Action;
 use crate::proto::*;
-use crate::shard_client::ShardClient;
+use crate::shard_client::{CommitProtocol, ShardClient};
 
 pub struct WorkerOptions {
     pub job: Job,
@@ -125,12 +125,22 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
         },
         Duration::from_millis(job.config.cluster.heartbeat_ms),
     ));
+    let cluster = &job.config.cluster;
+    let protocol = if cluster.ft.erasure_coded() && job.config.ec.two_phase_commit {
+        // One step at a time in deterministic mode: prepares cannot wait on each other.
+        CommitProtocol::TwoPhase {
+            ordered: !cluster.deterministic,
+        }
+    } else {
+        CommitProtocol::OneRound
+    };
     let shards = ShardClient::new(
         coordinator.clone(),
         job.layout()?,
         config.dim,
         job.timeout(),
-    );
+    )
+    .with_protocol(protocol);
     let mut worker = Worker {
         shards,
         schedule: Schedule {

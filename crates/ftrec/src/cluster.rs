@@ -58,7 +58,7 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         extra.push("cluster.deterministic=true".into());
     }
     let mut config = load_config(&a.config, extra)?;
-    if config.cluster.ft == ftrec_config::FaultTolerance::Checkpoint {
+    if config.cluster.ft.checkpoints() {
         if config.checkpoint.dir.is_none() {
             config.checkpoint.dir = Some(run_dir.join("checkpoints"));
         }

@@ -4,8 +4,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ftrec_config::FaultTolerance;
-
 use super::planner::{self, Cause, RecoveryAction, Situation};
 use super::tasks::run_task;
 use super::{MAX_RESPAWNS, Member, Phase, Shared, State};
@@ -78,7 +76,7 @@ fn detect_failures(shared: &Shared, s: &mut State) {
         );
         s.failed.push((id, t));
         s.suspect_until = None;
-        if c.ft == FaultTolerance::None {
+        if !c.ft.checkpoints() {
             // The run keeps its state: steps in flight are resolved after recovery (granted
             // again, or settled where every server applied them).
             s.steps.orphan_outstanding();
@@ -203,6 +201,7 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 last_cut: s.last_checkpoint,
                 unsettled: s.steps.unsettled(),
                 next_step: s.steps.next_step(),
+                ec: shared.job.layout().ok().and_then(|l| l.stripes()),
             });
             Some(Task::Recover {
                 epoch: s.epoch,

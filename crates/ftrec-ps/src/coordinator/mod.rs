@@ -25,7 +25,6 @@ mod tasks;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use ftrec_config::FaultTolerance;
 use serde::Serialize;
 use tokio::sync::watch;
 use tonic::Status;
@@ -89,6 +88,9 @@ pub struct Recovery {
     /// Step training continued from.
     pub resumed_step: u64,
     pub steps_rolled_back: u64,
+    /// Erasure coding: the longest replacement's rebuild, and the bytes rebuilt.
+    pub rebuild_seconds: f64,
+    pub rebuild_bytes: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -365,7 +367,7 @@ impl Shared {
         let c = &self.job.config;
         let every = c.checkpoint.every_steps;
         let next = s.steps.next_step();
-        c.cluster.ft == FaultTolerance::Checkpoint
+        c.cluster.ft.checkpoints()
             && every > 0
             && next > 0
             && next.is_multiple_of(every)
@@ -460,7 +462,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         state: Mutex::new(State {
             phase: Phase::Starting,
             epoch: 1,
-            placement: PlacementMap::new(cluster.servers),
+            placement: PlacementMap::new(&job.layout()?),
             servers: vec![Member::default(); cluster.servers],
             spares: Vec::new(),
             workers: vec![Member::default(); cluster.workers],

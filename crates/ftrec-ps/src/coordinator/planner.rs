@@ -28,6 +28,8 @@ pub struct Situation {
     pub unsettled: Vec<u64>,
     /// The first step never granted.
     pub next_step: u64,
+    /// The stripe layout, when rows are erasure coded.
+    pub ec: Option<ftrec_ec::StripeLayout>,
 }
 
 /// How the servers come back.
@@ -40,6 +42,17 @@ pub enum RecoveryAction {
     /// `next_step`, after the `unsettled` steps. Every other step below `next_step` is
     /// applied on every survivor, and a replacement's fresh shard counts it as applied.
     KeepState { next_step: u64, unsettled: Vec<u64> },
+    /// Erasure coding: the survivors keep their state (as in `KeepState`), and each of
+    /// the `servers` (replacements) rebuilds its data rows, parity rows and dense replica
+    /// from the survivors of its group before training goes on. Nothing rolls back.
+    Rebuild {
+        servers: Vec<usize>,
+        next_step: u64,
+        unsettled: Vec<u64>,
+    },
+    /// The state cannot be recovered (more servers of a group lost than the code
+    /// rebuilds, and no checkpoint to fall back on): the run ends with this reason.
+    Abandon { why: String },
 }
 
 impl RecoveryAction {
@@ -47,21 +60,56 @@ impl RecoveryAction {
     pub fn resume_step(&self) -> u64 {
         match self {
             Self::Rollback { cut } => cut.unwrap_or(0),
-            Self::KeepState { next_step, .. } => *next_step,
+            Self::KeepState { next_step, .. } | Self::Rebuild { next_step, .. } => *next_step,
+            Self::Abandon { .. } => 0,
         }
     }
 }
 
+/// The group that lost more servers than its code rebuilds, if any.
+fn beyond_the_code(layout: &ftrec_ec::StripeLayout, lost: &[usize]) -> Option<(usize, usize)> {
+    let mut per_group = vec![0usize; layout.params.groups];
+    for &server in lost {
+        per_group[layout.group_of_server(server).0] += 1;
+    }
+    per_group
+        .into_iter()
+        .enumerate()
+        .find(|&(_, n)| n > layout.params.r)
+}
+
 pub fn plan(s: &Situation) -> RecoveryAction {
+    let keep = || RecoveryAction::KeepState {
+        next_step: s.next_step,
+        unsettled: s.unsettled.clone(),
+    };
+    if let (Some(layout), Cause::ServersLost(lost)) = (&s.ec, &s.cause) {
+        return match (beyond_the_code(layout, lost), s.ft) {
+            (None, _) => RecoveryAction::Rebuild {
+                servers: lost.clone(),
+                next_step: s.next_step,
+                unsettled: s.unsettled.clone(),
+            },
+            // The second layer (ECRec §4): back to the last cut.
+            (Some(_), FaultTolerance::EcCheckpoint) => RecoveryAction::Rollback { cut: s.last_cut },
+            (Some((group, n)), _) => RecoveryAction::Abandon {
+                why: format!(
+                    "{n} servers of erasure-coding group {group} lost at once (servers {lost:?}); \
+                     ec.r = {} rebuilds at most {} per group, and without checkpoints \
+                     (cluster.ft = \"ec+checkpoint\") the state cannot be recovered",
+                    layout.params.r, layout.params.r
+                ),
+            },
+        };
+    }
     match (s.ft, &s.cause) {
         // Checkpoints: back to the last consistent cut, whatever the cause; in
         // deterministic mode the run then ends bit-identical to an uninterrupted one.
         (FaultTolerance::Checkpoint, _) => RecoveryAction::Rollback { cut: s.last_cut },
         // No fault tolerance: the lost shards start over, everyone else goes on.
-        (FaultTolerance::None, _) => RecoveryAction::KeepState {
-            next_step: s.next_step,
-            unsettled: s.unsettled.clone(),
-        },
+        // No fault tolerance: the lost shards start over, everyone else goes on. Erasure
+        // coding without lost servers (a partly applied step) likewise keeps the state.
+        (FaultTolerance::None | FaultTolerance::Ec | FaultTolerance::EcCheckpoint, _) => keep(),
     }
 }
 
@@ -69,7 +117,7 @@ pub fn plan(s: &Situation) -> RecoveryAction {
 /// (the servers that have it ignore the second push). Exact only where nobody promised
 /// bit-exact results: in deterministic mode with checkpoints, the run rolls back instead.
 pub fn regrant_partly_applied(ft: FaultTolerance, deterministic: bool) -> bool {
-    !(deterministic && ft == FaultTolerance::Checkpoint)
+    !(deterministic && ft.checkpoints())
 }
 
 #[cfg(test)]
@@ -84,6 +132,7 @@ mod tests {
             last_cut,
             unsettled: vec![37, 39],
             next_step: 41,
+            ec: None,
         }
     }
 
@@ -125,5 +174,34 @@ mod tests {
         assert!(regrant_partly_applied(FaultTolerance::Checkpoint, false));
         assert!(regrant_partly_applied(FaultTolerance::None, true));
         assert!(regrant_partly_applied(FaultTolerance::None, false));
+    }
+
+    #[test]
+    fn erasure_coding_rebuilds_what_the_code_covers_and_says_when_it_cannot() {
+        let params = ftrec_ec::EcParams {
+            k: 2,
+            r: 1,
+            groups: 2,
+        };
+        let layout = ftrec_ec::StripeLayout::new(params, 6).unwrap();
+        let mut s = situation(FaultTolerance::Ec, Cause::ServersLost(vec![1, 4]), None);
+        s.ec = Some(layout);
+        assert_eq!(
+            plan(&s),
+            RecoveryAction::Rebuild {
+                servers: vec![1, 4],
+                next_step: 41,
+                unsettled: vec![37, 39]
+            },
+            "one server in each group: both rebuild, nothing rolls back"
+        );
+        s.cause = Cause::ServersLost(vec![0, 2]);
+        match plan(&s) {
+            RecoveryAction::Abandon { why } => assert!(why.contains("group 0"), "{why}"),
+            other => panic!("two losses in group 0 with r = 1: {other:?}"),
+        }
+        s.ft = FaultTolerance::EcCheckpoint;
+        s.last_cut = Some(30);
+        assert_eq!(plan(&s), RecoveryAction::Rollback { cut: Some(30) });
     }
 }

@@ -186,6 +186,7 @@ impl Sim {
                 last_cut: self.last_cut,
                 unsettled: self.ledger.unsettled(),
                 next_step: self.ledger.next_step(),
+                ec: None,
             });
             let RecoveryAction::Rollback { cut } = action else {
                 panic!("a partly applied step that may not be regranted must roll back");

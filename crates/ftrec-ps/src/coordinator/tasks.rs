@@ -262,34 +262,109 @@ async fn prune_cuts(
     }
 }
 
-async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action: RecoveryAction) {
-    let applied = action.resume_step();
-    let calls = clients.into_iter().map(|mut c| {
-        let action = action.clone();
-        async move {
-            match action {
-                RecoveryAction::Rollback { cut } => c
-                    .restore(RestoreRequest { epoch, step: cut })
-                    .await
-                    .map(|_| ()),
-                RecoveryAction::KeepState {
-                    next_step,
-                    unsettled,
-                } => c
-                    .set_epoch(SetEpochRequest {
-                        epoch,
-                        applied: next_step,
-                        unsettled,
-                    })
-                    .await
-                    .map(|_| ()),
-            }
+/// What a server (by slot) answered to its part of a recovery: for a rebuild, its figures.
+type RecoveryReply = (usize, Result<Option<RebuildReply>, tonic::Status>);
+
+/// Every server's part of the plan. A rebuild is two rounds: the survivors adopt the new
+/// epoch first (dropping what older epochs left prepared), so that what the replacements
+/// then read from them no longer changes.
+async fn recovery_calls(
+    shared: &Shared,
+    clients: Vec<ServerClient>,
+    epoch: u64,
+    action: &RecoveryAction,
+) -> Vec<RecoveryReply> {
+    let set_epoch = |i: usize, mut c: ServerClient, applied: u64, unsettled: Vec<u64>| async move {
+        let r = c
+            .set_epoch(SetEpochRequest {
+                epoch,
+                applied,
+                unsettled,
+            })
+            .await;
+        (i, r.map(|_| None))
+    };
+    match action {
+        RecoveryAction::Rollback { cut } => {
+            let calls = clients
+                .into_iter()
+                .enumerate()
+                .map(|(i, mut c)| async move {
+                    let r = c.restore(RestoreRequest { epoch, step: *cut }).await;
+                    (i, r.map(|_| None))
+                });
+            futures::future::join_all(calls).await
         }
-    });
-    let results = futures::future::join_all(calls).await;
+        RecoveryAction::KeepState {
+            next_step,
+            unsettled,
+        } => {
+            let calls = clients
+                .into_iter()
+                .enumerate()
+                .map(|(i, c)| set_epoch(i, c, *next_step, unsettled.clone()));
+            futures::future::join_all(calls).await
+        }
+        RecoveryAction::Rebuild {
+            servers,
+            next_step,
+            unsettled,
+        } => {
+            let survivors = clients
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !servers.contains(i))
+                .map(|(i, c)| set_epoch(i, c.clone(), *next_step, unsettled.clone()));
+            let mut results: Vec<RecoveryReply> = futures::future::join_all(survivors).await;
+            if results.iter().all(|(_, r)| r.is_ok()) {
+                let addresses = shared.server_addresses();
+                {
+                    let mut s = shared.lock();
+                    for &server in servers {
+                        s.timeline.event(
+                            "rebuild-start",
+                            format!(
+                                "server {server} decodes its rows and parity from the survivors"
+                            ),
+                        );
+                    }
+                }
+                let lost: Vec<u32> = servers.iter().map(|&s| s as u32).collect();
+                let rebuilds = servers.iter().map(|&server| {
+                    let mut c = clients[server].clone();
+                    let request = RebuildRequest {
+                        epoch,
+                        servers: addresses.clone(),
+                        lost: lost.clone(),
+                    };
+                    async move {
+                        (
+                            server,
+                            c.rebuild(request).await.map(|r| Some(r.into_inner())),
+                        )
+                    }
+                });
+                results.extend(futures::future::join_all(rebuilds).await);
+            }
+            results
+        }
+        RecoveryAction::Abandon { .. } => Vec::new(),
+    }
+}
+
+async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action: RecoveryAction) {
+    if let RecoveryAction::Abandon { why } = &action {
+        let mut s = shared.lock();
+        s.timeline.event("fatal", why.clone());
+        s.fatal = Some(why.clone());
+        s.phase = Phase::Done;
+        shared.done.send_replace(true);
+        return;
+    }
+    let applied = action.resume_step();
+    let results = recovery_calls(shared, clients, epoch, &action).await;
     let failed: Vec<String> = results
         .iter()
-        .enumerate()
         .filter_map(|(i, r)| {
             r.as_ref()
                 .err()
@@ -326,6 +401,23 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
     }
     s.recovery_failures = 0;
     s.recover_after = None;
+    let (mut rebuild_seconds, mut rebuild_bytes) = (0.0f64, 0u64);
+    for (server, reply) in results {
+        if let Ok(Some(r)) = reply {
+            rebuild_seconds = rebuild_seconds.max(r.seconds);
+            rebuild_bytes += r.bytes;
+            s.timeline.event(
+                "rebuild-end",
+                format!(
+                    "server {server}: {} rows, {} bytes in {:.3} s ({:.0} MB/s); full redundancy restored",
+                    r.rows,
+                    r.bytes,
+                    r.seconds,
+                    r.bytes as f64 / r.seconds.max(1e-9) / 1e6
+                ),
+            );
+        }
+    }
     let rolled_back = s.steps.next_step().saturating_sub(applied);
     if let RecoveryAction::Rollback { .. } = action {
         s.steps.rewind(applied);
@@ -347,6 +439,8 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
             resumed_at,
             resumed_step: applied,
             steps_rolled_back: rolled_back,
+            rebuild_seconds,
+            rebuild_bytes,
         });
     }
 }

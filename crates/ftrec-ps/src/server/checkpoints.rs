@@ -121,7 +121,7 @@ impl Core {
         drop(steps);
         let identity = serde_json::json!({
             "server": self.id,
-            "servers": self.layout.servers,
+            "servers": self.layout.servers(),
             "fingerprint": self.job.fingerprint(),
             "step": step,
         });

@@ -6,7 +6,9 @@
 //! RPCs; `checkpoints.rs` writes, restores and prunes the shard's checkpoints.
 
 mod checkpoints;
+mod ec;
 mod pipeline;
+mod rebuild;
 mod service;
 
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -57,7 +59,9 @@ struct Core {
     /// predecessor left. The shard lock is held only to stage (read) and to install
     /// (write): pulls are served while a pre-commit observer awaits. Restores, epoch changes
     /// and cuts take this turn too, so no update straddles them.
-    commit_turn: tokio::sync::Mutex<()>,
+    commit_turn: Arc<tokio::sync::Mutex<()>>,
+    /// Erasure coding: prepared steps and staged parity differences (`ec.rs`).
+    ec: Option<ec::EcState>,
     pre_commit: Vec<Arc<dyn PreCommit>>,
     post_commit: Vec<Arc<dyn PostCommit>>,
     /// The job's checkpoint strategy over this shard.
@@ -118,6 +122,18 @@ impl Core {
             });
         }
         Ok(())
+    }
+
+    fn shard_read(&self) -> Result<std::sync::RwLockReadGuard<'_, Shard>, PsError> {
+        self.shard
+            .read()
+            .map_err(|_| PsError::Refused("shard lock poisoned".into()))
+    }
+
+    fn shard_write(&self) -> Result<std::sync::RwLockWriteGuard<'_, Shard>, PsError> {
+        self.shard
+            .write()
+            .map_err(|_| PsError::Refused("shard lock poisoned".into()))
     }
 
     fn steps(&self) -> MutexGuard<'_, AppliedSteps> {
@@ -242,9 +258,24 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let stop = Arc::new(Notify::new());
     let checkpointer = checkpoints::SharedCheckpointer::default();
     let tracking = Arc::new(checkpoints::Tracking::new(checkpointer.clone()));
+    let mut pre_commit: Vec<Arc<dyn PreCommit>> = Vec::new();
+    let erasure_coded = c.cluster.ft.erasure_coded();
+    if let Some(stripes) = layout.stripes() {
+        let codec = ftrec_ec::Codec::new(stripes.params.k, stripes.params.r)
+            .map_err(|e| PsError::Config(e.to_string()))?;
+        pre_commit.push(Arc::new(ec::ParityPropagator {
+            id,
+            stripes,
+            codec: Arc::new(codec),
+            two_phase: c.ec.two_phase_commit,
+            peers: Arc::new(ec::Peers::new(coordinator.clone(), job.timeout())),
+            epoch: live.subscribe(),
+        }));
+    }
     let core = Arc::new(Core {
-        commit_turn: tokio::sync::Mutex::new(()),
-        pre_commit: Vec::new(),
+        commit_turn: Arc::new(tokio::sync::Mutex::new(())),
+        ec: erasure_coded.then(ec::EcState::default),
+        pre_commit,
         post_commit: vec![tracking],
         checkpointer,
         job: job.clone(),

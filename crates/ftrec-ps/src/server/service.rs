@@ -4,7 +4,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use ftrec_config::FaultTolerance;
 use tonic::{Request, Response, Status};
 
 use super::Core;
@@ -32,7 +31,7 @@ impl ParameterServer for Service {
             // A step applied here already was granted again after its worker died. With
             // checkpoints the coordinator rolls back for exact results, so say so; without,
             // the run promised nothing exact after a failure and the pull goes ahead.
-            let exact = core.job.config.cluster.ft == FaultTolerance::Checkpoint;
+            let exact = core.job.config.cluster.ft.checkpoints();
             if exact && core.steps().contains(target) {
                 return Err(PsError::AlreadyApplied {
                     server: core.id as u32,
@@ -81,6 +80,7 @@ impl ParameterServer for Service {
         let mut update = Update {
             step: req.step,
             dense: bytes_to_f32s(&req.dense, "push dense gradient")?,
+            replica_dense: bytes_to_f32s(&req.replica_dense, "push replica dense gradient")?,
             sparse: Vec::with_capacity(req.tables.len()),
         };
         for t in &req.tables {
@@ -91,7 +91,15 @@ impl ParameterServer for Service {
                 bytes_to_f32s(&t.grads, "push gradients")?,
             ));
         }
-        let (applied, rows) = match core.run_update(req.epoch, update).await? {
+        let pushed = if req.prepare {
+            let step = update.step;
+            let pushed = core.prepare_update(req.epoch, update).await?;
+            core.abort_if_undecided(req.epoch, step);
+            pushed
+        } else {
+            core.run_update(req.epoch, update).await?
+        };
+        let (applied, rows) = match pushed {
             Pushed::Applied { steps, rows } => (steps, rows),
             Pushed::Duplicate { steps } => {
                 return Ok(Response::new(PushReply { applied: steps }));
@@ -199,6 +207,11 @@ impl ParameterServer for Service {
     ) -> Result<Response<SetEpochReply>, Status> {
         let core = &self.0;
         let req = req.into_inner();
+        // Steps prepared in an older epoch hold the commit turn: the recovery decided
+        // their fate, so they go first.
+        if let Some(ec) = &core.ec {
+            ec.drop_older_than(req.epoch);
+        }
         // In the commit turn and under the shard lock, so no push straddles the change.
         let _turn = core.commit_turn.lock().await;
         core.check_epoch_forward(req.epoch)?;
@@ -224,6 +237,7 @@ impl ParameterServer for Service {
         let req = req.into_inner();
         core.check_epoch(req.epoch)?;
         let table = req.table as usize;
+        let parity = req.parity;
         let (rows, stride) = {
             let shard = core
                 .shard
@@ -232,7 +246,14 @@ impl ParameterServer for Service {
             let Some(t) = shard.state().tables().get(table) else {
                 return Err(PsError::Request(format!("table {table} does not exist")).into());
             };
-            (t.rows(), t.stride())
+            if parity {
+                let Some(red) = shard.redundancy() else {
+                    return Err(PsError::Request("this server holds no parity rows".into()).into());
+                };
+                (red.parity[table].len() / red.row_bytes.max(1), t.stride())
+            } else {
+                (t.rows(), t.stride())
+            }
         };
         let end = (req.end_row as usize).min(rows);
         let per_chunk = (FETCH_CHUNK_BYTES / (4 * stride)).max(1);
@@ -250,7 +271,10 @@ impl ParameterServer for Service {
                     .read()
                     .map_err(|_| Status::internal("shard lock"))
                     .map(|shard| {
-                        let bytes = shard.state().tables()[table].as_bytes();
+                        let bytes = match shard.redundancy().filter(|_| parity) {
+                            Some(red) => &red.parity[table][..],
+                            None => shard.state().tables()[table].as_bytes(),
+                        };
                         FetchRowsChunk {
                             first_row: first as u32,
                             rows: Bytes::copy_from_slice(
@@ -269,15 +293,33 @@ impl ParameterServer for Service {
         req: Request<FetchDenseRequest>,
     ) -> Result<Response<FetchDenseReply>, Status> {
         let core = &self.0;
-        core.check_epoch(req.into_inner().epoch)?;
+        let req = req.into_inner();
+        core.check_epoch(req.epoch)?;
         let shard = core
             .shard
             .read()
             .map_err(|_| Status::internal("shard lock"))?;
+        let steps = core.steps();
+        let (applied_below, applied_ahead) = (steps.low(), steps.ahead().collect());
+        drop(steps);
+        if req.replica {
+            let Some(replica) = shard.redundancy().and_then(|r| r.replica.as_ref()) else {
+                return Err(PsError::Request("this server keeps no dense replica".into()).into());
+            };
+            return Ok(Response::new(FetchDenseReply {
+                params: f32s_to_bytes(&replica.params),
+                state: f32s_to_bytes(&replica.state),
+                step: replica.step,
+                applied_below,
+                applied_ahead,
+            }));
+        }
         Ok(Response::new(FetchDenseReply {
             params: f32s_to_bytes(shard.dense_params()),
             state: f32s_to_bytes(shard.dense_optimizer_state()),
             step: shard.dense_step(),
+            applied_below,
+            applied_ahead,
         }))
     }
 
@@ -302,6 +344,42 @@ impl ParameterServer for Service {
             .await
             .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(PruneReply { deleted }))
+    }
+
+    async fn parity_update(
+        &self,
+        req: Request<ParityUpdateRequest>,
+    ) -> Result<Response<ParityUpdateReply>, Status> {
+        let req = req.into_inner();
+        let bytes: usize = req.tables.iter().map(|t| t.deltas.len()).sum();
+        self.0.parity_update(req)?;
+        self.0.metrics.add("ftrec_rpc_bytes_in_total", bytes as u64);
+        Ok(Response::new(ParityUpdateReply {}))
+    }
+
+    async fn commit_step(
+        &self,
+        req: Request<StepDecision>,
+    ) -> Result<Response<StepDecisionReply>, Status> {
+        let req = req.into_inner();
+        let applied = self.0.decide_step(req.epoch, req.step, true)?;
+        Ok(Response::new(StepDecisionReply { applied }))
+    }
+
+    async fn abort_step(
+        &self,
+        req: Request<StepDecision>,
+    ) -> Result<Response<StepDecisionReply>, Status> {
+        let req = req.into_inner();
+        let applied = self.0.decide_step(req.epoch, req.step, false)?;
+        Ok(Response::new(StepDecisionReply { applied }))
+    }
+
+    async fn rebuild(
+        &self,
+        req: Request<RebuildRequest>,
+    ) -> Result<Response<RebuildReply>, Status> {
+        Ok(Response::new(self.0.rebuild(req.into_inner()).await?))
     }
 
     async fn shutdown(

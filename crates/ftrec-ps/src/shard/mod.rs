@@ -21,6 +21,10 @@ use std::ops::Range;
 
 use ftrec_model::{DenseState, EmbeddingTable, ModelConfig, ModelState, Optimizer};
 
+mod redundancy;
+
+pub use redundancy::{DenseReplica, Redundancy};
+
 use crate::PsError;
 use crate::placement::{GlobalRow, Layout};
 
@@ -56,6 +60,8 @@ pub struct Update {
     /// Per entry: table, global rows (ascending), gradients (`dim` per row).
     pub sparse: Vec<(usize, Vec<u32>, Vec<f32>)>,
     pub dense: Vec<f32>,
+    /// Erasure coding: the gradient of the dense range this server replicates.
+    pub replica_dense: Vec<f32>,
 }
 
 /// New values computed by [`Shard::stage`], not yet visible.
@@ -65,6 +71,8 @@ pub struct StagedUpdate {
     rows: Vec<StagedRows>,
     dense_params: Vec<f32>,
     dense_state: Vec<f32>,
+    /// The dense replica's parameters and state after the update.
+    replica: Option<(Vec<f32>, Vec<f32>)>,
     /// Gradients for rows in locked ranges: (table, global row, gradient).
     deferred: Vec<(usize, u32, Vec<f32>)>,
 }
@@ -98,6 +106,8 @@ pub struct Shard {
     state: ModelState,
     dense_range: Range<usize>,
     locked: Vec<LockedRange>,
+    /// Parity rows and the dense replica this server keeps for others (erasure coding).
+    redundancy: Option<Redundancy>,
 }
 
 impl Shard {
@@ -110,10 +120,10 @@ impl Shard {
     ) -> Result<ModelConfig, PsError> {
         let mut config = global.clone();
         for (t, rows) in config.table_rows.iter_mut().enumerate() {
-            if *rows < 2 * layout.servers {
+            if *rows < 2 * layout.servers() {
                 return Err(PsError::Config(format!(
                     "model.table_rows[{t}] = {rows}: each of the {} servers needs at least 2 rows of every table",
-                    layout.servers
+                    layout.servers()
                 )));
             }
             *rows = layout.local_rows(t, server, *rows);
@@ -131,31 +141,32 @@ impl Shard {
     ) -> Result<Self, PsError> {
         let config = Self::shard_config(global, layout, server)?;
         let stride = global.row_stride();
-        let tables = global
-            .table_rows
-            .iter()
-            .enumerate()
-            .map(|(t, &rows)| {
-                let local_rows = config.table_rows[t];
-                let mut data = vec![0.0f32; local_rows * stride];
-                EmbeddingTable::initial_rows(
-                    rows,
-                    global.dim,
-                    &global.sparse_optimizer,
-                    seed,
-                    t,
-                    |r, row| {
-                        let r = GlobalRow(r as u32);
-                        if layout.server_of(t, r) == server {
-                            let local = layout.local_index(r).index();
-                            data[local * stride..(local + 1) * stride].copy_from_slice(row);
-                        }
-                    },
-                );
+        let mut redundancy = match layout.stripes() {
+            Some(_) => Some(Redundancy::empty(global, layout, server)?),
+            None => None,
+        };
+        let mut tables = Vec::with_capacity(global.tables());
+        for t in 0..global.tables() {
+            let local_rows = config.table_rows[t];
+            let mut data = vec![0.0f32; local_rows * stride];
+            redundancy::for_each_initial_row(global, seed, t, |r, row| {
+                let g = GlobalRow(r as u32);
+                if layout.server_of(t, g) == server {
+                    let local = layout.local_index(t, g).index();
+                    data[local * stride..(local + 1) * stride].copy_from_slice(row);
+                }
+                if let Some(red) = &mut redundancy {
+                    red.fold_initial(layout, server, t, r, bytemuck::cast_slice(row));
+                }
+            });
+            tables.push(
                 EmbeddingTable::from_data(local_rows, global.dim, stride, data)
-                    .ok_or_else(|| PsError::Config("shard table shape".into()))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+                    .ok_or_else(|| PsError::Config("shard table shape".into()))?,
+            );
+        }
+        if let Some(red) = &mut redundancy {
+            red.replica = Redundancy::initial_replica(global, layout, server, seed)?;
+        }
         let full = DenseState::initial(global, seed)?;
         let range = layout.dense_range(server, full.params.len());
         let mut dense = DenseState::initial(&config, seed)?;
@@ -168,7 +179,9 @@ impl Shard {
             .dense_optimizer
             .init_dense_state(&mut dense.optimizer_state[..state_len]);
         let state = ModelState::from_parts(config, tables, dense)?;
-        Self::from_state(global, layout, server, state)
+        let mut shard = Self::from_state(global, layout, server, state)?;
+        shard.redundancy = redundancy;
+        Ok(shard)
     }
 
     /// A shard around a restored state, which must have this server's shard configuration.
@@ -192,6 +205,7 @@ impl Shard {
             dense_range: layout.dense_range(server, total),
             state,
             locked: Vec::new(),
+            redundancy: None,
         })
     }
 
@@ -246,7 +260,7 @@ impl Shard {
                 owner: owner as u32,
             });
         }
-        Ok(self.layout.local_index(GlobalRow(row)).index())
+        Ok(self.layout.local_index(table, GlobalRow(row)).index())
     }
 
     /// Appends the embeddings (not the optimizer state) of `rows` of `table`, as f32 LE.
@@ -327,6 +341,26 @@ impl Shard {
             &update.dense,
             &mut step,
         );
+        if let Some(replica) = self.redundancy.as_ref().and_then(|r| r.replica.as_ref()) {
+            if update.replica_dense.len() != replica.range.len() {
+                return Err(PsError::Request(format!(
+                    "replica dense gradient has {} values, server {} replicates {} parameters of server {}",
+                    update.replica_dense.len(),
+                    self.server,
+                    replica.range.len(),
+                    replica.of
+                )));
+            }
+            let (mut params, mut state) = (replica.params.clone(), replica.state.clone());
+            let mut step = replica.step;
+            self.global.dense_optimizer.apply_dense(
+                &mut params,
+                &mut state,
+                &update.replica_dense,
+                &mut step,
+            );
+            staged.replica = Some((params, state));
+        }
         Ok(staged)
     }
 
@@ -344,6 +378,14 @@ impl Shard {
         self.state.dense.params[..len].copy_from_slice(&staged.dense_params);
         self.state.dense.optimizer_state[..state_len].copy_from_slice(&staged.dense_state);
         self.state.dense.step += 1;
+        if let (Some((params, state)), Some(replica)) = (
+            &staged.replica,
+            self.redundancy.as_mut().and_then(|r| r.replica.as_mut()),
+        ) {
+            replica.params.copy_from_slice(params);
+            replica.state.copy_from_slice(state);
+            replica.step += 1;
+        }
         for (table, row, grad) in &staged.deferred {
             if let Some(l) = self
                 .locked
@@ -388,7 +430,7 @@ impl Shard {
         let released = self.locked.remove(i);
         let optimizer = self.global.sparse_optimizer;
         for (row, grad) in released.buffered {
-            let local = self.layout.local_index(GlobalRow(row)).index();
+            let local = self.layout.local_index(table, GlobalRow(row)).index();
             let stored = &mut self.state.tables_mut()[table];
             let current = stored.row_mut(local);
             replayed.old.extend_from_slice(current);
@@ -398,6 +440,34 @@ impl Shard {
             replayed.locals.push(local as u32);
         }
         replayed
+    }
+
+    /// Parity rows and dense replica (erasure coding only).
+    pub fn redundancy(&self) -> Option<&Redundancy> {
+        self.redundancy.as_ref()
+    }
+
+    pub fn redundancy_mut(&mut self) -> Option<&mut Redundancy> {
+        self.redundancy.as_mut()
+    }
+
+    /// Installs a rebuilt shard: rows, dense range, parity and replica (erasure coding).
+    pub fn install_rebuilt(
+        &mut self,
+        state: ModelState,
+        redundancy: Redundancy,
+    ) -> Result<(), PsError> {
+        self.replace_state(state)?;
+        self.redundancy = Some(redundancy);
+        Ok(())
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    pub fn global_config(&self) -> &ModelConfig {
+        &self.global
     }
 
     /// Replaces the whole state (a restore). The state must be this server's shard.
@@ -459,7 +529,10 @@ pub(crate) mod tests {
             for shard in shards(servers) {
                 for (t, table) in shard.state().tables().iter().enumerate() {
                     for local in 0..table.rows() {
-                        let g = layout.global_row(t, shard.server(), LocalRow(local as u32));
+                        let rows = global.config().table_rows[t];
+                        let g = layout
+                            .global_row(t, shard.server(), LocalRow(local as u32), rows)
+                            .unwrap();
                         assert_eq!(table.row(local), global.row(t, g.0 as u64).unwrap());
                     }
                 }
@@ -481,6 +554,62 @@ pub(crate) mod tests {
                     .collect(),
             )],
             dense: vec![0.5; shard.dense_params().len()],
+            replica_dense: Vec::new(),
+        }
+    }
+
+    /// Striped shards hold the single-process rows at their slots, padding zero, and
+    /// parity rows equal to the stripes' encoding; each dense replica equals its primary.
+    #[test]
+    fn striped_initial_shards_hold_rows_parity_and_replicas() {
+        let config = model();
+        let global = ModelState::new(&config, 7).unwrap();
+        for (k, r, servers) in [(2, 1, 3), (3, 1, 4), (2, 2, 5)] {
+            let params = ftrec_ec::EcParams { k, r, groups: 1 };
+            let stripes = ftrec_ec::StripeLayout::new(params, servers).unwrap();
+            let layout = Layout::striped(stripes);
+            let codec = ftrec_ec::Codec::new(k, r).unwrap();
+            let shards: Vec<Shard> = (0..servers)
+                .map(|s| Shard::initial(&config, 7, layout, s).unwrap())
+                .collect();
+            let row_bytes = config.row_stride() * 4;
+            for (t, &rows) in config.table_rows.iter().enumerate() {
+                let zero = vec![0u8; row_bytes];
+                let row_of = |g: usize| -> Vec<u8> {
+                    if g < rows {
+                        bytemuck::cast_slice(global.row(t, g as u64).unwrap()).to_vec()
+                    } else {
+                        zero.clone()
+                    }
+                };
+                for j in 0..stripes.stripes(rows) {
+                    let data: Vec<Vec<u8>> = (0..k).map(|i| row_of(j * k + i)).collect();
+                    for (i, d) in data.iter().enumerate() {
+                        let slot = stripes.data_slot(t, j, i);
+                        let stored = shards[slot.server].state().tables()[t].row(slot.local);
+                        assert_eq!(bytemuck::cast_slice::<f32, u8>(stored), &d[..]);
+                    }
+                    let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+                    for p in 0..r {
+                        let mut expected = vec![0u8; row_bytes];
+                        codec.encode_parity(p, &refs, &mut expected).unwrap();
+                        let slot = stripes.parity_slot(t, j, p);
+                        let red = shards[slot.server].redundancy().unwrap();
+                        let held =
+                            &red.parity[t][slot.local * row_bytes..(slot.local + 1) * row_bytes];
+                        assert_eq!(
+                            held,
+                            &expected[..],
+                            "k={k} r={r} table {t} stripe {j} parity {p}"
+                        );
+                    }
+                }
+            }
+            for shard in &shards {
+                let replica = shard.redundancy().unwrap().replica.as_ref().unwrap();
+                assert_eq!(replica.params, shards[replica.of].dense_params());
+                assert_eq!(replica.state, shards[replica.of].dense_optimizer_state());
+            }
         }
     }
 

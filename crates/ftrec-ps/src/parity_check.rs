@@ -1,0 +1,122 @@
+//! `verify-parity`: recomputes every stripe's parity from the data rows of the gathered
+//! model and compares it, byte for byte, with what the parity holders store; and checks
+//! each dense replica against its primary. Run at the end of every erasure-coded run.
+
+use ftrec_ec::Codec;
+use ftrec_model::ModelState;
+
+use crate::PsError;
+use crate::client::server_client;
+use crate::job::Job;
+use crate::proto::*;
+
+/// What the check found.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ParityReport {
+    /// Stripes checked, over every table.
+    pub stripes: u64,
+    /// Stripes where a stored parity row differs from the one encoded from the data rows.
+    pub mismatches: u64,
+    /// Dense replicas that differ from their primary range.
+    pub replica_mismatches: u64,
+}
+
+/// Checks the parity and replicas of the servers at `addresses` against `state`, the
+/// model gathered from their data rows (padding rows of a partial last stripe are zero).
+pub async fn verify_parity(
+    job: &Job,
+    addresses: &[String],
+    epoch: u64,
+    state: &ModelState,
+) -> Result<ParityReport, PsError> {
+    let layout = job.layout()?;
+    let Some(stripes) = layout.stripes() else {
+        return Ok(ParityReport::default());
+    };
+    let (k, r) = (stripes.params.k, stripes.params.r);
+    let codec = Codec::new(k, r).map_err(|e| PsError::Config(e.to_string()))?;
+    let config = state.config();
+    let row_bytes = config.row_stride() * 4;
+    let zero = vec![0u8; row_bytes];
+    let mut clients = addresses
+        .iter()
+        .map(|a| server_client(a, job.timeout()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut report = ParityReport::default();
+    for (t, &rows) in config.table_rows.iter().enumerate() {
+        let table = &state.tables()[t];
+        let row = |g: usize| -> &[u8] {
+            if g < rows {
+                bytemuck::cast_slice(table.row(g))
+            } else {
+                &zero
+            }
+        };
+        let mut stored = Vec::with_capacity(addresses.len());
+        for (s, client) in clients.iter_mut().enumerate() {
+            let what = format!("verify-parity: table {t} parity of server {s}");
+            let mut pieces = client
+                .fetch_rows(FetchRowsRequest {
+                    epoch,
+                    table: t as u32,
+                    first_row: 0,
+                    end_row: u32::MAX,
+                    parity: true,
+                })
+                .await
+                .map_err(|st| PsError::rpc(&what, &st))?
+                .into_inner();
+            let mut bytes = Vec::new();
+            while let Some(piece) = pieces
+                .message()
+                .await
+                .map_err(|st| PsError::rpc(&what, &st))?
+            {
+                bytes.extend_from_slice(&piece.rows);
+            }
+            stored.push(bytes);
+        }
+        let mut expected = vec![0u8; row_bytes];
+        for j in 0..stripes.stripes(rows) {
+            report.stripes += 1;
+            let data: Vec<&[u8]> = (0..k).map(|i| row(j * k + i)).collect();
+            let mut bad = false;
+            for p in 0..r {
+                codec
+                    .encode_parity(p, &data, &mut expected)
+                    .map_err(|e| PsError::Refused(e.to_string()))?;
+                let slot = stripes.parity_slot(t, j, p);
+                let held =
+                    stored[slot.server].get(slot.local * row_bytes..(slot.local + 1) * row_bytes);
+                bad |= held != Some(&expected[..]);
+            }
+            report.mismatches += u64::from(bad);
+        }
+    }
+    for s in 0..clients.len() {
+        let Some(of) = layout.replicates(s) else {
+            continue;
+        };
+        let fetch = |server: usize, replica: bool| {
+            let mut client = clients[server].clone();
+            async move {
+                client
+                    .fetch_dense(FetchDenseRequest { epoch, replica })
+                    .await
+                    .map(tonic::Response::into_inner)
+                    .map_err(|st| {
+                        PsError::rpc(
+                            format!("verify-parity: dense range of server {server}"),
+                            &st,
+                        )
+                    })
+            }
+        };
+        let replica = fetch(s, true).await?;
+        let primary = fetch(of, false).await?;
+        let same = (&replica.params, &replica.state, replica.step)
+            == (&primary.params, &primary.state, primary.step);
+        report.replica_mismatches += u64::from(!same);
+    }
+    Ok(report)
+}

@@ -1,0 +1,223 @@
+//! A replacement server rebuilds what its slot held (ECRec §3.4) from the survivors of
+//! its group: every data row and every parity row, decoded stripe by stripe, and both
+//! dense ranges it keeps (its own, from the replica holder; the one it replicates, from
+//! that range's primary). Training is held by the coordinator meanwhile; the rebuilt
+//! state is bit-identical to the lost one because the code works on the rows' bytes.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use ftrec_ec::Codec;
+use ftrec_model::{DenseState, EmbeddingTable, ModelState};
+
+use super::Core;
+use crate::PsError;
+use crate::applied::AppliedSteps;
+use crate::client::{ServerClient, server_client};
+use crate::proto::*;
+use crate::shard::{DenseReplica, Redundancy, Shard};
+use crate::wire::bytes_to_f32s;
+
+/// A whole table's data rows (or parity rows) of one server, streamed.
+async fn fetch_all(
+    client: &mut ServerClient,
+    epoch: u64,
+    table: usize,
+    parity: bool,
+    what: &str,
+) -> Result<Vec<u8>, PsError> {
+    let mut pieces = client
+        .fetch_rows(FetchRowsRequest {
+            epoch,
+            table: table as u32,
+            first_row: 0,
+            end_row: u32::MAX,
+            parity,
+        })
+        .await
+        .map_err(|s| PsError::rpc(what, &s))?
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(piece) = pieces.message().await.map_err(|s| PsError::rpc(what, &s))? {
+        out.extend_from_slice(&piece.rows);
+    }
+    Ok(out)
+}
+
+async fn fetch_dense(
+    client: &mut ServerClient,
+    epoch: u64,
+    replica: bool,
+    what: &str,
+) -> Result<FetchDenseReply, PsError> {
+    Ok(client
+        .fetch_dense(FetchDenseRequest { epoch, replica })
+        .await
+        .map_err(|s| PsError::rpc(what, &s))?
+        .into_inner())
+}
+
+impl Core {
+    pub(super) async fn rebuild(&self, req: RebuildRequest) -> Result<RebuildReply, PsError> {
+        let started = Instant::now();
+        let _turn = self.commit_turn.lock().await;
+        self.check_epoch_forward(req.epoch)?;
+        let epoch = req.epoch;
+        let layout = self.layout;
+        let Some(stripes) = layout.stripes() else {
+            return Err(PsError::Config("rebuild without erasure coding".into()));
+        };
+        let (k, r) = (stripes.params.k, stripes.params.r);
+        let me = self.id;
+        let lost: Vec<usize> = req.lost.iter().map(|&s| s as usize).collect();
+        let (group, _) = stripes.group_of_server(me);
+        let (first, members) = stripes.group(group);
+        let mut clients: HashMap<usize, ServerClient> = HashMap::new();
+        for s in first..first + members {
+            if s == me || lost.contains(&s) {
+                continue;
+            }
+            let address = req
+                .servers
+                .get(s)
+                .filter(|a| !a.is_empty())
+                .ok_or_else(|| PsError::Request(format!("rebuild: no address for server {s}")))?;
+            clients.insert(s, server_client(address, self.job.timeout())?);
+        }
+        let global = self.job.config.model_config()?;
+        let config = Shard::shard_config(&global, layout, me)?;
+        let stride = global.row_stride();
+        let row_bytes = stride * 4;
+        let codec = Codec::new(k, r).map_err(|e| PsError::Config(e.to_string()))?;
+        let mut redundancy = Redundancy::empty(&global, layout, me)?;
+        let mut tables = Vec::with_capacity(global.tables());
+        let (mut rebuilt_rows, mut rebuilt_bytes) = (0u64, 0u64);
+        for t in 0..global.tables() {
+            let rows = global.table_rows[t];
+            let mut data = HashMap::new();
+            let mut parity = HashMap::new();
+            for (&s, client) in clients.iter_mut() {
+                let what = format!("rebuild: table {t} from server {s}");
+                data.insert(s, fetch_all(client, epoch, t, false, &what).await?);
+                parity.insert(s, fetch_all(client, epoch, t, true, &what).await?);
+            }
+            let slot_bytes = |held: &HashMap<usize, Vec<u8>>, server: usize, local: usize| {
+                held.get(&server)
+                    .and_then(|b| b.get(local * row_bytes..(local + 1) * row_bytes))
+                    .map(<[u8]>::to_vec)
+            };
+            // Decodes stripe `j` from the survivors and returns its row `index` (data rows
+            // first, then parity rows).
+            let decode = |j: usize, index: usize| -> Result<Vec<u8>, PsError> {
+                let mut shards: Vec<Option<Vec<u8>>> = (0..k)
+                    .map(|i| {
+                        let slot = stripes.data_slot(t, j, i);
+                        slot_bytes(&data, slot.server, slot.local)
+                    })
+                    .chain((0..r).map(|p| {
+                        let slot = stripes.parity_slot(t, j, p);
+                        slot_bytes(&parity, slot.server, slot.local)
+                    }))
+                    .collect();
+                codec
+                    .reconstruct(&mut shards)
+                    .map_err(|e| PsError::Refused(format!("rebuild: table {t} stripe {j}: {e}")))?;
+                shards[index].take().ok_or_else(|| {
+                    PsError::Refused(format!("rebuild: table {t} stripe {j} not decoded"))
+                })
+            };
+            let (data_slots, parity_slots) = stripes.capacity(me, rows);
+            let mut mine = vec![0u8; data_slots * row_bytes];
+            for local in 0..data_slots {
+                if let Some((j, i)) = stripes.data_at(t, me, local, rows) {
+                    mine[local * row_bytes..(local + 1) * row_bytes]
+                        .copy_from_slice(&decode(j, i)?);
+                    rebuilt_rows += 1;
+                }
+            }
+            let held = &mut redundancy.parity[t];
+            for local in 0..parity_slots {
+                if let Some((j, p)) = stripes.parity_at(t, me, local, rows) {
+                    held[local * row_bytes..(local + 1) * row_bytes]
+                        .copy_from_slice(&decode(j, k + p)?);
+                    rebuilt_rows += 1;
+                }
+            }
+            rebuilt_bytes += (mine.len() + held.len()) as u64;
+            let values = bytes_to_f32s(&mine, "rebuilt rows")?;
+            tables.push(
+                EmbeddingTable::from_data(config.table_rows[t], global.dim, stride, values)
+                    .ok_or_else(|| PsError::Config("rebuilt table shape".into()))?,
+            );
+        }
+        let replica_holder = layout
+            .replica_of(me)
+            .ok_or_else(|| PsError::Config("no dense replica holder".into()))?;
+        let replicated = layout
+            .replicates(me)
+            .ok_or_else(|| PsError::Config("no replicated dense range".into()))?;
+        let dense_from = |s: usize| {
+            clients.get(&s).cloned().ok_or_else(|| {
+                PsError::Refused(format!(
+                    "rebuild: server {s} holds a dense range this slot needs and is lost too"
+                ))
+            })
+        };
+        let own = fetch_dense(
+            &mut dense_from(replica_holder)?,
+            epoch,
+            true,
+            "rebuild: dense replica",
+        )
+        .await?;
+        let other = fetch_dense(
+            &mut dense_from(replicated)?,
+            epoch,
+            false,
+            "rebuild: replicated range",
+        )
+        .await?;
+        let mut dense = DenseState::initial(&config, self.job.config.seed)?;
+        dense.params.fill(0.0);
+        dense.optimizer_state.fill(0.0);
+        let params = bytes_to_f32s(&own.params, "dense replica")?;
+        let state = bytes_to_f32s(&own.state, "dense replica state")?;
+        if params.len() > dense.params.len() || state.len() > dense.optimizer_state.len() {
+            return Err(PsError::Request(
+                "rebuild: the dense replica is larger than the model".into(),
+            ));
+        }
+        dense.params[..params.len()].copy_from_slice(&params);
+        dense.optimizer_state[..state.len()].copy_from_slice(&state);
+        dense.step = own.step;
+        let total = dense.params.len();
+        redundancy.replica = Some(DenseReplica {
+            of: replicated,
+            range: layout.dense_range(replicated, total),
+            params: bytes_to_f32s(&other.params, "replicated range")?,
+            state: bytes_to_f32s(&other.state, "replicated range state")?,
+            step: other.step,
+        });
+        rebuilt_bytes +=
+            (own.params.len() + own.state.len() + other.params.len() + other.state.len()) as u64;
+        let state = ModelState::from_parts(config, tables, dense)?;
+        // The replica holder committed exactly the steps this slot had (2PC), so its
+        // record of applied steps is this slot's.
+        let applied =
+            AppliedSteps::from_parts(own.applied_below, own.applied_ahead.iter().copied());
+        {
+            let mut shard = self.shard_write()?;
+            shard.install_rebuilt(state, redundancy)?;
+            self.publish(epoch, |steps| *steps = applied);
+        }
+        if let Some(ec) = &self.ec {
+            ec.drop_older_than(epoch);
+        }
+        self.metrics.set("ftrec_epoch", epoch as f64);
+        Ok(RebuildReply {
+            bytes: rebuilt_bytes,
+            rows: rebuilt_rows,
+            seconds: started.elapsed().as_secs_f64(),
+        })
+    }
+}

@@ -1,0 +1,159 @@
+//! What a server holds for *other* servers under erasure coding (ECRec §3.2–3.3): parity
+//! rows of the stripes it is a parity holder for, and a replica of one other server's
+//! dense range with its optimizer state.
+//!
+//! Parity rows are raw bytes, never floats: they are XOR and GF(2^8) combinations of row
+//! bit patterns, and are only ever folded into or decoded from, byte for byte.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use ftrec_ec::Codec;
+use ftrec_model::{DenseState, EmbeddingTable, ModelConfig};
+
+use crate::PsError;
+use crate::placement::{GlobalRow, Layout};
+
+/// A copy of another server's dense range, updated by the same gradients in the same
+/// order as the primary, so it stays bit-identical to it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DenseReplica {
+    /// The server whose range this is.
+    pub of: usize,
+    pub range: Range<usize>,
+    pub params: Vec<f32>,
+    pub state: Vec<f32>,
+    /// The primary's dense step count (Adam's bias correction reads it).
+    pub step: u64,
+}
+
+pub struct Redundancy {
+    pub codec: Arc<Codec>,
+    /// Per table: parity slots back to back, `row_bytes` each.
+    pub parity: Vec<Vec<u8>>,
+    pub row_bytes: usize,
+    pub replica: Option<DenseReplica>,
+}
+
+impl Redundancy {
+    /// Zeroed parity slots and no replica, for `server` of a striped layout.
+    pub fn empty(global: &ModelConfig, layout: Layout, server: usize) -> Result<Self, PsError> {
+        let Some(stripes) = layout.stripes() else {
+            return Err(PsError::Config("redundancy without erasure coding".into()));
+        };
+        let codec = Codec::new(stripes.params.k, stripes.params.r)
+            .map_err(|e| PsError::Config(e.to_string()))?;
+        let row_bytes = global.row_stride() * 4;
+        let parity = global
+            .table_rows
+            .iter()
+            .map(|&rows| vec![0u8; layout.parity_rows(server, rows) * row_bytes])
+            .collect();
+        Ok(Self {
+            codec: Arc::new(codec),
+            parity,
+            row_bytes,
+            replica: None,
+        })
+    }
+
+    /// Folds one initial row of `table` into the parity slots of this server that cover
+    /// it (called for every row as the initial tables are generated).
+    pub fn fold_initial(
+        &mut self,
+        layout: Layout,
+        server: usize,
+        table: usize,
+        row: usize,
+        bytes: &[u8],
+    ) {
+        for holder in layout.holders(table, GlobalRow(row as u32)).iter().skip(1) {
+            if holder.server != server {
+                continue;
+            }
+            let Some(stripes) = layout.stripes() else {
+                return;
+            };
+            let (_, position) = stripes.stripe_of(row);
+            let p = holder.local.index() % stripes.params.r;
+            let at = holder.local.index() * self.row_bytes;
+            self.codec.fold(
+                p,
+                position,
+                bytes,
+                &mut self.parity[table][at..at + self.row_bytes],
+            );
+        }
+    }
+
+    /// The initial replica of the dense range `server` keeps for `layout.replicates`.
+    pub fn initial_replica(
+        global: &ModelConfig,
+        layout: Layout,
+        server: usize,
+        seed: u64,
+    ) -> Result<Option<DenseReplica>, PsError> {
+        let Some(of) = layout.replicates(server) else {
+            return Ok(None);
+        };
+        let full = DenseState::initial(global, seed)?;
+        let range = layout.dense_range(of, full.params.len());
+        let mut state = vec![0.0f32; global.dense_optimizer.dense_state_len(range.len())?];
+        global.dense_optimizer.init_dense_state(&mut state);
+        Ok(Some(DenseReplica {
+            of,
+            params: full.params[range.clone()].to_vec(),
+            range,
+            state,
+            step: full.step,
+        }))
+    }
+
+    /// Folds `coef · delta` into parity slot `local` of `table`.
+    pub fn fold(
+        &mut self,
+        table: usize,
+        local: usize,
+        coef: u8,
+        delta: &[u8],
+    ) -> Result<(), PsError> {
+        let slots = self
+            .parity
+            .get_mut(table)
+            .ok_or_else(|| PsError::Request(format!("parity of table {table} does not exist")))?;
+        let at = local * self.row_bytes;
+        let Some(slot) = slots.get_mut(at..at + self.row_bytes) else {
+            return Err(PsError::Request(format!(
+                "parity slot {local} of table {table} is outside this server's {} slots",
+                slots.len() / self.row_bytes.max(1)
+            )));
+        };
+        if delta.len() != self.row_bytes {
+            return Err(PsError::Request(format!(
+                "a parity difference of {} bytes for rows of {} bytes",
+                delta.len(),
+                self.row_bytes
+            )));
+        }
+        ftrec_ec::fold_with(coef, delta, slot);
+        Ok(())
+    }
+}
+
+/// The initial rows of `table`, handed to `sink` with their bytes (a whole table is
+/// generated to find one server's rows; the same pass folds that server's parity).
+pub fn for_each_initial_row(
+    global: &ModelConfig,
+    seed: u64,
+    table: usize,
+    mut sink: impl FnMut(usize, &[f32]),
+) {
+    EmbeddingTable::initial_rows(
+        global.table_rows[table],
+        global.dim,
+        &global.sparse_optimizer,
+        seed,
+        table,
+        |r, row| sink(r, row),
+    );
+}
