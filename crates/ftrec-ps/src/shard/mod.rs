@@ -564,7 +564,7 @@ pub(crate) mod tests {
     fn striped_initial_shards_hold_rows_parity_and_replicas() {
         let config = model();
         let global = ModelState::new(&config, 7).unwrap();
-        for (k, r, servers) in [(2, 1, 3), (3, 1, 4), (2, 2, 5)] {
+        for (k, r, servers) in [(2, 1, 3), (3, 1, 4), (2, 2, 4)] {
             let params = ftrec_ec::EcParams { k, r, groups: 1 };
             let stripes = ftrec_ec::StripeLayout::new(params, servers).unwrap();
             let layout = Layout::striped(stripes);
