@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use crate::PsError;
 use crate::coordinator::{self, CoordinatorOptions, RunSummary, Spawner, sigkill};
+use crate::faults::{FAULTS_ENV, FaultPoint, Faults};
 use crate::job::Job;
 use crate::proto::Role;
 
@@ -23,6 +24,8 @@ pub enum KillAt {
     After(Duration),
     /// As soon as the coordinator grants this global step (exact, for tests).
     Step(u64),
+    /// The server kills itself at this protocol point (`faults.rs`).
+    Point(FaultPoint),
 }
 
 /// `role:id@seconds` (`server:1@10s`) or `role:id@step:N` (`server:1@step:8`): SIGKILL
@@ -39,13 +42,21 @@ impl std::str::FromStr for KillSpec {
     fn from_str(s: &str) -> Result<Self, String> {
         let bad = || {
             format!(
-                "--kill {s:?}: expected ROLE:ID@SECONDS or ROLE:ID@step:N, e.g. server:1@10s or server:1@step:8"
+                "--kill {s:?}: expected ROLE:ID@SECONDS, ROLE:ID@step:N or (servers of an \
+                 erasure-coded run) ROLE:ID@prepare:N, @commit:N or @rebuild, e.g. server:1@10s, \
+                 server:1@step:8 or server:1@commit:8"
             )
         };
         let (who, when) = s.split_once('@').ok_or_else(bad)?;
         let (role, id) = parse_member(who).map_err(|_| bad())?;
         let at = match when.strip_prefix("step:") {
             Some(step) => KillAt::Step(step.parse().map_err(|_| bad())?),
+            None if FaultPoint::parse(when).is_some() => {
+                if role != Role::Server {
+                    return Err(bad());
+                }
+                KillAt::Point(FaultPoint::parse(when).ok_or_else(bad)?)
+            }
             None => {
                 let secs: f64 = when.trim_end_matches('s').parse().map_err(|_| bad())?;
                 if !(secs.is_finite() && secs >= 0.0) {
@@ -171,10 +182,43 @@ struct LocalSpawner {
     job_file: PathBuf,
     logs: PathBuf,
     children: Mutex<Vec<(String, Child)>>,
+    /// Planned deaths not yet handed to a process, by server slot.
+    faults: Mutex<Vec<(usize, FaultPoint)>>,
+    /// Processes started per server slot so far.
+    spawned: Mutex<Vec<usize>>,
 }
 
 impl LocalSpawner {
+    /// The planned deaths for the next process of slot `id`: phase points go to its first
+    /// process, a rebuild death to its first replacement (the process that rebuilds).
+    fn faults_for(&self, id: usize) -> String {
+        let Ok(mut spawned) = self.spawned.lock() else {
+            return String::new();
+        };
+        if spawned.len() <= id {
+            spawned.resize(id + 1, 0);
+        }
+        let replacement = spawned[id] > 0;
+        spawned[id] += 1;
+        let Ok(mut faults) = self.faults.lock() else {
+            return String::new();
+        };
+        let mut mine = Vec::new();
+        faults.retain(|&(slot, point)| {
+            let due = slot == id && (point == FaultPoint::Rebuild) == replacement;
+            if due {
+                mine.push(point);
+            }
+            !due
+        });
+        Faults::encode(&mine)
+    }
+
     fn spawn(&self, name: String, args: &[String]) -> Result<(), PsError> {
+        self.spawn_with(name, args, String::new())
+    }
+
+    fn spawn_with(&self, name: String, args: &[String], faults: String) -> Result<(), PsError> {
         let n = self.children.lock().map_or(0, |c| c.len());
         let log_path = self.logs.join(format!("{name}-{n}.log"));
         let log = std::fs::File::create(&log_path).map_err(|error| PsError::Io {
@@ -188,6 +232,7 @@ impl LocalSpawner {
         let child = Command::new(&self.exe)
             .args(args)
             .env(LAUNCHER_PID_ENV, std::process::id().to_string())
+            .env(FAULTS_ENV, faults)
             .env(
                 "FTREC_LOG",
                 std::env::var("FTREC_LOG").unwrap_or_else(|_| "info".into()),
@@ -255,7 +300,7 @@ impl Spawner for Arc<LocalSpawner> {
     fn spawn_server(&self, id: usize, coordinator: &str) -> Result<(), PsError> {
         let mut args = self.base_args("server", coordinator);
         args.extend(["--id".into(), id.to_string()]);
-        self.spawn(format!("server-{id}"), &args)
+        self.spawn_with(format!("server-{id}"), &args, self.faults_for(id))
     }
 
     fn spawn_worker(&self, id: usize, coordinator: &str) -> Result<(), PsError> {
@@ -307,6 +352,16 @@ async fn run_async(
         job_file,
         logs,
         children: Mutex::new(Vec::new()),
+        faults: Mutex::new(
+            opts.kills
+                .iter()
+                .filter_map(|k| match k.at {
+                    KillAt::Point(p) => Some((k.id, p)),
+                    _ => None,
+                })
+                .collect(),
+        ),
+        spawned: Mutex::new(Vec::new()),
     });
     let mut handle = coordinator::start(CoordinatorOptions {
         job: job.clone(),
@@ -334,6 +389,7 @@ async fn run_async(
             match k.at {
                 KillAt::After(after) => kills.push((after, k.role, k.id)),
                 KillAt::Step(step) => shared.kill_at_step(k.role, k.id, step),
+                KillAt::Point(_) => {}
             }
         }
         kills.sort_by_key(|k| k.0);

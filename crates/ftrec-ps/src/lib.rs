@@ -7,6 +7,7 @@ pub mod assemble;
 pub mod client;
 pub mod coordinator;
 mod error;
+pub mod faults;
 pub mod gather;
 pub mod job;
 pub mod launch;

@@ -138,6 +138,10 @@ impl StepLedger {
             .extend(all.into_iter().map(|(step, g)| (step, g.epoch)));
     }
 
+    pub fn has_orphans(&self) -> bool {
+        !self.orphans.is_empty()
+    }
+
     pub fn orphans(&self) -> Vec<u64> {
         self.orphans.keys().copied().collect()
     }

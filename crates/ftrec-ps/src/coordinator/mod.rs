@@ -327,7 +327,10 @@ impl Shared {
             s.pause_started = Some(Instant::now());
         }
         // Regrants go out even while a cut waits: the cut needs them settled.
-        let fresh = s.phase == Phase::Running;
+        // In deterministic mode steps apply strictly in order: a fresh step granted while
+        // an earlier one waits to be resolved would wait on it forever.
+        let fresh = s.phase == Phase::Running
+            && !(self.job.config.cluster.deterministic && s.steps.has_orphans());
         if let Some(step) = s.steps.take(worker, epoch, fresh) {
             if !s.step_kills.is_empty() {
                 self.fire_step_kills(s, step);

@@ -84,6 +84,11 @@ pub fn plan(s: &Situation) -> RecoveryAction {
         unsettled: s.unsettled.clone(),
     };
     if let (Some(layout), Cause::ServersLost(lost)) = (&s.ec, &s.cause) {
+        // A slot whose replacement died too was lost once, not twice.
+        let mut lost = lost.clone();
+        lost.sort_unstable();
+        lost.dedup();
+        let lost = &lost;
         return match (beyond_the_code(layout, lost), s.ft) {
             (None, _) => RecoveryAction::Rebuild {
                 servers: lost.clone(),
@@ -194,6 +199,16 @@ mod tests {
                 unsettled: vec![37, 39]
             },
             "one server in each group: both rebuild, nothing rolls back"
+        );
+        s.cause = Cause::ServersLost(vec![4, 1, 1]);
+        assert_eq!(
+            plan(&s),
+            RecoveryAction::Rebuild {
+                servers: vec![1, 4],
+                next_step: 41,
+                unsettled: vec![37, 39]
+            },
+            "a slot whose replacement died too counts once"
         );
         s.cause = Cause::ServersLost(vec![0, 2]);
         match plan(&s) {

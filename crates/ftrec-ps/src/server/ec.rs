@@ -23,6 +23,7 @@ use super::Core;
 use super::pipeline::Pushed;
 use crate::PsError;
 use crate::client::{CoordinatorClient, ServerClient, server_client};
+use crate::faults::FaultPoint;
 use crate::placement::GlobalRow;
 use crate::proto::*;
 use crate::shard::{PreCommit, StagedUpdate, Update};
@@ -284,6 +285,7 @@ impl Core {
         }
         let turn = self.commit_turn.clone().lock_owned().await;
         self.check_epoch(epoch)?;
+        tracing::debug!("prepare step {} in epoch {epoch}", update.step);
         if self.steps().contains(update.step) {
             return Ok(Pushed::Duplicate {
                 steps: self.steps().count(),
@@ -294,6 +296,7 @@ impl Core {
             observer.pre_commit(&staged).await?;
         }
         let (step, rows) = (staged.step, staged.rows_changed());
+        self.faults.die_at(FaultPoint::Prepare(step));
         lock(&ec.prepared).insert(
             step,
             Prepared {
@@ -316,6 +319,11 @@ impl Core {
         let prepared = lock(&ec.prepared)
             .remove(&step)
             .filter(|p| p.epoch == epoch);
+        tracing::debug!(
+            "{} step {step} in epoch {epoch}: prepared here {}",
+            if commit { "commit" } else { "abort" },
+            prepared.is_some()
+        );
         let parity: Vec<StagedParity> = lock(&ec.staged_parity)
             .remove(&step)
             .unwrap_or_default()
@@ -325,6 +333,7 @@ impl Core {
         if !commit {
             return Ok(self.steps().count());
         }
+        self.faults.die_at(FaultPoint::Commit(step));
         let applied = {
             let mut shard = self.shard_write()?;
             for staged in &parity {

@@ -75,6 +75,8 @@ struct Core {
     writer: std::sync::Mutex<Option<Checkpoints>>,
     metrics: Arc<Metrics>,
     stop: Arc<Notify>,
+    /// Planned deaths (tests): `faults.rs`.
+    faults: crate::faults::Faults,
 }
 
 fn server_metrics(id: &str) -> Metrics {
@@ -288,6 +290,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         writer: std::sync::Mutex::new(None),
         metrics,
         stop: stop.clone(),
+        faults: crate::faults::Faults::from_env(),
     });
     let service = ParameterServerServer::new(service::Service(core.clone()))
         .max_decoding_message_size(usize::MAX)

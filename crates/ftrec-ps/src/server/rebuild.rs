@@ -144,6 +144,7 @@ impl Core {
                 }
             }
             rebuilt_bytes += (mine.len() + held.len()) as u64;
+            self.faults.die_at(crate::faults::FaultPoint::Rebuild);
             let values = bytes_to_f32s(&mine, "rebuilt rows")?;
             tables.push(
                 EmbeddingTable::from_data(config.table_rows[t], global.dim, stride, values)
