@@ -387,6 +387,41 @@ pub enum BenchCommand {
     /// The cluster (2 servers, 2 workers by default) against the single-process trainer on
     /// the same cores; RPC bytes per sample; checkpoint pause; SIGKILL to training resumed.
     Cluster(BenchClusterArgs),
+    /// ECRec against no fault tolerance and against checkpoints on the same cluster and
+    /// data: normal-mode overhead (with and without 2PC), SIGKILL to the next step,
+    /// rebuild rate, recovery speed-up over checkpoints, memory overhead.
+    Ec(BenchEcArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchEcArgs {
+    /// Dataset directory (generated with the tiny Criteo shape when missing).
+    #[arg(long, default_value = "bench-cluster-data")]
+    pub data: PathBuf,
+    #[arg(long, default_value_t = 1_000_000)]
+    pub rows: u64,
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+    #[arg(long, default_value_t = 300)]
+    pub steps: u64,
+    #[arg(long, default_value_t = 3)]
+    pub servers: usize,
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// SIGKILL server 1 this many seconds into the runs with a failure.
+    #[arg(long, default_value_t = 5.0)]
+    pub kill_after: f64,
+    /// Cut interval of the `--ft checkpoint` run compared with.
+    #[arg(long, default_value_t = 50)]
+    pub checkpoint_every: u64,
+    /// Where summary.json and the timeline plots go.
+    #[arg(long, default_value = "bench-ec")]
+    pub out: PathBuf,
+    /// Override a configuration key (repeatable), e.g. `--set ec.k=3`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

@@ -1,0 +1,173 @@
+//! `ftrec bench ec`: ECRec's figures (ECRec §5) on one cluster shape and one dataset,
+//! every run back to back: normal-mode throughput with no fault tolerance, with erasure
+//! coding (2PC on and off), the same SIGKILL under erasure coding and under checkpoints,
+//! and the memory the redundancy takes.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use ftrec_config::{FaultTolerance, JobConfig};
+use ftrec_data::TRAIN_FILE;
+use ftrec_data::generate::{GenConfig, OutputFormat, read_meta};
+use ftrec_ps::launch::{self, LaunchOptions, LaunchReport};
+use ftrec_ps::timeline::TimelineData;
+use serde_json::json;
+
+use crate::cli::BenchEcArgs;
+use crate::commands::{print_json, run_gen};
+
+fn run_one(a: &BenchEcArgs, config: &JobConfig, name: &str, kill: bool) -> Result<LaunchReport> {
+    let run_dir = std::path::absolute(a.out.join(name))?;
+    let _ = std::fs::remove_dir_all(&run_dir);
+    let mut c = config.clone();
+    if c.cluster.ft.checkpoints() {
+        c.checkpoint.dir = Some(run_dir.join("checkpoints"));
+        c.checkpoint.every_steps = a.checkpoint_every;
+    }
+    let kills = if kill {
+        vec![
+            format!("server:1@{}s", a.kill_after)
+                .parse()
+                .map_err(anyhow::Error::msg)?,
+        ]
+    } else {
+        Vec::new()
+    };
+    if !a.json {
+        eprintln!("cluster run {name} ...");
+    }
+    let report = launch::run(
+        LaunchOptions {
+            job: ftrec_ps::Job::new(c)?,
+            run_dir: run_dir.clone(),
+            kills,
+            spares: 0,
+            exe: std::env::current_exe()?,
+            time_limit: Duration::from_secs(1800),
+            evaluate: None,
+        },
+        |_| {},
+    )?;
+    TimelineData::read(&run_dir.join("timeline.json"))?.plot(
+        &a.out.join(format!("{name}.png")),
+        &format!("{name}: {} servers, {} workers", a.servers, a.workers),
+    )?;
+    // Checkpoints and logs of a benchmark run are not kept; the plot and figures are.
+    let _ = std::fs::remove_dir_all(run_dir.join("checkpoints"));
+    Ok(report)
+}
+
+/// Bytes the redundancy takes beside the model: parity rows on every server plus one
+/// replica of the dense parameters and their optimizer state.
+fn redundancy_bytes(config: &JobConfig) -> Result<(u64, u64)> {
+    let model = config.model_config()?;
+    let layout = ftrec_ps::Job::new(config.clone())?.layout()?;
+    let row_bytes = (model.row_stride() * 4) as u64;
+    let rows: u64 = model.table_rows.iter().map(|&r| r as u64).sum();
+    let parity: u64 = (0..config.cluster.servers)
+        .map(|s| {
+            model
+                .table_rows
+                .iter()
+                .map(|&r| layout.parity_rows(s, r) as u64)
+                .sum::<u64>()
+        })
+        .sum::<u64>()
+        * row_bytes;
+    let dense_params = ftrec_model::MlpSpec::dlrm_pair(&model).1.end();
+    let dense = (dense_params + model.dense_optimizer.dense_state_len(dense_params)?) as u64 * 4;
+    Ok((rows * row_bytes + dense, parity + dense))
+}
+
+pub fn run(a: BenchEcArgs) -> Result<()> {
+    std::fs::create_dir_all(&a.out).with_context(|| a.out.display().to_string())?;
+    let gen_config = GenConfig::criteo(a.rows, 1, 0.01);
+    let fresh = read_meta(&a.data).is_some_and(|m| m.config == gen_config)
+        && a.data.join(TRAIN_FILE).exists();
+    if !fresh {
+        run_gen(&gen_config, &a.data, OutputFormat::Binary, a.json)?;
+    }
+    let mut config = JobConfig::load(Some(&a.preset), None, &a.set)?;
+    config.train.steps = a.steps;
+    config.data.dir = Some(std::path::absolute(&a.data)?);
+    config.threads = 1;
+    config.cluster.servers = a.servers;
+    config.cluster.workers = a.workers;
+    let with = |ft: FaultTolerance, two_phase: bool| {
+        let mut c = config.clone();
+        c.cluster.ft = ft;
+        c.ec.two_phase_commit = two_phase;
+        c
+    };
+    let none = run_one(&a, &with(FaultTolerance::None, true), "none", false)?;
+    let ec = run_one(&a, &with(FaultTolerance::Ec, true), "ec", false)?;
+    let ec_no_2pc = run_one(&a, &with(FaultTolerance::Ec, false), "ec-no-2pc", false)?;
+    let ec_kill = run_one(&a, &with(FaultTolerance::Ec, true), "ec-kill", true)?;
+    let ckpt_kill = run_one(
+        &a,
+        &with(FaultTolerance::Checkpoint, true),
+        "checkpoint-kill",
+        true,
+    )?;
+
+    let rate = |r: &LaunchReport| r.summary.samples_per_sec;
+    let overhead = |r: &LaunchReport| 1.0 - rate(r) / rate(&none);
+    let ec_recovery = ec_kill.summary.recoveries.first();
+    let kill_to_resume = ec_kill.kill_to_resume_seconds.first().copied();
+    let (rebuild_seconds, rebuild_bytes) = ec_recovery
+        .map(|r| (r.rebuild_seconds, r.rebuild_bytes))
+        .unwrap_or_default();
+    // Checkpoint recovery in the average case: the measured SIGKILL-to-resume (detection,
+    // restore) plus retraining half an interval at the run's mean step time.
+    let step_seconds = ckpt_kill.summary.train_seconds / ckpt_kill.summary.steps.max(1) as f64;
+    let ckpt_resume = ckpt_kill.kill_to_resume_seconds.first().copied();
+    let ckpt_recovery = ckpt_resume.map(|k| k + a.checkpoint_every as f64 / 2.0 * step_seconds);
+    let (model_bytes, extra_bytes) = redundancy_bytes(&with(FaultTolerance::Ec, true))?;
+    let summary = json!({
+        "preset": a.preset,
+        "overrides": a.set,
+        "steps": a.steps,
+        "servers": a.servers,
+        "workers": a.workers,
+        "ec": { "k": config.ec.k, "r": config.ec.r, "groups": config.ec.groups },
+        "samples_per_sec": {
+            "none": rate(&none),
+            "ec": rate(&ec),
+            "ec_no_2pc": rate(&ec_no_2pc),
+            "ec_kill": rate(&ec_kill),
+            "checkpoint_kill": rate(&ckpt_kill),
+        },
+        "overhead": overhead(&ec),
+        "overhead_no_2pc": overhead(&ec_no_2pc),
+        // Dense parameters through difference propagation (ec.replicate_dense = false) is
+        // not built: there is no run without replication to compare with.
+        "overhead_no_replication": null,
+        "kill_to_resume_seconds": kill_to_resume,
+        "detection_seconds": ec_recovery.map(|r| kill_to_resume.unwrap_or(0.0) - (r.resumed_at - r.detected_at)),
+        "rebuild_seconds": rebuild_seconds,
+        "rebuild_bytes": rebuild_bytes,
+        "rebuild_bytes_per_sec": rebuild_bytes as f64 / rebuild_seconds.max(1e-9),
+        // Training is held while a replacement rebuilds (no degraded reads yet), so no
+        // step runs during a rebuild.
+        "rebuild_throughput_ratio": 0.0,
+        "checkpoint_kill_to_resume_seconds": ckpt_resume,
+        "checkpoint_recovery_seconds_average_case": ckpt_recovery,
+        "recovery_speedup_vs_checkpoint": match (ckpt_recovery, kill_to_resume) {
+            (Some(c), Some(e)) => Some(c / e),
+            _ => None,
+        },
+        "memory_overhead": extra_bytes as f64 / model_bytes as f64,
+        "parity_mismatches": [ec.parity_mismatches, ec_no_2pc.parity_mismatches, ec_kill.parity_mismatches],
+        "lost_samples": ec_kill.summary.lost_samples,
+    });
+    let path = a.out.join("summary.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| path.display().to_string())?;
+    if a.json {
+        return print_json(summary);
+    }
+    println!("{}", serde_json::to_string_pretty(&summary)?);
+    println!("wrote {}", Path::new(&a.out).display());
+    Ok(())
+}
