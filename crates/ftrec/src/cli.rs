@@ -539,6 +539,11 @@ pub struct DemoArgs {
     /// SIGKILL server 1 this many seconds after training starts.
     #[arg(long, default_value_t = 20.0)]
     pub kill_after: f64,
+    /// How the cluster survives the kill: `ec` (3 servers, erasure coded: the server is
+    /// rebuilt from the others, nothing rolls back) or `checkpoint` (2 servers, roll back to
+    /// the last consistent checkpoint).
+    #[arg(long, default_value = "ec", value_parser = str::parse::<ftrec_config::FaultTolerance>)]
+    pub ft: ftrec_config::FaultTolerance,
     #[arg(long)]
     pub json: bool,
 }

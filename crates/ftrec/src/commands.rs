@@ -404,21 +404,30 @@ fn demo(a: DemoArgs) -> Result<()> {
     config.seed = a.seed;
     config.threads = 1;
     config.data.dir = Some(std::path::absolute(&a.dir)?);
-    config.cluster.servers = 2;
+    let erasure_coded = a.ft.erasure_coded();
+    config.cluster.servers = if erasure_coded { 3 } else { 2 };
     config.cluster.workers = 2;
-    config.cluster.ft = ftrec_config::FaultTolerance::Checkpoint;
+    config.cluster.ft = a.ft;
     config.checkpoint.every_steps = 100;
     let run_dir = std::path::absolute(a.dir.join("cluster-run"))?;
     let checkpoints = run_dir.join("checkpoints");
     // The demo's checkpoints are its own scratch: each demo is a fresh run, and a full
     // cut of this model is about 680 MB.
     remove_if_present(&checkpoints)?;
-    config.checkpoint.dir = Some(checkpoints.clone());
+    if a.ft.checkpoints() {
+        config.checkpoint.dir = Some(checkpoints.clone());
+    }
     if !a.json {
+        let how = if erasure_coded {
+            "3 parameter servers + 2 workers as separate processes over TCP,\n\
+             rows and optimizer state erasure coded (k = 2, r = 1), dense parameters replicated"
+        } else {
+            "2 parameter servers + 2 workers as separate processes over TCP,\n\
+             a consistent checkpoint every 100 steps"
+        };
         println!(
             "training the tiny DLRM (26 tables x 100k rows x 64, batch 2048) for one pass over {} samples\n\
-             on a local cluster: 2 parameter servers + 2 workers as separate processes over TCP,\n\
-             a consistent checkpoint every 100 steps; server 1 is SIGKILLed {}s into training ...",
+             on a local cluster: {how}; server 1 is SIGKILLed {}s into training ...",
             meta.train_samples, a.kill_after
         );
     }
@@ -463,6 +472,7 @@ fn demo(a: DemoArgs) -> Result<()> {
             "state_digest": report.state_digest, "recovery_seconds": s.recovery_seconds,
             "kill_to_resume_seconds": report.kill_to_resume_seconds,
             "recoveries": s.recoveries, "run_dir": report.run_dir,
+            "parity_mismatches": report.parity_mismatches,
         }));
     }
     let timeline = ftrec_ps::timeline::TimelineData::read(&run_dir.join("timeline.json"))?;
@@ -475,6 +485,8 @@ fn demo(a: DemoArgs) -> Result<()> {
                 | "replacement"
                 | "server-joined"
                 | "recovery-start"
+                | "rebuild-start"
+                | "rebuild-end"
                 | "recovery-end"
                 | "training-end"
         )
@@ -496,6 +508,9 @@ fn demo(a: DemoArgs) -> Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    if let Some(m) = report.parity_mismatches {
+        println!("verify-parity: {m} stripes whose parity disagrees with their rows");
+    }
     println!(
         "held-out AUC {:.4} vs teacher ceiling {:.4} (gap {:.4}); logloss {:.4}",
         auc,
