@@ -40,6 +40,16 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
                 // Keep answering heartbeats with `stop` until the process exits.
                 continue;
             }
+            if std::mem::take(&mut s.probe_requested) {
+                let targets: Vec<(usize, String)> = s
+                    .servers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| m.joined && m.alive && !m.address.is_empty())
+                    .map(|(id, m)| (id, m.address.clone()))
+                    .collect();
+                tokio::spawn(probe_servers(shared.clone(), targets));
+            }
             detect_failures(&shared, &mut s);
             if s.busy { None } else { plan(&shared, &mut s) }
         };
@@ -53,6 +63,38 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
     }
 }
 
+/// A worker's call to a server failed: connect to every server's port. "Connection
+/// refused" means no process listens there (a SIGKILLed server's socket is closed by the
+/// kernel at once), so that server is dead now, not after its heartbeats time out. A
+/// probe that gets no answer either way decides nothing; the heartbeats still do.
+async fn probe_servers(shared: Arc<Shared>, targets: Vec<(usize, String)>) {
+    let probes = targets.into_iter().map(|(id, address)| async move {
+        let attempt = tokio::time::timeout(
+            Duration::from_millis(300),
+            tokio::net::TcpStream::connect(address.as_str()),
+        )
+        .await;
+        let refused =
+            matches!(attempt, Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused);
+        (id, address, refused)
+    });
+    for (id, address, refused) in futures::future::join_all(probes).await {
+        if !refused {
+            continue;
+        }
+        let mut s = shared.lock();
+        let m = &mut s.servers[id];
+        // The slot may have a new process by now.
+        if m.alive && m.address == address {
+            m.refused = true;
+            s.timeline.event(
+                "suspicion-confirmed",
+                format!("server {id}: connection to {address} refused"),
+            );
+        }
+    }
+}
+
 fn detect_failures(shared: &Shared, s: &mut State) {
     let c = &shared.job.config.cluster;
     let timeout = Duration::from_millis(c.failure_timeout_ms);
@@ -62,7 +104,7 @@ fn detect_failures(shared: &Shared, s: &mut State) {
     for id in 0..s.servers.len() {
         let m = &s.servers[id];
         let silent = m.silent_for();
-        if !(m.joined && m.alive && silent > timeout) {
+        if !(m.joined && m.alive && (silent > timeout || m.refused)) {
             continue;
         }
         s.servers[id].alive = false;
@@ -131,6 +173,7 @@ fn replace_server(shared: &Shared, s: &mut State, id: usize) {
         let member = Member {
             ready: false,
             last_seen: Some(Instant::now()),
+            refused: false,
             ..spare.member.clone()
         };
         let (token, address) = (spare.token, member.address.clone());

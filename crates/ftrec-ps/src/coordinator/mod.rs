@@ -54,6 +54,9 @@ struct Member {
     alive: bool,
     ready: bool,
     last_seen: Option<Instant>,
+    /// A probe found nothing listening at its address: dead, without waiting for its
+    /// heartbeats to time out.
+    refused: bool,
 }
 
 impl Member {
@@ -152,6 +155,8 @@ struct State {
     /// A worker lost a step to a server error: no new grants until the failure detector
     /// confirms a failure (or this passes), so the schedule is not burnt on a dead server.
     suspect_until: Option<Instant>,
+    /// A worker's call to a server failed: probe the servers' ports (`control.rs`).
+    probe_requested: bool,
     /// Why the run cannot go on (a crash loop); ends it with this error.
     fatal: Option<String>,
 }
@@ -494,6 +499,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             next_token: 1,
             worker_respawns: vec![0; cluster.workers],
             suspect_until: None,
+            probe_requested: false,
             fatal: None,
         }),
         spawner: opts.spawner,

@@ -35,6 +35,7 @@ impl Coordinator for Service {
             alive: true,
             ready: false,
             last_seen: Some(Instant::now()),
+            refused: false,
         };
         match (req.role(), req.spare) {
             (Role::Server, true) => {
@@ -186,6 +187,7 @@ impl Coordinator for Service {
             s.suspect_until = Some(
                 Instant::now() + Duration::from_millis(c.failure_timeout_ms + 2 * c.heartbeat_ms),
             );
+            s.probe_requested = true;
         }
         let reply = shared.grant(&mut s, worker);
         Ok(Response::new(reply))

@@ -238,9 +238,18 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         },
         heartbeat,
     ));
-    let shard = tokio::task::spawn_blocking(move || Shard::initial(&model, seed, host_layout, id))
-        .await
-        .map_err(|e| PsError::Refused(e.to_string()));
+    // An erasure-coded slot taken after a failure (or by a spare) is rebuilt from the
+    // survivors before it serves: generating the initial tables would be wasted time.
+    let replacement = c.cluster.ft.erasure_coded() && (joined.epoch > 1 || opts.id.is_none());
+    let shard = tokio::task::spawn_blocking(move || {
+        if replacement {
+            Shard::awaiting_rebuild(&model, seed, host_layout, id)
+        } else {
+            Shard::initial(&model, seed, host_layout, id)
+        }
+    })
+    .await
+    .map_err(|e| PsError::Refused(e.to_string()));
     starting.abort();
     let shard = shard??;
     let checkpoints = match &c.checkpoint.dir {

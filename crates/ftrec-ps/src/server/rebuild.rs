@@ -94,52 +94,84 @@ impl Core {
         let (mut rebuilt_rows, mut rebuilt_bytes) = (0u64, 0u64);
         for t in 0..global.tables() {
             let rows = global.table_rows[t];
+            // Every survivor streams its slots of the table at once.
+            let fetches = clients.iter().map(|(&s, client)| {
+                let (mut rows_client, mut parity_client) = (client.clone(), client.clone());
+                async move {
+                    let what = format!("rebuild: table {t} from server {s}");
+                    let (d, p) = futures::future::join(
+                        fetch_all(&mut rows_client, epoch, t, false, &what),
+                        fetch_all(&mut parity_client, epoch, t, true, &what),
+                    )
+                    .await;
+                    Ok::<_, PsError>((s, d?, p?))
+                }
+            });
             let mut data = HashMap::new();
             let mut parity = HashMap::new();
-            for (&s, client) in clients.iter_mut() {
-                let what = format!("rebuild: table {t} from server {s}");
-                data.insert(s, fetch_all(client, epoch, t, false, &what).await?);
-                parity.insert(s, fetch_all(client, epoch, t, true, &what).await?);
+            for fetched in futures::future::join_all(fetches).await {
+                let (s, d, p) = fetched?;
+                data.insert(s, d);
+                parity.insert(s, p);
             }
-            let slot_bytes = |held: &HashMap<usize, Vec<u8>>, server: usize, local: usize| {
+            fn slot_bytes(
+                held: &HashMap<usize, Vec<u8>>,
+                server: usize,
+                local: usize,
+                row_bytes: usize,
+            ) -> Option<&[u8]> {
                 held.get(&server)
                     .and_then(|b| b.get(local * row_bytes..(local + 1) * row_bytes))
-                    .map(<[u8]>::to_vec)
-            };
-            // Decodes stripe `j` from the survivors and returns its row `index` (data rows
+            }
+            // Decodes stripe `j` from the survivors into `out`: its row `index` (data rows
             // first, then parity rows).
-            let decode = |j: usize, index: usize| -> Result<Vec<u8>, PsError> {
-                let mut shards: Vec<Option<Vec<u8>>> = (0..k)
+            let decode = |j: usize, index: usize, out: &mut [u8]| -> Result<(), PsError> {
+                let present: Vec<Option<&[u8]>> = (0..k)
                     .map(|i| {
                         let slot = stripes.data_slot(t, j, i);
-                        slot_bytes(&data, slot.server, slot.local)
+                        slot_bytes(&data, slot.server, slot.local, row_bytes)
                     })
                     .chain((0..r).map(|p| {
                         let slot = stripes.parity_slot(t, j, p);
-                        slot_bytes(&parity, slot.server, slot.local)
+                        slot_bytes(&parity, slot.server, slot.local, row_bytes)
                     }))
                     .collect();
+                // The XOR code with only this row missing: the XOR of the others, in place.
+                let missing = present.iter().filter(|p| p.is_none()).count();
+                if r == 1 && missing == 1 && present[index].is_none() {
+                    out.fill(0);
+                    for row in present.iter().flatten() {
+                        ftrec_ec::fold_with(1, row, out);
+                    }
+                    return Ok(());
+                }
+                let mut shards: Vec<Option<Vec<u8>>> =
+                    present.iter().map(|p| p.map(<[u8]>::to_vec)).collect();
                 codec
                     .reconstruct(&mut shards)
                     .map_err(|e| PsError::Refused(format!("rebuild: table {t} stripe {j}: {e}")))?;
-                shards[index].take().ok_or_else(|| {
+                let row = shards[index].take().ok_or_else(|| {
                     PsError::Refused(format!("rebuild: table {t} stripe {j} not decoded"))
-                })
+                })?;
+                out.copy_from_slice(&row);
+                Ok(())
             };
             let (data_slots, parity_slots) = stripes.capacity(me, rows);
             let mut mine = vec![0u8; data_slots * row_bytes];
             for local in 0..data_slots {
                 if let Some((j, i)) = stripes.data_at(t, me, local, rows) {
-                    mine[local * row_bytes..(local + 1) * row_bytes]
-                        .copy_from_slice(&decode(j, i)?);
+                    decode(j, i, &mut mine[local * row_bytes..(local + 1) * row_bytes])?;
                     rebuilt_rows += 1;
                 }
             }
             let held = &mut redundancy.parity[t];
             for local in 0..parity_slots {
                 if let Some((j, p)) = stripes.parity_at(t, me, local, rows) {
-                    held[local * row_bytes..(local + 1) * row_bytes]
-                        .copy_from_slice(&decode(j, k + p)?);
+                    decode(
+                        j,
+                        k + p,
+                        &mut held[local * row_bytes..(local + 1) * row_bytes],
+                    )?;
                     rebuilt_rows += 1;
                 }
             }

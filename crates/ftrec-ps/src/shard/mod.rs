@@ -184,6 +184,33 @@ impl Shard {
         Ok(shard)
     }
 
+    /// An erasure-coded replacement's shard before its rebuild: the right shape, zeros,
+    /// without generating the initial tables (the rebuild overwrites every slot).
+    pub fn awaiting_rebuild(
+        global: &ModelConfig,
+        seed: u64,
+        layout: Layout,
+        server: usize,
+    ) -> Result<Self, PsError> {
+        let config = Self::shard_config(global, layout, server)?;
+        let stride = global.row_stride();
+        let tables = config
+            .table_rows
+            .iter()
+            .map(|&rows| {
+                EmbeddingTable::from_data(rows, global.dim, stride, vec![0.0; rows * stride])
+                    .ok_or_else(|| PsError::Config("shard table shape".into()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let dense = DenseState::initial(&config, seed)?;
+        let state = ModelState::from_parts(config, tables, dense)?;
+        let mut shard = Self::from_state(global, layout, server, state)?;
+        let mut redundancy = Redundancy::empty(global, layout, server)?;
+        redundancy.replica = Redundancy::initial_replica(global, layout, server, seed)?;
+        shard.redundancy = Some(redundancy);
+        Ok(shard)
+    }
+
     /// A shard around a restored state, which must have this server's shard configuration.
     pub fn from_state(
         global: &ModelConfig,
