@@ -42,7 +42,7 @@ fn run_one(a: &BenchEcArgs, config: &JobConfig, name: &str, kill: bool) -> Resul
             job: ftrec_ps::Job::new(c)?,
             run_dir: run_dir.clone(),
             kills,
-            spares: 0,
+            spares: a.spares,
             exe: std::env::current_exe()?,
             time_limit: Duration::from_secs(1800),
             evaluate: None,
@@ -130,6 +130,7 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
         "steps": a.steps,
         "servers": a.servers,
         "workers": a.workers,
+        "spares": a.spares,
         "ec": { "k": config.ec.k, "r": config.ec.r, "groups": config.ec.groups },
         "samples_per_sec": {
             "none": rate(&none),

@@ -411,6 +411,9 @@ pub struct BenchEcArgs {
     /// SIGKILL server 1 this many seconds into the runs with a failure.
     #[arg(long, default_value_t = 5.0)]
     pub kill_after: f64,
+    /// Standby servers started up front (ECRec's replacement server), in every run.
+    #[arg(long, default_value_t = 1)]
+    pub spares: usize,
     /// Cut interval of the `--ft checkpoint` run compared with.
     #[arg(long, default_value_t = 50)]
     pub checkpoint_every: u64,

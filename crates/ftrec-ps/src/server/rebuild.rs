@@ -44,6 +44,34 @@ async fn fetch_all(
     Ok(out)
 }
 
+/// Every survivor's data and parity slots of table `t`, streamed from all at once.
+async fn fetch_table(
+    clients: HashMap<usize, ServerClient>,
+    epoch: u64,
+    t: usize,
+) -> Result<(HashMap<usize, Vec<u8>>, HashMap<usize, Vec<u8>>), PsError> {
+    let fetches = clients.into_iter().map(|(s, client)| {
+        let (mut rows_client, mut parity_client) = (client.clone(), client);
+        async move {
+            let what = format!("rebuild: table {t} from server {s}");
+            let (d, p) = futures::future::join(
+                fetch_all(&mut rows_client, epoch, t, false, &what),
+                fetch_all(&mut parity_client, epoch, t, true, &what),
+            )
+            .await;
+            Ok::<_, PsError>((s, d?, p?))
+        }
+    });
+    let mut data = HashMap::new();
+    let mut parity = HashMap::new();
+    for fetched in futures::future::join_all(fetches).await {
+        let (s, d, p) = fetched?;
+        data.insert(s, d);
+        parity.insert(s, p);
+    }
+    Ok((data, parity))
+}
+
 async fn fetch_dense(
     client: &mut ServerClient,
     epoch: u64,
@@ -92,27 +120,18 @@ impl Core {
         let mut redundancy = Redundancy::empty(&global, layout, me)?;
         let mut tables = Vec::with_capacity(global.tables());
         let (mut rebuilt_rows, mut rebuilt_bytes) = (0u64, 0u64);
+        // Table t + 1 streams in while table t decodes.
+        let mut next = Some(tokio::spawn(fetch_table(clients.clone(), epoch, 0)));
         for t in 0..global.tables() {
             let rows = global.table_rows[t];
-            // Every survivor streams its slots of the table at once.
-            let fetches = clients.iter().map(|(&s, client)| {
-                let (mut rows_client, mut parity_client) = (client.clone(), client.clone());
-                async move {
-                    let what = format!("rebuild: table {t} from server {s}");
-                    let (d, p) = futures::future::join(
-                        fetch_all(&mut rows_client, epoch, t, false, &what),
-                        fetch_all(&mut parity_client, epoch, t, true, &what),
-                    )
-                    .await;
-                    Ok::<_, PsError>((s, d?, p?))
-                }
-            });
-            let mut data = HashMap::new();
-            let mut parity = HashMap::new();
-            for fetched in futures::future::join_all(fetches).await {
-                let (s, d, p) = fetched?;
-                data.insert(s, d);
-                parity.insert(s, p);
+            let Some(fetching) = next.take() else {
+                return Err(PsError::Refused("rebuild: fetch not started".into()));
+            };
+            let (data, parity) = fetching
+                .await
+                .map_err(|e| PsError::Refused(format!("rebuild: fetch task: {e}")))??;
+            if t + 1 < global.tables() {
+                next = Some(tokio::spawn(fetch_table(clients.clone(), epoch, t + 1)));
             }
             fn slot_bytes(
                 held: &HashMap<usize, Vec<u8>>,
@@ -158,23 +177,30 @@ impl Core {
             };
             let (data_slots, parity_slots) = stripes.capacity(me, rows);
             let mut mine = vec![0u8; data_slots * row_bytes];
-            for local in 0..data_slots {
-                if let Some((j, i)) = stripes.data_at(t, me, local, rows) {
-                    decode(j, i, &mut mine[local * row_bytes..(local + 1) * row_bytes])?;
-                    rebuilt_rows += 1;
-                }
-            }
             let held = &mut redundancy.parity[t];
-            for local in 0..parity_slots {
-                if let Some((j, p)) = stripes.parity_at(t, me, local, rows) {
-                    decode(
-                        j,
-                        k + p,
-                        &mut held[local * row_bytes..(local + 1) * row_bytes],
-                    )?;
-                    rebuilt_rows += 1;
-                }
-            }
+            // Decoding is CPU work: on this runtime thread, spread over rayon's threads.
+            let decoded = tokio::task::block_in_place(|| -> Result<u64, PsError> {
+                use rayon::prelude::*;
+                let data_rows: u64 = mine
+                    .par_chunks_mut(row_bytes)
+                    .enumerate()
+                    .map(|(local, out)| match stripes.data_at(t, me, local, rows) {
+                        Some((j, i)) => decode(j, i, out).map(|()| 1),
+                        None => Ok(0),
+                    })
+                    .sum::<Result<u64, PsError>>()?;
+                let parity_rows: u64 = held
+                    .par_chunks_mut(row_bytes)
+                    .enumerate()
+                    .map(|(local, out)| match stripes.parity_at(t, me, local, rows) {
+                        Some((j, p)) => decode(j, k + p, out).map(|()| 1),
+                        None => Ok(0),
+                    })
+                    .sum::<Result<u64, PsError>>()?;
+                Ok(data_rows + parity_rows)
+            })?;
+            rebuilt_rows += decoded;
+            debug_assert!(parity_slots * row_bytes == held.len());
             rebuilt_bytes += (mine.len() + held.len()) as u64;
             self.faults.die_at(crate::faults::FaultPoint::Rebuild);
             let values = bytes_to_f32s(&mine, "rebuilt rows")?;
