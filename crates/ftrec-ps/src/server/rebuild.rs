@@ -120,6 +120,7 @@ impl Core {
         let mut redundancy = Redundancy::empty(&global, layout, me)?;
         let mut tables = Vec::with_capacity(global.tables());
         let (mut rebuilt_rows, mut rebuilt_bytes) = (0u64, 0u64);
+        let (mut waited, mut decoding) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
         // Table t + 1 streams in while table t decodes.
         let mut next = Some(tokio::spawn(fetch_table(clients.clone(), epoch, 0)));
         for t in 0..global.tables() {
@@ -127,43 +128,58 @@ impl Core {
             let Some(fetching) = next.take() else {
                 return Err(PsError::Refused("rebuild: fetch not started".into()));
             };
+            let wait_started = Instant::now();
             let (data, parity) = fetching
                 .await
                 .map_err(|e| PsError::Refused(format!("rebuild: fetch task: {e}")))??;
+            waited += wait_started.elapsed();
             if t + 1 < global.tables() {
                 next = Some(tokio::spawn(fetch_table(clients.clone(), epoch, t + 1)));
             }
+            let decode_started = Instant::now();
+            // Survivors' slots by server index: no hashing per row.
+            let by_server = |held: HashMap<usize, Vec<u8>>| {
+                let mut v: Vec<Option<Vec<u8>>> = vec![None; layout.servers()];
+                for (s, bytes) in held {
+                    v[s] = Some(bytes);
+                }
+                v
+            };
+            let (data, parity) = (by_server(data), by_server(parity));
             fn slot_bytes(
-                held: &HashMap<usize, Vec<u8>>,
+                held: &[Option<Vec<u8>>],
                 server: usize,
                 local: usize,
                 row_bytes: usize,
             ) -> Option<&[u8]> {
-                held.get(&server)
+                held[server]
+                    .as_deref()
                     .and_then(|b| b.get(local * row_bytes..(local + 1) * row_bytes))
             }
             // Decodes stripe `j` from the survivors into `out`: its row `index` (data rows
             // first, then parity rows).
             let decode = |j: usize, index: usize, out: &mut [u8]| -> Result<(), PsError> {
-                let present: Vec<Option<&[u8]>> = (0..k)
-                    .map(|i| {
-                        let slot = stripes.data_slot(t, j, i);
-                        slot_bytes(&data, slot.server, slot.local, row_bytes)
-                    })
-                    .chain((0..r).map(|p| {
-                        let slot = stripes.parity_slot(t, j, p);
-                        slot_bytes(&parity, slot.server, slot.local, row_bytes)
-                    }))
-                    .collect();
-                // The XOR code with only this row missing: the XOR of the others, in place.
-                let missing = present.iter().filter(|p| p.is_none()).count();
-                if r == 1 && missing == 1 && present[index].is_none() {
+                let row_of = |n: usize| {
+                    let slot = if n < k {
+                        stripes.data_slot(t, j, n)
+                    } else {
+                        stripes.parity_slot(t, j, n - k)
+                    };
+                    let held = if n < k { &data } else { &parity };
+                    slot_bytes(held, slot.server, slot.local, row_bytes)
+                };
+                // The XOR code with only this row missing (the common case: one server
+                // lost): the XOR of the others, in place, without allocating.
+                if r == 1 && (0..k + r).all(|n| n == index || row_of(n).is_some()) {
                     out.fill(0);
-                    for row in present.iter().flatten() {
-                        ftrec_ec::fold_with(1, row, out);
+                    for n in (0..k + r).filter(|&n| n != index) {
+                        if let Some(row) = row_of(n) {
+                            ftrec_ec::fold_with(1, row, out);
+                        }
                     }
                     return Ok(());
                 }
+                let present: Vec<Option<&[u8]>> = (0..k + r).map(row_of).collect();
                 let mut shards: Vec<Option<Vec<u8>>> =
                     present.iter().map(|p| p.map(<[u8]>::to_vec)).collect();
                 codec
@@ -200,6 +216,7 @@ impl Core {
                 Ok(data_rows + parity_rows)
             })?;
             rebuilt_rows += decoded;
+            decoding += decode_started.elapsed();
             debug_assert!(parity_slots * row_bytes == held.len());
             rebuilt_bytes += (mine.len() + held.len()) as u64;
             self.faults.die_at(crate::faults::FaultPoint::Rebuild);
@@ -273,6 +290,12 @@ impl Core {
             ec.drop_older_than(epoch);
         }
         self.metrics.set("ftrec_epoch", epoch as f64);
+        tracing::info!(
+            "rebuilt {rebuilt_rows} rows, {rebuilt_bytes} bytes in {:.3} s: waiting for fetches {:.3} s, decoding {:.3} s",
+            started.elapsed().as_secs_f64(),
+            waited.as_secs_f64(),
+            decoding.as_secs_f64()
+        );
         Ok(RebuildReply {
             bytes: rebuilt_bytes,
             rows: rebuilt_rows,
