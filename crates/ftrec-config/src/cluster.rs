@@ -163,12 +163,6 @@ impl EcSection {
                 "ec.rebuild_locks must be at least 1".into(),
             ));
         }
-        if cluster.ft == FaultTolerance::EcCheckpoint {
-            return Err(ConfigError::Invalid(
-                "cluster.ft = \"ec+checkpoint\" is not built yet: use \"ec\" or \"checkpoint\""
-                    .into(),
-            ));
-        }
         Ok(())
     }
 }

@@ -88,6 +88,15 @@ pub fn restore_cut(servers: &[String], step: Option<&str>) -> Result<(String, Mo
             );
         };
         let (state, manifest) = ck.restore(&part.id)?;
+        let placement = manifest.trainer.get("placement").and_then(|v| v.as_str());
+        if let Some(scheme) = placement.filter(|s| !s.starts_with("row-modulo")) {
+            bail!(
+                "{}: {} was written under placement {scheme:?} (erasure coding); \
+                 reassembling such a cut into one model is not supported yet",
+                servers[i],
+                part.id
+            );
+        }
         let owner = manifest.trainer.get("server").and_then(|v| v.as_u64());
         if owner != Some(i as u64) {
             bail!(

@@ -194,3 +194,50 @@ fn more_losses_than_the_code_covers_end_the_run_with_the_reason() {
         "{err}"
     );
 }
+
+#[test]
+fn checkpoints_as_a_second_layer_take_over_when_the_code_cannot() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let expected = train_digest(&data, &[]);
+    let mut args = cluster_args(&data, dir.path(), STEPS);
+    args.extend([
+        "--servers",
+        "3",
+        "--workers",
+        "1",
+        "--deterministic",
+        "--ft",
+        "ec+checkpoint",
+        "--no-eval",
+        "--set",
+        "checkpoint.every_steps=10",
+        // One loss the code rebuilds (the replacement's cuts then continue its slot's
+        // history), then two at once, which roll back to the cut at step 40.
+        "--kill",
+        "server:2@step:15",
+        "--kill",
+        "server:0@step:45",
+        "--kill",
+        "server:1@step:45",
+    ]);
+    let out = json_of(&ftrec(&args));
+    assert_eq!(out["state_digest"], expected, "{out}");
+    assert_eq!(out["parity_mismatches"], 0, "{out}");
+    assert_eq!(out["replica_mismatches"], 0, "{out}");
+    let recoveries = out["recoveries"].as_array().unwrap();
+    let seen: Vec<(u64, u64)> = recoveries
+        .iter()
+        .map(|r| {
+            (
+                r["server"].as_u64().unwrap(),
+                r["resumed_step"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(seen[0], (2, 16), "rebuilt, nothing rolled back: {out}");
+    assert_eq!(recoveries[0]["steps_rolled_back"], 0, "{out}");
+    let rolled: Vec<u64> = seen[1..].iter().map(|&(s, _)| s).collect();
+    assert_eq!(rolled, [0, 1], "{out}");
+    assert!(seen[1..].iter().all(|&(_, step)| step == 40), "{out}");
+}

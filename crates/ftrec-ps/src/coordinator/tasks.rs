@@ -287,13 +287,31 @@ async fn recovery_calls(
     match action {
         RecoveryAction::Rollback { cut } => {
             let calls = clients
-                .into_iter()
+                .iter()
+                .cloned()
                 .enumerate()
                 .map(|(i, mut c)| async move {
                     let r = c.restore(RestoreRequest { epoch, step: *cut }).await;
                     (i, r.map(|_| None))
                 });
-            futures::future::join_all(calls).await
+            let restored: Vec<RecoveryReply> = futures::future::join_all(calls).await;
+            let erasure_coded = shared.job.config.cluster.ft.erasure_coded();
+            if !erasure_coded || restored.iter().any(|(_, r)| r.is_err()) {
+                return restored;
+            }
+            // Checkpoints hold data rows only: once every server has restored them, each
+            // derives its parity rows and dense replica from its group's restored rows.
+            let addresses = shared.server_addresses();
+            let reencode = clients.into_iter().enumerate().map(|(i, mut c)| {
+                let request = RebuildRequest {
+                    epoch,
+                    servers: addresses.clone(),
+                    lost: Vec::new(),
+                    parity_only: true,
+                };
+                async move { (i, c.rebuild(request).await.map(|_| None)) }
+            });
+            futures::future::join_all(reencode).await
         }
         RecoveryAction::KeepState {
             next_step,
@@ -336,6 +354,7 @@ async fn recovery_calls(
                         epoch,
                         servers: addresses.clone(),
                         lost: lost.clone(),
+                        parity_only: false,
                     };
                     async move {
                         (

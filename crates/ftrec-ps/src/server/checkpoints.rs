@@ -122,6 +122,7 @@ impl Core {
         let identity = serde_json::json!({
             "server": self.id,
             "servers": self.layout.servers(),
+            "placement": self.layout.scheme(),
             "fingerprint": self.job.fingerprint(),
             "step": step,
         });
@@ -195,6 +196,30 @@ impl Core {
             let start = BranchStart::Fresh { new_branch: true };
             *writer = Some(checkpoints.start_writing(start, &self.lease_options())?.0);
         }
+        Ok(())
+    }
+
+    /// A rebuilt replacement continues its slot's history: it writes on the branch of the
+    /// slot's newest checkpoint (its state is newer than all of them), with a new
+    /// checkpointer, so its first cut is a full checkpoint.
+    pub(super) fn continue_history(&self) -> Result<(), PsError> {
+        let Some(checkpoints) = &self.checkpoints else {
+            return Ok(());
+        };
+        *lock(&self.checkpointer) = None;
+        let newest = checkpoints
+            .list_readable()?
+            .into_iter()
+            .max_by_key(|m| (m.step, m.created_unix_ms));
+        let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        *writer = None;
+        let start = match newest {
+            Some(m) => BranchStart::Resume { from: m.id },
+            None => BranchStart::Fresh {
+                new_branch: self.job.config.checkpoint.new_branch,
+            },
+        };
+        *writer = Some(checkpoints.start_writing(start, &self.lease_options())?.0);
         Ok(())
     }
 

@@ -49,16 +49,24 @@ async fn fetch_table(
     clients: HashMap<usize, ServerClient>,
     epoch: u64,
     t: usize,
+    with_parity: bool,
 ) -> Result<(HashMap<usize, Vec<u8>>, HashMap<usize, Vec<u8>>), PsError> {
     let fetches = clients.into_iter().map(|(s, client)| {
         let (mut rows_client, mut parity_client) = (client.clone(), client);
         async move {
             let what = format!("rebuild: table {t} from server {s}");
-            let (d, p) = futures::future::join(
-                fetch_all(&mut rows_client, epoch, t, false, &what),
-                fetch_all(&mut parity_client, epoch, t, true, &what),
-            )
-            .await;
+            let parity = async {
+                if with_parity {
+                    fetch_all(&mut parity_client, epoch, t, true, &what)
+                        .await
+                        .map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            let (d, p) =
+                futures::future::join(fetch_all(&mut rows_client, epoch, t, false, &what), parity)
+                    .await;
             Ok::<_, PsError>((s, d?, p?))
         }
     });
@@ -67,7 +75,9 @@ async fn fetch_table(
     for fetched in futures::future::join_all(fetches).await {
         let (s, d, p) = fetched?;
         data.insert(s, d);
-        parity.insert(s, p);
+        if let Some(p) = p {
+            parity.insert(s, p);
+        }
     }
     Ok((data, parity))
 }
@@ -112,8 +122,22 @@ impl Core {
                 .ok_or_else(|| PsError::Request(format!("rebuild: no address for server {s}")))?;
             clients.insert(s, server_client(address, self.job.timeout())?);
         }
+        let parity_only = req.parity_only;
         let global = self.job.config.model_config()?;
         let config = Shard::shard_config(&global, layout, me)?;
+        // Re-encoding after a rollback: every server restored its data rows from the same
+        // cut; parity and replicas are derived from them (this server's own rows included).
+        let own_rows: Vec<Vec<u8>> = if parity_only {
+            let shard = self.shard_read()?;
+            shard
+                .state()
+                .tables()
+                .iter()
+                .map(|t| t.as_bytes().to_vec())
+                .collect()
+        } else {
+            Vec::new()
+        };
         let stride = global.row_stride();
         let row_bytes = stride * 4;
         let codec = Codec::new(k, r).map_err(|e| PsError::Config(e.to_string()))?;
@@ -122,19 +146,34 @@ impl Core {
         let (mut rebuilt_rows, mut rebuilt_bytes) = (0u64, 0u64);
         let (mut waited, mut decoding) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
         // Table t + 1 streams in while table t decodes.
-        let mut next = Some(tokio::spawn(fetch_table(clients.clone(), epoch, 0)));
+        let mut next = Some(tokio::spawn(fetch_table(
+            clients.clone(),
+            epoch,
+            0,
+            !parity_only,
+        )));
         for t in 0..global.tables() {
             let rows = global.table_rows[t];
             let Some(fetching) = next.take() else {
                 return Err(PsError::Refused("rebuild: fetch not started".into()));
             };
             let wait_started = Instant::now();
-            let (data, parity) = fetching
+            let (mut data, parity) = fetching
                 .await
                 .map_err(|e| PsError::Refused(format!("rebuild: fetch task: {e}")))??;
+            // This server's own restored rows (re-encoding only).
+            let own = own_rows.get(t).cloned().unwrap_or_default();
+            if parity_only {
+                data.insert(me, own.clone());
+            }
             waited += wait_started.elapsed();
             if t + 1 < global.tables() {
-                next = Some(tokio::spawn(fetch_table(clients.clone(), epoch, t + 1)));
+                next = Some(tokio::spawn(fetch_table(
+                    clients.clone(),
+                    epoch,
+                    t + 1,
+                    !parity_only,
+                )));
             }
             let decode_started = Instant::now();
             // Survivors' slots by server index: no hashing per row.
@@ -192,19 +231,26 @@ impl Core {
                 Ok(())
             };
             let (data_slots, parity_slots) = stripes.capacity(me, rows);
-            let mut mine = vec![0u8; data_slots * row_bytes];
+            let mut mine = if parity_only {
+                own
+            } else {
+                vec![0u8; data_slots * row_bytes]
+            };
             let held = &mut redundancy.parity[t];
             // Decoding is CPU work: on this runtime thread, spread over rayon's threads.
             let decoded = tokio::task::block_in_place(|| -> Result<u64, PsError> {
                 use rayon::prelude::*;
-                let data_rows: u64 = mine
-                    .par_chunks_mut(row_bytes)
-                    .enumerate()
-                    .map(|(local, out)| match stripes.data_at(t, me, local, rows) {
-                        Some((j, i)) => decode(j, i, out).map(|()| 1),
-                        None => Ok(0),
-                    })
-                    .sum::<Result<u64, PsError>>()?;
+                let data_rows: u64 = if parity_only {
+                    0
+                } else {
+                    mine.par_chunks_mut(row_bytes)
+                        .enumerate()
+                        .map(|(local, out)| match stripes.data_at(t, me, local, rows) {
+                            Some((j, i)) => decode(j, i, out).map(|()| 1),
+                            None => Ok(0),
+                        })
+                        .sum::<Result<u64, PsError>>()?
+                };
                 let parity_rows: u64 = held
                     .par_chunks_mut(row_bytes)
                     .enumerate()
@@ -218,7 +264,11 @@ impl Core {
             rebuilt_rows += decoded;
             decoding += decode_started.elapsed();
             debug_assert!(parity_slots * row_bytes == held.len());
-            rebuilt_bytes += (mine.len() + held.len()) as u64;
+            rebuilt_bytes += if parity_only {
+                held.len()
+            } else {
+                mine.len() + held.len()
+            } as u64;
             self.faults.die_at(crate::faults::FaultPoint::Rebuild);
             let values = bytes_to_f32s(&mine, "rebuilt rows")?;
             tables.push(
@@ -239,6 +289,32 @@ impl Core {
                 ))
             })
         };
+        let other = fetch_dense(
+            &mut dense_from(replicated)?,
+            epoch,
+            false,
+            "rebuild: replicated range",
+        )
+        .await?;
+        let replica = DenseReplica {
+            of: replicated,
+            range: layout.dense_range(replicated, ftrec_model::MlpSpec::dlrm_pair(&global).1.end()),
+            params: bytes_to_f32s(&other.params, "replicated range")?,
+            state: bytes_to_f32s(&other.state, "replicated range state")?,
+            step: other.step,
+        };
+        let replica_bytes = (other.params.len() + other.state.len()) as u64;
+        if parity_only {
+            // The data rows and dense range stay as restored; parity and the replica now
+            // match them.
+            redundancy.replica = Some(replica);
+            self.shard_write()?.set_redundancy(redundancy);
+            return Ok(RebuildReply {
+                bytes: rebuilt_bytes + replica_bytes,
+                rows: rebuilt_rows,
+                seconds: started.elapsed().as_secs_f64(),
+            });
+        }
         let own = fetch_dense(
             &mut dense_from(replica_holder)?,
             epoch,
@@ -246,7 +322,7 @@ impl Core {
             "rebuild: dense replica",
         )
         .await?;
-        let other = fetch_dense(
+        let _ = fetch_dense(
             &mut dense_from(replicated)?,
             epoch,
             false,
@@ -266,16 +342,8 @@ impl Core {
         dense.params[..params.len()].copy_from_slice(&params);
         dense.optimizer_state[..state.len()].copy_from_slice(&state);
         dense.step = own.step;
-        let total = dense.params.len();
-        redundancy.replica = Some(DenseReplica {
-            of: replicated,
-            range: layout.dense_range(replicated, total),
-            params: bytes_to_f32s(&other.params, "replicated range")?,
-            state: bytes_to_f32s(&other.state, "replicated range state")?,
-            step: other.step,
-        });
-        rebuilt_bytes +=
-            (own.params.len() + own.state.len() + other.params.len() + other.state.len()) as u64;
+        redundancy.replica = Some(replica);
+        rebuilt_bytes += (own.params.len() + own.state.len()) as u64 + replica_bytes;
         let state = ModelState::from_parts(config, tables, dense)?;
         // The replica holder committed exactly the steps this slot had (2PC), so its
         // record of applied steps is this slot's.
@@ -289,6 +357,8 @@ impl Core {
         if let Some(ec) = &self.ec {
             ec.drop_older_than(epoch);
         }
+        // Cuts go on from here: the slot's history continues on its newest branch.
+        self.continue_history()?;
         self.metrics.set("ftrec_epoch", epoch as f64);
         tracing::info!(
             "rebuilt {rebuilt_rows} rows, {rebuilt_bytes} bytes in {:.3} s: waiting for fetches {:.3} s, decoding {:.3} s",

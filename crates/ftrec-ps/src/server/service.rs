@@ -164,6 +164,12 @@ impl ParameterServer for Service {
         let core = self.0.clone();
         let req = req.into_inner();
         let started = Instant::now();
+        // Steps an older epoch prepared hold the commit turn: the rollback decided them.
+        if let Some(ec) = &core.ec
+            && req.epoch >= core.live().epoch
+        {
+            ec.drop_older_than(req.epoch);
+        }
         let id = tokio::task::spawn_blocking(move || -> Result<String, PsError> {
             let _turn = core.commit_turn.blocking_lock();
             core.check_epoch_forward(req.epoch)?;

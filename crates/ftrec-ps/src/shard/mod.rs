@@ -489,6 +489,11 @@ impl Shard {
         Ok(())
     }
 
+    /// Replaces the parity rows and dense replica (re-derived after a rollback).
+    pub fn set_redundancy(&mut self, redundancy: Redundancy) {
+        self.redundancy = Some(redundancy);
+    }
+
     pub fn layout(&self) -> Layout {
         self.layout
     }
