@@ -241,3 +241,30 @@ fn checkpoints_as_a_second_layer_take_over_when_the_code_cannot() {
     assert_eq!(rolled, [0, 1], "{out}");
     assert!(seen[1..].iter().all(|&(_, step)| step == 40), "{out}");
 }
+
+#[test]
+fn asynchronous_workers_keep_parity_exact_through_a_kill() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let mut args = cluster_args(&data, dir.path(), "120");
+    args.extend([
+        "--servers",
+        "3",
+        "--workers",
+        "2",
+        "--ft",
+        "ec",
+        "--no-eval",
+        "--kill",
+        "server:1@step:50",
+    ]);
+    let out = json_of(&ftrec(&args));
+    // Two workers prepare one server at a time in slot order; whatever the interleaving,
+    // every stripe's parity matches its rows, every replica its primary, and every step's
+    // samples count once.
+    assert_eq!(out["parity_mismatches"], 0, "{out}");
+    assert_eq!(out["replica_mismatches"], 0, "{out}");
+    assert_eq!(out["lost_samples"], 0, "{out}");
+    assert_eq!(out["steps"], 120, "{out}");
+    assert_eq!(out["recoveries"].as_array().unwrap().len(), 1, "{out}");
+}
