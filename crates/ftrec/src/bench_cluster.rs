@@ -25,6 +25,81 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// One benchmark run of `config` named `name` under `out`: launched, its timeline plotted
+/// to `<out>/<name>.png`, its checkpoints (if any) removed afterwards.
+pub(crate) struct BenchRun<'a> {
+    pub out: &'a Path,
+    pub name: &'a str,
+    pub kills: &'a [String],
+    pub spares: usize,
+    pub quiet: bool,
+}
+
+impl BenchRun<'_> {
+    /// Checkpointed runs write every `every` steps into the run directory.
+    pub(crate) fn launch(&self, config: &JobConfig, every: u64) -> Result<LaunchReport> {
+        let mut c = config.clone();
+        let run_dir = std::path::absolute(self.out.join(self.name))?;
+        let _ = std::fs::remove_dir_all(&run_dir);
+        if c.cluster.ft.checkpoints() {
+            c.checkpoint.dir = Some(run_dir.join("checkpoints"));
+            c.checkpoint.every_steps = every;
+        }
+        let kills = self
+            .kills
+            .iter()
+            .map(|k| k.parse().map_err(anyhow::Error::msg))
+            .collect::<Result<Vec<_>>>()?;
+        if !self.quiet {
+            eprintln!("cluster run {} ...", self.name);
+        }
+        let (servers, workers) = (c.cluster.servers, c.cluster.workers);
+        let report = launch::run(
+            LaunchOptions {
+                job: ftrec_ps::Job::new(c)?,
+                run_dir: run_dir.clone(),
+                kills,
+                spares: self.spares,
+                exe: std::env::current_exe()?,
+                time_limit: Duration::from_secs(1800),
+                evaluate: None,
+            },
+            |_| {},
+        )?;
+        TimelineData::read(&run_dir.join("timeline.json"))?.plot(
+            &self.out.join(format!("{}.png", self.name)),
+            &format!("{}: {servers} servers, {workers} workers", self.name),
+        )?;
+        // The figures and the plot are what a benchmark keeps; its checkpoints are scratch.
+        let _ = std::fs::remove_dir_all(run_dir.join("checkpoints"));
+        Ok(report)
+    }
+}
+
+/// The benchmark's dataset (generated when missing) and configuration: `preset` with
+/// `overrides`, `steps` steps over `data`.
+pub(crate) fn bench_setup(
+    out: &Path,
+    data: &Path,
+    rows: u64,
+    preset: &str,
+    overrides: &[String],
+    steps: u64,
+    quiet: bool,
+) -> Result<JobConfig> {
+    std::fs::create_dir_all(out).with_context(|| out.display().to_string())?;
+    let gen_config = GenConfig::criteo(rows, 1, 0.01);
+    let fresh =
+        read_meta(data).is_some_and(|m| m.config == gen_config) && data.join(TRAIN_FILE).exists();
+    if !fresh {
+        run_gen(&gen_config, data, OutputFormat::Binary, quiet)?;
+    }
+    let mut config = JobConfig::load(Some(preset), None, overrides)?;
+    config.train.steps = steps;
+    config.data.dir = Some(std::path::absolute(data)?);
+    Ok(config)
+}
+
 fn cluster(
     a: &BenchClusterArgs,
     config: &JobConfig,
@@ -38,37 +113,15 @@ fn cluster(
     c.cluster.servers = a.servers;
     c.cluster.workers = a.workers;
     c.cluster.ft = ft;
-    let run_dir = std::path::absolute(a.out.join(name))?;
-    let _ = std::fs::remove_dir_all(&run_dir);
-    if ft == FaultTolerance::Checkpoint {
-        c.checkpoint.dir = Some(run_dir.join("checkpoints"));
-        c.checkpoint.every_steps = every;
+    let kills: Vec<String> = kill.into_iter().collect();
+    BenchRun {
+        out: &a.out,
+        name,
+        kills: &kills,
+        spares: 0,
+        quiet: a.json,
     }
-    let kills = kill
-        .map(|k| k.parse().map_err(anyhow::Error::msg))
-        .transpose()?
-        .into_iter()
-        .collect();
-    if !a.json {
-        eprintln!("cluster run {name} ...");
-    }
-    let report = launch::run(
-        LaunchOptions {
-            job: ftrec_ps::Job::new(c)?,
-            run_dir: run_dir.clone(),
-            kills,
-            spares: 0,
-            exe: std::env::current_exe()?,
-            time_limit: Duration::from_secs(1800),
-            evaluate: None,
-        },
-        |_| {},
-    )?;
-    TimelineData::read(&run_dir.join("timeline.json"))?.plot(
-        &a.out.join(format!("{name}.png")),
-        &format!("{name}: {} servers, {} workers", a.servers, a.workers),
-    )?;
-    Ok(report)
+    .launch(&c, every)
 }
 
 /// One checkpointed run's figures. Effective training time is the share of the wall
@@ -95,16 +148,7 @@ fn strategy_figures(r: &LaunchReport, every: u64) -> serde_json::Value {
 }
 
 pub fn run(a: BenchClusterArgs) -> Result<()> {
-    std::fs::create_dir_all(&a.out).with_context(|| a.out.display().to_string())?;
-    let gen_config = GenConfig::criteo(a.rows, 1, 0.01);
-    let fresh = read_meta(&a.data).is_some_and(|m| m.config == gen_config)
-        && a.data.join(TRAIN_FILE).exists();
-    if !fresh {
-        run_gen(&gen_config, &a.data, OutputFormat::Binary, a.json)?;
-    }
-    let mut config = JobConfig::load(Some(&a.preset), None, &a.set)?;
-    config.train.steps = a.steps;
-    config.data.dir = Some(std::path::absolute(&a.data)?);
+    let config = bench_setup(&a.out, &a.data, a.rows, &a.preset, &a.set, a.steps, a.json)?;
 
     // The single-process trainer on every core of this host.
     if !a.json {

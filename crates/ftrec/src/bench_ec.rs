@@ -4,58 +4,30 @@
 //! and the memory the redundancy takes.
 
 use std::path::Path;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use ftrec_config::{FaultTolerance, JobConfig};
-use ftrec_data::TRAIN_FILE;
-use ftrec_data::generate::{GenConfig, OutputFormat, read_meta};
-use ftrec_ps::launch::{self, LaunchOptions, LaunchReport};
-use ftrec_ps::timeline::TimelineData;
+use ftrec_ps::launch::LaunchReport;
 use serde_json::json;
 
+use crate::bench_cluster::{BenchRun, bench_setup};
 use crate::cli::BenchEcArgs;
-use crate::commands::{print_json, run_gen};
+use crate::commands::print_json;
 
 fn run_one(a: &BenchEcArgs, config: &JobConfig, name: &str, kill: bool) -> Result<LaunchReport> {
-    let run_dir = std::path::absolute(a.out.join(name))?;
-    let _ = std::fs::remove_dir_all(&run_dir);
-    let mut c = config.clone();
-    if c.cluster.ft.checkpoints() {
-        c.checkpoint.dir = Some(run_dir.join("checkpoints"));
-        c.checkpoint.every_steps = a.checkpoint_every;
-    }
     let kills = if kill {
-        vec![
-            format!("server:1@{}s", a.kill_after)
-                .parse()
-                .map_err(anyhow::Error::msg)?,
-        ]
+        vec![format!("server:1@{}s", a.kill_after)]
     } else {
         Vec::new()
     };
-    if !a.json {
-        eprintln!("cluster run {name} ...");
+    BenchRun {
+        out: &a.out,
+        name,
+        kills: &kills,
+        spares: a.spares,
+        quiet: a.json,
     }
-    let report = launch::run(
-        LaunchOptions {
-            job: ftrec_ps::Job::new(c)?,
-            run_dir: run_dir.clone(),
-            kills,
-            spares: a.spares,
-            exe: std::env::current_exe()?,
-            time_limit: Duration::from_secs(1800),
-            evaluate: None,
-        },
-        |_| {},
-    )?;
-    TimelineData::read(&run_dir.join("timeline.json"))?.plot(
-        &a.out.join(format!("{name}.png")),
-        &format!("{name}: {} servers, {} workers", a.servers, a.workers),
-    )?;
-    // Checkpoints and logs of a benchmark run are not kept; the plot and figures are.
-    let _ = std::fs::remove_dir_all(run_dir.join("checkpoints"));
-    Ok(report)
+    .launch(config, a.checkpoint_every)
 }
 
 /// Bytes the redundancy takes beside the model: parity rows on every server plus one
@@ -81,16 +53,7 @@ fn redundancy_bytes(config: &JobConfig) -> Result<(u64, u64)> {
 }
 
 pub fn run(a: BenchEcArgs) -> Result<()> {
-    std::fs::create_dir_all(&a.out).with_context(|| a.out.display().to_string())?;
-    let gen_config = GenConfig::criteo(a.rows, 1, 0.01);
-    let fresh = read_meta(&a.data).is_some_and(|m| m.config == gen_config)
-        && a.data.join(TRAIN_FILE).exists();
-    if !fresh {
-        run_gen(&gen_config, &a.data, OutputFormat::Binary, a.json)?;
-    }
-    let mut config = JobConfig::load(Some(&a.preset), None, &a.set)?;
-    config.train.steps = a.steps;
-    config.data.dir = Some(std::path::absolute(&a.data)?);
+    let mut config = bench_setup(&a.out, &a.data, a.rows, &a.preset, &a.set, a.steps, a.json)?;
     config.threads = 1;
     config.cluster.servers = a.servers;
     config.cluster.workers = a.workers;
