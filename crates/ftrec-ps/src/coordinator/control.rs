@@ -107,6 +107,13 @@ fn detect_failures(shared: &Shared, s: &mut State) {
         if !(m.joined && m.alive && (silent > timeout || m.refused)) {
             continue;
         }
+        let why = if m.refused {
+            format!(
+                "its port refused a connection after a worker's call failed (silent for {silent:?})"
+            )
+        } else {
+            format!("silent for {silent:?}")
+        };
         s.servers[id].alive = false;
         s.servers[id].ready = false;
         s.epoch += 1;
@@ -114,7 +121,7 @@ fn detect_failures(shared: &Shared, s: &mut State) {
         shared.metrics.set("ftrec_epoch", s.epoch as f64);
         let t = s.timeline.event(
             "failure-detected",
-            format!("server {id} silent for {silent:?}; epoch {}", s.epoch),
+            format!("server {id} {why}; epoch {}", s.epoch),
         );
         s.failed.push((id, t));
         s.suspect_until = None;
