@@ -33,6 +33,13 @@ pub async fn verify_parity(
     let Some(stripes) = layout.stripes() else {
         return Ok(ParityReport::default());
     };
+    if addresses.len() != layout.servers() {
+        return Err(PsError::Request(format!(
+            "verify-parity: {} server addresses for a layout of {} servers",
+            addresses.len(),
+            layout.servers()
+        )));
+    }
     let (k, r) = (stripes.params.k, stripes.params.r);
     let codec = Codec::new(k, r).map_err(|e| PsError::Config(e.to_string()))?;
     let config = state.config();

@@ -66,16 +66,34 @@ impl RecoveryAction {
     }
 }
 
-/// The group that lost more servers than its code rebuilds, if any.
-fn beyond_the_code(layout: &ftrec_ec::StripeLayout, lost: &[usize]) -> Option<(usize, usize)> {
+/// Why the lost servers cannot be rebuilt, if they cannot: more of a group lost than its
+/// code rebuilds, or a server lost together with the one keeping its dense replica (the
+/// dense range has one copy elsewhere, whatever `r`).
+fn beyond_the_code(layout: &ftrec_ec::StripeLayout, lost: &[usize]) -> Option<String> {
     let mut per_group = vec![0usize; layout.params.groups];
     for &server in lost {
         per_group[layout.group_of_server(server).0] += 1;
     }
-    per_group
+    if let Some((group, n)) = per_group
         .into_iter()
         .enumerate()
         .find(|&(_, n)| n > layout.params.r)
+    {
+        return Some(format!(
+            "{n} servers of erasure-coding group {group} lost at once (servers {lost:?}); \
+             ec.r = {} rebuilds at most {} per group",
+            layout.params.r, layout.params.r
+        ));
+    }
+    lost.iter()
+        .find(|&&s| lost.contains(&layout.dense_replica(s)))
+        .map(|&s| {
+            format!(
+                "server {s} and server {}, which keeps the only replica of its dense \
+                 parameters, lost at once (servers {lost:?})",
+                layout.dense_replica(s)
+            )
+        })
 }
 
 pub fn plan(s: &Situation) -> RecoveryAction {
@@ -97,12 +115,10 @@ pub fn plan(s: &Situation) -> RecoveryAction {
             },
             // The second layer (ECRec §4): back to the last cut.
             (Some(_), FaultTolerance::EcCheckpoint) => RecoveryAction::Rollback { cut: s.last_cut },
-            (Some((group, n)), _) => RecoveryAction::Abandon {
+            (Some(why), _) => RecoveryAction::Abandon {
                 why: format!(
-                    "{n} servers of erasure-coding group {group} lost at once (servers {lost:?}); \
-                     ec.r = {} rebuilds at most {} per group, and without checkpoints \
-                     (cluster.ft = \"ec+checkpoint\") the state cannot be recovered",
-                    layout.params.r, layout.params.r
+                    "{why}; without checkpoints (cluster.ft = \"ec+checkpoint\") the state \
+                     cannot be recovered"
                 ),
             },
         };
@@ -111,6 +127,11 @@ pub fn plan(s: &Situation) -> RecoveryAction {
         // Checkpoints: back to the last consistent cut, whatever the cause; in
         // deterministic mode the run then ends bit-identical to an uninterrupted one.
         (FaultTolerance::Checkpoint, _) => RecoveryAction::Rollback { cut: s.last_cut },
+        // A step applied on some servers only (its worker died in phase 2): with
+        // checkpoints, back to the last cut, as for `checkpoint`.
+        (FaultTolerance::EcCheckpoint, Cause::StepPartlyApplied) => {
+            RecoveryAction::Rollback { cut: s.last_cut }
+        }
         // No fault tolerance: the lost shards start over, everyone else goes on.
         // No fault tolerance: the lost shards start over, everyone else goes on. Erasure
         // coding without lost servers (a partly applied step) likewise keeps the state.
@@ -218,5 +239,27 @@ mod tests {
         s.ft = FaultTolerance::EcCheckpoint;
         s.last_cut = Some(30);
         assert_eq!(plan(&s), RecoveryAction::Rollback { cut: Some(30) });
+        s.cause = Cause::StepPartlyApplied;
+        assert_eq!(
+            plan(&s),
+            RecoveryAction::Rollback { cut: Some(30) },
+            "else it loops"
+        );
+
+        // r = 2 survives any two losses of rows, but not of a dense range and its replica.
+        let wide = ftrec_ec::EcParams {
+            k: 2,
+            r: 2,
+            groups: 1,
+        };
+        let layout = ftrec_ec::StripeLayout::new(wide, 4).unwrap();
+        let mut s = situation(FaultTolerance::Ec, Cause::ServersLost(vec![0, 2]), None);
+        s.ec = Some(layout);
+        assert!(matches!(plan(&s), RecoveryAction::Rebuild { .. }));
+        s.cause = Cause::ServersLost(vec![1, 2]);
+        match plan(&s) {
+            RecoveryAction::Abandon { why } => assert!(why.contains("dense"), "{why}"),
+            other => panic!("server 1's dense replica lives on server 2: {other:?}"),
+        }
     }
 }

@@ -188,6 +188,7 @@ impl PreCommit for ParityPropagator {
 /// A phase-1 update waiting for its decision, holding the commit turn.
 struct Prepared {
     epoch: u64,
+    id: u64,
     staged: StagedUpdate,
     _turn: OwnedMutexGuard<()>,
 }
@@ -204,6 +205,14 @@ struct StagedParity {
 pub(super) struct EcState {
     prepared: Mutex<HashMap<u64, Prepared>>,
     staged_parity: Mutex<HashMap<u64, Vec<StagedParity>>>,
+    /// One-round mode: the (source, step, epoch) of recent folds, so a retried update is
+    /// not folded twice (XOR would cancel it).
+    folded: Mutex<std::collections::VecDeque<(u32, u64, u64)>>,
+    /// The newest epoch a recovery announced; a step of an older one may no longer be
+    /// prepared or committed here, even before the recovery gets the commit turn.
+    fence: std::sync::atomic::AtomicU64,
+    /// Distinguishes prepares of the same step, so a timer aborts only its own.
+    next_prepare: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -211,8 +220,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl EcState {
+    fn fenced_past(&self, epoch: u64) -> bool {
+        self.fence.load(std::sync::atomic::Ordering::SeqCst) > epoch
+    }
+
     /// Drops what older epochs prepared or staged (a recovery decided their fate).
     pub(super) fn drop_older_than(&self, epoch: u64) {
+        self.fence
+            .fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
         lock(&self.prepared).retain(|_, p| p.epoch >= epoch);
         for staged in lock(&self.staged_parity).values_mut() {
             staged.retain(|s| s.epoch >= epoch);
@@ -232,37 +247,46 @@ impl Core {
     pub(super) fn parity_update(&self, req: ParityUpdateRequest) -> Result<(), PsError> {
         self.check_epoch(req.epoch)?;
         let ec = self.ec()?;
-        // Checked up front, so a staged request folds without errors at commit.
-        for t in &req.tables {
-            let locals = bytes_to_u32s(&t.locals, "parity slots")?;
-            if locals.len() != t.coefs.len() || t.deltas.len() % locals.len().max(1) != 0 {
-                return Err(PsError::Request(format!(
-                    "parity update for table {}: {} slots, {} coefficients, {} difference bytes",
-                    t.table,
-                    locals.len(),
-                    t.coefs.len(),
-                    t.deltas.len()
-                )));
-            }
-        }
+        // Checked whole, up front, so a staged request folds without an error at commit
+        // and a bad one changes nothing.
+        validate_parity_update(&*self.shard_read()?, &req)?;
         if req.staged {
             let mut staged = lock(&ec.staged_parity);
             // Differences of a step that was never decided (its worker died between the
-            // phases) go once they are older than any decision could be.
-            let timeout = self.job.timeout();
-            for entries in staged.values_mut() {
-                entries.retain(|s| s.at.elapsed() < timeout * 2);
+            // phases) go once they are far older than any decision could be, unless this
+            // server holds the step prepared itself.
+            let limit = self.job.timeout() * 4;
+            let prepared = lock(&ec.prepared);
+            for (step, entries) in staged.iter_mut() {
+                if !prepared.contains_key(step) {
+                    entries.retain(|s| s.at.elapsed() < limit);
+                }
             }
+            drop(prepared);
             staged.retain(|_, v| !v.is_empty());
-            staged.entry(req.step).or_default().push(StagedParity {
+            let entries = staged.entry(req.step).or_default();
+            // A retried update (its reply was lost) replaces the first: folding the same
+            // difference twice would cancel it.
+            entries.retain(|s| !(s.request.source == req.source && s.epoch == req.epoch));
+            entries.push(StagedParity {
                 epoch: req.epoch,
                 at: std::time::Instant::now(),
                 request: req,
             });
             return Ok(());
         }
+        let key = (req.source, req.step, req.epoch);
+        let mut folded = lock(&ec.folded);
+        if folded.contains(&key) {
+            return Ok(());
+        }
         let mut shard = self.shard_write()?;
-        fold_request(&mut shard, &req)
+        fold_request(&mut shard, &req)?;
+        folded.push_back(key);
+        if folded.len() > 4096 {
+            folded.pop_front();
+        }
+        Ok(())
     }
 
     /// 2PC phase 1: stage the update, propagate its differences (staged at the parity
@@ -274,14 +298,12 @@ impl Core {
     ) -> Result<Pushed, PsError> {
         let ec = self.ec()?;
         // A retried phase 1 (its reply was lost) finds its step prepared already.
-        if lock(&ec.prepared)
+        if let Some(id) = lock(&ec.prepared)
             .get(&update.step)
-            .is_some_and(|p| p.epoch == epoch)
+            .filter(|p| p.epoch == epoch)
+            .map(|p| p.id)
         {
-            return Ok(Pushed::Applied {
-                steps: self.steps().count(),
-                rows: 0,
-            });
+            return Ok(Pushed::Prepared { id, rows: 0 });
         }
         let turn = self.commit_turn.clone().lock_owned().await;
         self.check_epoch(epoch)?;
@@ -297,83 +319,163 @@ impl Core {
         }
         let (step, rows) = (staged.step, staged.rows_changed());
         self.faults.die_at(FaultPoint::Prepare(step));
+        // A recovery began while the differences were out: this step is its to decide.
+        if ec.fenced_past(epoch) {
+            return Err(PsError::StaleEpoch {
+                got: epoch,
+                current: ec.fence.load(std::sync::atomic::Ordering::SeqCst),
+            });
+        }
+        let id = ec
+            .next_prepare
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         lock(&ec.prepared).insert(
             step,
             Prepared {
                 epoch,
+                id,
                 staged,
                 _turn: turn,
             },
         );
-        Ok(Pushed::Applied {
-            steps: self.steps().count(),
-            rows,
-        })
+        Ok(Pushed::Prepared { id, rows })
     }
 
     /// 2PC phase 2: installs (or with `commit = false` drops) what phase 1 prepared and
     /// the parity differences staged for `step`. Returns the applied-step count.
     pub(super) fn decide_step(&self, epoch: u64, step: u64, commit: bool) -> Result<u64, PsError> {
+        self.decide(epoch, step, commit, None)
+    }
+
+    /// [`Core::decide_step`], or with `only` the abort of one particular prepare (its
+    /// timer's), which leaves a newer prepare of the same step alone.
+    fn decide(
+        &self,
+        epoch: u64,
+        step: u64,
+        commit: bool,
+        only: Option<u64>,
+    ) -> Result<u64, PsError> {
         self.check_epoch(epoch)?;
         let ec = self.ec()?;
-        let prepared = lock(&ec.prepared)
-            .remove(&step)
-            .filter(|p| p.epoch == epoch);
+        if commit && ec.fenced_past(epoch) {
+            // A recovery is deciding this epoch's steps: committing here now could leave
+            // the step on some servers only.
+            return Err(PsError::StaleEpoch {
+                got: epoch,
+                current: ec.fence.load(std::sync::atomic::Ordering::SeqCst),
+            });
+        }
+        let prepared = {
+            let mut all = lock(&ec.prepared);
+            let mine = all
+                .get(&step)
+                .is_some_and(|p| p.epoch == epoch && only.is_none_or(|id| p.id == id));
+            if mine { all.remove(&step) } else { None }
+        };
+        if only.is_some() && prepared.is_none() {
+            return Ok(self.steps().count());
+        }
         tracing::debug!(
             "{} step {step} in epoch {epoch}: prepared here {}",
             if commit { "commit" } else { "abort" },
             prepared.is_some()
         );
+        if commit && prepared.is_none() {
+            if self.steps().contains(step) {
+                // A retried commit whose first attempt went through.
+                return Ok(self.steps().count());
+            }
+            return Err(PsError::Refused(format!(
+                "server {}: step {step} of epoch {epoch} is not prepared here (aborted, or \
+                 its prepare failed): it cannot commit",
+                self.id
+            )));
+        }
         let parity: Vec<StagedParity> = lock(&ec.staged_parity)
             .remove(&step)
             .unwrap_or_default()
             .into_iter()
             .filter(|s| s.epoch == epoch)
             .collect();
-        if !commit {
+        let Some(prepared) = prepared.filter(|_| commit) else {
             return Ok(self.steps().count());
-        }
+        };
         self.faults.die_at(FaultPoint::Commit(step));
         let applied = {
             let mut shard = self.shard_write()?;
             for staged in &parity {
                 fold_request(&mut shard, &staged.request)?;
             }
-            match &prepared {
-                Some(p) => {
-                    shard.commit(&p.staged);
-                    self.publish(epoch, |steps| {
-                        steps.insert(step);
-                    })
-                }
-                None => self.steps().count(),
-            }
+            shard.commit(&prepared.staged);
+            self.publish(epoch, |steps| {
+                steps.insert(step);
+            })
         };
-        if let Some(p) = &prepared {
-            for observer in &self.post_commit {
-                observer.post_commit(p.staged.rows());
-            }
+        for observer in &self.post_commit {
+            observer.post_commit(prepared.staged.rows());
         }
         // Dropping `prepared` here releases the commit turn for the next update.
         drop(prepared);
         Ok(applied)
     }
 
-    /// Aborts `step` if phase 2 has not decided it by the RPC timeout.
-    pub(super) fn abort_if_undecided(self: &Arc<Self>, epoch: u64, step: u64) {
+    /// Aborts prepare `id` of `step` if phase 2 has not decided it long after any decision
+    /// could arrive (a worker's commit, with its retries, ends well within this).
+    pub(super) fn abort_if_undecided(self: &Arc<Self>, epoch: u64, step: u64, id: u64) {
         let core = self.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(core.job.timeout()).await;
+            tokio::time::sleep(core.job.timeout() * 4).await;
             let undecided = core.ec.as_ref().is_some_and(|ec| {
                 lock(&ec.prepared)
                     .get(&step)
-                    .is_some_and(|p| p.epoch == epoch)
+                    .is_some_and(|p| p.epoch == epoch && p.id == id)
             });
-            if undecided && core.decide_step(epoch, step, false).is_ok() {
+            if undecided && core.decide(epoch, step, false, Some(id)).is_ok() {
                 tracing::warn!("step {step} was prepared but never decided; aborted it");
             }
         });
     }
+}
+
+/// Checks a parity update whole against this server's parity slots.
+fn validate_parity_update(
+    shard: &crate::shard::Shard,
+    req: &ParityUpdateRequest,
+) -> Result<(), PsError> {
+    let Some(red) = shard.redundancy() else {
+        return Err(PsError::Config("this server holds no parity".into()));
+    };
+    for t in &req.tables {
+        let what = || {
+            format!(
+                "parity update from server {} for step {}, table {}",
+                req.source, req.step, t.table
+            )
+        };
+        let locals = bytes_to_u32s(&t.locals, "parity slots")?;
+        let Some(slots) = red.parity.get(t.table as usize) else {
+            return Err(PsError::Request(format!("{}: no such table", what())));
+        };
+        let capacity = slots.len() / red.row_bytes.max(1);
+        if locals.len() != t.coefs.len() || t.deltas.len() != locals.len() * red.row_bytes {
+            return Err(PsError::Request(format!(
+                "{}: {} slots, {} coefficients, {} difference bytes (rows of {} bytes)",
+                what(),
+                locals.len(),
+                t.coefs.len(),
+                t.deltas.len(),
+                red.row_bytes
+            )));
+        }
+        if let Some(bad) = locals.iter().find(|&&l| l as usize >= capacity) {
+            return Err(PsError::Request(format!(
+                "{}: parity slot {bad} is outside this server's {capacity} slots",
+                what()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Folds every difference of `req` into the shard's parity slots.

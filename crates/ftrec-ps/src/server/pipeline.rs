@@ -11,6 +11,8 @@ pub(super) enum Pushed {
     Applied { steps: u64, rows: usize },
     /// The step was applied here already (a dead worker's step granted again): ignored.
     Duplicate { steps: u64 },
+    /// 2PC phase 1 done: staged and held as prepare `id` until phase 2.
+    Prepared { id: u64, rows: usize },
 }
 
 impl Core {

@@ -322,13 +322,6 @@ impl Core {
             "rebuild: dense replica",
         )
         .await?;
-        let _ = fetch_dense(
-            &mut dense_from(replicated)?,
-            epoch,
-            false,
-            "rebuild: replicated range",
-        )
-        .await?;
         let mut dense = DenseState::initial(&config, self.job.config.seed)?;
         dense.params.fill(0.0);
         dense.optimizer_state.fill(0.0);

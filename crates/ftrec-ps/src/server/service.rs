@@ -94,12 +94,15 @@ impl ParameterServer for Service {
         let pushed = if req.prepare {
             let step = update.step;
             let pushed = core.prepare_update(req.epoch, update).await?;
-            core.abort_if_undecided(req.epoch, step);
+            if let Pushed::Prepared { id, .. } = pushed {
+                core.abort_if_undecided(req.epoch, step, id);
+            }
             pushed
         } else {
             core.run_update(req.epoch, update).await?
         };
         let (applied, rows) = match pushed {
+            Pushed::Prepared { rows, .. } => (core.steps().count(), rows),
             Pushed::Applied { steps, rows } => (steps, rows),
             Pushed::Duplicate { steps } => {
                 return Ok(Response::new(PushReply { applied: steps }));
@@ -213,9 +216,11 @@ impl ParameterServer for Service {
     ) -> Result<Response<SetEpochReply>, Status> {
         let core = &self.0;
         let req = req.into_inner();
-        // Steps prepared in an older epoch hold the commit turn: the recovery decided
-        // their fate, so they go first.
-        if let Some(ec) = &core.ec {
+        // Steps prepared in an older epoch hold the commit turn: the recovery decides
+        // their fate, so they go first (and none of that epoch commits here from now on).
+        if let Some(ec) = &core.ec
+            && req.epoch >= core.live().epoch
+        {
             ec.drop_older_than(req.epoch);
         }
         // In the commit turn and under the shard lock, so no push straddles the change.

@@ -327,6 +327,14 @@ impl Shard {
             let Some(stored) = self.state.tables().get(*table) else {
                 return Err(PsError::Request(format!("table {table} does not exist")));
             };
+            // Each row once: two updates of one row staged from the same stored value
+            // would keep only the last, while its parity folded both differences.
+            if let Some(w) = rows.windows(2).find(|w| w[0] >= w[1]) {
+                return Err(PsError::Request(format!(
+                    "table {table}: rows must be strictly ascending, got {} then {}",
+                    w[0], w[1]
+                )));
+            }
             let stride = stored.stride();
             let mut out = StagedRows {
                 table: *table,
