@@ -8,9 +8,9 @@
 //!   the next update from being staged against rows that are about to change.
 //! - Phase 2 (`CommitStep`): the update is installed and the parity holders fold what they
 //!   staged for the step; `AbortStep` drops both.
-//! - A prepared step not decided within the RPC timeout is aborted, and an epoch change
-//!   (a recovery) drops everything prepared or staged in older epochs: no staged update
-//!   stays behind. A server that dies in phase 2 loses nothing: its parity holders and
+//! - A prepared step not decided within four RPC timeouts is aborted, and a recovery
+//!   fences its epoch (no older step prepares or commits from then on) and drops
+//!   everything prepared or staged in older epochs: no staged update stays behind. A server that dies in phase 2 loses nothing: its parity holders and
 //!   dense replica commit the step, and the rebuild decodes its rows with it.
 
 use std::collections::HashMap;
