@@ -149,6 +149,8 @@ impl TimelineData {
         for (kind, color) in [
             ("killed", RED),
             ("failure-detected", MAGENTA),
+            ("rebuild-start", RGBColor(230, 140, 0)),
+            ("rebuild-end", RGBColor(120, 60, 0)),
             ("recovery-end", GREEN),
             ("checkpoint-end", RGBColor(150, 150, 150)),
         ] {
