@@ -486,6 +486,7 @@ fn demo(a: DemoArgs) -> Result<()> {
                 | "server-joined"
                 | "recovery-start"
                 | "rebuild-start"
+                | "rebuild-progress"
                 | "rebuild-end"
                 | "recovery-end"
                 | "training-end"

@@ -309,7 +309,14 @@ async fn recovery_calls(
                     lost: Vec::new(),
                     parity_only: true,
                 };
-                async move { (i, c.rebuild(request).await.map(|_| None)) }
+                async move {
+                    (
+                        i,
+                        follow_rebuild(shared, i, &mut c, request, false)
+                            .await
+                            .map(|_| None),
+                    )
+                }
             });
             futures::future::join_all(reencode).await
         }
@@ -357,10 +364,8 @@ async fn recovery_calls(
                         parity_only: false,
                     };
                     async move {
-                        (
-                            server,
-                            c.rebuild(request).await.map(|r| Some(r.into_inner())),
-                        )
+                        let r = follow_rebuild(shared, server, &mut c, request, true).await;
+                        (server, r.map(Some))
                     }
                 });
                 results.extend(futures::future::join_all(rebuilds).await);
@@ -369,6 +374,41 @@ async fn recovery_calls(
         }
         RecoveryAction::Abandon { .. } => Vec::new(),
     }
+}
+
+/// Runs `server`'s rebuild and follows its progress stream: with `report`, a
+/// `rebuild-progress` event at each quarter of its tables. Returns the totals.
+async fn follow_rebuild(
+    shared: &Shared,
+    server: usize,
+    client: &mut ServerClient,
+    request: RebuildRequest,
+    report: bool,
+) -> Result<RebuildReply, tonic::Status> {
+    let mut replies = client.rebuild(request).await?.into_inner();
+    let mut quarter = 0;
+    while let Some(reply) = replies.message().await? {
+        if reply.done {
+            return Ok(reply);
+        }
+        let reached = (reply.tables_done * 4) / reply.tables.max(1);
+        if report && reached > quarter && reply.tables_done < reply.tables {
+            quarter = reached;
+            shared.lock().timeline.event(
+                "rebuild-progress",
+                format!(
+                    "server {server}: {}/{} tables, {} rows, {:.0} MB/s",
+                    reply.tables_done,
+                    reply.tables,
+                    reply.rows,
+                    reply.bytes as f64 / reply.seconds.max(1e-9) / 1e6
+                ),
+            );
+        }
+    }
+    Err(tonic::Status::unavailable(format!(
+        "server {server}'s rebuild ended without its totals"
+    )))
 }
 
 async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action: RecoveryAction) {

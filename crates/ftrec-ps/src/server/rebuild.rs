@@ -96,7 +96,13 @@ async fn fetch_dense(
 }
 
 impl Core {
-    pub(super) async fn rebuild(&self, req: RebuildRequest) -> Result<RebuildReply, PsError> {
+    /// Rebuilds (or, with `parity_only`, re-derives) this slot; `progress` gets one
+    /// message per table. Returns the totals.
+    pub(super) async fn rebuild(
+        &self,
+        req: RebuildRequest,
+        progress: tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
+    ) -> Result<RebuildReply, PsError> {
         let started = Instant::now();
         let _turn = self.commit_turn.lock().await;
         self.check_epoch_forward(req.epoch)?;
@@ -270,6 +276,15 @@ impl Core {
                 mine.len() + held.len()
             } as u64;
             self.faults.die_at(crate::faults::FaultPoint::Rebuild);
+            // Progress is best effort: a slow reader must not hold the rebuild up.
+            let _ = progress.try_send(Ok(RebuildReply {
+                bytes: rebuilt_bytes,
+                rows: rebuilt_rows,
+                seconds: started.elapsed().as_secs_f64(),
+                tables_done: t as u32 + 1,
+                tables: global.tables() as u32,
+                done: false,
+            }));
             let values = bytes_to_f32s(&mine, "rebuilt rows")?;
             tables.push(
                 EmbeddingTable::from_data(config.table_rows[t], global.dim, stride, values)
@@ -313,6 +328,9 @@ impl Core {
                 bytes: rebuilt_bytes + replica_bytes,
                 rows: rebuilt_rows,
                 seconds: started.elapsed().as_secs_f64(),
+                tables_done: global.tables() as u32,
+                tables: global.tables() as u32,
+                done: true,
             });
         }
         let own = fetch_dense(
@@ -363,6 +381,9 @@ impl Core {
             bytes: rebuilt_bytes,
             rows: rebuilt_rows,
             seconds: started.elapsed().as_secs_f64(),
+            tables_done: global.tables() as u32,
+            tables: global.tables() as u32,
+            done: true,
         })
     }
 }

@@ -386,11 +386,27 @@ impl ParameterServer for Service {
         Ok(Response::new(StepDecisionReply { applied }))
     }
 
+    type RebuildStream =
+        std::pin::Pin<Box<dyn futures::Stream<Item = Result<RebuildReply, Status>> + Send>>;
+
     async fn rebuild(
         &self,
         req: Request<RebuildRequest>,
-    ) -> Result<Response<RebuildReply>, Status> {
-        Ok(Response::new(self.0.rebuild(req.into_inner()).await?))
+    ) -> Result<Response<Self::RebuildStream>, Status> {
+        let core = self.0.clone();
+        let req = req.into_inner();
+        let (progress, rx) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(async move {
+            let last = match core.rebuild(req, progress.clone()).await {
+                Ok(totals) => Ok(totals),
+                Err(e) => Err(Status::from(e)),
+            };
+            let _ = progress.send(last).await;
+        });
+        let replies = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|reply| (reply, rx))
+        });
+        Ok(Response::new(Box::pin(replies)))
     }
 
     async fn shutdown(
