@@ -21,6 +21,10 @@ pub use error::ConfigError;
 pub use ftrec_ckpt::Strategy;
 pub use sections::{DataSection, ModelSection, OptimizerSection, TrainSection};
 
+/// More compute threads than this is a mistake, not a setting: each is an OS thread with
+/// its own stack, and far more threads than cores only slow a step down.
+pub const MAX_THREADS: usize = 1024;
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JobConfig {
@@ -172,6 +176,13 @@ impl JobConfig {
             return Err(ConfigError::Invalid(
                 "train.epochs or train.steps must be positive".into(),
             ));
+        }
+        if self.threads > MAX_THREADS {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            return Err(ConfigError::Invalid(format!(
+                "threads = {}: at most {MAX_THREADS} (this host has {cores} cores; 0 uses all of them)",
+                self.threads
+            )));
         }
         self.model_config()?.validate()?;
         self.checkpoint.validate()?;
@@ -369,5 +380,12 @@ mod tests {
         assert!(e.contains("ec.groups = 2"), "{e}");
         // Without erasure coding the section is not checked.
         JobConfig::load(Some("tiny"), None, &["ec.k=9".into()]).unwrap();
+        let e = JobConfig::load(Some("tiny"), None, &["threads=100000".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("threads = 100000") && e.contains("at most 1024"),
+            "{e}"
+        );
     }
 }

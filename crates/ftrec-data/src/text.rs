@@ -53,7 +53,10 @@ pub fn for_each_record(
                 })?;
             continue;
         }
-        match schema.parse_line(&line, &mut rec) {
+        match schema
+            .parse_line(&line, &mut rec)
+            .map_err(|m| shorten(m, MAX_MESSAGE))
+        {
             Ok(()) => {
                 summary.records += 1;
                 on_record(&rec)?;
@@ -75,6 +78,20 @@ pub fn for_each_record(
         }
     }
     Ok(summary)
+}
+
+/// Errors quote the offending text; a huge line is cut, not echoed whole.
+const MAX_MESSAGE: usize = 300;
+
+fn shorten(message: String, max: usize) -> String {
+    if message.len() <= max {
+        return message;
+    }
+    let mut end = max;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes in all)", &message[..end], message.len())
 }
 
 #[cfg(test)]
@@ -107,5 +124,20 @@ mod tests {
         .unwrap();
         assert_eq!((sum.lines, sum.records, sum.bad_lines, n), (5, 4, 1, 4));
         assert!(sum.first_bad.unwrap().contains("day_0:3"));
+    }
+
+    #[test]
+    fn a_huge_bad_value_is_quoted_cut_not_whole() {
+        let long = "x".repeat(50_000);
+        let cut = shorten(format!("bad value {long:?}"), MAX_MESSAGE);
+        assert!(
+            cut.len() < 400 && cut.contains("bytes in all"),
+            "{}",
+            cut.len()
+        );
+        // Never inside a multi-byte character.
+        let wide = "é".repeat(1000);
+        assert!(shorten(wide, 301).ends_with("bytes in all)"));
+        assert_eq!(shorten("short".into(), MAX_MESSAGE), "short");
     }
 }

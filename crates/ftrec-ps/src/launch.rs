@@ -342,6 +342,20 @@ async fn run_async(
     let job = opts.job;
     let run_dir = opts.run_dir;
     let evaluator = opts.evaluate;
+    for k in &opts.kills {
+        let (what, count) = match k.role {
+            Role::Server => ("servers", job.config.cluster.servers),
+            _ => ("workers", job.config.cluster.workers),
+        };
+        if k.id >= count {
+            return Err(PsError::Config(format!(
+                "--kill names {} {}, but the cluster has {count} {what} (0..={})",
+                &what[..what.len() - 1],
+                k.id,
+                count.saturating_sub(1)
+            )));
+        }
+    }
     let logs = run_dir.join("logs");
     std::fs::create_dir_all(&logs).map_err(io(&logs))?;
     let job_file = run_dir.join("job.toml");

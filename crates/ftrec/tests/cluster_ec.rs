@@ -193,6 +193,17 @@ fn more_losses_than_the_code_covers_end_the_run_with_the_reason() {
         err.contains("cluster.servers = 2") && err.contains("ec.k + ec.r = 3"),
         "{err}"
     );
+
+    // A kill of a server the cluster does not have is refused, not ignored.
+    let mut args = cluster_args(&data, dir.path(), STEPS);
+    args.extend(["--servers", "3", "--ft", "ec", "--kill", "server:5@1s"]);
+    let out = ftrec(&args);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("server 5") && err.contains("3 servers"),
+        "{err}"
+    );
 }
 
 #[test]
