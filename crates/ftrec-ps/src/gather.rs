@@ -5,7 +5,7 @@ use ftrec_model::{DenseState, EmbeddingTable, ModelState};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::PsError;
-use crate::client::server_client;
+use crate::client::{ServerClient, server_client};
 use crate::job::Job;
 use crate::placement::LocalRow;
 use crate::proto::{FetchDenseRequest, FetchRowsRequest};
@@ -123,4 +123,30 @@ pub async fn gather_state(
         .map(|h| format!("{:016x}", h.digest()))
         .collect();
     Ok((ModelState::from_parts(config, tables, dense)?, digests))
+}
+
+/// A whole table's data rows (or parity rows) of one server, streamed.
+pub(crate) async fn fetch_all(
+    client: &mut ServerClient,
+    epoch: u64,
+    table: usize,
+    parity: bool,
+    what: &str,
+) -> Result<Vec<u8>, PsError> {
+    let mut pieces = client
+        .fetch_rows(FetchRowsRequest {
+            epoch,
+            table: table as u32,
+            first_row: 0,
+            end_row: u32::MAX,
+            parity,
+        })
+        .await
+        .map_err(|s| PsError::rpc(what, &s))?
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(piece) = pieces.message().await.map_err(|s| PsError::rpc(what, &s))? {
+        out.extend_from_slice(&piece.rows);
+    }
+    Ok(out)
 }

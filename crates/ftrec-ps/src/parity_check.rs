@@ -62,25 +62,7 @@ pub async fn verify_parity(
         let mut stored = Vec::with_capacity(addresses.len());
         for (s, client) in clients.iter_mut().enumerate() {
             let what = format!("verify-parity: table {t} parity of server {s}");
-            let mut pieces = client
-                .fetch_rows(FetchRowsRequest {
-                    epoch,
-                    table: t as u32,
-                    first_row: 0,
-                    end_row: u32::MAX,
-                    parity: true,
-                })
-                .await
-                .map_err(|st| PsError::rpc(&what, &st))?
-                .into_inner();
-            let mut bytes = Vec::new();
-            while let Some(piece) = pieces
-                .message()
-                .await
-                .map_err(|st| PsError::rpc(&what, &st))?
-            {
-                bytes.extend_from_slice(&piece.rows);
-            }
+            let bytes = crate::gather::fetch_all(client, epoch, t, true, &what).await?;
             stored.push(bytes);
         }
         let mut expected = vec![0u8; row_bytes];

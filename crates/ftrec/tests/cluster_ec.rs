@@ -40,6 +40,13 @@ fn ec_run(data: &str, run: &std::path::Path, servers: &str, extra: &[&str]) -> V
     json_of(&ftrec(&args))
 }
 
+/// Runs `ftrec args`, which must fail, and returns what it said.
+fn refused(args: &[&str]) -> String {
+    let out = ftrec(args);
+    assert!(!out.status.success(), "{args:?} should have been refused");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 /// The run ended exact and fully redundant, after one recovery per listed slot.
 fn assert_exact(out: &Value, expected: &Value, rebuilt: &[u64], what: &str) {
     assert_eq!(&out["state_digest"], expected, "{what}: {out}");
@@ -175,9 +182,7 @@ fn more_losses_than_the_code_covers_end_the_run_with_the_reason() {
         "--kill",
         "server:1@step:30",
     ]);
-    let out = ftrec(&args);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&args);
     assert!(
         err.contains("2 servers of erasure-coding group 0") && err.contains("ec+checkpoint"),
         "{err}"
@@ -186,9 +191,7 @@ fn more_losses_than_the_code_covers_end_the_run_with_the_reason() {
     // A stripe needs k + r distinct servers: refused before anything starts.
     let mut args = cluster_args(&data, dir.path(), STEPS);
     args.extend(["--servers", "2", "--ft", "ec"]);
-    let out = ftrec(&args);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&args);
     assert!(
         err.contains("cluster.servers = 2") && err.contains("ec.k + ec.r = 3"),
         "{err}"
@@ -197,9 +200,7 @@ fn more_losses_than_the_code_covers_end_the_run_with_the_reason() {
     // A kill of a server the cluster does not have is refused, not ignored.
     let mut args = cluster_args(&data, dir.path(), STEPS);
     args.extend(["--servers", "3", "--ft", "ec", "--kill", "server:5@1s"]);
-    let out = ftrec(&args);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&args);
     assert!(
         err.contains("server 5") && err.contains("3 servers"),
         "{err}"

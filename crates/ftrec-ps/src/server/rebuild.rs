@@ -8,41 +8,15 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use ftrec_ec::Codec;
-use ftrec_model::{DenseState, EmbeddingTable, ModelState};
+use ftrec_model::{EmbeddingTable, ModelState};
 
 use super::Core;
 use crate::PsError;
 use crate::applied::AppliedSteps;
 use crate::client::{ServerClient, server_client};
 use crate::proto::*;
-use crate::shard::{DenseReplica, Redundancy, Shard};
+use crate::shard::{DenseReplica, Redundancy, Shard, packed_dense};
 use crate::wire::bytes_to_f32s;
-
-/// A whole table's data rows (or parity rows) of one server, streamed.
-async fn fetch_all(
-    client: &mut ServerClient,
-    epoch: u64,
-    table: usize,
-    parity: bool,
-    what: &str,
-) -> Result<Vec<u8>, PsError> {
-    let mut pieces = client
-        .fetch_rows(FetchRowsRequest {
-            epoch,
-            table: table as u32,
-            first_row: 0,
-            end_row: u32::MAX,
-            parity,
-        })
-        .await
-        .map_err(|s| PsError::rpc(what, &s))?
-        .into_inner();
-    let mut out = Vec::new();
-    while let Some(piece) = pieces.message().await.map_err(|s| PsError::rpc(what, &s))? {
-        out.extend_from_slice(&piece.rows);
-    }
-    Ok(out)
-}
 
 /// Every survivor's data and parity slots of table `t`, streamed from all at once.
 async fn fetch_table(
@@ -57,16 +31,18 @@ async fn fetch_table(
             let what = format!("rebuild: table {t} from server {s}");
             let parity = async {
                 if with_parity {
-                    fetch_all(&mut parity_client, epoch, t, true, &what)
+                    crate::gather::fetch_all(&mut parity_client, epoch, t, true, &what)
                         .await
                         .map(Some)
                 } else {
                     Ok(None)
                 }
             };
-            let (d, p) =
-                futures::future::join(fetch_all(&mut rows_client, epoch, t, false, &what), parity)
-                    .await;
+            let (d, p) = futures::future::join(
+                crate::gather::fetch_all(&mut rows_client, epoch, t, false, &what),
+                parity,
+            )
+            .await;
             Ok::<_, PsError>((s, d?, p?))
         }
     });
@@ -339,19 +315,13 @@ impl Core {
             "rebuild: dense replica",
         )
         .await?;
-        let mut dense = DenseState::initial(&config, self.job.config.seed)?;
-        dense.params.fill(0.0);
-        dense.optimizer_state.fill(0.0);
-        let params = bytes_to_f32s(&own.params, "dense replica")?;
-        let state = bytes_to_f32s(&own.state, "dense replica state")?;
-        if params.len() > dense.params.len() || state.len() > dense.optimizer_state.len() {
-            return Err(PsError::Request(
-                "rebuild: the dense replica is larger than the model".into(),
-            ));
-        }
-        dense.params[..params.len()].copy_from_slice(&params);
-        dense.optimizer_state[..state.len()].copy_from_slice(&state);
-        dense.step = own.step;
+        let dense = packed_dense(
+            &config,
+            self.job.config.seed,
+            &bytes_to_f32s(&own.params, "dense replica")?,
+            &bytes_to_f32s(&own.state, "dense replica state")?,
+            own.step,
+        )?;
         redundancy.replica = Some(replica);
         rebuilt_bytes += (own.params.len() + own.state.len()) as u64 + replica_bytes;
         let state = ModelState::from_parts(config, tables, dense)?;

@@ -110,6 +110,33 @@ pub struct Shard {
     redundancy: Option<Redundancy>,
 }
 
+/// A shard configuration's dense state holding one server's range packed at the front:
+/// `params`, then `state` (the optimizer's layout for that many parameters), zeros after.
+pub(crate) fn packed_dense(
+    config: &ModelConfig,
+    seed: u64,
+    params: &[f32],
+    state: &[f32],
+    step: u64,
+) -> Result<DenseState, PsError> {
+    let mut dense = DenseState::initial(config, seed)?;
+    if params.len() > dense.params.len() || state.len() > dense.optimizer_state.len() {
+        return Err(PsError::Request(format!(
+            "a dense range of {} parameters and {} state values does not fit a model of {} and {}",
+            params.len(),
+            state.len(),
+            dense.params.len(),
+            dense.optimizer_state.len()
+        )));
+    }
+    dense.params.fill(0.0);
+    dense.optimizer_state.fill(0.0);
+    dense.params[..params.len()].copy_from_slice(params);
+    dense.optimizer_state[..state.len()].copy_from_slice(state);
+    dense.step = step;
+    Ok(dense)
+}
+
 impl Shard {
     /// The configuration of `server`'s shard: the global model with each table holding the
     /// rows the placement gives the server.
@@ -141,7 +168,8 @@ impl Shard {
     ) -> Result<Self, PsError> {
         let config = Self::shard_config(global, layout, server)?;
         let stride = global.row_stride();
-        let mut redundancy = match layout.stripes() {
+        let stripes = layout.stripes();
+        let mut redundancy = match stripes {
             Some(_) => Some(Redundancy::empty(global, layout, server)?),
             None => None,
         };
@@ -155,8 +183,8 @@ impl Shard {
                     let local = layout.local_index(t, g).index();
                     data[local * stride..(local + 1) * stride].copy_from_slice(row);
                 }
-                if let Some(red) = &mut redundancy {
-                    red.fold_initial(layout, server, t, r, bytemuck::cast_slice(row));
+                if let (Some(red), Some(stripes)) = (&mut redundancy, &stripes) {
+                    red.fold_initial(stripes, server, t, r, bytemuck::cast_slice(row));
                 }
             });
             tables.push(
@@ -164,20 +192,14 @@ impl Shard {
                     .ok_or_else(|| PsError::Config("shard table shape".into()))?,
             );
         }
-        if let Some(red) = &mut redundancy {
-            red.replica = Redundancy::initial_replica(global, layout, server, seed)?;
-        }
         let full = DenseState::initial(global, seed)?;
+        if let Some(red) = &mut redundancy {
+            red.replica = Redundancy::initial_replica(global, layout, server, &full)?;
+        }
         let range = layout.dense_range(server, full.params.len());
-        let mut dense = DenseState::initial(&config, seed)?;
-        dense.params.fill(0.0);
-        dense.optimizer_state.fill(0.0);
-        let len = range.len();
-        dense.params[..len].copy_from_slice(&full.params[range.clone()]);
-        let state_len = global.dense_optimizer.dense_state_len(len)?;
-        global
-            .dense_optimizer
-            .init_dense_state(&mut dense.optimizer_state[..state_len]);
+        let mut range_state = vec![0.0f32; global.dense_optimizer.dense_state_len(range.len())?];
+        global.dense_optimizer.init_dense_state(&mut range_state);
+        let dense = packed_dense(&config, seed, &full.params[range], &range_state, full.step)?;
         let state = ModelState::from_parts(config, tables, dense)?;
         let mut shard = Self::from_state(global, layout, server, state)?;
         shard.redundancy = redundancy;
@@ -206,7 +228,8 @@ impl Shard {
         let state = ModelState::from_parts(config, tables, dense)?;
         let mut shard = Self::from_state(global, layout, server, state)?;
         let mut redundancy = Redundancy::empty(global, layout, server)?;
-        redundancy.replica = Redundancy::initial_replica(global, layout, server, seed)?;
+        let full = DenseState::initial(global, seed)?;
+        redundancy.replica = Redundancy::initial_replica(global, layout, server, &full)?;
         shard.redundancy = Some(redundancy);
         Ok(shard)
     }

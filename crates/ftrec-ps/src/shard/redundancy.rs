@@ -8,11 +8,11 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use ftrec_ec::Codec;
+use ftrec_ec::{Codec, StripeLayout};
 use ftrec_model::{DenseState, EmbeddingTable, ModelConfig};
 
 use crate::PsError;
-use crate::placement::{GlobalRow, Layout};
+use crate::placement::Layout;
 
 /// A copy of another server's dense range, updated by the same gradients in the same
 /// order as the primary, so it stays bit-identical to it.
@@ -61,22 +61,19 @@ impl Redundancy {
     /// it (called for every row as the initial tables are generated).
     pub fn fold_initial(
         &mut self,
-        layout: Layout,
+        stripes: &StripeLayout,
         server: usize,
         table: usize,
         row: usize,
         bytes: &[u8],
     ) {
-        for holder in layout.holders(table, GlobalRow(row as u32)).iter().skip(1) {
-            if holder.server != server {
+        let (stripe, position) = stripes.stripe_of(row);
+        for p in 0..stripes.params.r {
+            let slot = stripes.parity_slot(table, stripe, p);
+            if slot.server != server {
                 continue;
             }
-            let Some(stripes) = layout.stripes() else {
-                return;
-            };
-            let (_, position) = stripes.stripe_of(row);
-            let p = holder.local.index() % stripes.params.r;
-            let at = holder.local.index() * self.row_bytes;
+            let at = slot.local * self.row_bytes;
             self.codec.fold(
                 p,
                 position,
@@ -91,12 +88,11 @@ impl Redundancy {
         global: &ModelConfig,
         layout: Layout,
         server: usize,
-        seed: u64,
+        full: &DenseState,
     ) -> Result<Option<DenseReplica>, PsError> {
         let Some(of) = layout.replicates(server) else {
             return Ok(None);
         };
-        let full = DenseState::initial(global, seed)?;
         let range = layout.dense_range(of, full.params.len());
         let mut state = vec![0.0f32; global.dense_optimizer.dense_state_len(range.len())?];
         global.dense_optimizer.init_dense_state(&mut state);
