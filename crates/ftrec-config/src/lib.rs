@@ -8,6 +8,7 @@ mod cluster;
 mod error;
 mod layering;
 mod sections;
+mod security;
 
 use std::path::Path;
 
@@ -20,6 +21,7 @@ pub use cluster::{ClusterSection, EcSection, FaultTolerance};
 pub use error::ConfigError;
 pub use ftrec_ckpt::Strategy;
 pub use sections::{DataSection, ModelSection, OptimizerSection, TrainSection};
+pub use security::{SECRET_ENV, SecuritySection};
 
 /// More compute threads than this is a mistake, not a setting: each is an OS thread with
 /// its own stack, and far more threads than cores only slow a step down.
@@ -46,6 +48,9 @@ pub struct JobConfig {
     /// Erasure coding, with `cluster.ft = "ec"`.
     #[serde(default)]
     pub ec: EcSection,
+    /// Job secret and TLS for the cluster's RPCs.
+    #[serde(default)]
+    pub security: SecuritySection,
 }
 
 impl JobConfig {
@@ -79,6 +84,7 @@ impl JobConfig {
                 checkpoint: CheckpointSection::default(),
                 cluster: ClusterSection::default(),
                 ec: EcSection::default(),
+                security: SecuritySection::default(),
             }),
             // The demo: the tiny architecture with optimizers that learn the synthetic
             // teacher within a minute (plain SGD at 0.01 needs many epochs).
@@ -131,6 +137,7 @@ impl JobConfig {
             checkpoint: CheckpointSection::default(),
             cluster: ClusterSection::default(),
             ec: EcSection::default(),
+            security: SecuritySection::default(),
         }
     }
 
@@ -188,6 +195,7 @@ impl JobConfig {
         self.checkpoint.validate()?;
         self.cluster.validate()?;
         self.ec.validate(&self.cluster)?;
+        self.security.validate()?;
         Ok(())
     }
 

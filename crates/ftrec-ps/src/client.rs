@@ -1,55 +1,120 @@
-//! gRPC channels with bounded waits: every call carries the job's RPC timeout, and
-//! connecting to an address that does not answer fails with the address in the message.
+//! gRPC channels with bounded waits: every call carries the job's RPC timeout and secret
+//! (TLS too, when configured), and connecting to an address that does not answer fails
+//! with the address in the message.
 
 use std::time::{Duration, Instant};
 
-use tonic::transport::{Channel, Endpoint};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 use crate::PsError;
+use crate::auth::{AttachSecret, JobSecret, TlsMaterial};
 use crate::proto::parameter_server_client;
 use crate::proto::{HeartbeatRequest, coordinator_client};
 
-pub type CoordinatorClient = coordinator_client::CoordinatorClient<Channel>;
-pub type ServerClient = parameter_server_client::ParameterServerClient<Channel>;
+pub type AuthChannel = InterceptedService<Channel, AttachSecret>;
+pub type CoordinatorClient = coordinator_client::CoordinatorClient<AuthChannel>;
+pub type ServerClient = parameter_server_client::ParameterServerClient<AuthChannel>;
 
-fn endpoint(address: &str, timeout: Duration) -> Result<Endpoint, PsError> {
-    Ok(Endpoint::from_shared(format!("http://{address}"))
-        .map_err(|e| PsError::Config(format!("bad address {address:?}: {e}")))?
-        .timeout(timeout)
-        .connect_timeout(timeout.min(Duration::from_secs(5)))
-        .tcp_nodelay(true))
-}
-
-/// A channel that connects on first use (and reconnects after a failure).
-pub fn connect_lazy(address: &str, timeout: Duration) -> Result<Channel, PsError> {
-    Ok(endpoint(address, timeout)?.connect_lazy())
-}
-
-pub fn server_client(address: &str, timeout: Duration) -> Result<ServerClient, PsError> {
-    Ok(ServerClient::new(connect_lazy(address, timeout)?)
-        .max_decoding_message_size(usize::MAX)
-        .max_encoding_message_size(usize::MAX))
-}
-
-/// Connects to the coordinator, retrying for up to `timeout` (it may still be starting).
-pub async fn connect_coordinator(
-    address: &str,
+/// How a member calls the others. Cheap to clone.
+#[derive(Clone)]
+pub struct Connector {
     timeout: Duration,
-) -> Result<CoordinatorClient, PsError> {
-    let ep = endpoint(address, timeout)?;
-    let started = Instant::now();
-    loop {
-        match ep.connect().await {
-            Ok(channel) => return Ok(CoordinatorClient::new(channel)),
-            Err(e) if started.elapsed() >= timeout.min(Duration::from_secs(10)) => {
-                return Err(PsError::Rpc {
-                    what: format!("cannot reach the coordinator at {address}"),
-                    message: format!("{e} (after {:.1}s)", started.elapsed().as_secs_f64()),
-                });
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+    secret: AttachSecret,
+    tls: Option<ClientTlsConfig>,
+}
+
+impl Connector {
+    pub fn new(
+        timeout: Duration,
+        secret: &JobSecret,
+        tls: Option<&TlsMaterial>,
+    ) -> Result<Self, PsError> {
+        Ok(Self {
+            timeout,
+            secret: secret.attacher()?,
+            tls: tls.map(TlsMaterial::client),
+        })
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The same, with another bound on each call.
+    pub fn with_timeout(&self, timeout: Duration) -> Self {
+        Self {
+            timeout,
+            ..self.clone()
         }
     }
+
+    fn endpoint(&self, address: &str) -> Result<Endpoint, PsError> {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
+            .map_err(|e| PsError::Config(format!("bad address {address:?}: {e}")))?
+            .timeout(self.timeout)
+            .connect_timeout(self.timeout.min(Duration::from_secs(5)))
+            .tcp_nodelay(true);
+        match &self.tls {
+            Some(tls) => endpoint
+                .tls_config(tls.clone())
+                .map_err(|e| PsError::Config(format!("TLS settings for {address}: {e}"))),
+            None => Ok(endpoint),
+        }
+    }
+
+    /// A server client whose channel connects on first use (and reconnects after a
+    /// failure).
+    pub fn server(&self, address: &str) -> Result<ServerClient, PsError> {
+        let channel = self.endpoint(address)?.connect_lazy();
+        Ok(
+            ServerClient::new(InterceptedService::new(channel, self.secret.clone()))
+                .max_decoding_message_size(usize::MAX)
+                .max_encoding_message_size(usize::MAX),
+        )
+    }
+
+    /// Connects to the coordinator, retrying for up to the timeout (at most 10 s: it may
+    /// still be starting).
+    pub async fn coordinator(&self, address: &str) -> Result<CoordinatorClient, PsError> {
+        let ep = self.endpoint(address)?;
+        let started = Instant::now();
+        loop {
+            match ep.connect().await {
+                Ok(channel) => {
+                    return Ok(CoordinatorClient::new(InterceptedService::new(
+                        channel,
+                        self.secret.clone(),
+                    )));
+                }
+                Err(e) if started.elapsed() >= self.timeout.min(Duration::from_secs(10)) => {
+                    return Err(PsError::Rpc {
+                        what: format!("cannot reach the coordinator at {address}"),
+                        message: format!(
+                            "{} (after {:.1}s)",
+                            with_causes(&e),
+                            started.elapsed().as_secs_f64()
+                        ),
+                    });
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+}
+
+/// An error with its chain of causes: tonic's transport errors say only "transport
+/// error" at the top, and the cause (a refused certificate, say) is what a person needs.
+pub fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 /// Sends `request` every `period`, ignoring failures, until the task is aborted: keeps a

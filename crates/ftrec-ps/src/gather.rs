@@ -5,7 +5,7 @@ use ftrec_model::{DenseState, EmbeddingTable, ModelState};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::PsError;
-use crate::client::{ServerClient, server_client};
+use crate::client::ServerClient;
 use crate::job::Job;
 use crate::placement::LocalRow;
 use crate::proto::{FetchDenseRequest, FetchRowsRequest};
@@ -22,9 +22,10 @@ pub async fn gather_state(
     let config = job.config.model_config()?;
     let layout = job.layout()?;
     let stride = config.row_stride();
+    let connector = job.connector()?;
     let mut clients = addresses
         .iter()
-        .map(|a| server_client(a, job.timeout()))
+        .map(|a| connector.server(a))
         .collect::<Result<Vec<_>, _>>()?;
     let mut hashes: Vec<Xxh3> = addresses.iter().map(|_| Xxh3::new()).collect();
     let mut tables = Vec::with_capacity(config.tables());

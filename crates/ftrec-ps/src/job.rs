@@ -1,6 +1,7 @@
 //! The job every process of a cluster runs: one [`JobConfig`] written by the launcher,
 //! read by each server and worker, and fingerprinted so a process started with another
-//! configuration is refused when it joins.
+//! configuration is refused when it joins. The job also carries what admits a process to
+//! the cluster: the job secret and, optionally, TLS material (`auth.rs`).
 
 use std::path::Path;
 
@@ -8,40 +9,122 @@ use ftrec_config::JobConfig;
 use ftrec_data::{Dataset, TRAIN_FILE};
 
 use crate::PsError;
+use crate::auth::{JobSecret, TlsMaterial};
+use crate::client::Connector;
 use crate::placement::Layout;
+
+/// The file name a generated secret is saved under, beside the job file.
+pub const SECRET_FILE: &str = "job.secret";
 
 #[derive(Clone, Debug)]
 pub struct Job {
     pub config: JobConfig,
+    secret: JobSecret,
+    /// The secret was made for this job (not configured): `save` writes it.
+    generated: bool,
+    tls: Option<TlsMaterial>,
 }
 
 impl Job {
-    pub fn new(config: JobConfig) -> Result<Self, PsError> {
+    /// The job as a launcher creates it: the configured secret, or a new one.
+    pub fn new(mut config: JobConfig) -> Result<Self, PsError> {
+        Self::checked(&config)?;
+        // The job file is read from the run directory: paths given relative to where the
+        // launcher was started must not change meaning there.
+        let s = &mut config.security;
+        for path in [
+            &mut s.secret_file,
+            &mut s.tls_cert,
+            &mut s.tls_key,
+            &mut s.tls_ca,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if path.is_relative() {
+                *path = std::path::absolute(&*path).map_err(|error| PsError::Io {
+                    path: path.display().to_string(),
+                    error,
+                })?;
+            }
+        }
+        let configured = JobSecret::configured(&config, None)?;
+        let tls = TlsMaterial::configured(&config, None)?;
+        Ok(Self {
+            generated: configured.is_none(),
+            secret: configured.unwrap_or_else(JobSecret::generate),
+            config,
+            tls,
+        })
+    }
+
+    fn checked(config: &JobConfig) -> Result<(), PsError> {
         config.validate()?;
         if config.data.dir.is_none() {
             return Err(PsError::Config(
                 "data.dir: a cluster job needs a dataset (--data DIR)".into(),
             ));
         }
-        Ok(Self { config })
+        Ok(())
     }
 
+    /// The job a member process was started with; it must carry a secret.
     pub fn load(path: &Path) -> Result<Self, PsError> {
-        Self::new(JobConfig::load(None, Some(path), &[])?)
+        let config = JobConfig::load(None, Some(path), &[])?;
+        Self::checked(&config)?;
+        let dir = path.parent();
+        let secret = JobSecret::configured(&config, dir)?.ok_or_else(|| {
+            PsError::Config(format!(
+                "{}: no job secret (set {} or security.secret_file): the cluster admits \
+                 only its own job's processes",
+                path.display(),
+                ftrec_config::SECRET_ENV
+            ))
+        })?;
+        let tls = TlsMaterial::configured(&config, dir)?;
+        Ok(Self {
+            config,
+            secret,
+            generated: false,
+            tls,
+        })
     }
 
+    /// Writes the job file, and a generated secret beside it (readable by its owner only),
+    /// so that the processes started with this file join.
     pub fn save(&self, path: &Path) -> Result<(), PsError> {
-        let text = toml::to_string(&self.config)
+        let mut config = self.config.clone();
+        if self.generated {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            self.secret.write(&dir.join(SECRET_FILE))?;
+            config.security.secret_file = Some(SECRET_FILE.into());
+        }
+        let text = toml::to_string(&config)
             .map_err(|e| PsError::Config(format!("cannot serialise the job: {e}")))?;
         Ok(ftrec_fsio::write_atomic(path, text.as_bytes())?)
     }
 
-    /// xxh3 of the configuration, ignoring what may differ per process (thread counts).
+    /// xxh3 of the configuration, ignoring what may differ per process (thread counts,
+    /// where each host keeps the secret and certificates).
     pub fn fingerprint(&self) -> u64 {
         let mut c = self.config.clone();
         c.threads = 0;
+        c.security = Default::default();
         let json = serde_json::to_vec(&c).unwrap_or_default();
         xxhash_rust::xxh3::xxh3_64(&json)
+    }
+
+    /// How this process calls the others: the job's timeout, secret and TLS.
+    pub fn connector(&self) -> Result<Connector, PsError> {
+        Connector::new(self.timeout(), &self.secret, self.tls.as_ref())
+    }
+
+    pub fn secret(&self) -> &JobSecret {
+        &self.secret
+    }
+
+    pub fn tls(&self) -> Option<&TlsMaterial> {
+        self.tls.as_ref()
     }
 
     /// The placement arithmetic: striped with rotating parity when rows are erasure

@@ -4,6 +4,7 @@
 
 pub mod applied;
 pub mod assemble;
+pub mod auth;
 pub mod client;
 pub mod coordinator;
 mod error;

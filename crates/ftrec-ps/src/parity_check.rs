@@ -6,7 +6,6 @@ use ftrec_ec::Codec;
 use ftrec_model::ModelState;
 
 use crate::PsError;
-use crate::client::server_client;
 use crate::job::Job;
 use crate::proto::*;
 
@@ -45,9 +44,10 @@ pub async fn verify_parity(
     let config = state.config();
     let row_bytes = config.row_stride() * 4;
     let zero = vec![0u8; row_bytes];
+    let connector = job.connector()?;
     let mut clients = addresses
         .iter()
-        .map(|a| server_client(a, job.timeout()))
+        .map(|a| connector.server(a))
         .collect::<Result<Vec<_>, _>>()?;
     let mut report = ParityReport::default();
     for (t, &rows) in config.table_rows.iter().enumerate() {

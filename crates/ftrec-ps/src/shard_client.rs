@@ -14,7 +14,7 @@ use std::time::Duration;
 use futures::future::join_all;
 
 use crate::PsError;
-use crate::client::{CoordinatorClient, ServerClient, server_client};
+use crate::client::{Connector, CoordinatorClient, ServerClient};
 use crate::placement::{GlobalRow, Layout};
 use crate::proto::*;
 use crate::wire::{extend_f32s, f32s_to_bytes, u32s_to_bytes};
@@ -80,7 +80,7 @@ pub struct ShardClient {
     placement_version: Option<u64>,
     layout: Layout,
     dim: usize,
-    timeout: Duration,
+    connector: Connector,
     /// Payload bytes sent and received since the last [`ShardClient::take_bytes`].
     bytes: u64,
     protocol: CommitProtocol,
@@ -91,7 +91,7 @@ impl ShardClient {
         coordinator: CoordinatorClient,
         layout: Layout,
         dim: usize,
-        timeout: Duration,
+        connector: Connector,
     ) -> Self {
         Self {
             coordinator,
@@ -99,7 +99,7 @@ impl ShardClient {
             placement_version: None,
             layout,
             dim,
-            timeout,
+            connector,
             bytes: 0,
             protocol: CommitProtocol::OneRound,
         }
@@ -133,7 +133,7 @@ impl ShardClient {
         self.servers = p
             .servers
             .iter()
-            .map(|a| server_client(a, self.timeout))
+            .map(|a| self.connector.server(a))
             .collect::<Result<_, _>>()?;
         self.placement_version = Some(p.version);
         Ok(())

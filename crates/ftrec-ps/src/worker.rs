@@ -10,7 +10,7 @@ use ftrec_model::{Batch, Dlrm, GemmMatMul, ModelConfig};
 use rayon::ThreadPool;
 
 use crate::PsError;
-use crate::client::{CoordinatorClient, connect_coordinator, keep_alive};
+use crate::client::{CoordinatorClient, keep_alive};
 use crate::job::{Job, Schedule};
 use crate::metrics::{self, Metrics};
 use crate::proto::next_step_reply::Action;
@@ -27,6 +27,37 @@ pub struct WorkerOptions {
 enum Outcome {
     Finished(u64),
     Lost(u64),
+}
+
+/// Why a step was lost, as the coordinator is told.
+struct Loss {
+    reason: String,
+    /// A server refused the step for being in this later epoch: not a failure the
+    /// coordinator caused, so it must end the run rather than retry forever.
+    ahead_epoch: Option<u64>,
+}
+
+impl Loss {
+    fn of(error: &PsError, granted_epoch: u64) -> Self {
+        const MAX_REASON: usize = 300;
+        let mut reason = error.to_string();
+        if reason.len() > MAX_REASON {
+            let mut end = MAX_REASON;
+            while !reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            reason.truncate(end);
+            reason.push_str("...");
+        }
+        let ahead_epoch = match error {
+            PsError::StaleEpoch { current, .. } if *current > granted_epoch => Some(*current),
+            _ => None,
+        };
+        Self {
+            reason,
+            ahead_epoch,
+        }
+    }
 }
 
 struct Worker {
@@ -100,7 +131,7 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
     let metrics_address = rt
         .block_on(metrics::start("127.0.0.1", metrics.clone()))
         .unwrap_or_default();
-    let mut coordinator = rt.block_on(connect_coordinator(&opts.coordinator, job.timeout()))?;
+    let mut coordinator = rt.block_on(job.connector()?.coordinator(&opts.coordinator))?;
     let joined = rt
         .block_on(coordinator.join(JoinRequest {
             role: Role::Worker as i32,
@@ -138,7 +169,7 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
         coordinator.clone(),
         job.layout()?,
         config.dim,
-        job.timeout(),
+        job.connector()?,
     )
     .with_protocol(protocol);
     let mut worker = Worker {
@@ -169,6 +200,7 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
 impl Worker {
     fn run(&mut self) -> Result<(), PsError> {
         let mut report: Option<Outcome> = None;
+        let mut loss: Option<Loss> = None;
         let mut epoch = 0;
         let mut unreachable_since: Option<Instant> = None;
         loop {
@@ -185,6 +217,8 @@ impl Worker {
                 },
                 rpc_bytes: self.rpc_bytes,
                 pid: std::process::id(),
+                lost_reason: loss.as_ref().map(|l| l.reason.clone()).unwrap_or_default(),
+                ahead_epoch: loss.as_ref().and_then(|l| l.ahead_epoch),
             };
             let asked = Instant::now();
             let reply = self
@@ -207,6 +241,7 @@ impl Worker {
             };
             unreachable_since = None;
             report = None;
+            loss = None;
             self.rpc_bytes = 0;
             match reply.action() {
                 Action::Train => {
@@ -223,6 +258,7 @@ impl Worker {
                         Err(e) => {
                             self.metrics.add("ftrec_lost_steps_total", 1);
                             tracing::warn!("worker {}: step {} lost: {e}", self.id, reply.step);
+                            loss = Some(Loss::of(&e, reply.epoch));
                             Outcome::Lost(reply.step)
                         }
                     });

@@ -50,6 +50,10 @@ pub enum ClusterCommand {
         /// The coordinator's address (printed by `cluster run`).
         #[arg(long)]
         coordinator: String,
+        /// The job file (`RUN_DIR/job.toml`, printed by `cluster run`): its secret admits
+        /// the call. Not needed when `FTREC_JOB_SECRET` is set.
+        #[arg(long)]
+        job: Option<PathBuf>,
         /// `server:ID` or `worker:ID`.
         member: String,
     },

@@ -86,6 +86,7 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     let announced = std::cell::Cell::new(false);
+    let job_file = run_dir.join("job.toml");
     let report = launch::run(
         LaunchOptions {
             job: job.clone(),
@@ -100,9 +101,10 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
             if !announced.replace(true) {
                 pb.suspend(|| {
                     eprintln!(
-                        "coordinator at {} (metrics http://{}/metrics)",
+                        "coordinator at {} (metrics http://{}/metrics; job {})",
                         p.coordinator,
-                        p.coordinator_metrics.as_deref().unwrap_or("-")
+                        p.coordinator_metrics.as_deref().unwrap_or("-"),
+                        job_file.display()
                     )
                 });
             }
@@ -168,11 +170,22 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn kill(coordinator: &str, member: &str) -> Result<()> {
+pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
     let (role, id) = launch::parse_member(member).map_err(anyhow::Error::msg)?;
+    let secret = match job {
+        Some(path) => Job::load(path)?.secret().clone(),
+        None => ftrec_ps::auth::JobSecret::from_env()?.ok_or_else(|| {
+            anyhow::anyhow!(
+                "the cluster admits only its job's processes: pass --job RUN_DIR/job.toml \
+                     or set {}",
+                ftrec_config::SECRET_ENV
+            )
+        })?,
+    };
+    let connector = client::Connector::new(Duration::from_secs(10), &secret, None)?;
     let rt = runtime()?;
     let pid = rt.block_on(async {
-        let mut c = client::connect_coordinator(coordinator, Duration::from_secs(10)).await?;
+        let mut c = connector.coordinator(coordinator).await?;
         let reply = c
             .kill(KillRequest {
                 role: role as i32,

@@ -26,8 +26,9 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Cluster(ClusterCommand::Run(a)) => crate::cluster::run(*a),
         Command::Cluster(ClusterCommand::Kill {
             coordinator,
+            job,
             member,
-        }) => crate::cluster::kill(&coordinator, &member),
+        }) => crate::cluster::kill(&coordinator, job.as_deref(), &member),
         Command::Server(a) => crate::cluster::server(a),
         Command::Worker(a) => crate::cluster::worker(a),
         Command::Coordinator(a) => crate::cluster::coordinator(a),

@@ -291,6 +291,13 @@ fn bad_addresses_mismatched_configs_and_stolen_identities_are_refused() {
             .spawn()
             .unwrap()
     };
+    // Another job's process does not hold this job's secret: refused before anything else.
+    let (ok, err) = wait_with_limit(server(other.to_str().unwrap()), Duration::from_secs(30));
+    assert!(!ok);
+    assert!(err.contains("wrong job secret"), "{err}");
+    // With the secret but another configuration: refused by the fingerprint.
+    let secret = |job: &Path| job.with_file_name("job.secret");
+    std::fs::copy(secret(&job), secret(&other)).unwrap();
     let (ok, err) = wait_with_limit(server(other.to_str().unwrap()), Duration::from_secs(30));
     assert!(!ok);
     assert!(err.contains("another configuration"), "{err}");
@@ -346,35 +353,42 @@ fn cluster_kill_sigkills_a_member_of_a_running_cluster() {
         .spawn()
         .unwrap();
     // The launcher announces its coordinator on stderr before training starts.
-    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    let address = loop {
-        line.clear();
-        assert!(
-            std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() > 0,
-            "no address"
-        );
-        if let Some(rest) = line.trim().strip_prefix("coordinator at ") {
-            let address = rest.split_whitespace().next().unwrap().to_string();
-            let metrics = rest
-                .split("http://")
-                .nth(1)
-                .and_then(|m| m.split('/').next())
-                .expect("a metrics address")
-                .to_string();
-            break (address, metrics);
-        }
-    };
-    let (address, metrics_address) = address;
+    let (address, metrics_address, _stderr) = cluster_support::announced(&mut child);
     std::thread::sleep(Duration::from_millis(1500));
-    let kill = ftrec(&["cluster", "kill", "--coordinator", &address, "server:0"]);
+    let job = run.join("job.toml");
+    let job = job.to_str().unwrap();
+    // The cluster admits only its job's processes: without the job's secret, refused.
+    let refused = ftrec(&["cluster", "kill", "--coordinator", &address, "server:0"]);
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--job"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    let kill = ftrec(&[
+        "cluster",
+        "kill",
+        "--coordinator",
+        &address,
+        "--job",
+        job,
+        "server:0",
+    ]);
     assert!(
         kill.status.success(),
         "{}",
         String::from_utf8_lossy(&kill.stderr)
     );
     assert!(String::from_utf8_lossy(&kill.stdout).contains("killed server:0"));
-    let bad = ftrec(&["cluster", "kill", "--coordinator", &address, "disk:0"]);
+    let bad = ftrec(&[
+        "cluster",
+        "kill",
+        "--coordinator",
+        &address,
+        "--job",
+        job,
+        "disk:0",
+    ]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown role"));
     // The coordinator's Prometheus endpoint counts the steps trained so far.

@@ -159,6 +159,8 @@ struct State {
     probe_requested: bool,
     /// Why the run cannot go on (a crash loop); ends it with this error.
     fatal: Option<String>,
+    /// Steps lost since one last finished (`service.rs` gives up past a bound).
+    lost_in_a_row: u32,
 }
 
 impl State {
@@ -501,17 +503,21 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             suspect_until: None,
             probe_requested: false,
             fatal: None,
+            lost_in_a_row: 0,
         }),
         spawner: opts.spawner,
         metrics,
         done: done_tx,
         job,
     });
-    let service = CoordinatorServer::new(service::Service(shared.clone()));
+    let service = tonic::service::interceptor::InterceptedService::new(
+        CoordinatorServer::new(service::Service(shared.clone())),
+        shared.job.secret().checker(),
+    );
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let mut builder = crate::auth::server_builder(&shared.job)?;
     tokio::spawn(async move {
-        if let Err(e) = tonic::transport::Server::builder()
-            .tcp_nodelay(true)
+        if let Err(e) = builder
             .add_service(service)
             .serve_with_incoming(incoming)
             .await

@@ -177,9 +177,18 @@ impl Coordinator for Service {
         if let Some(step) = req.finished
             && s.steps.finish(step, worker, req.epoch)
         {
+            s.lost_in_a_row = 0;
             shared.settled(&mut s, step);
         }
         if let Some(step) = req.lost {
+            s.lost_in_a_row += 1;
+            if let Some(why) = refusal(&s, step, &req) {
+                tracing::error!("{why}");
+                s.timeline.event("fatal", why.clone());
+                s.fatal = Some(why);
+                s.phase = super::Phase::Done;
+                shared.done.send_replace(true);
+            }
             // The step becomes an orphan: the control loop asks the servers which of them
             // applied it, then grants it again or rolls back. Never skipped.
             s.steps.lose(step, worker, req.epoch);
@@ -220,4 +229,34 @@ impl Coordinator for Service {
         );
         Ok(Response::new(KillReply { pid }))
     }
+}
+
+/// Steps lost this many times in a row, with no step finishing in between, mean the
+/// servers refuse work for a reason no recovery removes.
+const MAX_LOST_IN_A_ROW: u32 = 64;
+
+/// Why the run cannot go on after `req` lost `step`, if it cannot: a server in a later
+/// epoch than the cluster's (changed from outside the job), or steps lost without end.
+fn refusal(s: &super::State, step: u64, req: &NextStepRequest) -> Option<String> {
+    let reason = if req.lost_reason.is_empty() {
+        "no reason given"
+    } else {
+        &req.lost_reason
+    };
+    if let Some(ahead) = req.ahead_epoch
+        && ahead > s.epoch
+    {
+        return Some(format!(
+            "a server refused step {step} of worker {}: it is in epoch {ahead}, ahead of the \
+             cluster's epoch {}; something outside this job changed it ({reason})",
+            req.worker, s.epoch
+        ));
+    }
+    (s.lost_in_a_row >= MAX_LOST_IN_A_ROW).then(|| {
+        format!(
+            "{} steps lost in a row with none finished: the servers refuse work; last cause \
+             (step {step}, worker {}): {reason}",
+            s.lost_in_a_row, req.worker
+        )
+    })
 }

@@ -8,7 +8,7 @@ use super::control::Task;
 use super::ledger::{Applied, Resolution};
 use super::planner::{self, RecoveryAction};
 use super::{CheckpointRecord, Phase, Recovery, Shared, State};
-use crate::client::{ServerClient, server_client};
+use crate::client::ServerClient;
 use crate::proto::*;
 
 /// The first wait after a failed cut; it doubles on each failure in a row up to the cap.
@@ -24,12 +24,13 @@ const MAX_RECOVERY_FAILURES: u32 = 50;
 const CONFIRM_RETRY: Duration = Duration::from_millis(50);
 
 pub(super) async fn run_task(shared: &Shared, task: Task) {
-    let timeout = shared.job.timeout();
-    let clients: Result<Vec<_>, _> = shared
-        .server_addresses()
-        .iter()
-        .map(|a| server_client(a, timeout))
-        .collect();
+    let clients: Result<Vec<_>, _> = shared.job.connector().and_then(|connector| {
+        shared
+            .server_addresses()
+            .iter()
+            .map(|a| connector.server(a))
+            .collect()
+    });
     let clients = match clients {
         Ok(c) => c,
         Err(e) => {

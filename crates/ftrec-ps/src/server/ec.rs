@@ -22,7 +22,7 @@ use tokio::sync::OwnedMutexGuard;
 use super::Core;
 use super::pipeline::Pushed;
 use crate::PsError;
-use crate::client::{CoordinatorClient, ServerClient, server_client};
+use crate::client::{Connector, CoordinatorClient, ServerClient};
 use crate::faults::FaultPoint;
 use crate::placement::GlobalRow;
 use crate::proto::*;
@@ -33,15 +33,15 @@ use crate::wire::{bytes_to_u32s, u32s_to_bytes};
 /// slot changes hands.
 pub(super) struct Peers {
     coordinator: CoordinatorClient,
-    timeout: std::time::Duration,
+    connector: Connector,
     map: tokio::sync::Mutex<Vec<(String, ServerClient)>>,
 }
 
 impl Peers {
-    pub(super) fn new(coordinator: CoordinatorClient, timeout: std::time::Duration) -> Self {
+    pub(super) fn new(coordinator: CoordinatorClient, connector: Connector) -> Self {
         Self {
             coordinator,
-            timeout,
+            connector,
             map: tokio::sync::Mutex::new(Vec::new()),
         }
     }
@@ -62,7 +62,8 @@ impl Peers {
                 .into_iter()
                 .map(|a| {
                     let client =
-                        server_client(if a.is_empty() { "0.0.0.0:0" } else { &a }, self.timeout)?;
+                        self.connector
+                            .server(if a.is_empty() { "0.0.0.0:0" } else { &a })?;
                     Ok((a, client))
                 })
                 .collect::<Result<_, PsError>>()?;

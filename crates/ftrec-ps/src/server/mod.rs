@@ -19,7 +19,6 @@ use tokio::sync::{Notify, watch};
 
 use crate::PsError;
 use crate::applied::AppliedSteps;
-use crate::client::connect_coordinator;
 use crate::job::Job;
 use crate::metrics::{self, Metrics};
 use crate::placement::Layout;
@@ -199,7 +198,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let metrics_address = metrics::start(&opts.host, metrics.clone())
         .await
         .unwrap_or_default();
-    let mut coordinator = connect_coordinator(&opts.coordinator, job.timeout()).await?;
+    let mut coordinator = job.connector()?.coordinator(&opts.coordinator).await?;
     let joined = coordinator
         .join(JoinRequest {
             role: Role::Server as i32,
@@ -279,7 +278,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             stripes,
             codec: Arc::new(codec),
             two_phase: c.ec.two_phase_commit,
-            peers: Arc::new(ec::Peers::new(coordinator.clone(), job.timeout())),
+            peers: Arc::new(ec::Peers::new(coordinator.clone(), job.connector()?)),
             epoch: live.subscribe(),
         }));
     }
@@ -301,14 +300,17 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         stop: stop.clone(),
         faults: crate::faults::Faults::from_env(),
     });
-    let service = ParameterServerServer::new(service::Service(core.clone()))
-        .max_decoding_message_size(usize::MAX)
-        .max_encoding_message_size(usize::MAX);
+    let service = tonic::service::interceptor::InterceptedService::new(
+        ParameterServerServer::new(service::Service(core.clone()))
+            .max_decoding_message_size(usize::MAX)
+            .max_encoding_message_size(usize::MAX),
+        job.secret().checker(),
+    );
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let serve_stop = stop.clone();
+    let mut builder = crate::auth::server_builder(&job)?;
     let serving = tokio::spawn(async move {
-        tonic::transport::Server::builder()
-            .tcp_nodelay(true)
+        builder
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, async move { serve_stop.notified().await })
             .await

@@ -13,7 +13,7 @@ use ftrec_model::{EmbeddingTable, ModelState};
 use super::Core;
 use crate::PsError;
 use crate::applied::AppliedSteps;
-use crate::client::{ServerClient, server_client};
+use crate::client::ServerClient;
 use crate::proto::*;
 use crate::shard::{DenseReplica, Redundancy, Shard, packed_dense};
 use crate::wire::bytes_to_f32s;
@@ -102,7 +102,7 @@ impl Core {
                 .get(s)
                 .filter(|a| !a.is_empty())
                 .ok_or_else(|| PsError::Request(format!("rebuild: no address for server {s}")))?;
-            clients.insert(s, server_client(address, self.job.timeout())?);
+            clients.insert(s, self.job.connector()?.server(address)?);
         }
         let parity_only = req.parity_only;
         let global = self.job.config.model_config()?;

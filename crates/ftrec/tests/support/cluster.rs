@@ -75,3 +75,33 @@ pub fn event_kinds(run_dir: &Path) -> Vec<String> {
         .map(|(_, k, _)| k)
         .collect()
 }
+
+/// Reads a `cluster run`'s stderr until it announces its coordinator: returns the
+/// coordinator's address and its metrics address. The rest of stderr stays readable.
+pub fn announced(
+    child: &mut std::process::Child,
+) -> (
+    String,
+    String,
+    std::io::BufReader<std::process::ChildStderr>,
+) {
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() > 0,
+            "the cluster exited without announcing its coordinator"
+        );
+        if let Some(rest) = line.trim().strip_prefix("coordinator at ") {
+            let address = rest.split_whitespace().next().unwrap().to_string();
+            let metrics = rest
+                .split("http://")
+                .nth(1)
+                .and_then(|m| m.split('/').next())
+                .expect("a metrics address")
+                .to_string();
+            return (address, metrics, stderr);
+        }
+    }
+}
