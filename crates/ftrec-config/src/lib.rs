@@ -5,6 +5,7 @@
 
 mod checkpoint;
 mod cluster;
+mod cpr;
 mod error;
 mod layering;
 mod sections;
@@ -17,6 +18,7 @@ use toml::Value;
 
 pub use checkpoint::{CheckpointSection, parse_strategy};
 pub use cluster::{ClusterSection, EcSection, FaultTolerance};
+pub use cpr::{CprPriority, CprSection};
 pub use error::ConfigError;
 pub use ftrec_ckpt::Strategy;
 pub use sections::{DataSection, ModelSection, OptimizerSection, TrainSection};
@@ -46,6 +48,9 @@ pub struct JobConfig {
     /// Erasure coding, with `cluster.ft = "ec"`.
     #[serde(default)]
     pub ec: EcSection,
+    /// CPR partial recovery (`ftrec bench cpr`).
+    #[serde(default)]
+    pub cpr: CprSection,
 }
 
 impl JobConfig {
@@ -79,6 +84,7 @@ impl JobConfig {
                 checkpoint: CheckpointSection::default(),
                 cluster: ClusterSection::default(),
                 ec: EcSection::default(),
+                cpr: CprSection::default(),
             }),
             // The demo: the tiny architecture with optimizers that learn the synthetic
             // teacher within a minute (plain SGD at 0.01 needs many epochs).
@@ -131,6 +137,7 @@ impl JobConfig {
             checkpoint: CheckpointSection::default(),
             cluster: ClusterSection::default(),
             ec: EcSection::default(),
+            cpr: CprSection::default(),
         }
     }
 
@@ -188,6 +195,7 @@ impl JobConfig {
         self.checkpoint.validate()?;
         self.cluster.validate()?;
         self.ec.validate(&self.cluster)?;
+        self.cpr.validate(self.model_config()?.tables())?;
         Ok(())
     }
 
