@@ -1,6 +1,7 @@
 //! The `ftrec` command line.
 
 mod bench_ckpt;
+mod bench_cpr;
 mod bench_cluster;
 mod bench_ec;
 mod ckpt;
