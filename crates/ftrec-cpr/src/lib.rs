@@ -11,5 +11,5 @@ pub mod priority;
 pub mod tables;
 
 pub use error::CprError;
-pub use formulas::{CostInputs, Decision, Recovery, Pls};
+pub use formulas::{CostInputs, Decision, Pls, Recovery};
 pub use priority::{Prioritizer, build_prioritizer};

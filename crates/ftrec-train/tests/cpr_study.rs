@@ -56,7 +56,16 @@ fn run(config: &StudyConfig, train: &Dataset, test: &Dataset) -> StudyReport {
     run_study(config, train, test, &mut |_| {}).unwrap()
 }
 
-fn find<'a>(r: &'a StudyReport, s: Strategy, f: f64) -> &'a ftrec_train::cpr_study::RunResult {
+fn schedule_steps(config: &StudyConfig, total_steps: u64) -> Vec<u64> {
+    Schedule::draw(3, total_steps, 2, 4, &config.fractions)
+        .unwrap()
+        .failures
+        .iter()
+        .map(|f| f.at_step)
+        .collect()
+}
+
+fn find(r: &StudyReport, s: Strategy, f: f64) -> &ftrec_train::cpr_study::RunResult {
     r.runs
         .iter()
         .find(|x| x.strategy == s.name() && x.fraction == f)
@@ -77,7 +86,14 @@ fn tiny_study_end_to_end() {
     for f in ["0.25", "0.5"] {
         for s in Strategy::ALL {
             let o = &json["by_fraction"][f][s.name()];
-            for key in ["auc", "logloss", "pls", "overhead_fraction", "checkpoints", "bytes"] {
+            for key in [
+                "auc",
+                "logloss",
+                "pls",
+                "overhead_fraction",
+                "checkpoints",
+                "bytes",
+            ] {
                 assert!(o[key].is_number(), "{f} {} {key}: {o}", s.name());
             }
         }
@@ -110,8 +126,15 @@ fn tiny_study_end_to_end() {
             let lost_samples = ((e * BATCH).min(train.len() as u64) - last * BATCH) as f64;
             want += failure.lost[fi].len() as f64 * lost_samples / (samples * 4.0);
         }
-        assert!((partial.pls - want).abs() < 1e-12, "{} vs {want}", partial.pls);
-        assert_eq!(partial.bytes, partial.checkpoints * report.costs.table_bytes);
+        assert!(
+            (partial.pls - want).abs() < 1e-12,
+            "{} vs {want}",
+            partial.pls
+        );
+        assert_eq!(
+            partial.bytes,
+            partial.checkpoints * report.costs.table_bytes
+        );
         // Same saves as full, no re-training: strictly cheaper.
         assert!(partial.overhead_fraction < full.overhead_fraction);
         // Prioritised checkpoints write fewer bytes each than whole-table ones.
@@ -130,12 +153,30 @@ fn tiny_study_end_to_end() {
     );
     assert!((p2.pls - 2.0 * p1.pls).abs() < 1e-12);
     assert_eq!(report.no_failure.pls, 0.0);
+    // Full recovery re-trains the lost steps on the same batches from the same state: it
+    // ends bit-identical to the run without failures.
+    assert_eq!(
+        find(&report, Strategy::Full, 0.5).digest,
+        report.no_failure.digest
+    );
+    assert_ne!(
+        p1.digest, report.no_failure.digest,
+        "partial recovery loses updates"
+    );
+    assert_eq!(
+        report.failure_steps,
+        schedule_steps(&config, total_steps),
+        "the report names the failure steps"
+    );
 
     let again = run(&config, &train, &test);
-    let digests = |r: &StudyReport| -> Vec<String> {
-        r.runs.iter().map(|x| x.digest.clone()).collect()
-    };
-    assert_eq!(digests(&report), digests(&again), "deterministic for a seed");
+    let digests =
+        |r: &StudyReport| -> Vec<String> { r.runs.iter().map(|x| x.digest.clone()).collect() };
+    assert_eq!(
+        digests(&report),
+        digests(&again),
+        "deterministic for a seed"
+    );
     assert_eq!(
         serde_json::to_value(&report.by_fraction).unwrap(),
         serde_json::to_value(&again.by_fraction).unwrap()

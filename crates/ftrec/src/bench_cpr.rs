@@ -41,7 +41,11 @@ pub struct BenchCprArgs {
     /// `(r + t) % servers`, the cluster's placement.
     #[arg(long, default_value_t = 8)]
     pub servers: usize,
-    #[arg(long, value_delimiter = ',', default_value = "full,partial,cpr_vanilla,cpr_scar,cpr_mfu,cpr_ssu")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "full,partial,cpr_vanilla,cpr_scar,cpr_mfu,cpr_ssu"
+    )]
     pub strategies: Vec<Strategy>,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -168,7 +172,9 @@ fn plot_auc_pls(report: &StudyReport, path: &Path) -> Result<()> {
     let (lo, hi) = runs
         .iter()
         .map(|r| r.auc)
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), a| (l.min(a), h.max(a)));
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), a| {
+            (l.min(a), h.max(a))
+        });
     let pad = ((hi - lo) * 0.15).max(1e-4);
     let mut chart = ChartBuilder::on(&root)
         .caption(
@@ -193,7 +199,10 @@ fn plot_auc_pls(report: &StudyReport, path: &Path) -> Result<()> {
             [0.0, x_max].map(|x| (x, fit.slope * x + fit.intercept)),
             BLACK.stroke_width(1),
         ))?
-        .label(format!("fit: AUC = {:.4} {:+.4}·PLS", fit.intercept, fit.slope))
+        .label(format!(
+            "fit: AUC = {:.4} {:+.4}·PLS",
+            fit.intercept, fit.slope
+        ))
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK));
     for s in Strategy::ALL {
         let color = strategy_color(s.name());

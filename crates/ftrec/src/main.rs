@@ -1,8 +1,8 @@
 //! The `ftrec` command line.
 
 mod bench_ckpt;
-mod bench_cpr;
 mod bench_cluster;
+mod bench_cpr;
 mod bench_ec;
 mod ckpt;
 mod ckpt_cluster;

@@ -40,7 +40,11 @@ fn ssu_records_every_period_th_access_into_a_distinct_list() {
     // Accesses 0, 2, 4, 6 are sampled: rows 1, 3, 1, 5.
     s.record(&[1, 2, 3, 4, 1, 6, 5, 8]);
     assert_eq!(s.select(&t), vec![1, 3, 5]);
-    assert_eq!(s.select(&t), Vec::<u32>::new(), "a selection empties the list");
+    assert_eq!(
+        s.select(&t),
+        Vec::<u32>::new(),
+        "a selection empties the list"
+    );
     // The sampling phase carries across steps: access 8 is sampled, 9 is not.
     s.record(&[10, 11]);
     s.forget(&[12]);

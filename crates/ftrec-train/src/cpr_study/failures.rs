@@ -2,9 +2,9 @@
 //! losing a server does to the model under partial recovery.
 
 use ftrec_model::ModelState;
+use rand::Rng;
 use rand::SeedableRng;
 use rand::seq::index::sample;
-use rand::Rng;
 use rand_xoshiro::Xoshiro256PlusPlus;
 
 use crate::TrainError;
@@ -52,7 +52,9 @@ impl Schedule {
         fractions: &[f64],
     ) -> Result<Self, TrainError> {
         if total_steps == 0 {
-            return Err(TrainError::Config("the study needs at least one step".into()));
+            return Err(TrainError::Config(
+                "the study needs at least one step".into(),
+            ));
         }
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ 0xC0FF_EE00_F417_0001);
         let mut failures: Vec<Failure> = (0..count)
@@ -98,7 +100,9 @@ pub fn reset_servers(
             .collect();
         rows.sort_unstable();
         for &r in &rows {
-            table.row_mut(r as usize).copy_from_slice(from.row(r as usize));
+            table
+                .row_mut(r as usize)
+                .copy_from_slice(from.row(r as usize));
         }
         reset.push(rows);
     }
@@ -140,7 +144,10 @@ mod tests {
             for r in 0..*rows {
                 let lost = [1, 3].contains(&server_of(t, r, 4));
                 let want = if lost { &saved } else { &before };
-                assert_eq!(state.row(t, r as u64).unwrap(), want.row(t, r as u64).unwrap());
+                assert_eq!(
+                    state.row(t, r as u64).unwrap(),
+                    want.row(t, r as u64).unwrap()
+                );
             }
         }
         assert_eq!(state.dense, before.dense, "dense parameters survive");
@@ -149,8 +156,14 @@ mod tests {
     #[test]
     fn schedule_is_seeded_sorted_and_loses_the_right_number_of_servers() {
         let a = Schedule::draw(7, 100, 3, 8, &[0.125, 0.25, 0.5]).unwrap();
-        assert_eq!(a, Schedule::draw(7, 100, 3, 8, &[0.125, 0.25, 0.5]).unwrap());
-        assert_ne!(a, Schedule::draw(8, 100, 3, 8, &[0.125, 0.25, 0.5]).unwrap());
+        assert_eq!(
+            a,
+            Schedule::draw(7, 100, 3, 8, &[0.125, 0.25, 0.5]).unwrap()
+        );
+        assert_ne!(
+            a,
+            Schedule::draw(8, 100, 3, 8, &[0.125, 0.25, 0.5]).unwrap()
+        );
         assert!(a.failures.windows(2).all(|w| w[0].at_step <= w[1].at_step));
         for f in &a.failures {
             assert!((1..=100).contains(&f.at_step));

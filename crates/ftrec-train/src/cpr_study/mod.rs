@@ -130,7 +130,10 @@ impl StudyConfig {
             return bad("--strategies: at least one strategy".into());
         }
         if !(0.0..1.0).contains(&self.min_benefit) {
-            return bad(format!("--min-benefit {} must be in [0, 1)", self.min_benefit));
+            return bad(format!(
+                "--min-benefit {} must be in [0, 1)",
+                self.min_benefit
+            ));
         }
         self.costs.validate()?;
         Ok(())
@@ -191,5 +194,13 @@ pub fn run_study(
             runs.push(result);
         }
     }
-    Ok(StudyReport::new(config, frame, baseline, decisions, runs))
+    let failure_steps = schedule.failures.iter().map(|f| f.at_step).collect();
+    Ok(StudyReport::new(
+        config,
+        frame,
+        baseline,
+        decisions,
+        failure_steps,
+        runs,
+    ))
 }

@@ -88,6 +88,8 @@ pub struct StudyReport {
     pub decisions: BTreeMap<String, Decision>,
     pub targets: Targets,
     pub failures: usize,
+    /// Executed steps after which the failures struck (the same in every run).
+    pub failure_steps: Vec<u64>,
     pub servers: usize,
     pub target_pls: f64,
     pub r: f64,
@@ -152,6 +154,7 @@ impl StudyReport {
         costs: CostFrame,
         baseline: super::run::Outcome,
         decisions: Vec<(f64, Decision)>,
+        failure_steps: Vec<u64>,
         runs: Vec<RunResult>,
     ) -> Self {
         let mut by_fraction: BTreeMap<String, BTreeMap<String, RunSummary>> = BTreeMap::new();
@@ -195,6 +198,7 @@ impl StudyReport {
                 .map(|(f, d)| (fraction_key(f), d))
                 .collect(),
             failures: config.failures,
+            failure_steps,
             servers: config.servers,
             target_pls: config.job.cpr.target_pls,
             r: config.job.cpr.r,

@@ -152,10 +152,7 @@ impl<'a> Run<'a> {
             }
             tracking_seconds += t.elapsed().as_secs_f64();
 
-            while let Some((_, lost)) = self
-                .failures
-                .get(next_failure)
-                .filter(|f| f.0 == executed)
+            while let Some((_, lost)) = self.failures.get(next_failure).filter(|f| f.0 == executed)
             {
                 next_failure += 1;
                 let (Some(frame), Some(strategy)) = (self.frame, self.strategy) else {
@@ -213,7 +210,8 @@ impl<'a> Run<'a> {
             cost.lost = rolled_back as f64 * frame.step_seconds;
         }
         let digest = state.digest().to_string();
-        let tracker_memory_bytes: usize = selectors.iter().flatten().map(|s| s.memory_bytes()).sum();
+        let tracker_memory_bytes: usize =
+            selectors.iter().flatten().map(|s| s.memory_bytes()).sum();
         let prioritized_bytes: u64 = prioritized
             .iter()
             .map(|&t| state.tables()[t].as_bytes().len() as u64)
@@ -235,7 +233,10 @@ impl<'a> Run<'a> {
         Ok(Outcome {
             train_seconds,
             result: RunResult {
-                strategy: self.strategy.map_or("no_failure", Strategy::name).to_string(),
+                strategy: self
+                    .strategy
+                    .map_or("no_failure", Strategy::name)
+                    .to_string(),
                 fraction: self.fraction,
                 auc: metrics.auc,
                 logloss: metrics.logloss,
@@ -251,8 +252,7 @@ impl<'a> Run<'a> {
                 steps_executed: executed,
                 steps_rolled_back: rolled_back,
                 tracker_memory_bytes: tracker_memory_bytes as u64,
-                tracker_memory_share: tracker_memory_bytes as f64
-                    / prioritized_bytes.max(1) as f64,
+                tracker_memory_share: tracker_memory_bytes as f64 / prioritized_bytes.max(1) as f64,
                 tracking_seconds,
                 select_seconds,
                 train_seconds,
