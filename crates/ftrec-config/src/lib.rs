@@ -5,6 +5,7 @@
 
 mod checkpoint;
 mod cluster;
+mod cpr;
 mod error;
 mod layering;
 mod sections;
@@ -18,6 +19,7 @@ use toml::Value;
 
 pub use checkpoint::{CheckpointSection, parse_strategy};
 pub use cluster::{ClusterSection, EcSection, FaultTolerance};
+pub use cpr::{CprPriority, CprSection};
 pub use error::ConfigError;
 pub use ftrec_ckpt::Strategy;
 pub use sections::{DataSection, ModelSection, OptimizerSection, TrainSection};
@@ -51,6 +53,9 @@ pub struct JobConfig {
     /// Job secret and TLS for the cluster's RPCs.
     #[serde(default)]
     pub security: SecuritySection,
+    /// CPR partial recovery (`ftrec bench cpr`).
+    #[serde(default)]
+    pub cpr: CprSection,
 }
 
 impl JobConfig {
@@ -85,6 +90,7 @@ impl JobConfig {
                 cluster: ClusterSection::default(),
                 ec: EcSection::default(),
                 security: SecuritySection::default(),
+                cpr: CprSection::default(),
             }),
             // The demo: the tiny architecture with optimizers that learn the synthetic
             // teacher within a minute (plain SGD at 0.01 needs many epochs).
@@ -138,6 +144,7 @@ impl JobConfig {
             cluster: ClusterSection::default(),
             ec: EcSection::default(),
             security: SecuritySection::default(),
+            cpr: CprSection::default(),
         }
     }
 
@@ -196,6 +203,7 @@ impl JobConfig {
         self.cluster.validate()?;
         self.ec.validate(&self.cluster)?;
         self.security.validate()?;
+        self.cpr.validate(self.model_config()?.tables())?;
         Ok(())
     }
 

@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod bench_ckpt;
+pub mod cpr_study;
 mod error;
 pub mod snapshot;
 pub mod trainer;

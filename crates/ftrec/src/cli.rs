@@ -395,6 +395,9 @@ pub enum BenchCommand {
     /// data: normal-mode overhead (with and without 2PC), SIGKILL to the next step,
     /// rebuild rate, recovery speed-up over checkpoints, memory overhead.
     Ec(BenchEcArgs),
+    /// The CPR emulation study: full recovery, partial recovery and CPR (vanilla, SCAR,
+    /// MFU, SSU) under injected failures; AUC, PLS, checkpoint overhead, plots.
+    Cpr(crate::bench_cpr::BenchCprArgs),
 }
 
 #[derive(Args, Debug)]

@@ -21,6 +21,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Ckpt(a)) => crate::bench_ckpt::run(a),
         Command::Bench(BenchCommand::Cluster(a)) => crate::bench_cluster::run(a),
         Command::Bench(BenchCommand::Ec(a)) => crate::bench_ec::run(a),
+        Command::Bench(BenchCommand::Cpr(a)) => crate::bench_cpr::run(a),
         Command::Demo(a) => demo(a),
         Command::Ckpt(c) => crate::ckpt::run(c),
         Command::Cluster(ClusterCommand::Run(a)) => crate::cluster::run(*a),

@@ -2,6 +2,7 @@
 
 mod bench_ckpt;
 mod bench_cluster;
+mod bench_cpr;
 mod bench_ec;
 mod ckpt;
 mod ckpt_cluster;

@@ -1,0 +1,172 @@
+//! The cost frame: what a checkpoint, a reload and a reschedule cost in the emulated job,
+//! and how emulated seconds map to training steps.
+//!
+//! §5.1 projects production overheads onto the emulation by scaling them linearly with
+//! the job length. Here every time is in seconds of one frame whose job length `T_total`
+//! is `--job-seconds` when given, else this process's measured failure-free epoch. When
+//! `O_save`/`O_load` are not given, they are measured as the time of an in-memory copy
+//! of the whole model (tables, optimizer state, dense) into a preallocated snapshot, and
+//! scaled by `T_total / measured epoch` into the frame. That is the cheapest checkpoint
+//! there is (no serialisation, no disk, no network), so the measured frame gives full
+//! recovery its best case; pass `--o-save` to emulate a slower store. A checkpoint of `B`
+//! bytes costs `O_save · B / model bytes` (the store's bandwidth is the limit), and so
+//! does a reload.
+
+use std::time::Instant;
+
+use ftrec_cpr::{CostInputs, Decision};
+use ftrec_model::ModelState;
+use serde::Serialize;
+
+use super::{StudyConfig, failures};
+use crate::TrainError;
+
+/// Times the user gives instead of measured ones, in seconds of the job frame.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CostOverrides {
+    pub o_save: Option<f64>,
+    pub o_load: Option<f64>,
+    pub o_res: f64,
+    /// Length of the emulated job; unset: the measured failure-free epoch.
+    pub job_seconds: Option<f64>,
+}
+
+impl CostOverrides {
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let check = |name: &str, v: Option<f64>, zero_ok: bool| match v {
+            Some(v) if !(v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0))) => Err(
+                TrainError::Config(format!("{name} = {v} must be a positive number of seconds")),
+            ),
+            _ => Ok(()),
+        };
+        check("--o-save", self.o_save, true)?;
+        check("--o-load", self.o_load, true)?;
+        check("--o-res", Some(self.o_res), true)?;
+        check("--job-seconds", self.job_seconds, false)
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CostFrame {
+    /// Failure-free job length, T_total.
+    pub t_total: f64,
+    /// Mean time between failures, T_fail (`cpr.mtbf_seconds`, else T_total / failures).
+    pub t_fail: f64,
+    /// One checkpoint of the whole model.
+    pub o_save: f64,
+    /// One reload of the whole model.
+    pub o_load: f64,
+    pub o_res: f64,
+    pub o_save_measured: bool,
+    pub o_load_measured: bool,
+    pub model_bytes: u64,
+    /// Embedding rows with their optimizer state (what partial recovery saves).
+    pub table_bytes: u64,
+    pub total_steps: u64,
+    pub step_seconds: f64,
+    /// The failure-free epoch as measured here, seconds of wall time.
+    pub measured_train_seconds: f64,
+    /// Median in-memory copy of the whole model, seconds of wall time.
+    pub measured_copy_seconds: f64,
+    /// Frame seconds per wall second (`T_total / measured epoch`).
+    pub scale: f64,
+}
+
+impl CostFrame {
+    pub fn measure(
+        config: &StudyConfig,
+        total_steps: u64,
+        measured_train_seconds: f64,
+    ) -> Result<Self, TrainError> {
+        let mc = config.job.model_config()?;
+        let src = ModelState::new(&mc, config.job.seed)?;
+        let mut dst = ModelState::zeroed(&mc)?;
+        let mut times: Vec<f64> = (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                copy_state(&mut dst, &src, true);
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        let copy = times[times.len() / 2];
+        let o = &config.costs;
+        let t_total = o.job_seconds.unwrap_or(measured_train_seconds).max(1e-9);
+        let scale = t_total / measured_train_seconds.max(1e-9);
+        let model_bytes = src.bytes() as u64;
+        let table_bytes: u64 = src.tables().iter().map(|t| t.as_bytes().len() as u64).sum();
+        Ok(Self {
+            t_total,
+            t_fail: config
+                .job
+                .cpr
+                .mtbf_seconds
+                .unwrap_or(t_total / config.failures.max(1) as f64),
+            o_save: o.o_save.unwrap_or(copy * scale),
+            o_load: o.o_load.unwrap_or(copy * scale),
+            o_res: o.o_res,
+            o_save_measured: o.o_save.is_none(),
+            o_load_measured: o.o_load.is_none(),
+            model_bytes,
+            table_bytes,
+            total_steps,
+            step_seconds: t_total / total_steps.max(1) as f64,
+            measured_train_seconds,
+            measured_copy_seconds: copy,
+            scale,
+        })
+    }
+
+    /// An interval of `seconds` in steps, at least 1.
+    pub fn steps(&self, seconds: f64) -> u64 {
+        ((seconds / self.step_seconds).round() as u64).max(1)
+    }
+
+    pub fn save_cost(&self, bytes: u64) -> f64 {
+        self.o_save * bytes as f64 / self.model_bytes.max(1) as f64
+    }
+
+    pub fn load_cost(&self, bytes: u64) -> f64 {
+        self.o_load * bytes as f64 / self.model_bytes.max(1) as f64
+    }
+
+    /// Eq. 1 / Eq. 2 inputs with a checkpoint costing `o_save`.
+    pub fn inputs(&self, o_save: f64, o_load: f64) -> CostInputs {
+        CostInputs {
+            o_save,
+            o_load,
+            o_res: self.o_res,
+            t_fail: self.t_fail,
+            t_total: self.t_total,
+        }
+    }
+
+    /// The full-or-partial decision (§4.2) at a failure fraction, with whole-model save
+    /// and load costs on both sides (the conservative reading for partial recovery).
+    pub fn decision(&self, config: &StudyConfig, fraction: f64) -> Result<Decision, TrainError> {
+        let k = failures::servers_lost(fraction, config.servers);
+        ftrec_cpr::formulas::decide(
+            self.inputs(self.o_save, self.o_load),
+            config.job.cpr.target_pls,
+            config.servers,
+            k,
+            config.min_benefit,
+        )
+        .map_err(|e| TrainError::Config(e.to_string()))
+    }
+}
+
+/// Copies every table (and, with `dense`, the dense parameters, their optimizer state and
+/// step) of `src` into `dst` without allocating.
+pub fn copy_state(dst: &mut ModelState, src: &ModelState, dense: bool) {
+    for (d, s) in dst.tables_mut().iter_mut().zip(src.tables()) {
+        d.as_mut_slice().copy_from_slice(s.as_slice());
+    }
+    if dense {
+        dst.dense.params.copy_from_slice(&src.dense.params);
+        dst.dense
+            .optimizer_state
+            .copy_from_slice(&src.dense.optimizer_state);
+        dst.dense.step = src.dense.step;
+    }
+}

@@ -1,0 +1,206 @@
+//! `ftrec bench cpr`: the CPR emulation study (cpr.txt §5.1, §6) in one process.
+//!
+//! One synchronous training run per strategy and failure fraction, each one epoch over the
+//! same data from the same initial model. Failures come at uniformly random steps (the
+//! same steps for every run); each one loses a fraction of `servers` emulated embedding
+//! servers, row `r` of table `t` living on server `(r + t) % servers` (the cluster's placement). Partial recovery resets the lost
+//! servers' rows to their last saved values and keeps going (dense parameters are
+//! replicated on the trainers, so they survive); full recovery rolls the whole model and
+//! the data position back to the last checkpoint and re-trains the lost steps.
+//!
+//! Checkpoints are copies into an in-memory "store" of the model; their cost is not the
+//! memcpy's but the one the cost frame ([`costs`]) gives them, so the overheads are those
+//! of the emulated job (§5.1 scales production overheads to the emulation's length).
+
+pub mod costs;
+pub mod failures;
+pub mod report;
+mod run;
+
+use ftrec_config::{CprPriority, JobConfig};
+use ftrec_data::Dataset;
+use serde::Serialize;
+
+use crate::TrainError;
+pub use costs::{CostFrame, CostOverrides};
+pub use report::{RunResult, StudyReport};
+
+/// The six strategies of §5.1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// Full recovery at `T_save,full = sqrt(2·O_save·T_fail)`.
+    Full,
+    /// Partial recovery at the same interval.
+    Partial,
+    /// Partial recovery at the interval of the target PLS (Eq. 4).
+    CprVanilla,
+    /// CPR with `r·N` rows of the prioritised tables every `r·T_save`, by L2 change.
+    CprScar,
+    /// ... by access counts.
+    CprMfu,
+    /// ... by a sub-sampled list of used rows.
+    CprSsu,
+}
+
+impl Strategy {
+    pub const ALL: [Self; 6] = [
+        Self::Full,
+        Self::Partial,
+        Self::CprVanilla,
+        Self::CprScar,
+        Self::CprMfu,
+        Self::CprSsu,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Full => "full",
+            Self::Partial => "partial",
+            Self::CprVanilla => "cpr_vanilla",
+            Self::CprScar => "cpr_scar",
+            Self::CprMfu => "cpr_mfu",
+            Self::CprSsu => "cpr_ssu",
+        }
+    }
+
+    pub fn priority(self) -> Option<CprPriority> {
+        match self {
+            Self::CprScar => Some(CprPriority::Scar),
+            Self::CprMfu => Some(CprPriority::Mfu),
+            Self::CprSsu => Some(CprPriority::Ssu),
+            _ => None,
+        }
+    }
+
+    /// Whether the interval comes from the target PLS rather than Eq. 1's optimum.
+    pub fn pls_interval(self) -> bool {
+        !matches!(self, Self::Full | Self::Partial)
+    }
+}
+
+impl std::str::FromStr for Strategy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|x| x.name()).collect();
+                format!("unknown strategy {s:?} (known: {})", names.join(", "))
+            })
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct StudyConfig {
+    /// Model, optimizers, batch size, seed, threads and the `[cpr]` section.
+    pub job: JobConfig,
+    /// Shares of the embedding servers each failure loses.
+    pub fractions: Vec<f64>,
+    pub failures: usize,
+    /// Emulated embedding servers, N_emb.
+    pub servers: usize,
+    pub strategies: Vec<Strategy>,
+    pub costs: CostOverrides,
+    /// Partial recovery must save at least this share of Eq. 1 to be chosen (§4.2).
+    pub min_benefit: f64,
+}
+
+impl StudyConfig {
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::Config(m));
+        if self.servers == 0 {
+            return bad("--servers must be at least 1".into());
+        }
+        if self.fractions.is_empty() {
+            return bad("--fractions: at least one fraction".into());
+        }
+        if let Some(f) = self
+            .fractions
+            .iter()
+            .find(|&&f| !(f > 0.0 && f <= 1.0) || failures::servers_lost(f, self.servers) == 0)
+        {
+            return bad(format!(
+                "--fractions: {f} of {} servers is not a whole number of servers in 1..={}",
+                self.servers, self.servers
+            ));
+        }
+        if self.strategies.is_empty() {
+            return bad("--strategies: at least one strategy".into());
+        }
+        if !(0.0..1.0).contains(&self.min_benefit) {
+            return bad(format!(
+                "--min-benefit {} must be in [0, 1)",
+                self.min_benefit
+            ));
+        }
+        self.costs.validate()?;
+        Ok(())
+    }
+}
+
+/// Runs the study: a failure-free baseline (which also times the job when the cost frame
+/// is measured), then every strategy at every fraction. `full` does not depend on the
+/// fraction (it reloads everything), so it runs once and is reported under each.
+pub fn run_study(
+    config: &StudyConfig,
+    train: &Dataset,
+    test: &Dataset,
+    progress: &mut dyn FnMut(&str),
+) -> Result<StudyReport, TrainError> {
+    config.validate()?;
+    let job = &config.job;
+    let total_steps = if job.train.steps > 0 {
+        job.train.steps
+    } else {
+        (train.len() as u64).div_ceil(job.train.batch_size as u64)
+    };
+    let schedule = failures::Schedule::draw(
+        job.seed,
+        total_steps,
+        config.failures,
+        config.servers,
+        &config.fractions,
+    )?;
+    progress("no failures (baseline)");
+    let baseline = run::Run::baseline(config, total_steps).execute(train, test)?;
+    let frame = CostFrame::measure(config, total_steps, baseline.train_seconds)?;
+    tracing::info!(?frame, "cost frame");
+    let mut runs = Vec::new();
+    let mut decisions = Vec::new();
+    let mut full: Option<RunResult> = None;
+    for (fi, &fraction) in config.fractions.iter().enumerate() {
+        let decision = frame.decision(config, fraction)?;
+        tracing::info!("fraction {fraction}: {decision}");
+        decisions.push((fraction, decision));
+        for &strategy in &config.strategies {
+            if strategy == Strategy::Full
+                && let Some(done) = &full
+            {
+                runs.push(RunResult {
+                    fraction,
+                    ..done.clone()
+                });
+                continue;
+            }
+            progress(&format!("{} at fraction {fraction}", strategy.name()));
+            let result = run::Run::new(config, &frame, &schedule, fi, strategy, total_steps)?
+                .execute(train, test)?
+                .result;
+            if strategy == Strategy::Full {
+                full = Some(result.clone());
+            }
+            runs.push(result);
+        }
+    }
+    let failure_steps = schedule.failures.iter().map(|f| f.at_step).collect();
+    Ok(StudyReport::new(
+        config,
+        frame,
+        baseline,
+        decisions,
+        failure_steps,
+        runs,
+    ))
+}

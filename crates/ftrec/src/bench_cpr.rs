@@ -1,0 +1,303 @@
+//! `ftrec bench cpr`: the CPR emulation study (cpr.txt §5.1, §6) on generated
+//! Criteo-shaped data; summary JSON and plots.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use ftrec_config::JobConfig;
+use ftrec_data::generate::{GenConfig, OutputFormat, read_meta};
+use ftrec_data::{Dataset, TEST_FILE, TRAIN_FILE};
+use ftrec_train::cpr_study::{CostOverrides, Strategy, StudyConfig, StudyReport, run_study};
+use plotters::prelude::*;
+
+use crate::commands::{print_json, run_gen};
+
+#[derive(Args, Debug)]
+pub struct BenchCprArgs {
+    /// Dataset directory; generated (Criteo Kaggle shape at 1% of its cardinalities, with
+    /// a planted teacher) when it does not hold the `--rows` dataset.
+    #[arg(long, default_value = "bench-cpr-data")]
+    pub data: PathBuf,
+    /// Samples to generate (train + test; 10% are held out).
+    #[arg(long, default_value_t = 600_000)]
+    pub rows: u64,
+    #[arg(long, default_value = "demo")]
+    pub preset: String,
+    /// Override a configuration key (repeatable), e.g. `--set cpr.r=0.25`. The study's
+    /// defaults (dim 16, MLPs 64-16 and 64-1, batch 1024, one table per generated
+    /// feature) come first.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Steps per run (default: one epoch).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    #[arg(long, default_value_t = 2)]
+    pub failures: usize,
+    /// Shares of the embedding servers each failure loses.
+    #[arg(long, value_delimiter = ',', default_value = "0.125,0.25,0.5")]
+    pub fractions: Vec<f64>,
+    /// Emulated embedding servers (N_emb); row `r` of table `t` lives on server
+    /// `(r + t) % servers`, the cluster's placement.
+    #[arg(long, default_value_t = 8)]
+    pub servers: usize,
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "full,partial,cpr_vanilla,cpr_scar,cpr_mfu,cpr_ssu"
+    )]
+    pub strategies: Vec<Strategy>,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Target PLS (sets `cpr.target_pls`).
+    #[arg(long)]
+    pub target_pls: Option<f64>,
+    /// Seconds to save the whole model, in the job frame (default: measured in-memory
+    /// copy, scaled to the frame).
+    #[arg(long)]
+    pub o_save: Option<f64>,
+    /// Seconds to load the whole model (default: as O_save, measured).
+    #[arg(long)]
+    pub o_load: Option<f64>,
+    /// Seconds to reschedule a failed node.
+    #[arg(long, default_value_t = 0.0)]
+    pub o_res: f64,
+    /// Length of the emulated job in seconds (default: the measured failure-free epoch);
+    /// measured costs are scaled to it (§5.1). T_fail is `cpr.mtbf_seconds`, else this
+    /// over `--failures`.
+    #[arg(long)]
+    pub job_seconds: Option<f64>,
+    /// Partial recovery must save this share of Eq. 1's overhead to be chosen.
+    #[arg(long, default_value_t = 0.1)]
+    pub min_benefit: f64,
+    #[arg(long, default_value = "bench-results/cpr")]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn study_config(a: &BenchCprArgs) -> Result<JobConfig> {
+    let mut overrides: Vec<String> = vec![
+        "model.dim=16".into(),
+        "model.bottom=[64, 16]".into(),
+        "model.top=[64, 1]".into(),
+        "train.batch_size=1024".into(),
+        format!("seed={}", a.seed),
+    ];
+    if let Some(meta) = read_meta(&a.data) {
+        let rows: Vec<String> = meta
+            .config
+            .cardinalities
+            .iter()
+            .map(|c| c.max(&2).to_string())
+            .collect();
+        overrides.push(format!("model.table_rows=[{}]", rows.join(", ")));
+    }
+    if let Some(p) = a.target_pls {
+        overrides.push(format!("cpr.target_pls={p}"));
+    }
+    if let Some(s) = a.steps {
+        overrides.push(format!("train.steps={s}"));
+    }
+    overrides.extend(a.set.iter().cloned());
+    Ok(JobConfig::load(Some(&a.preset), None, &overrides)?)
+}
+
+pub fn run(a: BenchCprArgs) -> Result<()> {
+    let gen_config = GenConfig::criteo(a.rows, 1, 0.01);
+    let fresh = read_meta(&a.data).is_some_and(|m| m.config == gen_config)
+        && a.data.join(TRAIN_FILE).exists();
+    if !fresh {
+        run_gen(&gen_config, &a.data, OutputFormat::Binary, a.json)?;
+    }
+    let job = study_config(&a)?;
+    let train = Dataset::open_split(&a.data, TRAIN_FILE)?;
+    let test = Dataset::open_split(&a.data, TEST_FILE)?;
+    let config = StudyConfig {
+        job,
+        fractions: a.fractions.clone(),
+        failures: a.failures,
+        servers: a.servers,
+        strategies: a.strategies.clone(),
+        costs: CostOverrides {
+            o_save: a.o_save,
+            o_load: a.o_load,
+            o_res: a.o_res,
+            job_seconds: a.job_seconds,
+        },
+        min_benefit: a.min_benefit,
+    };
+    let bar = indicatif::ProgressBar::new_spinner();
+    if a.json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let report = run_study(&config, &train, &test, &mut |m| {
+        bar.set_message(m.to_string());
+        tracing::info!("bench cpr: {m}");
+    })?;
+    bar.finish_and_clear();
+    std::fs::create_dir_all(&a.out).with_context(|| a.out.display().to_string())?;
+    let value = serde_json::to_value(&report)?;
+    let path = a.out.join("summary.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&value)?)
+        .with_context(|| path.display().to_string())?;
+    plot_auc_pls(&report, &a.out.join("auc_vs_pls.png"))?;
+    plot_overhead(&report, &a.out.join("overhead.png"))?;
+    if a.json {
+        return print_json(value);
+    }
+    println!("{}", serde_json::to_string_pretty(&value["by_fraction"])?);
+    println!(
+        "auc_pls_correlation {:.4}; targets {}",
+        report.auc_pls_correlation,
+        serde_json::to_string(&report.targets)?
+    );
+    println!("wrote {}", a.out.display());
+    Ok(())
+}
+
+fn strategy_color(name: &str) -> RGBAColor {
+    let i = Strategy::ALL
+        .iter()
+        .position(|s| s.name() == name)
+        .unwrap_or(Strategy::ALL.len());
+    Palette99::pick(i).to_rgba()
+}
+
+fn plot_auc_pls(report: &StudyReport, path: &Path) -> Result<()> {
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let runs = &report.runs;
+    let x_max = runs.iter().map(|r| r.pls).fold(0.0, f64::max).max(1e-6) * 1.1;
+    let (lo, hi) = runs
+        .iter()
+        .map(|r| r.auc)
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), a| {
+            (l.min(a), h.max(a))
+        });
+    let pad = ((hi - lo) * 0.15).max(1e-4);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!(
+                "Final AUC against PLS (r = {:.3}, {} failures)",
+                report.auc_pls_correlation, report.failures
+            ),
+            ("sans-serif", 22),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..x_max, (lo - pad)..(hi + pad))?;
+    chart
+        .configure_mesh()
+        .x_desc("final PLS")
+        .y_desc("test AUC")
+        .draw()?;
+    let fit = &report.auc_pls_fit;
+    chart
+        .draw_series(LineSeries::new(
+            [0.0, x_max].map(|x| (x, fit.slope * x + fit.intercept)),
+            BLACK.stroke_width(1),
+        ))?
+        .label(format!(
+            "fit: AUC = {:.4} {:+.4}·PLS",
+            fit.intercept, fit.slope
+        ))
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK));
+    for s in Strategy::ALL {
+        let color = strategy_color(s.name());
+        let pts: Vec<(f64, f64)> = runs
+            .iter()
+            .filter(|r| r.strategy == s.name())
+            .map(|r| (r.pls, r.auc))
+            .collect();
+        if pts.is_empty() {
+            continue;
+        }
+        chart
+            .draw_series(pts.into_iter().map(|p| Circle::new(p, 5, color.filled())))?
+            .label(s.name())
+            .legend(move |(x, y)| Circle::new((x + 9, y), 5, color.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+fn plot_overhead(report: &StudyReport, path: &Path) -> Result<()> {
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let fractions: Vec<&String> = report.by_fraction.keys().collect();
+    let strategies: Vec<&str> = Strategy::ALL
+        .iter()
+        .map(|s| s.name())
+        .filter(|n| report.runs.iter().any(|r| r.strategy == *n))
+        .collect();
+    let y_max = report
+        .runs
+        .iter()
+        .map(|r| 100.0 * r.overhead_fraction)
+        .fold(0.0, f64::max)
+        .max(1e-6)
+        * 1.15;
+    let groups = fractions.len().max(1) as f64;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Checkpoint-related overhead (% of the job) by failure fraction",
+            ("sans-serif", 22),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..groups, 0f64..y_max)?;
+    let labels: Vec<String> = fractions.iter().map(|f| format!("{f} lost")).collect();
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(fractions.len() * 2 + 1)
+        .x_label_formatter(&|x| {
+            let i = x.floor() as usize;
+            if (x - i as f64 - 0.5).abs() < 1e-6 {
+                labels.get(i).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .y_desc("overhead %")
+        .draw()?;
+    let width = 0.8 / strategies.len().max(1) as f64;
+    for (si, name) in strategies.iter().enumerate() {
+        let color = strategy_color(name);
+        let bars: Vec<Rectangle<(f64, f64)>> = fractions
+            .iter()
+            .enumerate()
+            .filter_map(|(fi, f)| {
+                let run = report.by_fraction.get(*f)?.get(*name)?;
+                let x0 = fi as f64 + 0.1 + si as f64 * width;
+                Some(Rectangle::new(
+                    [(x0, 0.0), (x0 + width * 0.9, 100.0 * run.overhead_fraction)],
+                    color.filled(),
+                ))
+            })
+            .collect();
+        chart
+            .draw_series(bars)?
+            .label(*name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
