@@ -22,13 +22,29 @@ pub enum FaultTolerance {
     /// servers of a group are lost than the code can rebuild (ECRec §4).
     #[serde(rename = "ec+checkpoint")]
     EcCheckpoint,
+    /// CPR: per-server checkpoints; a lost server reloads only its own shard from its last
+    /// checkpoint, nobody else rolls back and the workers do not rewind (`[cpr]` section).
+    /// The updates since that checkpoint are lost, counted as PLS.
+    Partial,
 }
 
 impl FaultTolerance {
-    pub const ALL: [Self; 4] = [Self::None, Self::Checkpoint, Self::Ec, Self::EcCheckpoint];
+    pub const ALL: [Self; 5] = [
+        Self::None,
+        Self::Checkpoint,
+        Self::Ec,
+        Self::EcCheckpoint,
+        Self::Partial,
+    ];
 
-    /// Whether the cluster takes consistent cuts.
+    /// Whether the cluster takes checkpoints.
     pub fn checkpoints(self) -> bool {
+        matches!(self, Self::Checkpoint | Self::EcCheckpoint | Self::Partial)
+    }
+
+    /// Whether a recovery promises the state of an uninterrupted run (so a step applied
+    /// twice is refused rather than trained again). Partial recovery and none do not.
+    pub fn exact_recovery(self) -> bool {
         matches!(self, Self::Checkpoint | Self::EcCheckpoint)
     }
 
@@ -44,6 +60,7 @@ impl FaultTolerance {
             Self::Checkpoint => "checkpoint",
             Self::Ec => "ec",
             Self::EcCheckpoint => "ec+checkpoint",
+            Self::Partial => "partial",
         }
     }
 }

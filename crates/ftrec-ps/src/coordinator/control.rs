@@ -125,7 +125,7 @@ fn detect_failures(shared: &Shared, s: &mut State) {
         );
         s.failed.push((id, t));
         s.suspect_until = None;
-        if !c.ft.checkpoints() {
+        if !c.ft.checkpoints() || s.cpr.as_ref().is_some_and(|cpr| cpr.partial()) {
             // The run keeps its state: steps in flight are resolved after recovery (granted
             // again, or settled where every server applied them).
             s.steps.orphan_outstanding();
@@ -221,6 +221,19 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 s.phase = Phase::Running;
                 let total = s.steps.total();
                 s.timeline.event("training-start", format!("{total} steps"));
+                if let Some(cpr) = s.cpr.as_mut() {
+                    cpr.start(Instant::now());
+                    if let Some(interval) = cpr.interval() {
+                        s.timeline.event(
+                            "cpr-interval",
+                            format!(
+                                "a checkpoint every {:.2} s (Eq. 4 from cpr.target_pls and \
+                                 cpr.mtbf_seconds)",
+                                interval.as_secs_f64()
+                            ),
+                        );
+                    }
+                }
             }
             None
         }
@@ -252,6 +265,7 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 unsettled: s.steps.unsettled(),
                 next_step: s.steps.next_step(),
                 ec: shared.job.layout().ok().and_then(|l| l.stripes()),
+                partial: s.cpr.as_ref().is_some_and(|cpr| cpr.partial()),
             });
             Some(Task::Recover {
                 epoch: s.epoch,

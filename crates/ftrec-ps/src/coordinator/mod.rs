@@ -15,6 +15,7 @@
 //! `ledger.rs` grants steps; `tasks.rs` executes plans against the servers.
 
 mod control;
+mod cpr;
 pub mod ledger;
 pub mod planner;
 mod service;
@@ -94,6 +95,12 @@ pub struct Recovery {
     /// Erasure coding: the longest replacement's rebuild, and the bytes rebuilt.
     pub rebuild_seconds: f64,
     pub rebuild_bytes: u64,
+    /// How the servers came back: `rollback`, `keep`, `rebuild` or `partial`.
+    pub mode: &'static str,
+    /// Partial recovery: every server's shard digest once recovered, before training
+    /// went on (survivors: their state at the failure; replacements: their checkpoint).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shard_digests: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -161,9 +168,21 @@ struct State {
     fatal: Option<String>,
     /// Steps lost since one last finished (`service.rs` gives up past a bound).
     lost_in_a_row: u32,
+    /// `cluster.ft = "partial"`: PLS, interval and the full-or-partial choice.
+    cpr: Option<cpr::CprState>,
 }
 
 impl State {
+    /// Seconds since training started (0 before).
+    fn train_seconds(&self) -> f64 {
+        self.timeline
+            .data
+            .events
+            .iter()
+            .find(|e| e.kind == "training-start")
+            .map_or(0.0, |e| self.timeline.now() - e.t)
+    }
+
     /// The pid of the process that joined as `role` `id`, if any.
     fn pid_of(&self, role: Role, id: usize) -> Option<u32> {
         let m = match role {
@@ -199,6 +218,14 @@ pub struct RunSummary {
     pub checkpoints: Vec<CheckpointRecord>,
     pub recoveries: Vec<Recovery>,
     pub recovery_seconds: f64,
+    /// Partial recovery: the portion of lost samples (CPR Eq. 3), the recovery in force
+    /// (`partial`, or `full` when the comparison fell back), and that comparison.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pls: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recovery_mode: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpr_decision: Option<ftrec_cpr::Decision>,
 }
 
 impl Shared {
@@ -259,6 +286,12 @@ impl Shared {
                 .iter()
                 .fold(0.0, |acc, r| acc + (r.resumed_at - r.detected_at)),
             recoveries: s.recoveries.clone(),
+            pls: s.cpr.as_ref().map(|c| c.pls()),
+            recovery_mode: s
+                .cpr
+                .as_ref()
+                .map(|c| if c.partial() { "partial" } else { "full" }),
+            cpr_decision: s.cpr.as_ref().and_then(|c| c.decision().cloned()),
         }
     }
 
@@ -377,10 +410,14 @@ impl Shared {
         let c = &self.job.config;
         let every = c.checkpoint.every_steps;
         let next = s.steps.next_step();
+        // CPR with a target PLS sets the interval in seconds (Eq. 4); else every N steps.
+        let scheduled = match s.cpr.as_ref().filter(|cpr| cpr.interval().is_some()) {
+            Some(cpr) => cpr.cut_due(Instant::now()),
+            None => every > 0 && next.is_multiple_of(every),
+        };
         c.cluster.ft.checkpoints()
-            && every > 0
+            && scheduled
             && next > 0
-            && next.is_multiple_of(every)
             && s.last_checkpoint != Some(next)
             && s.pending_cut.is_none()
             && next < s.steps.total()
@@ -461,7 +498,11 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             .counter("ftrec_rpc_bytes_total", "Worker RPC payload bytes")
             .counter("ftrec_failures_total", "Server failures detected")
             .counter("ftrec_checkpoints_total", "Cluster checkpoints")
-            .gauge("ftrec_epoch", "Cluster epoch"),
+            .gauge("ftrec_epoch", "Cluster epoch")
+            .gauge(
+                "ftrec_pls",
+                "Portion of lost samples (partial recovery, CPR Eq. 3)",
+            ),
     );
     let metrics_address = metrics::start(&opts.host, metrics.clone()).await;
     let (done_tx, done_rx) = watch::channel(false);
@@ -504,6 +545,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             probe_requested: false,
             fatal: None,
             lost_in_a_row: 0,
+            cpr: cpr::CprState::new(&job, schedule.samples_before(total_steps))?,
         }),
         spawner: opts.spawner,
         metrics,

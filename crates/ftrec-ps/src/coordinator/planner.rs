@@ -30,6 +30,9 @@ pub struct Situation {
     pub next_step: u64,
     /// The stripe layout, when rows are erasure coded.
     pub ec: Option<ftrec_ec::StripeLayout>,
+    /// `cluster.ft = "partial"` and the full-or-partial comparison (CPR Eq. 1 against
+    /// Eq. 2) chose partial recovery; `false` falls back to a full rollback.
+    pub partial: bool,
 }
 
 /// How the servers come back.
@@ -50,17 +53,40 @@ pub enum RecoveryAction {
         next_step: u64,
         unsettled: Vec<u64>,
     },
+    /// CPR: each of the `servers` (replacements) reloads its own shard from the cut of
+    /// step `cut` (`None`: no cut yet, its initial shard), then, like the survivors,
+    /// counts every step below `next_step` but the `unsettled` ones as applied. Nobody
+    /// rolls back; the lost shards' updates since the cut are lost (PLS).
+    PartialRestore {
+        servers: Vec<usize>,
+        cut: Option<u64>,
+        next_step: u64,
+        unsettled: Vec<u64>,
+    },
     /// The state cannot be recovered (more servers of a group lost than the code
     /// rebuilds, and no checkpoint to fall back on): the run ends with this reason.
     Abandon { why: String },
 }
 
 impl RecoveryAction {
+    /// The name the run report gives it.
+    pub fn mode(&self) -> &'static str {
+        match self {
+            Self::Rollback { .. } => "rollback",
+            Self::KeepState { .. } => "keep",
+            Self::Rebuild { .. } => "rebuild",
+            Self::PartialRestore { .. } => "partial",
+            Self::Abandon { .. } => "abandon",
+        }
+    }
+
     /// The step training continues from.
     pub fn resume_step(&self) -> u64 {
         match self {
             Self::Rollback { cut } => cut.unwrap_or(0),
-            Self::KeepState { next_step, .. } | Self::Rebuild { next_step, .. } => *next_step,
+            Self::KeepState { next_step, .. }
+            | Self::Rebuild { next_step, .. }
+            | Self::PartialRestore { next_step, .. } => *next_step,
             Self::Abandon { .. } => 0,
         }
     }
@@ -124,6 +150,21 @@ pub fn plan(s: &Situation) -> RecoveryAction {
         };
     }
     match (s.ft, &s.cause) {
+        (FaultTolerance::Partial, Cause::ServersLost(lost)) if s.partial => {
+            let mut servers = lost.clone();
+            servers.sort_unstable();
+            servers.dedup();
+            RecoveryAction::PartialRestore {
+                servers,
+                cut: s.last_cut,
+                next_step: s.next_step,
+                unsettled: s.unsettled.clone(),
+            }
+        }
+        // CPR found partial recovery not worth its lost updates: a full rollback.
+        (FaultTolerance::Partial, Cause::ServersLost(_)) => {
+            RecoveryAction::Rollback { cut: s.last_cut }
+        }
         // Checkpoints: back to the last consistent cut, whatever the cause; in
         // deterministic mode the run then ends bit-identical to an uninterrupted one.
         (FaultTolerance::Checkpoint, _) => RecoveryAction::Rollback { cut: s.last_cut },
@@ -132,10 +173,16 @@ pub fn plan(s: &Situation) -> RecoveryAction {
         (FaultTolerance::EcCheckpoint, Cause::StepPartlyApplied) => {
             RecoveryAction::Rollback { cut: s.last_cut }
         }
-        // No fault tolerance: the lost shards start over, everyone else goes on.
         // No fault tolerance: the lost shards start over, everyone else goes on. Erasure
-        // coding without lost servers (a partly applied step) likewise keeps the state.
-        (FaultTolerance::None | FaultTolerance::Ec | FaultTolerance::EcCheckpoint, _) => keep(),
+        // coding without lost servers (a partly applied step) likewise keeps the state, as
+        // does partial recovery (nothing exact was promised).
+        (
+            FaultTolerance::None
+            | FaultTolerance::Ec
+            | FaultTolerance::EcCheckpoint
+            | FaultTolerance::Partial,
+            _,
+        ) => keep(),
     }
 }
 
@@ -143,7 +190,7 @@ pub fn plan(s: &Situation) -> RecoveryAction {
 /// (the servers that have it ignore the second push). Exact only where nobody promised
 /// bit-exact results: in deterministic mode with checkpoints, the run rolls back instead.
 pub fn regrant_partly_applied(ft: FaultTolerance, deterministic: bool) -> bool {
-    !(deterministic && ft.checkpoints())
+    !(deterministic && ft.exact_recovery())
 }
 
 #[cfg(test)]
@@ -159,7 +206,33 @@ mod tests {
             unsettled: vec![37, 39],
             next_step: 41,
             ec: None,
+            partial: true,
         }
+    }
+
+    #[test]
+    fn partial_recovery_reloads_only_the_lost_shards_unless_it_fell_back() {
+        let mut s = situation(
+            FaultTolerance::Partial,
+            Cause::ServersLost(vec![2, 1, 2]),
+            Some(30),
+        );
+        assert_eq!(
+            plan(&s),
+            RecoveryAction::PartialRestore {
+                servers: vec![1, 2],
+                cut: Some(30),
+                next_step: 41,
+                unsettled: vec![37, 39],
+            }
+        );
+        assert_eq!(plan(&s).resume_step(), 41, "the workers do not rewind");
+        s.partial = false;
+        assert_eq!(plan(&s), RecoveryAction::Rollback { cut: Some(30) });
+        s.cause = Cause::StepPartlyApplied;
+        assert!(matches!(plan(&s), RecoveryAction::KeepState { .. }));
+        assert!(regrant_partly_applied(FaultTolerance::Partial, true));
+        assert!(!regrant_partly_applied(FaultTolerance::Checkpoint, true));
     }
 
     #[test]

@@ -187,6 +187,7 @@ impl Sim {
                 unsettled: self.ledger.unsettled(),
                 next_step: self.ledger.next_step(),
                 ec: None,
+                partial: false,
             });
             let RecoveryAction::Rollback { cut } = action else {
                 panic!("a partly applied step that may not be regranted must roll back");

@@ -135,6 +135,14 @@ fn commit_cut(
         "checkpoint-end",
         format!("step {step}, {bytes} bytes, paused {pause:.3}s"),
     );
+    let train_seconds = s.train_seconds();
+    let total = s.steps.total();
+    if let Some(cpr) = s.cpr.as_mut()
+        && let Some(decision) = cpr.on_cut(Instant::now(), pause, train_seconds, step, total)
+    {
+        tracing::info!("{decision}");
+        s.timeline.event("cpr-decision", decision);
+    }
     let keep = shared.job.config.checkpoint.keep;
     let excess = s.retained_cuts.len().saturating_sub(keep);
     (keep > 0 && excess > 0).then(|| {
@@ -373,7 +381,77 @@ async fn recovery_calls(
             }
             results
         }
+        RecoveryAction::PartialRestore {
+            servers,
+            cut,
+            next_step,
+            unsettled,
+        } => {
+            // Each replacement reloads its own shard from its checkpoint of the cut; then
+            // every server, survivors and replacements alike, adopts the epoch and counts
+            // the steps below `next_step` as applied: nobody rolls back.
+            let calls = clients.into_iter().enumerate().map(|(i, mut c)| {
+                let reload = servers.contains(&i).then_some(*cut).flatten();
+                let unsettled = unsettled.clone();
+                async move {
+                    if let Some(step) = reload
+                        && let Err(e) = c
+                            .restore(RestoreRequest {
+                                epoch,
+                                step: Some(step),
+                            })
+                            .await
+                    {
+                        return (i, Err(e));
+                    }
+                    set_epoch(i, c, *next_step, unsettled).await
+                }
+            });
+            futures::future::join_all(calls).await
+        }
         RecoveryAction::Abandon { .. } => Vec::new(),
+    }
+}
+
+/// Counts the PLS of a partial restore (CPR Eq. 3), one term per reloaded server, and
+/// says each term's inputs in the event log so the figure can be checked from it.
+fn account_partial_restore(shared: &Shared, s: &mut State, action: &RecoveryAction) {
+    let RecoveryAction::PartialRestore {
+        servers,
+        cut,
+        next_step,
+        unsettled,
+    } = action
+    else {
+        return;
+    };
+    let schedule = shared.schedule;
+    // The updates every server had applied when the slot was lost: the granted steps
+    // less those still in flight (granted again, so not lost).
+    let in_flight: u64 = unsettled.iter().map(|&u| schedule.batch(u).1).sum();
+    let s_i = schedule
+        .samples_before(*next_step)
+        .saturating_sub(in_flight);
+    let s_ckpt = schedule.samples_before(cut.unwrap_or(0));
+    let Some(cpr) = s.cpr.as_mut() else {
+        return;
+    };
+    let mut lines = Vec::new();
+    for &server in servers {
+        let increment = cpr.on_partial_restore(s_i, s_ckpt);
+        lines.push(format!(
+            "server {server} reloads its shard from {} (S_last_ckpt {s_ckpt} samples); \
+             lost at S_i {s_i} samples; PLS += {increment:.6} -> {:.6}",
+            cut.map_or("its initial state".to_string(), |c| format!(
+                "the cut of step {c}"
+            )),
+            cpr.pls()
+        ));
+    }
+    let pls = cpr.pls();
+    shared.metrics.set("ftrec_pls", pls);
+    for line in lines {
+        s.timeline.event("partial-restore", line);
     }
 }
 
@@ -422,7 +500,14 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
         return;
     }
     let applied = action.resume_step();
+    let audit = matches!(action, RecoveryAction::PartialRestore { .. }).then(|| clients.clone());
     let results = recovery_calls(shared, clients, epoch, &action).await;
+    let shard_digests = match audit {
+        Some(clients) if results.iter().all(|(_, r)| r.is_ok()) => {
+            shard_digests(clients, epoch).await
+        }
+        _ => Vec::new(),
+    };
     let failed: Vec<String> = results
         .iter()
         .filter_map(|(i, r)| {
@@ -461,6 +546,7 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
     }
     s.recovery_failures = 0;
     s.recover_after = None;
+    account_partial_restore(shared, &mut s, &action);
     let (mut rebuild_seconds, mut rebuild_bytes) = (0.0f64, 0u64);
     for (server, reply) in results {
         if let Ok(Some(r)) = reply {
@@ -501,15 +587,39 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
             steps_rolled_back: rolled_back,
             rebuild_seconds,
             rebuild_bytes,
+            mode: action.mode(),
+            shard_digests: shard_digests.clone(),
         });
     }
+}
+
+/// Every server's shard digest (empty where one did not answer).
+async fn shard_digests(clients: Vec<ServerClient>, epoch: u64) -> Vec<String> {
+    let calls = clients.into_iter().map(|mut c| async move {
+        c.applied(AppliedRequest {
+            epoch,
+            steps: Vec::new(),
+            digest: true,
+        })
+        .await
+        .map(|r| r.into_inner().shard_digest)
+        .unwrap_or_default()
+    });
+    futures::future::join_all(calls).await
 }
 
 /// Asks every server which orphan steps it applied, then settles, regrants or rolls back.
 async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps: Vec<u64>) {
     let calls = clients.into_iter().map(|mut c| {
         let steps = steps.clone();
-        async move { c.applied(AppliedRequest { epoch, steps }).await }
+        async move {
+            c.applied(AppliedRequest {
+                epoch,
+                steps,
+                digest: false,
+            })
+            .await
+        }
     });
     let mut answers = Vec::new();
     for r in futures::future::join_all(calls).await {

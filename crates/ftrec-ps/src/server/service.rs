@@ -31,7 +31,7 @@ impl ParameterServer for Service {
             // A step applied here already was granted again after its worker died. With
             // checkpoints the coordinator rolls back for exact results, so say so; without,
             // the run promised nothing exact after a failure and the pull goes ahead.
-            let exact = core.job.config.cluster.ft.checkpoints();
+            let exact = core.job.config.cluster.ft.exact_recovery();
             if exact && core.steps().contains(target) {
                 return Err(PsError::AlreadyApplied {
                     server: core.id as u32,
@@ -341,9 +341,21 @@ impl ParameterServer for Service {
         let core = &self.0;
         let req = req.into_inner();
         core.check_epoch(req.epoch)?;
-        let steps = core.steps();
+        let applied = {
+            let steps = core.steps();
+            req.steps.iter().map(|&s| steps.contains(s)).collect()
+        };
+        let shard_digest = if req.digest {
+            core.shard
+                .read()
+                .map_err(|_| Status::internal("shard lock"))?
+                .digest()
+        } else {
+            String::new()
+        };
         Ok(Response::new(AppliedReply {
-            applied: req.steps.iter().map(|&s| steps.contains(s)).collect(),
+            applied,
+            shard_digest,
         }))
     }
 

@@ -287,6 +287,19 @@ impl Shard {
         &self.state.dense.optimizer_state[..self.dense_state_len()]
     }
 
+    /// xxh3 of the shard exactly as `gather` hashes what it fetches: each table's local
+    /// rows in order, then the dense range, its optimizer state and the dense step.
+    pub fn digest(&self) -> String {
+        let mut hash = xxhash_rust::xxh3::Xxh3::new();
+        for table in self.state().tables() {
+            hash.update(table.as_bytes());
+        }
+        hash.update(bytemuck::cast_slice(self.dense_params()));
+        hash.update(bytemuck::cast_slice(self.dense_optimizer_state()));
+        hash.update(&self.dense_step().to_le_bytes());
+        format!("{:016x}", hash.digest())
+    }
+
     pub fn dense_step(&self) -> u64 {
         self.state.dense.step
     }
