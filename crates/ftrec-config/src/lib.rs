@@ -172,10 +172,26 @@ impl JobConfig {
         for o in overrides {
             layering::apply_override(&mut value, o)?;
         }
-        let config: JobConfig = value.try_into().map_err(|e: toml::de::Error| {
-            let origin = file.map_or_else(String::new, |p| format!("{}: ", p.display()));
-            ConfigError::Invalid(format!("{origin}{}", e.message()))
-        })?;
+        // serde's own message names the type, not the key: track the path to say which.
+        let config: JobConfig = serde_path_to_error::deserialize(value).map_err(
+            |e: serde_path_to_error::Error<toml::de::Error>| {
+                let origin = file.map_or_else(String::new, |p| format!("{}: ", p.display()));
+                let path = e.path().to_string();
+                let key = if path.is_empty() || path == "." {
+                    String::new()
+                } else {
+                    format!("{path}: ")
+                };
+                let message = e.inner().message().to_string();
+                let hint = if base.is_none() && message.starts_with("missing field") {
+                    "; a --config file without --preset must set every key (add --preset \
+                     tiny to layer it over the defaults)"
+                } else {
+                    ""
+                };
+                ConfigError::Invalid(format!("{origin}{key}{message}{hint}"))
+            },
+        )?;
         config.validate()?;
         Ok(config)
     }
@@ -304,7 +320,31 @@ mod tests {
         let e = JobConfig::load(Some("tiny"), Some(&f), &[])
             .unwrap_err()
             .to_string();
-        assert!(e.contains("bad.toml"), "{e}");
+        assert!(
+            e.contains("bad.toml") && e.contains("train.batch_size"),
+            "{e}"
+        );
+        // Type errors name the key (serde alone says only "expected usize").
+        for (set, key) in [
+            ("model.dim=\"abc\"", "model.dim"),
+            ("train.batch_size=-5", "train.batch_size"),
+            ("seed=\"one\"", "seed"),
+        ] {
+            let e = JobConfig::load(Some("tiny"), None, &[set.into()])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("{key}: ")), "{set}: {e}");
+        }
+        // A partial file without a preset is told how to layer it.
+        let partial = dir.path().join("partial.toml");
+        std::fs::write(&partial, "[train]\nbatch_size = 64\n").unwrap();
+        let e = JobConfig::load(None, Some(&partial), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("missing field") && e.contains("--preset tiny"),
+            "{e}"
+        );
     }
 
     #[test]

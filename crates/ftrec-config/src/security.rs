@@ -15,8 +15,9 @@ pub const SECRET_ENV: &str = "FTREC_JOB_SECRET";
 #[serde(deny_unknown_fields)]
 pub struct SecuritySection {
     /// A file holding the job secret (one line). `cluster run` generates one in its run
-    /// directory when neither this nor `FTREC_JOB_SECRET` is set. Relative paths are
-    /// relative to the job file.
+    /// directory when neither this nor `FTREC_JOB_SECRET` is set. Relative paths: in a job
+    /// file, relative to that file; given to `cluster run`, to the working directory (the
+    /// launcher writes them absolute into the run's job file).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_file: Option<PathBuf>,
     /// PEM certificate chain this process presents as a server (TLS on every RPC).

@@ -170,12 +170,23 @@ impl Interceptor for AttachSecret {
 }
 
 /// The PEM files of `[security]`, read once when the job is loaded.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct TlsMaterial {
     cert: Vec<u8>,
     key: Vec<u8>,
     ca: Vec<u8>,
     server_name: String,
+}
+
+impl std::fmt::Debug for TlsMaterial {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The private key must never reach a log through a `{:?}` of the job.
+        write!(
+            f,
+            "TlsMaterial(server name {:?}, <key redacted>)",
+            self.server_name
+        )
+    }
 }
 
 impl TlsMaterial {

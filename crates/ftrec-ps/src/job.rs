@@ -65,6 +65,20 @@ impl Job {
                 "data.dir: a cluster job needs a dataset (--data DIR)".into(),
             ));
         }
+        let ck = &config.checkpoint;
+        if config.cluster.ft == ftrec_config::FaultTolerance::Partial {
+            // Without checkpoints a partial restore would silently reset the lost shard to
+            // its initial state while everyone else trains on.
+            let takes_cuts = ck.every_steps > 0 || config.cpr.mtbf_seconds.is_some();
+            if ck.dir.is_none() || matches!(ck.strategy, Some(None)) || !takes_cuts {
+                return Err(PsError::Config(
+                    "cluster.ft = \"partial\" reloads a lost shard from its checkpoint: it \
+                     needs checkpoint.dir, a checkpoint.strategy other than \"none\", and \
+                     checkpoint.every_steps > 0 or cpr.mtbf_seconds"
+                        .into(),
+                ));
+            }
+        }
         Ok(())
     }
 

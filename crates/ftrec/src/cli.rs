@@ -75,7 +75,7 @@ pub struct ClusterRunArgs {
     /// Workers (overrides cluster.workers).
     #[arg(long)]
     pub workers: Option<usize>,
-    /// Fault tolerance: none or checkpoint (overrides cluster.ft).
+    /// Fault tolerance: none, checkpoint, ec, ec+checkpoint or partial (overrides cluster.ft).
     #[arg(long, value_parser = str::parse::<ftrec_config::FaultTolerance>)]
     pub ft: Option<ftrec_config::FaultTolerance>,
     /// Steps in strict order: bit-reproducible (overrides cluster.deterministic).

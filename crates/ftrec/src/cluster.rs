@@ -172,17 +172,23 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
 
 pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
     let (role, id) = launch::parse_member(member).map_err(anyhow::Error::msg)?;
-    let secret = match job {
-        Some(path) => Job::load(path)?.secret().clone(),
-        None => ftrec_ps::auth::JobSecret::from_env()?.ok_or_else(|| {
-            anyhow::anyhow!(
-                "the cluster admits only its job's processes: pass --job RUN_DIR/job.toml \
+    let connector = match job {
+        // The job's own secret and TLS settings.
+        Some(path) => Job::load(path)?
+            .connector()?
+            .with_timeout(Duration::from_secs(10)),
+        // Without a job file there are no TLS settings: a TLS cluster needs --job.
+        None => {
+            let secret = ftrec_ps::auth::JobSecret::from_env()?.ok_or_else(|| {
+                anyhow::anyhow!(
+                    "the cluster admits only its job's processes: pass --job RUN_DIR/job.toml \
                      or set {}",
-                ftrec_config::SECRET_ENV
-            )
-        })?,
+                    ftrec_config::SECRET_ENV
+                )
+            })?;
+            client::Connector::new(Duration::from_secs(10), &secret, None)?
+        }
     };
-    let connector = client::Connector::new(Duration::from_secs(10), &secret, None)?;
     let rt = runtime()?;
     let pid = rt.block_on(async {
         let mut c = connector.coordinator(coordinator).await?;

@@ -41,10 +41,17 @@ impl CprState {
         let cpr = |e: ftrec_cpr::CprError| PsError::Config(format!("[cpr]: {e}"));
         let servers = c.cluster.servers;
         let interval = match c.cpr.mtbf_seconds {
-            Some(t_fail) => Some(Duration::from_secs_f64(
-                ftrec_cpr::formulas::partial_interval(c.cpr.target_pls, servers, 1, t_fail)
-                    .map_err(cpr)?,
-            )),
+            Some(t_fail) => {
+                let seconds =
+                    ftrec_cpr::formulas::partial_interval(c.cpr.target_pls, servers, 1, t_fail)
+                        .map_err(cpr)?;
+                Some(Duration::try_from_secs_f64(seconds).map_err(|e| {
+                    PsError::Config(format!(
+                        "[cpr]: the checkpoint interval from cpr.target_pls and \
+                         cpr.mtbf_seconds ({seconds} s) is not a duration: {e}"
+                    ))
+                })?)
+            }
             None => None,
         };
         Ok(Some(Self {
@@ -133,7 +140,7 @@ impl CprState {
                 } else {
                     d.t_save_full
                 };
-                self.interval = Some(Duration::from_secs_f64(interval.max(1e-3)));
+                self.interval = Duration::try_from_secs_f64(interval.max(1e-3)).ok();
                 let text = d.to_string();
                 self.decision = Some(d);
                 Some(text)
@@ -163,6 +170,8 @@ mod tests {
     fn job(mtbf: Option<f64>) -> Job {
         let mut c = ftrec_config::JobConfig::preset("tiny").unwrap();
         c.data.dir = Some("unused".into());
+        c.checkpoint.dir = Some("unused".into());
+        c.checkpoint.every_steps = 10;
         c.cluster.ft = ftrec_config::FaultTolerance::Partial;
         c.cluster.servers = 4;
         c.cpr.target_pls = 0.02;
@@ -212,6 +221,17 @@ mod tests {
                 .contains("mtbf_seconds")
         );
         assert!(plain.on_cut(t0, 1.0, 1.0, 2, 10).is_none(), "said once");
+    }
+
+    #[test]
+    fn a_partial_job_without_checkpoints_is_refused() {
+        let mut c = job(None).config;
+        c.checkpoint.every_steps = 0;
+        let e = Job::new(c).unwrap_err().to_string();
+        assert!(
+            e.contains("checkpoint.every_steps > 0 or cpr.mtbf_seconds"),
+            "{e}"
+        );
     }
 
     #[test]

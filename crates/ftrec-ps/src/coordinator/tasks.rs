@@ -500,7 +500,10 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
         return;
     }
     let applied = action.resume_step();
-    let audit = matches!(action, RecoveryAction::PartialRestore { .. }).then(|| clients.clone());
+    // The audit hashes every shard: worth its time where runs are compared bit for bit.
+    let audit = (shared.job.config.cluster.deterministic
+        && matches!(action, RecoveryAction::PartialRestore { .. }))
+    .then(|| clients.clone());
     let results = recovery_calls(shared, clients, epoch, &action).await;
     let shard_digests = match audit {
         Some(clients) if results.iter().all(|(_, r)| r.is_ok()) => {
@@ -546,6 +549,7 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
     }
     s.recovery_failures = 0;
     s.recover_after = None;
+    s.lost_in_a_row = 0;
     account_partial_restore(shared, &mut s, &action);
     let (mut rebuild_seconds, mut rebuild_bytes) = (0.0f64, 0u64);
     for (server, reply) in results {
@@ -634,8 +638,15 @@ async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps:
         }
     }
     let config = &shared.job.config.cluster;
-    let partial_regrant = planner::regrant_partly_applied(config.ft, config.deterministic);
     let mut s = shared.lock();
+    // Partial recovery that fell back to full rollbacks promises exactness like `checkpoint`.
+    let fell_back = s.cpr.as_ref().is_some_and(|cpr| !cpr.partial());
+    let ft = if fell_back {
+        ftrec_config::FaultTolerance::Checkpoint
+    } else {
+        config.ft
+    };
+    let partial_regrant = planner::regrant_partly_applied(ft, config.deterministic);
     if s.epoch != epoch {
         return;
     }

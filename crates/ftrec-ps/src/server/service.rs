@@ -338,7 +338,7 @@ impl ParameterServer for Service {
         &self,
         req: Request<AppliedRequest>,
     ) -> Result<Response<AppliedReply>, Status> {
-        let core = &self.0;
+        let core = self.0.clone();
         let req = req.into_inner();
         core.check_epoch(req.epoch)?;
         let applied = {
@@ -346,10 +346,15 @@ impl ParameterServer for Service {
             req.steps.iter().map(|&s| steps.contains(s)).collect()
         };
         let shard_digest = if req.digest {
-            core.shard
-                .read()
-                .map_err(|_| Status::internal("shard lock"))?
-                .digest()
+            // Hashing a whole shard is CPU work: off the RPC threads.
+            tokio::task::spawn_blocking(move || {
+                core.shard
+                    .read()
+                    .map(|shard| shard.digest())
+                    .map_err(|_| Status::internal("shard lock"))
+            })
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??
         } else {
             String::new()
         };
