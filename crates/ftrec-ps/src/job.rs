@@ -78,6 +78,17 @@ impl Job {
                         .into(),
                 ));
             }
+            // Prioritised saves are deltas on the newest checkpoint; with full cuts (the
+            // paper's baseline) nothing else writes deltas that a save could interleave with.
+            if config.cpr.priority != ftrec_config::CprPriority::None
+                && ck.effective_strategy() != Some(ftrec_config::Strategy::Full)
+            {
+                return Err(PsError::Config(format!(
+                    "cpr.priority = \"{}\" saves its rows as deltas between full cuts: it \
+                     needs checkpoint.strategy = \"full\"",
+                    config.cpr.priority.name()
+                )));
+            }
         }
         Ok(())
     }

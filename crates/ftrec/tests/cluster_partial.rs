@@ -139,3 +139,82 @@ fn partial_recovery_falls_back_to_a_full_rollback_when_it_does_not_pay() {
     assert!(decision[0].starts_with("Full recovery"), "{}", decision[0]);
     assert_eq!(report["state_digest"], single_process_digest(&data, "50"));
 }
+
+#[test]
+fn prioritised_saves_between_cuts_are_what_a_partial_restore_reloads_for_mfu_ssu_and_scar() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    // Saves change nothing in training: a plain uninterrupted run gives the survivors'
+    // state at the failure.
+    let at_kill = digests(&partial_run(&data, &dir.path().join("r35"), "35", &[]));
+    let at_cut = digests(&partial_run(&data, &dir.path().join("r20"), "20", &[]));
+    let mut tracker_bytes = Vec::new();
+    for kind in ["mfu", "ssu", "scar"] {
+        let run = dir.path().join(kind);
+        let priority_set = format!("cpr.priority={kind:?}");
+        // Cuts every 20 steps, saves of half the rows every 10 steps in between.
+        let report = partial_run(
+            &data,
+            &run,
+            "56",
+            &[
+                "--kill",
+                "server:1@step:35",
+                "--set",
+                &priority_set,
+                "--set",
+                "cpr.r=0.5",
+            ],
+        );
+        let saves: Vec<(u64, bool)> = report["checkpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                (
+                    c["step"].as_u64().unwrap(),
+                    c["priority"].as_bool().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            saves,
+            vec![(20, false), (30, true), (40, false), (50, true)],
+            "no save before the first cut; cuts stay cuts"
+        );
+        let r = &report["recoveries"][0];
+        assert_eq!(r["mode"], "partial");
+        let recovered: Vec<&str> = r["shard_digests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_str().unwrap())
+            .collect();
+        assert_eq!(recovered[0], at_kill[0]);
+        assert_eq!(recovered[2], at_kill[2]);
+        // The replacement holds the cut of step 20 with the most used rows as of step 30.
+        assert_ne!(recovered[1], at_cut[1]);
+        assert_ne!(recovered[1], at_kill[1]);
+        let restore = events(&run)
+            .into_iter()
+            .find(|(k, _)| k == "partial-restore")
+            .unwrap()
+            .1;
+        assert!(restore.contains("the cut of step 30"), "{restore}");
+        assert_eq!(number_after(&restore, "S_last_ckpt "), samples_before(30));
+        let expected =
+            (samples_before(35) - samples_before(30)) as f64 / (samples_before(56) as f64 * 3.0);
+        assert!((report["pls"].as_f64().unwrap() - expected).abs() < 1e-12);
+        let priority = &report["cpr_priority"];
+        assert_eq!(priority["priority"], kind);
+        assert_eq!(priority["saves"], 2);
+        tracker_bytes.push(priority["tracker_bytes"].as_u64().unwrap());
+    }
+    // Table 1's memory order: SSU's bounded list < MFU's 4-byte counter per row of the
+    // prioritised tables (all servers) < SCAR's copy of every embedding.
+    let [mfu, ssu, scar] = tracker_bytes[..] else {
+        panic!("{tracker_bytes:?}")
+    };
+    assert!(mfu > 0 && mfu <= 4 * 26 * 2000 && mfu % 4 == 0, "{mfu}");
+    assert!(ssu < mfu && scar > mfu, "{tracker_bytes:?}");
+}

@@ -13,6 +13,8 @@ pub(super) enum Task {
     Checkpoint {
         epoch: u64,
         step: u64,
+        /// CPR: a prioritised save rather than a cut.
+        priority: bool,
     },
     Recover {
         epoch: u64,
@@ -242,6 +244,7 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
             Some(Task::Checkpoint {
                 epoch: s.epoch,
                 step: s.steps.next_step(),
+                priority: s.cut_priority,
             })
         }
         Phase::Recovering => {
@@ -262,6 +265,7 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                     Cause::ServersLost(s.failed.iter().map(|(id, _)| *id).collect())
                 },
                 last_cut: s.last_checkpoint,
+                last_save: s.last_save,
                 unsettled: s.steps.unsettled(),
                 next_step: s.steps.next_step(),
                 ec: shared.job.layout().ok().and_then(|l| l.stripes()),

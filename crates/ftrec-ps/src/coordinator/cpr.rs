@@ -14,7 +14,23 @@ use crate::PsError;
 /// expected overhead: it costs lost updates, so a marginal gain is not worth them.
 pub const MIN_BENEFIT: f64 = 0.1;
 
+/// What the prioritised saves cost (cpr.txt Table 1), summed over the servers.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct PriorityReport {
+    /// `mfu`, `ssu` or `scar`.
+    pub priority: &'static str,
+    pub saves: u64,
+    /// The trackers' memory beside the tables, all servers, at the last save.
+    pub tracker_bytes: u64,
+    /// Choosing the rows: the slowest server's time, summed over the saves.
+    pub select_seconds: f64,
+}
+
 pub(super) struct CprState {
+    /// `cpr.priority` is not `none`: prioritised saves every `r` of the cut interval.
+    priority: Option<PriorityReport>,
+    r: f64,
+    last_save_at: Option<Instant>,
     pls: Pls,
     /// The choice in force: partial until a comparison says otherwise.
     partial: bool,
@@ -54,7 +70,15 @@ impl CprState {
             }
             None => None,
         };
+        let priority =
+            (c.cpr.priority != ftrec_config::CprPriority::None).then(|| PriorityReport {
+                priority: c.cpr.priority.name(),
+                ..PriorityReport::default()
+            });
         Ok(Some(Self {
+            priority,
+            r: c.cpr.r,
+            last_save_at: None,
             pls: Pls::new(total_samples.max(1), servers).map_err(cpr)?,
             partial: true,
             decision: None,
@@ -86,6 +110,36 @@ impl CprState {
 
     pub(super) fn start(&mut self, now: Instant) {
         self.last_cut_at = Some(now);
+        self.last_save_at = Some(now);
+    }
+
+    /// Whether a prioritised save is due: every `r` of the cut interval (seconds when
+    /// Eq. 4 sets it, else `r · checkpoint.every_steps` steps), while partial recovery is
+    /// in force.
+    pub(super) fn priority_due(&self, now: Instant, next_step: u64, every_steps: u64) -> bool {
+        if self.priority.is_none() || !self.partial {
+            return false;
+        }
+        match (self.interval, self.last_save_at) {
+            (Some(interval), Some(last)) => now.duration_since(last) >= interval.mul_f64(self.r),
+            _ => {
+                let period = ((self.r * every_steps as f64).round() as u64).max(1);
+                every_steps > 0 && next_step.is_multiple_of(period)
+            }
+        }
+    }
+
+    pub(super) fn on_priority_save(&mut self, now: Instant, tracker_bytes: u64, seconds: f64) {
+        self.last_save_at = Some(now);
+        if let Some(p) = self.priority.as_mut() {
+            p.saves += 1;
+            p.tracker_bytes = tracker_bytes;
+            p.select_seconds += seconds;
+        }
+    }
+
+    pub(super) fn priority_report(&self) -> Option<PriorityReport> {
+        self.priority.clone()
     }
 
     /// Whether Eq. 4's interval has passed since the last cut (or the start).
@@ -108,6 +162,7 @@ impl CprState {
         total_steps: u64,
     ) -> Option<String> {
         self.last_cut_at = Some(now);
+        self.last_save_at = Some(now);
         if std::mem::replace(&mut self.decided, true) {
             return None;
         }

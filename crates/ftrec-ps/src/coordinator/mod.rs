@@ -112,6 +112,8 @@ pub struct CheckpointRecord {
     pub bytes: u64,
     /// Each server's checkpoint id of this cut, by server slot.
     pub ids: Vec<String>,
+    /// A CPR prioritised save (chosen rows on top of the last cut), not a cut.
+    pub priority: bool,
 }
 
 struct State {
@@ -126,6 +128,10 @@ struct State {
     lost_samples: u64,
     rpc_bytes: u64,
     last_checkpoint: Option<u64>,
+    /// The newest committed checkpoint of any kind (a cut or a CPR prioritised save).
+    last_save: Option<u64>,
+    /// The cut being taken is a CPR prioritised save.
+    cut_priority: bool,
     pause_started: Option<Instant>,
     checkpoints: Vec<CheckpointRecord>,
     /// The committed cuts still on disk, oldest first (`checkpoint.keep` of them at most).
@@ -226,6 +232,9 @@ pub struct RunSummary {
     pub recovery_mode: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpr_decision: Option<ftrec_cpr::Decision>,
+    /// CPR prioritised saves: how many, and their trackers' cost (cpr.txt Table 1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpr_priority: Option<cpr::PriorityReport>,
 }
 
 impl Shared {
@@ -292,6 +301,7 @@ impl Shared {
                 .as_ref()
                 .map(|c| if c.partial() { "partial" } else { "full" }),
             cpr_decision: s.cpr.as_ref().and_then(|c| c.decision().cloned()),
+            cpr_priority: s.cpr.as_ref().and_then(|c| c.priority_report()),
         }
     }
 
@@ -362,7 +372,10 @@ impl Shared {
         if !granting || s.suspect_until.is_some_and(|t| Instant::now() < t) {
             return wait(epoch, version);
         }
-        if s.phase == Phase::Running && self.cut_due(s) {
+        if s.phase == Phase::Running
+            && let Some(priority) = self.cut_due(s)
+        {
+            s.cut_priority = priority;
             s.phase = Phase::Checkpointing;
             s.pause_started = Some(Instant::now());
         }
@@ -405,24 +418,33 @@ impl Shared {
         self.metrics.add("ftrec_steps_total", 1);
     }
 
-    /// A consistent cut is due at the next fresh step.
-    fn cut_due(&self, s: &State) -> bool {
+    /// Whether a checkpoint is due at the next fresh step: `Some(false)` a consistent
+    /// cut, `Some(true)` a CPR prioritised save.
+    fn cut_due(&self, s: &State) -> Option<bool> {
         let c = &self.job.config;
         let every = c.checkpoint.every_steps;
         let next = s.steps.next_step();
+        let now = Instant::now();
         // CPR with a target PLS sets the interval in seconds (Eq. 4); else every N steps.
-        let scheduled = match s.cpr.as_ref().filter(|cpr| cpr.interval().is_some()) {
-            Some(cpr) => cpr.cut_due(Instant::now()),
+        let cut = match s.cpr.as_ref().filter(|cpr| cpr.interval().is_some()) {
+            Some(cpr) => cpr.cut_due(now),
             None => every > 0 && next.is_multiple_of(every),
         };
-        c.cluster.ft.checkpoints()
-            && scheduled
+        // Prioritised saves go between cuts, once a cut exists to save against.
+        let priority = !cut
+            && s.last_checkpoint.is_some()
+            && s.cpr
+                .as_ref()
+                .is_some_and(|cpr| cpr.priority_due(now, next, every));
+        let due = c.cluster.ft.checkpoints()
+            && (cut || priority)
             && next > 0
-            && s.last_checkpoint != Some(next)
+            && s.last_save != Some(next)
             && s.pending_cut.is_none()
             && next < s.steps.total()
             && s.checkpoint_backoff
-                .is_none_or(|(until, _)| Instant::now() >= until)
+                .is_none_or(|(until, _)| Instant::now() >= until);
+        due.then_some(priority)
     }
 }
 
@@ -522,6 +544,8 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             lost_samples: 0,
             rpc_bytes: 0,
             last_checkpoint: None,
+            last_save: None,
+            cut_priority: false,
             pause_started: None,
             checkpoints: Vec::new(),
             retained_cuts: Vec::new(),

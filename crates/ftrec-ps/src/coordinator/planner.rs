@@ -23,6 +23,10 @@ pub struct Situation {
     pub cause: Cause,
     /// The newest cut every server committed, if any.
     pub last_cut: Option<u64>,
+    /// The newest checkpoint of any kind every server committed: the last cut, or a CPR
+    /// prioritised save after it (what a partial restore reloads; never a rollback target,
+    /// since a prioritised save is not a consistent state).
+    pub last_save: Option<u64>,
     /// Steps granted but not known to be applied everywhere (in flight, orphaned, to be
     /// granted again).
     pub unsettled: Vec<u64>,
@@ -156,7 +160,7 @@ pub fn plan(s: &Situation) -> RecoveryAction {
             servers.dedup();
             RecoveryAction::PartialRestore {
                 servers,
-                cut: s.last_cut,
+                cut: s.last_save,
                 next_step: s.next_step,
                 unsettled: s.unsettled.clone(),
             }
@@ -203,6 +207,7 @@ mod tests {
             deterministic: true,
             cause,
             last_cut,
+            last_save: last_cut,
             unsettled: vec![37, 39],
             next_step: 41,
             ec: None,
@@ -227,6 +232,13 @@ mod tests {
             }
         );
         assert_eq!(plan(&s).resume_step(), 41, "the workers do not rewind");
+        // A prioritised save after the cut is what a partial restore reloads, never what a
+        // rollback goes back to.
+        s.last_save = Some(35);
+        assert!(matches!(
+            plan(&s),
+            RecoveryAction::PartialRestore { cut: Some(35), .. }
+        ));
         s.partial = false;
         assert_eq!(plan(&s), RecoveryAction::Rollback { cut: Some(30) });
         s.cause = Cause::StepPartlyApplied;

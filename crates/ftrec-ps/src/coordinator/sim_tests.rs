@@ -184,6 +184,7 @@ impl Sim {
                 deterministic: self.deterministic,
                 cause: Cause::StepPartlyApplied,
                 last_cut: self.last_cut,
+                last_save: self.last_cut,
                 unsettled: self.ledger.unsettled(),
                 next_step: self.ledger.next_step(),
                 ec: None,

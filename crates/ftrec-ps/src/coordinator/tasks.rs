@@ -39,29 +39,51 @@ pub(super) async fn run_task(shared: &Shared, task: Task) {
         }
     };
     match task {
-        Task::Checkpoint { epoch, step } => checkpoint(shared, clients, epoch, step).await,
+        Task::Checkpoint {
+            epoch,
+            step,
+            priority,
+        } => checkpoint(shared, clients, epoch, step, priority).await,
         Task::Recover { epoch, action } => recover(shared, clients, epoch, action).await,
         Task::Resolve { epoch, steps } => resolve(shared, clients, epoch, steps).await,
         Task::ConfirmCut { epoch, step } => confirm_cut(shared, clients, epoch, step).await,
     }
 }
 
-async fn checkpoint(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, step: u64) {
-    let started_at = shared.event("checkpoint-start", format!("step {step}"));
-    let calls = clients
-        .iter()
-        .cloned()
-        .map(|mut c| async move { c.checkpoint(CheckpointRequest { epoch, step }).await });
+async fn checkpoint(
+    shared: &Shared,
+    clients: Vec<ServerClient>,
+    epoch: u64,
+    step: u64,
+    priority: bool,
+) {
+    let what = if priority {
+        format!("step {step} (CPR prioritised save)")
+    } else {
+        format!("step {step}")
+    };
+    let started_at = shared.event("checkpoint-start", what);
+    let calls = clients.iter().cloned().map(|mut c| async move {
+        c.checkpoint(CheckpointRequest {
+            epoch,
+            step,
+            priority,
+        })
+        .await
+    });
     let results = futures::future::join_all(calls).await;
     let mut bytes = 0;
     let mut ids = Vec::with_capacity(results.len());
     let mut failed = None;
     let mut committed = true;
+    let (mut tracker_bytes, mut select_seconds) = (0u64, 0f64);
     for (i, r) in results.into_iter().enumerate() {
         match r {
             Ok(r) => {
                 let r = r.into_inner();
                 bytes += r.bytes;
+                tracker_bytes += r.tracker_bytes;
+                select_seconds = select_seconds.max(r.select_seconds);
                 committed &= r.committed;
                 ids.push(r.id);
             }
@@ -85,7 +107,11 @@ async fn checkpoint(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, ste
                     pause_seconds: pause,
                     bytes,
                     ids,
+                    priority,
                 };
+                if priority && let Some(cpr) = s.cpr.as_mut() {
+                    cpr.on_priority_save(Instant::now(), tracker_bytes, select_seconds);
+                }
                 if committed {
                     commit_cut(shared, &mut s, record)
                 } else {
@@ -126,6 +152,23 @@ fn commit_cut(
     record: CheckpointRecord,
 ) -> Option<Vec<CheckpointRecord>> {
     let (step, bytes, pause) = (record.step, record.bytes, record.pause_seconds);
+    s.last_save = Some(step);
+    if record.priority {
+        // Not a consistent state: reloadable by a partial restore only.
+        s.checkpoints.push(record.clone());
+        s.retained_cuts.push(record);
+        shared.metrics.add("ftrec_checkpoints_total", 1);
+        s.timeline.event(
+            "checkpoint-end",
+            format!("step {step} (CPR prioritised save), {bytes} bytes, paused {pause:.3}s"),
+        );
+        let keep = shared.job.config.checkpoint.keep;
+        let excess = s.retained_cuts.len().saturating_sub(keep);
+        return (keep > 0 && excess > 0).then(|| {
+            s.retained_cuts.drain(..excess);
+            s.retained_cuts.clone()
+        });
+    }
     s.last_checkpoint = Some(step);
     s.checkpoint_backoff = None;
     s.checkpoints.push(record.clone());

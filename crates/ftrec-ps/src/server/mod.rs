@@ -8,6 +8,7 @@
 mod checkpoints;
 mod ec;
 mod pipeline;
+mod priority;
 mod rebuild;
 mod service;
 
@@ -65,6 +66,8 @@ struct Core {
     post_commit: Vec<Arc<dyn PostCommit>>,
     /// The job's checkpoint strategy over this shard.
     checkpointer: checkpoints::SharedCheckpointer,
+    /// CPR's row trackers for prioritised saves (`priority.rs`).
+    priority: Option<priority::SharedPriority>,
     /// The shard's checkpoint location (for reads).
     checkpoints: Option<Checkpoints>,
     /// The handle that writes there, holding the location's writer lease: started on the
@@ -282,12 +285,18 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             epoch: live.subscribe(),
         }));
     }
+    let priority = priority::PriorityState::for_job(&job, &shard, id);
+    let mut post_commit: Vec<Arc<dyn PostCommit>> = vec![tracking];
+    if let Some(p) = &priority {
+        post_commit.push(Arc::new(priority::PriorityTracking(p.clone())));
+    }
     let core = Arc::new(Core {
         commit_turn: Arc::new(tokio::sync::Mutex::new(())),
         ec: erasure_coded.then(ec::EcState::default),
         pre_commit,
-        post_commit: vec![tracking],
+        post_commit,
         checkpointer,
+        priority,
         job: job.clone(),
         layout,
         id,

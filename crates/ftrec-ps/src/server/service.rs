@@ -126,20 +126,37 @@ impl ParameterServer for Service {
             return Err(PsError::Config("checkpoint.dir is not set".into()).into());
         };
         let started = Instant::now();
-        let manifest = tokio::task::spawn_blocking(move || -> Result<_, PsError> {
+        let reply = tokio::task::spawn_blocking(move || -> Result<_, PsError> {
             let _turn = core.commit_turn.blocking_lock();
-            let written = core.write_cut(&checkpoints, req.step)?;
+            let reply = if req.priority {
+                let save = core.write_priority(&checkpoints, req.step)?;
+                CheckpointReply {
+                    id: save.manifest.id.clone(),
+                    bytes: save.manifest.bytes(),
+                    seconds: 0.0,
+                    committed: true,
+                    tracker_bytes: save.tracker_bytes,
+                    select_seconds: save.select_seconds,
+                }
+            } else {
+                let (manifest, committed) = core.write_cut(&checkpoints, req.step)?;
+                CheckpointReply {
+                    id: manifest.id.clone(),
+                    bytes: manifest.bytes(),
+                    seconds: 0.0,
+                    committed,
+                    tracker_bytes: 0,
+                    select_seconds: 0.0,
+                }
+            };
             core.metrics.add("ftrec_checkpoints_total", 1);
-            Ok(written)
+            Ok(reply)
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
-        let (manifest, committed) = manifest;
         Ok(Response::new(CheckpointReply {
-            id: manifest.id.clone(),
-            bytes: manifest.bytes(),
             seconds: started.elapsed().as_secs_f64(),
-            committed,
+            ..reply
         }))
     }
 
