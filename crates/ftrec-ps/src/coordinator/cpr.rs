@@ -35,8 +35,12 @@ pub(super) struct CprState {
     /// The choice in force: partial until a comparison says otherwise.
     partial: bool,
     decision: Option<Decision>,
-    /// The first cut has made (or skipped) the comparison.
+    /// The comparison is made (or skipped) until a new measurement asks for it again.
     decided: bool,
+    /// Measured by the last partial restore: reloading (`O_load`) and detection to
+    /// replacement ready (`O_res`), seconds. Estimated until then.
+    measured_load: Option<f64>,
+    measured_res: Option<f64>,
     /// Eq. 4's interval, when `cpr.mtbf_seconds` is set; else cuts follow
     /// `checkpoint.every_steps`.
     interval: Option<Duration>,
@@ -83,6 +87,8 @@ impl CprState {
             partial: true,
             decision: None,
             decided: false,
+            measured_load: None,
+            measured_res: None,
             interval,
             last_cut_at: None,
             target_pls: c.cpr.target_pls,
@@ -176,12 +182,14 @@ impl CprState {
         };
         let inputs = CostInputs {
             o_save,
-            // Reading a shard back costs about what writing it did; the first restore is
-            // the first measurement, and the choice is made before any.
-            o_load: o_save,
-            // Detection is bounded by the failure timeout, and a spare or a new process
-            // joins within about the same time.
-            o_res: 2.0 * self.failure_timeout.as_secs_f64(),
+            // Until a restore is measured: reading a shard back costs about what writing
+            // it did.
+            o_load: self.measured_load.unwrap_or(o_save),
+            // Until measured: detection is bounded by the failure timeout, and a spare or
+            // a new process joins within about the same time.
+            o_res: self
+                .measured_res
+                .unwrap_or(2.0 * self.failure_timeout.as_secs_f64()),
             t_fail,
             t_total: (train_seconds / steps_done.max(1) as f64 * total_steps as f64).max(1e-3),
         };
@@ -207,6 +215,14 @@ impl CprState {
                 ))
             }
         }
+    }
+
+    /// A partial restore measured `O_load` and `O_res`: the next cut compares again with
+    /// them.
+    pub(super) fn on_measured(&mut self, o_load: f64, o_res: f64) {
+        self.measured_load = Some(o_load);
+        self.measured_res = Some(o_res);
+        self.decided = false;
     }
 
     /// One server reloaded its shard from the cut at sample `s_ckpt`; it failed at sample
@@ -276,6 +292,10 @@ mod tests {
                 .contains("mtbf_seconds")
         );
         assert!(plain.on_cut(t0, 1.0, 1.0, 2, 10).is_none(), "said once");
+        // A measured restore makes the next cut compare again, with the measurements.
+        cpr.on_measured(0.25, 3.5);
+        let again = cpr.on_cut(t0, 2.0, 10.0, 10, 1000).unwrap();
+        assert!(again.contains("O_load 0.2500s O_res 3.5000s"), "{again}");
     }
 
     #[test]

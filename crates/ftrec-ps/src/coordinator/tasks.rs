@@ -547,7 +547,9 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
     let audit = (shared.job.config.cluster.deterministic
         && matches!(action, RecoveryAction::PartialRestore { .. }))
     .then(|| clients.clone());
+    let calls_started = Instant::now();
     let results = recovery_calls(shared, clients, epoch, &action).await;
+    let load_seconds = calls_started.elapsed().as_secs_f64();
     let shard_digests = match audit {
         Some(clients) if results.iter().all(|(_, r)| r.is_ok()) => {
             shard_digests(clients, epoch).await
@@ -594,6 +596,20 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
     s.recover_after = None;
     s.lost_in_a_row = 0;
     account_partial_restore(shared, &mut s, &action);
+    if matches!(action, RecoveryAction::PartialRestore { .. }) {
+        // CPR's O_load and O_res, measured: the reload calls, and detection to the start
+        // of this recovery (the replacement had joined).
+        let now = s.timeline.now();
+        let detected = s.failed.iter().map(|&(_, t)| t).fold(f64::INFINITY, f64::min);
+        let o_res = if detected.is_finite() {
+            (now - load_seconds - detected).max(0.0)
+        } else {
+            0.0
+        };
+        if let Some(cpr) = s.cpr.as_mut() {
+            cpr.on_measured(load_seconds, o_res);
+        }
+    }
     let (mut rebuild_seconds, mut rebuild_bytes) = (0.0f64, 0u64);
     for (server, reply) in results {
         if let Ok(Some(r)) = reply {
