@@ -46,6 +46,7 @@ fn setup(dir: &std::path::Path) -> (StudyConfig, Dataset, Dataset) {
             job_seconds: Some(100.0),
         },
         min_benefit: 0.1,
+        pls_sweep: vec![0.5],
     };
     let train = Dataset::open(&dir.join(TRAIN_FILE)).unwrap();
     let test = Dataset::open(&dir.join(TEST_FILE)).unwrap();
@@ -99,6 +100,17 @@ fn tiny_study_end_to_end() {
         }
     }
     assert!(json["auc_pls_correlation"].is_number());
+    // The sweep adds one CPR-vanilla run per fraction at its target; a higher target
+    // means a longer interval, so no less PLS than the main runs' target of 0.1 gives.
+    let sweep = json["pls_sweep"].as_array().unwrap();
+    assert_eq!(sweep.len(), 2);
+    for s in sweep {
+        let f = s["fraction"].as_f64().unwrap().to_string();
+        let main = json["by_fraction"][&f]["cpr_vanilla"]["pls"]
+            .as_f64()
+            .unwrap();
+        assert!(s["pls"].as_f64().unwrap() >= main, "{s} vs {main}");
+    }
 
     let schedule = Schedule::draw(3, total_steps, 2, 4, &config.fractions).unwrap();
     let samples = train.len() as f64;

@@ -70,6 +70,11 @@ pub struct BenchCprArgs {
     /// Partial recovery must save this share of Eq. 1's overhead to be chosen.
     #[arg(long, default_value_t = 0.1)]
     pub min_benefit: f64,
+    /// Extra CPR-vanilla runs at these target PLS values (each fraction), so the AUC–PLS
+    /// correlation spans a PLS range like the paper's §6.5; empty (`--pls-sweep ''`)
+    /// skips them.
+    #[arg(long, value_delimiter = ',', default_value = "0.2,0.4,0.8")]
+    pub pls_sweep: Vec<f64>,
     #[arg(long, default_value = "bench-results/cpr")]
     pub out: PathBuf,
     #[arg(long)]
@@ -126,6 +131,7 @@ pub fn run(a: BenchCprArgs) -> Result<()> {
             job_seconds: a.job_seconds,
         },
         min_benefit: a.min_benefit,
+        pls_sweep: a.pls_sweep.clone(),
     };
     let bar = indicatif::ProgressBar::new_spinner();
     if a.json {
@@ -168,10 +174,18 @@ fn plot_auc_pls(report: &StudyReport, path: &Path) -> Result<()> {
     let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE)?;
     let runs = &report.runs;
-    let x_max = runs.iter().map(|r| r.pls).fold(0.0, f64::max).max(1e-6) * 1.1;
+    let sweep = &report.pls_sweep;
+    let x_max = runs
+        .iter()
+        .map(|r| r.pls)
+        .chain(sweep.iter().map(|r| r.pls))
+        .fold(0.0, f64::max)
+        .max(1e-6)
+        * 1.1;
     let (lo, hi) = runs
         .iter()
         .map(|r| r.auc)
+        .chain(sweep.iter().map(|r| r.auc))
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), a| {
             (l.min(a), h.max(a))
         });
@@ -218,6 +232,17 @@ fn plot_auc_pls(report: &StudyReport, path: &Path) -> Result<()> {
             .draw_series(pts.into_iter().map(|p| Circle::new(p, 5, color.filled())))?
             .label(s.name())
             .legend(move |(x, y)| Circle::new((x + 9, y), 5, color.filled()));
+    }
+    if !sweep.is_empty() {
+        let color = strategy_color(Strategy::CprVanilla.name());
+        chart
+            .draw_series(
+                sweep
+                    .iter()
+                    .map(|r| Circle::new((r.pls, r.auc), 5, color.stroke_width(2))),
+            )?
+            .label("cpr_vanilla, PLS sweep")
+            .legend(move |(x, y)| Circle::new((x + 9, y), 5, color.stroke_width(2)));
     }
     chart
         .configure_series_labels()

@@ -600,7 +600,11 @@ async fn recover(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, action
         // CPR's O_load and O_res, measured: the reload calls, and detection to the start
         // of this recovery (the replacement had joined).
         let now = s.timeline.now();
-        let detected = s.failed.iter().map(|&(_, t)| t).fold(f64::INFINITY, f64::min);
+        let detected = s
+            .failed
+            .iter()
+            .map(|&(_, t)| t)
+            .fold(f64::INFINITY, f64::min);
         let o_res = if detected.is_finite() {
             (now - load_seconds - detected).max(0.0)
         } else {

@@ -105,6 +105,10 @@ pub struct StudyConfig {
     pub costs: CostOverrides,
     /// Partial recovery must save at least this share of Eq. 1 to be chosen (§4.2).
     pub min_benefit: f64,
+    /// Extra CPR-vanilla runs at these target PLS values (every fraction), so the AUC–PLS
+    /// correlation of §6.5 is measured over a PLS range like the paper's, not only the
+    /// one target of the main runs.
+    pub pls_sweep: Vec<f64>,
 }
 
 impl StudyConfig {
@@ -134,6 +138,9 @@ impl StudyConfig {
                 "--min-benefit {} must be in [0, 1)",
                 self.min_benefit
             ));
+        }
+        if let Some(p) = self.pls_sweep.iter().find(|&&p| !(p > 0.0 && p <= 1.0)) {
+            return bad(format!("--pls-sweep: target PLS {p} must be in (0, 1]"));
         }
         self.costs.validate()?;
         Ok(())
@@ -194,6 +201,33 @@ pub fn run_study(
             runs.push(result);
         }
     }
+    let mut sweep = Vec::new();
+    for &target in &config.pls_sweep {
+        let mut swept = config.clone();
+        swept.job.cpr.target_pls = target;
+        for (fi, &fraction) in config.fractions.iter().enumerate() {
+            progress(&format!(
+                "PLS sweep: cpr_vanilla at target {target}, fraction {fraction}"
+            ));
+            let result = run::Run::new(
+                &swept,
+                &frame,
+                &schedule,
+                fi,
+                Strategy::CprVanilla,
+                total_steps,
+            )?
+            .execute(train, test)?
+            .result;
+            sweep.push(report::SweepRun {
+                target_pls: target,
+                fraction,
+                auc: result.auc,
+                logloss: result.logloss,
+                pls: result.pls,
+            });
+        }
+    }
     let failure_steps = schedule.failures.iter().map(|f| f.at_step).collect();
     Ok(StudyReport::new(
         config,
@@ -202,5 +236,6 @@ pub fn run_study(
         decisions,
         failure_steps,
         runs,
+        sweep,
     ))
 }

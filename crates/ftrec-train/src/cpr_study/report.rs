@@ -68,6 +68,16 @@ pub struct RunSummary {
     pub bytes: u64,
 }
 
+/// One CPR-vanilla run of the PLS sweep.
+#[derive(Clone, Debug, Serialize)]
+pub struct SweepRun {
+    pub target_pls: f64,
+    pub fraction: f64,
+    pub auc: f64,
+    pub logloss: f64,
+    pub pls: f64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct LinearFit {
     pub slope: f64,
@@ -77,8 +87,12 @@ pub struct LinearFit {
 #[derive(Clone, Debug, Serialize)]
 pub struct StudyReport {
     pub by_fraction: BTreeMap<String, BTreeMap<String, RunSummary>>,
-    /// Pearson r of final AUC against final PLS over every run (`full` once per fraction).
+    /// Pearson r of final AUC against final PLS over every run (`full` once per fraction)
+    /// and every run of the PLS sweep.
     pub auc_pls_correlation: f64,
+    /// The same over the main runs only (one target PLS).
+    pub auc_pls_correlation_main_runs: f64,
+    pub pls_sweep: Vec<SweepRun>,
     pub auc_pls_fit: LinearFit,
     /// The same over the runs without prioritised saving (full, partial, CPR-vanilla),
     /// the population of the paper's §6.5.
@@ -156,6 +170,7 @@ impl StudyReport {
         decisions: Vec<(f64, Decision)>,
         failure_steps: Vec<u64>,
         runs: Vec<RunResult>,
+        sweep: Vec<SweepRun>,
     ) -> Self {
         let mut by_fraction: BTreeMap<String, BTreeMap<String, RunSummary>> = BTreeMap::new();
         for r in &runs {
@@ -174,7 +189,12 @@ impl StudyReport {
                     },
                 );
         }
-        let points: Vec<(f64, f64)> = runs.iter().map(|r| (r.pls, r.auc)).collect();
+        let main_points: Vec<(f64, f64)> = runs.iter().map(|r| (r.pls, r.auc)).collect();
+        let points: Vec<(f64, f64)> = main_points
+            .iter()
+            .copied()
+            .chain(sweep.iter().map(|r| (r.pls, r.auc)))
+            .collect();
         let unprioritised: Vec<(f64, f64)> = runs
             .iter()
             .filter(|r| {
@@ -183,12 +203,15 @@ impl StudyReport {
                     .any(|s| s.name() == r.strategy)
             })
             .map(|r| (r.pls, r.auc))
+            .chain(sweep.iter().map(|r| (r.pls, r.auc)))
             .collect();
         let correlation = pearson(&points);
         Self {
             targets: Targets::measure(&runs, correlation),
             by_fraction,
             auc_pls_correlation: correlation,
+            auc_pls_correlation_main_runs: pearson(&main_points),
+            pls_sweep: sweep,
             auc_pls_fit: linear_fit(&points),
             auc_pls_correlation_unprioritised: pearson(&unprioritised),
             no_failure: baseline.result,
