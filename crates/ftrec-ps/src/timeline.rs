@@ -151,6 +151,8 @@ impl TimelineData {
             ("failure-detected", MAGENTA),
             ("rebuild-start", RGBColor(230, 140, 0)),
             ("rebuild-end", RGBColor(120, 60, 0)),
+            // CPR: where a shard reloaded its checkpoint (the event states the PLS).
+            ("partial-restore", RGBColor(0, 150, 150)),
             ("recovery-end", GREEN),
             ("checkpoint-end", RGBColor(150, 150, 150)),
         ] {

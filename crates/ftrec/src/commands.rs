@@ -475,6 +475,7 @@ fn demo(a: DemoArgs) -> Result<()> {
             "kill_to_resume_seconds": report.kill_to_resume_seconds,
             "recoveries": s.recoveries, "run_dir": report.run_dir,
             "parity_mismatches": report.parity_mismatches,
+            "pls": s.pls, "recovery_mode": s.recovery_mode,
         }));
     }
     let timeline = ftrec_ps::timeline::TimelineData::read(&run_dir.join("timeline.json"))?;
@@ -490,6 +491,8 @@ fn demo(a: DemoArgs) -> Result<()> {
                 | "rebuild-start"
                 | "rebuild-progress"
                 | "rebuild-end"
+                | "partial-restore"
+                | "cpr-decision"
                 | "recovery-end"
                 | "training-end"
         )
