@@ -48,11 +48,29 @@ pub fn place_dense(
     Ok(())
 }
 
-/// The global model whose shards (server order) these are.
+/// The global model whose shards (server order) these are, under row-modulo placement.
 pub fn assemble(shards: &[ModelState]) -> Result<ModelState, PsError> {
     let configs: Vec<&ModelConfig> = shards.iter().map(ModelState::config).collect();
     let config = global_config(&configs)?;
-    let layout = Layout::new(shards.len())?;
+    assemble_with(shards, Layout::new(shards.len())?, &config)
+}
+
+/// The global model `config` whose shards (server order) these are under `layout` (a
+/// striped layout's shards hold padding slots, so the global table sizes are given, not
+/// summed).
+pub fn assemble_with(
+    shards: &[ModelState],
+    layout: Layout,
+    config: &ModelConfig,
+) -> Result<ModelState, PsError> {
+    if shards.len() != layout.servers() {
+        return Err(PsError::Config(format!(
+            "{} shards for a placement over {} servers",
+            shards.len(),
+            layout.servers()
+        )));
+    }
+    let config = config.clone();
     let mut global = ModelState::zeroed(&config)?;
     for (s, shard) in shards.iter().enumerate() {
         for (t, (rows, stored)) in config.table_rows.iter().zip(shard.tables()).enumerate() {

@@ -76,6 +76,7 @@ pub fn restore_cut(servers: &[String], step: Option<&str>) -> Result<(String, Mo
             .context("no step has a checkpoint on every server")?,
     };
     let mut shards = Vec::with_capacity(cks.len());
+    let mut striped: Option<(ftrec_ec::EcParams, Vec<usize>)> = None;
     for (i, (ck, all)) in cks.iter().zip(&listed).enumerate() {
         let Some(part) = all
             .iter()
@@ -89,13 +90,23 @@ pub fn restore_cut(servers: &[String], step: Option<&str>) -> Result<(String, Mo
         };
         let (state, manifest) = ck.restore(&part.id)?;
         let placement = manifest.trainer.get("placement").and_then(|v| v.as_str());
-        if let Some(scheme) = placement.filter(|s| !s.starts_with("row-modulo")) {
-            bail!(
-                "{}: {} was written under placement {scheme:?} (erasure coding); \
-                 reassembling such a cut into one model is not supported yet",
+        match placement {
+            None => {}
+            Some(s) if s.starts_with("row-modulo") => {}
+            Some(s) if s.starts_with(ftrec_ec::SCHEME) => {
+                striped = Some(stripe_identity(&manifest.trainer).with_context(|| {
+                    format!(
+                        "{}: {} was written under placement {s:?} without the code's \
+                         parameters (an older ftrec); it cannot be reassembled",
+                        servers[i], part.id
+                    )
+                })?);
+            }
+            Some(s) => bail!(
+                "{}: {} was written under placement {s:?}, which this ftrec does not know",
                 servers[i],
                 part.id
-            );
+            ),
         }
         let owner = manifest.trainer.get("server").and_then(|v| v.as_u64());
         if owner != Some(i as u64) {
@@ -107,6 +118,40 @@ pub fn restore_cut(servers: &[String], step: Option<&str>) -> Result<(String, Mo
         }
         shards.push(state);
     }
-    let state = ftrec_ps::assemble::assemble(&shards)?;
+    let state = match striped {
+        // Erasure-coded cuts hold each server's data slots (padding included) under the
+        // rotating-stripe layout: invert that layout, with the global table sizes the
+        // checkpoints carry.
+        Some((params, table_rows)) => {
+            let stripes = ftrec_ec::StripeLayout::new(params, shards.len())?;
+            let mut config = shards[0].config().clone();
+            config.table_rows = table_rows;
+            ftrec_ps::assemble::assemble_with(
+                &shards,
+                ftrec_ps::placement::Layout::striped(stripes),
+                &config,
+            )?
+        }
+        None => ftrec_ps::assemble::assemble(&shards)?,
+    };
     Ok((format!("cut at step {step}"), state, step))
+}
+
+/// The code's parameters and the global table sizes an erasure-coded shard checkpoint
+/// records in its identity.
+fn stripe_identity(identity: &serde_json::Value) -> Option<(ftrec_ec::EcParams, Vec<usize>)> {
+    let ec = identity.get("ec")?;
+    let field = |k: &str| ec.get(k)?.as_u64().map(|v| v as usize);
+    let params = ftrec_ec::EcParams {
+        k: field("k")?,
+        r: field("r")?,
+        groups: field("groups")?,
+    };
+    let rows = identity
+        .get("global_table_rows")?
+        .as_array()?
+        .iter()
+        .map(|v| v.as_u64().map(|v| v as usize))
+        .collect::<Option<Vec<_>>>()?;
+    Some((params, rows))
 }

@@ -252,6 +252,26 @@ fn checkpoints_as_a_second_layer_take_over_when_the_code_cannot() {
     let rolled: Vec<u64> = seen[1..].iter().map(|&(s, _)| s).collect();
     assert_eq!(rolled, [0, 1], "{out}");
     assert!(seen[1..].iter().all(|&(_, step)| step == 40), "{out}");
+    // The erasure-coded cut reassembles into one global model (the striped layout
+    // inverted, padding slots dropped) equal to the trainer's at that step.
+    let file = dir.path().join("cut-50.safetensors");
+    let export = json_of(&ftrec(&[
+        "ckpt",
+        "export",
+        dir.path().join("checkpoints").to_str().unwrap(),
+        "--id",
+        "50",
+        "--format",
+        "safetensors",
+        "--out",
+        file.to_str().unwrap(),
+        "--json",
+    ]));
+    assert_eq!(
+        export["state_digest"],
+        cluster_support::single_process_digest(&data, "50"),
+        "{export}"
+    );
 }
 
 #[test]

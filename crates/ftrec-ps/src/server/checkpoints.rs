@@ -55,6 +55,28 @@ impl PostCommit for Tracking {
 }
 
 impl Core {
+    /// What a shard checkpoint says of itself: whose shard, under which placement (with
+    /// what a reader needs to invert it: the global table sizes and, for erasure coding,
+    /// the code's parameters), of which job and step.
+    pub(super) fn identity(&self, shard: &crate::shard::Shard, step: u64) -> serde_json::Value {
+        let mut identity = serde_json::json!({
+            "server": self.id,
+            "servers": self.layout.servers(),
+            "placement": self.layout.scheme(),
+            "global_table_rows": shard.global_config().table_rows,
+            "fingerprint": self.job.fingerprint(),
+            "step": step,
+        });
+        if let Some(stripes) = self.layout.stripes() {
+            identity["ec"] = serde_json::json!({
+                "k": stripes.params.k,
+                "r": stripes.params.r,
+                "groups": stripes.params.groups,
+            });
+        }
+        identity
+    }
+
     /// A lease key shared by every process that holds this job's slot, so a replacement
     /// takes the lease over from its predecessor, which the coordinator declared dead and
     /// fenced off by epoch.
@@ -119,13 +141,7 @@ impl Core {
             )));
         }
         drop(steps);
-        let identity = serde_json::json!({
-            "server": self.id,
-            "servers": self.layout.servers(),
-            "placement": self.layout.scheme(),
-            "fingerprint": self.job.fingerprint(),
-            "step": step,
-        });
+        let identity = self.identity(&shard, step);
         let mut guard = lock(&self.checkpointer);
         if guard.is_none() {
             let tables = shard.state().tables().len();

@@ -148,14 +148,8 @@ impl Core {
         let select_seconds = started.elapsed().as_secs_f64();
         let tracker_bytes = state.memory_bytes();
         drop(state);
-        let identity = serde_json::json!({
-            "server": self.id,
-            "servers": self.layout.servers(),
-            "placement": self.layout.scheme(),
-            "fingerprint": self.job.fingerprint(),
-            "step": step,
-            "cpr_priority": self.job.config.cpr.priority.name(),
-        });
+        let mut identity = self.identity(&shard, step);
+        identity["cpr_priority"] = self.job.config.cpr.priority.name().into();
         writer.pin_step(step)?;
         let manifest = writer.write(
             shard.state(),
