@@ -13,7 +13,7 @@ use crate::applied::AppliedSteps;
 use crate::proto::parameter_server_server::ParameterServer;
 use crate::proto::*;
 use crate::shard::{Shard, Update};
-use crate::wire::{bytes_to_f32s, bytes_to_u32s, f32s_to_bytes};
+use crate::wire::{bytes_to_u32s, f32s_to_bytes};
 
 /// The most bytes one `FetchRows` piece carries.
 const FETCH_CHUNK_BYTES: usize = 4 << 20;
@@ -76,21 +76,7 @@ impl ParameterServer for Service {
         if deterministic {
             core.wait_applied(req.epoch, req.step).await?;
         }
-        let mut in_bytes = req.dense.len();
-        let mut update = Update {
-            step: req.step,
-            dense: bytes_to_f32s(&req.dense, "push dense gradient")?,
-            replica_dense: bytes_to_f32s(&req.replica_dense, "push replica dense gradient")?,
-            sparse: Vec::with_capacity(req.tables.len()),
-        };
-        for t in &req.tables {
-            in_bytes += t.rows.len() + t.grads.len();
-            update.sparse.push((
-                t.table as usize,
-                bytes_to_u32s(&t.rows, "push rows")?,
-                bytes_to_f32s(&t.grads, "push gradients")?,
-            ));
-        }
+        let (update, in_bytes) = Update::from_push(&req)?;
         let pushed = if req.prepare {
             let step = update.step;
             let pushed = core.prepare_update(req.epoch, update).await?;

@@ -64,6 +64,30 @@ pub struct Update {
     pub replica_dense: Vec<f32>,
 }
 
+impl Update {
+    /// The update a push carries, and its payload bytes. Only lengths are checked here;
+    /// [`Shard::stage`] checks tables, rows and shapes against the shard.
+    pub fn from_push(req: &crate::proto::PushRequest) -> Result<(Self, usize), PsError> {
+        use crate::wire::{bytes_to_f32s, bytes_to_u32s};
+        let mut in_bytes = req.dense.len();
+        let mut update = Update {
+            step: req.step,
+            dense: bytes_to_f32s(&req.dense, "push dense gradient")?,
+            replica_dense: bytes_to_f32s(&req.replica_dense, "push replica dense gradient")?,
+            sparse: Vec::with_capacity(req.tables.len()),
+        };
+        for t in &req.tables {
+            in_bytes += t.rows.len() + t.grads.len();
+            update.sparse.push((
+                t.table as usize,
+                bytes_to_u32s(&t.rows, "push rows")?,
+                bytes_to_f32s(&t.grads, "push gradients")?,
+            ));
+        }
+        Ok((update, in_bytes))
+    }
+}
+
 /// New values computed by [`Shard::stage`], not yet visible.
 #[derive(Debug, Default)]
 pub struct StagedUpdate {
