@@ -10,9 +10,12 @@ use ftrec_data::Record;
 use ftrec_model::{ModelConfig, Optimizer};
 use ftrec_ps::shard::{Shard, Update};
 
+/// A target: takes any bytes, returns for all of them.
+pub type Target = fn(&[u8]);
+
 /// The targets by name, as `fuzz/fuzz_targets/<name>.rs` and `fuzz/corpus/<name>/` call
 /// them.
-pub const TARGETS: [(&str, fn(&[u8])); 8] = [
+pub const TARGETS: [(&str, Target); 8] = [
     ("chunk", chunk),
     ("dense", dense),
     ("manifest", manifest),
