@@ -9,11 +9,17 @@ cd "$(dirname "$0")/.."
 seconds=${1:-600}
 targets=${TARGETS:-"chunk dense manifest chunk_list ftrd criteo_line schema push"}
 command -v cargo-fuzz >/dev/null || cargo +nightly install cargo-fuzz
+failed=""
 for t in $targets; do
   echo "== $t: ${seconds}s"
-  cargo +nightly fuzz run "$t" -- -max_total_time="$seconds" -rss_limit_mb=4096 -max_len=65536
+  cargo +nightly fuzz run "$t" -- -max_total_time="$seconds" -rss_limit_mb=4096 -max_len=65536 \
+    || failed="$failed $t"
 done
 # Keep the corpora small: only inputs that add coverage.
 for t in $targets; do
   cargo +nightly fuzz cmin "$t" >/dev/null 2>&1 || true
 done
+if [ -n "$failed" ]; then
+  echo "crashes in:$failed (inputs under fuzz/artifacts/)" >&2
+  exit 1
+fi

@@ -151,40 +151,38 @@ fn commit_cut(
     s: &mut State,
     record: CheckpointRecord,
 ) -> Option<Vec<CheckpointRecord>> {
-    let (step, bytes, pause) = (record.step, record.bytes, record.pause_seconds);
+    let (step, bytes, pause, priority) = (
+        record.step,
+        record.bytes,
+        record.pause_seconds,
+        record.priority,
+    );
     s.last_save = Some(step);
-    if record.priority {
-        // Not a consistent state: reloadable by a partial restore only.
-        s.checkpoints.push(record.clone());
-        s.retained_cuts.push(record);
-        shared.metrics.add("ftrec_checkpoints_total", 1);
-        s.timeline.event(
-            "checkpoint-end",
-            format!("step {step} (CPR prioritised save), {bytes} bytes, paused {pause:.3}s"),
-        );
-        let keep = shared.job.config.checkpoint.keep;
-        let excess = s.retained_cuts.len().saturating_sub(keep);
-        return (keep > 0 && excess > 0).then(|| {
-            s.retained_cuts.drain(..excess);
-            s.retained_cuts.clone()
-        });
-    }
-    s.last_checkpoint = Some(step);
-    s.checkpoint_backoff = None;
     s.checkpoints.push(record.clone());
     s.retained_cuts.push(record);
     shared.metrics.add("ftrec_checkpoints_total", 1);
+    let kind = if priority {
+        " (CPR prioritised save)"
+    } else {
+        ""
+    };
     s.timeline.event(
         "checkpoint-end",
-        format!("step {step}, {bytes} bytes, paused {pause:.3}s"),
+        format!("step {step}{kind}, {bytes} bytes, paused {pause:.3}s"),
     );
-    let train_seconds = s.train_seconds();
-    let total = s.steps.total();
-    if let Some(cpr) = s.cpr.as_mut()
-        && let Some(decision) = cpr.on_cut(Instant::now(), pause, train_seconds, step, total)
-    {
-        tracing::info!("{decision}");
-        s.timeline.event("cpr-decision", decision);
+    // A prioritised save is not a consistent state: a partial restore reloads it, a
+    // rollback never goes to it, and it decides nothing.
+    if !priority {
+        s.last_checkpoint = Some(step);
+        s.checkpoint_backoff = None;
+        let train_seconds = s.train_seconds();
+        let total = s.steps.total();
+        if let Some(cpr) = s.cpr.as_mut()
+            && let Some(decision) = cpr.on_cut(Instant::now(), pause, train_seconds, step, total)
+        {
+            tracing::info!("{decision}");
+            s.timeline.event("cpr-decision", decision);
+        }
     }
     let keep = shared.job.config.checkpoint.keep;
     let excess = s.retained_cuts.len().saturating_sub(keep);
