@@ -75,11 +75,16 @@ impl ChunkHeader {
         Ok(h)
     }
 
-    /// Exact file length this header implies.
+    /// Exact file length this header implies; `u64::MAX`, which no file has, when a
+    /// damaged header's counts overflow it (found by fuzzing), so the length check fails.
     pub fn file_len(&self) -> u64 {
         let row_bytes = 4 + 4 * self.stride as u64;
         let blocks = self.rows.div_ceil(self.block_rows as u64);
-        HEADER_LEN as u64 + self.rows * row_bytes + blocks * 4
+        self.rows
+            .checked_mul(row_bytes)
+            .and_then(|rows| rows.checked_add(blocks.checked_mul(4)?))
+            .and_then(|body| body.checked_add(HEADER_LEN as u64))
+            .unwrap_or(u64::MAX)
     }
 }
 
