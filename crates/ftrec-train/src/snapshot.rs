@@ -39,6 +39,8 @@ fn write_section(out: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
 pub fn save(path: &Path, state: &ModelState, progress: Progress) -> Result<(), TrainError> {
     let tmp = ftrec_fsio::temp_path(path);
     let err = io_err(&tmp);
+    // Any failure below (a full disk) removes the partial file.
+    let guard = ftrec_fsio::RemoveOnDrop::new(&tmp);
     let file = File::create(&tmp).map_err(&err)?;
     let mut out = BufWriter::with_capacity(1 << 22, file);
     let meta = serde_json::to_vec(&Meta {
@@ -56,6 +58,8 @@ pub fn save(path: &Path, state: &ModelState, progress: Progress) -> Result<(), T
     write_section(&mut out, bytemuck::cast_slice(&state.dense.params)).map_err(&err)?;
     write_section(&mut out, bytemuck::cast_slice(&state.dense.optimizer_state)).map_err(&err)?;
     let file = out.into_inner().map_err(|e| err(e.into_error()))?;
+    // `publish` removes the file itself if it cannot complete.
+    guard.disarm();
     ftrec_fsio::publish(file, &tmp, path).map_err(|e| TrainError::Io {
         path: e.path,
         error: e.error,
