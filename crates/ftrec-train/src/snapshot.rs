@@ -169,3 +169,32 @@ pub fn load(path: &Path) -> Result<(ModelState, Progress), TrainError> {
     state.dense.step = meta.dense_step;
     Ok((state, meta.progress))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ftrec_model::{ModelConfig, Optimizer};
+
+    #[test]
+    fn a_save_onto_a_full_disk_leaves_no_temporary_file() {
+        let config = ModelConfig {
+            num_dense: 2,
+            table_rows: vec![50_000],
+            dim: 8,
+            bottom: vec![8],
+            top: vec![4, 1],
+            sparse_optimizer: Optimizer::Sgd { lr: 0.1 },
+            dense_optimizer: Optimizer::Sgd { lr: 0.1 },
+        };
+        let state = ModelState::new(&config, 1).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.ftm");
+        let tmp = ftrec_fsio::temp_path(&path);
+        // /dev/full fails every write with ENOSPC, as a full disk does.
+        std::os::unix::fs::symlink("/dev/full", &tmp).unwrap();
+        let e = save(&path, &state, Progress::default()).unwrap_err();
+        assert!(e.to_string().contains("m.ftm.tmp"), "{e}");
+        assert!(std::fs::symlink_metadata(&tmp).is_err(), "{} left", tmp.display());
+        assert!(!path.exists());
+    }
+}
