@@ -22,8 +22,8 @@ pub use checkpoint::{CheckpointSection, parse_strategy};
 pub use cluster::{ClusterSection, EcSection, FaultTolerance};
 pub use cpr::{CprPriority, CprSection};
 pub use error::ConfigError;
-pub use memory::available_memory;
 pub use ftrec_ckpt::Strategy;
+pub use memory::available_memory;
 pub use sections::{DataSection, ModelSection, OptimizerSection, TrainSection};
 pub use security::{SECRET_ENV, SecuritySection};
 

@@ -10,9 +10,7 @@ impl JobConfig {
     /// What a single-process trainer of this configuration needs (the whole model plus
     /// the buffers of one step at `train.batch_size`).
     pub fn memory_estimate(&self) -> Result<MemoryEstimate, ConfigError> {
-        Ok(self
-            .model_config()?
-            .memory_estimate(self.train.batch_size))
+        Ok(self.model_config()?.memory_estimate(self.train.batch_size))
     }
 
     /// Refuses a configuration whose estimate exceeds `available` bytes, naming the
@@ -149,9 +147,18 @@ mod tests {
     #[test]
     fn each_oversize_names_its_key_and_the_estimate() {
         for (set, key) in [
-            ("train.batch_size=1000000000", "train.batch_size = 1000000000"),
-            ("model.rows_per_table=4294967295", "model.rows_per_table = 4294967295"),
-            ("model.bottom=[100000000,64]", "model.bottom = [100000000, 64]"),
+            (
+                "train.batch_size=1000000000",
+                "train.batch_size = 1000000000",
+            ),
+            (
+                "model.rows_per_table=4294967295",
+                "model.rows_per_table = 4294967295",
+            ),
+            (
+                "model.bottom=[100000000,64]",
+                "model.bottom = [100000000, 64]",
+            ),
         ] {
             let c = tiny(&[set]);
             let e = c.check_memory(64 * GIB, 0).unwrap_err().to_string();

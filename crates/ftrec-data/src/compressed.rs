@@ -38,7 +38,8 @@ impl Compression {
 pub fn open_text(path: &Path) -> Result<Box<dyn BufRead>, DataError> {
     let file = File::open(path).map_err(|e| DataError::io(path, e))?;
     let mut raw = BufReader::with_capacity(BUFFER, file);
-    let kind = Compression::of(peek(&mut raw, ZSTD_MAGIC.len()).map_err(|e| DataError::io(path, e))?);
+    let kind =
+        Compression::of(peek(&mut raw, ZSTD_MAGIC.len()).map_err(|e| DataError::io(path, e))?);
     Ok(match kind {
         Compression::None => Box::new(raw),
         // Multi-member: `cat a.gz b.gz` and bgzip-style files are one stream.
@@ -47,9 +48,8 @@ pub fn open_text(path: &Path) -> Result<Box<dyn BufRead>, DataError> {
             flate2::bufread::MultiGzDecoder::new(raw),
         )),
         Compression::Zstd => {
-            let decoder = StreamingDecoder::new(raw).map_err(|e| {
-                DataError::format(path, format!("not a readable zstd stream: {e}"))
-            })?;
+            let decoder = StreamingDecoder::new(raw)
+                .map_err(|e| DataError::format(path, format!("not a readable zstd stream: {e}")))?;
             Box::new(BufReader::with_capacity(
                 BUFFER,
                 ZstdFrames {

@@ -202,7 +202,10 @@ pub fn expand_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>, DataError> {
                 .filter(|p| p.is_file())
                 .collect();
             if files.is_empty() {
-                return Err(DataError::format(p, "is a directory with no files to convert"));
+                return Err(DataError::format(
+                    p,
+                    "is a directory with no files to convert",
+                ));
             }
             files.sort_by_key(|p| natural_key(p));
             out.extend(files);

@@ -31,8 +31,11 @@ fn options(inputs: Vec<PathBuf>, out: &Path, fraction: f64, skip: bool) -> Conve
 }
 
 fn run(input: &Path, out: &Path, fraction: f64, skip: bool) -> Result<ConvertReport, String> {
-    convert(&options(vec![input.to_path_buf()], out, fraction, skip), |_| {})
-        .map_err(|e| e.to_string())
+    convert(
+        &options(vec![input.to_path_buf()], out, fraction, skip),
+        |_| {},
+    )
+    .map_err(|e| e.to_string())
 }
 
 fn leftovers(dir: &Path) -> Vec<String> {
@@ -49,7 +52,11 @@ fn the_split_is_exact_for_any_size() {
         let mut test = 0u64;
         for n in 1..=3000u64 {
             test += is_test_sample(n - 1, fraction) as u64;
-            assert_eq!(test, (n as f64 * fraction).floor() as u64, "{n} at {fraction}");
+            assert_eq!(
+                test,
+                (n as f64 * fraction).floor() as u64,
+                "{n} at {fraction}"
+            );
         }
     }
     let dir = tempfile::tempdir().unwrap();
@@ -95,7 +102,11 @@ fn gzip_and_zstd_inputs_convert_like_plain_text() {
     for (name, input) in [("plain", &plain), ("gzip", &gzipped), ("zstd", &zstd)] {
         let out = dir.path().join(format!("out-{name}"));
         let r = run(input, &out, 0.1, false).unwrap();
-        assert_eq!((r.lines, r.bad_lines, r.train_samples), (300, 0, 270), "{name}");
+        assert_eq!(
+            (r.lines, r.bad_lines, r.train_samples),
+            (300, 0, 270),
+            "{name}"
+        );
         digests.push(std::fs::read(out.join(TRAIN_FILE)).unwrap());
     }
     assert!(digests.windows(2).all(|w| w[0] == w[1]));
@@ -137,7 +148,10 @@ fn a_convert_replaces_an_old_dataset_and_a_failed_one_leaves_it_whole() {
     std::fs::write(&input, criteo_lines(50)).unwrap();
     run(&input, &out, 0.1, false).unwrap();
     assert!(!out.join(META_FILE).exists(), "stale meta.json kept");
-    assert!(out.join("notes.txt").exists(), "a file convert does not own was removed");
+    assert!(
+        out.join("notes.txt").exists(),
+        "a file convert does not own was removed"
+    );
     assert_eq!(Dataset::open(&out.join(TRAIN_FILE)).unwrap().len(), 45);
 
     // A failing convert (a bad line, not skipped) publishes nothing and leaves no
@@ -163,8 +177,11 @@ fn an_empty_input_directory_is_an_error() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("no files"), "{e}");
-    let e = convert(&options(Vec::new(), &dir.path().join("o"), 0.1, false), |_| {})
-        .unwrap_err()
-        .to_string();
+    let e = convert(
+        &options(Vec::new(), &dir.path().join("o"), 0.1, false),
+        |_| {},
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("no input"), "{e}");
 }

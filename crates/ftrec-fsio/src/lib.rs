@@ -175,7 +175,11 @@ mod tests {
         std::os::unix::fs::symlink("/dev/full", &tmp).unwrap();
         let e = write_atomic(&path, &[7u8; 1 << 16]).unwrap_err();
         assert_eq!(e.error.raw_os_error(), Some(28), "{e}");
-        assert!(std::fs::symlink_metadata(&tmp).is_err(), "{} left", tmp.display());
+        assert!(
+            std::fs::symlink_metadata(&tmp).is_err(),
+            "{} left",
+            tmp.display()
+        );
         assert!(!path.exists());
     }
 

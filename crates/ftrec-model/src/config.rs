@@ -95,11 +95,27 @@ impl ModelConfig {
                 out.push(format!("{key}: {a} vs {b}"));
             }
         };
-        field("model.num_dense", self.num_dense.to_string(), other.num_dense.to_string());
-        field("model.table_rows", rows(&self.table_rows), rows(&other.table_rows));
+        field(
+            "model.num_dense",
+            self.num_dense.to_string(),
+            other.num_dense.to_string(),
+        );
+        field(
+            "model.table_rows",
+            rows(&self.table_rows),
+            rows(&other.table_rows),
+        );
         field("model.dim", self.dim.to_string(), other.dim.to_string());
-        field("model.bottom", format!("{:?}", self.bottom), format!("{:?}", other.bottom));
-        field("model.top", format!("{:?}", self.top), format!("{:?}", other.top));
+        field(
+            "model.bottom",
+            format!("{:?}", self.bottom),
+            format!("{:?}", other.bottom),
+        );
+        field(
+            "model.top",
+            format!("{:?}", self.top),
+            format!("{:?}", other.top),
+        );
         field(
             "optimizer.sparse",
             format!("{:?}", self.sparse_optimizer),

@@ -23,7 +23,6 @@ impl MemoryEstimate {
     pub fn total(&self) -> u128 {
         self.tables + self.bottom + self.top + self.batch
     }
-
 }
 
 const F32: u128 = 4;

@@ -194,7 +194,11 @@ mod tests {
         std::os::unix::fs::symlink("/dev/full", &tmp).unwrap();
         let e = save(&path, &state, Progress::default()).unwrap_err();
         assert!(e.to_string().contains("m.ftm.tmp"), "{e}");
-        assert!(std::fs::symlink_metadata(&tmp).is_err(), "{} left", tmp.display());
+        assert!(
+            std::fs::symlink_metadata(&tmp).is_err(),
+            "{} left",
+            tmp.display()
+        );
         assert!(!path.exists());
     }
 }

@@ -350,7 +350,7 @@ fn data_stats(a: StatsArgs) -> Result<()> {
         let s = stats::compute(&ds, a.limit);
         if !a.json {
             writeln!(
-        out,
+                out,
                 "{}: {} samples, CTR {:.4}, {} dense, {} sparse{}",
                 f.display(),
                 s.samples,
@@ -361,7 +361,7 @@ fn data_stats(a: StatsArgs) -> Result<()> {
             )?;
             for (i, d) in s.sparse.iter().enumerate() {
                 writeln!(
-        out,
+                    out,
                     "  sparse {i:>2}: {:>9} distinct, {:.3} missing, max bag {}",
                     d.distinct, d.missing_fraction, d.max_bag
                 )?;

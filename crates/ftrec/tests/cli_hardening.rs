@@ -52,10 +52,22 @@ const SMALL: [&str; 10] = [
 #[test]
 fn sizes_that_cannot_fit_are_refused_by_key_not_aborted() {
     for (sets, key) in [
-        (&["train.batch_size=1000000000"][..], "train.batch_size = 1000000000"),
-        (&["model.rows_per_table=4294967295"], "model.rows_per_table = 4294967295"),
-        (&["model.dim=100000", "model.bottom=[512,100000]"], "model.dim = 100000"),
-        (&["model.bottom=[100000000,64]"], "model.bottom = [100000000, 64]"),
+        (
+            &["train.batch_size=1000000000"][..],
+            "train.batch_size = 1000000000",
+        ),
+        (
+            &["model.rows_per_table=4294967295"],
+            "model.rows_per_table = 4294967295",
+        ),
+        (
+            &["model.dim=100000", "model.bottom=[512,100000]"],
+            "model.dim = 100000",
+        ),
+        (
+            &["model.bottom=[100000000,64]"],
+            "model.bottom = [100000000, 64]",
+        ),
     ] {
         let mut args = vec!["train", "--data", "/nonexistent"];
         for s in sets {
@@ -122,7 +134,10 @@ fn gzipped_criteo_converts_and_all_bad_lines_fail() {
         "--json",
     ];
     let r = json_of(&ftrec(&args));
-    assert_eq!((r["train_samples"].as_u64(), r["test_samples"].as_u64()), (Some(18), Some(2)));
+    assert_eq!(
+        (r["train_samples"].as_u64(), r["test_samples"].as_u64()),
+        (Some(18), Some(2))
+    );
     assert_eq!(r["bad_lines"], 0);
     std::fs::write(&input, "garbage\n".repeat(20)).unwrap();
     let out = ftrec(&args);
@@ -149,7 +164,10 @@ fn resumes_say_what_differs_and_refuse_to_go_backwards() {
     let out = run(base(&["--steps", "4", "--resume", ck_s]));
     let err = stderr(&out);
     assert!(!out.status.success(), "ran 0 steps and succeeded: {err}");
-    assert!(err.contains("at step 10") && err.contains("stops at step 4"), "{err}");
+    assert!(
+        err.contains("at step 10") && err.contains("stops at step 4"),
+        "{err}"
+    );
 
     let mut other = base(&["--steps", "12", "--resume", ck_s]);
     other.extend(["--set".into(), "model.dim=4".into()]);
@@ -159,10 +177,20 @@ fn resumes_say_what_differs_and_refuse_to_go_backwards() {
     assert!(err.contains("model.bottom: [16, 8] vs [16, 4]"), "{err}");
 
     let out = run(base(&[
-        "--steps", "12", "--resume", ck_s, "--seed", "9", "--set", "train.batch_size=32",
+        "--steps",
+        "12",
+        "--resume",
+        ck_s,
+        "--seed",
+        "9",
+        "--set",
+        "train.batch_size=32",
     ]));
     let err = stderr(&out);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("seed 1") && err.contains("seed = 9"), "{err}");
-    assert!(err.contains("train.batch_size = 64") && err.contains("with 32"), "{err}");
+    assert!(
+        err.contains("train.batch_size = 64") && err.contains("with 32"),
+        "{err}"
+    );
 }
