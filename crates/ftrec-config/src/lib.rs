@@ -8,6 +8,7 @@ mod cluster;
 mod cpr;
 mod error;
 mod layering;
+mod memory;
 mod sections;
 mod security;
 
@@ -22,6 +23,7 @@ pub use cluster::{ClusterSection, EcSection, FaultTolerance};
 pub use cpr::{CprPriority, CprSection};
 pub use error::ConfigError;
 pub use ftrec_ckpt::Strategy;
+pub use memory::available_memory;
 pub use sections::{DataSection, ModelSection, OptimizerSection, TrainSection};
 pub use security::{SECRET_ENV, SecuritySection};
 

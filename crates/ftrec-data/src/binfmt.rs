@@ -100,6 +100,8 @@ impl Header {
 pub struct DatasetWriter {
     path: PathBuf,
     tmp: PathBuf,
+    /// Removes `tmp` if the writer is dropped unfinished (a failed convert).
+    cleanup: ftrec_fsio::RemoveOnDrop,
     out: BufWriter<File>,
     header: Header,
     records_crc: u32,
@@ -115,6 +117,7 @@ impl DatasetWriter {
         multi_hot: bool,
     ) -> Result<Self, DataError> {
         let tmp = ftrec_fsio::temp_path(path);
+        let cleanup = ftrec_fsio::RemoveOnDrop::new(&tmp);
         let file = File::create(&tmp).map_err(|e| DataError::io(&tmp, e))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         out.write_all(&[0u8; HEADER_LEN])
@@ -122,6 +125,7 @@ impl DatasetWriter {
         Ok(Self {
             path: path.to_path_buf(),
             tmp,
+            cleanup,
             out,
             header: Header {
                 num_dense: num_dense as u32,
@@ -204,6 +208,8 @@ impl DatasetWriter {
             .map_err(|e| DataError::io(&self.tmp, e))?;
         file.write_all(&self.header.encode())
             .map_err(|e| DataError::io(&self.tmp, e))?;
+        // `publish` removes the file itself if it cannot complete.
+        self.cleanup.disarm();
         ftrec_fsio::publish(file, &self.tmp, &self.path)?;
         Ok(self.header.samples)
     }

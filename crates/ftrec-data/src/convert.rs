@@ -7,15 +7,17 @@ use serde::Serialize;
 
 use crate::schema::Schema;
 use crate::text::{TextSummary, for_each_record};
-use crate::{DataError, DatasetWriter, TEST_FILE, TRAIN_FILE};
+use crate::{DataError, DatasetWriter, META_FILE, TEST_FILE, TRAIN_FILE};
 
 #[derive(Clone, Debug)]
 pub struct ConvertOptions {
     pub inputs: Vec<PathBuf>,
     pub schema: Schema,
     pub out_dir: PathBuf,
-    /// Every sample whose index modulo 1000 is below `test_fraction * 1000` goes to the
-    /// test split: deterministic, streaming, and spread over the whole input.
+    /// Sample `i` (0-based, over all inputs) goes to the test split iff
+    /// `floor((i + 1) * f) > floor(i * f)`: the first `n` samples hold exactly
+    /// `floor(n * f)` test samples for every `n`, spread evenly, deterministic and
+    /// streaming. See [`is_test_sample`].
     pub test_fraction: f64,
     pub skip_bad_lines: bool,
 }
@@ -27,8 +29,25 @@ pub struct ConvertReport {
     pub lines: u64,
     pub bad_lines: u64,
     pub first_bad: Option<String>,
+    /// Things the user must see: most lines skipped, an empty split.
+    pub warnings: Vec<String>,
 }
 
+/// More than this share of lines skipped is reported loudly: the schema or the file is
+/// probably wrong, not a few lines.
+const MOST_LINES: f64 = 0.5;
+
+/// Whether sample `index` belongs to the test split at `fraction` (see
+/// [`ConvertOptions::test_fraction`]).
+pub fn is_test_sample(index: u64, fraction: f64) -> bool {
+    ((index + 1) as f64 * fraction).floor() > (index as f64 * fraction).floor()
+}
+
+/// Converts the inputs into `train.ftrd` and `test.ftrd` in `out_dir`. Both files are
+/// written into a staging directory inside `out_dir` and moved into place only when the
+/// conversion succeeded, so a failed convert leaves the old dataset as it was and no
+/// temporary files; a successful one also removes the old dataset's `meta.json`, which
+/// describes a generated dataset and would be wrong for this one.
 pub fn convert(
     opts: &ConvertOptions,
     mut progress: impl FnMut(u64),
@@ -39,18 +58,27 @@ pub fn convert(
             opts.test_fraction
         )));
     }
+    if opts.inputs.is_empty() {
+        return Err(DataError::Invalid("no input files to convert".into()));
+    }
+    if opts.out_dir.exists() && !opts.out_dir.is_dir() {
+        return Err(DataError::format(
+            &opts.out_dir,
+            "exists and is not a directory (--out names the dataset directory)",
+        ));
+    }
     std::fs::create_dir_all(&opts.out_dir).map_err(|e| DataError::io(&opts.out_dir, e))?;
+    let staging = Staging::create(&opts.out_dir)?;
     let (nd, ns) = (opts.schema.num_dense(), opts.schema.num_sparse());
     let multi_hot = opts.schema.multi_hot_separator.is_some();
-    let mut train = DatasetWriter::create(&opts.out_dir.join(TRAIN_FILE), nd, ns, multi_hot)?;
-    let mut test = DatasetWriter::create(&opts.out_dir.join(TEST_FILE), nd, ns, multi_hot)?;
-    let per_mille = (opts.test_fraction * 1000.0).round() as u64;
+    let mut train = DatasetWriter::create(&staging.path.join(TRAIN_FILE), nd, ns, multi_hot)?;
+    let mut test = DatasetWriter::create(&staging.path.join(TEST_FILE), nd, ns, multi_hot)?;
     let mut report = ConvertReport::default();
     let mut index = 0u64;
     for input in &opts.inputs {
         let summary: TextSummary =
             for_each_record(input, &opts.schema, opts.skip_bad_lines, |rec| {
-                let sink = if index % 1000 < per_mille {
+                let sink = if is_test_sample(index, opts.test_fraction) {
                     &mut test
                 } else {
                     &mut train
@@ -69,9 +97,97 @@ pub fn convert(
         }
     }
     progress(index);
+    let inputs = describe(&opts.inputs);
+    if index == 0 {
+        // Nothing to train on is never what a convert was for; the old dataset stays.
+        return Err(DataError::Invalid(if report.bad_lines > 0 {
+            format!(
+                "all {} lines of {inputs} were bad and skipped, no samples written                  (first: {}); is the schema right for this file?",
+                report.bad_lines,
+                report.first_bad.as_deref().unwrap_or("?")
+            )
+        } else {
+            format!("{inputs}: no samples (the input is empty)")
+        }));
+    }
+    let data_lines = index + report.bad_lines;
+    if report.bad_lines as f64 > MOST_LINES * data_lines as f64 {
+        report.warnings.push(format!(
+            "{} of {data_lines} lines ({:.0}%) were bad and skipped; is the schema right              for this file?",
+            report.bad_lines,
+            100.0 * report.bad_lines as f64 / data_lines as f64
+        ));
+    }
     report.train_samples = train.finish()?;
     report.test_samples = test.finish()?;
+    for (name, n) in [
+        (TRAIN_FILE, report.train_samples),
+        (TEST_FILE, report.test_samples),
+    ] {
+        if n == 0 {
+            report.warnings.push(format!(
+                "{name} is empty: {index} samples at test fraction {} leave none for it",
+                opts.test_fraction
+            ));
+        }
+    }
+    staging.publish(&opts.out_dir)?;
     Ok(report)
+}
+
+fn describe(inputs: &[PathBuf]) -> String {
+    match inputs {
+        [one] => one.display().to_string(),
+        [first, ..] => format!("{} input files ({} ...)", inputs.len(), first.display()),
+        [] => "no input".into(),
+    }
+}
+
+/// A directory inside the output directory (same file system, so the final renames are
+/// atomic) that the new files are written into; removed with whatever is left in it when
+/// dropped, on success or failure alike.
+struct Staging {
+    path: PathBuf,
+}
+
+impl Staging {
+    fn create(out_dir: &Path) -> Result<Self, DataError> {
+        let path = out_dir.join(format!(".convert-{}.tmp", std::process::id()));
+        // A leftover of a killed convert with the same pid is ours to replace.
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir(&path).map_err(|e| DataError::io(&path, e))?;
+        Ok(Self { path })
+    }
+
+    /// Moves the finished files over the old ones. The stale `meta.json` goes first, so
+    /// no reader pairs it with the new files.
+    fn publish(&self, out_dir: &Path) -> Result<(), DataError> {
+        for stale in [
+            out_dir.join(META_FILE),
+            ftrec_fsio::temp_path(&out_dir.join(META_FILE)),
+            ftrec_fsio::temp_path(&out_dir.join(TRAIN_FILE)),
+            ftrec_fsio::temp_path(&out_dir.join(TEST_FILE)),
+        ] {
+            match std::fs::remove_file(&stale) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(DataError::io(&stale, e));
+                }
+                _ => {}
+            }
+        }
+        for name in [TRAIN_FILE, TEST_FILE] {
+            let to = out_dir.join(name);
+            std::fs::rename(self.path.join(name), &to).map_err(|e| DataError::io(&to, e))?;
+        }
+        Ok(ftrec_fsio::sync_dir(out_dir)?)
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // Best effort: an error being reported matters more than this one.
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
 }
 
 /// Input paths as given, or every regular file in a directory (sorted), so a Terabyte
@@ -85,6 +201,12 @@ pub fn expand_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>, DataError> {
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.is_file())
                 .collect();
+            if files.is_empty() {
+                return Err(DataError::format(
+                    p,
+                    "is a directory with no files to convert",
+                ));
+            }
             files.sort_by_key(|p| natural_key(p));
             out.extend(files);
         } else {

@@ -6,6 +6,7 @@
 //! dataset serves models of any table size.
 
 pub mod binfmt;
+pub mod compressed;
 pub mod convert;
 pub mod criteo;
 mod error;

@@ -1,9 +1,9 @@
 //! Streaming reader for delimited text files, with precise error locations.
 
-use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::BufRead;
 use std::path::Path;
 
+use crate::compressed::open_text;
 use crate::schema::Schema;
 use crate::{DataError, Record};
 
@@ -17,7 +17,7 @@ pub struct TextSummary {
     pub first_bad: Option<String>,
 }
 
-/// Calls `on_record` for every line of `path` parsed with `schema`. A malformed line is an
+/// Calls `on_record` for every line of `path` (plain, gzip or zstd) parsed with `schema`. A malformed line is an
 /// error naming the file and 1-based line number, unless `skip_bad_lines` is set, in
 /// which case it is counted and skipped.
 pub fn for_each_record(
@@ -26,8 +26,7 @@ pub fn for_each_record(
     skip_bad_lines: bool,
     mut on_record: impl FnMut(&Record) -> Result<(), DataError>,
 ) -> Result<TextSummary, DataError> {
-    let file = File::open(path).map_err(|e| DataError::io(path, e))?;
-    let mut reader = BufReader::with_capacity(1 << 20, file);
+    let mut reader = open_text(path)?;
     let mut line = Vec::with_capacity(4096);
     let mut rec = Record::default();
     let mut summary = TextSummary::default();
@@ -98,6 +97,7 @@ fn shorten(message: String, max: usize) -> String {
 mod tests {
     use super::*;
     use crate::criteo;
+    use std::fs::File;
     use std::io::Write;
 
     #[test]

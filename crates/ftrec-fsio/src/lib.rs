@@ -38,10 +38,13 @@ pub fn temp_path(path: &Path) -> PathBuf {
 
 /// Makes a finished temporary file the file at `path`: fsyncs `file` (the open `tmp`),
 /// renames it over `path`, and fsyncs the directory so the rename survives a crash.
+/// A failed fsync or rename removes `tmp`: a full disk must not leave it behind.
 pub fn publish(file: File, tmp: &Path, path: &Path) -> Result<(), IoAt> {
+    let guard = RemoveOnDrop::new(tmp);
     file.sync_all().map_err(|e| IoAt::new(tmp, e))?;
     drop(file);
     std::fs::rename(tmp, path).map_err(|e| IoAt::new(path, e))?;
+    guard.disarm();
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
@@ -54,9 +57,41 @@ pub fn publish(file: File, tmp: &Path, path: &Path) -> Result<(), IoAt> {
 /// Writes `bytes` as the file at `path`, atomically and durably.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), IoAt> {
     let tmp = temp_path(path);
+    let guard = RemoveOnDrop::new(&tmp);
     let mut file = File::create(&tmp).map_err(|e| IoAt::new(&tmp, e))?;
     file.write_all(bytes).map_err(|e| IoAt::new(&tmp, e))?;
+    guard.disarm();
     publish(file, &tmp, path)
+}
+
+/// Removes a temporary file when dropped, unless disarmed once the file was published:
+/// every early return (`?`) of a writer that fails halfway (a full disk, a bad input
+/// line) then cleans up after itself instead of leaving `*.tmp` files behind.
+#[derive(Debug)]
+pub struct RemoveOnDrop {
+    path: Option<PathBuf>,
+}
+
+impl RemoveOnDrop {
+    pub fn new(path: &Path) -> Self {
+        Self {
+            path: Some(path.to_path_buf()),
+        }
+    }
+
+    /// The file is published (or handed to an owner that cleans up): leave it.
+    pub fn disarm(mut self) {
+        self.path = None;
+    }
+}
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(p) = self.path.take() {
+            // Best effort: the error being reported matters more than this one.
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 /// Writes `bytes` as the file at `path`, atomically and durably, only if no file is there:
@@ -130,6 +165,23 @@ pub fn create_dir_durable(root: &Path, dir: &Path) -> Result<(), IoAt> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_write_onto_a_full_disk_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.bin");
+        let tmp = temp_path(&path);
+        // /dev/full fails every write with ENOSPC, as a full disk does.
+        std::os::unix::fs::symlink("/dev/full", &tmp).unwrap();
+        let e = write_atomic(&path, &[7u8; 1 << 16]).unwrap_err();
+        assert_eq!(e.error.raw_os_error(), Some(28), "{e}");
+        assert!(
+            std::fs::symlink_metadata(&tmp).is_err(),
+            "{} left",
+            tmp.display()
+        );
+        assert!(!path.exists());
+    }
 
     #[test]
     fn replaces_the_file_and_leaves_no_temporary() {

@@ -24,6 +24,16 @@ pub struct ModelConfig {
     pub dense_optimizer: Optimizer,
 }
 
+/// Table sizes, shortened when all are equal (the usual `num_tables x rows_per_table`).
+fn rows(table_rows: &[usize]) -> String {
+    match table_rows {
+        [first, rest @ ..] if rest.iter().all(|r| r == first) => {
+            format!("{} tables x {first} rows", table_rows.len())
+        }
+        _ => format!("{table_rows:?}"),
+    }
+}
+
 /// Width of the interaction output: the bottom output concatenated with the dot products
 /// of all distinct pairs among the bottom output and the pooled embeddings.
 pub fn interaction_width(tables: usize, dim: usize) -> usize {
@@ -74,6 +84,49 @@ impl ModelConfig {
         self.dense_optimizer.validate("optimizer.dense")?;
         self.dense_optimizer.dense_state_len(1)?;
         Ok(())
+    }
+
+    /// The settings that differ between `self` and `other`, one line each, named by
+    /// their configuration key, with `self`'s value first.
+    pub fn differences(&self, other: &Self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut field = |key: &str, a: String, b: String| {
+            if a != b {
+                out.push(format!("{key}: {a} vs {b}"));
+            }
+        };
+        field(
+            "model.num_dense",
+            self.num_dense.to_string(),
+            other.num_dense.to_string(),
+        );
+        field(
+            "model.table_rows",
+            rows(&self.table_rows),
+            rows(&other.table_rows),
+        );
+        field("model.dim", self.dim.to_string(), other.dim.to_string());
+        field(
+            "model.bottom",
+            format!("{:?}", self.bottom),
+            format!("{:?}", other.bottom),
+        );
+        field(
+            "model.top",
+            format!("{:?}", self.top),
+            format!("{:?}", other.top),
+        );
+        field(
+            "optimizer.sparse",
+            format!("{:?}", self.sparse_optimizer),
+            format!("{:?}", other.sparse_optimizer),
+        );
+        field(
+            "optimizer.dense",
+            format!("{:?}", self.dense_optimizer),
+            format!("{:?}", other.dense_optimizer),
+        );
+        out
     }
 
     pub fn tables(&self) -> usize {

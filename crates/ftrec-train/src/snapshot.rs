@@ -39,6 +39,8 @@ fn write_section(out: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
 pub fn save(path: &Path, state: &ModelState, progress: Progress) -> Result<(), TrainError> {
     let tmp = ftrec_fsio::temp_path(path);
     let err = io_err(&tmp);
+    // Any failure below (a full disk) removes the partial file.
+    let guard = ftrec_fsio::RemoveOnDrop::new(&tmp);
     let file = File::create(&tmp).map_err(&err)?;
     let mut out = BufWriter::with_capacity(1 << 22, file);
     let meta = serde_json::to_vec(&Meta {
@@ -56,6 +58,8 @@ pub fn save(path: &Path, state: &ModelState, progress: Progress) -> Result<(), T
     write_section(&mut out, bytemuck::cast_slice(&state.dense.params)).map_err(&err)?;
     write_section(&mut out, bytemuck::cast_slice(&state.dense.optimizer_state)).map_err(&err)?;
     let file = out.into_inner().map_err(|e| err(e.into_error()))?;
+    // `publish` removes the file itself if it cannot complete.
+    guard.disarm();
     ftrec_fsio::publish(file, &tmp, path).map_err(|e| TrainError::Io {
         path: e.path,
         error: e.error,
@@ -164,4 +168,37 @@ pub fn load(path: &Path) -> Result<(ModelState, Progress), TrainError> {
     }
     state.dense.step = meta.dense_step;
     Ok((state, meta.progress))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ftrec_model::{ModelConfig, Optimizer};
+
+    #[test]
+    fn a_save_onto_a_full_disk_leaves_no_temporary_file() {
+        let config = ModelConfig {
+            num_dense: 2,
+            table_rows: vec![50_000],
+            dim: 8,
+            bottom: vec![8],
+            top: vec![4, 1],
+            sparse_optimizer: Optimizer::Sgd { lr: 0.1 },
+            dense_optimizer: Optimizer::Sgd { lr: 0.1 },
+        };
+        let state = ModelState::new(&config, 1).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.ftm");
+        let tmp = ftrec_fsio::temp_path(&path);
+        // /dev/full fails every write with ENOSPC, as a full disk does.
+        std::os::unix::fs::symlink("/dev/full", &tmp).unwrap();
+        let e = save(&path, &state, Progress::default()).unwrap_err();
+        assert!(e.to_string().contains("m.ftm.tmp"), "{e}");
+        assert!(
+            std::fs::symlink_metadata(&tmp).is_err(),
+            "{} left",
+            tmp.display()
+        );
+        assert!(!path.exists());
+    }
 }

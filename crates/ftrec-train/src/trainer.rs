@@ -22,6 +22,19 @@ pub struct Progress {
     pub position: u64,
 }
 
+/// What a checkpoint records about the run besides the model: where training is, and the
+/// settings outside the model that decide what a resumed run does (so a resume with
+/// other values can say so). Older checkpoints hold the progress alone.
+#[derive(Serialize, serde::Deserialize)]
+struct RunRecord {
+    #[serde(flatten)]
+    progress: Progress,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    batch_size: Option<usize>,
+}
+
 /// Passed to the progress callback after every step.
 #[derive(Clone, Copy, Debug)]
 pub struct StepInfo {
@@ -75,11 +88,16 @@ pub struct Trainer {
     pub writer_start: Option<WriterStart>,
     /// How fast that restore read the model, for IncrCP's baseline-reset estimate.
     restore_bytes_per_second: Option<f64>,
+    /// What the user must hear about the resume: settings that differ from the
+    /// checkpoint's run (the caller shows them).
+    pub resume_warnings: Vec<String>,
 }
 
 impl Trainer {
     /// A trainer with a freshly initialised model (deterministic in `config.seed`).
     pub fn new(config: &JobConfig) -> Result<Self, TrainError> {
+        // Refused here, not aborted by the allocator below.
+        config.fits_in_memory(0)?;
         let model_config = config.model_config()?;
         let pool = Self::pool(config)?;
         let state = pool.install(|| ModelState::new(&model_config, config.seed))?;
@@ -96,7 +114,10 @@ impl Trainer {
         let model_config = config.model_config()?;
         let pool = Self::pool(config)?;
         if state.config() != &model_config {
-            return Err(Self::mismatch());
+            return Err(Self::mismatch(
+                "restored state",
+                &state.config().differences(&model_config),
+            ));
         }
         Self::assemble(config, model_config, pool, state, progress)
     }
@@ -108,10 +129,13 @@ impl Trainer {
             .map_err(|e| TrainError::Threads(e.to_string()))
     }
 
-    fn mismatch() -> TrainError {
-        TrainError::Config(
-            "restored state was trained with a different model or optimizer configuration".into(),
-        )
+    /// A refusal naming every setting that differs, the saved value first.
+    fn mismatch(what: &str, differences: &[String]) -> TrainError {
+        TrainError::Config(format!(
+            "{what} was trained with another model or optimizer than this configuration \
+             (saved vs configured): {}",
+            differences.join("; ")
+        ))
     }
 
     fn assemble(
@@ -142,6 +166,7 @@ impl Trainer {
             resumed_location: None,
             writer_start: None,
             restore_bytes_per_second: None,
+            resume_warnings: Vec::new(),
         })
     }
 
@@ -200,6 +225,8 @@ impl Trainer {
         id: Option<&str>,
         fallback: bool,
     ) -> Result<Self, TrainError> {
+        // The restore allocates the whole model: refuse what cannot fit before it does.
+        config.fits_in_memory(0)?;
         let restore_started = Instant::now();
         let location = dir.to_string_lossy().to_string();
         let ck = Checkpoints::new(open_store(&location)?);
@@ -238,17 +265,25 @@ impl Trainer {
             ck.restore(&id)?
         };
         let id = manifest.id.clone();
-        let progress: Progress = serde_json::from_value(manifest.trainer.clone()).map_err(|e| {
+        let record: RunRecord = serde_json::from_value(manifest.trainer.clone()).map_err(|e| {
             TrainError::Config(format!("checkpoint {id}: unreadable trainer progress: {e}"))
         })?;
         let model_config = config.model_config()?;
         if state.config() != &model_config {
-            return Err(TrainError::Config(format!(
-                "checkpoint {id} was written by a model with another architecture or optimizer than this configuration"
-            )));
+            return Err(Self::mismatch(
+                &format!("checkpoint {id}"),
+                &state.config().differences(&model_config),
+            ));
         }
-        let mut trainer =
-            Self::assemble(config, model_config, Self::pool(config)?, state, progress)?;
+        let warnings = run_differences(&id, &record, config);
+        let mut trainer = Self::assemble(
+            config,
+            model_config,
+            Self::pool(config)?,
+            state,
+            record.progress,
+        )?;
+        trainer.resume_warnings = warnings;
         trainer.resumed_from = Some(id);
         trainer.resumed_location = Some(location);
         let seconds = restore_started.elapsed().as_secs_f64();
@@ -261,8 +296,12 @@ impl Trainer {
         let Some(ck) = &mut self.checkpointer else {
             return Ok(None);
         };
-        let progress =
-            serde_json::to_value(self.progress).map_err(|e| TrainError::Config(e.to_string()))?;
+        let progress = serde_json::to_value(RunRecord {
+            progress: self.progress,
+            seed: Some(self.config.seed),
+            batch_size: Some(self.config.train.batch_size),
+        })
+        .map_err(|e| TrainError::Config(e.to_string()))?;
         let (state, step) = (&self.state, self.progress.step);
         Ok(Some(
             self.pool.install(|| ck.checkpoint(state, step, progress))?,
@@ -307,6 +346,21 @@ impl Trainer {
         Ok(())
     }
 
+    /// Refuses a total below the step a resumed trainer is at: training cannot go
+    /// backwards, and stopping at once with success would pass the checkpoint's model off
+    /// as the one asked for.
+    pub fn check_total_steps(&self, total_steps: u64) -> Result<(), TrainError> {
+        match &self.resumed_from {
+            Some(id) if self.progress.step > total_steps => Err(TrainError::Config(format!(
+                "checkpoint {id} is at step {} but this run stops at step {total_steps} \
+                 (train.steps, or the epochs over the data): nothing to train; ask for more \
+                 than {} steps",
+                self.progress.step, self.progress.step
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Total steps the configuration asks for on `data`.
     pub fn planned_steps(&self, data: &Dataset) -> u64 {
         if self.config.train.steps > 0 {
@@ -326,6 +380,7 @@ impl Trainer {
         mut on_step: impl FnMut(&StepInfo),
     ) -> Result<TrainReport, TrainError> {
         self.check_dataset(data)?;
+        self.check_total_steps(total_steps)?;
         let start = Instant::now();
         let (mut samples, mut loss_sum, mut steps) = (0u64, 0.0f64, 0u64);
         let mut ckpt = CheckpointStats::default();
@@ -435,4 +490,24 @@ fn same_location(a: &str, b: &str) -> bool {
         (Ok(x), Ok(y)) => x == y,
         _ => a == b,
     }
+}
+
+/// What a resume with settings other than the checkpoint's run changes, for the user.
+fn run_differences(id: &str, record: &RunRecord, config: &JobConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(seed) = record.seed.filter(|&s| s != config.seed) {
+        out.push(format!(
+            "checkpoint {id} was trained with seed {seed}; seed = {} is ignored (the seed only \
+             initialises a model, and the resumed one comes from the checkpoint)",
+            config.seed
+        ));
+    }
+    if let Some(batch) = record.batch_size.filter(|&b| b != config.train.batch_size) {
+        out.push(format!(
+            "checkpoint {id} was trained with train.batch_size = {batch}; this run goes on \
+             from sample {} with {}, so it will not match an uninterrupted run",
+            record.progress.position, config.train.batch_size
+        ));
+    }
+    out
 }

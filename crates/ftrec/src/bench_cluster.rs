@@ -95,6 +95,7 @@ pub(crate) fn bench_setup(
         run_gen(&gen_config, data, OutputFormat::Binary, quiet)?;
     }
     let mut config = JobConfig::load(Some(preset), None, overrides)?;
+    config.fits_in_memory(0)?;
     config.train.steps = steps;
     config.data.dir = Some(std::path::absolute(data)?);
     Ok(config)

@@ -105,7 +105,9 @@ fn study_config(a: &BenchCprArgs) -> Result<JobConfig> {
         overrides.push(format!("train.steps={s}"));
     }
     overrides.extend(a.set.iter().cloned());
-    Ok(JobConfig::load(Some(&a.preset), None, &overrides)?)
+    let config = JobConfig::load(Some(&a.preset), None, &overrides)?;
+    config.fits_in_memory(0)?;
+    Ok(config)
 }
 
 pub fn run(a: BenchCprArgs) -> Result<()> {

@@ -354,14 +354,20 @@ pub struct GenArgs {
 
 #[derive(Args, Debug)]
 pub struct ConvertArgs {
-    /// Input text files, or directories of them (read in natural name order).
+    /// Input text files, or directories of them (read in natural name order); plain,
+    /// gzip or zstd, told by their first bytes, not their names.
     #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
+    /// The dataset directory: its train.ftrd and test.ftrd are replaced only once the
+    /// whole input converted, and a stale meta.json is removed.
     #[arg(long)]
     pub out: PathBuf,
     /// Schema file for non-Criteo data; Criteo TSV when absent.
     #[arg(long)]
     pub schema: Option<PathBuf>,
+    /// Share of samples held out for test. Exact for any size: sample i (0-based) is a
+    /// test sample iff floor((i+1)*f) > floor(i*f), so the first n samples hold
+    /// floor(n*f) test samples, evenly interleaved. An empty split is warned about.
     #[arg(long, default_value_t = 0.1)]
     pub test_fraction: f64,
     /// Skip malformed lines (and report how many) instead of stopping at the first.

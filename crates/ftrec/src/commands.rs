@@ -1,3 +1,4 @@
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -22,7 +23,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Cluster(a)) => crate::bench_cluster::run(a),
         Command::Bench(BenchCommand::Ec(a)) => crate::bench_ec::run(a),
         Command::Bench(BenchCommand::Cpr(a)) => crate::bench_cpr::run(a),
-        Command::Demo(a) => demo(a),
+        Command::Demo(a) => crate::demo::run(a),
         Command::Ckpt(c) => crate::ckpt::run(c),
         Command::Cluster(ClusterCommand::Run(a)) => crate::cluster::run(*a),
         Command::Cluster(ClusterCommand::Kill {
@@ -53,12 +54,21 @@ pub(crate) fn load_config(args: &ConfigArgs, extra: Vec<String>) -> Result<JobCo
         (None, None) => Some("tiny"),
         (None, Some(_)) => None,
     };
-    Ok(JobConfig::load(preset, args.config.as_deref(), &overrides)?)
+    let config = JobConfig::load(preset, args.config.as_deref(), &overrides)?;
+    // Before anything is allocated: a model too large for this host would abort.
+    config.fits_in_memory(0)?;
+    Ok(config)
 }
 
 pub(crate) fn print_json(value: serde_json::Value) -> Result<()> {
-    println!("{}", serde_json::to_string(&value)?);
+    writeln!(stdout(), "{}", serde_json::to_string(&value)?)?;
     Ok(())
+}
+
+/// Standard output for results. Written with `writeln!` so a closed pipe is an error
+/// (mapped to a quiet exit in `main`), where `println!` would panic.
+pub(crate) fn stdout() -> std::io::StdoutLock<'static> {
+    std::io::stdout().lock()
 }
 
 fn open_split(dir: &Path, file: &str) -> Result<Dataset> {
@@ -91,8 +101,18 @@ fn train_and_eval(
         }
         None => Trainer::new(config)?,
     };
-    trainer.enable_checkpoints()?;
     let total = trainer.planned_steps(&train_ds);
+    // Before checkpointing starts (a resume may fork a branch): nothing to undo.
+    trainer.check_total_steps(total)?;
+    trainer.enable_checkpoints()?;
+    for w in &trainer.resume_warnings {
+        eprintln!("warning: {w}");
+    }
+    if let Some(id) = &trainer.resumed_from
+        && trainer.progress.step == total
+    {
+        eprintln!("warning: checkpoint {id} is already at step {total}: nothing left to train");
+    }
     let pb = bar(total, "train");
     if quiet {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -211,6 +231,7 @@ fn toml_string(s: &str) -> String {
 fn eval(a: EvalArgs) -> Result<()> {
     let (state, progress) = snapshot::load(&a.model)?;
     let config = JobConfig::for_model(state.config(), a.batch_size, a.threads);
+    config.fits_in_memory(state.bytes() as u64)?;
     let mut trainer = Trainer::with_state(&config, state, progress)?;
     let ds = open_split(&a.data, TEST_FILE)?;
     let m = trainer.evaluate(&ds, a.limit)?;
@@ -270,14 +291,16 @@ fn data_gen(a: GenArgs) -> Result<()> {
             "positive_rate": r.positive_rate, "out": a.out,
         }));
     }
-    println!(
+    let mut out = stdout();
+    writeln!(
+        out,
         "wrote {} train + {} test samples to {} (CTR {:.3}); teacher AUC on test {:.4}",
         r.train_samples,
         r.test_samples,
         a.out.display(),
         r.positive_rate,
         r.teacher_auc
-    );
+    )?;
     Ok(())
 }
 
@@ -296,15 +319,20 @@ fn data_convert(a: ConvertArgs) -> Result<()> {
     let pb = indicatif::ProgressBar::new_spinner();
     let r = convert::convert(&opts, |n| pb.set_message(format!("{n} samples")))?;
     pb.finish_and_clear();
+    for w in &r.warnings {
+        eprintln!("warning: {w}");
+    }
     if a.json {
         return print_json(serde_json::to_value(&r)?);
     }
-    println!(
+    let mut out = stdout();
+    writeln!(
+        out,
         "{} lines: {} train + {} test samples, {} bad lines skipped",
         r.lines, r.train_samples, r.test_samples, r.bad_lines
-    );
+    )?;
     if let Some(first) = r.first_bad {
-        println!("first bad line: {first}");
+        writeln!(out, "first bad line: {first}")?;
     }
     Ok(())
 }
@@ -316,11 +344,13 @@ fn data_stats(a: StatsArgs) -> Result<()> {
         vec![a.path.clone()]
     };
     let mut all = serde_json::Map::new();
+    let mut out = stdout();
     for f in files {
         let ds = Dataset::open(&f)?;
         let s = stats::compute(&ds, a.limit);
         if !a.json {
-            println!(
+            writeln!(
+                out,
                 "{}: {} samples, CTR {:.4}, {} dense, {} sparse{}",
                 f.display(),
                 s.samples,
@@ -328,12 +358,13 @@ fn data_stats(a: StatsArgs) -> Result<()> {
                 s.dense.len(),
                 s.sparse.len(),
                 if s.multi_hot { " (multi-hot)" } else { "" }
-            );
+            )?;
             for (i, d) in s.sparse.iter().enumerate() {
-                println!(
+                writeln!(
+                    out,
                     "  sparse {i:>2}: {:>9} distinct, {:.3} missing, max bag {}",
                     d.distinct, d.missing_fraction, d.max_bag
-                );
+                )?;
             }
         }
         all.insert(f.display().to_string(), serde_json::to_value(&s)?);
@@ -368,166 +399,6 @@ fn bench_train(a: BenchTrainArgs) -> Result<()> {
             "{:.0} MiB",
             b as f64 / (1 << 20) as f64
         ))
-    );
-    Ok(())
-}
-
-fn remove_if_present(dir: &Path) -> Result<()> {
-    match std::fs::remove_dir_all(dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(e).with_context(|| format!("removing {}", dir.display()))
-        }
-        _ => Ok(()),
-    }
-}
-
-fn demo(a: DemoArgs) -> Result<()> {
-    let gen_config = GenConfig::criteo(a.rows, a.seed, 0.01);
-    let meta = match read_meta(&a.dir) {
-        Some(m)
-            if m.config == gen_config
-                && a.dir.join(TRAIN_FILE).exists()
-                && a.dir.join(TEST_FILE).exists() =>
-        {
-            m
-        }
-        _ => {
-            if !a.json {
-                println!(
-                    "generating {} Criteo-shaped samples into {} ...",
-                    a.rows,
-                    a.dir.display()
-                );
-            }
-            run_gen(&gen_config, &a.dir, OutputFormat::Binary, a.json)?
-        }
-    };
-    let mut config = JobConfig::preset("demo")?;
-    config.seed = a.seed;
-    config.threads = 1;
-    config.data.dir = Some(std::path::absolute(&a.dir)?);
-    let erasure_coded = a.ft.erasure_coded();
-    config.cluster.servers = if erasure_coded { 3 } else { 2 };
-    config.cluster.workers = 2;
-    config.cluster.ft = a.ft;
-    config.checkpoint.every_steps = 100;
-    let run_dir = std::path::absolute(a.dir.join("cluster-run"))?;
-    let checkpoints = run_dir.join("checkpoints");
-    // The demo's checkpoints are its own scratch: each demo is a fresh run, and a full
-    // cut of this model is about 680 MB.
-    remove_if_present(&checkpoints)?;
-    if a.ft.checkpoints() {
-        config.checkpoint.dir = Some(checkpoints.clone());
-    }
-    if !a.json {
-        let how = if erasure_coded {
-            "3 parameter servers + 2 workers as separate processes over TCP,\n\
-             rows and optimizer state erasure coded (k = 2, r = 1), dense parameters replicated"
-        } else {
-            "2 parameter servers + 2 workers as separate processes over TCP,\n\
-             a consistent checkpoint every 100 steps"
-        };
-        println!(
-            "training the tiny DLRM (26 tables x 100k rows x 64, batch 2048) for one pass over {} samples\n\
-             on a local cluster: {how}; server 1 is SIGKILLed {}s into training ...",
-            meta.train_samples, a.kill_after
-        );
-    }
-    let job = ftrec_ps::Job::new(config)?;
-    let total =
-        job.config.train.epochs * (meta.train_samples).div_ceil(job.config.train.batch_size as u64);
-    let pb = bar(total, "cluster");
-    if a.json {
-        pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
-    }
-    let report = ftrec_ps::launch::run(
-        ftrec_ps::launch::LaunchOptions {
-            job,
-            run_dir: run_dir.clone(),
-            kills: vec![
-                format!("server:1@{}s", a.kill_after)
-                    .parse()
-                    .map_err(anyhow::Error::msg)?,
-            ],
-            spares: 0,
-            exe: std::env::current_exe()?,
-            time_limit: std::time::Duration::from_secs(3600),
-            evaluate: Some(crate::cluster::evaluator()),
-        },
-        |p| {
-            pb.set_position(p.steps);
-            pb.set_message(format!("{} samples, epoch {}", p.samples, p.epoch));
-        },
-    );
-    pb.finish_and_clear();
-    let report = report?;
-    // Recovery is over; what stays is the timeline and the logs (disk use bounded).
-    remove_if_present(&checkpoints)?;
-    let auc = report.auc.unwrap_or(f64::NAN);
-    let gap = meta.teacher_auc - auc;
-    let s = &report.summary;
-    if a.json {
-        return print_json(json!({
-            "auc": auc, "teacher_auc": meta.teacher_auc, "auc_gap": gap,
-            "logloss": report.logloss, "samples": s.samples,
-            "samples_per_sec": s.samples_per_sec, "seconds": s.train_seconds,
-            "state_digest": report.state_digest, "recovery_seconds": s.recovery_seconds,
-            "kill_to_resume_seconds": report.kill_to_resume_seconds,
-            "recoveries": s.recoveries, "run_dir": report.run_dir,
-            "parity_mismatches": report.parity_mismatches,
-            "pls": s.pls, "recovery_mode": s.recovery_mode,
-        }));
-    }
-    let timeline = ftrec_ps::timeline::TimelineData::read(&run_dir.join("timeline.json"))?;
-    for e in timeline.events.iter().filter(|e| {
-        matches!(
-            e.kind.as_str(),
-            "training-start"
-                | "killed"
-                | "failure-detected"
-                | "replacement"
-                | "server-joined"
-                | "recovery-start"
-                | "rebuild-start"
-                | "rebuild-progress"
-                | "rebuild-end"
-                | "partial-restore"
-                | "cpr-decision"
-                | "recovery-end"
-                | "training-end"
-        )
-    }) {
-        println!("  [{:7.2}s] {:<17} {}", e.t, e.kind, e.detail);
-    }
-    println!(
-        "trained {} samples in {:.1}s ({:.0} samples/s); {} checkpoints; recovery took {:.2}s \
-         (SIGKILL to training resumed: {})",
-        s.samples,
-        s.train_seconds,
-        s.samples_per_sec,
-        s.checkpoints.len(),
-        s.recovery_seconds,
-        report
-            .kill_to_resume_seconds
-            .iter()
-            .map(|k| format!("{k:.2}s"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    if let Some(m) = report.parity_mismatches {
-        println!("verify-parity: {m} stripes whose parity disagrees with their rows");
-    }
-    println!(
-        "held-out AUC {:.4} vs teacher ceiling {:.4} (gap {:.4}); logloss {:.4}",
-        auc,
-        meta.teacher_auc,
-        gap,
-        report.logloss.unwrap_or(f64::NAN)
-    );
-    println!(
-        "timeline and logs in {}; plot: ftrec plot timeline {} --out timeline.png",
-        run_dir.display(),
-        run_dir.display()
     );
     Ok(())
 }

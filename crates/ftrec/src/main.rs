@@ -9,6 +9,7 @@ mod ckpt_cluster;
 mod cli;
 mod cluster;
 mod commands;
+mod demo;
 mod progress;
 
 use clap::Parser;
@@ -24,9 +25,20 @@ fn main() -> std::process::ExitCode {
     let args = cli::Cli::parse();
     match commands::run(args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // A reader that went away (`ftrec data stats DIR | head -1`) ends the output, as
+        // for any Unix tool: quietly. SIGPIPE stays ignored (the cluster's sockets rely on
+        // it), so the write fails with EPIPE and lands here.
+        Err(e) if is_broken_pipe(&e) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }

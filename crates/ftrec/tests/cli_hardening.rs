@@ -1,0 +1,196 @@
+//! Inputs that used to crash ftrec or end it silently (issue 13): oversized models, a
+//! reader that closes the pipe, gzipped day files, and resumes that cannot do what they
+//! were asked.
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use serde_json::Value;
+
+fn ftrec(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ftrec"))
+        .args(args)
+        .output()
+        .expect("run ftrec")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(out.status.success(), "ftrec failed: {}", stderr(out));
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+fn generate(dir: &Path, rows: &str) {
+    json_of(&ftrec(&[
+        "data",
+        "gen",
+        "--rows",
+        rows,
+        "--out",
+        dir.to_str().unwrap(),
+        "--json",
+    ]));
+}
+
+const SMALL: [&str; 10] = [
+    "--set",
+    "model.rows_per_table=500",
+    "--set",
+    "model.dim=8",
+    "--set",
+    "model.bottom=[16, 8]",
+    "--set",
+    "model.top=[16, 1]",
+    "--set",
+    "train.batch_size=64",
+];
+
+#[test]
+fn sizes_that_cannot_fit_are_refused_by_key_not_aborted() {
+    for (sets, key) in [
+        (
+            &["train.batch_size=1000000000"][..],
+            "train.batch_size = 1000000000",
+        ),
+        (
+            &["model.rows_per_table=4294967295"],
+            "model.rows_per_table = 4294967295",
+        ),
+        (
+            &["model.dim=100000", "model.bottom=[512,100000]"],
+            "model.dim = 100000",
+        ),
+        (
+            &["model.bottom=[100000000,64]"],
+            "model.bottom = [100000000, 64]",
+        ),
+    ] {
+        let mut args = vec!["train", "--data", "/nonexistent"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let out = ftrec(&args);
+        let err = stderr(&out);
+        // An allocation failure aborts with SIGABRT (no exit code) and this text.
+        assert_eq!(out.status.code(), Some(1), "{sets:?}: {err}");
+        assert!(!err.contains("memory allocation"), "{sets:?}: {err}");
+        assert!(
+            err.contains("needs about") && err.contains("available") && err.contains(key),
+            "{sets:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_reader_that_closes_the_pipe_ends_the_output_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    generate(dir.path(), "2000");
+    for read_first_line in [false, true] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ftrec"))
+            .args(["data", "stats", dir.path().to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        if read_first_line {
+            // `| head -1`: read a little, then go away.
+            let mut byte = [0u8; 1];
+            std::io::Read::read_exact(&mut stdout, &mut byte).unwrap();
+        }
+        drop(stdout);
+        let out = child.wait_with_output().unwrap();
+        let err = stderr(&out);
+        assert!(
+            !err.contains("panicked") && !err.contains("Broken pipe"),
+            "{err}"
+        );
+        assert!(out.status.success(), "{:?}: {err}", out.status);
+    }
+}
+
+#[test]
+fn gzipped_criteo_converts_and_all_bad_lines_fail() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = format!("0{}{}", "\t1".repeat(13), "\t0a0b0c0d".repeat(26));
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    for _ in 0..20 {
+        writeln!(gz, "{good}").unwrap();
+    }
+    let input = dir.path().join("day_0.gz");
+    std::fs::write(&input, gz.finish().unwrap()).unwrap();
+    let out_dir = dir.path().join("out");
+    let args = [
+        "data",
+        "convert",
+        input.to_str().unwrap(),
+        "--out",
+        out_dir.to_str().unwrap(),
+        "--skip-bad-lines",
+        "--json",
+    ];
+    let r = json_of(&ftrec(&args));
+    assert_eq!(
+        (r["train_samples"].as_u64(), r["test_samples"].as_u64()),
+        (Some(18), Some(2))
+    );
+    assert_eq!(r["bad_lines"], 0);
+    std::fs::write(&input, "garbage\n".repeat(20)).unwrap();
+    let out = ftrec(&args);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("all 20 lines"), "{}", stderr(&out));
+}
+
+#[test]
+fn resumes_say_what_differs_and_refuse_to_go_backwards() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    generate(&data, "3000");
+    let ck = dir.path().join("ck");
+    let base = |extra: &[&str]| {
+        let mut a = vec!["train", "--data", data.to_str().unwrap(), "--json"];
+        a.extend(SMALL);
+        a.extend(extra);
+        a.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let run = |args: Vec<String>| ftrec(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let ck_s = ck.to_str().unwrap();
+    json_of(&run(base(&["--steps", "10", "--checkpoint-dir", ck_s])));
+
+    let out = run(base(&["--steps", "4", "--resume", ck_s]));
+    let err = stderr(&out);
+    assert!(!out.status.success(), "ran 0 steps and succeeded: {err}");
+    assert!(
+        err.contains("at step 10") && err.contains("stops at step 4"),
+        "{err}"
+    );
+
+    let mut other = base(&["--steps", "12", "--resume", ck_s]);
+    other.extend(["--set".into(), "model.dim=4".into()]);
+    other.extend(["--set".into(), "model.bottom=[16, 4]".into()]);
+    let err = stderr(&run(other));
+    assert!(err.contains("model.dim: 8 vs 4"), "{err}");
+    assert!(err.contains("model.bottom: [16, 8] vs [16, 4]"), "{err}");
+
+    let out = run(base(&[
+        "--steps",
+        "12",
+        "--resume",
+        ck_s,
+        "--seed",
+        "9",
+        "--set",
+        "train.batch_size=32",
+    ]));
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("seed 1") && err.contains("seed = 9"), "{err}");
+    assert!(
+        err.contains("train.batch_size = 64") && err.contains("with 32"),
+        "{err}"
+    );
+}
