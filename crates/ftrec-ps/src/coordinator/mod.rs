@@ -18,6 +18,7 @@ mod control;
 mod cpr;
 pub mod ledger;
 pub mod planner;
+mod recovery;
 mod service;
 #[cfg(test)]
 mod sim_tests;
