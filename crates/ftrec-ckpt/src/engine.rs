@@ -337,19 +337,43 @@ impl Checkpoints {
     /// table per task); any damage fails the whole restore.
     pub fn restore(&self, id: &str) -> Result<(ModelState, Manifest), CkptError> {
         // A DECK merger may replace the deltas a restore is reading by an equivalent
-        // merged checkpoint; planning again then finds the replacement.
+        // merged checkpoint; planning again then finds the replacement. When the target
+        // delta itself was merged away, the merged checkpoint ending at its step stands in
+        // for it: same rows, and the target's own dense state (found by a proptest seed).
         let mut attempts = 0;
+        let mut target = id.to_string();
         loop {
-            match self.on_io_pool(|| self.restore_once(id)) {
-                Err(CkptError::NotFound(m))
-                    if attempts < 3 && self.manifest(id).is_ok_and(|t| t.deck.is_some()) =>
-                {
+            match self.on_io_pool(|| self.restore_once(&target)) {
+                Err(CkptError::NotFound(m)) if attempts < 3 => {
+                    match self.manifest(&target) {
+                        Ok(t) if t.deck.is_some() => {}
+                        Err(CkptError::NotFound(_)) => match self.merged_stand_in(&target)? {
+                            Some(stand_in) => target = stand_in,
+                            None => return Err(CkptError::NotFound(m)),
+                        },
+                        _ => return Err(CkptError::NotFound(m)),
+                    }
                     tracing::debug!("restore of {id} raced a merge ({m}); planning again");
                     attempts += 1;
                 }
                 other => return other,
             }
         }
+    }
+
+    /// The merged checkpoint that replaced DECK delta `id` (gone): the one ending at the
+    /// delta's step on its branch, written last.
+    fn merged_stand_in(&self, id: &str) -> Result<Option<String>, CkptError> {
+        let Some(step) = id.split('-').next().and_then(|s| s.parse::<u64>().ok()) else {
+            return Ok(None);
+        };
+        let is_delta = id.contains("-delta");
+        Ok(self
+            .list_readable()?
+            .into_iter()
+            .filter(|m| is_delta && m.kind == CheckpointKind::Merged && m.step == step)
+            .max_by_key(|m| m.created_unix_ms)
+            .map(|m| m.id))
     }
 
     fn restore_once(&self, id: &str) -> Result<(ModelState, Manifest), CkptError> {
