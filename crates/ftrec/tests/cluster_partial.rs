@@ -68,6 +68,7 @@ fn a_lost_server_reloads_only_its_shard_and_nobody_rolls_back() {
     assert_eq!(r["server"], 1);
     assert_eq!(r["mode"], "partial");
     assert_eq!(r["steps_rolled_back"], 0, "the workers do not rewind");
+    assert_eq!(report["steps_rolled_back"], 0);
     let recovered: Vec<String> = r["shard_digests"]
         .as_array()
         .unwrap()
@@ -130,6 +131,10 @@ fn partial_recovery_falls_back_to_a_full_rollback_when_it_does_not_pay() {
     );
     assert_eq!(report["recovery_mode"], "full", "{report}");
     assert_eq!(report["recoveries"][0]["mode"], "rollback");
+    assert!(
+        report["steps_rolled_back"].as_u64().unwrap() > 0,
+        "{report}"
+    );
     let decision: Vec<String> = events(&run)
         .into_iter()
         .filter(|(k, _)| k == "cpr-decision")

@@ -225,6 +225,9 @@ pub struct RunSummary {
     pub checkpoints: Vec<CheckpointRecord>,
     pub recoveries: Vec<Recovery>,
     pub recovery_seconds: f64,
+    /// Steps trained again because of rollbacks, over every recovery (0 under partial
+    /// recovery and erasure coding).
+    pub steps_rolled_back: u64,
     /// Partial recovery: the portion of lost samples (CPR Eq. 3), the recovery in force
     /// (`partial`, or `full` when the comparison fell back), and that comparison.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -296,6 +299,7 @@ impl Shared {
                 .iter()
                 .fold(0.0, |acc, r| acc + (r.resumed_at - r.detected_at)),
             recoveries: s.recoveries.clone(),
+            steps_rolled_back: s.recoveries.iter().map(|r| r.steps_rolled_back).sum(),
             pls: s.cpr.as_ref().map(|c| c.pls()),
             recovery_mode: s
                 .cpr
