@@ -2,26 +2,16 @@
 //! reader that closes the pipe, gzipped day files, and resumes that cannot do what they
 //! were asked.
 
+#[path = "support/cli.rs"]
+mod cli;
+use cli::{ftrec, json_of};
+
 use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use serde_json::Value;
-
-fn ftrec(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ftrec"))
-        .args(args)
-        .output()
-        .expect("run ftrec")
-}
-
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(out.status.success(), "ftrec failed: {}", stderr(out));
-    serde_json::from_slice(&out.stdout).expect("one JSON object")
 }
 
 fn generate(dir: &Path, rows: &str) {
@@ -90,7 +80,7 @@ fn a_reader_that_closes_the_pipe_ends_the_output_quietly() {
     let dir = tempfile::tempdir().unwrap();
     generate(dir.path(), "2000");
     for read_first_line in [false, true] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ftrec"))
+        let mut child = Command::new(cli::BIN)
             .args(["data", "stats", dir.path().to_str().unwrap()])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
