@@ -36,6 +36,7 @@ fn partial_run(data: &str, run: &Path, steps: &str, extra: &[&str]) -> Value {
     json_of(&ftrec(&args))
 }
 
+/// The `shard_digests` of a run report, or of one of its recoveries.
 fn digests(report: &Value) -> Vec<String> {
     report["shard_digests"]
         .as_array()
@@ -69,12 +70,7 @@ fn a_lost_server_reloads_only_its_shard_and_nobody_rolls_back() {
     assert_eq!(r["mode"], "partial");
     assert_eq!(r["steps_rolled_back"], 0, "the workers do not rewind");
     assert_eq!(report["steps_rolled_back"], 0);
-    let recovered: Vec<String> = r["shard_digests"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d.as_str().unwrap().to_string())
-        .collect();
+    let recovered = digests(r);
     // The survivors kept their state at the failure, bit for bit; the replacement holds
     // exactly its own checkpoint of the cut at step 40.
     assert_eq!(recovered[0], at_kill[0]);
@@ -189,12 +185,7 @@ fn prioritised_saves_between_cuts_are_what_a_partial_restore_reloads_for_mfu_ssu
         );
         let r = &report["recoveries"][0];
         assert_eq!(r["mode"], "partial");
-        let recovered: Vec<&str> = r["shard_digests"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|d| d.as_str().unwrap())
-            .collect();
+        let recovered = digests(r);
         assert_eq!(recovered[0], at_kill[0]);
         assert_eq!(recovered[2], at_kill[2]);
         // The replacement holds the cut of step 20 with the most used rows as of step 30.
