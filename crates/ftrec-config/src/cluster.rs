@@ -120,9 +120,14 @@ pub struct EcSection {
     /// either applied everywhere (rows, parity, replicas) or nowhere.
     #[serde(default = "yes")]
     pub two_phase_commit: bool,
-    /// Lock ranges a rebuild holds at once.
+    /// Ranges (about 1 MiB of rows each) a background rebuild decodes at once.
     #[serde(default = "default_groups")]
     pub rebuild_locks: usize,
+    /// Caps a background rebuild's decoding rate (bytes of rows per second) so that it
+    /// takes less from training; 0: as fast as it goes. Rows a pull or push needs are
+    /// decoded at once whatever the cap.
+    #[serde(default)]
+    pub rebuild_bytes_per_sec: u64,
 }
 
 fn default_k() -> usize {
@@ -147,6 +152,7 @@ impl Default for EcSection {
             replicate_dense: true,
             two_phase_commit: true,
             rebuild_locks: default_groups(),
+            rebuild_bytes_per_sec: 0,
         }
     }
 }

@@ -118,6 +118,8 @@ fn detect_failures(shared: &Shared, s: &mut State) {
         };
         s.servers[id].alive = false;
         s.servers[id].ready = false;
+        // Its background rebuild (if any) died with it; its replacement starts afresh.
+        s.rebuilding.retain(|&(r, _)| r != id);
         s.epoch += 1;
         shared.metrics.add("ftrec_failures_total", 1);
         shared.metrics.set("ftrec_epoch", s.epoch as f64);
@@ -269,6 +271,7 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 unsettled: s.steps.unsettled(),
                 next_step: s.steps.next_step(),
                 ec: shared.job.layout().ok().and_then(|l| l.stripes()),
+                rebuilding: s.rebuilding.iter().map(|&(r, _)| r).collect(),
                 partial: s.cpr.as_ref().is_some_and(|cpr| cpr.partial()),
             });
             Some(Task::Recover {

@@ -93,9 +93,19 @@ pub struct Recovery {
     /// Step training continued from.
     pub resumed_step: u64,
     pub steps_rolled_back: u64,
-    /// Erasure coding: the longest replacement's rebuild, and the bytes rebuilt.
+    /// Erasure coding: the longest replacement's rebuild, and the bytes rebuilt (with a
+    /// background rebuild, filled in when it ends).
     pub rebuild_seconds: f64,
     pub rebuild_bytes: u64,
+    /// Erasure coding: failure detection to full redundancy restored (with a background
+    /// rebuild, training ran degraded meanwhile).
+    pub degraded_seconds: f64,
+    /// The rebuild ran in the background while training went on (2PC on).
+    pub background_rebuild: bool,
+    /// Steps granted while the replacement rebuilt in the background.
+    pub steps_while_degraded: u64,
+    /// The epoch this recovery began.
+    pub epoch: u64,
     /// How the servers came back: `rollback`, `keep`, `rebuild` or `partial`.
     pub mode: &'static str,
     /// Partial recovery: every server's shard digest once recovered, before training
@@ -160,6 +170,8 @@ struct State {
     resolve_after: Option<Instant>,
     /// Slots waiting for their replacement, with the detection time.
     failed: Vec<(usize, f64)>,
+    /// Servers rebuilding in the background, with the epoch their rebuild began in.
+    rebuilding: Vec<(usize, u64)>,
     recoveries: Vec<Recovery>,
     timeline: Timeline,
     stopping: bool,
@@ -401,7 +413,9 @@ impl Shared {
                 placement_version: version,
             };
         }
-        if s.steps.done() {
+        // A background rebuild finishes before the run ends, so the model gathered and
+        // its parity verified are whole, and the report has the rebuild's figures.
+        if s.steps.done() && s.rebuilding.is_empty() {
             s.phase = Phase::Done;
             let steps = s.steps.next_step();
             s.timeline.event("training-end", format!("{steps} steps"));
@@ -446,6 +460,8 @@ impl Shared {
             && next > 0
             && s.last_save != Some(next)
             && s.pending_cut.is_none()
+            // A slot rebuilding in the background has no complete shard to cut yet.
+            && s.rebuilding.is_empty()
             && next < s.steps.total()
             && s.checkpoint_backoff
                 .is_none_or(|(until, _)| Instant::now() >= until);
@@ -565,6 +581,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             recover_after: None,
             failed: Vec::new(),
             recoveries: Vec::new(),
+            rebuilding: Vec::new(),
             timeline: Timeline::new(),
             stopping: false,
             busy: false,

@@ -34,6 +34,9 @@ pub struct Situation {
     pub next_step: u64,
     /// The stripe layout, when rows are erasure coded.
     pub ec: Option<ftrec_ec::StripeLayout>,
+    /// Servers still rebuilding in the background from an earlier failure: their pending
+    /// rows cannot be read, so for the code they count as lost.
+    pub rebuilding: Vec<usize>,
     /// `cluster.ft = "partial"` and the full-or-partial comparison (CPR Eq. 1 against
     /// Eq. 2) chose partial recovery; `false` falls back to a full rollback.
     pub partial: bool,
@@ -56,6 +59,8 @@ pub enum RecoveryAction {
         servers: Vec<usize>,
         next_step: u64,
         unsettled: Vec<u64>,
+        /// Servers still rebuilding from an earlier failure: not to be read from.
+        unreadable: Vec<usize>,
     },
     /// CPR: each of the `servers` (replacements) reloads its own shard from the cut of
     /// step `cut` (`None`: no cut yet, its initial shard), then, like the survivors,
@@ -99,9 +104,16 @@ impl RecoveryAction {
 /// Why the lost servers cannot be rebuilt, if they cannot: more of a group lost than its
 /// code rebuilds, or a server lost together with the one keeping its dense replica (the
 /// dense range has one copy elsewhere, whatever `r`).
-fn beyond_the_code(layout: &ftrec_ec::StripeLayout, lost: &[usize]) -> Option<String> {
+fn beyond_the_code(
+    layout: &ftrec_ec::StripeLayout,
+    lost: &[usize],
+    rebuilding: &[usize],
+) -> Option<String> {
     let mut per_group = vec![0usize; layout.params.groups];
-    for &server in lost {
+    let mut unreadable: Vec<usize> = lost.iter().chain(rebuilding).copied().collect();
+    unreadable.sort_unstable();
+    unreadable.dedup();
+    for &server in &unreadable {
         per_group[layout.group_of_server(server).0] += 1;
     }
     if let Some((group, n)) = per_group
@@ -110,8 +122,8 @@ fn beyond_the_code(layout: &ftrec_ec::StripeLayout, lost: &[usize]) -> Option<St
         .find(|&(_, n)| n > layout.params.r)
     {
         return Some(format!(
-            "{n} servers of erasure-coding group {group} lost at once (servers {lost:?}); \
-             ec.r = {} rebuilds at most {} per group",
+            "{n} servers of erasure-coding group {group} lost at once (servers {lost:?}, \
+             still rebuilding {rebuilding:?}); ec.r = {} rebuilds at most {} per group",
             layout.params.r, layout.params.r
         ));
     }
@@ -137,11 +149,18 @@ pub fn plan(s: &Situation) -> RecoveryAction {
         lost.sort_unstable();
         lost.dedup();
         let lost = &lost;
-        return match (beyond_the_code(layout, lost), s.ft) {
+        let rebuilding: Vec<usize> = s
+            .rebuilding
+            .iter()
+            .copied()
+            .filter(|r| !lost.contains(r))
+            .collect();
+        return match (beyond_the_code(layout, lost, &rebuilding), s.ft) {
             (None, _) => RecoveryAction::Rebuild {
                 servers: lost.clone(),
                 next_step: s.next_step,
                 unsettled: s.unsettled.clone(),
+                unreadable: rebuilding,
             },
             // The second layer (ECRec §4): back to the last cut.
             (Some(_), FaultTolerance::EcCheckpoint) => RecoveryAction::Rollback { cut: s.last_cut },
@@ -211,6 +230,7 @@ mod tests {
             unsettled: vec![37, 39],
             next_step: 41,
             ec: None,
+            rebuilding: Vec::new(),
             partial: true,
         }
     }
@@ -302,7 +322,8 @@ mod tests {
             RecoveryAction::Rebuild {
                 servers: vec![1, 4],
                 next_step: 41,
-                unsettled: vec![37, 39]
+                unsettled: vec![37, 39],
+                unreadable: vec![]
             },
             "one server in each group: both rebuild, nothing rolls back"
         );
@@ -312,7 +333,8 @@ mod tests {
             RecoveryAction::Rebuild {
                 servers: vec![1, 4],
                 next_step: 41,
-                unsettled: vec![37, 39]
+                unsettled: vec![37, 39],
+                unreadable: vec![]
             },
             "a slot whose replacement died too counts once"
         );
@@ -321,6 +343,31 @@ mod tests {
             RecoveryAction::Abandon { why } => assert!(why.contains("group 0"), "{why}"),
             other => panic!("two losses in group 0 with r = 1: {other:?}"),
         }
+        // A server still rebuilding in the background cannot serve its rows to a decode.
+        s.cause = Cause::ServersLost(vec![2]);
+        s.rebuilding = vec![0];
+        match plan(&s) {
+            RecoveryAction::Abandon { why } => assert!(why.contains("rebuilding [0]"), "{why}"),
+            other => panic!("server 0 still rebuilding, server 2 lost, r = 1: {other:?}"),
+        }
+        s.cause = Cause::ServersLost(vec![4]);
+        assert_eq!(
+            plan(&s),
+            RecoveryAction::Rebuild {
+                servers: vec![4],
+                next_step: 41,
+                unsettled: vec![37, 39],
+                unreadable: vec![0]
+            },
+            "another group rebuilds beside it"
+        );
+        s.cause = Cause::ServersLost(vec![0]);
+        assert!(
+            matches!(plan(&s), RecoveryAction::Rebuild { ref unreadable, .. } if unreadable.is_empty()),
+            "the rebuilding server itself died: rebuilt afresh"
+        );
+        s.cause = Cause::ServersLost(vec![0, 2]);
+        s.rebuilding.clear();
         s.ft = FaultTolerance::EcCheckpoint;
         s.last_cut = Some(30);
         assert_eq!(plan(&s), RecoveryAction::Rollback { cut: Some(30) });

@@ -3,6 +3,7 @@
 //! partial restore), the rebuild's progress events, CPR's PLS accounting and measurements,
 //! and the run's record of each recovery.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::planner::RecoveryAction;
@@ -16,6 +17,8 @@ const MAX_RECOVERY_FAILURES: u32 = 50;
 
 /// What a server (by slot) answered to its part of a recovery: for a rebuild, its figures.
 type RecoveryReply = (usize, Result<Option<RebuildReply>, tonic::Status>);
+/// A replacement serving while it rebuilds in the background: its progress stream.
+type Background = (usize, tonic::Streaming<RebuildReply>);
 
 /// Every server's part of the plan. A rebuild is two rounds: the survivors adopt the new
 /// epoch first (dropping what older epochs left prepared), so that what the replacements
@@ -25,7 +28,7 @@ async fn recovery_calls(
     clients: Vec<ServerClient>,
     epoch: u64,
     action: &RecoveryAction,
-) -> Vec<RecoveryReply> {
+) -> (Vec<RecoveryReply>, Vec<Background>) {
     let set_epoch = |i: usize, mut c: ServerClient, applied: u64, unsettled: Vec<u64>| async move {
         let r = c
             .set_epoch(SetEpochRequest {
@@ -49,7 +52,7 @@ async fn recovery_calls(
             let restored: Vec<RecoveryReply> = futures::future::join_all(calls).await;
             let erasure_coded = shared.job.config.cluster.ft.erasure_coded();
             if !erasure_coded || restored.iter().any(|(_, r)| r.is_err()) {
-                return restored;
+                return (restored, Vec::new());
             }
             // Checkpoints hold data rows only: once every server has restored them, each
             // derives its parity rows and dense replica from its group's restored rows.
@@ -60,6 +63,7 @@ async fn recovery_calls(
                     servers: addresses.clone(),
                     lost: Vec::new(),
                     parity_only: true,
+                    background: false,
                 };
                 async move {
                     (
@@ -70,7 +74,7 @@ async fn recovery_calls(
                     )
                 }
             });
-            futures::future::join_all(reencode).await
+            (futures::future::join_all(reencode).await, Vec::new())
         }
         RecoveryAction::KeepState {
             next_step,
@@ -80,12 +84,13 @@ async fn recovery_calls(
                 .into_iter()
                 .enumerate()
                 .map(|(i, c)| set_epoch(i, c, *next_step, unsettled.clone()));
-            futures::future::join_all(calls).await
+            (futures::future::join_all(calls).await, Vec::new())
         }
         RecoveryAction::Rebuild {
             servers,
             next_step,
             unsettled,
+            unreadable,
         } => {
             let survivors = clients
                 .iter()
@@ -93,6 +98,10 @@ async fn recovery_calls(
                 .filter(|(i, _)| !servers.contains(i))
                 .map(|(i, c)| set_epoch(i, c.clone(), *next_step, unsettled.clone()));
             let mut results: Vec<RecoveryReply> = futures::future::join_all(survivors).await;
+            let mut streams = Vec::new();
+            // Under 2PC a replacement serves at once and rebuilds in the background
+            // (`server/degraded.rs`); without it, training waits for the rebuild.
+            let background = shared.job.config.ec.two_phase_commit;
             if results.iter().all(|(_, r)| r.is_ok()) {
                 let addresses = shared.server_addresses();
                 {
@@ -101,12 +110,17 @@ async fn recovery_calls(
                         s.timeline.event(
                             "rebuild-start",
                             format!(
-                                "server {server} decodes its rows and parity from the survivors"
+                                "server {server} decodes its rows and parity from the survivors{}",
+                                if background { " in the background" } else { "" }
                             ),
                         );
                     }
                 }
-                let lost: Vec<u32> = servers.iter().map(|&s| s as u32).collect();
+                let lost: Vec<u32> = servers
+                    .iter()
+                    .chain(unreadable)
+                    .map(|&s| s as u32)
+                    .collect();
                 let rebuilds = servers.iter().map(|&server| {
                     let mut c = clients[server].clone();
                     let request = RebuildRequest {
@@ -114,15 +128,26 @@ async fn recovery_calls(
                         servers: addresses.clone(),
                         lost: lost.clone(),
                         parity_only: false,
+                        background,
                     };
                     async move {
                         let r = follow_rebuild(shared, server, &mut c, request, true).await;
-                        (server, r.map(Some))
+                        (server, r)
                     }
                 });
-                results.extend(futures::future::join_all(rebuilds).await);
+                for (server, r) in futures::future::join_all(rebuilds).await {
+                    match r {
+                        Ok((reply, stream)) => {
+                            if let Some(stream) = stream {
+                                streams.push((server, stream));
+                            }
+                            results.push((server, Ok(Some(reply))));
+                        }
+                        Err(e) => results.push((server, Err(e))),
+                    }
+                }
             }
-            results
+            (results, streams)
         }
         RecoveryAction::PartialRestore {
             servers,
@@ -150,9 +175,9 @@ async fn recovery_calls(
                     set_epoch(i, c, *next_step, unsettled).await
                 }
             });
-            futures::future::join_all(calls).await
+            (futures::future::join_all(calls).await, Vec::new())
         }
-        RecoveryAction::Abandon { .. } => Vec::new(),
+        RecoveryAction::Abandon { .. } => (Vec::new(), Vec::new()),
     }
 }
 
@@ -199,33 +224,26 @@ fn account_partial_restore(shared: &Shared, s: &mut State, action: &RecoveryActi
 }
 
 /// Runs `server`'s rebuild and follows its progress stream: with `report`, a
-/// `rebuild-progress` event at each quarter of its tables. Returns the totals.
+/// `rebuild-progress` event at each quarter of its tables. Returns the totals, or, for a
+/// background rebuild, the first reply (`serving`) and the rest of the stream.
 async fn follow_rebuild(
     shared: &Shared,
     server: usize,
     client: &mut ServerClient,
     request: RebuildRequest,
     report: bool,
-) -> Result<RebuildReply, tonic::Status> {
+) -> Result<(RebuildReply, Option<tonic::Streaming<RebuildReply>>), tonic::Status> {
     let mut replies = client.rebuild(request).await?.into_inner();
     let mut quarter = 0;
     while let Some(reply) = replies.message().await? {
         if reply.done {
-            return Ok(reply);
+            return Ok((reply, None));
         }
-        let reached = (reply.tables_done * 4) / reply.tables.max(1);
-        if report && reached > quarter && reply.tables_done < reply.tables {
-            quarter = reached;
-            shared.lock().timeline.event(
-                "rebuild-progress",
-                format!(
-                    "server {server}: {}/{} tables, {} rows, {:.0} MB/s",
-                    reply.tables_done,
-                    reply.tables,
-                    reply.rows,
-                    reply.bytes as f64 / reply.seconds.max(1e-9) / 1e6
-                ),
-            );
+        if reply.serving {
+            return Ok((reply, Some(replies)));
+        }
+        if report {
+            report_progress(shared, server, &reply, &mut quarter);
         }
     }
     Err(tonic::Status::unavailable(format!(
@@ -233,8 +251,90 @@ async fn follow_rebuild(
     )))
 }
 
+/// A `rebuild-progress` event when `reply` reaches a new quarter of the tables.
+fn report_progress(shared: &Shared, server: usize, reply: &RebuildReply, quarter: &mut u32) {
+    let reached = (reply.tables_done * 4) / reply.tables.max(1);
+    if reached > *quarter && reply.tables_done < reply.tables {
+        *quarter = reached;
+        shared.lock().timeline.event(
+            "rebuild-progress",
+            format!(
+                "server {server}: {}/{} tables, {} rows, {:.0} MB/s",
+                reply.tables_done,
+                reply.tables,
+                reply.rows,
+                reply.bytes as f64 / reply.seconds.max(1e-9) / 1e6
+            ),
+        );
+    }
+}
+
+fn rebuild_end_event(server: usize, r: &RebuildReply) -> String {
+    format!(
+        "server {server}: {} rows, {} bytes in {:.3} s ({:.0} MB/s); full redundancy restored",
+        r.rows,
+        r.bytes,
+        r.seconds,
+        r.bytes as f64 / r.seconds.max(1e-9) / 1e6
+    )
+}
+
+/// Follows a background rebuild to its end: progress events, then the `rebuild-end`
+/// event and the recovery's rebuild figures, and the server leaves `rebuilding`. A rebuild
+/// that fails on a server still alive ends the run with the cause (it would never end);
+/// one whose server died is the failure detector's.
+async fn follow_background(
+    shared: Arc<Shared>,
+    server: usize,
+    epoch: u64,
+    mut stream: tonic::Streaming<RebuildReply>,
+) {
+    let mut quarter = 0;
+    let failure = loop {
+        match stream.message().await {
+            Ok(Some(reply)) if reply.done => {
+                let mut s = shared.lock();
+                let before = s.rebuilding.len();
+                s.rebuilding.retain(|&(r, e)| !(r == server && e == epoch));
+                if s.rebuilding.len() == before {
+                    return;
+                }
+                let now = s
+                    .timeline
+                    .event("rebuild-end", rebuild_end_event(server, &reply));
+                let next_step = s.steps.next_step();
+                for r in s
+                    .recoveries
+                    .iter_mut()
+                    .filter(|r| r.server == server && r.epoch == epoch)
+                {
+                    r.rebuild_seconds = reply.seconds;
+                    r.rebuild_bytes = reply.bytes;
+                    r.degraded_seconds = now - r.detected_at;
+                    r.steps_while_degraded = next_step.saturating_sub(r.resumed_step);
+                }
+                return;
+            }
+            Ok(Some(reply)) => report_progress(&shared, server, &reply, &mut quarter),
+            Ok(None) => break "the stream ended without its totals".to_string(),
+            Err(e) => break e.message().to_string(),
+        }
+    };
+    // Give the failure detector time to tell a dead server from a failed rebuild.
+    let wait = Duration::from_millis(shared.job.config.cluster.failure_timeout_ms * 2);
+    tokio::time::sleep(wait).await;
+    let mut s = shared.lock();
+    if s.rebuilding.contains(&(server, epoch)) {
+        let why = format!("server {server}'s background rebuild failed: {failure}");
+        s.timeline.event("fatal", why.clone());
+        s.fatal = Some(why);
+        s.phase = Phase::Done;
+        shared.done.send_replace(true);
+    }
+}
+
 pub(super) async fn recover(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     clients: Vec<ServerClient>,
     epoch: u64,
     action: RecoveryAction,
@@ -253,7 +353,7 @@ pub(super) async fn recover(
         && matches!(action, RecoveryAction::PartialRestore { .. }))
     .then(|| clients.clone());
     let calls_started = Instant::now();
-    let results = recovery_calls(shared, clients, epoch, &action).await;
+    let (results, background) = recovery_calls(shared, clients, epoch, &action).await;
     let load_seconds = calls_started.elapsed().as_secs_f64();
     let shard_digests = match audit {
         Some(clients) if results.iter().all(|(_, r)| r.is_ok()) => {
@@ -320,25 +420,33 @@ pub(super) async fn recover(
         }
     }
     let (mut rebuild_seconds, mut rebuild_bytes) = (0.0f64, 0u64);
+    let in_background: Vec<usize> = background.iter().map(|(server, _)| *server).collect();
     for (server, reply) in results {
-        if let Ok(Some(r)) = reply {
-            rebuild_seconds = rebuild_seconds.max(r.seconds);
-            rebuild_bytes += r.bytes;
-            s.timeline.event(
-                "rebuild-end",
-                format!(
-                    "server {server}: {} rows, {} bytes in {:.3} s ({:.0} MB/s); full redundancy restored",
-                    r.rows,
-                    r.bytes,
-                    r.seconds,
-                    r.bytes as f64 / r.seconds.max(1e-9) / 1e6
-                ),
-            );
+        match reply {
+            Ok(Some(r)) if in_background.contains(&server) => {
+                s.timeline.event(
+                    "degraded",
+                    format!(
+                        "server {server} serves after {:.3} s: rows not rebuilt yet are decoded \
+                         from their stripes on demand while the rest rebuilds in the background",
+                        r.seconds
+                    ),
+                );
+            }
+            Ok(Some(r)) => {
+                rebuild_seconds = rebuild_seconds.max(r.seconds);
+                rebuild_bytes += r.bytes;
+                s.timeline
+                    .event("rebuild-end", rebuild_end_event(server, &r));
+            }
+            _ => {}
         }
     }
     let rolled_back = s.steps.next_step().saturating_sub(applied);
     if let RecoveryAction::Rollback { .. } = action {
         s.steps.rewind(applied);
+        // Every server restored a cut and re-derived its parity: no rebuild goes on.
+        s.rebuilding.clear();
     }
     // A cut that failed just before was most likely the dead server's doing: try the next
     // one on time. A full disk fails it again and backs off again.
@@ -350,7 +458,9 @@ pub(super) async fn recover(
         "recovery-end",
         format!("training resumes at step {applied} (rolled back {rolled_back} steps)"),
     );
+    let rebuilt = matches!(action, RecoveryAction::Rebuild { .. });
     for (server, detected_at) in std::mem::take(&mut s.failed) {
+        let background_rebuild = in_background.contains(&server);
         s.recoveries.push(Recovery {
             server,
             detected_at,
@@ -359,9 +469,21 @@ pub(super) async fn recover(
             steps_rolled_back: rolled_back,
             rebuild_seconds,
             rebuild_bytes,
+            degraded_seconds: if rebuilt && !background_rebuild {
+                resumed_at - detected_at
+            } else {
+                0.0
+            },
+            background_rebuild,
+            steps_while_degraded: 0,
+            epoch,
             mode: action.mode(),
             shard_digests: shard_digests.clone(),
         });
+    }
+    for (server, stream) in background {
+        s.rebuilding.push((server, epoch));
+        tokio::spawn(follow_background(shared.clone(), server, epoch, stream));
     }
 }
 

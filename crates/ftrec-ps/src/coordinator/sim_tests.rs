@@ -188,6 +188,7 @@ impl Sim {
                 unsettled: self.ledger.unsettled(),
                 next_step: self.ledger.next_step(),
                 ec: None,
+                rebuilding: Vec::new(),
                 partial: false,
             });
             let RecoveryAction::Rollback { cut } = action else {

@@ -20,7 +20,7 @@ const RESOLVE_RETRY: Duration = Duration::from_millis(200);
 /// How often to ask whether a cut committing in the background is done.
 const CONFIRM_RETRY: Duration = Duration::from_millis(50);
 
-pub(super) async fn run_task(shared: &Shared, task: Task) {
+pub(super) async fn run_task(shared: &std::sync::Arc<Shared>, task: Task) {
     let clients: Result<Vec<_>, _> = shared.job.connector().and_then(|connector| {
         shared
             .server_addresses()

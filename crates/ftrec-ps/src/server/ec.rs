@@ -314,6 +314,11 @@ impl Core {
                 steps: self.steps().count(),
             });
         }
+        // A replacement rebuilding in the background decodes the rows this update needs
+        // first (it holds its commit turn, so its own steps stand still meanwhile).
+        for (table, rows, _) in &update.sparse {
+            self.materialize_rows(*table, rows).await?;
+        }
         let staged = self.shard_read()?.stage(&update)?;
         for observer in &self.pre_commit {
             observer.pre_commit(&staged).await?;
@@ -481,7 +486,7 @@ fn validate_parity_update(
 
 /// Folds every difference of `req` into the shard's parity slots.
 fn fold_request(shard: &mut crate::shard::Shard, req: &ParityUpdateRequest) -> Result<(), PsError> {
-    let Some(red) = shard.redundancy_mut() else {
+    let Some(red) = shard.redundancy() else {
         return Err(PsError::Config("this server holds no parity".into()));
     };
     let row_bytes = red.row_bytes;
@@ -492,6 +497,14 @@ fn fold_request(shard: &mut crate::shard::Shard, req: &ParityUpdateRequest) -> R
                 .deltas
                 .get(n * row_bytes..(n + 1) * row_bytes)
                 .ok_or_else(|| PsError::Request("parity differences are short".into()))?;
+            // A slot still being rebuilt is encoded from data rows that hold this
+            // difference already (`degraded.rs`).
+            if shard.parity_pending(t.table as usize, local as usize) {
+                continue;
+            }
+            let Some(red) = shard.redundancy_mut() else {
+                return Err(PsError::Config("this server holds no parity".into()));
+            };
             red.fold(t.table as usize, local as usize, coef, delta)?;
         }
     }

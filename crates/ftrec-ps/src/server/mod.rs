@@ -6,6 +6,7 @@
 //! RPCs; `checkpoints.rs` writes, restores and prunes the shard's checkpoints.
 
 mod checkpoints;
+mod degraded;
 mod ec;
 mod pipeline;
 mod priority;
@@ -79,6 +80,10 @@ struct Core {
     stop: Arc<Notify>,
     /// Planned deaths (tests): `faults.rs`.
     faults: crate::faults::Faults,
+    /// Erasure coding: clients for the other servers (parity differences, degraded reads).
+    peers: Option<Arc<ec::Peers>>,
+    /// A background rebuild in progress here (`degraded.rs`).
+    background: Mutex<Option<degraded::Background>>,
 }
 
 fn server_metrics(id: &str) -> Metrics {
@@ -273,7 +278,10 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let tracking = Arc::new(checkpoints::Tracking::new(checkpointer.clone()));
     let mut pre_commit: Vec<Arc<dyn PreCommit>> = Vec::new();
     let erasure_coded = c.cluster.ft.erasure_coded();
+    let mut peers = None;
     if let Some(stripes) = layout.stripes() {
+        let shared_peers = Arc::new(ec::Peers::new(coordinator.clone(), job.connector()?));
+        peers = Some(shared_peers.clone());
         let codec = ftrec_ec::Codec::new(stripes.params.k, stripes.params.r)
             .map_err(|e| PsError::Config(e.to_string()))?;
         pre_commit.push(Arc::new(ec::ParityPropagator {
@@ -281,7 +289,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             stripes,
             codec: Arc::new(codec),
             two_phase: c.ec.two_phase_commit,
-            peers: Arc::new(ec::Peers::new(coordinator.clone(), job.connector()?)),
+            peers: shared_peers,
             epoch: live.subscribe(),
         }));
     }
@@ -308,6 +316,8 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         metrics,
         stop: stop.clone(),
         faults: crate::faults::Faults::from_env(),
+        peers,
+        background: Mutex::new(None),
     });
     let service = tonic::service::interceptor::InterceptedService::new(
         ParameterServerServer::new(service::Service(core.clone()))

@@ -11,11 +11,12 @@ use ftrec_ec::Codec;
 use ftrec_model::{EmbeddingTable, ModelState};
 
 use super::Core;
+use super::degraded::Background;
 use crate::PsError;
 use crate::applied::AppliedSteps;
 use crate::client::ServerClient;
 use crate::proto::*;
-use crate::shard::{DenseReplica, Redundancy, Shard, packed_dense};
+use crate::shard::{DenseReplica, Pending, Redundancy, Shard, packed_dense};
 use crate::wire::bytes_to_f32s;
 
 /// Every survivor's data and parity slots of table `t`, streamed from all at once.
@@ -80,7 +81,7 @@ impl Core {
         progress: tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
     ) -> Result<RebuildReply, PsError> {
         let started = Instant::now();
-        let _turn = self.commit_turn.lock().await;
+        let turn = self.commit_turn.lock().await;
         self.check_epoch_forward(req.epoch)?;
         let epoch = req.epoch;
         let layout = self.layout;
@@ -107,6 +108,18 @@ impl Core {
         let parity_only = req.parity_only;
         let global = self.job.config.model_config()?;
         let config = Shard::shard_config(&global, layout, me)?;
+        if req.background && !parity_only {
+            let codec = Codec::new(k, r).map_err(|e| PsError::Config(e.to_string()))?;
+            let totals = self
+                .serve_degraded(&clients, epoch, &global, config, lost, codec, started)
+                .await?;
+            let _ = progress.send(Ok(totals)).await;
+            // Serving: updates go on while the rest decodes.
+            drop(turn);
+            return self
+                .rebuild_in_background(global.tables(), started, totals, &progress)
+                .await;
+        }
         // Re-encoding after a rollback: every server restored its data rows from the same
         // cut; parity and replicas are derived from them (this server's own rows included).
         let own_rows: Vec<Vec<u8>> = if parity_only {
@@ -189,28 +202,8 @@ impl Core {
                     let held = if n < k { &data } else { &parity };
                     slot_bytes(held, slot.server, slot.local, row_bytes)
                 };
-                // The XOR code with only this row missing (the common case: one server
-                // lost): the XOR of the others, in place, without allocating.
-                if r == 1 && (0..k + r).all(|n| n == index || row_of(n).is_some()) {
-                    out.fill(0);
-                    for n in (0..k + r).filter(|&n| n != index) {
-                        if let Some(row) = row_of(n) {
-                            ftrec_ec::fold_with(1, row, out);
-                        }
-                    }
-                    return Ok(());
-                }
-                let present: Vec<Option<&[u8]>> = (0..k + r).map(row_of).collect();
-                let mut shards: Vec<Option<Vec<u8>>> =
-                    present.iter().map(|p| p.map(<[u8]>::to_vec)).collect();
-                codec
-                    .reconstruct(&mut shards)
-                    .map_err(|e| PsError::Refused(format!("rebuild: table {t} stripe {j}: {e}")))?;
-                let row = shards[index].take().ok_or_else(|| {
-                    PsError::Refused(format!("rebuild: table {t} stripe {j} not decoded"))
-                })?;
-                out.copy_from_slice(&row);
-                Ok(())
+                super::degraded::decode_row(&codec, row_of, index, out)
+                    .map_err(|e| PsError::Refused(format!("rebuild: table {t} stripe {j}: {e}")))
             };
             let (data_slots, _) = stripes.capacity(me, rows);
             let mut mine = if parity_only {
@@ -259,6 +252,7 @@ impl Core {
                 tables_done: t as u32 + 1,
                 tables: global.tables() as u32,
                 done: false,
+                serving: false,
             }));
             let values = bytes_to_f32s(&mine, "rebuilt rows")?;
             tables.push(
@@ -266,69 +260,27 @@ impl Core {
                     .ok_or_else(|| PsError::Config("rebuilt table shape".into()))?,
             );
         }
-        let replica_holder = layout
-            .replica_of(me)
-            .ok_or_else(|| PsError::Config("no dense replica holder".into()))?;
-        let replicated = layout
-            .replicates(me)
-            .ok_or_else(|| PsError::Config("no replicated dense range".into()))?;
-        let dense_from = |s: usize| {
-            clients.get(&s).cloned().ok_or_else(|| {
-                PsError::Refused(format!(
-                    "rebuild: server {s} holds a dense range this slot needs and is lost too"
-                ))
-            })
-        };
-        let other = fetch_dense(
-            &mut dense_from(replicated)?,
-            epoch,
-            false,
-            "rebuild: replicated range",
-        )
-        .await?;
-        let replica = DenseReplica {
-            of: replicated,
-            range: layout.dense_range(replicated, ftrec_model::MlpSpec::dlrm_pair(&global).1.end()),
-            params: bytes_to_f32s(&other.params, "replicated range")?,
-            state: bytes_to_f32s(&other.state, "replicated range state")?,
-            step: other.step,
-        };
-        let replica_bytes = (other.params.len() + other.state.len()) as u64;
-        if parity_only {
+        let parts = self
+            .fetch_dense_parts(&clients, epoch, &global, &config, parity_only)
+            .await?;
+        redundancy.replica = Some(parts.replica);
+        rebuilt_bytes += parts.bytes;
+        let Some(dense) = parts.dense else {
             // The data rows and dense range stay as restored; parity and the replica now
             // match them.
-            redundancy.replica = Some(replica);
             self.shard_write()?.set_redundancy(redundancy);
             return Ok(RebuildReply {
-                bytes: rebuilt_bytes + replica_bytes,
+                bytes: rebuilt_bytes,
                 rows: rebuilt_rows,
                 seconds: started.elapsed().as_secs_f64(),
                 tables_done: global.tables() as u32,
                 tables: global.tables() as u32,
                 done: true,
+                serving: true,
             });
-        }
-        let own = fetch_dense(
-            &mut dense_from(replica_holder)?,
-            epoch,
-            true,
-            "rebuild: dense replica",
-        )
-        .await?;
-        let dense = packed_dense(
-            &config,
-            self.job.config.seed,
-            &bytes_to_f32s(&own.params, "dense replica")?,
-            &bytes_to_f32s(&own.state, "dense replica state")?,
-            own.step,
-        )?;
-        redundancy.replica = Some(replica);
-        rebuilt_bytes += (own.params.len() + own.state.len()) as u64 + replica_bytes;
+        };
+        let applied = parts.applied;
         let state = ModelState::from_parts(config, tables, dense)?;
-        // The replica holder committed exactly the steps this slot had (2PC), so its
-        // record of applied steps is this slot's.
-        let applied =
-            AppliedSteps::from_parts(own.applied_below, own.applied_ahead.iter().copied());
         {
             let mut shard = self.shard_write()?;
             shard.install_rebuilt(state, redundancy)?;
@@ -353,6 +305,177 @@ impl Core {
             tables_done: global.tables() as u32,
             tables: global.tables() as u32,
             done: true,
+            serving: true,
         })
     }
+
+    /// The first part of a background rebuild: dense state and applied steps from the
+    /// replica holder, every row and parity slot pending, and the epoch adopted. The slot
+    /// serves from here on (`degraded.rs` decodes what a pull or push needs).
+    #[allow(clippy::too_many_arguments)]
+    async fn serve_degraded(
+        &self,
+        clients: &HashMap<usize, ServerClient>,
+        epoch: u64,
+        global: &ftrec_model::ModelConfig,
+        config: ftrec_model::ModelConfig,
+        lost: Vec<usize>,
+        codec: Codec,
+        started: Instant,
+    ) -> Result<RebuildReply, PsError> {
+        let me = self.id;
+        let layout = self.layout;
+        let Some(stripes) = layout.stripes() else {
+            return Err(PsError::Config("rebuild without erasure coding".into()));
+        };
+        let parts = self
+            .fetch_dense_parts(clients, epoch, global, &config, false)
+            .await?;
+        let dense = parts
+            .dense
+            .ok_or_else(|| PsError::Refused("rebuild: no dense range".into()))?;
+        let mut redundancy = Redundancy::empty(global, layout, me)?;
+        redundancy.replica = Some(parts.replica);
+        let stride = global.row_stride();
+        let parity_slots: Vec<usize> = redundancy
+            .parity
+            .iter()
+            .map(|p| p.len() / redundancy.row_bytes.max(1))
+            .collect();
+        let mut pending = Pending::new(&config.table_rows, &parity_slots);
+        let mut tables = Vec::with_capacity(global.tables());
+        for (t, &rows) in global.table_rows.iter().enumerate() {
+            let local_rows = config.table_rows[t];
+            for local in 0..local_rows {
+                if stripes.data_at(t, me, local, rows).is_some() {
+                    pending.mark_data(t, local);
+                }
+            }
+            for local in 0..parity_slots[t] {
+                if stripes.parity_at(t, me, local, rows).is_some() {
+                    pending.mark_parity(t, local);
+                }
+            }
+            tables.push(
+                EmbeddingTable::from_data(
+                    local_rows,
+                    global.dim,
+                    stride,
+                    vec![0.0; local_rows * stride],
+                )
+                .ok_or_else(|| PsError::Config("shard table shape".into()))?,
+            );
+        }
+        let state = ModelState::from_parts(config, tables, dense)?;
+        *self.background.lock().unwrap_or_else(|p| p.into_inner()) = Some(Background {
+            epoch,
+            lost,
+            codec: std::sync::Arc::new(codec),
+        });
+        {
+            let mut shard = self.shard_write()?;
+            shard.install_rebuilt(state, redundancy)?;
+            shard.begin_background_rebuild(pending);
+            self.publish(epoch, |steps| *steps = parts.applied);
+        }
+        if let Some(ec) = &self.ec {
+            ec.drop_older_than(epoch);
+        }
+        self.metrics.set("ftrec_epoch", epoch as f64);
+        tracing::info!(
+            "serving degraded in epoch {epoch} after {:.3} s; rebuilding in the background",
+            started.elapsed().as_secs_f64()
+        );
+        Ok(RebuildReply {
+            bytes: parts.bytes,
+            rows: 0,
+            seconds: started.elapsed().as_secs_f64(),
+            tables_done: 0,
+            tables: global.tables() as u32,
+            done: false,
+            serving: true,
+        })
+    }
+
+    /// The dense state a rebuilt slot keeps: the replica of the range it replicates (from
+    /// that range's primary) and, unless `parity_only`, its own range (from its replica
+    /// holder) with that holder's record of applied steps, which is this slot's: under
+    /// 2PC the replica holder committed exactly the steps the slot had.
+    async fn fetch_dense_parts(
+        &self,
+        clients: &HashMap<usize, ServerClient>,
+        epoch: u64,
+        global: &ftrec_model::ModelConfig,
+        config: &ftrec_model::ModelConfig,
+        parity_only: bool,
+    ) -> Result<DenseParts, PsError> {
+        let layout = self.layout;
+        let me = self.id;
+        let replica_holder = layout
+            .replica_of(me)
+            .ok_or_else(|| PsError::Config("no dense replica holder".into()))?;
+        let replicated = layout
+            .replicates(me)
+            .ok_or_else(|| PsError::Config("no replicated dense range".into()))?;
+        let dense_from = |s: usize| {
+            clients.get(&s).cloned().ok_or_else(|| {
+                PsError::Refused(format!(
+                    "rebuild: server {s} holds a dense range this slot needs and is lost too"
+                ))
+            })
+        };
+        let other = fetch_dense(
+            &mut dense_from(replicated)?,
+            epoch,
+            false,
+            "rebuild: replicated range",
+        )
+        .await?;
+        let replica = DenseReplica {
+            of: replicated,
+            range: layout.dense_range(replicated, ftrec_model::MlpSpec::dlrm_pair(global).1.end()),
+            params: bytes_to_f32s(&other.params, "replicated range")?,
+            state: bytes_to_f32s(&other.state, "replicated range state")?,
+            step: other.step,
+        };
+        let mut bytes = (other.params.len() + other.state.len()) as u64;
+        if parity_only {
+            return Ok(DenseParts {
+                replica,
+                dense: None,
+                applied: AppliedSteps::default(),
+                bytes,
+            });
+        }
+        let own = fetch_dense(
+            &mut dense_from(replica_holder)?,
+            epoch,
+            true,
+            "rebuild: dense replica",
+        )
+        .await?;
+        let dense = packed_dense(
+            config,
+            self.job.config.seed,
+            &bytes_to_f32s(&own.params, "dense replica")?,
+            &bytes_to_f32s(&own.state, "dense replica state")?,
+            own.step,
+        )?;
+        bytes += (own.params.len() + own.state.len()) as u64;
+        Ok(DenseParts {
+            replica,
+            dense: Some(dense),
+            applied: AppliedSteps::from_parts(own.applied_below, own.applied_ahead.iter().copied()),
+            bytes,
+        })
+    }
+}
+
+/// What [`Core::fetch_dense_parts`] brings.
+struct DenseParts {
+    replica: DenseReplica,
+    /// This slot's own dense range (`None` when re-deriving parity only).
+    dense: Option<ftrec_model::DenseState>,
+    applied: AppliedSteps,
+    bytes: u64,
 }

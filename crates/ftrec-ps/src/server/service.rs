@@ -40,6 +40,11 @@ impl ParameterServer for Service {
                 .into());
             }
         }
+        // Degraded reads: rows of this slot not rebuilt yet are decoded from their stripes.
+        for t in &req.tables {
+            let rows = bytes_to_u32s(&t.rows, "pull rows")?;
+            core.materialize_rows(t.table as usize, &rows).await?;
+        }
         let mut embeddings = Vec::with_capacity(req.tables.len());
         let mut rows_sent = 0;
         let (dense, applied) = {
@@ -111,6 +116,7 @@ impl ParameterServer for Service {
         let Some(checkpoints) = core.checkpoints.clone() else {
             return Err(PsError::Config("checkpoint.dir is not set".into()).into());
         };
+        core.wait_rebuilt().await?;
         let started = Instant::now();
         let reply = tokio::task::spawn_blocking(move || -> Result<_, PsError> {
             let _turn = core.commit_turn.blocking_lock();
@@ -193,6 +199,7 @@ impl ParameterServer for Service {
                     (shard.state().clone(), "initial".to_string())
                 }
             };
+            core.cancel_background();
             let mut shard = core
                 .shard
                 .write()
@@ -250,6 +257,8 @@ impl ParameterServer for Service {
         let core = self.0.clone();
         let req = req.into_inner();
         core.check_epoch(req.epoch)?;
+        // Whole-table reads (the final gather, verify-parity) never see a pending slot.
+        core.wait_rebuilt().await?;
         let table = req.table as usize;
         let parity = req.parity;
         let (rows, stride) = {
@@ -349,6 +358,7 @@ impl ParameterServer for Service {
             req.steps.iter().map(|&s| steps.contains(s)).collect()
         };
         let shard_digest = if req.digest {
+            core.wait_rebuilt().await?;
             // Hashing a whole shard is CPU work: off the RPC threads.
             tokio::task::spawn_blocking(move || {
                 core.shard
@@ -427,6 +437,18 @@ impl ParameterServer for Service {
             rx.recv().await.map(|reply| (reply, rx))
         });
         Ok(Response::new(Box::pin(replies)))
+    }
+
+    async fn fetch_slots(
+        &self,
+        req: Request<FetchSlotsRequest>,
+    ) -> Result<Response<FetchSlotsReply>, Status> {
+        let reply = self.0.fetch_slots(req.get_ref())?;
+        self.0.metrics.add(
+            "ftrec_rpc_bytes_out_total",
+            (reply.data.len() + reply.parity.len()) as u64,
+        );
+        Ok(Response::new(reply))
     }
 
     async fn shutdown(
