@@ -81,6 +81,16 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
     let (rebuild_seconds, rebuild_bytes) = ec_recovery
         .map(|r| (r.rebuild_seconds, r.rebuild_bytes))
         .unwrap_or_default();
+    // Training while the replacement rebuilt in the background: the steps granted from
+    // the resume to full redundancy, over that window, against the same run shape with
+    // no failure.
+    let batch = config.train.batch_size as f64;
+    let degraded_rate = ec_recovery
+        .filter(|r| r.background_rebuild)
+        .map(|r| {
+            let window = r.detected_at + r.degraded_seconds - r.resumed_at;
+            r.steps_while_degraded as f64 * batch / window.max(1e-9)
+        });
     // Checkpoint recovery in the average case: the measured SIGKILL-to-resume (detection,
     // restore) plus retraining half an interval at the run's mean step time.
     let step_seconds = ckpt_kill.summary.train_seconds / ckpt_kill.summary.steps.max(1) as f64;
@@ -112,9 +122,9 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
         "rebuild_seconds": rebuild_seconds,
         "rebuild_bytes": rebuild_bytes,
         "rebuild_bytes_per_sec": rebuild_bytes as f64 / rebuild_seconds.max(1e-9),
-        // Training is held while a replacement rebuilds (no degraded reads yet), so no
-        // step runs during a rebuild.
-        "rebuild_throughput_ratio": 0.0,
+        "rebuild_throughput_ratio": degraded_rate.map(|d| d / rate(&ec)),
+        "degraded_samples_per_sec": degraded_rate,
+        "steps_while_degraded": ec_recovery.map(|r| r.steps_while_degraded),
         "checkpoint_kill_to_resume_seconds": ckpt_resume,
         "checkpoint_recovery_seconds_average_case": ckpt_recovery,
         "recovery_speedup_vs_checkpoint": match (ckpt_recovery, kill_to_resume) {
