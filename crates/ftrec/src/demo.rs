@@ -131,6 +131,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
                 | "server-joined"
                 | "recovery-start"
                 | "rebuild-start"
+                | "degraded"
                 | "rebuild-progress"
                 | "rebuild-end"
                 | "partial-restore"
