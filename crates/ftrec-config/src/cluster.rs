@@ -113,7 +113,8 @@ pub struct EcSection {
     #[serde(default = "default_groups")]
     pub groups: usize,
     /// Replicate dense parameters and their optimizer state on a second server (ECRec
-    /// §3.3). `false` would send them through difference propagation instead.
+    /// §3.3). `false` codes each server's dense range as a row of a dense stripe of its
+    /// group instead, its changes sent as differences like embedding rows'.
     #[serde(default = "yes")]
     pub replicate_dense: bool,
     /// Two-phase commit per step (ECRec §3.5): a server failure mid-step leaves the step
@@ -174,13 +175,6 @@ impl EcSection {
         self.params()
             .validate(cluster.servers)
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        if !self.replicate_dense {
-            return Err(ConfigError::Invalid(
-                "ec.replicate_dense = false (dense parameters through difference propagation) \
-                 is not built yet; dense parameters are replicated"
-                    .into(),
-            ));
-        }
         if self.rebuild_locks == 0 {
             return Err(ConfigError::Invalid(
                 "ec.rebuild_locks must be at least 1".into(),

@@ -9,9 +9,11 @@
 //! commutes: differences from concurrent updates may arrive in any order.
 
 mod codec;
+mod dense;
 mod error;
 mod layout;
 
 pub use codec::{Codec, fold_with, xor_into};
+pub use dense::DenseParitySlot;
 pub use error::EcError;
 pub use layout::{EcParams, SCHEME, StripeLayout, StripeSlot};

@@ -98,6 +98,7 @@ pub async fn gather_state(
             .fetch_dense(FetchDenseRequest {
                 epoch,
                 replica: false,
+                ..Default::default()
             })
             .await
             .map_err(|st| PsError::rpc(format!("fetching server {s}'s dense range"), &st))?

@@ -159,7 +159,9 @@ impl Job {
         if cluster.ft.erasure_coded() {
             let stripes = ftrec_ec::StripeLayout::new(self.config.ec.params(), cluster.servers)
                 .map_err(|e| PsError::Config(e.to_string()))?;
-            return Ok(Layout::striped(stripes));
+            return Ok(
+                Layout::striped(stripes).with_replicated_dense(self.config.ec.replicate_dense)
+            );
         }
         Layout::new(cluster.servers)
     }

@@ -83,6 +83,8 @@ pub struct Holder {
 pub struct Layout {
     servers: usize,
     stripes: Option<StripeLayout>,
+    /// Erasure coding: dense ranges replicated (true) or coded in dense stripes.
+    replicate_dense: bool,
 }
 
 impl Layout {
@@ -93,6 +95,7 @@ impl Layout {
         Ok(Self {
             servers,
             stripes: None,
+            replicate_dense: true,
         })
     }
 
@@ -100,7 +103,20 @@ impl Layout {
         Self {
             servers: stripes.servers,
             stripes: Some(stripes),
+            replicate_dense: true,
         }
+    }
+
+    /// With `false`, dense ranges are erasure coded in dense stripes rather than
+    /// replicated (`ec.replicate_dense`).
+    pub fn with_replicated_dense(mut self, replicate: bool) -> Self {
+        self.replicate_dense = replicate;
+        self
+    }
+
+    /// Dense ranges travel as differences to dense-stripe parity holders.
+    pub fn dense_coded(&self) -> bool {
+        self.stripes.is_some() && !self.replicate_dense
     }
 
     pub fn servers(&self) -> usize {
@@ -207,12 +223,16 @@ impl Layout {
 
     /// The server whose dense range `server` keeps a replica of (erasure coded only).
     pub fn replicates(&self, server: usize) -> Option<usize> {
-        self.stripes.map(|s| s.dense_replicated_by(server))
+        self.stripes
+            .filter(|_| self.replicate_dense)
+            .map(|s| s.dense_replicated_by(server))
     }
 
     /// The server keeping the replica of `server`'s dense range (erasure coded only).
     pub fn replica_of(&self, server: usize) -> Option<usize> {
-        self.stripes.map(|s| s.dense_replica(server))
+        self.stripes
+            .filter(|_| self.replicate_dense)
+            .map(|s| s.dense_replica(server))
     }
 }
 

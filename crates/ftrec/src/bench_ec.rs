@@ -63,9 +63,12 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
         c.ec.two_phase_commit = two_phase;
         c
     };
+    let mut coded_dense = with(FaultTolerance::Ec, true);
+    coded_dense.ec.replicate_dense = false;
     let none = run_one(&a, &with(FaultTolerance::None, true), "none", false)?;
     let ec = run_one(&a, &with(FaultTolerance::Ec, true), "ec", false)?;
     let ec_no_2pc = run_one(&a, &with(FaultTolerance::Ec, false), "ec-no-2pc", false)?;
+    let ec_no_replication = run_one(&a, &coded_dense, "ec-no-replication", false)?;
     let ec_kill = run_one(&a, &with(FaultTolerance::Ec, true), "ec-kill", true)?;
     let ckpt_kill = run_one(
         &a,
@@ -85,12 +88,10 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
     // the resume to full redundancy, over that window, against the same run shape with
     // no failure.
     let batch = config.train.batch_size as f64;
-    let degraded_rate = ec_recovery
-        .filter(|r| r.background_rebuild)
-        .map(|r| {
-            let window = r.detected_at + r.degraded_seconds - r.resumed_at;
-            r.steps_while_degraded as f64 * batch / window.max(1e-9)
-        });
+    let degraded_rate = ec_recovery.filter(|r| r.background_rebuild).map(|r| {
+        let window = r.detected_at + r.degraded_seconds - r.resumed_at;
+        r.steps_while_degraded as f64 * batch / window.max(1e-9)
+    });
     // Checkpoint recovery in the average case: the measured SIGKILL-to-resume (detection,
     // restore) plus retraining half an interval at the run's mean step time.
     let step_seconds = ckpt_kill.summary.train_seconds / ckpt_kill.summary.steps.max(1) as f64;
@@ -109,14 +110,14 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
             "none": rate(&none),
             "ec": rate(&ec),
             "ec_no_2pc": rate(&ec_no_2pc),
+            "ec_no_replication": rate(&ec_no_replication),
             "ec_kill": rate(&ec_kill),
             "checkpoint_kill": rate(&ckpt_kill),
         },
         "overhead": overhead(&ec),
         "overhead_no_2pc": overhead(&ec_no_2pc),
-        // Dense parameters through difference propagation (ec.replicate_dense = false) is
-        // not built: there is no run without replication to compare with.
-        "overhead_no_replication": null,
+        // Dense ranges coded in dense stripes, their changes sent as differences.
+        "overhead_no_replication": overhead(&ec_no_replication),
         "kill_to_resume_seconds": kill_to_resume,
         "detection_seconds": ec_recovery.map(|r| kill_to_resume.unwrap_or(0.0) - (r.resumed_at - r.detected_at)),
         "rebuild_seconds": rebuild_seconds,
@@ -132,7 +133,12 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
             _ => None,
         },
         "memory_overhead": extra_bytes as f64 / model_bytes as f64,
-        "parity_mismatches": [ec.parity_mismatches, ec_no_2pc.parity_mismatches, ec_kill.parity_mismatches],
+        "parity_mismatches": [
+            ec.parity_mismatches,
+            ec_no_2pc.parity_mismatches,
+            ec_no_replication.parity_mismatches,
+            ec_kill.parity_mismatches
+        ],
         "lost_samples": ec_kill.summary.lost_samples,
     });
     let path = a.out.join("summary.json");

@@ -415,3 +415,31 @@ fn a_second_loss_while_a_slot_still_rebuilds_falls_back_to_the_last_cut() {
     // No cut is taken while a slot rebuilds, so the rollback goes to step 10.
     assert_eq!(seen, [(0, "rebuild", 13), (2, "rollback", 10)], "{out}");
 }
+
+#[test]
+fn dense_ranges_coded_instead_of_replicated_come_back_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let expected = train_digest(&data, &[]);
+    let coded = ["--set", "ec.replicate_dense=false"];
+    // Each dense range is a row of a dense stripe; its changes go to the stripe's parity
+    // holder as differences every step. A kill in phase 2, rebuilt in the background.
+    let mut extra = coded.to_vec();
+    extra.extend(SLOW_REBUILD);
+    extra.extend(["--kill", "server:0@commit:20"]);
+    let out = ec_run(&data, &dir.path().join("commit"), "3", &extra);
+    assert_exact(&out, &expected, &[0], "dense coded, killed in phase 2");
+    // r = 2 loses two neighbours at once, which replication cannot survive (server 1's
+    // replica lives on server 2).
+    let mut extra = coded.to_vec();
+    extra.extend([
+        "--set",
+        "ec.r=2",
+        "--kill",
+        "server:1@step:30",
+        "--kill",
+        "server:2@step:30",
+    ]);
+    let out = ec_run(&data, &dir.path().join("r2"), "4", &extra);
+    assert_exact(&out, &expected, &[1, 2], "dense coded, r = 2, neighbours");
+}

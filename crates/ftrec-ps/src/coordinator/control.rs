@@ -272,6 +272,7 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 next_step: s.steps.next_step(),
                 ec: shared.job.layout().ok().and_then(|l| l.stripes()),
                 rebuilding: s.rebuilding.iter().map(|&(r, _)| r).collect(),
+                replicate_dense: shared.job.config.ec.replicate_dense,
                 partial: s.cpr.as_ref().is_some_and(|cpr| cpr.partial()),
             });
             Some(Task::Recover {

@@ -34,6 +34,9 @@ pub struct Situation {
     pub next_step: u64,
     /// The stripe layout, when rows are erasure coded.
     pub ec: Option<ftrec_ec::StripeLayout>,
+    /// Dense ranges replicated (`ec.replicate_dense`): a range is lost with its replica
+    /// holder. Coded, they are lost only beyond `r` per group, like rows.
+    pub replicate_dense: bool,
     /// Servers still rebuilding in the background from an earlier failure: their pending
     /// rows cannot be read, so for the code they count as lost.
     pub rebuilding: Vec<usize>,
@@ -108,6 +111,7 @@ fn beyond_the_code(
     layout: &ftrec_ec::StripeLayout,
     lost: &[usize],
     rebuilding: &[usize],
+    replicate_dense: bool,
 ) -> Option<String> {
     let mut per_group = vec![0usize; layout.params.groups];
     let mut unreadable: Vec<usize> = lost.iter().chain(rebuilding).copied().collect();
@@ -128,6 +132,7 @@ fn beyond_the_code(
         ));
     }
     lost.iter()
+        .filter(|_| replicate_dense)
         .find(|&&s| lost.contains(&layout.dense_replica(s)))
         .map(|&s| {
             format!(
@@ -155,7 +160,10 @@ pub fn plan(s: &Situation) -> RecoveryAction {
             .copied()
             .filter(|r| !lost.contains(r))
             .collect();
-        return match (beyond_the_code(layout, lost, &rebuilding), s.ft) {
+        return match (
+            beyond_the_code(layout, lost, &rebuilding, s.replicate_dense),
+            s.ft,
+        ) {
             (None, _) => RecoveryAction::Rebuild {
                 servers: lost.clone(),
                 next_step: s.next_step,
@@ -231,6 +239,7 @@ mod tests {
             next_step: 41,
             ec: None,
             rebuilding: Vec::new(),
+            replicate_dense: true,
             partial: true,
         }
     }
@@ -393,5 +402,8 @@ mod tests {
             RecoveryAction::Abandon { why } => assert!(why.contains("dense"), "{why}"),
             other => panic!("server 1's dense replica lives on server 2: {other:?}"),
         }
+        // Dense ranges coded instead: any two of the group, like rows.
+        s.replicate_dense = false;
+        assert!(matches!(plan(&s), RecoveryAction::Rebuild { .. }));
     }
 }

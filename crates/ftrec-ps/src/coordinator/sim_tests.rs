@@ -189,6 +189,7 @@ impl Sim {
                 next_step: self.ledger.next_step(),
                 ec: None,
                 rebuilding: Vec::new(),
+                replicate_dense: true,
                 partial: false,
             });
             let RecoveryAction::Rollback { cut } = action else {

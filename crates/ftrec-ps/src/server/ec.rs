@@ -26,6 +26,7 @@ use crate::client::{Connector, CoordinatorClient, ServerClient};
 use crate::faults::FaultPoint;
 use crate::placement::GlobalRow;
 use crate::proto::*;
+use crate::shard::dense_code::DENSE_TABLE;
 use crate::shard::{PreCommit, StagedUpdate, Update};
 use crate::wire::{bytes_to_u32s, u32s_to_bytes};
 
@@ -145,6 +146,29 @@ impl ParityPropagator {
                         locals: u32s_to_bytes(&locals),
                         coefs: coefs.into(),
                         deltas: deltas.into(),
+                    });
+            }
+        }
+        // Dense ranges coded: this server's dense row changed too (every step).
+        if let Some(delta) = staged.dense_delta() {
+            let (g, _) = self.stripes.group_of_server(self.id);
+            let (stripe, position) = self.stripes.dense_stripe_of(self.id);
+            for p in 0..r {
+                let holder = self.stripes.dense_parity_holder(g, stripe, p);
+                out.entry(holder)
+                    .or_insert_with(|| ParityUpdateRequest {
+                        epoch,
+                        step: staged.step,
+                        source: self.id as u32,
+                        staged: self.two_phase,
+                        tables: Vec::new(),
+                    })
+                    .tables
+                    .push(ParityDelta {
+                        table: DENSE_TABLE,
+                        locals: u32s_to_bytes(&[stripe as u32]),
+                        coefs: vec![self.codec.coefficient(p, position)].into(),
+                        deltas: delta.to_vec().into(),
                     });
             }
         }
@@ -459,6 +483,34 @@ fn validate_parity_update(
                 req.source, req.step, t.table
             )
         };
+        if t.table == DENSE_TABLE {
+            let stripes = bytes_to_u32s(&t.locals, "dense stripes")?;
+            let ([stripe], [_]) = (stripes.as_slice(), &t.coefs[..]) else {
+                return Err(PsError::Request(format!(
+                    "{}: a dense difference names {} stripes and {} coefficients",
+                    what(),
+                    stripes.len(),
+                    t.coefs.len()
+                )));
+            };
+            match red.dense_parity_row(*stripe as usize) {
+                Some(row) if row.len() == t.deltas.len() => continue,
+                Some(row) => {
+                    return Err(PsError::Request(format!(
+                        "{}: {} difference bytes for dense rows of {}",
+                        what(),
+                        t.deltas.len(),
+                        row.len()
+                    )));
+                }
+                None => {
+                    return Err(PsError::Request(format!(
+                        "{}: this server holds no parity of dense stripe {stripe}",
+                        what()
+                    )));
+                }
+            }
+        }
         let locals = bytes_to_u32s(&t.locals, "parity slots")?;
         let Some(slots) = red.parity.get(t.table as usize) else {
             return Err(PsError::Request(format!("{}: no such table", what())));
@@ -492,6 +544,16 @@ fn fold_request(shard: &mut crate::shard::Shard, req: &ParityUpdateRequest) -> R
     let row_bytes = red.row_bytes;
     for t in &req.tables {
         let locals = bytes_to_u32s(&t.locals, "parity slots")?;
+        if t.table == DENSE_TABLE {
+            let (Some(&stripe), Some(&coef)) = (locals.first(), t.coefs.first()) else {
+                return Err(PsError::Request("an empty dense difference".into()));
+            };
+            let Some(red) = shard.redundancy_mut() else {
+                return Err(PsError::Config("this server holds no parity".into()));
+            };
+            red.fold_dense(stripe as usize, coef, &t.deltas)?;
+            continue;
+        }
         for (n, (&local, &coef)) in locals.iter().zip(t.coefs.iter()).enumerate() {
             let delta = t
                 .deltas

@@ -7,6 +7,7 @@
 
 mod checkpoints;
 mod degraded;
+mod dense_rebuild;
 mod ec;
 mod pipeline;
 mod priority;

@@ -66,7 +66,11 @@ async fn fetch_dense(
     what: &str,
 ) -> Result<FetchDenseReply, PsError> {
     Ok(client
-        .fetch_dense(FetchDenseRequest { epoch, replica })
+        .fetch_dense(FetchDenseRequest {
+            epoch,
+            replica,
+            ..Default::default()
+        })
         .await
         .map_err(|s| PsError::rpc(what, &s))?
         .into_inner())
@@ -263,7 +267,10 @@ impl Core {
         let parts = self
             .fetch_dense_parts(&clients, epoch, &global, &config, parity_only)
             .await?;
-        redundancy.replica = Some(parts.replica);
+        redundancy.replica = parts.replica;
+        if layout.dense_coded() {
+            redundancy.dense_parity = parts.dense_parity;
+        }
         rebuilt_bytes += parts.bytes;
         let Some(dense) = parts.dense else {
             // The data rows and dense range stay as restored; parity and the replica now
@@ -335,7 +342,10 @@ impl Core {
             .dense
             .ok_or_else(|| PsError::Refused("rebuild: no dense range".into()))?;
         let mut redundancy = Redundancy::empty(global, layout, me)?;
-        redundancy.replica = Some(parts.replica);
+        redundancy.replica = parts.replica;
+        if layout.dense_coded() {
+            redundancy.dense_parity = parts.dense_parity;
+        }
         let stride = global.row_stride();
         let parity_slots: Vec<usize> = redundancy
             .parity
@@ -411,6 +421,28 @@ impl Core {
     ) -> Result<DenseParts, PsError> {
         let layout = self.layout;
         let me = self.id;
+        if layout.dense_coded() {
+            let coded = self
+                .rebuild_coded_dense(clients, epoch, global, parity_only)
+                .await?;
+            let dense = match coded.own {
+                Some((params, state, step)) => Some(packed_dense(
+                    config,
+                    self.job.config.seed,
+                    &params,
+                    &state,
+                    step,
+                )?),
+                None => None,
+            };
+            return Ok(DenseParts {
+                replica: None,
+                dense_parity: coded.parity,
+                dense,
+                applied: coded.applied,
+                bytes: coded.bytes,
+            });
+        }
         let replica_holder = layout
             .replica_of(me)
             .ok_or_else(|| PsError::Config("no dense replica holder".into()))?;
@@ -441,7 +473,8 @@ impl Core {
         let mut bytes = (other.params.len() + other.state.len()) as u64;
         if parity_only {
             return Ok(DenseParts {
-                replica,
+                replica: Some(replica),
+                dense_parity: Vec::new(),
                 dense: None,
                 applied: AppliedSteps::default(),
                 bytes,
@@ -463,7 +496,8 @@ impl Core {
         )?;
         bytes += (own.params.len() + own.state.len()) as u64;
         Ok(DenseParts {
-            replica,
+            replica: Some(replica),
+            dense_parity: Vec::new(),
             dense: Some(dense),
             applied: AppliedSteps::from_parts(own.applied_below, own.applied_ahead.iter().copied()),
             bytes,
@@ -473,7 +507,9 @@ impl Core {
 
 /// What [`Core::fetch_dense_parts`] brings.
 struct DenseParts {
-    replica: DenseReplica,
+    replica: Option<DenseReplica>,
+    /// Dense ranges coded: the dense parity rows this slot holds.
+    dense_parity: Vec<(ftrec_ec::DenseParitySlot, Vec<u8>)>,
     /// This slot's own dense range (`None` when re-deriving parity only).
     dense: Option<ftrec_model::DenseState>,
     applied: AppliedSteps,

@@ -325,6 +325,23 @@ impl ParameterServer for Service {
         let steps = core.steps();
         let (applied_below, applied_ahead) = (steps.low(), steps.ahead().collect());
         drop(steps);
+        if let Some(stripe) = req.dense_parity_stripe {
+            let Some(row) = shard
+                .redundancy()
+                .and_then(|r| r.dense_parity_row(stripe as usize))
+            else {
+                return Err(PsError::Request(format!(
+                    "this server holds no parity of dense stripe {stripe}"
+                ))
+                .into());
+            };
+            return Ok(Response::new(FetchDenseReply {
+                dense_parity: Bytes::copy_from_slice(row),
+                applied_below,
+                applied_ahead,
+                ..Default::default()
+            }));
+        }
         if req.replica {
             let Some(replica) = shard.redundancy().and_then(|r| r.replica.as_ref()) else {
                 return Err(PsError::Request("this server keeps no dense replica".into()).into());
@@ -335,6 +352,7 @@ impl ParameterServer for Service {
                 step: replica.step,
                 applied_below,
                 applied_ahead,
+                dense_parity: Bytes::new(),
             }));
         }
         Ok(Response::new(FetchDenseReply {
@@ -343,6 +361,7 @@ impl ParameterServer for Service {
             step: shard.dense_step(),
             applied_below,
             applied_ahead,
+            dense_parity: Bytes::new(),
         }))
     }
 

@@ -21,6 +21,7 @@ use std::ops::Range;
 
 use ftrec_model::{DenseState, EmbeddingTable, ModelConfig, ModelState, Optimizer};
 
+pub mod dense_code;
 mod pending;
 mod redundancy;
 
@@ -101,6 +102,8 @@ pub struct StagedUpdate {
     replica: Option<(Vec<f32>, Vec<f32>)>,
     /// Gradients for rows in locked ranges: (table, global row, gradient).
     deferred: Vec<(usize, u32, Vec<f32>)>,
+    /// Dense ranges coded (`ec.replicate_dense = false`): the dense row's `old XOR new`.
+    dense_delta: Option<Vec<u8>>,
 }
 
 impl StagedUpdate {
@@ -116,6 +119,11 @@ impl StagedUpdate {
     /// The server's dense range and its optimizer state after the update.
     pub fn dense(&self) -> (&[f32], &[f32]) {
         (&self.dense_params, &self.dense_state)
+    }
+
+    /// Dense ranges coded: the difference of this server's dense row.
+    pub fn dense_delta(&self) -> Option<&[u8]> {
+        self.dense_delta.as_deref()
     }
 }
 
@@ -223,6 +231,7 @@ impl Shard {
         let full = DenseState::initial(global, seed)?;
         if let Some(red) = &mut redundancy {
             red.replica = Redundancy::initial_replica(global, layout, server, &full)?;
+            red.init_dense_parity(global, layout, server, &full)?;
         }
         let range = layout.dense_range(server, full.params.len());
         let mut range_state = vec![0.0f32; global.dense_optimizer.dense_state_len(range.len())?];
@@ -546,6 +555,25 @@ impl Shard {
             &update.dense,
             &mut step,
         );
+        if self.layout.dense_coded() {
+            let len = dense_code::row_len(&self.global, self.layout, self.server)?;
+            let old = dense_code::pack(
+                self.dense_params(),
+                self.dense_optimizer_state(),
+                self.state.dense.step,
+                len,
+            );
+            // `commit` advances the dense step by one.
+            let new = dense_code::pack(
+                &staged.dense_params,
+                &staged.dense_state,
+                self.state.dense.step + 1,
+                len,
+            );
+            let mut delta = vec![0u8; len];
+            ftrec_ec::xor_into(&old, &new, &mut delta);
+            staged.dense_delta = Some(delta);
+        }
         if let Some(replica) = self.redundancy.as_ref().and_then(|r| r.replica.as_ref()) {
             if update.replica_dense.len() != replica.range.len() {
                 return Err(PsError::Request(format!(

@@ -33,6 +33,8 @@ pub struct Redundancy {
     pub parity: Vec<Vec<u8>>,
     pub row_bytes: usize,
     pub replica: Option<DenseReplica>,
+    /// `ec.replicate_dense = false`: the dense-stripe parity rows held here.
+    pub dense_parity: Vec<(ftrec_ec::DenseParitySlot, Vec<u8>)>,
 }
 
 impl Redundancy {
@@ -49,12 +51,84 @@ impl Redundancy {
             .iter()
             .map(|&rows| vec![0u8; layout.parity_rows(server, rows) * row_bytes])
             .collect();
+        let dense_len = if layout.dense_coded() {
+            super::dense_code::row_len(global, layout, server)?
+        } else {
+            0
+        };
+        let dense_parity = if layout.dense_coded() {
+            stripes
+                .dense_parity_held(server)
+                .into_iter()
+                .map(|slot| (slot, vec![0u8; dense_len]))
+                .collect()
+        } else {
+            Vec::new()
+        };
         Ok(Self {
             codec: Arc::new(codec),
             parity,
             row_bytes,
             replica: None,
+            dense_parity,
         })
+    }
+
+    /// The initial dense-stripe parity rows `server` holds (dense ranges coded).
+    pub fn init_dense_parity(
+        &mut self,
+        global: &ModelConfig,
+        layout: Layout,
+        server: usize,
+        full: &DenseState,
+    ) -> Result<(), PsError> {
+        let Some(stripes) = layout.stripes().filter(|_| layout.dense_coded()) else {
+            return Ok(());
+        };
+        let len = super::dense_code::row_len(global, layout, server)?;
+        for (slot, bytes) in &mut self.dense_parity {
+            let rows = super::dense_code::initial_rows(
+                global,
+                layout,
+                &stripes,
+                slot.group,
+                slot.stripe,
+                full,
+                len,
+            )?;
+            *bytes = super::dense_code::encode(&self.codec, *slot, &rows, len)?;
+        }
+        Ok(())
+    }
+
+    /// Folds `coef · delta` into the parity row of dense stripe `stripe` held here.
+    pub fn fold_dense(&mut self, stripe: usize, coef: u8, delta: &[u8]) -> Result<(), PsError> {
+        let Some((_, row)) = self
+            .dense_parity
+            .iter_mut()
+            .find(|(s, _)| s.stripe == stripe)
+        else {
+            return Err(PsError::Request(format!(
+                "this server holds no parity of dense stripe {stripe}"
+            )));
+        };
+        if row.len() != delta.len() {
+            return Err(PsError::Request(format!(
+                "a dense parity difference of {} bytes for rows of {}",
+                delta.len(),
+                row.len()
+            )));
+        }
+        ftrec_ec::fold_with(coef, delta, row);
+        Ok(())
+    }
+
+    /// The parity row of dense stripe `stripe` held here, if any.
+    pub fn dense_parity_row(&self, stripe: usize) -> Option<&[u8]> {
+        self.dense_parity
+            .iter()
+            .find(|(s, _)| s.stripe == stripe)
+            .map(|(_, r)| r.as_slice())
     }
 
     /// Folds one initial row of `table` into the parity slots of this server that cover
