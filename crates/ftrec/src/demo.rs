@@ -156,6 +156,16 @@ pub fn run(a: DemoArgs) -> Result<()> {
             a.kill_after
         )
     );
+    for r in s.recoveries.iter().filter(|r| r.background_rebuild) {
+        println!(
+            "server {} rebuilt {:.1} MB in the background in {:.2}s while training went on              ({} steps trained degraded); full redundancy {:.2}s after the failure was detected",
+            r.server,
+            r.rebuild_bytes as f64 / 1e6,
+            r.rebuild_seconds,
+            r.steps_while_degraded,
+            r.degraded_seconds
+        );
+    }
     if let Some(m) = report.parity_mismatches {
         println!("verify-parity: {m} stripes whose parity disagrees with their rows");
     }
