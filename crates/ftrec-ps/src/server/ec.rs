@@ -96,6 +96,23 @@ pub(super) struct ParityPropagator {
 }
 
 impl ParityPropagator {
+    /// The request to parity holder `server` for `step`, started empty if new.
+    fn request_to<'a>(
+        &self,
+        out: &'a mut HashMap<usize, ParityUpdateRequest>,
+        server: usize,
+        epoch: u64,
+        step: u64,
+    ) -> &'a mut ParityUpdateRequest {
+        out.entry(server).or_insert_with(|| ParityUpdateRequest {
+            epoch,
+            step,
+            source: self.id as u32,
+            staged: self.two_phase,
+            tables: Vec::new(),
+        })
+    }
+
     /// One request per parity holder: slots, coefficients and differences.
     fn requests(&self, staged: &StagedUpdate, epoch: u64) -> HashMap<usize, ParityUpdateRequest> {
         let mut out: HashMap<usize, ParityUpdateRequest> = HashMap::new();
@@ -132,14 +149,7 @@ impl ParityPropagator {
                 },
             ) in per_holder
             {
-                out.entry(server)
-                    .or_insert_with(|| ParityUpdateRequest {
-                        epoch,
-                        step: staged.step,
-                        source: self.id as u32,
-                        staged: self.two_phase,
-                        tables: Vec::new(),
-                    })
+                self.request_to(&mut out, server, epoch, staged.step)
                     .tables
                     .push(ParityDelta {
                         table: rows.table as u32,
@@ -155,14 +165,7 @@ impl ParityPropagator {
             let (stripe, position) = self.stripes.dense_stripe_of(self.id);
             for p in 0..r {
                 let holder = self.stripes.dense_parity_holder(g, stripe, p);
-                out.entry(holder)
-                    .or_insert_with(|| ParityUpdateRequest {
-                        epoch,
-                        step: staged.step,
-                        source: self.id as u32,
-                        staged: self.two_phase,
-                        tables: Vec::new(),
-                    })
+                self.request_to(&mut out, holder, epoch, staged.step)
                     .tables
                     .push(ParityDelta {
                         table: DENSE_TABLE,

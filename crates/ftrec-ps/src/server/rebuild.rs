@@ -272,18 +272,22 @@ impl Core {
             redundancy.dense_parity = parts.dense_parity;
         }
         rebuilt_bytes += parts.bytes;
+        let totals = RebuildReply {
+            bytes: rebuilt_bytes,
+            rows: rebuilt_rows,
+            seconds: 0.0,
+            tables_done: global.tables() as u32,
+            tables: global.tables() as u32,
+            done: true,
+            serving: true,
+        };
         let Some(dense) = parts.dense else {
             // The data rows and dense range stay as restored; parity and the replica now
             // match them.
             self.shard_write()?.set_redundancy(redundancy);
             return Ok(RebuildReply {
-                bytes: rebuilt_bytes,
-                rows: rebuilt_rows,
                 seconds: started.elapsed().as_secs_f64(),
-                tables_done: global.tables() as u32,
-                tables: global.tables() as u32,
-                done: true,
-                serving: true,
+                ..totals
             });
         };
         let applied = parts.applied;
@@ -306,13 +310,8 @@ impl Core {
             decoding.as_secs_f64()
         );
         Ok(RebuildReply {
-            bytes: rebuilt_bytes,
-            rows: rebuilt_rows,
             seconds: started.elapsed().as_secs_f64(),
-            tables_done: global.tables() as u32,
-            tables: global.tables() as u32,
-            done: true,
-            serving: true,
+            ..totals
         })
     }
 
