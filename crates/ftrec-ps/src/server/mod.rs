@@ -354,6 +354,9 @@ async fn wait_for_assignment(
     job: &Job,
 ) -> Result<usize, PsError> {
     let mut silent_since = Instant::now();
+    // A spare asks often: how soon it hears of its slot bounds how soon a failed
+    // server's slot serves again.
+    let period = period.min(Duration::from_millis(20));
     loop {
         tokio::time::sleep(period).await;
         match coordinator
@@ -394,11 +397,14 @@ async fn heartbeat_loop(
 ) -> Result<(), PsError> {
     let give_up = Duration::from_millis(failure_timeout_ms * 10).max(Duration::from_secs(5));
     let mut last_ok = Instant::now();
+    // The first beat goes at once: a replacement's "ready" starts the recovery.
+    let mut wait = Duration::ZERO;
     loop {
         tokio::select! {
             _ = core.stop.notified() => return Ok(()),
-            _ = tokio::time::sleep(period) => {}
+            _ = tokio::time::sleep(wait) => {}
         }
+        wait = period;
         let reply = coordinator
             .heartbeat(HeartbeatRequest {
                 role: Role::Server as i32,
