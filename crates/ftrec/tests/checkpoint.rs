@@ -8,7 +8,7 @@ use cli::{BIN, MODEL, ftrec, json_of, setup};
 
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -467,34 +467,95 @@ fn standalone_merge_survives_sigkill_and_ends_in_the_hierarchical_layout() {
             .clone()
     };
     assert_eq!(listed(ck).len(), 40);
-    let mut killed = 0;
-    for trial in 0..8u64 {
+    // Kills land at adaptive delays until enough of them provably landed inside a
+    // merge: on a loaded machine the process may take anywhere from milliseconds to
+    // seconds to start, so no fixed delay is reliable.
+    let pristine = dir.path().join("deck-pristine");
+    copy_dir(Path::new(ck), &pristine);
+    let lease = Path::new(ck).join("locks/merger.lease");
+    let started = Instant::now();
+    let mut delay_ms = 20.0f64;
+    let mut outcomes: Vec<KillOutcome> = Vec::new();
+    let mid = |o: &[KillOutcome]| o.iter().filter(|o| o.mid_merge()).count();
+    let cut_off = |o: &[KillOutcome]| {
+        o.iter()
+            .filter(|o| matches!(o, KillOutcome::MidMerge { progressed: true }))
+            .count()
+    };
+    while (mid(&outcomes) < 3 || cut_off(&outcomes) < 1)
+        && outcomes.len() < 40
+        && started.elapsed() < Duration::from_secs(10)
+    {
+        let trial = outcomes.len();
+        let before = merge_state(ck);
         let mut child = Command::new(BIN)
             .args(["ckpt", "merge", ck])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        std::thread::sleep(Duration::from_millis(5 + (trial * 7919) % 120));
+        std::thread::sleep(Duration::from_secs_f64(delay_ms / 1000.0));
         let _ = child.kill();
-        killed += (!child.wait().unwrap().success()) as usize;
+        let exited_by_itself = child.wait().unwrap().success();
+        // The independent witness: the merger lease, taken before any merge work and
+        // released once all of it is done, still names the killed process, unreleased.
+        let holder: Option<Value> = std::fs::read(&lease)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        let released = holder
+            .as_ref()
+            .filter(|h| h["pid"].as_u64() == Some(u64::from(child.id())))
+            .map(|h| h["released"] == Value::Bool(true));
+        let after = merge_state(ck);
+        let outcome = match released {
+            _ if exited_by_itself => KillOutcome::Late,
+            Some(true) => KillOutcome::Late,
+            // Merged checkpoints committed, inputs deleted, or a merged checkpoint's
+            // files written without its manifest: the store shows work cut off.
+            Some(false) => KillOutcome::MidMerge {
+                progressed: after != before || !after.1.is_empty(),
+            },
+            None => KillOutcome::Early,
+        };
         let verify = ftrec(&["ckpt", "verify", ck]);
         assert!(
             verify.status.success(),
-            "trial {trial}: {}\nmanifests: {:?}",
+            "trial {trial} ({outcome:?} after {delay_ms:.0} ms): {}\nmanifests: {:?}",
             String::from_utf8_lossy(&verify.stdout),
-            listed(ck)
-                .iter()
-                .map(|m| m["id"].clone())
-                .collect::<Vec<_>>()
+            after.0
         );
         let restored = json_of(&ftrec(&["ckpt", "restore", ck, "--json"]));
         assert_eq!(
             restored["state_digest"], run["state_digest"],
-            "trial {trial}"
+            "trial {trial} ({outcome:?})"
         );
+        // Too early: wait longer. Too late: shorter. Mid-merge: spread the next kill
+        // around this one, to land at other points of the merge.
+        match outcome {
+            KillOutcome::Early => delay_ms = delay_ms * 1.6 + 5.0,
+            KillOutcome::Late => delay_ms *= 0.6,
+            KillOutcome::MidMerge { .. } => delay_ms *= [0.7, 1.3, 0.85, 1.15][trial % 4],
+        }
+        // Fully merged (5 checkpoints): start over from the unmerged history, so that the
+        // next kill has merge work to cut into.
+        if merge_state(ck).0.len() <= 5 {
+            std::fs::remove_dir_all(ck).unwrap();
+            copy_dir(&pristine, Path::new(ck));
+        }
+        outcomes.push(outcome);
     }
-    eprintln!("{killed} of 8 merges killed mid-run");
+    eprintln!(
+        "{} merges killed mid-merge ({} with merge work cut off) in {} trials, {:.1} s: \
+         {outcomes:?}",
+        mid(&outcomes),
+        cut_off(&outcomes),
+        outcomes.len(),
+        started.elapsed().as_secs_f64()
+    );
+    assert!(
+        mid(&outcomes) >= 3 && cut_off(&outcomes) >= 1,
+        "too few kills landed mid-merge: {outcomes:?}"
+    );
     let merged = json_of(&ftrec(&["ckpt", "merge", ck, "--json"]));
     assert!(merged["bytes_per_second"].as_f64().is_some());
     // 39 deltas at stride 2: 32 + 4 + 2 + 1.
@@ -518,4 +579,60 @@ fn standalone_merge_survives_sigkill_and_ends_in_the_hierarchical_layout() {
     assert_eq!(ftrec(&["ckpt", "gc", ck]).status.code(), Some(0));
     let again = json_of(&ftrec(&["ckpt", "restore", ck, "--json"]));
     assert_eq!(again["state_digest"], run["state_digest"]);
+}
+
+/// Where a SIGKILL of `ckpt merge` landed.
+#[derive(Debug)]
+enum KillOutcome {
+    /// Before the merger lease was taken (the process was still starting).
+    Early,
+    /// While the process held the merger lease; `progressed`: the store shows merge work
+    /// done or cut off halfway.
+    MidMerge { progressed: bool },
+    /// After the merge finished (it exited, or had released the lease).
+    Late,
+}
+
+impl KillOutcome {
+    fn mid_merge(&self) -> bool {
+        matches!(self, KillOutcome::MidMerge { .. })
+    }
+}
+
+/// The manifests of a checkpoint location, and the data directories no manifest names
+/// (a merged checkpoint whose files were written but not committed).
+fn merge_state(ck: &str) -> (Vec<String>, Vec<String>) {
+    let names = |sub: &str| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(Path::new(ck).join(sub))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    let manifests: Vec<String> = names("manifests")
+        .into_iter()
+        .filter_map(|m| m.strip_suffix(".man").map(str::to_string))
+        .collect();
+    let orphans = names("data")
+        .into_iter()
+        .filter(|d| !manifests.contains(d))
+        .collect();
+    (manifests, orphans)
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
 }
