@@ -123,7 +123,7 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         return print_json(serde_json::to_value(&report)?);
     }
     let s = &report.summary;
-    println!(
+    outln!(
         "{} servers, {} workers: {} steps, {} samples in {:.1}s = {:.0} samples/s ({:.0} RPC bytes/sample)",
         report.servers,
         report.workers,
@@ -134,7 +134,7 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         s.rpc_bytes_per_sample
     );
     for c in &s.checkpoints {
-        println!(
+        outln!(
             "checkpoint at step {}: {:.1} MB, training paused {:.3}s",
             c.step,
             c.bytes as f64 / 1e6,
@@ -142,27 +142,31 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         );
     }
     for r in &s.recoveries {
-        println!(
+        outln!(
             "server {} failure detected at {:.2}s, training resumed at {:.2}s from step {} ({} steps rolled back)",
-            r.server, r.detected_at, r.resumed_at, r.resumed_step, r.steps_rolled_back
+            r.server,
+            r.detected_at,
+            r.resumed_at,
+            r.resumed_step,
+            r.steps_rolled_back
         );
     }
     for k in &report.kill_to_resume_seconds {
-        println!("SIGKILL to training resumed: {k:.2}s");
+        outln!("SIGKILL to training resumed: {k:.2}s");
     }
     if let (Some(auc), Some(ll)) = (report.auc, report.logloss) {
-        println!(
+        outln!(
             "held-out ({} samples): AUC {auc:.4}, logloss {ll:.4}",
             report.eval_samples.unwrap_or(0)
         );
     }
-    println!("state digest {}", report.state_digest);
+    outln!("state digest {}", report.state_digest);
     if report.run_dir_removed {
-        println!(
+        outln!(
             "run directory removed; pass --run-dir DIR to keep the timeline, logs and checkpoints"
         );
     } else {
-        println!(
+        outln!(
             "timeline: {}/timeline.json (plot: ftrec plot timeline {0} --out timeline.png)",
             report.run_dir.display()
         );
@@ -201,7 +205,7 @@ pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
             .map_err(|s| ftrec_ps::PsError::rpc(format!("kill {member}"), &s))?;
         Ok::<_, ftrec_ps::PsError>(reply.into_inner().pid)
     })?;
-    println!("killed {member} (pid {pid})");
+    outln!("killed {member} (pid {pid})");
     Ok(())
 }
 
@@ -260,9 +264,10 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
         v["state_digest"] = json!(digest);
         return print_json(v);
     }
-    println!(
+    outln!(
         "{} samples at {:.0} samples/s; state digest {digest}",
-        summary.samples, summary.samples_per_sec
+        summary.samples,
+        summary.samples_per_sec
     );
     Ok(())
 }
@@ -275,7 +280,7 @@ pub fn plot_timeline(input: &Path, out: &Path, title: &str) -> Result<()> {
     };
     let data = TimelineData::read(&path)?;
     data.plot(out, title)?;
-    println!("wrote {}", out.display());
+    outln!("wrote {}", out.display());
     Ok(())
 }
 

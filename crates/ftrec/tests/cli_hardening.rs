@@ -75,34 +75,70 @@ fn sizes_that_cannot_fit_are_refused_by_key_not_aborted() {
     }
 }
 
+/// Runs ftrec with a reader that goes away: before any output, or (`| head -c1`) after the
+/// first byte. Returns its stderr after checking that it exited 0 without a panic.
+fn with_closed_pipe(args: &[&str], read_first_byte: bool) -> String {
+    let mut child = Command::new(cli::BIN)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    if read_first_byte {
+        let mut byte = [0u8; 1];
+        std::io::Read::read_exact(&mut stdout, &mut byte).unwrap();
+    }
+    drop(stdout);
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert!(
+        !err.contains("panicked") && !err.contains("Broken pipe"),
+        "{args:?}: {err}"
+    );
+    assert!(out.status.success(), "{args:?}: {:?}: {err}", out.status);
+    err
+}
+
 #[test]
 fn a_reader_that_closes_the_pipe_ends_the_output_quietly() {
     let dir = tempfile::tempdir().unwrap();
-    generate(dir.path(), "2000");
-    for read_first_line in [false, true] {
-        let mut child = Command::new(cli::BIN)
-            .args(["data", "stats", dir.path().to_str().unwrap()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut stdout = child.stdout.take().unwrap();
-        if read_first_line {
-            // `| head -1`: read a little, then go away.
-            let mut byte = [0u8; 1];
-            std::io::Read::read_exact(&mut stdout, &mut byte).unwrap();
+    let data = dir.path().join("data");
+    generate(&data, "2000");
+    let ck = dir.path().join("ck");
+    let (d, c) = (data.to_str().unwrap(), ck.to_str().unwrap());
+    let mut train = vec!["train", "--data", d, "--steps", "6", "--checkpoint-dir", c];
+    train.extend(["--set", "checkpoint.every_steps=2"]);
+    train.extend(SMALL);
+    json_of(&ftrec(&[&train[..], &["--json"]].concat()));
+    let gen_out = dir.path().join("gen");
+    let gen_args = [
+        "data",
+        "gen",
+        "--rows",
+        "500",
+        "--out",
+        gen_out.to_str().unwrap(),
+    ];
+    // Every command prints through one helper; these cover the data, checkpoint and
+    // generator commands and clap's own help.
+    for args in [
+        &["data", "stats", d][..],
+        &["ckpt", "ls", c],
+        &["ckpt", "ls", c, "--json"],
+        &["ckpt", "verify", c],
+        &gen_args,
+        &["--help"],
+    ] {
+        for read_first_byte in [false, true] {
+            with_closed_pipe(args, read_first_byte);
         }
-        drop(stdout);
-        let out = child.wait_with_output().unwrap();
-        let err = stderr(&out);
-        assert!(
-            !err.contains("panicked") && !err.contains("Broken pipe"),
-            "{err}"
-        );
-        assert!(out.status.success(), "{:?}: {err}", out.status);
     }
 }
 
+#[test]
+#[test]
+#[test]
 #[test]
 fn gzipped_criteo_converts_and_all_bad_lines_fail() {
     let dir = tempfile::tempdir().unwrap();
