@@ -138,6 +138,78 @@ fn a_reader_that_closes_the_pipe_ends_the_output_quietly() {
 
 #[test]
 #[test]
+fn data_gen_replaces_a_stale_dataset_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("d");
+    let gen_into = |format: &str, rows: &str| {
+        json_of(&ftrec(&[
+            "data",
+            "gen",
+            "--rows",
+            rows,
+            "--format",
+            format,
+            "--out",
+            out.to_str().unwrap(),
+            "--json",
+        ]))
+    };
+    let names = || {
+        let mut n: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        n.sort();
+        n
+    };
+    gen_into("binary", "2000");
+    assert_eq!(names(), ["meta.json", "test.ftrd", "train.ftrd"]);
+    // Text data into the same directory: the old binary files would be read by `train`
+    // with the new meta.json, so they go; nothing staged is left.
+    gen_into("criteo-tsv", "1000");
+    assert_eq!(names(), ["meta.json", "test.txt", "train.txt"]);
+    // Back to binary: the text files may be someone's convert input and stay; the binary
+    // files and meta.json describe the new 500 rows.
+    let r = gen_into("binary", "500");
+    assert_eq!(
+        names(),
+        [
+            "meta.json",
+            "test.ftrd",
+            "test.txt",
+            "train.ftrd",
+            "train.txt"
+        ]
+    );
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("meta.json")).unwrap()).unwrap();
+    assert_eq!(meta["train_samples"], r["train_samples"]);
+    let stats = json_of(&ftrec(&[
+        "data",
+        "stats",
+        out.join("train.ftrd").to_str().unwrap(),
+        "--json",
+    ]));
+    assert!(
+        stats
+            .to_string()
+            .contains(&format!("{}", r["train_samples"])),
+        "{stats}"
+    );
+    // A file where the directory should be is named, not "File exists (os error 17)".
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    let e = ftrec(&[
+        "data",
+        "gen",
+        "--rows",
+        "100",
+        "--out",
+        file.to_str().unwrap(),
+    ]);
+    assert!(stderr(&e).contains("is not a directory"), "{}", stderr(&e));
+}
+
 #[test]
 #[test]
 fn gzipped_criteo_converts_and_all_bad_lines_fail() {
