@@ -212,6 +212,9 @@ pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
 pub fn server(a: ServerArgs) -> Result<()> {
     launch::die_with_launcher()?;
     let job = Job::load(&a.job)?;
+    // The job file may come from a larger host: refuse before allocating (an allocation
+    // failure aborts without saying which key to change) and before joining.
+    job.check_server_memory(if a.spare { None } else { a.id })?;
     runtime()?.block_on(ftrec_ps::server::run(ServerOptions {
         job,
         id: if a.spare { None } else { a.id },
@@ -224,6 +227,7 @@ pub fn server(a: ServerArgs) -> Result<()> {
 pub fn worker(a: WorkerArgs) -> Result<()> {
     launch::die_with_launcher()?;
     let job = Job::load(&a.job)?;
+    job.check_worker_memory()?;
     ftrec_ps::worker::run(WorkerOptions {
         job,
         id: a.id,

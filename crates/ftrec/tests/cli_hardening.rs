@@ -137,6 +137,61 @@ fn a_reader_that_closes_the_pipe_ends_the_output_quietly() {
 }
 
 #[test]
+fn servers_and_workers_started_by_hand_are_sized_against_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = |name: &str, rows: &str, batch: &str| {
+        // The tiny preset written out, with the dataset a cluster job needs (the default
+        // cluster section: 2 servers).
+        let text = include_str!("../../../configs/tiny.toml")
+            .replace(
+                "rows_per_table = 100000",
+                &format!("rows_per_table = {rows}"),
+            )
+            .replace("batch_size = 2048", &format!("batch_size = {batch}"));
+        let path = dir.path().join(name);
+        std::fs::write(&path, format!("{text}\ndir = \"/nonexistent\"\n")).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let run = |args: &[&str]| {
+        let out = Command::new(cli::BIN)
+            .args(args)
+            .env("FTREC_JOB_SECRET", "a-test-secret-of-enough-length")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stderr(&out));
+        stderr(&out)
+    };
+    let coordinator = ["--coordinator", "127.0.0.1:1"];
+    let huge_rows = job("rows.toml", "4294967295", "2048");
+    for who in [&["--id", "1"][..], &["--spare"]] {
+        let err = run(&[&["server", "--job", &huge_rows][..], &coordinator, who].concat());
+        assert!(!err.contains("memory allocation"), "{err}");
+        let subject = if who[0] == "--spare" {
+            "a spare server"
+        } else {
+            "server 1"
+        };
+        assert!(
+            err.contains(&format!("{subject} of this job needs about"))
+                && err.contains("available")
+                && err.contains("model.rows_per_table = 4294967295")
+                && err.contains("cluster.servers = 2"),
+            "{err}"
+        );
+    }
+    // A worker holds no tables: the same job is refused only for its batch.
+    let huge_batch = job("batch.toml", "1000", "1000000000");
+    let worker =
+        |job: &str| run(&[&["worker", "--job", job, "--id", "0"][..], &coordinator].concat());
+    let err = worker(&huge_batch);
+    assert!(
+        err.contains("a worker of this job needs about")
+            && err.contains("train.batch_size = 1000000000"),
+        "{err}"
+    );
+    assert!(!worker(&huge_rows).contains("needs about"));
+}
+
 #[test]
 fn data_gen_replaces_a_stale_dataset_whole() {
     let dir = tempfile::tempdir().unwrap();
