@@ -34,14 +34,20 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
     let temporary_run_dir = a.run_dir.is_none();
     let run_dir = match &a.run_dir {
         Some(d) => absolute(d)?,
-        None => std::env::temp_dir().join(format!(
-            "ftrec-cluster-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis())
-        )),
+        // It will hold the job secret: an unguessable name, made private, never reused.
+        None => launch::private_run_dir(&absolute(&std::env::temp_dir())?, "ftrec-cluster")?,
     };
+    let result = run_in(a, run_dir.clone(), temporary_run_dir);
+    if result.is_err() && temporary_run_dir {
+        // Refused before the launch wrote anything (a bad --kill, a missing dataset): leave
+        // no empty directory behind. A failed launch's logs stay (remove_dir only takes an
+        // empty one), so the failure can be read.
+        let _ = std::fs::remove_dir(&run_dir);
+    }
+    result
+}
+
+fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Result<()> {
     let data = a.data.as_deref().map(absolute).transpose()?;
     let checkpoint_dir = a.checkpoint_dir.as_deref().map(absolute).transpose()?;
     let mut extra = run_overrides(a.steps, data.as_deref(), checkpoint_dir.as_deref());

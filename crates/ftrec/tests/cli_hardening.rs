@@ -1,6 +1,6 @@
-//! Inputs that used to crash ftrec or end it silently (issue 13): oversized models, a
-//! reader that closes the pipe, gzipped day files, and resumes that cannot do what they
-//! were asked.
+//! Inputs that used to crash ftrec or end it silently (issue 13): oversized models and
+//! cluster members, a reader that closes the pipe, gzipped day files, stale datasets,
+//! resumes that cannot do what they were asked, and a guessable cluster run directory.
 
 #[path = "support/cli.rs"]
 mod cli;
@@ -266,6 +266,54 @@ fn data_gen_replaces_a_stale_dataset_whole() {
 }
 
 #[test]
+fn the_default_cluster_run_directory_is_private_and_unpredictable() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    generate(&data, "2000");
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let cluster = |extra: &[&str]| {
+        let mut args = vec![
+            "cluster",
+            "run",
+            "--data",
+            data.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--servers",
+            "1",
+            "--workers",
+            "1",
+            "--no-eval",
+            "--json",
+        ];
+        args.extend(SMALL);
+        args.extend(extra);
+        Command::new(cli::BIN)
+            .args(&args)
+            .env("TMPDIR", &tmp)
+            .output()
+            .unwrap()
+    };
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let r = json_of(&cluster(&[]));
+        let run_dir = r["run_dir"].as_str().unwrap().to_string();
+        let name = run_dir
+            .strip_prefix(&format!("{}/ftrec-cluster-", tmp.display()))
+            .unwrap();
+        // 128 random bits: neither a pid nor a clock another user could guess.
+        assert_eq!(name.len(), 32, "{run_dir}");
+        assert_eq!(r["run_dir_removed"], true);
+        seen.push(run_dir);
+    }
+    assert_ne!(seen[0], seen[1]);
+    // A run refused before launching leaves no empty directory behind.
+    let out = cluster(&["--kill", "server:5@1s"]);
+    assert!(!out.status.success());
+    assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0);
+}
+
 #[test]
 fn gzipped_criteo_converts_and_all_bad_lines_fail() {
     let dir = tempfile::tempdir().unwrap();
