@@ -23,7 +23,7 @@ pub use cluster::{ClusterSection, EcSection, FaultTolerance};
 pub use cpr::{CprPriority, CprSection};
 pub use error::ConfigError;
 pub use ftrec_ckpt::Strategy;
-pub use memory::available_memory;
+pub use memory::{MemoryPart, available_memory, check_parts, parts_fit_in_memory};
 pub use sections::{DataSection, ModelSection, OptimizerSection, TrainSection};
 pub use security::{SECRET_ENV, SecuritySection};
 

@@ -18,12 +18,19 @@ impl JobConfig {
     /// are already in memory (a loaded snapshot) and so are not needed again.
     pub fn check_memory(&self, available: u64, held: u64) -> Result<(), ConfigError> {
         let e = self.memory_estimate()?;
-        let need = e.total().saturating_sub(held as u128);
-        if need <= available as u128 {
-            return Ok(());
-        }
+        let parts = [
+            MemoryPart::new(e.tables, "embedding tables", self.table_keys()),
+            MemoryPart::new(e.bottom, "bottom MLP", self.bottom_keys()),
+            MemoryPart::new(e.top, "top MLP", self.top_keys()),
+            MemoryPart::new(e.batch, "per-batch buffers", self.batch_keys()),
+        ];
+        check_parts("this model", &parts, held as u128, available)
+    }
+
+    /// The keys that size the embedding tables, with their values.
+    pub fn table_keys(&self) -> String {
         let m = &self.model;
-        let tables = if m.table_rows.is_empty() {
+        if m.table_rows.is_empty() {
             format!(
                 "model.num_tables = {} x model.rows_per_table = {} x model.dim = {}",
                 m.num_tables, m.rows_per_table, m.dim
@@ -35,53 +42,32 @@ impl JobConfig {
                 m.table_rows.iter().map(|&r| r as u128).sum::<u128>(),
                 m.dim
             )
-        };
-        let parts = [
-            (e.tables, "embedding tables", tables),
-            (
-                e.bottom,
-                "bottom MLP",
-                format!(
-                    "model.bottom = {:?} (its activations grow with train.batch_size = {})",
-                    m.bottom, self.train.batch_size
-                ),
-            ),
-            (
-                e.top,
-                "top MLP",
-                format!(
-                    "model.top = {:?} (its input grows with model.dim and the table count, its \
-                     activations with train.batch_size = {})",
-                    m.top, self.train.batch_size
-                ),
-            ),
-            (
-                e.batch,
-                "per-batch buffers",
-                format!(
-                    "train.batch_size = {} (and model.dim = {})",
-                    self.train.batch_size, m.dim
-                ),
-            ),
-        ];
-        let mut largest = &parts[0];
-        for p in &parts[1..] {
-            if p.0 > largest.0 {
-                largest = p;
-            }
         }
-        let (_, largest, keys) = largest;
-        let breakdown = parts
-            .iter()
-            .map(|(bytes, what, _)| format!("{what} {}", human_bytes(*bytes)))
-            .collect::<Vec<_>>()
-            .join(", ");
-        Err(ConfigError::Invalid(format!(
-            "this model needs about {} of memory ({breakdown}) but {} is available; \
-             the largest part is the {largest}: lower {keys}",
-            human_bytes(need),
-            human_bytes(available as u128)
-        )))
+    }
+
+    /// The keys that size the bottom MLP.
+    pub fn bottom_keys(&self) -> String {
+        format!(
+            "model.bottom = {:?} (its activations grow with train.batch_size = {})",
+            self.model.bottom, self.train.batch_size
+        )
+    }
+
+    /// The keys that size the top MLP.
+    pub fn top_keys(&self) -> String {
+        format!(
+            "model.top = {:?} (its input grows with model.dim and the table count, its \
+             activations with train.batch_size = {})",
+            self.model.top, self.train.batch_size
+        )
+    }
+
+    /// The keys that size the buffers of one step.
+    pub fn batch_keys(&self) -> String {
+        format!(
+            "train.batch_size = {} (and model.dim = {})",
+            self.train.batch_size, self.model.dim
+        )
     }
 
     /// [`Self::check_memory`] against this host's available memory; skipped where the
@@ -91,6 +77,70 @@ impl JobConfig {
             Some(available) => self.check_memory(available, held),
             None => Ok(()),
         }
+    }
+}
+
+/// One part of a memory estimate: its size, what it is, and the key(s) that set it.
+#[derive(Clone, Debug)]
+pub struct MemoryPart {
+    pub bytes: u128,
+    pub what: String,
+    pub keys: String,
+}
+
+impl MemoryPart {
+    pub fn new(bytes: u128, what: impl Into<String>, keys: impl Into<String>) -> Self {
+        Self {
+            bytes,
+            what: what.into(),
+            keys: keys.into(),
+        }
+    }
+}
+
+/// Refuses an estimate (the sum of `parts`, less `held` bytes already in memory) larger
+/// than `available`: "`subject` needs about N of memory (each part) but M is available;
+/// the largest part is the P: lower KEYS". One wording for every process that checks.
+pub fn check_parts(
+    subject: &str,
+    parts: &[MemoryPart],
+    held: u128,
+    available: u64,
+) -> Result<(), ConfigError> {
+    let total: u128 = parts.iter().map(|p| p.bytes).sum();
+    let need = total.saturating_sub(held);
+    if need <= available as u128 {
+        return Ok(());
+    }
+    // The first of equals, so the wording does not depend on the order of ties' ends.
+    let Some(largest) = parts
+        .iter()
+        .reduce(|a, b| if b.bytes > a.bytes { b } else { a })
+    else {
+        // No parts need nothing, and nothing always fits.
+        return Ok(());
+    };
+    let breakdown = parts
+        .iter()
+        .map(|p| format!("{} {}", p.what, human_bytes(p.bytes)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(ConfigError::Invalid(format!(
+        "{subject} needs about {} of memory ({breakdown}) but {} is available; the largest \
+         part is the {}: lower {}",
+        human_bytes(need),
+        human_bytes(available as u128),
+        largest.what,
+        largest.keys
+    )))
+}
+
+/// [`check_parts`] against this host's available memory; skipped where the host does not
+/// say (no `/proc/meminfo`).
+pub fn parts_fit_in_memory(subject: &str, parts: &[MemoryPart]) -> Result<(), ConfigError> {
+    match available_memory() {
+        Some(available) => check_parts(subject, parts, 0, available),
+        None => Ok(()),
     }
 }
 

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::schema::Schema;
+use crate::staging::Staging;
 use crate::text::{TextSummary, for_each_record};
 use crate::{DataError, DatasetWriter, META_FILE, TEST_FILE, TRAIN_FILE};
 
@@ -61,14 +62,7 @@ pub fn convert(
     if opts.inputs.is_empty() {
         return Err(DataError::Invalid("no input files to convert".into()));
     }
-    if opts.out_dir.exists() && !opts.out_dir.is_dir() {
-        return Err(DataError::format(
-            &opts.out_dir,
-            "exists and is not a directory (--out names the dataset directory)",
-        ));
-    }
-    std::fs::create_dir_all(&opts.out_dir).map_err(|e| DataError::io(&opts.out_dir, e))?;
-    let staging = Staging::create(&opts.out_dir)?;
+    let staging = Staging::create(&opts.out_dir, "convert")?;
     let (nd, ns) = (opts.schema.num_dense(), opts.schema.num_sparse());
     let multi_hot = opts.schema.multi_hot_separator.is_some();
     let mut train = DatasetWriter::create(&staging.path.join(TRAIN_FILE), nd, ns, multi_hot)?;
@@ -131,7 +125,8 @@ pub fn convert(
             ));
         }
     }
-    staging.publish(&opts.out_dir)?;
+    // The old meta.json describes a generated dataset, not this one.
+    staging.publish(&opts.out_dir, &[TRAIN_FILE, TEST_FILE], &[META_FILE])?;
     Ok(report)
 }
 
@@ -140,53 +135,6 @@ fn describe(inputs: &[PathBuf]) -> String {
         [one] => one.display().to_string(),
         [first, ..] => format!("{} input files ({} ...)", inputs.len(), first.display()),
         [] => "no input".into(),
-    }
-}
-
-/// A directory inside the output directory (same file system, so the final renames are
-/// atomic) that the new files are written into; removed with whatever is left in it when
-/// dropped, on success or failure alike.
-struct Staging {
-    path: PathBuf,
-}
-
-impl Staging {
-    fn create(out_dir: &Path) -> Result<Self, DataError> {
-        let path = out_dir.join(format!(".convert-{}.tmp", std::process::id()));
-        // A leftover of a killed convert with the same pid is ours to replace.
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir(&path).map_err(|e| DataError::io(&path, e))?;
-        Ok(Self { path })
-    }
-
-    /// Moves the finished files over the old ones. The stale `meta.json` goes first, so
-    /// no reader pairs it with the new files.
-    fn publish(&self, out_dir: &Path) -> Result<(), DataError> {
-        for stale in [
-            out_dir.join(META_FILE),
-            ftrec_fsio::temp_path(&out_dir.join(META_FILE)),
-            ftrec_fsio::temp_path(&out_dir.join(TRAIN_FILE)),
-            ftrec_fsio::temp_path(&out_dir.join(TEST_FILE)),
-        ] {
-            match std::fs::remove_file(&stale) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(DataError::io(&stale, e));
-                }
-                _ => {}
-            }
-        }
-        for name in [TRAIN_FILE, TEST_FILE] {
-            let to = out_dir.join(name);
-            std::fs::rename(self.path.join(name), &to).map_err(|e| DataError::io(&to, e))?;
-        }
-        Ok(ftrec_fsio::sync_dir(out_dir)?)
-    }
-}
-
-impl Drop for Staging {
-    fn drop(&mut self) {
-        // Best effort: an error being reported matters more than this one.
-        let _ = std::fs::remove_dir_all(&self.path);
     }
 }
 

@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::criteo::{KAGGLE_CARDINALITIES, NUM_DENSE};
 use crate::hashing::{MISSING, raw};
 use crate::record::log1p_clamped;
+use crate::staging::Staging;
 use crate::{DataError, DatasetWriter, META_FILE, Record, TEST_FILE, TRAIN_FILE};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -42,6 +43,16 @@ pub enum OutputFormat {
     Binary,
     /// `train.txt` + `test.txt` in the Criteo TSV format, for exercising converters.
     CriteoTsv,
+}
+
+impl OutputFormat {
+    /// The train and test files a dataset of this format is made of.
+    pub fn file_names(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Binary => (TRAIN_FILE, TEST_FILE),
+            Self::CriteoTsv => ("train.txt", "test.txt"),
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -306,18 +317,13 @@ impl Sink {
         format: OutputFormat,
         tables: usize,
     ) -> Result<Self, DataError> {
+        let (train, test_name) = format.file_names();
+        let path = dir.join(if test { test_name } else { train });
         Ok(match format {
             OutputFormat::Binary => {
-                let name = if test { TEST_FILE } else { TRAIN_FILE };
-                Sink::Binary(DatasetWriter::create(
-                    &dir.join(name),
-                    NUM_DENSE,
-                    tables,
-                    false,
-                )?)
+                Sink::Binary(DatasetWriter::create(&path, NUM_DENSE, tables, false)?)
             }
             OutputFormat::CriteoTsv => {
-                let path = dir.join(if test { "test.txt" } else { "train.txt" });
                 let f = File::create(&path).map_err(|e| DataError::io(&path, e))?;
                 Sink::Tsv(BufWriter::with_capacity(1 << 20, f), path)
             }
@@ -376,8 +382,9 @@ impl Sink {
     }
 }
 
-/// Generates the dataset into `dir` and writes `meta.json`. `progress` is called with the
-/// number of samples written so far.
+/// Generates the dataset and its `meta.json` into `dir`, replacing an older dataset there
+/// only when the whole of the new one was written. `progress` is called with the number
+/// of samples written so far.
 pub fn generate(
     config: &GenConfig,
     dir: &Path,
@@ -385,12 +392,14 @@ pub fn generate(
     mut progress: impl FnMut(u64),
 ) -> Result<GenReport, DataError> {
     let generator = Generator::new(config)?;
-    std::fs::create_dir_all(dir).map_err(|e| DataError::io(dir, e))?;
+    // Written aside and moved in whole, as `data convert` does: a failed run changes
+    // nothing, a successful one leaves nothing of an older dataset to pair with meta.json.
+    let staging = Staging::create(dir, "gen")?;
     let tables = config.cardinalities.len();
     let test_samples = config.test_samples();
     let train_samples = config.rows - test_samples;
-    let mut train = Some(Sink::open(dir, false, format, tables)?);
-    let mut test = Some(Sink::open(dir, true, format, tables)?);
+    let mut train = Some(Sink::open(&staging.path, false, format, tables)?);
+    let mut test = Some(Sink::open(&staging.path, true, format, tables)?);
     let chunks = config.rows.div_ceil(CHUNK);
     let window = (rayon::current_num_threads() as u64 * 2).max(2);
     let (mut rec, mut line) = (Record::default(), String::new());
@@ -432,7 +441,17 @@ pub fn generate(
         teacher_auc: metrics.auc,
         teacher_logloss: metrics.logloss,
     };
-    write_meta(dir, &report)?;
+    write_meta(&staging.path, &report)?;
+    let (train_name, test_name) = format.file_names();
+    // meta.json last: it describes the files before it. A binary dataset left beside new
+    // text files is stale (`train --data DIR` would read it with the new meta.json), so it
+    // goes; text files beside a new binary dataset are left alone, as they may be the
+    // user's own input for `data convert`.
+    let stale: &[&str] = match format {
+        OutputFormat::Binary => &[META_FILE],
+        OutputFormat::CriteoTsv => &[META_FILE, TRAIN_FILE, TEST_FILE],
+    };
+    staging.publish(dir, &[train_name, test_name, META_FILE], stale)?;
     Ok(report)
 }
 

@@ -14,6 +14,7 @@ pub mod generate;
 pub mod hashing;
 mod record;
 pub mod schema;
+mod staging;
 pub mod stats;
 pub mod text;
 

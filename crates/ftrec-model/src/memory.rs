@@ -40,6 +40,18 @@ fn mlp_words(inputs: usize, widths: &[usize]) -> (u128, u128) {
 }
 
 impl ModelConfig {
+    /// Words of the dense parameters (both MLPs' weights and biases), in `u128` so that
+    /// an absurd configuration is measured, not overflowed.
+    pub fn dense_words(&self) -> u128 {
+        let width = self.interaction_width_u128();
+        mlp_words(self.num_dense, &self.bottom).0 + mlp_words(width as usize, &self.top).0
+    }
+
+    fn interaction_width_u128(&self) -> u128 {
+        let vectors = self.tables() as u128 + 1;
+        self.dim as u128 + vectors * (vectors - 1) / 2
+    }
+
     /// Memory a single-process trainer of this configuration needs at batch size
     /// `max_batch` (mirrors the allocations of `ModelState::new` and `Dlrm::new`).
     pub fn memory_estimate(&self, max_batch: usize) -> MemoryEstimate {
@@ -49,7 +61,7 @@ impl ModelConfig {
         let row_words = dim + self.sparse_optimizer.row_state_len(self.dim) as u128;
         let rows: u128 = self.table_rows.iter().map(|&r| r as u128).sum();
         let vectors = tables + 1;
-        let width = dim + vectors * (vectors - 1) / 2;
+        let width = self.interaction_width_u128();
         // Parameters, their gradient buffer, and the dense optimizer's state per word.
         let state_per_word = self.dense_optimizer.dense_state_len(1).unwrap_or(2) as u128;
         let dense_bytes = |params: u128| params * (2 + state_per_word) * F32;

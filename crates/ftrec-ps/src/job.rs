@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use ftrec_config::JobConfig;
+use ftrec_config::{JobConfig, MemoryPart, parts_fit_in_memory};
 use ftrec_data::{Dataset, TRAIN_FILE};
 
 use crate::PsError;
@@ -164,6 +164,116 @@ impl Job {
             );
         }
         Layout::new(cluster.servers)
+    }
+
+    /// What server `id` holds (the largest server's share for a spare, which may be given
+    /// any slot): its rows of every table with their optimizer state, under erasure coding
+    /// its parity rows and the dense replica it keeps, and the dense model, which a shard
+    /// holds at full size and builds from a second full copy.
+    pub fn server_memory(&self, id: Option<usize>) -> Result<Vec<MemoryPart>, PsError> {
+        let c = &self.config;
+        let model = c.model_config()?;
+        let layout = self.layout()?;
+        let servers = layout.servers();
+        let ids = match id {
+            Some(id) if id < servers => id..id + 1,
+            Some(id) => {
+                return Err(PsError::Config(format!(
+                    "--id {id}: the job has {servers} servers (0..={})",
+                    servers - 1
+                )));
+            }
+            None => 0..servers,
+        };
+        let row_bytes = model.row_stride() as u128 * 4;
+        let state_per_word = model.dense_optimizer.dense_state_len(1).unwrap_or(2) as u128;
+        let dense_words = model.dense_words();
+        let dense_bytes = |words: u128| words * (1 + state_per_word) * 4;
+        let share = |server: usize| {
+            let rows: u128 = model
+                .table_rows
+                .iter()
+                .enumerate()
+                .map(|(t, &rows)| layout.local_rows(t, server, rows) as u128)
+                .sum();
+            let parity: u128 = model
+                .table_rows
+                .iter()
+                .map(|&rows| layout.parity_rows(server, rows) as u128)
+                .sum();
+            let replica = layout.replicates(server).map_or(0, |of| {
+                dense_words * (of as u128 + 1) / servers as u128
+                    - dense_words * of as u128 / servers as u128
+            });
+            (
+                rows * row_bytes,
+                parity * row_bytes,
+                dense_bytes(2 * dense_words + replica),
+            )
+        };
+        // The largest share, part by part (a spare must fit whichever slot it is given).
+        let (rows, parity, dense) = ids
+            .map(share)
+            .fold((0, 0, 0), |a, b| (a.0.max(b.0), a.1.max(b.1), a.2.max(b.2)));
+        let mut parts = vec![MemoryPart::new(
+            rows,
+            "server's rows of the embedding tables",
+            format!(
+                "{}, or spread the rows over more servers (cluster.servers = {servers})",
+                c.table_keys()
+            ),
+        )];
+        if layout.stripes().is_some() {
+            parts.push(MemoryPart::new(
+                parity,
+                "parity rows",
+                format!(
+                    "ec.r = {} (parity rows per stripe of ec.k = {} rows), or {}",
+                    c.ec.r,
+                    c.ec.k,
+                    c.table_keys()
+                ),
+            ));
+        }
+        parts.push(MemoryPart::new(
+            dense,
+            "dense parameters and optimizer state",
+            format!(
+                "model.bottom = {:?} and model.top = {:?}",
+                c.model.bottom, c.model.top
+            ),
+        ));
+        Ok(parts)
+    }
+
+    /// What a worker holds: no tables, but the dense model, the activations of a batch and
+    /// the rows it pulls for it.
+    pub fn worker_memory(&self) -> Result<Vec<MemoryPart>, PsError> {
+        let c = &self.config;
+        let e = c.memory_estimate()?;
+        Ok(vec![
+            MemoryPart::new(e.bottom, "bottom MLP", c.bottom_keys()),
+            MemoryPart::new(e.top, "top MLP", c.top_keys()),
+            MemoryPart::new(e.batch, "per-batch buffers and pulled rows", c.batch_keys()),
+        ])
+    }
+
+    /// Refuses to start server `id` (a spare: `None`) that this host cannot hold, before
+    /// it allocates anything or joins the cluster.
+    pub fn check_server_memory(&self, id: Option<usize>) -> Result<(), PsError> {
+        let subject = match id {
+            Some(id) => format!("server {id} of this job"),
+            None => "a spare server of this job".to_string(),
+        };
+        Ok(parts_fit_in_memory(&subject, &self.server_memory(id)?)?)
+    }
+
+    /// Refuses to start a worker this host cannot hold.
+    pub fn check_worker_memory(&self) -> Result<(), PsError> {
+        Ok(parts_fit_in_memory(
+            "a worker of this job",
+            &self.worker_memory()?,
+        )?)
     }
 
     pub fn train_data(&self) -> Result<Dataset, PsError> {

@@ -44,10 +44,10 @@ pub fn run(a: BenchCkptArgs) -> Result<()> {
     )?;
     let _ = std::fs::remove_dir_all(&a.dir);
     if a.json {
-        println!("{}", serde_json::to_string(&summary)?);
+        outln!("{}", serde_json::to_string(&summary)?);
     } else {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
-        println!("wrote {}", a.out.display());
+        outln!("{}", serde_json::to_string_pretty(&summary)?);
+        outln!("wrote {}", a.out.display());
     }
     Ok(())
 }

@@ -154,13 +154,13 @@ pub fn run(a: BenchCprArgs) -> Result<()> {
     if a.json {
         return print_json(value);
     }
-    println!("{}", serde_json::to_string_pretty(&value["by_fraction"])?);
-    println!(
+    outln!("{}", serde_json::to_string_pretty(&value["by_fraction"])?);
+    outln!(
         "auc_pls_correlation {:.4}; targets {}",
         report.auc_pls_correlation,
         serde_json::to_string(&report.targets)?
     );
-    println!("wrote {}", a.out.display());
+    outln!("wrote {}", a.out.display());
     Ok(())
 }
 

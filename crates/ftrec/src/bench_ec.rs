@@ -147,7 +147,7 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
     if a.json {
         return print_json(summary);
     }
-    println!("{}", serde_json::to_string_pretty(&summary)?);
-    println!("wrote {}", Path::new(&a.out).display());
+    outln!("{}", serde_json::to_string_pretty(&summary)?);
+    outln!("wrote {}", Path::new(&a.out).display());
     Ok(())
 }

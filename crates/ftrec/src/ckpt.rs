@@ -91,7 +91,7 @@ fn list(dir: &Path, json: bool) -> Result<()> {
                 .iter()
                 .map(|(id, e)| json!({"id": id, "error": e.to_string()})),
         );
-        println!("{}", serde_json::to_string(&entries)?);
+        outln!("{}", serde_json::to_string(&entries)?);
     } else {
         let mut numbers: Vec<u32> = all.iter().map(|m| m.branch).collect();
         numbers.extend(branches.iter().map(|b| b.branch));
@@ -103,9 +103,9 @@ fn list(dir: &Path, json: bool) -> Result<()> {
                 Some(f) => format!("forked from {} (branch {})", f.checkpoint, f.branch),
                 None => "independent".into(),
             };
-            println!("branch {b}: {origin}");
+            outln!("branch {b}: {origin}");
             for m in all.iter().filter(|m| m.branch == b) {
-                println!(
+                outln!(
                     "  {}  {:?}  step {:>8}  {:>12} bytes",
                     m.id,
                     m.kind,
@@ -115,7 +115,7 @@ fn list(dir: &Path, json: bool) -> Result<()> {
             }
         }
         for (id, e) in &damaged {
-            println!("{id}: DAMAGED MANIFEST: {e}");
+            outln!("{id}: DAMAGED MANIFEST: {e}");
         }
     }
     if !damaged.is_empty() {
@@ -162,19 +162,19 @@ fn verify(dir: &Path, id: Option<String>, json: bool) -> Result<()> {
         match result {
             Ok(()) => {
                 if !json {
-                    println!("{id}: ok");
+                    outln!("{id}: ok");
                 }
             }
             Err(e) => {
                 if !json {
-                    println!("{id}: DAMAGED: {e}");
+                    outln!("{id}: DAMAGED: {e}");
                 }
                 failures.push(json!({"id": id, "error": e.to_string()}));
             }
         }
     }
     if json {
-        println!("{}", json!({"checked": ids.len(), "damaged": failures}));
+        outln!("{}", json!({"checked": ids.len(), "damaged": failures}));
     }
     if !failures.is_empty() {
         bail!(
@@ -199,7 +199,7 @@ pub fn run(command: CkptCommand) -> Result<()> {
             if m.kind == CheckpointKind::Incrcp {
                 shown["incrcp_rectangle"] = rectangle_summary(&ck, &m)?;
             }
-            println!("{}", serde_json::to_string_pretty(&shown)?);
+            outln!("{}", serde_json::to_string_pretty(&shown)?);
         }
         CkptCommand::Verify { dir, id, json } => match cluster::servers_of(&dir)? {
             Some(servers) => cluster::each_server(&servers, |d| verify(d, id.clone(), json))?,
@@ -225,13 +225,13 @@ pub fn run(command: CkptCommand) -> Result<()> {
             };
             let tensors = export_safetensors(&state, step, &out)?;
             if json {
-                println!(
+                outln!(
                     "{}",
                     json!({"id": id, "out": out, "tensors": tensors.len(),
                            "state_digest": state.digest().to_string()})
                 );
             } else {
-                println!(
+                outln!(
                     "exported {id} as {} tensors to {}",
                     tensors.len(),
                     out.display()
@@ -264,7 +264,7 @@ pub fn run(command: CkptCommand) -> Result<()> {
                         Err(e) => return Err(e.into()),
                     };
                     if json {
-                        println!(
+                        outln!(
                             "{}",
                             json!({"merged": report.merged, "deleted": report.deleted,
                                "bytes_in": report.bytes_in, "bytes_out": report.bytes_out,
@@ -272,7 +272,7 @@ pub fn run(command: CkptCommand) -> Result<()> {
                                "bytes_per_second": report.bytes_per_second()})
                         );
                     } else if !report.merged.is_empty() || watch.is_none() {
-                        println!(
+                        outln!(
                             "merged {} checkpoints into {} ({} MB read at {:.0} MB/s)",
                             report.deleted.len(),
                             report.merged.len(),
@@ -310,9 +310,9 @@ pub fn run(command: CkptCommand) -> Result<()> {
             };
             let report = ck.gc_with(&options)?;
             if json {
-                println!("{}", serde_json::to_string(&report)?);
+                outln!("{}", serde_json::to_string(&report)?);
             } else {
-                println!(
+                outln!(
                     "removed {} checkpoints ({}) and {} files; kept {} files of writes in progress",
                     report.checkpoints.len(),
                     report.checkpoints.join(", "),
@@ -335,13 +335,13 @@ pub fn run(command: CkptCommand) -> Result<()> {
                 snapshot::save(out, &state, progress)?;
             }
             if json {
-                println!(
+                outln!(
                     "{}",
                     json!({"id": id, "step": manifest.step, "state_digest": digest,
                            "restore_seconds": seconds, "checkpoints_read": chain, "out": out})
                 );
             } else {
-                println!(
+                outln!(
                     "restored {id} (step {}, {chain} checkpoints read) in {seconds:.2}s: state digest {digest}",
                     manifest.step
                 );

@@ -34,14 +34,20 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
     let temporary_run_dir = a.run_dir.is_none();
     let run_dir = match &a.run_dir {
         Some(d) => absolute(d)?,
-        None => std::env::temp_dir().join(format!(
-            "ftrec-cluster-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis())
-        )),
+        // It will hold the job secret: an unguessable name, made private, never reused.
+        None => launch::private_run_dir(&absolute(&std::env::temp_dir())?, "ftrec-cluster")?,
     };
+    let result = run_in(a, run_dir.clone(), temporary_run_dir);
+    if result.is_err() && temporary_run_dir {
+        // Refused before the launch wrote anything (a bad --kill, a missing dataset): leave
+        // no empty directory behind. A failed launch's logs stay (remove_dir only takes an
+        // empty one), so the failure can be read.
+        let _ = std::fs::remove_dir(&run_dir);
+    }
+    result
+}
+
+fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Result<()> {
     let data = a.data.as_deref().map(absolute).transpose()?;
     let checkpoint_dir = a.checkpoint_dir.as_deref().map(absolute).transpose()?;
     let mut extra = run_overrides(a.steps, data.as_deref(), checkpoint_dir.as_deref());
@@ -123,7 +129,7 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         return print_json(serde_json::to_value(&report)?);
     }
     let s = &report.summary;
-    println!(
+    outln!(
         "{} servers, {} workers: {} steps, {} samples in {:.1}s = {:.0} samples/s ({:.0} RPC bytes/sample)",
         report.servers,
         report.workers,
@@ -134,7 +140,7 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         s.rpc_bytes_per_sample
     );
     for c in &s.checkpoints {
-        println!(
+        outln!(
             "checkpoint at step {}: {:.1} MB, training paused {:.3}s",
             c.step,
             c.bytes as f64 / 1e6,
@@ -142,27 +148,31 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
         );
     }
     for r in &s.recoveries {
-        println!(
+        outln!(
             "server {} failure detected at {:.2}s, training resumed at {:.2}s from step {} ({} steps rolled back)",
-            r.server, r.detected_at, r.resumed_at, r.resumed_step, r.steps_rolled_back
+            r.server,
+            r.detected_at,
+            r.resumed_at,
+            r.resumed_step,
+            r.steps_rolled_back
         );
     }
     for k in &report.kill_to_resume_seconds {
-        println!("SIGKILL to training resumed: {k:.2}s");
+        outln!("SIGKILL to training resumed: {k:.2}s");
     }
     if let (Some(auc), Some(ll)) = (report.auc, report.logloss) {
-        println!(
+        outln!(
             "held-out ({} samples): AUC {auc:.4}, logloss {ll:.4}",
             report.eval_samples.unwrap_or(0)
         );
     }
-    println!("state digest {}", report.state_digest);
+    outln!("state digest {}", report.state_digest);
     if report.run_dir_removed {
-        println!(
+        outln!(
             "run directory removed; pass --run-dir DIR to keep the timeline, logs and checkpoints"
         );
     } else {
-        println!(
+        outln!(
             "timeline: {}/timeline.json (plot: ftrec plot timeline {0} --out timeline.png)",
             report.run_dir.display()
         );
@@ -201,13 +211,16 @@ pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
             .map_err(|s| ftrec_ps::PsError::rpc(format!("kill {member}"), &s))?;
         Ok::<_, ftrec_ps::PsError>(reply.into_inner().pid)
     })?;
-    println!("killed {member} (pid {pid})");
+    outln!("killed {member} (pid {pid})");
     Ok(())
 }
 
 pub fn server(a: ServerArgs) -> Result<()> {
     launch::die_with_launcher()?;
     let job = Job::load(&a.job)?;
+    // The job file may come from a larger host: refuse before allocating (an allocation
+    // failure aborts without saying which key to change) and before joining.
+    job.check_server_memory(if a.spare { None } else { a.id })?;
     runtime()?.block_on(ftrec_ps::server::run(ServerOptions {
         job,
         id: if a.spare { None } else { a.id },
@@ -220,6 +233,7 @@ pub fn server(a: ServerArgs) -> Result<()> {
 pub fn worker(a: WorkerArgs) -> Result<()> {
     launch::die_with_launcher()?;
     let job = Job::load(&a.job)?;
+    job.check_worker_memory()?;
     ftrec_ps::worker::run(WorkerOptions {
         job,
         id: a.id,
@@ -260,9 +274,10 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
         v["state_digest"] = json!(digest);
         return print_json(v);
     }
-    println!(
+    outln!(
         "{} samples at {:.0} samples/s; state digest {digest}",
-        summary.samples, summary.samples_per_sec
+        summary.samples,
+        summary.samples_per_sec
     );
     Ok(())
 }
@@ -275,7 +290,7 @@ pub fn plot_timeline(input: &Path, out: &Path, title: &str) -> Result<()> {
     };
     let data = TimelineData::read(&path)?;
     data.plot(out, title)?;
-    println!("wrote {}", out.display());
+    outln!("wrote {}", out.display());
     Ok(())
 }
 

@@ -204,7 +204,7 @@ fn train(a: TrainArgs) -> Result<()> {
             "forked_from": out.writer.as_ref().and_then(|w| w.forked_from.clone()),
         }));
     }
-    println!(
+    outln!(
         "trained {} steps ({} samples) in {:.1}s: {:.0} samples/s, train logloss {:.4}",
         out.report.steps,
         out.report.samples,
@@ -212,7 +212,7 @@ fn train(a: TrainArgs) -> Result<()> {
         out.report.samples_per_sec,
         out.report.train_logloss
     );
-    println!(
+    outln!(
         "held-out ({} samples): AUC {:.4}, logloss {:.4}, accuracy {:.4}{}",
         out.metrics.samples,
         out.metrics.auc,
@@ -220,7 +220,7 @@ fn train(a: TrainArgs) -> Result<()> {
         out.metrics.accuracy,
         teacher_auc.map_or(String::new(), |t| format!(" (teacher AUC {t:.4})"))
     );
-    println!("state digest {}", out.digest);
+    outln!("state digest {}", out.digest);
     Ok(())
 }
 
@@ -242,9 +242,13 @@ fn eval(a: EvalArgs) -> Result<()> {
             "state_digest": trainer.digest().to_string(),
         }));
     }
-    println!(
+    outln!(
         "{} samples: AUC {:.4}, logloss {:.4}, accuracy {:.4} (model at step {})",
-        m.samples, m.auc, m.logloss, m.accuracy, progress.step
+        m.samples,
+        m.auc,
+        m.logloss,
+        m.accuracy,
+        progress.step
     );
     Ok(())
 }
@@ -386,7 +390,7 @@ fn bench_train(a: BenchTrainArgs) -> Result<()> {
     if a.json {
         return print_json(serde_json::to_value(&r)?);
     }
-    println!(
+    outln!(
         "batch {} on {} threads: median step {:.2} ms (p10 {:.2}, p90 {:.2}) = {:.0} samples/s; model {:.0} MiB, peak RSS {}",
         r.batch_size,
         r.threads,

@@ -34,7 +34,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         }
         _ => {
             if !a.json {
-                println!(
+                outln!(
                     "generating {} Criteo-shaped samples into {} ...",
                     a.rows,
                     a.dir.display()
@@ -68,10 +68,11 @@ pub fn run(a: DemoArgs) -> Result<()> {
             "2 parameter servers + 2 workers as separate processes over TCP,\n\
              a consistent checkpoint every 100 steps"
         };
-        println!(
+        outln!(
             "training the tiny DLRM (26 tables x 100k rows x 64, batch 2048) for one pass over {} samples\n\
              on a local cluster: {how}; server 1 is to be SIGKILLed {}s into training ...",
-            meta.train_samples, a.kill_after
+            meta.train_samples,
+            a.kill_after
         );
     }
     let job = ftrec_ps::Job::new(config)?;
@@ -140,9 +141,9 @@ pub fn run(a: DemoArgs) -> Result<()> {
                 | "training-end"
         )
     }) {
-        println!("  [{:7.2}s] {:<17} {}", e.t, e.kind, e.detail);
+        outln!("  [{:7.2}s] {:<17} {}", e.t, e.kind, e.detail);
     }
-    println!(
+    outln!(
         "trained {} samples in {:.1}s ({:.0} samples/s); {} checkpoints; {}",
         s.samples,
         s.train_seconds,
@@ -167,16 +168,16 @@ pub fn run(a: DemoArgs) -> Result<()> {
         );
     }
     if let Some(m) = report.parity_mismatches {
-        println!("verify-parity: {m} stripes whose parity disagrees with their rows");
+        outln!("verify-parity: {m} stripes whose parity disagrees with their rows");
     }
-    println!(
+    outln!(
         "held-out AUC {:.4} vs teacher ceiling {:.4} (gap {:.4}); logloss {:.4}",
         auc,
         meta.teacher_auc,
         gap,
         report.logloss.unwrap_or(f64::NAN)
     );
-    println!(
+    outln!(
         "timeline and logs in {}; plot: ftrec plot timeline {} --out timeline.png",
         run_dir.display(),
         run_dir.display()

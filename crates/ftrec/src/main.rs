@@ -1,5 +1,16 @@
 //! The `ftrec` command line.
 
+/// `println!` for every result line of every command. A failed write returns from the
+/// enclosing function with `?` instead of panicking as `println!` does, so a reader that
+/// closed the pipe (`ftrec ckpt ls DIR | head -1`) ends the command quietly in `main`
+/// (`is_broken_pipe`). Defined before the modules so that all of them see it.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use ::std::io::Write as _;
+        writeln!($crate::commands::stdout(), $($arg)*)?
+    }};
+}
+
 mod bench_ckpt;
 mod bench_cluster;
 mod bench_cpr;
