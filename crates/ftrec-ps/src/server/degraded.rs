@@ -163,18 +163,29 @@ impl Core {
             .clone()
     }
 
-    /// Decodes and installs the pending rows among global `rows` of `table` (a pull or a
-    /// push needs them now). Returns the bytes installed.
-    pub(super) async fn materialize_rows(
+    /// Decodes and installs the pending rows among the global rows of each table (a pull
+    /// or a push needs them now), every table at once. Returns the bytes installed.
+    pub(super) async fn materialize_tables(
         &self,
-        table: usize,
-        rows: &[u32],
+        wanted: &[(usize, Vec<u32>)],
     ) -> Result<u64, PsError> {
-        let locals = self.shard_read()?.pending_locals(table, rows);
-        if locals.is_empty() {
-            return Ok(0);
-        }
-        self.materialize(table, locals, Vec::new()).await
+        let pending: Vec<(usize, Vec<u32>)> = {
+            let shard = self.shard_read()?;
+            if shard.pending().is_none() {
+                return Ok(0);
+            }
+            wanted
+                .iter()
+                .map(|(table, rows)| (*table, shard.pending_locals(*table, rows)))
+                .filter(|(_, locals)| !locals.is_empty())
+                .collect()
+        };
+        let decodes = pending
+            .into_iter()
+            .map(|(table, locals)| self.materialize(table, locals, Vec::new()));
+        futures::future::try_join_all(decodes)
+            .await
+            .map(|bytes| bytes.into_iter().sum())
     }
 
     /// Decodes and installs the pending slots of `table` with local index in `range`.

@@ -343,9 +343,12 @@ impl Core {
         }
         // A replacement rebuilding in the background decodes the rows this update needs
         // first (it holds its commit turn, so its own steps stand still meanwhile).
-        for (table, rows, _) in &update.sparse {
-            self.materialize_rows(*table, rows).await?;
-        }
+        let wanted: Vec<(usize, Vec<u32>)> = update
+            .sparse
+            .iter()
+            .map(|(table, rows, _)| (*table, rows.clone()))
+            .collect();
+        self.materialize_tables(&wanted).await?;
         let staged = self.shard_read()?.stage(&update)?;
         for observer in &self.pre_commit {
             observer.pre_commit(&staged).await?;

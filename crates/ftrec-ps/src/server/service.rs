@@ -41,10 +41,12 @@ impl ParameterServer for Service {
             }
         }
         // Degraded reads: rows of this slot not rebuilt yet are decoded from their stripes.
-        for t in &req.tables {
-            let rows = bytes_to_u32s(&t.rows, "pull rows")?;
-            core.materialize_rows(t.table as usize, &rows).await?;
-        }
+        let wanted = req
+            .tables
+            .iter()
+            .map(|t| Ok((t.table as usize, bytes_to_u32s(&t.rows, "pull rows")?)))
+            .collect::<Result<Vec<_>, PsError>>()?;
+        core.materialize_tables(&wanted).await?;
         let mut embeddings = Vec::with_capacity(req.tables.len());
         let mut rows_sent = 0;
         let (dense, applied) = {
