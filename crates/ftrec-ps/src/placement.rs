@@ -127,11 +127,16 @@ impl Layout {
     pub fn scheme(&self) -> String {
         match &self.stripes {
             Some(s) => format!(
-                "{} k={} r={} groups={}",
+                "{} k={} r={} groups={}{}",
                 ftrec_ec::SCHEME,
                 s.params.k,
                 s.params.r,
-                s.params.groups
+                s.params.groups,
+                if self.replicate_dense {
+                    ""
+                } else {
+                    " dense=striped-v1"
+                }
             ),
             None => SCHEME.to_string(),
         }
