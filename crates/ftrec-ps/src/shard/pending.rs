@@ -4,6 +4,8 @@
 //! never folds a difference; the rebuild installs each slot from a consistent snapshot of
 //! its stripe, and from then on the slot is ordinary.
 
+use crate::PsError;
+
 /// A fixed-size bit set, one bit per local slot.
 #[derive(Clone, Debug, Default)]
 struct Bits {
@@ -113,6 +115,112 @@ impl Pending {
     /// Slots still pending, over every table.
     pub fn remaining(&self) -> usize {
         self.remaining
+    }
+}
+
+/// A shard's side of a background rebuild.
+impl super::Shard {
+    /// A row still being rebuilt is neither served nor updated: its slot holds zeros.
+    pub(super) fn check_not_pending(&self, table: usize, row: u32, local: usize) -> Result<(), PsError> {
+        if self.pending.as_ref().is_some_and(|p| p.data(table, local)) {
+            return Err(PsError::Recovering {
+                table: table as u32,
+                first_row: row,
+                end_row: row + 1,
+            });
+        }
+        Ok(())
+    }
+
+    /// The slots a background rebuild has not decoded yet (`None`: none, or no rebuild).
+    pub fn pending(&self) -> Option<&Pending> {
+        self.pending.as_ref()
+    }
+
+    /// The local indices of `rows` of `table` (global, owned here) still pending.
+    pub fn pending_locals(&self, table: usize, rows: &[u32]) -> Vec<u32> {
+        let Some(pending) = &self.pending else {
+            return Vec::new();
+        };
+        rows.iter()
+            .filter_map(|&row| {
+                let local = self.local(table, row).ok()?;
+                pending.data(table, local).then_some(local as u32)
+            })
+            .collect()
+    }
+
+    /// Starts a background rebuild: every slot in `pending` holds zeros until installed.
+    pub fn begin_background_rebuild(&mut self, pending: Pending) {
+        self.pending = (pending.remaining() > 0).then_some(pending);
+    }
+
+    /// Installs decoded bytes into pending slots of `table` (data rows, then parity rows),
+    /// skipping slots that are pending no more. Returns the bytes installed.
+    pub fn install_decoded(
+        &mut self,
+        table: usize,
+        data: &[(u32, &[u8])],
+        parity: &[(u32, &[u8])],
+    ) -> Result<u64, PsError> {
+        let Some(pending) = self.pending.as_mut() else {
+            return Ok(0);
+        };
+        let mut installed = 0u64;
+        let stored = self
+            .state
+            .tables_mut()
+            .get_mut(table)
+            .ok_or_else(|| PsError::Request(format!("table {table} does not exist")))?;
+        for &(local, bytes) in data {
+            let local = local as usize;
+            if !pending.data(table, local) {
+                continue;
+            }
+            let row = stored.row_mut(local);
+            if bytes.len() != row.len() * 4 {
+                return Err(PsError::Request(format!(
+                    "a decoded row of {} bytes for rows of {}",
+                    bytes.len(),
+                    row.len() * 4
+                )));
+            }
+            bytemuck::cast_slice_mut::<f32, u8>(row).copy_from_slice(bytes);
+            pending.clear_data(table, local);
+            installed += bytes.len() as u64;
+        }
+        if let Some(red) = self.redundancy.as_mut() {
+            let row_bytes = red.row_bytes;
+            for &(local, bytes) in parity {
+                let local = local as usize;
+                if !pending.parity(table, local) {
+                    continue;
+                }
+                let slot = red
+                    .parity
+                    .get_mut(table)
+                    .and_then(|p| p.get_mut(local * row_bytes..(local + 1) * row_bytes))
+                    .filter(|slot| slot.len() == bytes.len())
+                    .ok_or_else(|| {
+                        PsError::Request(format!("parity slot {local} of table {table}"))
+                    })?;
+                slot.copy_from_slice(bytes);
+                pending.clear_parity(table, local);
+                installed += bytes.len() as u64;
+            }
+        }
+        if pending.remaining() == 0 {
+            self.pending = None;
+        }
+        Ok(installed)
+    }
+
+    /// Whether parity slot `local` of `table` is still being rebuilt (its differences are
+    /// not folded: the rebuild encodes it from data rows that already hold them).
+    pub fn parity_pending(&self, table: usize, local: usize) -> bool {
+        self.pending
+            .as_ref()
+            .is_some_and(|p| p.parity(table, local))
     }
 }
 
