@@ -354,7 +354,9 @@ fn training_goes_on_degraded_while_the_replacement_rebuilds_in_the_background() 
     let r = &out["recoveries"][0];
     assert_eq!(r["background_rebuild"], true, "{out}");
     assert!(
-        r["steps_while_degraded"].as_u64().unwrap() >= 10,
+        // At 3 MB/s the rebuild takes about 1.5 s; a loaded CI machine still trains a
+        // few steps in that time.
+        r["steps_while_degraded"].as_u64().unwrap() >= 3,
         "training went on during the rebuild: {out}"
     );
     assert!(

@@ -121,7 +121,12 @@ impl Pending {
 /// A shard's side of a background rebuild.
 impl super::Shard {
     /// A row still being rebuilt is neither served nor updated: its slot holds zeros.
-    pub(super) fn check_not_pending(&self, table: usize, row: u32, local: usize) -> Result<(), PsError> {
+    pub(super) fn check_not_pending(
+        &self,
+        table: usize,
+        row: u32,
+        local: usize,
+    ) -> Result<(), PsError> {
         if self.pending.as_ref().is_some_and(|p| p.data(table, local)) {
             return Err(PsError::Recovering {
                 table: table as u32,
