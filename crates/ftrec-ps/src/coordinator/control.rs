@@ -275,6 +275,11 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 replicate_dense: shared.job.config.ec.replicate_dense,
                 partial: s.cpr.as_ref().is_some_and(|cpr| cpr.partial()),
             });
+            if matches!(action, planner::RecoveryAction::Rollback { .. }) {
+                // Every server restores a cut and re-derives its parity: background
+                // rebuilds end (superseded), and none may hold the run open.
+                s.rebuilding.clear();
+            }
             Some(Task::Recover {
                 epoch: s.epoch,
                 action,

@@ -320,10 +320,20 @@ async fn follow_background(
             Err(e) => break e.message().to_string(),
         }
     };
-    // Give the failure detector time to tell a dead server from a failed rebuild.
+    // Give the failure detector time to tell a dead server from a failed rebuild. A
+    // rebuild superseded by a rollback or a newer rebuild is no failure.
+    if failure.contains("superseded") {
+        return;
+    }
     let wait = Duration::from_millis(shared.job.config.cluster.failure_timeout_ms * 2);
-    tokio::time::sleep(wait).await;
-    let mut s = shared.lock();
+    // A recovery under way decides the slot's fate (a rollback clears `rebuilding`).
+    let mut s = loop {
+        tokio::time::sleep(wait).await;
+        let s = shared.lock();
+        if s.phase != Phase::Recovering {
+            break s;
+        }
+    };
     if s.rebuilding.contains(&(server, epoch)) {
         let why = format!("server {server}'s background rebuild failed: {failure}");
         s.timeline.event("fatal", why.clone());

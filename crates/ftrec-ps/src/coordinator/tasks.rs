@@ -313,6 +313,9 @@ async fn prune_cuts(
 
 /// Asks every server which orphan steps it applied, then settles, regrants or rolls back.
 async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps: Vec<u64>) {
+    let two_phase =
+        shared.job.config.cluster.ft.erasure_coded() && shared.job.config.ec.two_phase_commit;
+    let finishers = two_phase.then(|| clients.clone());
     let calls = clients.into_iter().map(|mut c| {
         let steps = steps.clone();
         async move {
@@ -335,6 +338,9 @@ async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps:
                 return;
             }
         }
+    }
+    if let Some(clients) = finishers {
+        finish_commits(clients, epoch, &steps, &mut answers).await;
     }
     let config = &shared.job.config.cluster;
     let mut s = shared.lock();
@@ -389,5 +395,40 @@ async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps:
                  rolling back to the last cut for exact results; epoch {epoch}"
             ),
         );
+    }
+}
+
+/// Two-phase commit: a step some server committed was decided "commit" by its worker, so
+/// the servers that have it prepared but missed the decision (the worker died between
+/// its commit calls) commit it now. Regranting it instead would leave the committed
+/// servers' parity holding the first prepare's differences. A server that cannot (it
+/// never prepared the step, or died) keeps the step partly applied for the ledger.
+async fn finish_commits(
+    clients: Vec<ServerClient>,
+    epoch: u64,
+    steps: &[u64],
+    answers: &mut [Vec<bool>],
+) {
+    let mut calls = Vec::new();
+    for (i, &step) in steps.iter().enumerate() {
+        let applied = answers.iter().filter(|a| a[i]).count();
+        if applied == 0 || applied == answers.len() {
+            continue;
+        }
+        for (server, a) in answers.iter().enumerate() {
+            if !a[i] {
+                let mut c = clients[server].clone();
+                calls.push(async move {
+                    let done = c.commit_step(StepDecision { epoch, step }).await.is_ok();
+                    (server, i, done)
+                });
+            }
+        }
+    }
+    for (server, i, done) in futures::future::join_all(calls).await {
+        if done {
+            tracing::info!("finished step {}'s commit on server {server}", steps[i]);
+            answers[server][i] = true;
+        }
     }
 }

@@ -31,8 +31,9 @@ use crate::wire::{bytes_to_u32s, u32s_to_bytes};
 /// A background rebuild in progress on this server.
 #[derive(Clone, Debug)]
 pub(super) struct Background {
-    /// The epoch the rebuild began in: a restore or a newer rebuild supersedes it.
-    pub epoch: u64,
+    /// Which rebuild this is (a retried recovery sends the same epoch again): a restore
+    /// or a newer rebuild supersedes it.
+    pub id: u64,
     /// Slots not to read from: lost together with this one (their replacements rebuild
     /// too). A survivor that fails to answer is also left out, for that attempt.
     pub lost: Vec<usize>,
@@ -41,6 +42,8 @@ pub(super) struct Background {
 
 /// Rows of a range decoded per background attempt: about 1 MiB of rows.
 const RANGE_BYTES: usize = 1 << 20;
+/// Snapshot attempts before a decode takes the commit turn to let the stripe settle.
+const SETTLE_AFTER: u32 = 8;
 
 /// What one survivor answered: its slots by (parity?, local) and its applied steps.
 struct Answer {
@@ -165,9 +168,11 @@ impl Core {
 
     /// Decodes and installs the pending rows among the global rows of each table (a pull
     /// or a push needs them now), every table at once. Returns the bytes installed.
+    /// `holds_turn`: the caller holds this server's commit turn already (a prepare).
     pub(super) async fn materialize_tables(
         &self,
         wanted: &[(usize, Vec<u32>)],
+        holds_turn: bool,
     ) -> Result<u64, PsError> {
         let pending: Vec<(usize, Vec<u32>)> = {
             let shard = self.shard_read()?;
@@ -182,7 +187,7 @@ impl Core {
         };
         let decodes = pending
             .into_iter()
-            .map(|(table, locals)| self.materialize(table, locals, Vec::new()));
+            .map(|(table, locals)| self.materialize(table, locals, Vec::new(), holds_turn));
         futures::future::try_join_all(decodes)
             .await
             .map(|bytes| bytes.into_iter().sum())
@@ -201,7 +206,7 @@ impl Core {
         if data.is_empty() && parity.is_empty() {
             return Ok(0);
         }
-        self.materialize(table, data, parity).await
+        self.materialize(table, data, parity, false).await
     }
 
     /// Decodes pending data slots `data` and parity slots `parity` of `table` from a
@@ -211,6 +216,7 @@ impl Core {
         table: usize,
         data: Vec<u32>,
         parity: Vec<u32>,
+        holds_turn: bool,
     ) -> Result<u64, PsError> {
         let Some(background) = self.background() else {
             return Ok(0);
@@ -221,14 +227,13 @@ impl Core {
             ));
         };
         let (k, r) = (stripes.params.k, stripes.params.r);
-        let rows = self
-            .job
-            .config
-            .model_config()?
+        let global = self.job.config.model_config()?;
+        let rows = global
             .table_rows
             .get(table)
             .copied()
             .ok_or_else(|| PsError::Request(format!("table {table} does not exist")))?;
+        let row_bytes = global.row_stride() * 4;
         let me = self.id;
         let needs: Vec<Need> = data
             .iter()
@@ -279,8 +284,15 @@ impl Core {
         };
         let give_up = Instant::now() + self.job.timeout() * 4;
         let mut attempt = 0u32;
+        // Under steady commits a snapshot may keep straddling one; after a few tries this
+        // server's commit turn is taken, which stops new steps here and so (each step
+        // needs every server) everywhere: the survivors then settle on this server's steps.
+        let mut turn = None;
         loop {
             attempt += 1;
+            if attempt > SETTLE_AFTER && !holds_turn && turn.is_none() {
+                turn = Some(self.commit_turn.clone().lock_owned().await);
+            }
             let epoch = self.live().epoch;
             let calls = asks.iter().map(|(&server, (d, p))| {
                 let peers = peers.clone();
@@ -300,8 +312,8 @@ impl Core {
                         .into_inner();
                     Ok::<_, PsError>(Answer {
                         server,
-                        data: split_rows(&d, &reply.data)?,
-                        parity: split_rows(&p, &reply.parity)?,
+                        data: split_rows(&d, &reply.data, row_bytes)?,
+                        parity: split_rows(&p, &reply.parity, row_bytes)?,
                         applied: (reply.applied_below, reply.applied_ahead),
                     })
                 }
@@ -378,18 +390,18 @@ impl Core {
 }
 
 /// Splits `bytes` into one row per slot of `locals`.
-fn split_rows(locals: &[u32], bytes: &[u8]) -> Result<BTreeMap<u32, Vec<u8>>, PsError> {
-    if locals.is_empty() {
-        return Ok(BTreeMap::new());
-    }
-    if !bytes.len().is_multiple_of(locals.len()) {
+fn split_rows(
+    locals: &[u32],
+    bytes: &[u8],
+    row_bytes: usize,
+) -> Result<BTreeMap<u32, Vec<u8>>, PsError> {
+    if bytes.len() != locals.len() * row_bytes {
         return Err(PsError::Request(format!(
-            "{} bytes for {} slots",
+            "{} bytes for {} slots of {row_bytes} bytes",
             bytes.len(),
             locals.len()
         )));
     }
-    let row_bytes = bytes.len() / locals.len();
     Ok(locals
         .iter()
         .zip(bytes.chunks_exact(row_bytes.max(1)))
@@ -416,7 +428,7 @@ impl Core {
         use futures::StreamExt;
         let parallel = self.job.config.ec.rebuild_locks.max(1);
         let cap = self.job.config.ec.rebuild_bytes_per_sec;
-        let mine = self.background().map(|b| b.epoch);
+        let mine = self.background().map(|b| b.id);
         let superseded = || {
             PsError::Refused(format!(
                 "server {}: background rebuild superseded (a restore or a newer rebuild)",
@@ -424,7 +436,7 @@ impl Core {
             ))
         };
         for t in 0..tables {
-            if self.background().map(|b| b.epoch) != mine {
+            if self.background().map(|b| b.id) != mine {
                 return Err(superseded());
             }
             let (slots, row_bytes) = {
@@ -469,7 +481,7 @@ impl Core {
         }
         {
             let mut background = self.background.lock().unwrap_or_else(|p| p.into_inner());
-            if background.as_ref().map(|b| b.epoch) != mine {
+            if background.as_ref().map(|b| b.id) != mine {
                 return Err(superseded());
             }
             *background = None;

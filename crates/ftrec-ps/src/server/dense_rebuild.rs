@@ -42,6 +42,22 @@ async fn fetch(
         .into_inner())
 }
 
+/// Records a survivor's applied steps, which must equal the others': the survivors stand
+/// still during a recovery.
+fn agree(
+    applied: &mut Option<AppliedSteps>,
+    reply: &FetchDenseReply,
+    stripe: usize,
+) -> Result<(), PsError> {
+    let theirs = AppliedSteps::from_parts(reply.applied_below, reply.applied_ahead.iter().copied());
+    if applied.get_or_insert_with(|| theirs.clone()) != &theirs {
+        return Err(PsError::Refused(format!(
+            "dense stripe {stripe}: survivors disagree on the steps applied"
+        )));
+    }
+    Ok(())
+}
+
 impl Core {
     pub(super) async fn rebuild_coded_dense(
         &self,
@@ -91,12 +107,7 @@ impl Core {
                         Some(c) => {
                             let reply =
                                 fetch(c, epoch, None, format!("dense range of server {m}")).await?;
-                            applied.get_or_insert_with(|| {
-                                AppliedSteps::from_parts(
-                                    reply.applied_below,
-                                    reply.applied_ahead.iter().copied(),
-                                )
-                            });
+                            agree(&mut applied, &reply, j)?;
                             let params = crate::wire::bytes_to_f32s(&reply.params, "dense range")?;
                             let state = crate::wire::bytes_to_f32s(&reply.state, "dense state")?;
                             Some(dense_code::pack(&params, &state, reply.step, len))
@@ -112,12 +123,9 @@ impl Core {
                 let row = match clients.get(&holder) {
                     Some(c) if holder != me && !parity_only => {
                         let what = format!("dense parity of stripe {j} on server {holder}");
-                        Some(
-                            fetch(c, epoch, Some(j as u32), what)
-                                .await?
-                                .dense_parity
-                                .to_vec(),
-                        )
+                        let reply = fetch(c, epoch, Some(j as u32), what).await?;
+                        agree(&mut applied, &reply, j)?;
+                        Some(reply.dense_parity.to_vec())
                     }
                     _ => None,
                 };
@@ -152,10 +160,21 @@ impl Core {
             let (params, state) = dense_code::range_lens(global, layout, me)?;
             Some(dense_code::unpack(row, params, state)?)
         };
+        let applied = match (applied, parity_only) {
+            (Some(applied), _) => applied,
+            (None, true) => AppliedSteps::default(),
+            (None, false) => {
+                return Err(PsError::Refused(
+                    "dense rebuild: no surviving member of the dense stripes answered, so \
+                     the steps this slot holds are unknown"
+                        .into(),
+                ));
+            }
+        };
         Ok(CodedDense {
             own,
             parity,
-            applied: applied.unwrap_or_default(),
+            applied,
             bytes,
         })
     }

@@ -348,7 +348,7 @@ impl Core {
             .iter()
             .map(|(table, rows, _)| (*table, rows.clone()))
             .collect();
-        self.materialize_tables(&wanted).await?;
+        self.materialize_tables(&wanted, true).await?;
         let staged = self.shard_read()?.stage(&update)?;
         for observer in &self.pre_commit {
             observer.pre_commit(&staged).await?;

@@ -85,6 +85,8 @@ struct Core {
     peers: Option<Arc<ec::Peers>>,
     /// A background rebuild in progress here (`degraded.rs`).
     background: Mutex<Option<degraded::Background>>,
+    /// Numbers each background rebuild, so a superseded one can tell.
+    background_ids: std::sync::atomic::AtomicU64,
 }
 
 fn server_metrics(id: &str) -> Metrics {
@@ -319,6 +321,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         faults: crate::faults::Faults::from_env(),
         peers,
         background: Mutex::new(None),
+        background_ids: std::sync::atomic::AtomicU64::new(0),
     });
     let service = tonic::service::interceptor::InterceptedService::new(
         ParameterServerServer::new(service::Service(core.clone()))

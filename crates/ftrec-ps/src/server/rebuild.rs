@@ -376,8 +376,11 @@ impl Core {
             );
         }
         let state = ModelState::from_parts(config, tables, dense)?;
+        let id = self
+            .background_ids
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         *self.background.lock().unwrap_or_else(|p| p.into_inner()) = Some(Background {
-            epoch,
+            id,
             lost,
             codec: std::sync::Arc::new(codec),
         });

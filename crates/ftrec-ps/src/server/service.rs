@@ -46,7 +46,7 @@ impl ParameterServer for Service {
             .iter()
             .map(|t| Ok((t.table as usize, bytes_to_u32s(&t.rows, "pull rows")?)))
             .collect::<Result<Vec<_>, PsError>>()?;
-        core.materialize_tables(&wanted).await?;
+        core.materialize_tables(&wanted, false).await?;
         let mut embeddings = Vec::with_capacity(req.tables.len());
         let mut rows_sent = 0;
         let (dense, applied) = {
