@@ -82,15 +82,29 @@ impl Header {
         1 + self.num_dense as usize + self.num_sparse as usize
     }
 
+    /// Where the multi-hot index starts. Only called once [`Header::file_len`] matched the
+    /// file, so it cannot overflow then.
     fn index_start(&self) -> usize {
-        HEADER_LEN + (self.records_bytes as usize).next_multiple_of(8)
+        self.checked_index_start().unwrap_or(usize::MAX)
     }
 
-    fn file_len(&self) -> usize {
+    fn checked_index_start(&self) -> Option<usize> {
+        usize::try_from(self.records_bytes)
+            .ok()?
+            .checked_next_multiple_of(8)?
+            .checked_add(HEADER_LEN)
+    }
+
+    /// The length the header describes; `None` when it overflows (a crafted header: the
+    /// fuzzer found one whose sizes wrapped past the checksum).
+    fn file_len(&self) -> Option<usize> {
         if self.multi_hot {
-            self.index_start() + 8 * self.samples as usize
+            let index = usize::try_from(self.samples).ok()?.checked_mul(8)?;
+            self.checked_index_start()?.checked_add(index)
         } else {
-            HEADER_LEN + self.records_bytes as usize
+            usize::try_from(self.records_bytes)
+                .ok()?
+                .checked_add(HEADER_LEN)
         }
     }
 }
@@ -242,16 +256,22 @@ impl Dataset {
         let map = unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, e))?;
         let header = Header::decode(path, &map)?;
         let bad = |m: String| Err(DataError::format(path, m));
-        let expected = header.file_len();
+        let Some(expected) = header.file_len() else {
+            return bad(format!(
+                "the header describes more than any file can hold ({} samples, {} record bytes)",
+                header.samples, header.records_bytes
+            ));
+        };
         if map.len() != expected {
             return bad(format!(
                 "length is {} bytes but the header describes {expected} (truncated or extended file)",
                 map.len()
             ));
         }
-        if !header.multi_hot
-            && header.records_bytes != header.samples * 4 * header.single_hot_record_words() as u64
-        {
+        let single_hot_bytes = header
+            .samples
+            .checked_mul(4 * header.single_hot_record_words() as u64);
+        if !header.multi_hot && single_hot_bytes != Some(header.records_bytes) {
             return bad("record section size does not match sample count".into());
         }
         let records = &map[HEADER_LEN..HEADER_LEN + header.records_bytes as usize];
