@@ -10,12 +10,14 @@
 //! This file is its own test binary with a single test, so no other test allocates
 //! concurrently and the peak is DECK's (and the idle test harness's).
 
+#[path = "support/model.rs"]
+mod model;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ftrec_ckpt::deck::DeckOptions;
 use ftrec_ckpt::{Checkpointer, Checkpoints, LocalStore};
-use ftrec_model::{ModelConfig, ModelState, Optimizer};
+use ftrec_model::ModelState;
 
 /// Live heap bytes (as requested by callers) and the most there were since the last reset.
 static LIVE: AtomicUsize = AtomicUsize::new(0);
@@ -104,20 +106,7 @@ fn peak() -> usize {
 /// One large table (dim 64 with Adagrad: 128 floats, 516 bytes a row, so the 4 bytes of
 /// a row's id are under 1% of its payload) and a tiny dense part.
 fn state() -> ModelState {
-    let config = ModelConfig {
-        num_dense: 2,
-        table_rows: vec![26_000, 10],
-        dim: 64,
-        bottom: vec![64],
-        top: vec![1],
-        sparse_optimizer: Optimizer::Adagrad {
-            lr: 0.1,
-            eps: 1e-8,
-            initial_accumulator: 0.1,
-        },
-        dense_optimizer: Optimizer::Sgd { lr: 0.1 },
-    };
-    ModelState::new(&config, 11).unwrap()
+    model::adagrad_state(26_000, 64, 11)
 }
 
 const CHUNK_BYTES: usize = 256 << 10;

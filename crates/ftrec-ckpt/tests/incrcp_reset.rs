@@ -8,26 +8,15 @@
 //! baseline time, so that small increments are worth keeping and one large increment
 //! makes the rectangle cost far more than a new baseline, whatever this machine's speed.
 
+#[path = "support/model.rs"]
+mod model;
 use std::time::Instant;
 
 use ftrec_ckpt::{CheckpointKind, Checkpointer, Checkpoints, LocalStore, Manifest, Strategy};
-use ftrec_model::{ModelConfig, ModelState, Optimizer, StateDigest};
+use ftrec_model::{ModelState, StateDigest};
 
 fn state() -> ModelState {
-    let config = ModelConfig {
-        num_dense: 2,
-        table_rows: vec![20_000, 50],
-        dim: 32,
-        bottom: vec![32],
-        top: vec![1],
-        sparse_optimizer: Optimizer::Adagrad {
-            lr: 0.1,
-            eps: 1e-8,
-            initial_accumulator: 0.1,
-        },
-        dense_optimizer: Optimizer::Sgd { lr: 0.1 },
-    };
-    ModelState::new(&config, 5).unwrap()
+    model::adagrad_state(20_000, 32, 5)
 }
 
 /// The rectangle size at which reading it back takes as long as writing the baseline did

@@ -28,3 +28,22 @@ pub fn state(seed: u64) -> ModelState {
     s.dense.step = 77;
     s
 }
+
+/// An Adagrad model of one table of `rows` rows of `dim`, a 50-row second table and a tiny
+/// dense part: the shape the DECK and IncrCP tests size to their chunk arithmetic.
+pub fn adagrad_state(rows: usize, dim: usize, seed: u64) -> ModelState {
+    let config = ModelConfig {
+        num_dense: 2,
+        table_rows: vec![rows, 50],
+        dim,
+        bottom: vec![dim],
+        top: vec![1],
+        sparse_optimizer: Optimizer::Adagrad {
+            lr: 0.1,
+            eps: 1e-8,
+            initial_accumulator: 0.1,
+        },
+        dense_optimizer: Optimizer::Sgd { lr: 0.1 },
+    };
+    ModelState::new(&config, seed).unwrap()
+}
