@@ -527,8 +527,23 @@ async fn run_async(
                 )));
             }
         }
-        let summary = shared.summary();
+        let mut summary = shared.summary();
         let timeline = shared.timeline();
+        // Each recovery's own SIGKILL to resume: the last kill of its server before the
+        // failure was detected.
+        for r in &mut summary.recoveries {
+            let prefix = format!("server {} ", r.server);
+            r.kill_to_resume_seconds = timeline
+                .events
+                .iter()
+                .filter(|e| e.kind == "killed" && e.detail.starts_with(&prefix))
+                .filter(|e| e.t <= r.detected_at)
+                .map(|e| e.t)
+                .fold(None, |last: Option<f64>, t| {
+                    Some(last.map_or(t, |l| l.max(t)))
+                })
+                .map(|killed| r.resumed_at - killed);
+        }
         kill_times.extend(
             timeline
                 .events

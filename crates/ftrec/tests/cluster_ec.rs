@@ -353,6 +353,11 @@ fn training_goes_on_degraded_while_the_replacement_rebuilds_in_the_background() 
     assert_exact(&out, &expected, &[1], "slow background rebuild");
     let r = &out["recoveries"][0];
     assert_eq!(r["background_rebuild"], true, "{out}");
+    let kill_to_resume = r["kill_to_resume_seconds"].as_f64().unwrap();
+    assert!(
+        kill_to_resume > 0.0 && kill_to_resume < r["degraded_seconds"].as_f64().unwrap(),
+        "training resumed long before the rebuild ended: {out}"
+    );
     assert!(
         // At 3 MB/s the rebuild takes about 1.5 s; a loaded CI machine still trains a
         // few steps in that time.

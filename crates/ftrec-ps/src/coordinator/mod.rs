@@ -104,6 +104,10 @@ pub struct Recovery {
     pub background_rebuild: bool,
     /// Steps granted while the replacement rebuilt in the background.
     pub steps_while_degraded: u64,
+    /// From the SIGKILL of this server (an injected `--kill`) to training resumed; filled
+    /// in by `cluster run` from the timeline.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kill_to_resume_seconds: Option<f64>,
     /// The epoch this recovery began.
     pub epoch: u64,
     /// How the servers came back: `rollback`, `keep`, `rebuild` or `partial`.

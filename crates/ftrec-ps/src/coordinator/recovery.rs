@@ -486,6 +486,7 @@ pub(super) async fn recover(
             },
             background_rebuild,
             steps_while_degraded: 0,
+            kill_to_resume_seconds: None,
             epoch,
             mode: action.mode(),
             shard_digests: shard_digests.clone(),
