@@ -25,6 +25,17 @@ fn train_digest(data: &str, extra: &[&str]) -> Value {
 
 /// A deterministic one-worker `--ft ec` run with `extra` flags.
 fn ec_run(data: &str, run: &std::path::Path, servers: &str, extra: &[&str]) -> Value {
+    ec_run_with(data, run, servers, "ec", extra)
+}
+
+/// A deterministic one-worker run under fault tolerance `ft` with `extra` flags.
+fn ec_run_with(
+    data: &str,
+    run: &std::path::Path,
+    servers: &str,
+    ft: &str,
+    extra: &[&str],
+) -> Value {
     let mut args = cluster_args(data, run, STEPS);
     args.extend([
         "--servers",
@@ -33,7 +44,7 @@ fn ec_run(data: &str, run: &std::path::Path, servers: &str, extra: &[&str]) -> V
         "1",
         "--deterministic",
         "--ft",
-        "ec",
+        ft,
         "--no-eval",
     ]);
     args.extend(extra);
@@ -218,28 +229,24 @@ fn checkpoints_as_a_second_layer_take_over_when_the_code_cannot() {
     let dir = tempfile::tempdir().unwrap();
     let data = setup(dir.path());
     let expected = train_digest(&data, &[]);
-    let mut args = cluster_args(&data, dir.path(), STEPS);
-    args.extend([
-        "--servers",
+    let out = ec_run_with(
+        &data,
+        dir.path(),
         "3",
-        "--workers",
-        "1",
-        "--deterministic",
-        "--ft",
         "ec+checkpoint",
-        "--no-eval",
-        "--set",
-        "checkpoint.every_steps=10",
-        // One loss the code rebuilds (the replacement's cuts then continue its slot's
-        // history), then two at once, which roll back to the cut at step 40.
-        "--kill",
-        "server:2@step:15",
-        "--kill",
-        "server:0@step:45",
-        "--kill",
-        "server:1@step:45",
-    ]);
-    let out = json_of(&ftrec(&args));
+        &[
+            "--set",
+            "checkpoint.every_steps=10",
+            // One loss the code rebuilds (the replacement's cuts then continue its slot's
+            // history), then two at once, which roll back to the cut at step 40.
+            "--kill",
+            "server:2@step:15",
+            "--kill",
+            "server:0@step:45",
+            "--kill",
+            "server:1@step:45",
+        ],
+    );
     assert_eq!(out["state_digest"], expected, "{out}");
     assert_eq!(out["parity_mismatches"], 0, "{out}");
     assert_eq!(out["replica_mismatches"], 0, "{out}");
@@ -383,28 +390,24 @@ fn a_second_loss_while_a_slot_still_rebuilds_falls_back_to_the_last_cut() {
     let dir = tempfile::tempdir().unwrap();
     let data = setup(dir.path());
     let expected = train_digest(&data, &[]);
-    let mut args = cluster_args(&data, dir.path(), STEPS);
-    args.extend([
-        "--servers",
+    let out = ec_run_with(
+        &data,
+        dir.path(),
         "3",
-        "--workers",
-        "1",
-        "--deterministic",
-        "--ft",
         "ec+checkpoint",
-        "--no-eval",
-        "--set",
-        "checkpoint.every_steps=10",
-        // So slow that server 0 is still rebuilding when server 2 dies: its pending rows
-        // cannot help decode, so two of the group's three are unreadable (r = 1).
-        "--set",
-        "ec.rebuild_bytes_per_sec=100000",
-        "--kill",
-        "server:0@step:12",
-        "--kill",
-        "server:2@step:25",
-    ]);
-    let out = json_of(&ftrec(&args));
+        &[
+            "--set",
+            "checkpoint.every_steps=10",
+            // So slow that server 0 is still rebuilding when server 2 dies: its pending rows
+            // cannot help decode, so two of the group's three are unreadable (r = 1).
+            "--set",
+            "ec.rebuild_bytes_per_sec=100000",
+            "--kill",
+            "server:0@step:12",
+            "--kill",
+            "server:2@step:25",
+        ],
+    );
     assert_eq!(out["state_digest"], expected, "{out}");
     assert_eq!(out["parity_mismatches"], 0, "{out}");
     assert_eq!(out["replica_mismatches"], 0, "{out}");
