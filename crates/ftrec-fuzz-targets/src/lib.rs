@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 use ftrec_data::Record;
 use ftrec_model::{ModelConfig, Optimizer};
-use ftrec_ps::shard::{Shard, Update};
+use ftrec_server::shard::{Shard, Update};
 
 /// A target: takes any bytes, returns for all of them.
 pub type Target = fn(&[u8]);
@@ -108,7 +108,7 @@ fn small_shard() -> &'static Option<Shard> {
                 initial_accumulator: 0.0,
             },
         };
-        let layout = ftrec_ps::placement::Layout::new(2).ok()?;
+        let layout = ftrec_proto::placement::Layout::new(2).ok()?;
         Shard::initial(&config, 1, layout, 0).ok()
     })
 }
@@ -117,7 +117,7 @@ fn small_shard() -> &'static Option<Shard> {
 /// against a shard (tables, rows, shapes checked there).
 pub fn push(data: &[u8]) {
     use prost::Message;
-    let Ok(req) = ftrec_ps::proto::PushRequest::decode(data) else {
+    let Ok(req) = ftrec_proto::proto::PushRequest::decode(data) else {
         return;
     };
     let Ok((update, _)) = Update::from_push(&req) else {

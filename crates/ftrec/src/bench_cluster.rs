@@ -5,12 +5,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use ftrec_cluster::launch::{self, LaunchOptions, LaunchReport};
 use ftrec_config::FaultTolerance;
 use ftrec_config::JobConfig;
 use ftrec_data::generate::{GenConfig, OutputFormat, read_meta};
 use ftrec_data::{Dataset, TRAIN_FILE};
-use ftrec_ps::launch::{self, LaunchOptions, LaunchReport};
-use ftrec_ps::timeline::TimelineData;
+use ftrec_proto::timeline::TimelineData;
 use ftrec_train::Trainer;
 use serde_json::json;
 
@@ -56,7 +56,7 @@ impl BenchRun<'_> {
         let (servers, workers) = (c.cluster.servers, c.cluster.workers);
         let report = launch::run(
             LaunchOptions {
-                job: ftrec_ps::Job::new(c)?,
+                job: ftrec_proto::Job::new(c)?,
                 run_dir: run_dir.clone(),
                 kills,
                 spares: self.spares,
@@ -66,7 +66,8 @@ impl BenchRun<'_> {
             },
             |_| {},
         )?;
-        TimelineData::read(&run_dir.join("timeline.json"))?.plot(
+        crate::timeline_plot::plot_timeline(
+            &TimelineData::read(&run_dir.join("timeline.json"))?,
             &self.out.join(format!("{}.png", self.name)),
             &format!("{}: {servers} servers, {workers} workers", self.name),
         )?;

@@ -126,13 +126,13 @@ pub fn restore_cut(servers: &[String], step: Option<&str>) -> Result<(String, Mo
             let stripes = ftrec_ec::StripeLayout::new(params, shards.len())?;
             let mut config = shards[0].config().clone();
             config.table_rows = table_rows;
-            ftrec_ps::assemble::assemble_with(
+            ftrec_proto::assemble::assemble_with(
                 &shards,
-                ftrec_ps::placement::Layout::striped(stripes),
+                ftrec_proto::placement::Layout::striped(stripes),
                 &config,
             )?
         }
-        None => ftrec_ps::assemble::assemble(&shards)?,
+        None => ftrec_proto::assemble::assemble(&shards)?,
     };
     Ok((format!("cut at step {step}"), state, step))
 }

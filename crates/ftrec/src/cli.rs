@@ -119,6 +119,10 @@ pub struct ServerArgs {
     /// Interface to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
+    /// Arm a fault point in this server, NAME[:STEP][=kill|skip] (prepare, commit, rebuild,
+    /// fold-parity); it fires once. `cluster run --kill server:J@commit:N` passes these.
+    #[arg(long = "fault", value_name = "SPEC")]
+    pub faults: Vec<String>,
 }
 
 #[derive(Args, Debug)]

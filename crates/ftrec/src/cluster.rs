@@ -4,13 +4,13 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use ftrec_ps::coordinator::{self, CoordinatorOptions};
-use ftrec_ps::launch::{self, KillSpec, LaunchOptions};
-use ftrec_ps::proto::KillRequest;
-use ftrec_ps::server::ServerOptions;
-use ftrec_ps::timeline::TimelineData;
-use ftrec_ps::worker::WorkerOptions;
-use ftrec_ps::{Job, client};
+use ftrec_cluster::launch::{self, KillSpec, LaunchOptions};
+use ftrec_coordinator::CoordinatorOptions;
+use ftrec_proto::proto::KillRequest;
+use ftrec_proto::timeline::TimelineData;
+use ftrec_proto::{Job, client};
+use ftrec_server::ServerOptions;
+use ftrec_worker::WorkerOptions;
 use serde_json::json;
 
 use crate::cli::*;
@@ -189,7 +189,7 @@ pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
             .with_timeout(Duration::from_secs(10)),
         // Without a job file there are no TLS settings: a TLS cluster needs --job.
         None => {
-            let secret = ftrec_ps::auth::JobSecret::from_env()?.ok_or_else(|| {
+            let secret = ftrec_proto::auth::JobSecret::from_env()?.ok_or_else(|| {
                 anyhow::anyhow!(
                     "the cluster admits only its job's processes: pass --job RUN_DIR/job.toml \
                      or set {}",
@@ -208,8 +208,8 @@ pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
                 id: id as u32,
             })
             .await
-            .map_err(|s| ftrec_ps::PsError::rpc(format!("kill {member}"), &s))?;
-        Ok::<_, ftrec_ps::PsError>(reply.into_inner().pid)
+            .map_err(|s| ftrec_proto::PsError::rpc(format!("kill {member}"), &s))?;
+        Ok::<_, ftrec_proto::PsError>(reply.into_inner().pid)
     })?;
     outln!("killed {member} (pid {pid})");
     Ok(())
@@ -221,11 +221,12 @@ pub fn server(a: ServerArgs) -> Result<()> {
     // The job file may come from a larger host: refuse before allocating (an allocation
     // failure aborts without saying which key to change) and before joining.
     job.check_server_memory(if a.spare { None } else { a.id })?;
-    runtime()?.block_on(ftrec_ps::server::run(ServerOptions {
+    runtime()?.block_on(ftrec_server::run(ServerOptions {
         job,
         id: if a.spare { None } else { a.id },
         coordinator: a.coordinator,
         host: a.host,
+        faults: ftrec_faults::Faults::parse_all(a.faults.iter().map(String::as_str))?,
     }))?;
     Ok(())
 }
@@ -234,7 +235,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
     launch::die_with_launcher()?;
     let job = Job::load(&a.job)?;
     job.check_worker_memory()?;
-    ftrec_ps::worker::run(WorkerOptions {
+    ftrec_worker::run(WorkerOptions {
         job,
         id: a.id,
         coordinator: a.coordinator,
@@ -246,7 +247,7 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
     let job = Job::load(&a.job)?;
     let rt = runtime()?;
     let report = rt.block_on(async {
-        let mut handle = coordinator::start(CoordinatorOptions {
+        let mut handle = ftrec_coordinator::start(CoordinatorOptions {
             job: job.clone(),
             host: a.host.clone(),
             port: a.port,
@@ -260,13 +261,13 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
         let shared = handle.shared.clone();
         let epoch = shared.summary().epoch;
         let (state, _) =
-            ftrec_ps::gather::gather_state(&job, &shared.server_addresses(), epoch).await?;
+            ftrec_proto::gather::gather_state(&job, &shared.server_addresses(), epoch).await?;
         shared.timeline().write(&a.out)?;
         let summary = shared.summary();
         shared.stop();
         // Let the heartbeats carry `stop` to every server before exiting.
         tokio::time::sleep(Duration::from_millis(job.config.cluster.heartbeat_ms * 5)).await;
-        Ok::<_, ftrec_ps::PsError>((summary, state.digest().to_string()))
+        Ok::<_, ftrec_proto::PsError>((summary, state.digest().to_string()))
     })?;
     let (summary, digest) = report;
     if a.json {
@@ -289,14 +290,14 @@ pub fn plot_timeline(input: &Path, out: &Path, title: &str) -> Result<()> {
         input.to_path_buf()
     };
     let data = TimelineData::read(&path)?;
-    data.plot(out, title)?;
+    crate::timeline_plot::plot_timeline(&data, out, title)?;
     outln!("wrote {}", out.display());
     Ok(())
 }
 
 /// The single-process trainer's evaluation on the job's test split, for the cluster's
 /// final model.
-pub fn evaluator() -> ftrec_ps::launch::Evaluator {
+pub fn evaluator() -> ftrec_cluster::launch::Evaluator {
     Box::new(|job, state| {
         let run = || -> anyhow::Result<ftrec_model::metrics::Metrics> {
             let dir = job

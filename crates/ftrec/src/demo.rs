@@ -75,15 +75,15 @@ pub fn run(a: DemoArgs) -> Result<()> {
             a.kill_after
         );
     }
-    let job = ftrec_ps::Job::new(config)?;
+    let job = ftrec_proto::Job::new(config)?;
     let total =
         job.config.train.epochs * (meta.train_samples).div_ceil(job.config.train.batch_size as u64);
     let pb = bar(total, "cluster");
     if a.json {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let report = ftrec_ps::launch::run(
-        ftrec_ps::launch::LaunchOptions {
+    let report = ftrec_cluster::launch::run(
+        ftrec_cluster::launch::LaunchOptions {
             job,
             run_dir: run_dir.clone(),
             kills: vec![
@@ -108,7 +108,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let auc = report.auc.unwrap_or(f64::NAN);
     let gap = meta.teacher_auc - auc;
     let s = &report.summary;
-    let timeline = ftrec_ps::timeline::TimelineData::read(&run_dir.join("timeline.json"))?;
+    let timeline = ftrec_proto::timeline::TimelineData::read(&run_dir.join("timeline.json"))?;
     let killed = timeline.events.iter().any(|e| e.kind == "killed");
     if a.json {
         return print_json(json!({

@@ -22,6 +22,7 @@ mod cluster;
 mod commands;
 mod demo;
 mod progress;
+mod timeline_plot;
 
 use clap::Parser;
 

@@ -13,9 +13,9 @@ use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ftrec_ps::proto::coordinator_client::CoordinatorClient;
-use ftrec_ps::proto::parameter_server_client::ParameterServerClient;
-use ftrec_ps::proto::{PlacementRequest, SetEpochRequest};
+use ftrec_proto::proto::coordinator_client::CoordinatorClient;
+use ftrec_proto::proto::parameter_server_client::ParameterServerClient;
+use ftrec_proto::proto::{PlacementRequest, SetEpochRequest};
 use tonic::Code;
 
 const SECRET_KEY: &str = "x-ftrec-job-secret";

@@ -1,0 +1,318 @@
+//! The control loop: failure detection, and the work it plans (cuts, recoveries, orphan
+//! resolution), decided under the lock and run by `tasks` after releasing it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::planner::{self, Cause, RecoveryAction, Situation};
+use crate::tasks::run_task;
+use crate::{MAX_RESPAWNS, Member, Phase, Shared, State};
+
+/// Work the control loop decided on under the lock and runs after releasing it.
+pub(super) enum Task {
+    Checkpoint {
+        epoch: u64,
+        step: u64,
+        /// CPR: a prioritised save rather than a cut.
+        priority: bool,
+    },
+    Recover {
+        epoch: u64,
+        action: RecoveryAction,
+    },
+    /// Ask every server which of these orphan steps it applied.
+    Resolve {
+        epoch: u64,
+        steps: Vec<u64>,
+    },
+    /// Ask every server whether its part of the cut at `step` is committed.
+    ConfirmCut {
+        epoch: u64,
+        step: u64,
+    },
+}
+
+pub(super) async fn control_loop(shared: Arc<Shared>) {
+    let tick = Duration::from_millis(20);
+    loop {
+        tokio::time::sleep(tick).await;
+        let task = {
+            let mut s = shared.lock();
+            if s.stopping && s.phase == Phase::Done {
+                // Keep answering heartbeats with `stop` until the process exits.
+                continue;
+            }
+            if std::mem::take(&mut s.probe_requested) {
+                let targets: Vec<(usize, String)> = s
+                    .servers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| m.joined && m.alive && !m.address.is_empty())
+                    .map(|(id, m)| (id, m.address.clone()))
+                    .collect();
+                tokio::spawn(probe_servers(shared.clone(), targets));
+            }
+            detect_failures(&shared, &mut s);
+            if s.busy { None } else { plan(&shared, &mut s) }
+        };
+        if let Some(task) = task {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                run_task(&shared, task).await;
+                shared.lock().busy = false;
+            });
+        }
+    }
+}
+
+/// A worker's call to a server failed: connect to every server's port. "Connection
+/// refused" means no process listens there (a SIGKILLed server's socket is closed by the
+/// kernel at once), so that server is dead now, not after its heartbeats time out. A
+/// probe that gets no answer either way decides nothing; the heartbeats still do.
+async fn probe_servers(shared: Arc<Shared>, targets: Vec<(usize, String)>) {
+    let probes = targets.into_iter().map(|(id, address)| async move {
+        let attempt = tokio::time::timeout(
+            Duration::from_millis(300),
+            tokio::net::TcpStream::connect(address.as_str()),
+        )
+        .await;
+        let refused =
+            matches!(attempt, Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused);
+        (id, address, refused)
+    });
+    for (id, address, refused) in futures::future::join_all(probes).await {
+        if !refused {
+            continue;
+        }
+        let mut s = shared.lock();
+        let m = &mut s.servers[id];
+        // The slot may have a new process by now.
+        if m.alive && m.address == address {
+            m.refused = true;
+            s.timeline.event(
+                "suspicion-confirmed",
+                format!("server {id}: connection to {address} refused"),
+            );
+        }
+    }
+}
+
+fn detect_failures(shared: &Shared, s: &mut State) {
+    let c = &shared.job.config.cluster;
+    let timeout = Duration::from_millis(c.failure_timeout_ms);
+    if s.phase == Phase::Done {
+        return;
+    }
+    for id in 0..s.servers.len() {
+        let m = &s.servers[id];
+        let silent = m.silent_for();
+        if !(m.joined && m.alive && (silent > timeout || m.refused)) {
+            continue;
+        }
+        let why = if m.refused {
+            format!(
+                "its port refused a connection after a worker's call failed (silent for {silent:?})"
+            )
+        } else {
+            format!("silent for {silent:?}")
+        };
+        s.servers[id].alive = false;
+        s.servers[id].ready = false;
+        // Its background rebuild (if any) died with it; its replacement starts afresh.
+        s.rebuilding.retain(|&(r, _)| r != id);
+        s.epoch += 1;
+        shared.metrics.add("ftrec_failures_total", 1);
+        shared.metrics.set("ftrec_epoch", s.epoch as f64);
+        let t = s.timeline.event(
+            "failure-detected",
+            format!("server {id} {why}; epoch {}", s.epoch),
+        );
+        s.failed.push((id, t));
+        s.suspect_until = None;
+        if !c.ft.checkpoints() || s.cpr.as_ref().is_some_and(|cpr| cpr.partial()) {
+            // The run keeps its state: steps in flight are resolved after recovery (granted
+            // again, or settled where every server applied them).
+            s.steps.orphan_outstanding();
+        } else {
+            // A rollback trains every step from the cut again: late reports of the steps in
+            // flight must count nothing.
+            s.steps.forget_outstanding();
+        }
+        s.phase = Phase::Recovering;
+        replace_server(shared, s, id);
+    }
+    for id in 0..s.workers.len() {
+        let m = &s.workers[id];
+        if !(m.joined && m.alive && m.silent_for() > timeout) {
+            continue;
+        }
+        s.workers[id].alive = false;
+        // Its steps are resolved with the servers and granted again: never skipped.
+        let held = s.steps.worker_died(id);
+        s.timeline.event(
+            "worker-failure-detected",
+            format!("worker {id}; {held} granted steps to resolve"),
+        );
+        s.worker_respawns[id] += 1;
+        if s.worker_respawns[id] > MAX_RESPAWNS {
+            let why = format!(
+                "worker {id} failed {} times; giving up (see its log)",
+                s.worker_respawns[id]
+            );
+            s.timeline.event("fatal", why.clone());
+            s.fatal = Some(why);
+            s.phase = Phase::Done;
+            shared.done.send_replace(true);
+            return;
+        }
+        if let Some(sp) = &shared.spawner
+            && let Err(e) = sp.spawn_worker(id, &shared.address)
+        {
+            s.timeline
+                .event("replacement-failed", format!("worker {id}: {e}"));
+        }
+    }
+}
+
+fn replace_server(shared: &Shared, s: &mut State, id: usize) {
+    if let Some(spare) = s
+        .spares
+        .iter_mut()
+        .find(|sp| sp.assigned.is_none() && sp.member.alive)
+    {
+        spare.assigned = Some(id);
+        let member = Member {
+            ready: false,
+            last_seen: Some(Instant::now()),
+            refused: false,
+            ..spare.member.clone()
+        };
+        let (token, address) = (spare.token, member.address.clone());
+        s.servers[id] = member;
+        s.placement.assign(id, address.clone());
+        s.timeline.event(
+            "replacement",
+            format!("spare {token} at {address} takes server {id}"),
+        );
+        return;
+    }
+    match &shared.spawner {
+        Some(sp) => match sp.spawn_server(id, &shared.address) {
+            Ok(()) => {
+                s.timeline
+                    .event("replacement", format!("spawned a new server {id}"));
+            }
+            Err(e) => {
+                s.timeline
+                    .event("replacement-failed", format!("server {id}: {e}"));
+            }
+        },
+        None => {
+            s.timeline.event(
+                "replacement",
+                format!("waiting for a spare or a new `ftrec server --id {id}`"),
+            );
+        }
+    }
+}
+
+fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
+    match s.phase {
+        Phase::Starting => {
+            let servers_ready = s.servers.iter().all(|m| m.alive && m.ready);
+            let workers_joined = s.workers.iter().all(|m| m.joined);
+            if servers_ready && workers_joined {
+                s.phase = Phase::Running;
+                let total = s.steps.total();
+                s.timeline.event("training-start", format!("{total} steps"));
+                if let Some(cpr) = s.cpr.as_mut() {
+                    cpr.start(Instant::now());
+                    if let Some(interval) = cpr.interval() {
+                        s.timeline.event(
+                            "cpr-interval",
+                            format!(
+                                "a checkpoint every {:.2} s (Eq. 4 from cpr.target_pls and \
+                                 cpr.mtbf_seconds)",
+                                interval.as_secs_f64()
+                            ),
+                        );
+                    }
+                }
+            }
+            None
+        }
+        Phase::Checkpointing if s.steps.quiet() => {
+            s.busy = true;
+            Some(Task::Checkpoint {
+                epoch: s.epoch,
+                step: s.steps.next_step(),
+                priority: s.cut_priority,
+            })
+        }
+        Phase::Recovering => {
+            let waiting = s.recover_after.is_some_and(|t| Instant::now() < t);
+            if waiting || !s.servers.iter().all(|m| m.alive && m.ready) {
+                return None;
+            }
+            s.busy = true;
+            s.timeline
+                .event("recovery-start", format!("epoch {}", s.epoch));
+            let cluster = &shared.job.config.cluster;
+            let action = planner::plan(&Situation {
+                ft: cluster.ft,
+                deterministic: cluster.deterministic,
+                cause: if s.failed.is_empty() {
+                    Cause::StepPartlyApplied
+                } else {
+                    Cause::ServersLost(s.failed.iter().map(|(id, _)| *id).collect())
+                },
+                last_cut: s.last_checkpoint,
+                last_save: s.last_save,
+                unsettled: s.steps.unsettled(),
+                next_step: s.steps.next_step(),
+                ec: shared.job.layout().ok().and_then(|l| l.stripes()),
+                rebuilding: s.rebuilding.iter().map(|&(r, _)| r).collect(),
+                replicate_dense: shared.job.config.ec.replicate_dense,
+                partial: s.cpr.as_ref().is_some_and(|cpr| cpr.partial()),
+            });
+            if matches!(action, planner::RecoveryAction::Rollback { .. }) {
+                // Every server restores a cut and re-derives its parity: background
+                // rebuilds end (superseded), and none may hold the run open.
+                s.rebuilding.clear();
+            }
+            Some(Task::Recover {
+                epoch: s.epoch,
+                action,
+            })
+        }
+        Phase::Running | Phase::Checkpointing => {
+            let now = Instant::now();
+            if let Some(step) = s.pending_cut.as_ref().map(|c| c.step)
+                && s.confirm_after.is_none_or(|t| now >= t)
+            {
+                s.busy = true;
+                s.confirm_after = None;
+                return Some(Task::ConfirmCut {
+                    epoch: s.epoch,
+                    step,
+                });
+            }
+            let orphans = s.steps.orphans();
+            // A worker that lost a step to a server error makes the coordinator wait for
+            // the failure detector first; asking a dying server would only fail.
+            let waiting = [s.suspect_until, s.resolve_after]
+                .into_iter()
+                .flatten()
+                .any(|t| now < t);
+            if orphans.is_empty() || waiting {
+                return None;
+            }
+            s.busy = true;
+            Some(Task::Resolve {
+                epoch: s.epoch,
+                steps: orphans,
+            })
+        }
+        Phase::Done => None,
+    }
+}

@@ -1,0 +1,633 @@
+//! The coordinator: membership and heartbeats, the cluster epoch, the step schedule handed
+//! to workers, consistent checkpoint cuts, failure detection and recovery.
+//!
+//! Workers ask for steps one at a time ([`NextStep`](ftrec_proto::proto::NextStepRequest)), and
+//! the [`ledger::StepLedger`] knows where each stands, so the coordinator always knows the
+//! exact cut. A checkpoint stops granting fresh steps, waits until every granted one is
+//! settled, and has every server write its shard at that step. A failure bumps the epoch
+//! (servers then refuse the old epoch's requests), replaces the dead server, and rolls every
+//! server back to the last cut (`ft = checkpoint`) or keeps going with a fresh shard
+//! (`ft = none`). A step whose worker died is never skipped: it is granted again, or the
+//! cluster rolls back to the cut (see `ledger`).
+//!
+//! Files: `service.rs` answers the RPCs; `control.rs` detects failures and decides what
+//! to do next; `planner.rs` is the pure recovery planner (a situation in, a plan out);
+//! `ledger.rs` grants steps; `tasks.rs` executes plans against the servers.
+
+mod control;
+mod cpr;
+pub mod ledger;
+pub mod planner;
+mod recovery;
+mod service;
+#[cfg(test)]
+mod sim_tests;
+mod tasks;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::sync::watch;
+use tonic::Status;
+
+use ftrec_proto::PsError;
+use ftrec_proto::job::{Job, Schedule};
+use ftrec_proto::metrics::{self, Metrics};
+use ftrec_proto::placement::PlacementMap;
+use ftrec_proto::proto::coordinator_server::CoordinatorServer;
+use ftrec_proto::proto::next_step_reply::Action;
+use ftrec_proto::proto::*;
+use ftrec_proto::timeline::{Timeline, TimelineData};
+use ledger::StepLedger;
+
+/// Starts replacement processes. The local launcher spawns children; without one, the
+/// coordinator waits for a registered spare or a server started by hand.
+pub trait Spawner: Send + Sync {
+    fn spawn_server(&self, id: usize, coordinator: &str) -> Result<(), PsError>;
+    fn spawn_worker(&self, id: usize, coordinator: &str) -> Result<(), PsError>;
+}
+
+#[derive(Clone, Debug, Default)]
+struct Member {
+    address: String,
+    pid: u32,
+    joined: bool,
+    alive: bool,
+    ready: bool,
+    last_seen: Option<Instant>,
+    /// A probe found nothing listening at its address: dead, without waiting for its
+    /// heartbeats to time out.
+    refused: bool,
+}
+
+impl Member {
+    fn silent_for(&self) -> Duration {
+        self.last_seen.map_or(Duration::ZERO, |t| t.elapsed())
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Spare {
+    token: u32,
+    member: Member,
+    assigned: Option<usize>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Phase {
+    Starting,
+    Running,
+    Checkpointing,
+    Recovering,
+    Done,
+}
+
+/// One recovery from a server failure, in seconds since the timeline started.
+#[derive(Clone, Debug, Serialize)]
+pub struct Recovery {
+    pub server: usize,
+    pub detected_at: f64,
+    pub resumed_at: f64,
+    /// Step training continued from.
+    pub resumed_step: u64,
+    pub steps_rolled_back: u64,
+    /// Erasure coding: the longest replacement's rebuild, and the bytes rebuilt (with a
+    /// background rebuild, filled in when it ends).
+    pub rebuild_seconds: f64,
+    pub rebuild_bytes: u64,
+    /// Erasure coding: failure detection to full redundancy restored (with a background
+    /// rebuild, training ran degraded meanwhile).
+    pub degraded_seconds: f64,
+    /// The rebuild ran in the background while training went on (2PC on).
+    pub background_rebuild: bool,
+    /// Steps granted while the replacement rebuilt in the background.
+    pub steps_while_degraded: u64,
+    /// From the SIGKILL of this server (an injected `--kill`) to training resumed; filled
+    /// in by `cluster run` from the timeline.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kill_to_resume_seconds: Option<f64>,
+    /// The epoch this recovery began.
+    pub epoch: u64,
+    /// How the servers came back: `rollback`, `keep`, `rebuild` or `partial`.
+    pub mode: &'static str,
+    /// Partial recovery: every server's shard digest once recovered, before training
+    /// went on (survivors: their state at the failure; replacements: their checkpoint).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shard_digests: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CheckpointRecord {
+    pub step: u64,
+    pub started_at: f64,
+    /// Training was paused from the cut request to the end of the write.
+    pub pause_seconds: f64,
+    pub bytes: u64,
+    /// Each server's checkpoint id of this cut, by server slot.
+    pub ids: Vec<String>,
+    /// A CPR prioritised save (chosen rows on top of the last cut), not a cut.
+    pub priority: bool,
+}
+
+struct State {
+    phase: Phase,
+    epoch: u64,
+    placement: PlacementMap,
+    servers: Vec<Member>,
+    spares: Vec<Spare>,
+    workers: Vec<Member>,
+    steps: StepLedger,
+    samples: u64,
+    lost_samples: u64,
+    rpc_bytes: u64,
+    last_checkpoint: Option<u64>,
+    /// The newest committed checkpoint of any kind (a cut or a CPR prioritised save).
+    last_save: Option<u64>,
+    /// The cut being taken is a CPR prioritised save.
+    cut_priority: bool,
+    pause_started: Option<Instant>,
+    checkpoints: Vec<CheckpointRecord>,
+    /// The committed cuts still on disk, oldest first (`checkpoint.keep` of them at most).
+    retained_cuts: Vec<CheckpointRecord>,
+    /// After a failed cut: no new one before this instant, and the wait after the next
+    /// failure (doubling, bounded), so a full disk is neither hammered nor logged 45 times a
+    /// second.
+    checkpoint_backoff: Option<(Instant, Duration)>,
+    /// A cut every server has copied, committing in the background (DECK, IncrCP): it
+    /// becomes the rollback target once every server confirms. No new cut starts before.
+    pending_cut: Option<CheckpointRecord>,
+    /// Not asked about again before this.
+    confirm_after: Option<Instant>,
+    /// When the pending cut was copied: one that does not commit within the RPC timeout
+    /// fails.
+    pending_since: Option<Instant>,
+    /// Recovery attempts that failed in a row, and when to try the next.
+    recovery_failures: u32,
+    recover_after: Option<Instant>,
+    /// Kills to fire when a step is granted (`--kill server:1@step:8`): role, id, step.
+    step_kills: Vec<(Role, usize, u64)>,
+    /// The last prune failed (said once, until one succeeds).
+    prune_failing: bool,
+    /// Orphan steps are not asked about again before this (a server did not answer).
+    resolve_after: Option<Instant>,
+    /// Slots waiting for their replacement, with the detection time.
+    failed: Vec<(usize, f64)>,
+    /// Servers rebuilding in the background, with the epoch their rebuild began in.
+    rebuilding: Vec<(usize, u64)>,
+    recoveries: Vec<Recovery>,
+    timeline: Timeline,
+    stopping: bool,
+    busy: bool,
+    next_token: u32,
+    worker_respawns: Vec<u32>,
+    /// A worker lost a step to a server error: no new grants until the failure detector
+    /// confirms a failure (or this passes), so the schedule is not burnt on a dead server.
+    suspect_until: Option<Instant>,
+    /// A worker's call to a server failed: probe the servers' ports (`control.rs`).
+    probe_requested: bool,
+    /// Why the run cannot go on (a crash loop); ends it with this error.
+    fatal: Option<String>,
+    /// Steps lost since one last finished (`service.rs` gives up past a bound).
+    lost_in_a_row: u32,
+    /// `cluster.ft = "partial"`: PLS, interval and the full-or-partial choice.
+    cpr: Option<cpr::CprState>,
+}
+
+impl State {
+    /// Seconds since training started (0 before).
+    fn train_seconds(&self) -> f64 {
+        self.timeline
+            .data
+            .events
+            .iter()
+            .find(|e| e.kind == "training-start")
+            .map_or(0.0, |e| self.timeline.now() - e.t)
+    }
+
+    /// The pid of the process that joined as `role` `id`, if any.
+    fn pid_of(&self, role: Role, id: usize) -> Option<u32> {
+        let m = match role {
+            Role::Server => self.servers.get(id),
+            Role::Worker => self.workers.get(id),
+            Role::Unspecified => None,
+        }?;
+        (m.joined && m.pid != 0).then_some(m.pid)
+    }
+}
+
+pub struct Shared {
+    job: Job,
+    schedule: Schedule,
+    address: String,
+    state: Mutex<State>,
+    spawner: Option<Arc<dyn Spawner>>,
+    metrics: Arc<Metrics>,
+    done: watch::Sender<bool>,
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunSummary {
+    pub steps: u64,
+    pub samples: u64,
+    pub lost_samples: u64,
+    pub train_seconds: f64,
+    pub samples_per_sec: f64,
+    pub rpc_bytes: u64,
+    pub rpc_bytes_per_sample: f64,
+    pub epoch: u64,
+    pub checkpoints: Vec<CheckpointRecord>,
+    pub recoveries: Vec<Recovery>,
+    pub recovery_seconds: f64,
+    /// Steps trained again because of rollbacks, over every recovery (0 under partial
+    /// recovery and erasure coding).
+    pub steps_rolled_back: u64,
+    /// Partial recovery: the portion of lost samples (CPR Eq. 3), the recovery in force
+    /// (`partial`, or `full` when the comparison fell back), and that comparison.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pls: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recovery_mode: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpr_decision: Option<ftrec_cpr::Decision>,
+    /// CPR prioritised saves: how many, and their trackers' cost (cpr.txt Table 1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpr_priority: Option<cpr::PriorityReport>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock is a bug; the state is still the best we have.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    pub fn event(&self, kind: &str, detail: impl Into<String>) -> f64 {
+        self.lock().timeline.event(kind, detail)
+    }
+
+    pub fn timeline(&self) -> TimelineData {
+        self.lock().timeline.data.clone()
+    }
+
+    pub fn server_addresses(&self) -> Vec<String> {
+        self.lock().placement.servers.clone()
+    }
+
+    pub fn pid_of(&self, role: Role, id: usize) -> Option<u32> {
+        self.lock().pid_of(role, id)
+    }
+
+    pub fn summary(&self) -> RunSummary {
+        let s = self.lock();
+        let start = s
+            .timeline
+            .data
+            .events
+            .iter()
+            .find(|e| e.kind == "training-start")
+            .map_or(0.0, |e| e.t);
+        let end = s
+            .timeline
+            .data
+            .events
+            .iter()
+            .find(|e| e.kind == "training-end")
+            .map_or_else(|| s.timeline.now(), |e| e.t);
+        let seconds = (end - start).max(1e-9);
+        RunSummary {
+            steps: s.steps.next_step(),
+            samples: s.samples,
+            lost_samples: s.lost_samples,
+            train_seconds: seconds,
+            samples_per_sec: s.samples as f64 / seconds,
+            rpc_bytes: s.rpc_bytes,
+            rpc_bytes_per_sample: s.rpc_bytes as f64 / s.samples.max(1) as f64,
+            epoch: s.epoch,
+            checkpoints: s.checkpoints.clone(),
+            recovery_seconds: s
+                .recoveries
+                .iter()
+                .fold(0.0, |acc, r| acc + (r.resumed_at - r.detected_at)),
+            recoveries: s.recoveries.clone(),
+            steps_rolled_back: s.recoveries.iter().map(|r| r.steps_rolled_back).sum(),
+            pls: s.cpr.as_ref().map(|c| c.pls()),
+            recovery_mode: s
+                .cpr
+                .as_ref()
+                .map(|c| if c.partial() { "partial" } else { "full" }),
+            cpr_decision: s.cpr.as_ref().and_then(|c| c.decision().cloned()),
+            cpr_priority: s.cpr.as_ref().and_then(|c| c.priority_report()),
+        }
+    }
+
+    /// SIGKILLs `role` `id` as soon as global step `step` is granted (failure injection at
+    /// an exact point of the schedule, for tests and benchmarks).
+    pub fn kill_at_step(&self, role: Role, id: usize, step: u64) {
+        self.lock().step_kills.push((role, id, step));
+    }
+
+    /// Fires the step kills that `granted` reached.
+    fn fire_step_kills(&self, s: &mut State, granted: u64) {
+        let (due, rest): (Vec<_>, Vec<_>) = s
+            .step_kills
+            .iter()
+            .copied()
+            .partition(|&(_, _, step)| step <= granted);
+        s.step_kills = rest;
+        for (role, id, _) in due {
+            let Some(pid) = s.pid_of(role, id) else {
+                s.timeline.event(
+                    "kill-skipped",
+                    format!("{} {id}: no such process", role_name(role)),
+                );
+                continue;
+            };
+            let detail = match sigkill(pid) {
+                Ok(()) => format!(
+                    "{} {id} (pid {pid}) by SIGKILL at step {granted}",
+                    role_name(role)
+                ),
+                Err(e) => format!("{} {id} (pid {pid}): kill failed: {e}", role_name(role)),
+            };
+            s.timeline.event("killed", detail);
+        }
+    }
+
+    /// Tells every process to exit (heartbeat replies carry `stop`).
+    pub fn stop(&self) {
+        self.lock().stopping = true;
+    }
+
+    fn fence_error(&self, job_fp: u64) -> Option<Status> {
+        let ours = self.job.fingerprint();
+        (job_fp != ours).then(|| {
+            Status::failed_precondition(format!(
+                "configuration fingerprint {job_fp:016x} differs from the cluster's {ours:016x}: \
+                 the process was started with another configuration"
+            ))
+        })
+    }
+
+    fn grant(&self, s: &mut State, worker: usize) -> NextStepReply {
+        let wait = |epoch, v| NextStepReply {
+            action: Action::Wait as i32,
+            step: 0,
+            epoch,
+            wait_ms: 20,
+            placement_version: v,
+        };
+        let (epoch, version) = (s.epoch, s.placement.version);
+        if s.stopping || s.phase == Phase::Done {
+            return NextStepReply {
+                action: Action::Stop as i32,
+                ..wait(epoch, version)
+            };
+        }
+        let granting = matches!(s.phase, Phase::Running | Phase::Checkpointing);
+        if !granting || s.suspect_until.is_some_and(|t| Instant::now() < t) {
+            return wait(epoch, version);
+        }
+        if s.phase == Phase::Running
+            && let Some(priority) = self.cut_due(s)
+        {
+            s.cut_priority = priority;
+            s.phase = Phase::Checkpointing;
+            s.pause_started = Some(Instant::now());
+        }
+        // Regrants go out even while a cut waits: the cut needs them settled.
+        // In deterministic mode steps apply strictly in order: a fresh step granted while
+        // an earlier one waits to be resolved would wait on it forever.
+        let fresh = s.phase == Phase::Running
+            && !(self.job.config.cluster.deterministic && s.steps.has_orphans());
+        if let Some(step) = s.steps.take(worker, epoch, fresh) {
+            if !s.step_kills.is_empty() {
+                self.fire_step_kills(s, step);
+            }
+            return NextStepReply {
+                action: Action::Train as i32,
+                step,
+                epoch,
+                wait_ms: 0,
+                placement_version: version,
+            };
+        }
+        // A background rebuild finishes before the run ends, so the model gathered and
+        // its parity verified are whole, and the report has the rebuild's figures.
+        if s.steps.done() && s.rebuilding.is_empty() {
+            s.phase = Phase::Done;
+            let steps = s.steps.next_step();
+            s.timeline.event("training-end", format!("{steps} steps"));
+            self.done.send_replace(true);
+            return NextStepReply {
+                action: Action::Stop as i32,
+                ..wait(epoch, version)
+            };
+        }
+        wait(epoch, version)
+    }
+
+    /// Counts a step every server applied.
+    fn settled(&self, s: &mut State, step: u64) {
+        let (_, n) = self.schedule.batch(step);
+        s.samples += n;
+        s.timeline.samples(n);
+        self.metrics.add("ftrec_samples_total", n);
+        self.metrics.add("ftrec_steps_total", 1);
+    }
+
+    /// Whether a checkpoint is due at the next fresh step: `Some(false)` a consistent
+    /// cut, `Some(true)` a CPR prioritised save.
+    fn cut_due(&self, s: &State) -> Option<bool> {
+        let c = &self.job.config;
+        let every = c.checkpoint.every_steps;
+        let next = s.steps.next_step();
+        let now = Instant::now();
+        // CPR with a target PLS sets the interval in seconds (Eq. 4); else every N steps.
+        let cut = match s.cpr.as_ref().filter(|cpr| cpr.interval().is_some()) {
+            Some(cpr) => cpr.cut_due(now),
+            None => every > 0 && next.is_multiple_of(every),
+        };
+        // Prioritised saves go between cuts, once a cut exists to save against.
+        let priority = !cut
+            && s.last_checkpoint.is_some()
+            && s.cpr
+                .as_ref()
+                .is_some_and(|cpr| cpr.priority_due(now, next, every));
+        let due = c.cluster.ft.checkpoints()
+            && (cut || priority)
+            && next > 0
+            && s.last_save != Some(next)
+            && s.pending_cut.is_none()
+            // A slot rebuilding in the background has no complete shard to cut yet.
+            && s.rebuilding.is_empty()
+            && next < s.steps.total()
+            && s.checkpoint_backoff
+                .is_none_or(|(until, _)| Instant::now() >= until);
+        due.then_some(priority)
+    }
+}
+
+pub fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Server => "server",
+        Role::Worker => "worker",
+        Role::Unspecified => "?",
+    }
+}
+
+/// SIGKILLs a process on this host.
+pub fn sigkill(pid: u32) -> Result<(), std::io::Error> {
+    let pid =
+        rustix::process::Pid::from_raw(pid as i32).ok_or_else(|| std::io::Error::other("pid 0"))?;
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).map_err(Into::into)
+}
+
+/// Replacements of one worker slot before the run is declared failed (a crash loop).
+const MAX_RESPAWNS: u32 = 3;
+
+pub struct CoordinatorOptions {
+    pub job: Job,
+    pub host: String,
+    /// Port to listen on (0: any).
+    pub port: u16,
+    pub spawner: Option<Arc<dyn Spawner>>,
+}
+
+/// A running coordinator (embedded in `cluster run`, or `ftrec coordinator`).
+pub struct Handle {
+    pub shared: Arc<Shared>,
+    pub metrics_address: Option<String>,
+    done: watch::Receiver<bool>,
+}
+
+impl Handle {
+    /// Waits until every step is trained (bounded by `limit`).
+    pub async fn wait_done(&mut self, limit: Duration) -> Result<(), PsError> {
+        tokio::time::timeout(limit, self.done.wait_for(|d| *d))
+            .await
+            .map_err(|_| PsError::Timeout(format!("training did not finish within {limit:?}")))?
+            .map_err(|_| PsError::Stopped("the coordinator stopped".into()))?;
+        match self.shared.lock().fatal.clone() {
+            Some(why) => Err(PsError::Fatal(why)),
+            None => Ok(()),
+        }
+    }
+}
+
+pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
+    let job = opts.job;
+    let data = job.train_data()?;
+    let schedule = Schedule {
+        samples: data.len() as u64,
+        batch_size: job.config.train.batch_size as u64,
+    };
+    let c = &job.config;
+    let total_steps = if c.train.steps > 0 {
+        c.train.steps
+    } else {
+        c.train.epochs * schedule.batches_per_epoch()
+    };
+    let (listener, address) = ftrec_proto::client::bind(&opts.host, opts.port).await?;
+    let metrics = Arc::new(
+        Metrics::new("role=\"coordinator\"".into())
+            .counter("ftrec_samples_total", "Samples trained")
+            .counter("ftrec_steps_total", "Steps finished")
+            .counter(
+                "ftrec_lost_samples_total",
+                "Samples of steps lost to failures",
+            )
+            .counter("ftrec_rpc_bytes_total", "Worker RPC payload bytes")
+            .counter("ftrec_failures_total", "Server failures detected")
+            .counter("ftrec_checkpoints_total", "Cluster checkpoints")
+            .gauge("ftrec_epoch", "Cluster epoch")
+            .gauge(
+                "ftrec_pls",
+                "Portion of lost samples (partial recovery, CPR Eq. 3)",
+            ),
+    );
+    let metrics_address = metrics::start(&opts.host, metrics.clone()).await;
+    let (done_tx, done_rx) = watch::channel(false);
+    let cluster = &c.cluster;
+    let shared = Arc::new(Shared {
+        schedule,
+        address: address.clone(),
+        state: Mutex::new(State {
+            phase: Phase::Starting,
+            epoch: 1,
+            placement: PlacementMap::new(&job.layout()?),
+            servers: vec![Member::default(); cluster.servers],
+            spares: Vec::new(),
+            workers: vec![Member::default(); cluster.workers],
+            steps: StepLedger::new(total_steps),
+            samples: 0,
+            lost_samples: 0,
+            rpc_bytes: 0,
+            last_checkpoint: None,
+            last_save: None,
+            cut_priority: false,
+            pause_started: None,
+            checkpoints: Vec::new(),
+            retained_cuts: Vec::new(),
+            checkpoint_backoff: None,
+            resolve_after: None,
+            prune_failing: false,
+            step_kills: Vec::new(),
+            pending_cut: None,
+            confirm_after: None,
+            pending_since: None,
+            recovery_failures: 0,
+            recover_after: None,
+            failed: Vec::new(),
+            recoveries: Vec::new(),
+            rebuilding: Vec::new(),
+            timeline: Timeline::new(),
+            stopping: false,
+            busy: false,
+            next_token: 1,
+            worker_respawns: vec![0; cluster.workers],
+            suspect_until: None,
+            probe_requested: false,
+            fatal: None,
+            lost_in_a_row: 0,
+            cpr: cpr::CprState::new(&job, schedule.samples_before(total_steps))?,
+        }),
+        spawner: opts.spawner,
+        metrics,
+        done: done_tx,
+        job,
+    });
+    let service = tonic::service::interceptor::InterceptedService::new(
+        CoordinatorServer::new(service::Service(shared.clone())),
+        shared.job.secret().checker(),
+    );
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let mut builder = ftrec_proto::auth::server_builder(&shared.job)?;
+    tokio::spawn(async move {
+        if let Err(e) = builder
+            .add_service(service)
+            .serve_with_incoming(incoming)
+            .await
+        {
+            tracing::error!("coordinator RPC server stopped: {e}");
+        }
+    });
+    tokio::spawn(control::control_loop(shared.clone()));
+    shared.event(
+        "coordinator",
+        format!(
+            "listening on {address} (metrics http://{}/metrics)",
+            metrics_address.as_deref().unwrap_or("-")
+        ),
+    );
+    Ok(Handle {
+        shared,
+        metrics_address,
+        done: done_rx,
+    })
+}

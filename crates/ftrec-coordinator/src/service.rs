@@ -1,0 +1,265 @@
+//! The coordinator's RPCs: join, heartbeat, step grants, placement, kill.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tonic::{Request, Response, Status};
+
+use crate::{Member, Shared, Spare, role_name, sigkill};
+use ftrec_proto::PsError;
+use ftrec_proto::proto::coordinator_server::Coordinator;
+use ftrec_proto::proto::*;
+
+pub(super) struct Service(pub(super) Arc<Shared>);
+
+#[tonic::async_trait]
+impl Coordinator for Service {
+    async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinReply>, Status> {
+        let shared = &self.0;
+        let req = req.into_inner();
+        if let Some(e) = shared.fence_error(req.fingerprint) {
+            shared.event(
+                "join-refused",
+                format!("{:?} {}: {}", req.role(), req.id, e.message()),
+            );
+            return Err(e);
+        }
+        let c = &shared.job.config.cluster;
+        let timeout = Duration::from_millis(c.failure_timeout_ms);
+        let mut s = shared.lock();
+        let mut spare_token = 0;
+        let id = req.id as usize;
+        let member = Member {
+            address: req.address.clone(),
+            pid: req.pid,
+            joined: true,
+            alive: true,
+            ready: false,
+            last_seen: Some(Instant::now()),
+            refused: false,
+        };
+        match (req.role(), req.spare) {
+            (Role::Server, true) => {
+                spare_token = s.next_token;
+                s.next_token += 1;
+                s.spares.push(Spare {
+                    token: spare_token,
+                    member,
+                    assigned: None,
+                });
+                s.timeline.event(
+                    "spare-joined",
+                    format!("spare {spare_token} at {}", req.address),
+                );
+            }
+            (Role::Server, false) => {
+                let Some(slot) = s.servers.get(id) else {
+                    return Err(Status::invalid_argument(format!(
+                        "server id {id} is outside this cluster's {} servers",
+                        c.servers
+                    )));
+                };
+                if slot.joined && slot.alive && slot.silent_for() < timeout {
+                    return Err(Status::already_exists(format!(
+                        "server {id} is already held by a live process (pid {} at {}); \
+                         refusing a second server with that identity",
+                        slot.pid, slot.address
+                    )));
+                }
+                s.servers[id] = member;
+                s.placement.assign(id, req.address.clone());
+                s.timeline.event(
+                    "server-joined",
+                    format!(
+                        "server {id} at {} (pid {}, metrics http://{}/metrics)",
+                        req.address, req.pid, req.metrics_address
+                    ),
+                );
+            }
+            (Role::Worker, _) => {
+                let Some(slot) = s.workers.get(id) else {
+                    return Err(Status::invalid_argument(format!(
+                        "worker id {id} is outside this cluster's {} workers",
+                        c.workers
+                    )));
+                };
+                if slot.joined && slot.alive && slot.silent_for() < timeout {
+                    return Err(Status::already_exists(format!(
+                        "worker {id} is already held by a live process (pid {})",
+                        slot.pid
+                    )));
+                }
+                s.workers[id] = Member {
+                    ready: true,
+                    ..member
+                };
+                s.timeline.event(
+                    "worker-joined",
+                    format!(
+                        "worker {id} (pid {}, metrics http://{}/metrics)",
+                        req.pid, req.metrics_address
+                    ),
+                );
+            }
+            (Role::Unspecified, _) => return Err(Status::invalid_argument("join without a role")),
+        }
+        Ok(Response::new(JoinReply {
+            epoch: s.epoch,
+            servers: c.servers as u32,
+            workers: c.workers as u32,
+            spare_token,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatReply>, Status> {
+        let shared = &self.0;
+        let req = req.into_inner();
+        let mut s = shared.lock();
+        let stop = s.stopping;
+        let mut assign = None;
+        let id = req.id as usize;
+        let member = match (req.role(), req.spare) {
+            (Role::Server, true) => {
+                let Some(spare) = s.spares.iter_mut().find(|sp| sp.token == req.id) else {
+                    return Err(Status::not_found("unknown spare"));
+                };
+                assign = spare.assigned.map(|a| a as u32);
+                &mut spare.member
+            }
+            (Role::Server, false) => s
+                .servers
+                .get_mut(id)
+                .ok_or_else(|| Status::invalid_argument("unknown server"))?,
+            (Role::Worker, _) => s
+                .workers
+                .get_mut(id)
+                .ok_or_else(|| Status::invalid_argument("unknown worker"))?,
+            _ => return Err(Status::invalid_argument("heartbeat without a role")),
+        };
+        if !member.alive {
+            // Declared dead (and replaced): a paused process that wakes up must not serve.
+            return Err(PsError::Fenced(
+                "this process was declared dead; its slot has been replaced".into(),
+            )
+            .into());
+        }
+        member.last_seen = Some(Instant::now());
+        member.ready |= req.ready;
+        Ok(Response::new(HeartbeatReply {
+            epoch: s.epoch,
+            stop,
+            assign,
+        }))
+    }
+
+    async fn next_step(
+        &self,
+        req: Request<NextStepRequest>,
+    ) -> Result<Response<NextStepReply>, Status> {
+        let shared = &self.0;
+        let req = req.into_inner();
+        let worker = req.worker as usize;
+        let mut s = shared.lock();
+        if let Some(m) = s.workers.get_mut(worker) {
+            // A worker declared dead whose slot went to a replacement must not take steps
+            // under that slot: they would be settled or lost under the wrong process.
+            if req.pid != 0 && m.pid != 0 && m.pid != req.pid {
+                return Err(PsError::Fenced(format!(
+                    "worker {worker} is held by pid {}; this process (pid {}) was declared dead",
+                    m.pid, req.pid
+                ))
+                .into());
+            }
+            m.last_seen = Some(Instant::now());
+        }
+        s.rpc_bytes += req.rpc_bytes;
+        shared.metrics.add("ftrec_rpc_bytes_total", req.rpc_bytes);
+        if let Some(step) = req.finished
+            && s.steps.finish(step, worker, req.epoch)
+        {
+            s.lost_in_a_row = 0;
+            shared.settled(&mut s, step);
+        }
+        if let Some(step) = req.lost {
+            s.lost_in_a_row += 1;
+            if let Some(why) = refusal(&s, step, &req) {
+                tracing::error!("{why}");
+                s.timeline.event("fatal", why.clone());
+                s.fatal = Some(why);
+                s.phase = crate::Phase::Done;
+                shared.done.send_replace(true);
+            }
+            // The step becomes an orphan: the control loop asks the servers which of them
+            // applied it, then grants it again or rolls back. Never skipped.
+            s.steps.lose(step, worker, req.epoch);
+            let c = &shared.job.config.cluster;
+            s.suspect_until = Some(
+                Instant::now() + Duration::from_millis(c.failure_timeout_ms + 2 * c.heartbeat_ms),
+            );
+            s.probe_requested = true;
+        }
+        let reply = shared.grant(&mut s, worker);
+        Ok(Response::new(reply))
+    }
+
+    async fn placement(
+        &self,
+        _req: Request<PlacementRequest>,
+    ) -> Result<Response<PlacementReply>, Status> {
+        let s = self.0.lock();
+        Ok(Response::new(PlacementReply {
+            version: s.placement.version,
+            servers: s.placement.servers.clone(),
+        }))
+    }
+
+    async fn kill(&self, req: Request<KillRequest>) -> Result<Response<KillReply>, Status> {
+        let req = req.into_inner();
+        let role = req.role();
+        let Some(pid) = self.0.pid_of(role, req.id as usize) else {
+            return Err(Status::not_found(format!(
+                "no {role:?} {} has joined",
+                req.id
+            )));
+        };
+        sigkill(pid).map_err(|e| Status::internal(format!("kill {pid}: {e}")))?;
+        self.0.event(
+            "killed",
+            format!("{} {} (pid {pid}) by SIGKILL", role_name(role), req.id),
+        );
+        Ok(Response::new(KillReply { pid }))
+    }
+}
+
+/// Steps lost this many times in a row, with no step finishing in between, mean the
+/// servers refuse work for a reason no recovery removes.
+const MAX_LOST_IN_A_ROW: u32 = 64;
+
+/// Why the run cannot go on after `req` lost `step`, if it cannot: a server in a later
+/// epoch than the cluster's (changed from outside the job), or steps lost without end.
+fn refusal(s: &crate::State, step: u64, req: &NextStepRequest) -> Option<String> {
+    let reason = if req.lost_reason.is_empty() {
+        "no reason given"
+    } else {
+        &req.lost_reason
+    };
+    if let Some(ahead) = req.ahead_epoch
+        && ahead > s.epoch
+    {
+        return Some(format!(
+            "a server refused step {step} of worker {}: it is in epoch {ahead}, ahead of the \
+             cluster's epoch {}; something outside this job changed it ({reason})",
+            req.worker, s.epoch
+        ));
+    }
+    (s.lost_in_a_row >= MAX_LOST_IN_A_ROW).then(|| {
+        format!(
+            "{} steps lost in a row with none finished: the servers refuse work; last cause \
+             (step {step}, worker {}): {reason}",
+            s.lost_in_a_row, req.worker
+        )
+    })
+}

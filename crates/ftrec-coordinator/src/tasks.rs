@@ -1,0 +1,434 @@
+//! The work the control loop plans, run against the servers without holding the lock:
+//! consistent cuts and CPR's prioritised saves (and pruning what is no longer kept), and
+//! resolving the steps of dead workers. Recoveries run in `recovery.rs`.
+
+use std::time::{Duration, Instant};
+
+use crate::control::Task;
+use crate::ledger::{Applied, Resolution};
+use crate::planner;
+use crate::{CheckpointRecord, Phase, Shared, State};
+use ftrec_proto::client::ServerClient;
+use ftrec_proto::proto::*;
+
+/// The first wait after a failed cut; it doubles on each failure in a row up to the cap.
+const FIRST_CUT_BACKOFF: Duration = Duration::from_secs(2);
+const MAX_CUT_BACKOFF: Duration = Duration::from_secs(300);
+/// How long to wait before asking the servers about orphan steps again after one did not
+/// answer.
+const RESOLVE_RETRY: Duration = Duration::from_millis(200);
+/// How often to ask whether a cut committing in the background is done.
+const CONFIRM_RETRY: Duration = Duration::from_millis(50);
+
+pub(super) async fn run_task(shared: &std::sync::Arc<Shared>, task: Task) {
+    let clients: Result<Vec<_>, _> = shared.job.connector().and_then(|connector| {
+        shared
+            .server_addresses()
+            .iter()
+            .map(|a| connector.server(a))
+            .collect()
+    });
+    let clients = match clients {
+        Ok(c) => c,
+        Err(e) => {
+            shared.event("error", e.to_string());
+            return;
+        }
+    };
+    match task {
+        Task::Checkpoint {
+            epoch,
+            step,
+            priority,
+        } => checkpoint(shared, clients, epoch, step, priority).await,
+        Task::Recover { epoch, action } => {
+            crate::recovery::recover(shared, clients, epoch, action).await
+        }
+        Task::Resolve { epoch, steps } => resolve(shared, clients, epoch, steps).await,
+        Task::ConfirmCut { epoch, step } => confirm_cut(shared, clients, epoch, step).await,
+    }
+}
+
+async fn checkpoint(
+    shared: &Shared,
+    clients: Vec<ServerClient>,
+    epoch: u64,
+    step: u64,
+    priority: bool,
+) {
+    let what = if priority {
+        format!("step {step} (CPR prioritised save)")
+    } else {
+        format!("step {step}")
+    };
+    let started_at = shared.event("checkpoint-start", what);
+    let calls = clients.iter().cloned().map(|mut c| async move {
+        c.checkpoint(CheckpointRequest {
+            epoch,
+            step,
+            priority,
+        })
+        .await
+    });
+    let results = futures::future::join_all(calls).await;
+    let mut bytes = 0;
+    let mut ids = Vec::with_capacity(results.len());
+    let mut failed = None;
+    let mut committed = true;
+    let (mut tracker_bytes, mut select_seconds) = (0u64, 0f64);
+    for (i, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(r) => {
+                let r = r.into_inner();
+                bytes += r.bytes;
+                tracker_bytes += r.tracker_bytes;
+                select_seconds = select_seconds.max(r.select_seconds);
+                committed &= r.committed;
+                ids.push(r.id);
+            }
+            Err(e) => failed = Some(format!("server {i}: {}", e.message())),
+        }
+    }
+    let prune = {
+        let mut s = shared.lock();
+        let pause = s
+            .pause_started
+            .take()
+            .map_or(0.0, |t| t.elapsed().as_secs_f64());
+        if s.epoch == epoch && s.phase == Phase::Checkpointing {
+            s.phase = Phase::Running;
+        }
+        match failed {
+            None if s.epoch == epoch => {
+                let record = CheckpointRecord {
+                    step,
+                    started_at,
+                    pause_seconds: pause,
+                    bytes,
+                    ids,
+                    priority,
+                };
+                if priority && let Some(cpr) = s.cpr.as_mut() {
+                    cpr.on_priority_save(Instant::now(), tracker_bytes, select_seconds);
+                }
+                if committed {
+                    commit_cut(shared, &mut s, record)
+                } else {
+                    // Every part is copied, so training goes on; the cut counts for a
+                    // rollback only once every server confirms its commit.
+                    s.timeline.event(
+                        "checkpoint-copied",
+                        format!("step {step}, paused {pause:.3}s; committing in the background"),
+                    );
+                    s.pending_cut = Some(record);
+                    s.pending_since = Some(Instant::now());
+                    None
+                }
+            }
+            None => {
+                s.timeline.event(
+                    "checkpoint-abandoned",
+                    format!("step {step}: epoch changed"),
+                );
+                None
+            }
+            Some(e) => {
+                cut_failed(&mut s, step, &e);
+                None
+            }
+        }
+    };
+    if let Some(kept) = prune {
+        prune_cuts(shared, clients, epoch, &kept).await;
+    }
+}
+
+/// Counts a cut every server committed: it becomes the rollback target. Returns the cuts
+/// to keep when older ones are due for deletion.
+fn commit_cut(
+    shared: &Shared,
+    s: &mut State,
+    record: CheckpointRecord,
+) -> Option<Vec<CheckpointRecord>> {
+    let (step, bytes, pause, priority) = (
+        record.step,
+        record.bytes,
+        record.pause_seconds,
+        record.priority,
+    );
+    s.last_save = Some(step);
+    s.checkpoints.push(record.clone());
+    s.retained_cuts.push(record);
+    shared.metrics.add("ftrec_checkpoints_total", 1);
+    let kind = if priority {
+        " (CPR prioritised save)"
+    } else {
+        ""
+    };
+    s.timeline.event(
+        "checkpoint-end",
+        format!("step {step}{kind}, {bytes} bytes, paused {pause:.3}s"),
+    );
+    // A prioritised save is not a consistent state: a partial restore reloads it, a
+    // rollback never goes to it, and it decides nothing.
+    if !priority {
+        s.last_checkpoint = Some(step);
+        s.checkpoint_backoff = None;
+        let train_seconds = s.train_seconds();
+        let total = s.steps.total();
+        if let Some(cpr) = s.cpr.as_mut()
+            && let Some(decision) = cpr.on_cut(Instant::now(), pause, train_seconds, step, total)
+        {
+            tracing::info!("{decision}");
+            s.timeline.event("cpr-decision", decision);
+        }
+    }
+    let keep = shared.job.config.checkpoint.keep;
+    let excess = s.retained_cuts.len().saturating_sub(keep);
+    (keep > 0 && excess > 0).then(|| {
+        s.retained_cuts.drain(..excess);
+        s.retained_cuts.clone()
+    })
+}
+
+/// A cut that will not count: said once on stderr and in the event log, and the next one
+/// waits (doubling, bounded), so a full disk is neither hammered nor logged in a loop.
+fn cut_failed(s: &mut State, step: u64, why: &str) {
+    let wait = s
+        .checkpoint_backoff
+        .map_or(FIRST_CUT_BACKOFF, |(_, d)| (d * 2).min(MAX_CUT_BACKOFF));
+    s.checkpoint_backoff = Some((Instant::now() + wait, wait));
+    let fallback = s
+        .last_checkpoint
+        .map_or("the initial state".to_string(), |c| {
+            format!("the cut of step {c}")
+        });
+    let why = format!(
+        "checkpoint of step {step} failed: {why}. Training goes on; a failure now \
+         rolls back to {fallback}. Next attempt in {wait:?} or later."
+    );
+    tracing::error!("{why}");
+    s.timeline.event("checkpoint-failed", why);
+}
+
+/// Asks every server whether its part of the pending cut is committed; counts the cut
+/// when all are, fails it when one's background write failed, and otherwise asks again
+/// shortly.
+async fn confirm_cut(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, step: u64) {
+    let calls = clients
+        .iter()
+        .cloned()
+        .map(|mut c| async move { c.cut_committed(CutCommittedRequest { epoch, step }).await });
+    let mut all = true;
+    let mut failed = None;
+    for (i, r) in futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        match r {
+            Ok(r) => all &= r.into_inner().committed,
+            Err(e) => failed = Some(format!("server {i}: {}", e.message())),
+        }
+    }
+    let prune = {
+        let mut s = shared.lock();
+        if s.epoch != epoch || s.pending_cut.as_ref().is_none_or(|c| c.step != step) {
+            return;
+        }
+        if let Some(e) = failed {
+            s.pending_cut = None;
+            cut_failed(&mut s, step, &e);
+            return;
+        }
+        if !all {
+            let limit = shared.job.timeout();
+            if s.pending_since.is_some_and(|t| t.elapsed() > limit) {
+                s.pending_cut = None;
+                cut_failed(
+                    &mut s,
+                    step,
+                    &format!("its background commit did not finish within {limit:?}"),
+                );
+                return;
+            }
+            s.confirm_after = Some(Instant::now() + CONFIRM_RETRY);
+            return;
+        }
+        let Some(record) = s.pending_cut.take() else {
+            return;
+        };
+        commit_cut(shared, &mut s, record)
+    };
+    if let Some(kept) = prune {
+        prune_cuts(shared, clients, epoch, &kept).await;
+    }
+}
+
+/// Deletes every shard checkpoint that is not part of a kept cut. A newer cut has
+/// committed before this runs, so a failure at any moment leaves at least `keep` cuts.
+async fn prune_cuts(
+    shared: &Shared,
+    clients: Vec<ServerClient>,
+    epoch: u64,
+    kept: &[CheckpointRecord],
+) {
+    let keep_steps: Vec<u64> = kept.iter().map(|r| r.step).collect();
+    let calls = clients.into_iter().map(|mut c| {
+        let keep_steps = keep_steps.clone();
+        async move { c.prune(PruneRequest { epoch, keep_steps }).await }
+    });
+    let mut deleted = 0;
+    let mut failed = Vec::new();
+    for (i, r) in futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        match r {
+            Ok(r) => deleted += r.into_inner().deleted,
+            Err(e) => failed.push(format!("server {i}: {}", e.message())),
+        }
+    }
+    let mut s = shared.lock();
+    if !failed.is_empty() {
+        // The next cut's prune lists the same keep set, so nothing is left behind for good.
+        // Said once until a prune succeeds again, not at every cut.
+        if !std::mem::replace(&mut s.prune_failing, true) {
+            let why = failed.join("; ");
+            tracing::warn!("pruning old checkpoints: {why}; retrying after each cut");
+            s.timeline.event("prune-failed", why);
+        }
+        return;
+    }
+    s.prune_failing = false;
+    if deleted > 0 {
+        let steps: Vec<u64> = kept.iter().map(|r| r.step).collect();
+        s.timeline.event(
+            "checkpoints-pruned",
+            format!("{deleted} shard checkpoints deleted; cuts kept: {steps:?}"),
+        );
+    }
+}
+
+/// Asks every server which orphan steps it applied, then settles, regrants or rolls back.
+async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps: Vec<u64>) {
+    let two_phase =
+        shared.job.config.cluster.ft.erasure_coded() && shared.job.config.ec.two_phase_commit;
+    let finishers = two_phase.then(|| clients.clone());
+    let calls = clients.into_iter().map(|mut c| {
+        let steps = steps.clone();
+        async move {
+            c.applied(AppliedRequest {
+                epoch,
+                steps,
+                digest: false,
+            })
+            .await
+        }
+    });
+    let mut answers = Vec::new();
+    for r in futures::future::join_all(calls).await {
+        match r.map(|r| r.into_inner().applied) {
+            Ok(a) if a.len() == steps.len() => answers.push(a),
+            Ok(_) | Err(_) => {
+                // A server that does not answer is dead or busy restoring: the failure
+                // detector decides; ask again shortly.
+                shared.lock().resolve_after = Some(Instant::now() + RESOLVE_RETRY);
+                return;
+            }
+        }
+    }
+    if let Some(clients) = finishers {
+        finish_commits(clients, epoch, &steps, &mut answers).await;
+    }
+    let config = &shared.job.config.cluster;
+    let mut s = shared.lock();
+    // Partial recovery that fell back to full rollbacks promises exactness like `checkpoint`.
+    let fell_back = s.cpr.as_ref().is_some_and(|cpr| !cpr.partial());
+    let ft = if fell_back {
+        ftrec_config::FaultTolerance::Checkpoint
+    } else {
+        config.ft
+    };
+    let partial_regrant = planner::regrant_partly_applied(ft, config.deterministic);
+    if s.epoch != epoch {
+        return;
+    }
+    let servers = answers.len();
+    let mut rollback = None;
+    for (i, &step) in steps.iter().enumerate() {
+        let count = answers.iter().filter(|a| a[i]).count();
+        let applied = match count {
+            n if n == servers => Applied::Everywhere,
+            0 => Applied::Nowhere,
+            _ => Applied::Partly,
+        };
+        match s.steps.resolve(step, applied, partial_regrant) {
+            Resolution::Settled => {
+                shared.settled(&mut s, step);
+                s.timeline.event(
+                    "step-settled",
+                    format!("step {step}: applied on every server; only its report was lost"),
+                );
+            }
+            Resolution::Regranted => {
+                s.timeline.event(
+                    "step-regranted",
+                    format!("step {step}: applied on {count} of {servers} servers"),
+                );
+            }
+            Resolution::NeedsRollback => rollback = Some((step, count)),
+            Resolution::Unknown => {}
+        }
+    }
+    if let Some((step, count)) = rollback {
+        s.epoch += 1;
+        shared.metrics.set("ftrec_epoch", s.epoch as f64);
+        s.phase = Phase::Recovering;
+        s.pause_started = None;
+        let epoch = s.epoch;
+        s.timeline.event(
+            "rollback-needed",
+            format!(
+                "step {step} reached {count} of {servers} servers before its worker stopped; \
+                 rolling back to the last cut for exact results; epoch {epoch}"
+            ),
+        );
+    }
+}
+
+/// Two-phase commit: a step some server committed was decided "commit" by its worker, so
+/// the servers that have it prepared but missed the decision (the worker died between
+/// its commit calls) commit it now. Regranting it instead would leave the committed
+/// servers' parity holding the first prepare's differences. A server that cannot (it
+/// never prepared the step, or died) keeps the step partly applied for the ledger.
+async fn finish_commits(
+    clients: Vec<ServerClient>,
+    epoch: u64,
+    steps: &[u64],
+    answers: &mut [Vec<bool>],
+) {
+    let mut calls = Vec::new();
+    for (i, &step) in steps.iter().enumerate() {
+        let applied = answers.iter().filter(|a| a[i]).count();
+        if applied == 0 || applied == answers.len() {
+            continue;
+        }
+        for (server, a) in answers.iter().enumerate() {
+            if !a[i] {
+                let mut c = clients[server].clone();
+                calls.push(async move {
+                    let done = c.commit_step(StepDecision { epoch, step }).await.is_ok();
+                    (server, i, done)
+                });
+            }
+        }
+    }
+    for (server, i, done) in futures::future::join_all(calls).await {
+        if done {
+            tracing::info!("finished step {}'s commit on server {server}", steps[i]);
+            answers[server][i] = true;
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! Fault points, armed by name at run time, one registry per cluster member.
+//!
+//! TiKV's fail-rs is the model, but its registry is global to a process. Here every member
+//! (a server, a worker, the coordinator) is handed its own [`Faults`] in its options: a
+//! member started as a process gets one built from its `--fault` flags, and in the
+//! in-process cluster every simulated host gets its own, so arming a point on one host never
+//! fires it on another. Release builds keep the points: `cluster run --kill
+//! server:J@prepare:N` depends on them.
+//!
+//! A point is a name in the code (`faults.kill_at(points::PREPARE, Some(step))`). An armed
+//! spec `NAME[:STEP][=ACTION]` fires once, at the first pass through that point (at that
+//! step, if it names one), and is then disarmed.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+/// The points the code passes through. Each names where it is and what has happened there.
+pub mod points {
+    /// A server, after staging step N and sending its parity differences, before it
+    /// answers 2PC phase 1.
+    pub const PREPARE: &str = "prepare";
+    /// A server, on 2PC phase 2 of step N, before it installs the step (the others do).
+    pub const COMMIT: &str = "commit";
+    /// A replacement server, after decoding its first range of lost state.
+    pub const REBUILD: &str = "rebuild";
+    /// A parity holder, on folding step N's difference from a data server: `skip` drops
+    /// that difference. A planted bug for the tests that must show the checks can fail.
+    pub const FOLD_PARITY: &str = "fold-parity";
+
+    /// Every point, for validating specs.
+    pub const ALL: [&str; 4] = [PREPARE, COMMIT, REBUILD, FOLD_PARITY];
+}
+
+/// What an armed point does when it fires.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FaultAction {
+    /// The member dies at once, as a SIGKILLed process or a crashed host would.
+    Kill,
+    /// The code at the point skips its effect once (a planted bug).
+    Skip,
+}
+
+impl FaultAction {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Kill => "kill",
+            Self::Skip => "skip",
+        }
+    }
+}
+
+/// One armed point: `NAME[:STEP][=ACTION]`, the action `kill` unless named.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct FaultSpec {
+    pub point: String,
+    pub step: Option<u64>,
+    pub action: FaultAction,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum FaultError {
+    #[error("fault spec {spec:?}: unknown point {point:?} (known: {known})")]
+    UnknownPoint {
+        spec: String,
+        point: String,
+        known: String,
+    },
+    #[error("fault spec {spec:?}: step {step:?} is not a non-negative integer")]
+    BadStep { spec: String, step: String },
+    #[error("fault spec {spec:?}: unknown action {action:?} (kill or skip)")]
+    BadAction { spec: String, action: String },
+}
+
+impl FaultSpec {
+    pub fn new(point: &str, step: Option<u64>, action: FaultAction) -> Self {
+        Self {
+            point: point.to_string(),
+            step,
+            action,
+        }
+    }
+
+    pub fn parse(spec: &str) -> Result<Self, FaultError> {
+        let (target, action) = match spec.split_once('=') {
+            Some((target, "kill")) => (target, FaultAction::Kill),
+            Some((target, "skip")) => (target, FaultAction::Skip),
+            Some((_, other)) => {
+                return Err(FaultError::BadAction {
+                    spec: spec.into(),
+                    action: other.into(),
+                });
+            }
+            None => (spec, FaultAction::Kill),
+        };
+        let (point, step) = match target.split_once(':') {
+            Some((point, step)) => {
+                let parsed = step.parse().map_err(|_| FaultError::BadStep {
+                    spec: spec.into(),
+                    step: step.into(),
+                })?;
+                (point, Some(parsed))
+            }
+            None => (target, None),
+        };
+        if !points::ALL.contains(&point) {
+            return Err(FaultError::UnknownPoint {
+                spec: spec.into(),
+                point: point.into(),
+                known: points::ALL.join(", "),
+            });
+        }
+        Ok(Self::new(point, step, action))
+    }
+
+    fn matches(&self, point: &str, step: Option<u64>) -> bool {
+        self.point == point && (self.step.is_none() || self.step == step)
+    }
+}
+
+impl fmt::Display for FaultSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.point)?;
+        if let Some(step) = self.step {
+            write!(f, ":{step}")?;
+        }
+        if self.action != FaultAction::Kill {
+            write!(f, "={}", self.action.name())?;
+        }
+        Ok(())
+    }
+}
+
+/// How a member dies when a `kill` fires: a process SIGKILLs itself; a simulated host has
+/// its own hook that crashes only that host.
+pub type KillHook = Arc<dyn Fn(&FaultSpec) + Send + Sync>;
+
+/// One member's registry. Cheap to clone: clones share the armed points.
+#[derive(Clone)]
+pub struct Faults {
+    armed: Arc<Mutex<Vec<FaultSpec>>>,
+    /// Every spec that fired, in order, so a test can tell that a planted fault was reached.
+    fired: Arc<Mutex<Vec<FaultSpec>>>,
+    kill: KillHook,
+}
+
+impl fmt::Debug for Faults {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Faults")
+            .field("armed", &self.armed())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Self::for_process()
+    }
+}
+
+impl Faults {
+    /// A registry whose `kill` SIGKILLs this process.
+    pub fn for_process() -> Self {
+        Self::with_kill_hook(Arc::new(|spec: &FaultSpec| {
+            tracing::warn!("planned death at {spec}: SIGKILL");
+            let me = rustix::process::getpid();
+            let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
+            // Not reached: SIGKILL cannot be caught.
+            std::process::abort();
+        }))
+    }
+
+    /// A registry whose `kill` runs `kill` instead (a simulated host's crash). The code
+    /// after the point runs on unless the hook stops it, so a hook must make the member's
+    /// further work fail (the simulated host is torn down at its next await).
+    pub fn with_kill_hook(kill: KillHook) -> Self {
+        Self {
+            armed: Arc::default(),
+            fired: Arc::default(),
+            kill,
+        }
+    }
+
+    /// A process registry armed with `specs` (`--fault` flags).
+    pub fn parse_all<'a>(specs: impl IntoIterator<Item = &'a str>) -> Result<Self, FaultError> {
+        let faults = Self::for_process();
+        for spec in specs {
+            faults.arm(FaultSpec::parse(spec)?);
+        }
+        Ok(faults)
+    }
+
+    pub fn arm(&self, spec: FaultSpec) {
+        lock(&self.armed).push(spec);
+    }
+
+    pub fn armed(&self) -> Vec<FaultSpec> {
+        lock(&self.armed).clone()
+    }
+
+    pub fn fired(&self) -> Vec<FaultSpec> {
+        lock(&self.fired).clone()
+    }
+
+    /// Fires the first spec armed with `action` at `point` (and `step`), once.
+    fn fire(&self, point: &str, step: Option<u64>, action: FaultAction) -> Option<FaultSpec> {
+        let mut armed = lock(&self.armed);
+        let at = armed
+            .iter()
+            .position(|s| s.action == action && s.matches(point, step))?;
+        let spec = armed.remove(at);
+        drop(armed);
+        lock(&self.fired).push(spec.clone());
+        Some(spec)
+    }
+
+    /// Dies here if a `kill` is armed at this point.
+    pub fn kill_at(&self, point: &str, step: Option<u64>) {
+        if let Some(spec) = self.fire(point, step, FaultAction::Kill) {
+            (self.kill)(&spec);
+        }
+    }
+
+    /// True (once) if a `skip` is armed at this point: the caller leaves its effect out.
+    pub fn skip_at(&self, point: &str, step: Option<u64>) -> bool {
+        self.fire(point, step, FaultAction::Skip).is_some()
+    }
+}
+
+/// The registry's lists stay valid whatever a panicking holder left, so a poisoned lock is
+/// taken as it is.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod tests;

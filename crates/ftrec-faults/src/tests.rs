@@ -1,0 +1,78 @@
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::*;
+
+#[test]
+fn specs_round_trip_and_nonsense_is_refused_by_name() {
+    for text in [
+        "prepare:3",
+        "commit:40",
+        "rebuild",
+        "fold-parity:7=skip",
+        "rebuild=skip",
+    ] {
+        let spec = FaultSpec::parse(text).unwrap();
+        assert_eq!(spec.to_string(), text);
+    }
+    assert_eq!(
+        FaultSpec::parse("prepare:3=kill").unwrap(),
+        FaultSpec::new(points::PREPARE, Some(3), FaultAction::Kill)
+    );
+    for (bad, says) in [
+        ("", "unknown point"),
+        ("phase:3", "unknown point \"phase\""),
+        ("prepare:x", "step \"x\""),
+        ("commit:-1", "step \"-1\""),
+        ("rebuild=explode", "unknown action \"explode\""),
+    ] {
+        let e = FaultSpec::parse(bad).unwrap_err().to_string();
+        assert!(
+            e.contains(says) && e.contains(&format!("{bad:?}")),
+            "{bad}: {e}"
+        );
+    }
+}
+
+fn counting() -> (Faults, Arc<AtomicUsize>) {
+    let kills = Arc::new(AtomicUsize::new(0));
+    let seen = kills.clone();
+    let faults = Faults::with_kill_hook(Arc::new(move |_: &FaultSpec| {
+        seen.fetch_add(1, Ordering::SeqCst);
+    }));
+    (faults, kills)
+}
+
+#[test]
+fn a_point_fires_once_at_its_step_only() {
+    let (faults, kills) = counting();
+    faults.arm(FaultSpec::parse("commit:5").unwrap());
+    faults.kill_at(points::COMMIT, Some(4));
+    faults.kill_at(points::PREPARE, Some(5));
+    assert_eq!(kills.load(Ordering::SeqCst), 0);
+    faults.kill_at(points::COMMIT, Some(5));
+    faults.kill_at(points::COMMIT, Some(5));
+    assert_eq!(kills.load(Ordering::SeqCst), 1);
+    assert!(faults.armed().is_empty());
+    assert_eq!(faults.fired(), vec![FaultSpec::parse("commit:5").unwrap()]);
+}
+
+#[test]
+fn a_stepless_spec_fires_at_any_step_and_actions_do_not_cross() {
+    let (faults, kills) = counting();
+    faults.arm(FaultSpec::parse("fold-parity=skip").unwrap());
+    faults.kill_at(points::FOLD_PARITY, Some(9));
+    assert_eq!(kills.load(Ordering::SeqCst), 0, "a skip is not a kill");
+    assert!(faults.skip_at(points::FOLD_PARITY, Some(9)));
+    assert!(!faults.skip_at(points::FOLD_PARITY, Some(10)));
+}
+
+#[test]
+fn registries_are_independent_but_clones_share() {
+    let (a, _) = counting();
+    let (b, _) = counting();
+    a.arm(FaultSpec::parse("fold-parity=skip").unwrap());
+    assert!(!b.skip_at(points::FOLD_PARITY, None));
+    let a2 = a.clone();
+    assert!(a2.skip_at(points::FOLD_PARITY, None));
+    assert!(!a.skip_at(points::FOLD_PARITY, None));
+}

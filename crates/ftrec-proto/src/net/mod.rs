@@ -1,0 +1,6 @@
+//! Talking to other members: authenticated channels, the job, metrics endpoints.
+
+pub mod auth;
+pub mod client;
+pub mod job;
+pub mod metrics;

@@ -1,0 +1,154 @@
+//! Reassembles the whole model from the servers' shards (the end of a run, `ftrec
+//! coordinator`), streaming each table in bounded pieces, and digests each shard.
+
+use ftrec_model::{DenseState, EmbeddingTable, ModelState};
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::PsError;
+use crate::client::ServerClient;
+use crate::job::Job;
+use crate::placement::LocalRow;
+use crate::proto::{FetchDenseRequest, FetchRowsRequest};
+use crate::wire::extend_f32s;
+
+/// The global model, and one digest per server: xxh3 of its shard (each table's local rows
+/// in order, then its dense range, their optimizer state and the dense step), so a test can
+/// tell which servers' state a recovery touched.
+pub async fn gather_state(
+    job: &Job,
+    addresses: &[String],
+    epoch: u64,
+) -> Result<(ModelState, Vec<String>), PsError> {
+    let config = job.config.model_config()?;
+    let layout = job.layout()?;
+    let stride = config.row_stride();
+    let connector = job.connector()?;
+    let mut clients = addresses
+        .iter()
+        .map(|a| connector.server(a))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut hashes: Vec<Xxh3> = addresses.iter().map(|_| Xxh3::new()).collect();
+    let mut tables = Vec::with_capacity(config.tables());
+    let mut local = Vec::new();
+    for (t, &rows) in config.table_rows.iter().enumerate() {
+        let mut data = vec![0.0f32; rows * stride];
+        for (s, client) in clients.iter_mut().enumerate() {
+            let what = || format!("fetching table {t} from server {s}");
+            let expected = layout.local_rows(t, s, rows);
+            let mut pieces = client
+                .fetch_rows(FetchRowsRequest {
+                    epoch,
+                    table: t as u32,
+                    first_row: 0,
+                    end_row: u32::MAX,
+                    parity: false,
+                })
+                .await
+                .map_err(|st| PsError::rpc(what(), &st))?
+                .into_inner();
+            let mut next = 0usize;
+            while let Some(piece) = pieces
+                .message()
+                .await
+                .map_err(|st| PsError::rpc(what(), &st))?
+            {
+                if piece.first_row as usize != next {
+                    return Err(PsError::BadRequest(format!(
+                        "{}: a piece starts at row {}, expected {next}",
+                        what(),
+                        piece.first_row
+                    )));
+                }
+                hashes[s].update(&piece.rows);
+                local.clear();
+                extend_f32s(&mut local, &piece.rows, "shard rows")?;
+                if local.len() % stride != 0 || next + local.len() / stride > expected {
+                    return Err(PsError::BadRequest(format!(
+                        "{}: ragged or too many rows",
+                        what()
+                    )));
+                }
+                for (i, row) in local.chunks_exact(stride).enumerate() {
+                    // Padding slots of a striped layout hold no row.
+                    let local = LocalRow((next + i) as u32);
+                    if let Some(g) = layout.global_row(t, s, local, rows) {
+                        let g = g.0 as usize;
+                        data[g * stride..(g + 1) * stride].copy_from_slice(row);
+                    }
+                }
+                next += local.len() / stride;
+            }
+            if next != expected {
+                return Err(PsError::BadRequest(format!(
+                    "{}: {next} rows, the layout gives it {expected}",
+                    what()
+                )));
+            }
+        }
+        tables.push(
+            EmbeddingTable::from_data(rows, config.dim, stride, data)
+                .ok_or_else(|| PsError::Config("table shape".into()))?,
+        );
+    }
+    let mut dense = DenseState::initial(&config, job.config.seed)?;
+    let total = dense.params.len();
+    let per_param = config.dense_optimizer.dense_state_len(1)?;
+    for (s, client) in clients.iter_mut().enumerate() {
+        let reply = client
+            .fetch_dense(FetchDenseRequest {
+                epoch,
+                replica: false,
+                ..Default::default()
+            })
+            .await
+            .map_err(|st| PsError::rpc(format!("fetching server {s}'s dense range"), &st))?
+            .into_inner();
+        hashes[s].update(&reply.params);
+        hashes[s].update(&reply.state);
+        hashes[s].update(&reply.step.to_le_bytes());
+        let len = layout.dense_range(s, total).len();
+        let (mut params, mut state) = (Vec::new(), Vec::new());
+        extend_f32s(&mut params, &reply.params, "dense params")?;
+        extend_f32s(&mut state, &reply.state, "dense state")?;
+        if params.len() != len || state.len() != per_param * len {
+            return Err(PsError::BadRequest(format!(
+                "server {s} sent a dense range of the wrong size"
+            )));
+        }
+        crate::assemble::place_dense(&mut dense, layout, s, &params, &state, per_param)?;
+        if s == 0 {
+            dense.step = reply.step;
+        }
+    }
+    let digests = hashes
+        .iter()
+        .map(|h| format!("{:016x}", h.digest()))
+        .collect();
+    Ok((ModelState::from_parts(config, tables, dense)?, digests))
+}
+
+/// A whole table's data rows (or parity rows) of one server, streamed.
+pub async fn fetch_all(
+    client: &mut ServerClient,
+    epoch: u64,
+    table: usize,
+    parity: bool,
+    what: &str,
+) -> Result<Vec<u8>, PsError> {
+    let mut pieces = client
+        .fetch_rows(FetchRowsRequest {
+            epoch,
+            table: table as u32,
+            first_row: 0,
+            end_row: u32::MAX,
+            parity,
+        })
+        .await
+        .map_err(|s| PsError::rpc(what, &s))?
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(piece) = pieces.message().await.map_err(|s| PsError::rpc(what, &s))? {
+        out.extend_from_slice(&piece.rows);
+    }
+    Ok(out)
+}

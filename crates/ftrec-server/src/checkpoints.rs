@@ -1,0 +1,339 @@
+//! The shard's checkpoints: the writer lease, the job's checkpoint strategy over the
+//! shard (its delta tracker fed by the update pipeline), writing a cut, restoring one, and
+//! deleting the cuts the coordinator no longer keeps.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use ftrec_ckpt::lease::LeaseOptions;
+use ftrec_ckpt::{BranchStart, Checkpointer, Checkpoints, GcOptions, Manifest};
+
+use crate::Core;
+use crate::shard::{PostCommit, StagedRows};
+use ftrec_proto::PsError;
+
+/// The shard's checkpointer, shared by the server and its tracking observer. `None` until
+/// the first cut (and again after a restore): a new one starts with a full checkpoint.
+pub(super) type SharedCheckpointer = Arc<Mutex<Option<Checkpointer>>>;
+
+fn lock(c: &SharedCheckpointer) -> MutexGuard<'_, Option<Checkpointer>> {
+    c.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Feeds the strategy's delta tracker with the rows each update installed (local row
+/// indices of the shard, which is what the checkpoint engine sees as rows).
+pub(super) struct Tracking {
+    pub(super) checkpointer: SharedCheckpointer,
+    commits: AtomicU64,
+}
+
+/// Compact the tracked rows this often, as the trainer does, to bound their memory.
+const COMPACT_EVERY: u64 = 16;
+
+impl Tracking {
+    pub(super) fn new(checkpointer: SharedCheckpointer) -> Self {
+        Self {
+            checkpointer,
+            commits: AtomicU64::new(0),
+        }
+    }
+}
+
+impl PostCommit for Tracking {
+    fn post_commit(&self, rows: &[StagedRows]) {
+        let mut guard = lock(&self.checkpointer);
+        let Some(ck) = guard.as_mut() else {
+            return;
+        };
+        for r in rows {
+            ck.track(r.table, &r.locals);
+        }
+        if self.commits.fetch_add(1, Ordering::Relaxed) % COMPACT_EVERY == COMPACT_EVERY - 1 {
+            ck.compact();
+        }
+    }
+}
+
+impl Core {
+    /// What a shard checkpoint says of itself: whose shard, under which placement (with
+    /// what a reader needs to invert it: the global table sizes and, for erasure coding,
+    /// the code's parameters), of which job and step.
+    pub(super) fn identity(&self, shard: &crate::shard::Shard, step: u64) -> serde_json::Value {
+        let mut identity = serde_json::json!({
+            "server": self.id,
+            "servers": self.layout.servers(),
+            "placement": self.layout.scheme(),
+            "global_table_rows": shard.global_config().table_rows,
+            "fingerprint": self.job.fingerprint(),
+            "step": step,
+        });
+        if let Some(stripes) = self.layout.stripes() {
+            identity["ec"] = serde_json::json!({
+                "k": stripes.params.k,
+                "r": stripes.params.r,
+                "groups": stripes.params.groups,
+            });
+        }
+        identity
+    }
+
+    /// A lease key shared by every process that holds this job's slot, so a replacement
+    /// takes the lease over from its predecessor, which the coordinator declared dead and
+    /// fenced off by epoch.
+    pub(super) fn lease_options(&self) -> LeaseOptions {
+        LeaseOptions {
+            owner_key: Some(format!(
+                "job {:016x} server {}",
+                self.job.fingerprint(),
+                self.id
+            )),
+            ..LeaseOptions::new(format!("ftrec server {}", self.id))
+        }
+    }
+
+    /// The writing handle, started as a fresh run's when no restore started one.
+    pub(super) fn writer(&self, checkpoints: &Checkpoints) -> Result<Checkpoints, PsError> {
+        let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(w) = writer.as_ref() {
+            return Ok(w.clone());
+        }
+        let start = BranchStart::Fresh {
+            new_branch: self.job.config.checkpoint.new_branch,
+        };
+        let (w, _) = checkpoints.start_writing(start, &self.lease_options())?;
+        *writer = Some(w.clone());
+        Ok(w)
+    }
+
+    /// This shard's checkpoint of the cut at `step`: of any kind (a delta, an IncrCP
+    /// increment, a DECK merged checkpoint standing in for its deltas), the one written
+    /// last, since an older one at the same step belongs to a cut that failed part-way and
+    /// was rolled back below it.
+    fn cut_checkpoint(&self, all: &[Manifest], step: u64) -> Option<String> {
+        all.iter()
+            .filter(|m| m.step == step)
+            .max_by_key(|m| m.created_unix_ms)
+            .map(|m| m.id.clone())
+    }
+
+    /// Takes this shard's checkpoint of the cut at `step` with the job's strategy. Returns
+    /// once the shard is copied (for DECK and IncrCP the commit goes on in the background),
+    /// with whether it is committed already: the coordinator counts a cut only once every
+    /// server's part is durable ([`Core::cut_committed`]).
+    pub(super) fn write_cut(
+        &self,
+        checkpoints: &Checkpoints,
+        step: u64,
+    ) -> Result<(Manifest, bool), PsError> {
+        let shard = self
+            .shard
+            .read()
+            .map_err(|_| PsError::Internal("shard lock poisoned".into()))?;
+        let steps = self.steps();
+        if !steps.is_cut_at(step) {
+            return Err(PsError::BadRequest(format!(
+                "checkpoint of step {step} asked for, but server {} has applied {} steps \
+                 (every step below {} and {} more)",
+                self.id,
+                steps.count(),
+                steps.low(),
+                steps.count() - steps.low()
+            )));
+        }
+        drop(steps);
+        let identity = self.identity(&shard, step);
+        let mut guard = lock(&self.checkpointer);
+        if guard.is_none() {
+            let tables = shard.state().tables().len();
+            let writer = self.writer(checkpoints)?;
+            *guard = self.job.config.checkpoint.checkpointer(writer, tables)?;
+        }
+        let Some(ck) = guard.as_mut() else {
+            return Err(PsError::Config(
+                "checkpoint.strategy is none: the cluster cannot take cuts".into(),
+            ));
+        };
+        // Pinned before it exists, so no merge can fold it away unprotected; kept through
+        // merges and retention until the coordinator's prune lets the step go.
+        if let Err(e) = ck.checkpoints().pin_step(step) {
+            *guard = None;
+            return Err(e.into());
+        }
+        let written = ck.checkpoint(shard.state(), step, identity);
+        drop(shard);
+        let manifest = match written {
+            Ok(m) => m,
+            Err(e) => {
+                // Whatever the strategy held in flight is unknown now: start over with a
+                // full checkpoint at the next cut.
+                *guard = None;
+                return Err(e.into());
+            }
+        };
+        drop(guard);
+        let committed = self.cut_committed(checkpoints, step)?;
+        Ok((manifest, committed))
+    }
+
+    /// Whether this shard's part of the cut at `step` is committed: a manifest at that
+    /// step on the branch being written (a DECK merged checkpoint counts for the delta it
+    /// replaced). A background write that failed is an error, and the next cut starts over
+    /// with a full checkpoint.
+    pub(super) fn cut_committed(
+        &self,
+        checkpoints: &Checkpoints,
+        step: u64,
+    ) -> Result<bool, PsError> {
+        {
+            let mut guard = lock(&self.checkpointer);
+            if let Some(ck) = guard.as_mut()
+                && let Err(e) = ck.poll()
+            {
+                *guard = None;
+                return Err(e.into());
+            }
+        }
+        let writer = self.writer(checkpoints)?;
+        let branch = writer.branch();
+        Ok(writer
+            .list_readable()?
+            .iter()
+            .any(|m| m.step == step && m.branch == branch))
+    }
+
+    /// Back to the initial shard: whatever this slot committed before is another history,
+    /// so new checkpoints go to a branch of their own, with a new checkpointer (the old
+    /// one's tracked rows and in-flight writes belong to the history left behind).
+    pub(super) fn restart_history(&self) -> Result<(), PsError> {
+        *lock(&self.checkpointer) = None;
+        if let Some(checkpoints) = &self.checkpoints {
+            let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+            *writer = None;
+            let start = BranchStart::Fresh { new_branch: true };
+            *writer = Some(checkpoints.start_writing(start, &self.lease_options())?.0);
+        }
+        Ok(())
+    }
+
+    /// A rebuilt replacement continues its slot's history: it writes on the branch of the
+    /// slot's newest checkpoint (its state is newer than all of them), with a new
+    /// checkpointer, so its first cut is a full checkpoint.
+    pub(super) fn continue_history(&self) -> Result<(), PsError> {
+        let Some(checkpoints) = &self.checkpoints else {
+            return Ok(());
+        };
+        *lock(&self.checkpointer) = None;
+        let newest = checkpoints
+            .list_readable()?
+            .into_iter()
+            .max_by_key(|m| (m.step, m.created_unix_ms));
+        let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        *writer = None;
+        let start = match newest {
+            Some(m) => BranchStart::Resume { from: m.id },
+            None => BranchStart::Fresh {
+                new_branch: self.job.config.checkpoint.new_branch,
+            },
+        };
+        *writer = Some(checkpoints.start_writing(start, &self.lease_options())?.0);
+        Ok(())
+    }
+
+    /// Restores the shard checkpoint of cut `step`, then writes on from there.
+    pub(super) fn restore_cut(
+        &self,
+        checkpoints: &Checkpoints,
+        step: u64,
+    ) -> Result<(ftrec_model::ModelState, String), PsError> {
+        let all = checkpoints.list_readable()?;
+        let id = self.cut_checkpoint(&all, step).ok_or_else(|| {
+            PsError::Config(format!(
+                "server {}: no checkpoint of step {step} in {}",
+                self.id,
+                checkpoints.store().describe("")
+            ))
+        })?;
+        let (state, manifest) = checkpoints.restore(&id)?;
+        check_owner(
+            &manifest.trainer,
+            self.id,
+            &checkpoints.store().describe(&id),
+        )?;
+        // The tracked history is gone with the state it described.
+        *lock(&self.checkpointer) = None;
+        let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        // Let go of the old lease first; the same owner key could take it over anyway.
+        *writer = None;
+        let (w, started) = checkpoints.start_writing(
+            BranchStart::Resume { from: id.clone() },
+            &self.lease_options(),
+        )?;
+        if let Some(fork) = &started.forked_from {
+            tracing::info!(
+                "server {}: restored {fork}, newer checkpoints exist: writing branch {}",
+                self.id,
+                started.branch
+            );
+        }
+        *writer = Some(w);
+        Ok((state, id))
+    }
+
+    /// Deletes every checkpoint of this shard except its part of the kept cuts (at
+    /// `keep_steps`) and what their restores read, plus abandoned uncommitted data. Cuts
+    /// are found by step, as a restore finds them: a DECK merge may have replaced a cut's
+    /// delta by a merged checkpoint since. Returns how many checkpoints went.
+    pub(super) fn prune(&self, keep_steps: &[u64]) -> Result<u64, PsError> {
+        let Some(checkpoints) = &self.checkpoints else {
+            return Ok(0);
+        };
+        let writer = self.writer(checkpoints)?;
+        let all = writer.list_readable()?;
+        let keep: Vec<String> = keep_steps
+            .iter()
+            .filter_map(|&step| self.cut_checkpoint(&all, step))
+            .collect();
+        writer.set_pinned_steps(keep_steps)?;
+        let report = writer.gc_with(&GcOptions {
+            keep_ids: Some(keep),
+            ..GcOptions::default()
+        })?;
+        Ok(report.checkpoints.len() as u64)
+    }
+}
+
+/// Refuses a shard checkpoint written by another server (a swapped or copied directory):
+/// restoring it would silently put another shard's rows in this server's slots.
+pub(super) fn check_owner(
+    identity: &serde_json::Value,
+    server: usize,
+    what: &str,
+) -> Result<(), PsError> {
+    match identity.get("server").and_then(|v| v.as_u64()) {
+        Some(owner) if owner == server as u64 => Ok(()),
+        Some(owner) => Err(PsError::BadRequest(format!(
+            "{what} is server {owner}'s shard; server {server} refuses to restore it"
+        ))),
+        None => Err(PsError::BadRequest(format!(
+            "{what} carries no server identity; it is not a cluster shard checkpoint"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_owner;
+
+    #[test]
+    fn a_shard_checkpoint_of_another_server_is_refused() {
+        let identity = serde_json::json!({"server": 1, "servers": 2, "step": 40});
+        assert!(check_owner(&identity, 1, "ck").is_ok());
+        let e = check_owner(&identity, 0, "ck").unwrap_err().to_string();
+        assert!(
+            e.contains("server 1's shard") && e.contains("server 0 refuses"),
+            "{e}"
+        );
+        let e = check_owner(&serde_json::json!({"step": 3}), 0, "ck").unwrap_err();
+        assert!(e.to_string().contains("no server identity"));
+    }
+}

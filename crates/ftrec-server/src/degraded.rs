@@ -1,0 +1,514 @@
+//! A replacement that serves at once and rebuilds in the background (ECRec §3.4 without
+//! a pause). Its slots start *pending*; a pull or push that needs a pending row decodes
+//! that row's stripe on demand, and a background task decodes the rest range by range.
+//!
+//! Every decode reads a *consistent snapshot* of the stripe: each survivor answers its
+//! slots together with the steps it has applied, under one read lock (`FetchSlots`), and
+//! the decoded bytes are installed only if every survivor read *and this server* hold the
+//! same steps at that moment (checked under this shard's write lock). Under two-phase
+//! commit a server's rows, the parity differences it folded and its applied steps change
+//! together at commit, so equal applied steps mean the data rows and parity rows read
+//! include exactly the same updates, and the decoded row is bit-identical to the lost
+//! one. A snapshot that straddles a commit is read again. A parity slot installed this
+//! way folds every later step's difference from then on; differences of the steps before
+//! it are in the data rows it was encoded from (a pending parity slot folds nothing).
+//!
+//! This is optimistic validation rather than ECRec's locked ranges: no update is ever
+//! held back or buffered for the rebuild; `ec.rebuild_locks` bounds how many ranges are
+//! decoded at once.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ftrec_ec::Codec;
+
+use crate::Core;
+use ftrec_faults::points;
+use ftrec_proto::PsError;
+use ftrec_proto::proto::*;
+use ftrec_proto::wire::{bytes_to_u32s, u32s_to_bytes};
+
+/// A background rebuild in progress on this server.
+#[derive(Clone, Debug)]
+pub(super) struct Background {
+    /// Which rebuild this is (a retried recovery sends the same epoch again): a restore
+    /// or a newer rebuild supersedes it.
+    pub id: u64,
+    /// Slots not to read from: lost together with this one (their replacements rebuild
+    /// too). A survivor that fails to answer is also left out, for that attempt.
+    pub lost: Vec<usize>,
+    pub codec: Arc<Codec>,
+}
+
+/// Rows of a range decoded per background attempt: about 1 MiB of rows.
+const RANGE_BYTES: usize = 1 << 20;
+/// Snapshot attempts before a decode takes the commit turn to let the stripe settle.
+const SETTLE_AFTER: u32 = 8;
+
+/// What one survivor answered: its slots by (parity?, local) and its applied steps.
+struct Answer {
+    server: usize,
+    data: BTreeMap<u32, Vec<u8>>,
+    parity: BTreeMap<u32, Vec<u8>>,
+    applied: (u64, Vec<u64>),
+}
+
+/// One slot of this server to decode: stripe `j`, its position `index` in the stripe
+/// (data rows first, then parity rows), and its local slot.
+#[derive(Clone, Copy)]
+struct Need {
+    stripe: usize,
+    index: usize,
+    local: u32,
+    parity: bool,
+}
+
+/// Decodes row `index` of a stripe of `k + r` rows from the present ones into `out`.
+pub(super) fn decode_row<'a>(
+    codec: &Codec,
+    row_of: impl Fn(usize) -> Option<&'a [u8]>,
+    index: usize,
+    out: &mut [u8],
+) -> Result<(), String> {
+    let (k, r) = (codec.k(), codec.r());
+    // The XOR code with only this row missing (the common case: one server lost): the
+    // XOR of the others, in place, without allocating.
+    if r == 1 && (0..k + r).all(|n| n == index || row_of(n).is_some()) {
+        out.fill(0);
+        for n in (0..k + r).filter(|&n| n != index) {
+            if let Some(row) = row_of(n) {
+                ftrec_ec::fold_with(1, row, out);
+            }
+        }
+        return Ok(());
+    }
+    let mut shards: Vec<Option<Vec<u8>>> =
+        (0..k + r).map(|n| row_of(n).map(<[u8]>::to_vec)).collect();
+    shards[index] = None;
+    codec.reconstruct(&mut shards).map_err(|e| e.to_string())?;
+    let row = shards[index].take().ok_or("not decoded")?;
+    out.copy_from_slice(&row);
+    Ok(())
+}
+
+impl Core {
+    /// `FetchSlots`: slots of one table with this server's applied steps, read together.
+    pub(super) fn fetch_slots(&self, req: &FetchSlotsRequest) -> Result<FetchSlotsReply, PsError> {
+        self.check_epoch(req.epoch)?;
+        let table = req.table as usize;
+        let data = bytes_to_u32s(&req.data, "slots asked")?;
+        let parity = bytes_to_u32s(&req.parity, "parity slots asked")?;
+        let shard = self.shard_read()?;
+        let Some(rows) = shard.state().tables().get(table) else {
+            return Err(PsError::BadRequest(format!("table {table} does not exist")));
+        };
+        let recovering = |local: u32| PsError::Recovering {
+            table: table as u32,
+            first_row: local,
+            end_row: local + 1,
+        };
+        let stored = rows.as_bytes();
+        let row_bytes = rows.stride() * 4;
+        let mut out = Vec::with_capacity(data.len() * row_bytes);
+        for &local in &data {
+            if shard
+                .pending()
+                .is_some_and(|p| p.data(table, local as usize))
+            {
+                return Err(recovering(local));
+            }
+            let at = local as usize * row_bytes;
+            let row = stored.get(at..at + row_bytes).ok_or_else(|| {
+                PsError::BadRequest(format!("slot {local} is outside table {table}"))
+            })?;
+            out.extend_from_slice(row);
+        }
+        let mut parity_out = Vec::with_capacity(parity.len() * row_bytes);
+        if !parity.is_empty() {
+            let Some(red) = shard.redundancy() else {
+                return Err(PsError::BadRequest(
+                    "this server holds no parity rows".into(),
+                ));
+            };
+            for &local in &parity {
+                if shard.parity_pending(table, local as usize) {
+                    return Err(recovering(local));
+                }
+                let at = local as usize * red.row_bytes;
+                let row = red
+                    .parity
+                    .get(table)
+                    .and_then(|p| p.get(at..at + red.row_bytes))
+                    .ok_or_else(|| {
+                        PsError::BadRequest(format!("parity slot {local} is outside table {table}"))
+                    })?;
+                parity_out.extend_from_slice(row);
+            }
+        }
+        // The applied steps change only under the shard's write lock: read under the same
+        // read lock as the rows, they are the rows' steps.
+        let steps = self.steps();
+        Ok(FetchSlotsReply {
+            data: out.into(),
+            parity: parity_out.into(),
+            applied_below: steps.low(),
+            applied_ahead: steps.ahead().collect(),
+        })
+    }
+
+    /// Ends any background rebuild (a restore replaced the whole shard).
+    pub(super) fn cancel_background(&self) {
+        *self.background.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    fn background(&self) -> Option<Background> {
+        self.background
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Decodes and installs the pending rows among the global rows of each table (a pull
+    /// or a push needs them now), every table at once. Returns the bytes installed.
+    /// `holds_turn`: the caller holds this server's commit turn already (a prepare).
+    pub(super) async fn materialize_tables(
+        &self,
+        wanted: &[(usize, Vec<u32>)],
+        holds_turn: bool,
+    ) -> Result<u64, PsError> {
+        let pending: Vec<(usize, Vec<u32>)> = {
+            let shard = self.shard_read()?;
+            if shard.pending().is_none() {
+                return Ok(0);
+            }
+            wanted
+                .iter()
+                .map(|(table, rows)| (*table, shard.pending_locals(*table, rows)))
+                .filter(|(_, locals)| !locals.is_empty())
+                .collect()
+        };
+        let decodes = pending
+            .into_iter()
+            .map(|(table, locals)| self.materialize(table, locals, Vec::new(), holds_turn));
+        futures::future::try_join_all(decodes)
+            .await
+            .map(|bytes| bytes.into_iter().sum())
+    }
+
+    /// Decodes and installs the pending slots of `table` with local index in `range`.
+    async fn materialize_range(
+        &self,
+        table: usize,
+        range: std::ops::Range<usize>,
+    ) -> Result<u64, PsError> {
+        let (data, parity) = match self.shard_read()?.pending() {
+            Some(p) => p.in_range(table, range),
+            None => return Ok(0),
+        };
+        if data.is_empty() && parity.is_empty() {
+            return Ok(0);
+        }
+        self.materialize(table, data, parity, false).await
+    }
+
+    /// Decodes pending data slots `data` and parity slots `parity` of `table` from a
+    /// consistent snapshot of their stripes (module docs), reading again until one is.
+    async fn materialize(
+        &self,
+        table: usize,
+        data: Vec<u32>,
+        parity: Vec<u32>,
+        holds_turn: bool,
+    ) -> Result<u64, PsError> {
+        let Some(background) = self.background() else {
+            return Ok(0);
+        };
+        let Some(stripes) = self.layout.stripes() else {
+            return Err(PsError::Config(
+                "degraded reads without erasure coding".into(),
+            ));
+        };
+        let (k, r) = (stripes.params.k, stripes.params.r);
+        let global = self.job.config.model_config()?;
+        let rows = global
+            .table_rows
+            .get(table)
+            .copied()
+            .ok_or_else(|| PsError::BadRequest(format!("table {table} does not exist")))?;
+        let row_bytes = global.row_stride() * 4;
+        let me = self.id;
+        let needs: Vec<Need> = data
+            .iter()
+            .filter_map(|&local| {
+                let (stripe, index) = stripes.data_at(table, me, local as usize, rows)?;
+                Some(Need {
+                    stripe,
+                    index,
+                    local,
+                    parity: false,
+                })
+            })
+            .chain(parity.iter().filter_map(|&local| {
+                let (stripe, p) = stripes.parity_at(table, me, local as usize, rows)?;
+                Some(Need {
+                    stripe,
+                    index: k + p,
+                    local,
+                    parity: true,
+                })
+            }))
+            .collect();
+        // Every other slot of those stripes, by holder.
+        let slot = |j: usize, n: usize| {
+            if n < k {
+                stripes.data_slot(table, j, n)
+            } else {
+                stripes.parity_slot(table, j, n - k)
+            }
+        };
+        let mut asks: BTreeMap<usize, (Vec<u32>, Vec<u32>)> = BTreeMap::new();
+        let mut seen = std::collections::BTreeSet::new();
+        for need in &needs {
+            if !seen.insert(need.stripe) {
+                continue;
+            }
+            for n in 0..k + r {
+                let s = slot(need.stripe, n);
+                if s.server == me || background.lost.contains(&s.server) {
+                    continue;
+                }
+                let entry = asks.entry(s.server).or_default();
+                if n < k { &mut entry.0 } else { &mut entry.1 }.push(s.local as u32);
+            }
+        }
+        let Some(peers) = self.peers.clone() else {
+            return Err(PsError::Config("no peers to decode from".into()));
+        };
+        let give_up = Instant::now() + self.job.timeout() * 4;
+        let mut attempt = 0u32;
+        // Under steady commits a snapshot may keep straddling one; after a few tries this
+        // server's commit turn is taken, which stops new steps here and so (each step
+        // needs every server) everywhere: the survivors then settle on this server's steps.
+        let mut turn = None;
+        loop {
+            attempt += 1;
+            if attempt > SETTLE_AFTER && !holds_turn && turn.is_none() {
+                turn = Some(self.commit_turn.clone().lock_owned().await);
+            }
+            let epoch = self.live().epoch;
+            let calls = asks.iter().map(|(&server, (d, p))| {
+                let peers = peers.clone();
+                let req = FetchSlotsRequest {
+                    epoch,
+                    table: table as u32,
+                    data: u32s_to_bytes(d),
+                    parity: u32s_to_bytes(p),
+                };
+                let (d, p) = (d.clone(), p.clone());
+                async move {
+                    let mut client = peers.client(server, attempt > 1).await?;
+                    let reply = client
+                        .fetch_slots(req)
+                        .await
+                        .map_err(|s| PsError::rpc(format!("fetch slots from server {server}"), &s))?
+                        .into_inner();
+                    Ok::<_, PsError>(Answer {
+                        server,
+                        data: split_rows(&d, &reply.data, row_bytes)?,
+                        parity: split_rows(&p, &reply.parity, row_bytes)?,
+                        applied: (reply.applied_below, reply.applied_ahead),
+                    })
+                }
+            });
+            let answers: Vec<Answer> = futures::future::join_all(calls)
+                .await
+                .into_iter()
+                .filter_map(|a| a.map_err(|e| tracing::debug!("degraded read: {e}")).ok())
+                .collect();
+            let consistent = answers.windows(2).all(|w| w[0].applied == w[1].applied);
+            if consistent && let Some(applied) = answers.first().map(|a| a.applied.clone()) {
+                let by_server: BTreeMap<usize, &Answer> =
+                    answers.iter().map(|a| (a.server, a)).collect();
+                let mut decoded: Vec<(Need, Vec<u8>)> = Vec::with_capacity(needs.len());
+                let mut failed = None;
+                for need in &needs {
+                    let row_of = |n: usize| {
+                        let s = slot(need.stripe, n);
+                        let answer = by_server.get(&s.server)?;
+                        let held = if n < k { &answer.data } else { &answer.parity };
+                        held.get(&(s.local as u32)).map(Vec::as_slice)
+                    };
+                    let len = (0..k + r).find_map(|n| row_of(n).map(<[u8]>::len));
+                    let mut out = vec![0u8; len.unwrap_or(0)];
+                    match decode_row(&background.codec, row_of, need.index, &mut out) {
+                        Ok(()) => decoded.push((*need, out)),
+                        Err(e) => {
+                            failed = Some(format!(
+                                "table {table} stripe {}: {e} (answered: {:?})",
+                                need.stripe,
+                                by_server.keys().collect::<Vec<_>>()
+                            ));
+                            break;
+                        }
+                    }
+                }
+                if failed.is_none() {
+                    let mut shard = self.shard_write()?;
+                    let mine = {
+                        let steps = self.steps();
+                        (steps.low(), steps.ahead().collect::<Vec<_>>())
+                    };
+                    if mine == applied {
+                        let data: Vec<(u32, &[u8])> = decoded
+                            .iter()
+                            .filter(|(n, _)| !n.parity)
+                            .map(|(n, b)| (n.local, b.as_slice()))
+                            .collect();
+                        let parity: Vec<(u32, &[u8])> = decoded
+                            .iter()
+                            .filter(|(n, _)| n.parity)
+                            .map(|(n, b)| (n.local, b.as_slice()))
+                            .collect();
+                        return shard.install_decoded(table, &data, &parity);
+                    }
+                } else if Instant::now() > give_up {
+                    return Err(PsError::Degraded(format!(
+                        "server {me}: cannot decode: {}",
+                        failed.unwrap_or_default()
+                    )));
+                }
+            }
+            if Instant::now() > give_up {
+                return Err(PsError::Recovering {
+                    table: table as u32,
+                    first_row: data.first().or(parity.first()).copied().unwrap_or(0),
+                    end_row: data.last().or(parity.last()).map_or(0, |l| l + 1),
+                });
+            }
+            // A commit landed between the reads: read again shortly.
+            tokio::time::sleep(Duration::from_micros(200 * u64::from(attempt.min(25)))).await;
+        }
+    }
+}
+
+/// Splits `bytes` into one row per slot of `locals`.
+fn split_rows(
+    locals: &[u32],
+    bytes: &[u8],
+    row_bytes: usize,
+) -> Result<BTreeMap<u32, Vec<u8>>, PsError> {
+    if bytes.len() != locals.len() * row_bytes {
+        return Err(PsError::BadRequest(format!(
+            "{} bytes for {} slots of {row_bytes} bytes",
+            bytes.len(),
+            locals.len()
+        )));
+    }
+    Ok(locals
+        .iter()
+        .zip(bytes.chunks_exact(row_bytes.max(1)))
+        .map(|(&l, b)| (l, b.to_vec()))
+        .collect())
+}
+
+/// Local slots per background range for rows of `row_bytes`.
+pub(super) fn range_rows(row_bytes: usize) -> usize {
+    (RANGE_BYTES / row_bytes.max(1)).max(1)
+}
+
+impl Core {
+    /// The background part of a rebuild: every pending slot, range by range, at most
+    /// `ec.rebuild_locks` ranges at once. `progress` hears of each table. Returns the
+    /// bytes and slots installed.
+    pub(super) async fn rebuild_in_background(
+        &self,
+        tables: usize,
+        started: Instant,
+        mut totals: RebuildReply,
+        progress: &tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
+    ) -> Result<RebuildReply, PsError> {
+        use futures::StreamExt;
+        let parallel = self.job.config.ec.rebuild_locks.max(1);
+        let cap = self.job.config.ec.rebuild_bytes_per_sec;
+        let mine = self.background().map(|b| b.id);
+        let superseded = || {
+            PsError::Superseded(format!(
+                "server {}: background rebuild (a restore or a newer rebuild)",
+                self.id
+            ))
+        };
+        for t in 0..tables {
+            if self.background().map(|b| b.id) != mine {
+                return Err(superseded());
+            }
+            let (slots, row_bytes) = {
+                let shard = self.shard_read()?;
+                let table = &shard.state().tables()[t];
+                let parity = shard
+                    .redundancy()
+                    .map_or(0, |red| red.parity[t].len() / red.row_bytes.max(1));
+                (table.rows().max(parity), table.stride() * 4)
+            };
+            let per = range_rows(row_bytes);
+            let ranges: Vec<std::ops::Range<usize>> = (0..slots)
+                .step_by(per)
+                .map(|first| first..(first + per).min(slots))
+                .collect();
+            let mut done = futures::stream::iter(ranges)
+                .map(|range| self.materialize_range(t, range))
+                .buffer_unordered(parallel);
+            while let Some(bytes) = done.next().await {
+                let bytes = bytes?;
+                totals.bytes += bytes;
+                totals.rows += bytes / row_bytes as u64;
+                if cap > 0 {
+                    // Ahead of the cap: wait until the bytes so far are due.
+                    let due = Duration::from_secs_f64(totals.bytes as f64 / cap as f64);
+                    if let Some(early) = due.checked_sub(started.elapsed()) {
+                        tokio::time::sleep(early).await;
+                    }
+                }
+            }
+            self.faults.kill_at(points::REBUILD, None);
+            totals.tables_done = t as u32 + 1;
+            totals.seconds = started.elapsed().as_secs_f64();
+            let _ = progress.try_send(Ok(totals));
+        }
+        // Slots decoded on demand by pulls and pushes meanwhile were installed by them:
+        // the shard holds no pending slot now.
+        if self.shard_read()?.pending().is_some() {
+            return Err(PsError::Internal(
+                "background rebuild ended with slots still pending".into(),
+            ));
+        }
+        {
+            let mut background = self.background.lock().unwrap_or_else(|p| p.into_inner());
+            if background.as_ref().map(|b| b.id) != mine {
+                return Err(superseded());
+            }
+            *background = None;
+        }
+        self.continue_history()?;
+        totals.done = true;
+        totals.serving = true;
+        totals.seconds = started.elapsed().as_secs_f64();
+        Ok(totals)
+    }
+
+    /// Waits (bounded) until no slot is pending: whole-shard reads (gathering the model,
+    /// verifying parity, a cut) must not see a slot's zeros.
+    pub(super) async fn wait_rebuilt(&self) -> Result<(), PsError> {
+        let give_up = Instant::now() + self.job.timeout() * 30;
+        while self.shard_read()?.pending().is_some() {
+            if Instant::now() > give_up {
+                return Err(PsError::Unavailable(format!(
+                    "server {} is still rebuilding its slots",
+                    self.id
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(())
+    }
+}

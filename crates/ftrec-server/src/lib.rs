@@ -1,0 +1,439 @@
+//! `ftrec server`: one parameter server process. It joins the coordinator (or waits as a
+//! spare until it is given a slot), builds or restores its shard, serves pulls and pushes
+//! over gRPC and heartbeats until told to stop.
+//!
+//! Files: this one runs the process and holds its state (`Core`); `service.rs` answers the
+//! RPCs; `checkpoints.rs` writes, restores and prunes the shard's checkpoints.
+
+mod checkpoints;
+mod degraded;
+mod dense_rebuild;
+mod ec;
+mod pipeline;
+mod priority;
+mod rebuild;
+mod service;
+pub mod shard;
+
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+use ftrec_ckpt::{Checkpoints, open_store};
+use tokio::sync::{Notify, watch};
+
+use crate::shard::{PostCommit, PreCommit, Shard};
+use ftrec_proto::PsError;
+use ftrec_proto::applied::AppliedSteps;
+use ftrec_proto::job::Job;
+use ftrec_proto::metrics::{self, Metrics};
+use ftrec_proto::placement::Layout;
+use ftrec_proto::proto::parameter_server_server::ParameterServerServer;
+use ftrec_proto::proto::*;
+
+pub struct ServerOptions {
+    pub job: Job,
+    /// The server slot; `None` starts a spare that waits to be assigned one.
+    pub id: Option<usize>,
+    /// Coordinator address, `host:port`.
+    pub coordinator: String,
+    /// Host to listen on (port chosen by the OS).
+    pub host: String,
+    /// This server's fault points (tests, `cluster run --kill server:J@commit:N`).
+    pub faults: ftrec_faults::Faults,
+}
+
+/// The epoch and the first step not applied (every step below it is), published together
+/// so a waiting pull sees both change at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Live {
+    epoch: u64,
+    applied: u64,
+}
+
+struct Core {
+    job: Job,
+    layout: Layout,
+    id: usize,
+    shard: RwLock<Shard>,
+    /// Which steps the shard holds. Changed only under the shard's write lock, so the two
+    /// always agree.
+    steps: Mutex<AppliedSteps>,
+    live: watch::Sender<Live>,
+    /// One update at a time goes through stage, pre-commit, commit and post-commit, in
+    /// arrival order (tokio's mutex is fair), so each is staged from the state its
+    /// predecessor left. The shard lock is held only to stage (read) and to install
+    /// (write): pulls are served while a pre-commit observer awaits. Restores, epoch changes
+    /// and cuts take this turn too, so no update straddles them.
+    commit_turn: Arc<tokio::sync::Mutex<()>>,
+    /// Erasure coding: prepared steps and staged parity differences (`ec.rs`).
+    ec: Option<ec::EcState>,
+    pre_commit: Vec<Arc<dyn PreCommit>>,
+    post_commit: Vec<Arc<dyn PostCommit>>,
+    /// The job's checkpoint strategy over this shard.
+    checkpointer: checkpoints::SharedCheckpointer,
+    /// CPR's row trackers for prioritised saves (`priority.rs`).
+    priority: Option<priority::SharedPriority>,
+    /// The shard's checkpoint location (for reads).
+    checkpoints: Option<Checkpoints>,
+    /// The handle that writes there, holding the location's writer lease: started on the
+    /// first checkpoint of a fresh run, and again on every restore (a restore to a cut
+    /// older than this shard's newest checkpoint forks a new branch, so no committed
+    /// checkpoint is ever rewritten).
+    writer: std::sync::Mutex<Option<Checkpoints>>,
+    metrics: Arc<Metrics>,
+    stop: Arc<Notify>,
+    /// Fault points armed for this member (`ftrec-faults`).
+    faults: ftrec_faults::Faults,
+    /// Erasure coding: clients for the other servers (parity differences, degraded reads).
+    peers: Option<Arc<ec::Peers>>,
+    /// A background rebuild in progress here (`degraded.rs`).
+    background: Mutex<Option<degraded::Background>>,
+    /// Numbers each background rebuild, so a superseded one can tell.
+    background_ids: std::sync::atomic::AtomicU64,
+}
+
+fn server_metrics(id: &str) -> Metrics {
+    Metrics::new(format!("role=\"server\",id=\"{id}\""))
+        .counter("ftrec_pulls_total", "Pull requests served")
+        .counter("ftrec_pushes_total", "Push requests applied")
+        .counter("ftrec_rows_pulled_total", "Embedding rows sent")
+        .counter("ftrec_rows_updated_total", "Embedding rows updated")
+        .counter("ftrec_rpc_bytes_in_total", "Payload bytes received")
+        .counter("ftrec_rpc_bytes_out_total", "Payload bytes sent")
+        .counter("ftrec_checkpoints_total", "Shard checkpoints written")
+        .counter("ftrec_restores_total", "Shard restores")
+        .counter(
+            "ftrec_duplicate_pushes_total",
+            "Pushes of a step applied already (a dead worker's step granted again), ignored",
+        )
+        .gauge("ftrec_epoch", "Cluster epoch")
+        .gauge("ftrec_applied_steps", "Global steps applied to this shard")
+}
+
+impl Core {
+    fn live(&self) -> Live {
+        *self.live.borrow()
+    }
+
+    fn check_epoch(&self, epoch: u64) -> Result<(), PsError> {
+        let current = self.live().epoch;
+        if epoch != current {
+            return Err(PsError::StaleEpoch {
+                got: epoch,
+                current,
+            });
+        }
+        Ok(())
+    }
+
+    /// Restores and epoch changes only move forward: a delayed one from an older recovery
+    /// must not undo a newer one.
+    fn check_epoch_forward(&self, epoch: u64) -> Result<(), PsError> {
+        let current = self.live().epoch;
+        if epoch < current {
+            return Err(PsError::StaleEpoch {
+                got: epoch,
+                current,
+            });
+        }
+        Ok(())
+    }
+
+    fn shard_read(&self) -> Result<std::sync::RwLockReadGuard<'_, Shard>, PsError> {
+        self.shard
+            .read()
+            .map_err(|_| PsError::Internal("shard lock poisoned".into()))
+    }
+
+    fn shard_write(&self) -> Result<std::sync::RwLockWriteGuard<'_, Shard>, PsError> {
+        self.shard
+            .write()
+            .map_err(|_| PsError::Internal("shard lock poisoned".into()))
+    }
+
+    fn steps(&self) -> MutexGuard<'_, AppliedSteps> {
+        self.steps.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Changes this shard's record of applied steps in place, adopts `epoch`, and wakes
+    /// the waiting pulls and pushes. Returns how many steps are applied.
+    fn publish(&self, epoch: u64, change: impl FnOnce(&mut AppliedSteps)) -> u64 {
+        let mut steps = self.steps();
+        change(&mut steps);
+        let (low, count) = (steps.low(), steps.count());
+        drop(steps);
+        self.metrics.set("ftrec_applied_steps", count as f64);
+        self.live.send_replace(Live {
+            epoch,
+            applied: low,
+        });
+        count
+    }
+
+    /// Deterministic mode: waits (bounded) until every step below `target` is applied.
+    /// Whether `target` itself is applied already is the caller's question.
+    async fn wait_applied(&self, epoch: u64, target: u64) -> Result<(), PsError> {
+        let mut rx = self.live.subscribe();
+        let waited = tokio::time::timeout(
+            self.job.timeout(),
+            rx.wait_for(|l| l.epoch != epoch || l.applied >= target),
+        )
+        .await;
+        let live = match waited {
+            Ok(Ok(l)) => *l,
+            Ok(Err(_)) => return Err(PsError::Unavailable("server shutting down".into())),
+            Err(_) => {
+                return Err(PsError::Timeout(format!(
+                    "server {} waited {:?} for step {target} (at {})",
+                    self.id,
+                    self.job.timeout(),
+                    self.live().applied
+                )));
+            }
+        };
+        if live.epoch != epoch {
+            return Err(PsError::StaleEpoch {
+                got: epoch,
+                current: live.epoch,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Runs a server until the coordinator stops it or becomes unreachable.
+pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
+    let job = opts.job;
+    let layout = job.layout()?;
+    let cluster = job.config.cluster.clone();
+    let (listener, address) = ftrec_proto::client::bind(&opts.host, 0).await?;
+    let label = opts.id.map_or("spare".to_string(), |i| i.to_string());
+    let metrics = Arc::new(server_metrics(&label));
+    let metrics_address = metrics::start(&opts.host, metrics.clone())
+        .await
+        .unwrap_or_default();
+    let mut coordinator = job.connector()?.coordinator(&opts.coordinator).await?;
+    let joined = coordinator
+        .join(JoinRequest {
+            role: Role::Server as i32,
+            id: opts.id.unwrap_or(0) as u32,
+            address: address.clone(),
+            fingerprint: job.fingerprint(),
+            pid: std::process::id(),
+            metrics_address,
+            spare: opts.id.is_none(),
+        })
+        .await
+        .map_err(|s| PsError::rpc(format!("joining coordinator {}", opts.coordinator), &s))?
+        .into_inner();
+    let heartbeat = Duration::from_millis(cluster.heartbeat_ms);
+    let id = match opts.id {
+        Some(id) => id,
+        None => {
+            tracing::info!("spare server at {address} waiting for a slot");
+            wait_for_assignment(&mut coordinator, joined.spare_token, heartbeat, &job).await?
+        }
+    };
+    tracing::info!("server {id} at {address}, epoch {}", joined.epoch);
+    let c = &job.config;
+    let model = c.model_config()?;
+    let (seed, host_layout) = (c.seed, layout);
+    // Building a large shard takes longer than the failure timeout: heartbeat (not yet
+    // ready) meanwhile, or the coordinator would declare the newcomer dead.
+    let starting = tokio::spawn(ftrec_proto::client::keep_alive(
+        coordinator.clone(),
+        HeartbeatRequest {
+            role: Role::Server as i32,
+            id: id as u32,
+            epoch: 0,
+            spare: false,
+            ready: false,
+        },
+        heartbeat,
+    ));
+    // An erasure-coded slot taken after a failure (or by a spare) is rebuilt from the
+    // survivors before it serves: generating the initial tables would be wasted time.
+    let replacement = c.cluster.ft.erasure_coded() && (joined.epoch > 1 || opts.id.is_none());
+    let shard = tokio::task::spawn_blocking(move || {
+        if replacement {
+            Shard::awaiting_rebuild(&model, seed, host_layout, id)
+        } else {
+            Shard::initial(&model, seed, host_layout, id)
+        }
+    })
+    .await
+    .map_err(|e| PsError::Internal(e.to_string()));
+    starting.abort();
+    let shard = shard??;
+    let checkpoints = match &c.checkpoint.dir {
+        Some(dir) => {
+            let location = format!(
+                "{}/server-{id}",
+                dir.to_string_lossy().trim_end_matches('/')
+            );
+            Some(Checkpoints::new(open_store(&location)?))
+        }
+        None => None,
+    };
+    let (live, _) = watch::channel(Live {
+        epoch: joined.epoch,
+        applied: 0,
+    });
+    let stop = Arc::new(Notify::new());
+    let checkpointer = checkpoints::SharedCheckpointer::default();
+    let tracking = Arc::new(checkpoints::Tracking::new(checkpointer.clone()));
+    let mut pre_commit: Vec<Arc<dyn PreCommit>> = Vec::new();
+    let erasure_coded = c.cluster.ft.erasure_coded();
+    let mut peers = None;
+    if let Some(stripes) = layout.stripes() {
+        let shared_peers = Arc::new(ec::Peers::new(coordinator.clone(), job.connector()?));
+        peers = Some(shared_peers.clone());
+        let codec = ftrec_ec::Codec::new(stripes.params.k, stripes.params.r)
+            .map_err(|e| PsError::Config(e.to_string()))?;
+        pre_commit.push(Arc::new(ec::ParityPropagator {
+            id,
+            stripes,
+            codec: Arc::new(codec),
+            two_phase: c.ec.two_phase_commit,
+            peers: shared_peers,
+            epoch: live.subscribe(),
+        }));
+    }
+    let priority = priority::PriorityState::for_job(&job, &shard, id);
+    let mut post_commit: Vec<Arc<dyn PostCommit>> = vec![tracking];
+    if let Some(p) = &priority {
+        post_commit.push(Arc::new(priority::PriorityTracking(p.clone())));
+    }
+    let core = Arc::new(Core {
+        commit_turn: Arc::new(tokio::sync::Mutex::new(())),
+        ec: erasure_coded.then(ec::EcState::default),
+        pre_commit,
+        post_commit,
+        checkpointer,
+        priority,
+        job: job.clone(),
+        layout,
+        id,
+        shard: RwLock::new(shard),
+        steps: Mutex::new(AppliedSteps::default()),
+        live,
+        checkpoints,
+        writer: std::sync::Mutex::new(None),
+        metrics,
+        stop: stop.clone(),
+        faults: opts.faults.clone(),
+        peers,
+        background: Mutex::new(None),
+        background_ids: std::sync::atomic::AtomicU64::new(0),
+    });
+    let service = tonic::service::interceptor::InterceptedService::new(
+        ParameterServerServer::new(service::Service(core.clone()))
+            .max_decoding_message_size(usize::MAX)
+            .max_encoding_message_size(usize::MAX),
+        job.secret().checker(),
+    );
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let serve_stop = stop.clone();
+    let mut builder = ftrec_proto::auth::server_builder(&job)?;
+    let serving = tokio::spawn(async move {
+        builder
+            .add_service(service)
+            .serve_with_incoming_shutdown(incoming, async move { serve_stop.notified().await })
+            .await
+    });
+    heartbeat_loop(
+        &mut coordinator,
+        core,
+        heartbeat,
+        cluster.failure_timeout_ms,
+    )
+    .await?;
+    stop.notify_waiters();
+    let _ = tokio::time::timeout(Duration::from_secs(2), serving).await;
+    Ok(())
+}
+
+async fn wait_for_assignment(
+    coordinator: &mut ftrec_proto::client::CoordinatorClient,
+    token: u32,
+    period: Duration,
+    job: &Job,
+) -> Result<usize, PsError> {
+    let mut silent_since = Instant::now();
+    // A spare asks often: how soon it hears of its slot bounds how soon a failed
+    // server's slot serves again.
+    let period = period.min(Duration::from_millis(20));
+    loop {
+        tokio::time::sleep(period).await;
+        match coordinator
+            .heartbeat(HeartbeatRequest {
+                role: Role::Server as i32,
+                id: token,
+                epoch: 0,
+                spare: true,
+                ready: false,
+            })
+            .await
+        {
+            Ok(r) => {
+                let r = r.into_inner();
+                if r.stop {
+                    return Err(PsError::Stopped("while a spare".into()));
+                }
+                if let Some(slot) = r.assign {
+                    return Ok(slot as usize);
+                }
+                silent_since = Instant::now();
+            }
+            Err(s) if silent_since.elapsed() > job.timeout() => {
+                return Err(PsError::rpc("coordinator unreachable", &s));
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// Heartbeats until the coordinator says stop, a Shutdown RPC arrives, or the coordinator
+/// has been unreachable for ten failure timeouts (so no server outlives its cluster).
+async fn heartbeat_loop(
+    coordinator: &mut ftrec_proto::client::CoordinatorClient,
+    core: Arc<Core>,
+    period: Duration,
+    failure_timeout_ms: u64,
+) -> Result<(), PsError> {
+    let give_up = Duration::from_millis(failure_timeout_ms * 10).max(Duration::from_secs(5));
+    let mut last_ok = Instant::now();
+    // The first beat goes at once: a replacement's "ready" starts the recovery.
+    let mut wait = Duration::ZERO;
+    loop {
+        tokio::select! {
+            _ = core.stop.notified() => return Ok(()),
+            _ = tokio::time::sleep(wait) => {}
+        }
+        wait = period;
+        let reply = coordinator
+            .heartbeat(HeartbeatRequest {
+                role: Role::Server as i32,
+                id: core.id as u32,
+                epoch: core.live().epoch,
+                spare: false,
+                ready: true,
+            })
+            .await;
+        match reply.map_err(|s| PsError::rpc("heartbeat", &s)) {
+            Ok(r) if r.get_ref().stop => return Ok(()),
+            Ok(_) => last_ok = Instant::now(),
+            Err(e @ PsError::Fenced(_)) => {
+                return Err(PsError::Fenced(format!(
+                    "the coordinator removed this server ({e})"
+                )));
+            }
+            Err(e) if last_ok.elapsed() > give_up => {
+                return Err(PsError::Unavailable(format!(
+                    "coordinator unreachable; exiting: {e}"
+                )));
+            }
+            Err(_) => {}
+        }
+    }
+}

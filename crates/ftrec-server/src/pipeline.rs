@@ -1,0 +1,179 @@
+//! The server's one update pipeline. Every push reaches the tables through here, and only
+//! through here: stage, pre-commit observers (which may await or veto), then a commit
+//! decided by the [`CommitMode`], then post-commit observers.
+//!
+//! Two functions change state, and nothing else does:
+//! - [`Core::install`] applies a staged update (rows, dense range, replica, applied steps),
+//!   with the parity differences staged for the same step;
+//! - [`apply_parity_difference`] folds one data server's differences into parity rows.
+//!
+//! Two-phase commit is a mode of this pipeline, not a second path: phase 1 runs the same
+//! stages and parks the staged update with the commit turn (`ec.rs`); phase 2 calls
+//! [`Core::install`] as an immediate commit does.
+
+use ftrec_faults::points;
+use ftrec_proto::PsError;
+use ftrec_proto::proto::ParityUpdateRequest;
+use ftrec_proto::wire::bytes_to_u32s;
+
+use crate::Core;
+use crate::shard::dense_code::DENSE_TABLE;
+use crate::shard::{Shard, StagedUpdate, Update};
+
+/// How a staged update is decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CommitMode {
+    /// Installed as soon as the pre-commit observers agree (no redundancy, or ECRec's
+    /// one-round propagation).
+    Immediate,
+    /// 2PC phase 1: held, with the commit turn, until phase 2 commits or aborts it.
+    TwoPhase,
+}
+
+/// What became of a push.
+pub(crate) enum Pushed {
+    /// Installed; the shard now holds this many steps, and the update changed these rows.
+    Applied { steps: u64, rows: usize },
+    /// The step was applied here already (a dead worker's step granted again): ignored.
+    Duplicate { steps: u64 },
+    /// 2PC phase 1 done: staged and held as prepare `id` until phase 2.
+    Prepared { id: u64, rows: usize },
+}
+
+impl Core {
+    pub(crate) async fn run_update(
+        &self,
+        epoch: u64,
+        update: Update,
+        mode: CommitMode,
+    ) -> Result<Pushed, PsError> {
+        if mode == CommitMode::TwoPhase {
+            // A retried phase 1 (its reply was lost) finds its step prepared already.
+            if let Some(id) = self.ec()?.prepared_id(update.step, epoch) {
+                return Ok(Pushed::Prepared { id, rows: 0 });
+            }
+        }
+        let turn = self.commit_turn.clone().lock_owned().await;
+        self.check_epoch(epoch)?;
+        if self.steps().contains(update.step) {
+            self.metrics.add("ftrec_duplicate_pushes_total", 1);
+            return Ok(Pushed::Duplicate {
+                steps: self.steps().count(),
+            });
+        }
+        // A replacement rebuilding in the background decodes the rows this update needs
+        // first (it holds the commit turn, so its own steps stand still meanwhile).
+        self.materialize_update(&update).await?;
+        let staged = self.shard_read()?.stage(&update)?;
+        for observer in &self.pre_commit {
+            // A veto aborts the update: the staged rows are dropped, nothing is installed.
+            observer.pre_commit(&staged).await?;
+        }
+        let rows = staged.rows_changed();
+        match mode {
+            CommitMode::Immediate => {
+                let steps = self.install(epoch, &staged, &[])?;
+                drop(turn);
+                Ok(Pushed::Applied { steps, rows })
+            }
+            CommitMode::TwoPhase => {
+                let id = self.ec()?.hold_prepared(self, epoch, staged, turn)?;
+                Ok(Pushed::Prepared { id, rows })
+            }
+        }
+    }
+
+    /// Applies a staged update to the shard, with `parity` (the differences other servers
+    /// staged for the same step), and records the step as applied. The caller holds the
+    /// commit turn (or the prepared update that holds it).
+    pub(crate) fn install(
+        &self,
+        epoch: u64,
+        staged: &StagedUpdate,
+        parity: &[ParityUpdateRequest],
+    ) -> Result<u64, PsError> {
+        let steps = {
+            let mut shard = self.shard_write()?;
+            // Restores and recoveries take the turn too, so this holds; checked where it
+            // matters anyway, under the lock that installs.
+            self.check_epoch(epoch)?;
+            for request in parity {
+                apply_parity_difference(&mut shard, request, &self.faults)?;
+            }
+            shard.commit(staged);
+            self.publish(epoch, |steps| {
+                steps.insert(staged.step);
+            })
+        };
+        for observer in &self.post_commit {
+            observer.post_commit(staged.rows());
+        }
+        Ok(steps)
+    }
+
+    /// Decodes the pending rows an update touches (a replacement rebuilding in the
+    /// background); nothing when no rebuild is under way.
+    async fn materialize_update(&self, update: &Update) -> Result<(), PsError> {
+        if self.shard_read()?.pending().is_none() {
+            return Ok(());
+        }
+        let wanted: Vec<(usize, Vec<u32>)> = update
+            .sparse
+            .iter()
+            .map(|(table, rows, _)| (*table, rows.clone()))
+            .collect();
+        self.materialize_tables(&wanted, true).await?;
+        Ok(())
+    }
+}
+
+/// Folds every difference of `req` into the shard's parity slots: the one way a parity row
+/// changes between rebuilds. `faults` may drop it (the planted bug `fold-parity=skip`, which
+/// the parity checks must catch).
+pub(crate) fn apply_parity_difference(
+    shard: &mut Shard,
+    req: &ParityUpdateRequest,
+    faults: &ftrec_faults::Faults,
+) -> Result<(), PsError> {
+    if faults.skip_at(points::FOLD_PARITY, Some(req.step)) {
+        tracing::warn!(
+            "fault fold-parity: dropped step {}'s parity difference from server {}",
+            req.step,
+            req.source
+        );
+        return Ok(());
+    }
+    let Some(red) = shard.redundancy() else {
+        return Err(PsError::Config("this server holds no parity".into()));
+    };
+    let row_bytes = red.row_bytes;
+    for t in &req.tables {
+        let locals = bytes_to_u32s(&t.locals, "parity slots")?;
+        if t.table == DENSE_TABLE {
+            let (Some(&stripe), Some(&coef)) = (locals.first(), t.coefs.first()) else {
+                return Err(PsError::BadRequest("an empty dense difference".into()));
+            };
+            let Some(red) = shard.redundancy_mut() else {
+                return Err(PsError::Config("this server holds no parity".into()));
+            };
+            red.fold_dense(stripe as usize, coef, &t.deltas)?;
+            continue;
+        }
+        for (n, (&local, &coef)) in locals.iter().zip(t.coefs.iter()).enumerate() {
+            let delta = t
+                .deltas
+                .get(n * row_bytes..(n + 1) * row_bytes)
+                .ok_or_else(|| PsError::BadRequest("parity differences are short".into()))?;
+            // A slot still being rebuilt is encoded from data rows that hold this
+            // difference already (`degraded.rs`).
+            if shard.parity_pending(t.table as usize, local as usize) {
+                continue;
+            }
+            let Some(red) = shard.redundancy_mut() else {
+                return Err(PsError::Config("this server holds no parity".into()));
+            };
+            red.fold(t.table as usize, local as usize, coef, delta)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,251 @@
+//! The slots of an erasure-coded replacement not yet rebuilt (ECRec §3.4 with a background
+//! rebuild): which local data rows and parity rows still hold zeros rather than their
+//! decoded bytes. A pending data row is never served or updated, and a pending parity row
+//! never folds a difference; the rebuild installs each slot from a consistent snapshot of
+//! its stripe, and from then on the slot is ordinary.
+
+use ftrec_proto::PsError;
+
+/// A fixed-size bit set, one bit per local slot.
+#[derive(Clone, Debug, Default)]
+struct Bits {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Bits {
+    fn with_len(len: usize) -> Self {
+        Self {
+            words: vec![0; len.div_ceil(64)],
+            len,
+        }
+    }
+
+    fn get(&self, i: usize) -> bool {
+        i < self.len
+            && self
+                .words
+                .get(i / 64)
+                .is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+
+    fn set(&mut self, i: usize) -> bool {
+        let Some(w) = self.words.get_mut(i / 64).filter(|_| i < self.len) else {
+            return false;
+        };
+        let was = *w & (1 << (i % 64)) != 0;
+        *w |= 1 << (i % 64);
+        !was
+    }
+
+    fn clear(&mut self, i: usize) -> bool {
+        let Some(w) = self.words.get_mut(i / 64).filter(|_| i < self.len) else {
+            return false;
+        };
+        let was = *w & (1 << (i % 64)) != 0;
+        *w &= !(1 << (i % 64));
+        was
+    }
+
+    /// The set bits in `range`, ascending.
+    fn ones_in(&self, range: std::ops::Range<usize>) -> Vec<u32> {
+        range.filter(|&i| self.get(i)).map(|i| i as u32).collect()
+    }
+}
+
+/// Per table: the pending data slots and parity slots.
+#[derive(Clone, Debug, Default)]
+pub struct Pending {
+    data: Vec<Bits>,
+    parity: Vec<Bits>,
+    remaining: usize,
+}
+
+impl Pending {
+    /// Nothing pending yet, shaped for `data_slots[t]` and `parity_slots[t]` per table.
+    pub fn new(data_slots: &[usize], parity_slots: &[usize]) -> Self {
+        Self {
+            data: data_slots.iter().map(|&n| Bits::with_len(n)).collect(),
+            parity: parity_slots.iter().map(|&n| Bits::with_len(n)).collect(),
+            remaining: 0,
+        }
+    }
+
+    pub fn mark_data(&mut self, table: usize, local: usize) {
+        if self.data.get_mut(table).is_some_and(|b| b.set(local)) {
+            self.remaining += 1;
+        }
+    }
+
+    pub fn mark_parity(&mut self, table: usize, local: usize) {
+        if self.parity.get_mut(table).is_some_and(|b| b.set(local)) {
+            self.remaining += 1;
+        }
+    }
+
+    pub fn data(&self, table: usize, local: usize) -> bool {
+        self.data.get(table).is_some_and(|b| b.get(local))
+    }
+
+    pub fn parity(&self, table: usize, local: usize) -> bool {
+        self.parity.get(table).is_some_and(|b| b.get(local))
+    }
+
+    pub fn clear_data(&mut self, table: usize, local: usize) {
+        if self.data.get_mut(table).is_some_and(|b| b.clear(local)) {
+            self.remaining -= 1;
+        }
+    }
+
+    pub fn clear_parity(&mut self, table: usize, local: usize) {
+        if self.parity.get_mut(table).is_some_and(|b| b.clear(local)) {
+            self.remaining -= 1;
+        }
+    }
+
+    /// Pending data and parity slots of `table` with local index in `range`.
+    pub fn in_range(&self, table: usize, range: std::ops::Range<usize>) -> (Vec<u32>, Vec<u32>) {
+        let ones = |b: &[Bits]| {
+            b.get(table)
+                .map_or_else(Vec::new, |b| b.ones_in(range.clone()))
+        };
+        (ones(&self.data), ones(&self.parity))
+    }
+
+    /// Slots still pending, over every table.
+    pub fn remaining(&self) -> usize {
+        self.remaining
+    }
+}
+
+/// A shard's side of a background rebuild.
+impl super::Shard {
+    /// A row still being rebuilt is neither served nor updated: its slot holds zeros.
+    pub(super) fn check_not_pending(
+        &self,
+        table: usize,
+        row: u32,
+        local: usize,
+    ) -> Result<(), PsError> {
+        if self.pending.as_ref().is_some_and(|p| p.data(table, local)) {
+            return Err(PsError::Recovering {
+                table: table as u32,
+                first_row: row,
+                end_row: row + 1,
+            });
+        }
+        Ok(())
+    }
+
+    /// The slots a background rebuild has not decoded yet (`None`: none, or no rebuild).
+    pub fn pending(&self) -> Option<&Pending> {
+        self.pending.as_ref()
+    }
+
+    /// The local indices of `rows` of `table` (global, owned here) still pending.
+    pub fn pending_locals(&self, table: usize, rows: &[u32]) -> Vec<u32> {
+        let Some(pending) = &self.pending else {
+            return Vec::new();
+        };
+        rows.iter()
+            .filter_map(|&row| {
+                let local = self.local(table, row).ok()?;
+                pending.data(table, local).then_some(local as u32)
+            })
+            .collect()
+    }
+
+    /// Starts a background rebuild: every slot in `pending` holds zeros until installed.
+    pub fn begin_background_rebuild(&mut self, pending: Pending) {
+        self.pending = (pending.remaining() > 0).then_some(pending);
+    }
+
+    /// Installs decoded bytes into pending slots of `table` (data rows, then parity rows),
+    /// skipping slots that are pending no more. Returns the bytes installed.
+    pub fn install_decoded(
+        &mut self,
+        table: usize,
+        data: &[(u32, &[u8])],
+        parity: &[(u32, &[u8])],
+    ) -> Result<u64, PsError> {
+        let Some(pending) = self.pending.as_mut() else {
+            return Ok(0);
+        };
+        let mut installed = 0u64;
+        let stored = self
+            .state
+            .tables_mut()
+            .get_mut(table)
+            .ok_or_else(|| PsError::BadRequest(format!("table {table} does not exist")))?;
+        for &(local, bytes) in data {
+            let local = local as usize;
+            if !pending.data(table, local) {
+                continue;
+            }
+            let row = stored.row_mut(local);
+            if bytes.len() != row.len() * 4 {
+                return Err(PsError::BadRequest(format!(
+                    "a decoded row of {} bytes for rows of {}",
+                    bytes.len(),
+                    row.len() * 4
+                )));
+            }
+            bytemuck::cast_slice_mut::<f32, u8>(row).copy_from_slice(bytes);
+            pending.clear_data(table, local);
+            installed += bytes.len() as u64;
+        }
+        if let Some(red) = self.redundancy.as_mut() {
+            let row_bytes = red.row_bytes;
+            for &(local, bytes) in parity {
+                let local = local as usize;
+                if !pending.parity(table, local) {
+                    continue;
+                }
+                let slot = red
+                    .parity
+                    .get_mut(table)
+                    .and_then(|p| p.get_mut(local * row_bytes..(local + 1) * row_bytes))
+                    .filter(|slot| slot.len() == bytes.len())
+                    .ok_or_else(|| {
+                        PsError::BadRequest(format!("parity slot {local} of table {table}"))
+                    })?;
+                slot.copy_from_slice(bytes);
+                pending.clear_parity(table, local);
+                installed += bytes.len() as u64;
+            }
+        }
+        if pending.remaining() == 0 {
+            self.pending = None;
+        }
+        Ok(installed)
+    }
+
+    /// Whether parity slot `local` of `table` is still being rebuilt (its differences are
+    /// not folded: the rebuild encodes it from data rows that already hold them).
+    pub fn parity_pending(&self, table: usize, local: usize) -> bool {
+        self.pending
+            .as_ref()
+            .is_some_and(|p| p.parity(table, local))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marks_and_clears_count_each_slot_once() {
+        let mut p = Pending::new(&[100, 10], &[70, 3]);
+        p.mark_data(0, 99);
+        p.mark_data(0, 99);
+        p.mark_parity(1, 2);
+        p.mark_data(0, 100); // outside: ignored
+        assert_eq!(p.remaining(), 2);
+        assert!(p.data(0, 99) && !p.data(0, 98) && p.parity(1, 2) && !p.parity(0, 2));
+        assert_eq!(p.in_range(0, 64..100), (vec![99], vec![]));
+        p.clear_data(0, 99);
+        p.clear_data(0, 99);
+        p.clear_parity(1, 2);
+        assert_eq!(p.remaining(), 0);
+    }
+}

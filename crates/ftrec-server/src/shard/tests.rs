@@ -1,0 +1,200 @@
+//! Shard tests: the initial shards against the single-process model, the pipeline's
+//! stage / commit seams, and the striped (erasure-coded) layout's shards.
+
+use super::*;
+use ftrec_proto::placement::LocalRow;
+
+/// A small model with Adam rows and Adam dense state (other tests of the crate use it).
+pub(crate) fn model() -> ModelConfig {
+    ModelConfig {
+        num_dense: 3,
+        table_rows: vec![23, 40, 9],
+        dim: 4,
+        bottom: vec![8, 4],
+        top: vec![6, 1],
+        sparse_optimizer: Optimizer::Adam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        },
+        dense_optimizer: Optimizer::Adam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        },
+    }
+}
+
+fn shards(servers: usize) -> Vec<Shard> {
+    let layout = Layout::new(servers).unwrap();
+    (0..servers)
+        .map(|s| Shard::initial(&model(), 7, layout, s).unwrap())
+        .collect()
+}
+
+#[test]
+fn initial_shards_hold_exactly_the_single_process_rows_and_dense_ranges() {
+    let global = ModelState::new(&model(), 7).unwrap();
+    for servers in 1..4 {
+        let layout = Layout::new(servers).unwrap();
+        let mut dense_seen = Vec::new();
+        for shard in shards(servers) {
+            for (t, table) in shard.state().tables().iter().enumerate() {
+                for local in 0..table.rows() {
+                    let rows = global.config().table_rows[t];
+                    let g = layout
+                        .global_row(t, shard.server(), LocalRow(local as u32), rows)
+                        .unwrap();
+                    assert_eq!(table.row(local), global.row(t, g.0 as u64).unwrap());
+                }
+            }
+            dense_seen.extend_from_slice(shard.dense_params());
+        }
+        assert_eq!(dense_seen, global.dense.params);
+    }
+}
+
+fn update(shard: &Shard, rows: Vec<u32>, seed: f32) -> Update {
+    let dim = model().dim;
+    Update {
+        step: 0,
+        sparse: vec![(
+            1,
+            rows.clone(),
+            (0..rows.len() * dim)
+                .map(|i| seed + i as f32 * 0.01)
+                .collect(),
+        )],
+        dense: vec![0.5; shard.dense_params().len()],
+        replica_dense: Vec::new(),
+    }
+}
+
+/// Striped shards hold the single-process rows at their slots, padding zero, and
+/// parity rows equal to the stripes' encoding; each dense replica equals its primary.
+#[test]
+fn striped_initial_shards_hold_rows_parity_and_replicas() {
+    let config = model();
+    let global = ModelState::new(&config, 7).unwrap();
+    for (k, r, servers) in [(2, 1, 3), (3, 1, 4), (2, 2, 4)] {
+        let params = ftrec_ec::EcParams { k, r, groups: 1 };
+        let stripes = ftrec_ec::StripeLayout::new(params, servers).unwrap();
+        let layout = Layout::striped(stripes);
+        let codec = ftrec_ec::Codec::new(k, r).unwrap();
+        let shards: Vec<Shard> = (0..servers)
+            .map(|s| Shard::initial(&config, 7, layout, s).unwrap())
+            .collect();
+        let row_bytes = config.row_stride() * 4;
+        for (t, &rows) in config.table_rows.iter().enumerate() {
+            let zero = vec![0u8; row_bytes];
+            let row_of = |g: usize| -> Vec<u8> {
+                if g < rows {
+                    bytemuck::cast_slice(global.row(t, g as u64).unwrap()).to_vec()
+                } else {
+                    zero.clone()
+                }
+            };
+            for j in 0..stripes.stripes(rows) {
+                let data: Vec<Vec<u8>> = (0..k).map(|i| row_of(j * k + i)).collect();
+                for (i, d) in data.iter().enumerate() {
+                    let slot = stripes.data_slot(t, j, i);
+                    let stored = shards[slot.server].state().tables()[t].row(slot.local);
+                    assert_eq!(bytemuck::cast_slice::<f32, u8>(stored), &d[..]);
+                }
+                let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+                for p in 0..r {
+                    let mut expected = vec![0u8; row_bytes];
+                    codec.encode_parity(p, &refs, &mut expected).unwrap();
+                    let slot = stripes.parity_slot(t, j, p);
+                    let red = shards[slot.server].redundancy().unwrap();
+                    let held = &red.parity[t][slot.local * row_bytes..(slot.local + 1) * row_bytes];
+                    assert_eq!(
+                        held,
+                        &expected[..],
+                        "k={k} r={r} table {t} stripe {j} parity {p}"
+                    );
+                }
+            }
+        }
+        for shard in &shards {
+            let replica = shard.redundancy().unwrap().replica.as_ref().unwrap();
+            assert_eq!(replica.params, shards[replica.of].dense_params());
+            assert_eq!(replica.state, shards[replica.of].dense_optimizer_state());
+        }
+    }
+}
+
+#[test]
+fn stage_changes_nothing_and_keeps_old_and_new_rows_then_commit_installs_them() {
+    let mut shard = shards(2).remove(0);
+    let rows: Vec<u32> = (0..40u32).filter(|r| (r + 1) % 2 == 0).take(3).collect();
+    let before = shard.state().clone();
+    let u = update(&shard, rows.clone(), 0.3);
+    let staged = shard.stage(&u).unwrap();
+    assert_eq!(shard.state(), &before, "staging is invisible");
+    drop(staged); // abort
+    assert_eq!(shard.state(), &before);
+    let staged = shard.stage(&u).unwrap();
+    shard.commit(&staged);
+    let changed = &staged.rows()[0];
+    assert_eq!((changed.table, &changed.globals), (1, &rows));
+    let stride = shard.state().tables()[1].stride();
+    for (i, &r) in rows.iter().enumerate() {
+        let local = r as usize / 2;
+        assert_eq!(changed.locals[i] as usize, local);
+        let (old, new) = (
+            &changed.old[i * stride..(i + 1) * stride],
+            &changed.new[i * stride..(i + 1) * stride],
+        );
+        assert_eq!(old, before.tables()[1].row(local));
+        assert_eq!(new, shard.state().tables()[1].row(local));
+        assert_ne!(old, new);
+    }
+    assert_eq!(shard.dense_step(), 1);
+}
+
+#[test]
+fn misdirected_rows_and_bad_lengths_are_refused() {
+    let shard = shards(2).remove(0);
+    let mut u = update(&shard, vec![0], 0.1); // row 0 of table 1 lives on server 1
+    assert!(
+        shard
+            .stage(&u)
+            .unwrap_err()
+            .to_string()
+            .contains("belongs to server 1")
+    );
+    u.sparse[0].1 = vec![1];
+    u.sparse[0].2.pop();
+    assert!(shard.stage(&u).is_err());
+    let mut u = update(&shard, vec![1], 0.1);
+    u.dense.pop();
+    assert!(
+        shard
+            .stage(&u)
+            .unwrap_err()
+            .to_string()
+            .contains("dense gradient")
+    );
+}
+
+#[test]
+fn shards_reassemble_into_the_global_model_bit_for_bit() {
+    let config = model();
+    let global = ModelState::new(&config, 7).unwrap();
+    for servers in 1..4 {
+        let layout = ftrec_proto::placement::Layout::new(servers).unwrap();
+        let shards: Vec<ModelState> = (0..servers)
+            .map(|s| {
+                Shard::initial(&config, 7, layout, s)
+                    .unwrap()
+                    .state()
+                    .clone()
+            })
+            .collect();
+        let back = ftrec_proto::assemble::assemble(&shards).unwrap();
+        assert_eq!(back.digest(), global.digest(), "{servers} servers");
+    }
+}

@@ -1,0 +1,341 @@
+//! `ftrec worker`: a stateless worker. For each step the coordinator grants it reads that
+//! batch, de-duplicates ids, pulls the unique rows and the dense parameters from every
+//! server, computes gradients and pushes each server its part.
+
+pub mod shard_client;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ftrec_data::Dataset;
+use ftrec_model::{Batch, Dlrm, GemmMatMul, ModelConfig};
+use rayon::ThreadPool;
+
+use crate::shard_client::{CommitProtocol, ShardClient};
+use ftrec_proto::PsError;
+use ftrec_proto::client::{CoordinatorClient, keep_alive};
+use ftrec_proto::job::{Job, Schedule};
+use ftrec_proto::metrics::{self, Metrics};
+use ftrec_proto::proto::next_step_reply::Action;
+use ftrec_proto::proto::*;
+
+pub struct WorkerOptions {
+    pub job: Job,
+    pub id: usize,
+    pub coordinator: String,
+}
+
+/// What happened to one granted step.
+enum Outcome {
+    Finished(u64),
+    Lost(u64),
+}
+
+/// Why a step was lost, as the coordinator is told.
+struct Loss {
+    reason: String,
+    /// A server refused the step for being in this later epoch: not a failure the
+    /// coordinator caused, so it must end the run rather than retry forever.
+    ahead_epoch: Option<u64>,
+}
+
+impl Loss {
+    fn of(error: &PsError, granted_epoch: u64) -> Self {
+        const MAX_REASON: usize = 300;
+        let mut reason = error.to_string();
+        if reason.len() > MAX_REASON {
+            let mut end = MAX_REASON;
+            while !reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            reason.truncate(end);
+            reason.push_str("...");
+        }
+        let ahead_epoch = match error {
+            PsError::StaleEpoch { current, .. } if *current > granted_epoch => Some(*current),
+            _ => None,
+        };
+        Self {
+            reason,
+            ahead_epoch,
+        }
+    }
+}
+
+struct Worker {
+    job: Job,
+    id: usize,
+    rt: tokio::runtime::Runtime,
+    coordinator: CoordinatorClient,
+    shards: ShardClient,
+    config: ModelConfig,
+    data: Dataset,
+    schedule: Schedule,
+    table_rows: Vec<u32>,
+    model: Dlrm,
+    pool: ThreadPool,
+    batch: Batch,
+    rpc_bytes: u64,
+    times: StepTimes,
+    metrics: Arc<Metrics>,
+}
+
+/// Where a worker's time goes, logged when it stops.
+#[derive(Clone, Copy, Debug, Default)]
+struct StepTimes {
+    steps: u64,
+    coordinator: f64,
+    pull: f64,
+    compute: f64,
+    push: f64,
+}
+
+pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(|error| PsError::Io {
+            path: "tokio runtime".into(),
+            error,
+        })?;
+    let job = opts.job;
+    let config = job.config.model_config()?;
+    let data = job.train_data()?;
+    if data.num_dense() != config.num_dense || data.num_sparse() != config.tables() {
+        return Err(PsError::Config(format!(
+            "{} has {} dense and {} sparse features but the model expects {} and {}",
+            data.path().display(),
+            data.num_dense(),
+            data.num_sparse(),
+            config.num_dense,
+            config.tables()
+        )));
+    }
+    let threads = job.config.threads();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| PsError::Config(format!("thread pool: {e}")))?;
+    let batch_size = job.config.train.batch_size;
+    let model = Dlrm::new(
+        &config,
+        batch_size,
+        threads,
+        Box::new(GemmMatMul::new(threads)),
+    )?;
+    let metrics = Arc::new(
+        Metrics::new(format!("role=\"worker\",id=\"{}\"", opts.id))
+            .counter("ftrec_steps_total", "Steps finished")
+            .counter("ftrec_lost_steps_total", "Steps lost to server errors")
+            .counter("ftrec_rpc_bytes_total", "Pull and push payload bytes"),
+    );
+    let metrics_address = rt
+        .block_on(metrics::start("127.0.0.1", metrics.clone()))
+        .unwrap_or_default();
+    let mut coordinator = rt.block_on(job.connector()?.coordinator(&opts.coordinator))?;
+    let joined = rt
+        .block_on(coordinator.join(JoinRequest {
+            role: Role::Worker as i32,
+            id: opts.id as u32,
+            address: String::new(),
+            fingerprint: job.fingerprint(),
+            pid: std::process::id(),
+            metrics_address,
+            spare: false,
+        }))
+        .map_err(|s| PsError::rpc(format!("worker {} joining", opts.id), &s))?
+        .into_inner();
+    tracing::info!("worker {} joined in epoch {}", opts.id, joined.epoch);
+    let heartbeats = rt.spawn(keep_alive(
+        coordinator.clone(),
+        HeartbeatRequest {
+            role: Role::Worker as i32,
+            id: opts.id as u32,
+            epoch: 0,
+            spare: false,
+            ready: true,
+        },
+        Duration::from_millis(job.config.cluster.heartbeat_ms),
+    ));
+    let cluster = &job.config.cluster;
+    let protocol = if cluster.ft.erasure_coded() && job.config.ec.two_phase_commit {
+        // One step at a time in deterministic mode: prepares cannot wait on each other.
+        CommitProtocol::TwoPhase {
+            ordered: !cluster.deterministic,
+        }
+    } else {
+        CommitProtocol::OneRound
+    };
+    let shards = ShardClient::new(
+        coordinator.clone(),
+        job.layout()?,
+        config.dim,
+        job.connector()?,
+    )
+    .with_protocol(protocol);
+    let mut worker = Worker {
+        shards,
+        schedule: Schedule {
+            samples: data.len() as u64,
+            batch_size: batch_size as u64,
+        },
+        table_rows: config.table_rows.iter().map(|&r| r as u32).collect(),
+        batch: Batch::with_tables(config.tables()),
+        job,
+        id: opts.id,
+        rt,
+        coordinator,
+        config,
+        data,
+        model,
+        pool,
+        rpc_bytes: 0,
+        times: StepTimes::default(),
+        metrics,
+    };
+    let result = worker.run();
+    heartbeats.abort();
+    result
+}
+
+impl Worker {
+    fn run(&mut self) -> Result<(), PsError> {
+        let mut report: Option<Outcome> = None;
+        let mut loss: Option<Loss> = None;
+        let mut epoch = 0;
+        let mut unreachable_since: Option<Instant> = None;
+        loop {
+            let request = NextStepRequest {
+                worker: self.id as u32,
+                epoch,
+                finished: match report {
+                    Some(Outcome::Finished(s)) => Some(s),
+                    _ => None,
+                },
+                lost: match report {
+                    Some(Outcome::Lost(s)) => Some(s),
+                    _ => None,
+                },
+                rpc_bytes: self.rpc_bytes,
+                pid: std::process::id(),
+                lost_reason: loss.as_ref().map(|l| l.reason.clone()).unwrap_or_default(),
+                ahead_epoch: loss.as_ref().and_then(|l| l.ahead_epoch),
+            };
+            let asked = Instant::now();
+            let reply = self
+                .rt
+                .block_on(self.coordinator.clone().next_step(request));
+            self.times.coordinator += asked.elapsed().as_secs_f64();
+            let reply = match reply.map_err(|s| PsError::rpc("next step", &s)) {
+                Ok(r) => r.into_inner(),
+                Err(e @ PsError::Fenced(_)) => {
+                    return Err(PsError::Fenced(format!(
+                        "the coordinator removed this worker ({e})"
+                    )));
+                }
+                Err(e) => {
+                    let since = *unreachable_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() > self.job.timeout() {
+                        return Err(PsError::Unavailable(format!(
+                            "coordinator unreachable: {e}"
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
+            unreachable_since = None;
+            report = None;
+            loss = None;
+            self.rpc_bytes = 0;
+            match reply.action() {
+                Action::Train => {
+                    epoch = reply.epoch;
+                    let outcome = self.step(reply.step, reply.epoch, reply.placement_version);
+                    let moved = self.shards.take_bytes();
+                    self.rpc_bytes += moved;
+                    self.metrics.add("ftrec_rpc_bytes_total", moved);
+                    report = Some(match outcome {
+                        Ok(()) => {
+                            self.metrics.add("ftrec_steps_total", 1);
+                            Outcome::Finished(reply.step)
+                        }
+                        Err(e) => {
+                            self.metrics.add("ftrec_lost_steps_total", 1);
+                            tracing::warn!("worker {}: step {} lost: {e}", self.id, reply.step);
+                            loss = Some(Loss::of(&e, reply.epoch));
+                            Outcome::Lost(reply.step)
+                        }
+                    });
+                }
+                Action::Wait | Action::Unspecified => {
+                    epoch = reply.epoch;
+                    std::thread::sleep(Duration::from_millis(reply.wait_ms.max(1) as u64));
+                }
+                Action::Stop => {
+                    let t = self.times;
+                    let per = |x: f64| 1e3 * x / t.steps.max(1) as f64;
+                    tracing::info!(
+                        "worker {}: {} steps; per step: coordinator {:.2} ms, pull {:.2} ms, compute {:.2} ms, push {:.2} ms",
+                        self.id,
+                        t.steps,
+                        per(t.coordinator),
+                        per(t.pull),
+                        per(t.compute),
+                        per(t.push)
+                    );
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// One granted step: pull, compute, push. An error the shard client could not get
+    /// past loses the step (the coordinator then resolves it).
+    fn step(&mut self, step: u64, epoch: u64, placement_version: u64) -> Result<(), PsError> {
+        let started = Instant::now();
+        self.rt
+            .block_on(self.shards.ensure_placement(placement_version))?;
+        let (position, count) = self.schedule.batch(step);
+        self.data.fill_batch(
+            position as usize,
+            count as usize,
+            &self.table_rows,
+            &mut self.batch,
+        )?;
+        let (model, batch) = (&mut self.model, &self.batch);
+        self.pool.install(|| model.prepare(batch))?;
+        let tables = self.config.tables();
+        let unique: Vec<Vec<u32>> = (0..tables)
+            .map(|t| self.model.unique_rows(t).to_vec())
+            .collect();
+        let unique: Vec<&[u32]> = unique.iter().map(Vec::as_slice).collect();
+        let routed = self.shards.route(&unique);
+        let wait_applied = self.job.config.cluster.deterministic.then_some(step);
+        let pull_started = Instant::now();
+        let pulled = self
+            .rt
+            .block_on(self.shards.pull(epoch, wait_applied, &routed))?;
+        let pulled_seconds = pull_started.elapsed().as_secs_f64();
+        self.times.pull += pulled_seconds;
+        for (t, rows) in unique.iter().enumerate() {
+            self.shards
+                .assemble(&pulled, t, rows, self.model.pulled_mut(t));
+        }
+        let (model, batch, dense) = (&mut self.model, &self.batch, &pulled.dense);
+        self.pool.install(|| model.forward_backward(dense, batch));
+        let grads = self.model.gradients();
+        let sparse: Vec<&[f32]> = grads.sparse.iter().map(Vec::as_slice).collect();
+        let push_started = Instant::now();
+        self.rt.block_on(
+            self.shards
+                .push(epoch, step, &unique, &sparse, &grads.dense),
+        )?;
+        let pushed = push_started.elapsed().as_secs_f64();
+        self.times.push += pushed;
+        self.times.compute += started.elapsed().as_secs_f64() - pushed - pulled_seconds;
+        self.times.steps += 1;
+        Ok(())
+    }
+}

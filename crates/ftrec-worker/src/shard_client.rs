@@ -1,0 +1,431 @@
+//! The worker's view of the sharded model: which server holds each row, pulls and pushes
+//! split by server and sent in parallel, and the replies put back in the batch's row order.
+//!
+//! This is where a failed call is handled by its cause (typed on the wire, see
+//! [`PsError::rpc`]): a stale placement map is refreshed and the call sent again, rows
+//! being rebuilt or a server briefly unavailable are asked again shortly, and anything
+//! else (a stale epoch, a dead server past the retries) loses the step, which the
+//! coordinator then resolves. Only the servers whose call failed are asked again; a push
+//! sent twice is harmless, as servers ignore a step they applied. ECRec's degraded reads
+//! (decoding a dead server's rows from its stripe) belong here too.
+
+use std::time::Duration;
+
+use futures::future::join_all;
+
+use ftrec_proto::PsError;
+use ftrec_proto::client::{Connector, CoordinatorClient, ServerClient};
+use ftrec_proto::placement::{GlobalRow, Layout};
+use ftrec_proto::proto::*;
+use ftrec_proto::wire::{extend_f32s, f32s_to_bytes, u32s_to_bytes};
+
+/// Calls sent per server and step before the step is given up.
+const ATTEMPTS: usize = 3;
+/// Wait before asking again a server that was unavailable or rebuilding rows.
+const RETRY_WAIT: Duration = Duration::from_millis(50);
+
+/// A batch's unique rows split by the server that owns them: `owned[server][table]`,
+/// ascending within each.
+pub struct Routed {
+    owned: Vec<Vec<Vec<u32>>>,
+}
+
+impl Routed {
+    pub fn new(layout: Layout, unique: &[&[u32]]) -> Self {
+        let mut owned = vec![vec![Vec::new(); unique.len()]; layout.servers()];
+        for (t, rows) in unique.iter().enumerate() {
+            for &row in *rows {
+                owned[layout.server_of(t, GlobalRow(row))][t].push(row);
+            }
+        }
+        Self { owned }
+    }
+}
+
+/// What a pull brought back: per server, per table, the embeddings of its rows in
+/// [`Routed`] order; and the dense parameters, server ranges concatenated in order.
+pub struct Pulled {
+    per_server: Vec<Vec<Vec<f32>>>,
+    pub dense: Vec<f32>,
+}
+
+impl Pulled {
+    fn assemble(&self, layout: Layout, dim: usize, t: usize, unique: &[u32], out: &mut Vec<f32>) {
+        let mut cursor = vec![0usize; layout.servers()];
+        out.clear();
+        for &row in unique {
+            let s = layout.server_of(t, GlobalRow(row));
+            let at = cursor[s];
+            out.extend_from_slice(&self.per_server[s][t][at * dim..(at + 1) * dim]);
+            cursor[s] += 1;
+        }
+    }
+}
+
+/// How a push installs its step on the servers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommitProtocol {
+    /// One round: each server applies its part as it arrives.
+    OneRound,
+    /// ECRec's two-phase commit: every server prepares (stages and propagates its parity
+    /// differences), then all commit; a failure in phase 1 aborts everywhere. `ordered`
+    /// prepares one server at a time in slot order, so concurrent workers, which hold a
+    /// server's commit turn from prepare to commit, never wait on each other in a cycle.
+    TwoPhase { ordered: bool },
+}
+
+pub struct ShardClient {
+    coordinator: CoordinatorClient,
+    servers: Vec<ServerClient>,
+    placement_version: Option<u64>,
+    layout: Layout,
+    dim: usize,
+    connector: Connector,
+    /// Payload bytes sent and received since the last [`ShardClient::take_bytes`].
+    bytes: u64,
+    protocol: CommitProtocol,
+}
+
+impl ShardClient {
+    pub fn new(
+        coordinator: CoordinatorClient,
+        layout: Layout,
+        dim: usize,
+        connector: Connector,
+    ) -> Self {
+        Self {
+            coordinator,
+            servers: Vec::new(),
+            placement_version: None,
+            layout,
+            dim,
+            connector,
+            bytes: 0,
+            protocol: CommitProtocol::OneRound,
+        }
+    }
+
+    pub fn with_protocol(mut self, protocol: CommitProtocol) -> Self {
+        self.protocol = protocol;
+        self
+    }
+
+    /// Payload bytes moved since the last call.
+    pub fn take_bytes(&mut self) -> u64 {
+        std::mem::take(&mut self.bytes)
+    }
+
+    /// Fetches the placement map if `version` is not the one in use.
+    pub async fn ensure_placement(&mut self, version: u64) -> Result<(), PsError> {
+        if self.placement_version != Some(version) {
+            self.refresh_placement().await?;
+        }
+        Ok(())
+    }
+
+    async fn refresh_placement(&mut self) -> Result<(), PsError> {
+        let p = self
+            .coordinator
+            .placement(PlacementRequest {})
+            .await
+            .map_err(|s| PsError::rpc("placement", &s))?
+            .into_inner();
+        self.servers = p
+            .servers
+            .iter()
+            .map(|a| self.connector.server(a))
+            .collect::<Result<_, _>>()?;
+        self.placement_version = Some(p.version);
+        Ok(())
+    }
+
+    /// Splits each table's unique rows (`unique[t]`, ascending) by owner.
+    pub fn route(&self, unique: &[&[u32]]) -> Routed {
+        Routed::new(self.layout, unique)
+    }
+
+    /// Pulls the routed rows' embeddings and every server's dense range. In
+    /// deterministic mode `wait_applied` makes each server answer only once every step
+    /// below it is applied.
+    pub async fn pull(
+        &mut self,
+        epoch: u64,
+        wait_applied: Option<u64>,
+        routed: &Routed,
+    ) -> Result<Pulled, PsError> {
+        let requests: Vec<PullRequest> = routed
+            .owned
+            .iter()
+            .map(|rows| PullRequest {
+                epoch,
+                wait_applied,
+                tables: rows
+                    .iter()
+                    .enumerate()
+                    .map(|(t, r)| TableRows {
+                        table: t as u32,
+                        rows: u32s_to_bytes(r),
+                    })
+                    .collect(),
+            })
+            .collect();
+        self.bytes += requests
+            .iter()
+            .flat_map(|r| &r.tables)
+            .map(|t| t.rows.len() as u64)
+            .sum::<u64>();
+        let replies = self
+            .each_server("pull", requests, |mut c, r| async move { c.pull(r).await })
+            .await?;
+        let tables = routed.owned.first().map_or(0, Vec::len);
+        let mut pulled = Pulled {
+            per_server: Vec::with_capacity(replies.len()),
+            dense: Vec::new(),
+        };
+        for (s, reply) in replies.into_iter().enumerate() {
+            if reply.embeddings.len() != tables {
+                return Err(PsError::BadRequest(format!(
+                    "server {s} answered {} tables of {tables}",
+                    reply.embeddings.len()
+                )));
+            }
+            let mut per_table = Vec::with_capacity(tables);
+            for (t, e) in reply.embeddings.iter().enumerate() {
+                self.bytes += e.len() as u64;
+                let expected = routed.owned[s][t].len() * self.dim;
+                let mut v = Vec::with_capacity(expected);
+                extend_f32s(&mut v, e, "pulled embeddings")?;
+                if v.len() != expected {
+                    return Err(PsError::BadRequest(format!(
+                        "server {s} sent {} values for {} rows of table {t}",
+                        v.len(),
+                        routed.owned[s][t].len()
+                    )));
+                }
+                per_table.push(v);
+            }
+            pulled.per_server.push(per_table);
+            self.bytes += reply.dense.len() as u64;
+            extend_f32s(&mut pulled.dense, &reply.dense, "pulled dense parameters")?;
+        }
+        Ok(pulled)
+    }
+
+    /// Writes table `t`'s embeddings in `unique` order (the order [`ShardClient::route`]
+    /// was given) into `out`.
+    pub fn assemble(&self, pulled: &Pulled, t: usize, unique: &[u32], out: &mut Vec<f32>) {
+        pulled.assemble(self.layout, self.dim, t, unique, out);
+    }
+
+    /// Pushes step `step`'s gradients: `sparse[t]` holds one gradient per row of
+    /// `unique[t]` (in that order), `dense` the whole dense gradient; each server gets its
+    /// rows and its dense range.
+    pub async fn push(
+        &mut self,
+        epoch: u64,
+        step: u64,
+        unique: &[&[u32]],
+        sparse: &[&[f32]],
+        dense: &[f32],
+    ) -> Result<(), PsError> {
+        let dim = self.dim;
+        let servers = self.layout.servers();
+        let prepare = matches!(self.protocol, CommitProtocol::TwoPhase { .. });
+        let mut pushes: Vec<PushRequest> = (0..servers)
+            .map(|s| PushRequest {
+                epoch,
+                step,
+                tables: Vec::with_capacity(unique.len()),
+                dense: f32s_to_bytes(&dense[self.layout.dense_range(s, dense.len())]),
+                replica_dense: self
+                    .layout
+                    .replicates(s)
+                    .map(|of| f32s_to_bytes(&dense[self.layout.dense_range(of, dense.len())]))
+                    .unwrap_or_default(),
+                prepare,
+            })
+            .collect();
+        let mut rows_by_server: Vec<Vec<u32>> = vec![Vec::new(); servers];
+        let mut grads_by_server: Vec<Vec<f32>> = vec![Vec::new(); servers];
+        for (t, (rows, grads)) in unique.iter().zip(sparse).enumerate() {
+            for s in 0..servers {
+                rows_by_server[s].clear();
+                grads_by_server[s].clear();
+            }
+            for (i, &row) in rows.iter().enumerate() {
+                let s = self.layout.server_of(t, GlobalRow(row));
+                rows_by_server[s].push(row);
+                grads_by_server[s].extend_from_slice(&grads[i * dim..(i + 1) * dim]);
+            }
+            for (s, push) in pushes.iter_mut().enumerate() {
+                push.tables.push(TableGrads {
+                    table: t as u32,
+                    rows: u32s_to_bytes(&rows_by_server[s]),
+                    grads: f32s_to_bytes(&grads_by_server[s]),
+                });
+            }
+        }
+        self.bytes += pushes
+            .iter()
+            .map(|p| {
+                (p.dense.len() + p.replica_dense.len()) as u64
+                    + p.tables
+                        .iter()
+                        .map(|t| (t.rows.len() + t.grads.len()) as u64)
+                        .sum::<u64>()
+            })
+            .sum::<u64>();
+        let ordered = match self.protocol {
+            CommitProtocol::OneRound => {
+                self.each_server("push", pushes, |mut c, p| async move { c.push(p).await })
+                    .await?;
+                return Ok(());
+            }
+            CommitProtocol::TwoPhase { ordered } => ordered,
+        };
+        let prepared = if ordered {
+            self.prepare_in_order(pushes).await
+        } else {
+            self.each_server("prepare", pushes, |mut c, p| async move { c.push(p).await })
+                .await
+                .map(drop)
+        };
+        let decision: Vec<StepDecision> =
+            (0..servers).map(|_| StepDecision { epoch, step }).collect();
+        if let Err(e) = prepared {
+            // Best effort: a server that misses the abort drops its part when the step's
+            // decision times out, or at the next epoch.
+            let _ = self
+                .each_server("abort", decision, |mut c, d| async move {
+                    c.abort_step(d).await
+                })
+                .await;
+            return Err(e);
+        }
+        self.each_server("commit", decision, |mut c, d| async move {
+            c.commit_step(d).await
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Phase 1 one server at a time, in slot order (see [`CommitProtocol::TwoPhase`]).
+    async fn prepare_in_order(&mut self, pushes: Vec<PushRequest>) -> Result<(), PsError> {
+        for (s, push) in pushes.into_iter().enumerate() {
+            let mut attempt = 1;
+            loop {
+                let mut client = self.servers[s].clone();
+                match client.push(push.clone()).await {
+                    Ok(_) => break,
+                    Err(status) => {
+                        let e = PsError::rpc(format!("prepare to server {s}"), &status);
+                        if !e.is_retryable() || attempt == ATTEMPTS {
+                            return Err(e);
+                        }
+                        if matches!(e, PsError::NotOwner { .. }) {
+                            self.refresh_placement().await?;
+                        } else {
+                            tokio::time::sleep(RETRY_WAIT).await;
+                        }
+                        attempt += 1;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends `requests[s]` to server `s`, all in parallel, and asks again the servers whose
+    /// call failed for a reason that may pass (module docs), up to [`ATTEMPTS`] times.
+    async fn each_server<Req, Rep, F, Fut>(
+        &mut self,
+        what: &str,
+        requests: Vec<Req>,
+        call: F,
+    ) -> Result<Vec<Rep>, PsError>
+    where
+        Req: Clone,
+        F: Fn(ServerClient, Req) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<Rep>, tonic::Status>>,
+    {
+        let mut replies: Vec<Option<Rep>> = requests.iter().map(|_| None).collect();
+        for attempt in 1..=ATTEMPTS {
+            let pending: Vec<usize> = (0..replies.len())
+                .filter(|&s| replies[s].is_none())
+                .collect();
+            let calls = pending.iter().map(|&s| {
+                let client = self.servers[s].clone();
+                call(client, requests[s].clone())
+            });
+            let mut failure: Option<PsError> = None;
+            let mut stale_map = false;
+            for (&s, result) in pending.iter().zip(join_all(calls).await) {
+                match result {
+                    Ok(r) => replies[s] = Some(r.into_inner()),
+                    Err(status) => {
+                        let e = PsError::rpc(format!("{what} to server {s}"), &status);
+                        stale_map |= matches!(e, PsError::NotOwner { .. });
+                        // A cause that will not pass decides; otherwise keep the first.
+                        if failure.as_ref().is_none_or(PsError::is_retryable) {
+                            failure = Some(e);
+                        }
+                    }
+                }
+            }
+            match failure {
+                None => break,
+                Some(e) if !e.is_retryable() || attempt == ATTEMPTS => return Err(e),
+                Some(e) => {
+                    tracing::debug!("{what}: {e}; asking again (attempt {attempt})");
+                    if stale_map {
+                        self.refresh_placement().await?;
+                    } else {
+                        tokio::time::sleep(RETRY_WAIT).await;
+                    }
+                }
+            }
+        }
+        Ok(replies.into_iter().flatten().collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routed_rows_come_back_in_the_batch_order() {
+        let layout = Layout::new(3).unwrap();
+        let dim = 2;
+        let unique: Vec<Vec<u32>> = vec![vec![0, 1, 2, 5, 9, 10], vec![3, 4, 7]];
+        let refs: Vec<&[u32]> = unique.iter().map(Vec::as_slice).collect();
+        let routed = Routed::new(layout, &refs);
+        for (s, per_table) in routed.owned.iter().enumerate() {
+            for (t, rows) in per_table.iter().enumerate() {
+                assert!(rows.iter().all(|&r| layout.server_of(t, GlobalRow(r)) == s));
+                assert!(rows.windows(2).all(|w| w[0] < w[1]));
+            }
+        }
+        // Each server answers its rows' embeddings: [row, table] per row.
+        let pulled = Pulled {
+            per_server: routed
+                .owned
+                .iter()
+                .map(|per_table| {
+                    per_table
+                        .iter()
+                        .enumerate()
+                        .map(|(t, rows)| rows.iter().flat_map(|&r| [r as f32, t as f32]).collect())
+                        .collect()
+                })
+                .collect(),
+            dense: Vec::new(),
+        };
+        let mut out = Vec::new();
+        for (t, rows) in unique.iter().enumerate() {
+            pulled.assemble(layout, dim, t, rows, &mut out);
+            let expected: Vec<f32> = rows.iter().flat_map(|&r| [r as f32, t as f32]).collect();
+            assert_eq!(out, expected);
+        }
+    }
+}

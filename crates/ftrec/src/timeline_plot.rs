@@ -1,0 +1,84 @@
+//! The run's timeline drawn like ECRec's Fig. 6: throughput against time, with failures,
+//! detection, rebuilds and recoveries marked. Plotting lives in the binary so that no library
+//! crate pulls in a font and image stack.
+
+use std::path::Path;
+
+use ftrec_proto::timeline::TimelineData;
+use plotters::prelude::*;
+
+/// Throughput against time with failure, detection and recovery marked.
+pub fn plot_timeline(timeline: &TimelineData, out: &Path, title: &str) -> anyhow::Result<()> {
+    let err = |e: String| anyhow::anyhow!("{}: {e}", out.display());
+    let root = BitMapBackend::new(out, (1000, 500)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let seconds = timeline.samples_per_second.len().max(1) as f64;
+    let top = timeline
+        .samples_per_second
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64
+        * 1.15;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..seconds, 0f64..top)
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc("time (s)")
+        .y_desc("samples / s")
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .draw_series(LineSeries::new(
+            timeline
+                .samples_per_second
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| (i as f64 + 0.5, n as f64)),
+            BLUE.stroke_width(2),
+        ))
+        .map_err(|e| err(e.to_string()))?
+        .label("throughput")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
+    for (kind, color) in [
+        ("killed", RED),
+        ("failure-detected", MAGENTA),
+        ("rebuild-start", RGBColor(230, 140, 0)),
+        ("rebuild-end", RGBColor(120, 60, 0)),
+        // CPR: where a shard reloaded its checkpoint (the event states the PLS).
+        ("partial-restore", RGBColor(0, 150, 150)),
+        ("recovery-end", GREEN),
+        ("checkpoint-end", RGBColor(150, 150, 150)),
+    ] {
+        let xs: Vec<f64> = timeline
+            .events
+            .iter()
+            .filter(|e| e.kind == kind)
+            .map(|e| e.t)
+            .collect();
+        if xs.is_empty() {
+            continue;
+        }
+        chart
+            .draw_series(
+                xs.into_iter()
+                    .map(|x| PathElement::new(vec![(x, 0.0), (x, top)], color.stroke_width(1))),
+            )
+            .map_err(|e| err(e.to_string()))?
+            .label(kind)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    root.present().map_err(|e| err(e.to_string()))
+}
