@@ -16,6 +16,7 @@ use ftrec_faults::{FaultAction, FaultSpec, points};
 use ftrec_proto::PsError;
 use ftrec_proto::job::Job;
 use ftrec_proto::proto::Role;
+use ftrec_proto::timeline::{EventKind, Subject};
 
 /// When a `--kill` fires.
 #[derive(Clone, Debug, PartialEq)]
@@ -483,7 +484,7 @@ async fn run_async(
                     .timeline()
                     .events
                     .iter()
-                    .any(|e| e.kind == "training-start")
+                    .any(|e| e.kind == EventKind::TrainingStart)
             {
                 training_start = Some(Instant::now());
             }
@@ -501,8 +502,10 @@ async fn run_async(
                     match shared.pid_of(role, id) {
                         Some(pid) => {
                             sigkill(pid).map_err(io(Path::new("kill")))?;
-                            let t = shared.event(
-                                "killed",
+                            let t = shared.event_about(
+                                EventKind::Killed,
+                                coordinator::subject(role, id),
+                                None,
                                 format!(
                                     "{} {id} (pid {pid}) by SIGKILL",
                                     coordinator::role_name(role)
@@ -512,7 +515,7 @@ async fn run_async(
                         }
                         None => {
                             let who = coordinator::role_name(role);
-                            shared.event("kill-skipped", format!("{who} {id}: no such process"));
+                            shared.event(EventKind::KillSkipped, format!("{who} {id}: no such process"));
                         }
                     }
                 }
@@ -520,7 +523,7 @@ async fn run_async(
             let waited = tokio::select! {
                 waited = handle.wait_done(Duration::from_millis(200)) => waited,
                 signal = stop_signals.recv() => {
-                    shared.event("interrupted", format!("{signal}: stopping every process"));
+                    shared.event(EventKind::Interrupted, format!("{signal}: stopping every process"));
                     return Err(PsError::Stopped(format!(
                         "by {signal}; timeline and logs in {}",
                         run_dir.display()
@@ -550,12 +553,10 @@ async fn run_async(
         // Each recovery's own SIGKILL to resume: the last kill of its server before the
         // failure was detected.
         for r in &mut summary.recoveries {
-            let prefix = format!("server {} ", r.server);
+            let server = Some(Subject::Server(r.server as u32));
             r.kill_to_resume_seconds = timeline
-                .events
-                .iter()
-                .filter(|e| e.kind == "killed" && e.detail.starts_with(&prefix))
-                .filter(|e| e.t <= r.detected_at)
+                .of(EventKind::Killed)
+                .filter(|e| e.subject == server && e.t <= r.detected_at)
                 .map(|e| e.t)
                 .fold(None, |last: Option<f64>, t| {
                     Some(last.map_or(t, |l| l.max(t)))
@@ -564,18 +565,16 @@ async fn run_async(
         }
         kill_times.extend(
             timeline
-                .events
-                .iter()
-                .filter(|e| e.kind == "killed" && e.detail.contains("at step"))
+                .of(EventKind::Killed)
+                .filter(|e| e.step.is_some())
                 .map(|e| e.t),
         );
         let kill_to_resume: Vec<f64> = kill_times
             .iter()
             .filter_map(|&k| {
                 timeline
-                    .events
-                    .iter()
-                    .find(|e| e.kind == "recovery-end" && e.t >= k)
+                    .of(EventKind::RecoveryEnd)
+                    .find(|e| e.t >= k)
                     .map(|e| e.t - k)
             })
             .collect();

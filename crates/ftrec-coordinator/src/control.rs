@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use crate::planner::{self, Cause, RecoveryAction, Situation};
 use crate::tasks::run_task;
 use crate::{MAX_RESPAWNS, Member, Phase, Shared, State};
+use ftrec_proto::timeline::{EventKind, Subject};
 
 /// Work the control loop decided on under the lock and runs after releasing it.
 pub(super) enum Task {
@@ -90,7 +91,7 @@ async fn probe_servers(shared: Arc<Shared>, targets: Vec<(usize, String)>) {
         if m.alive && m.address == address {
             m.refused = true;
             s.timeline.event(
-                "suspicion-confirmed",
+                EventKind::SuspicionConfirmed,
                 format!("server {id}: connection to {address} refused"),
             );
         }
@@ -123,8 +124,10 @@ fn detect_failures(shared: &Shared, s: &mut State) {
         s.epoch += 1;
         shared.metrics.add("ftrec_failures_total", 1);
         shared.metrics.set("ftrec_epoch", s.epoch as f64);
-        let t = s.timeline.event(
-            "failure-detected",
+        let t = s.timeline.event_about(
+            EventKind::FailureDetected,
+            Subject::Server(id as u32),
+            None,
             format!("server {id} {why}; epoch {}", s.epoch),
         );
         s.failed.push((id, t));
@@ -150,7 +153,7 @@ fn detect_failures(shared: &Shared, s: &mut State) {
         // Its steps are resolved with the servers and granted again: never skipped.
         let held = s.steps.worker_died(id);
         s.timeline.event(
-            "worker-failure-detected",
+            EventKind::WorkerFailureDetected,
             format!("worker {id}; {held} granted steps to resolve"),
         );
         s.worker_respawns[id] += 1;
@@ -159,7 +162,7 @@ fn detect_failures(shared: &Shared, s: &mut State) {
                 "worker {id} failed {} times; giving up (see its log)",
                 s.worker_respawns[id]
             );
-            s.timeline.event("fatal", why.clone());
+            s.timeline.event(EventKind::Fatal, why.clone());
             s.fatal = Some(why);
             s.phase = Phase::Done;
             shared.done.send_replace(true);
@@ -169,7 +172,7 @@ fn detect_failures(shared: &Shared, s: &mut State) {
             && let Err(e) = sp.spawn_worker(id, &shared.address)
         {
             s.timeline
-                .event("replacement-failed", format!("worker {id}: {e}"));
+                .event(EventKind::ReplacementFailed, format!("worker {id}: {e}"));
         }
     }
 }
@@ -191,7 +194,7 @@ fn replace_server(shared: &Shared, s: &mut State, id: usize) {
         s.servers[id] = member;
         s.placement.assign(id, address.clone());
         s.timeline.event(
-            "replacement",
+            EventKind::Replacement,
             format!("spare {token} at {address} takes server {id}"),
         );
         return;
@@ -200,16 +203,16 @@ fn replace_server(shared: &Shared, s: &mut State, id: usize) {
         Some(sp) => match sp.spawn_server(id, &shared.address) {
             Ok(()) => {
                 s.timeline
-                    .event("replacement", format!("spawned a new server {id}"));
+                    .event(EventKind::Replacement, format!("spawned a new server {id}"));
             }
             Err(e) => {
                 s.timeline
-                    .event("replacement-failed", format!("server {id}: {e}"));
+                    .event(EventKind::ReplacementFailed, format!("server {id}: {e}"));
             }
         },
         None => {
             s.timeline.event(
-                "replacement",
+                EventKind::Replacement,
                 format!("waiting for a spare or a new `ftrec server --id {id}`"),
             );
         }
@@ -224,12 +227,13 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
             if servers_ready && workers_joined {
                 s.phase = Phase::Running;
                 let total = s.steps.total();
-                s.timeline.event("training-start", format!("{total} steps"));
+                s.timeline
+                    .event(EventKind::TrainingStart, format!("{total} steps"));
                 if let Some(cpr) = s.cpr.as_mut() {
                     cpr.start(Instant::now());
                     if let Some(interval) = cpr.interval() {
                         s.timeline.event(
-                            "cpr-interval",
+                            EventKind::CprInterval,
                             format!(
                                 "a checkpoint every {:.2} s (Eq. 4 from cpr.target_pls and \
                                  cpr.mtbf_seconds)",
@@ -256,7 +260,7 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
             }
             s.busy = true;
             s.timeline
-                .event("recovery-start", format!("epoch {}", s.epoch));
+                .event(EventKind::RecoveryStart, format!("epoch {}", s.epoch));
             let cluster = &shared.job.config.cluster;
             let action = planner::plan(&Situation {
                 ft: cluster.ft,

@@ -38,7 +38,7 @@ use ftrec_proto::placement::PlacementMap;
 use ftrec_proto::proto::coordinator_server::CoordinatorServer;
 use ftrec_proto::proto::next_step_reply::Action;
 use ftrec_proto::proto::*;
-use ftrec_proto::timeline::{Timeline, TimelineData};
+use ftrec_proto::timeline::{EventKind, Subject, Timeline, TimelineData};
 use ledger::StepLedger;
 
 /// Starts replacement processes. The local launcher spawns children; without one, the
@@ -202,7 +202,7 @@ impl State {
             .data
             .events
             .iter()
-            .find(|e| e.kind == "training-start")
+            .find(|e| e.kind == EventKind::TrainingStart)
             .map_or(0.0, |e| self.timeline.now() - e.t)
     }
 
@@ -267,8 +267,21 @@ impl Shared {
         &self.address
     }
 
-    pub fn event(&self, kind: &str, detail: impl Into<String>) -> f64 {
+    pub fn event(&self, kind: EventKind, detail: impl Into<String>) -> f64 {
         self.lock().timeline.event(kind, detail)
+    }
+
+    /// Records an event about one member (a kill, a failure).
+    pub fn event_about(
+        &self,
+        kind: EventKind,
+        subject: Subject,
+        step: Option<u64>,
+        detail: impl Into<String>,
+    ) -> f64 {
+        self.lock()
+            .timeline
+            .event_about(kind, subject, step, detail)
     }
 
     pub fn timeline(&self) -> TimelineData {
@@ -290,14 +303,14 @@ impl Shared {
             .data
             .events
             .iter()
-            .find(|e| e.kind == "training-start")
+            .find(|e| e.kind == EventKind::TrainingStart)
             .map_or(0.0, |e| e.t);
         let end = s
             .timeline
             .data
             .events
             .iter()
-            .find(|e| e.kind == "training-end")
+            .find(|e| e.kind == EventKind::TrainingEnd)
             .map_or_else(|| s.timeline.now(), |e| e.t);
         let seconds = (end - start).max(1e-9);
         RunSummary {
@@ -343,19 +356,26 @@ impl Shared {
         for (role, id, _) in due {
             let Some(pid) = s.pid_of(role, id) else {
                 s.timeline.event(
-                    "kill-skipped",
+                    EventKind::KillSkipped,
                     format!("{} {id}: no such process", role_name(role)),
                 );
                 continue;
             };
-            let detail = match sigkill(pid) {
-                Ok(()) => format!(
-                    "{} {id} (pid {pid}) by SIGKILL at step {granted}",
-                    role_name(role)
+            match sigkill(pid) {
+                Ok(()) => s.timeline.event_about(
+                    EventKind::Killed,
+                    subject(role, id),
+                    Some(granted),
+                    format!(
+                        "{} {id} (pid {pid}) by SIGKILL at step {granted}",
+                        role_name(role)
+                    ),
                 ),
-                Err(e) => format!("{} {id} (pid {pid}): kill failed: {e}", role_name(role)),
+                Err(e) => s.timeline.event(
+                    EventKind::Error,
+                    format!("{} {id} (pid {pid}): kill failed: {e}", role_name(role)),
+                ),
             };
-            s.timeline.event("killed", detail);
         }
     }
 
@@ -422,7 +442,8 @@ impl Shared {
         if s.steps.done() && s.rebuilding.is_empty() {
             s.phase = Phase::Done;
             let steps = s.steps.next_step();
-            s.timeline.event("training-end", format!("{steps} steps"));
+            s.timeline
+                .event(EventKind::TrainingEnd, format!("{steps} steps"));
             self.done.send_replace(true);
             return NextStepReply {
                 action: Action::Stop as i32,
@@ -470,6 +491,14 @@ impl Shared {
             && s.checkpoint_backoff
                 .is_none_or(|(until, _)| Instant::now() >= until);
         due.then_some(priority)
+    }
+}
+
+/// The timeline's name for a member.
+pub fn subject(role: Role, id: usize) -> Subject {
+    match role {
+        Role::Worker => Subject::Worker(id as u32),
+        Role::Server | Role::Unspecified => Subject::Server(id as u32),
     }
 }
 
@@ -619,7 +648,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
     });
     tokio::spawn(control::control_loop(shared.clone()));
     shared.event(
-        "coordinator",
+        EventKind::Coordinator,
         format!(
             "listening on {address} (metrics http://{}/metrics)",
             metrics_address.as_deref().unwrap_or("-")

@@ -11,6 +11,7 @@ use crate::{Phase, Recovery, Shared, State};
 use ftrec_proto::PsError;
 use ftrec_proto::client::ServerClient;
 use ftrec_proto::proto::*;
+use ftrec_proto::timeline::EventKind;
 
 /// A failed recovery is tried again after this, at most this many times in a row.
 const RECOVERY_RETRY: Duration = Duration::from_millis(200);
@@ -109,7 +110,7 @@ async fn recovery_calls(
                     let mut s = shared.lock();
                     for &server in servers {
                         s.timeline.event(
-                            "rebuild-start",
+                            EventKind::RebuildStart,
                             format!(
                                 "server {server} decodes its rows and parity from the survivors{}",
                                 if background { " in the background" } else { "" }
@@ -220,7 +221,7 @@ fn account_partial_restore(shared: &Shared, s: &mut State, action: &RecoveryActi
     let pls = cpr.pls();
     shared.metrics.set("ftrec_pls", pls);
     for line in lines {
-        s.timeline.event("partial-restore", line);
+        s.timeline.event(EventKind::PartialRestore, line);
     }
 }
 
@@ -258,7 +259,7 @@ fn report_progress(shared: &Shared, server: usize, reply: &RebuildReply, quarter
     if reached > *quarter && reply.tables_done < reply.tables {
         *quarter = reached;
         shared.lock().timeline.event(
-            "rebuild-progress",
+            EventKind::RebuildProgress,
             format!(
                 "server {server}: {}/{} tables, {} rows, {:.0} MB/s",
                 reply.tables_done,
@@ -302,7 +303,7 @@ async fn follow_background(
                 }
                 let now = s
                     .timeline
-                    .event("rebuild-end", rebuild_end_event(server, &reply));
+                    .event(EventKind::RebuildEnd, rebuild_end_event(server, &reply));
                 let next_step = s.steps.next_step();
                 for r in s
                     .recoveries
@@ -337,7 +338,7 @@ async fn follow_background(
     };
     if s.rebuilding.contains(&(server, epoch)) {
         let why = format!("server {server}'s background rebuild failed: {failure}");
-        s.timeline.event("fatal", why.clone());
+        s.timeline.event(EventKind::Fatal, why.clone());
         s.fatal = Some(why);
         s.phase = Phase::Done;
         shared.done.send_replace(true);
@@ -352,7 +353,7 @@ pub(super) async fn recover(
 ) {
     if let RecoveryAction::Abandon { why } = &action {
         let mut s = shared.lock();
-        s.timeline.event("fatal", why.clone());
+        s.timeline.event(EventKind::Fatal, why.clone());
         s.fatal = Some(why.clone());
         s.phase = Phase::Done;
         shared.done.send_replace(true);
@@ -392,14 +393,14 @@ pub(super) async fn recover(
         if s.recovery_failures % 10 == 1 {
             tracing::warn!("recovery of epoch {epoch} failed: {why}; retrying");
             s.timeline
-                .event("recovery-retry", format!("epoch {epoch}: {why}"));
+                .event(EventKind::RecoveryRetry, format!("epoch {epoch}: {why}"));
         }
         if s.recovery_failures >= MAX_RECOVERY_FAILURES {
             let fatal = format!(
                 "recovery failed {} times in a row; giving up: {why}",
                 s.recovery_failures
             );
-            s.timeline.event("fatal", fatal.clone());
+            s.timeline.event(EventKind::Fatal, fatal.clone());
             s.fatal = Some(fatal);
             s.phase = Phase::Done;
             shared.done.send_replace(true);
@@ -436,7 +437,7 @@ pub(super) async fn recover(
         match reply {
             Ok(Some(r)) if in_background.contains(&server) => {
                 s.timeline.event(
-                    "degraded",
+                    EventKind::Degraded,
                     format!(
                         "server {server} serves after {:.3} s: rows not rebuilt yet are decoded \
                          from their stripes on demand while the rest rebuilds in the background",
@@ -448,7 +449,7 @@ pub(super) async fn recover(
                 rebuild_seconds = rebuild_seconds.max(r.seconds);
                 rebuild_bytes += r.bytes;
                 s.timeline
-                    .event("rebuild-end", rebuild_end_event(server, &r));
+                    .event(EventKind::RebuildEnd, rebuild_end_event(server, &r));
             }
             _ => {}
         }
@@ -466,7 +467,7 @@ pub(super) async fn recover(
     s.pending_cut = None;
     s.phase = Phase::Running;
     let resumed_at = s.timeline.event(
-        "recovery-end",
+        EventKind::RecoveryEnd,
         format!("training resumes at step {applied} (rolled back {rolled_back} steps)"),
     );
     let rebuilt = matches!(action, RecoveryAction::Rebuild { .. });

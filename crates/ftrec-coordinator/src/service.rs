@@ -9,6 +9,7 @@ use crate::{Member, Shared, Spare, role_name, sigkill};
 use ftrec_proto::PsError;
 use ftrec_proto::proto::coordinator_server::Coordinator;
 use ftrec_proto::proto::*;
+use ftrec_proto::timeline::EventKind;
 
 pub(super) struct Service(pub(super) Arc<Shared>);
 
@@ -19,7 +20,7 @@ impl Coordinator for Service {
         let req = req.into_inner();
         if let Some(e) = shared.fence_error(req.fingerprint) {
             shared.event(
-                "join-refused",
+                EventKind::JoinRefused,
                 format!("{:?} {}: {}", req.role(), req.id, e.message()),
             );
             return Err(e);
@@ -48,7 +49,7 @@ impl Coordinator for Service {
                     assigned: None,
                 });
                 s.timeline.event(
-                    "spare-joined",
+                    EventKind::SpareJoined,
                     format!("spare {spare_token} at {}", req.address),
                 );
             }
@@ -69,7 +70,7 @@ impl Coordinator for Service {
                 s.servers[id] = member;
                 s.placement.assign(id, req.address.clone());
                 s.timeline.event(
-                    "server-joined",
+                    EventKind::ServerJoined,
                     format!(
                         "server {id} at {} (pid {}, metrics http://{}/metrics)",
                         req.address, req.pid, req.metrics_address
@@ -94,7 +95,7 @@ impl Coordinator for Service {
                     ..member
                 };
                 s.timeline.event(
-                    "worker-joined",
+                    EventKind::WorkerJoined,
                     format!(
                         "worker {id} (pid {}, metrics http://{}/metrics)",
                         req.pid, req.metrics_address
@@ -187,7 +188,7 @@ impl Coordinator for Service {
             s.lost_in_a_row += 1;
             if let Some(why) = refusal(&s, step, &req) {
                 tracing::error!("{why}");
-                s.timeline.event("fatal", why.clone());
+                s.timeline.event(EventKind::Fatal, why.clone());
                 s.fatal = Some(why);
                 s.phase = crate::Phase::Done;
                 shared.done.send_replace(true);
@@ -226,8 +227,10 @@ impl Coordinator for Service {
             )));
         };
         sigkill(pid).map_err(|e| Status::internal(format!("kill {pid}: {e}")))?;
-        self.0.event(
-            "killed",
+        self.0.event_about(
+            EventKind::Killed,
+            crate::subject(role, req.id as usize),
+            None,
             format!("{} {} (pid {pid}) by SIGKILL", role_name(role), req.id),
         );
         Ok(Response::new(KillReply { pid }))

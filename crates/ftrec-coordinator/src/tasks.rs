@@ -10,6 +10,7 @@ use crate::planner;
 use crate::{CheckpointRecord, Phase, Shared, State};
 use ftrec_proto::client::ServerClient;
 use ftrec_proto::proto::*;
+use ftrec_proto::timeline::EventKind;
 
 /// The first wait after a failed cut; it doubles on each failure in a row up to the cap.
 const FIRST_CUT_BACKOFF: Duration = Duration::from_secs(2);
@@ -31,7 +32,7 @@ pub(super) async fn run_task(shared: &std::sync::Arc<Shared>, task: Task) {
     let clients = match clients {
         Ok(c) => c,
         Err(e) => {
-            shared.event("error", e.to_string());
+            shared.event(EventKind::Error, e.to_string());
             return;
         }
     };
@@ -61,7 +62,7 @@ async fn checkpoint(
     } else {
         format!("step {step}")
     };
-    let started_at = shared.event("checkpoint-start", what);
+    let started_at = shared.event(EventKind::CheckpointStart, what);
     let calls = clients.iter().cloned().map(|mut c| async move {
         c.checkpoint(CheckpointRequest {
             epoch,
@@ -117,7 +118,7 @@ async fn checkpoint(
                     // Every part is copied, so training goes on; the cut counts for a
                     // rollback only once every server confirms its commit.
                     s.timeline.event(
-                        "checkpoint-copied",
+                        EventKind::CheckpointCopied,
                         format!("step {step}, paused {pause:.3}s; committing in the background"),
                     );
                     s.pending_cut = Some(record);
@@ -127,7 +128,7 @@ async fn checkpoint(
             }
             None => {
                 s.timeline.event(
-                    "checkpoint-abandoned",
+                    EventKind::CheckpointAbandoned,
                     format!("step {step}: epoch changed"),
                 );
                 None
@@ -166,7 +167,7 @@ fn commit_cut(
         ""
     };
     s.timeline.event(
-        "checkpoint-end",
+        EventKind::CheckpointEnd,
         format!("step {step}{kind}, {bytes} bytes, paused {pause:.3}s"),
     );
     // A prioritised save is not a consistent state: a partial restore reloads it, a
@@ -180,7 +181,7 @@ fn commit_cut(
             && let Some(decision) = cpr.on_cut(Instant::now(), pause, train_seconds, step, total)
         {
             tracing::info!("{decision}");
-            s.timeline.event("cpr-decision", decision);
+            s.timeline.event(EventKind::CprDecision, decision);
         }
     }
     let keep = shared.job.config.checkpoint.keep;
@@ -208,7 +209,7 @@ fn cut_failed(s: &mut State, step: u64, why: &str) {
          rolls back to {fallback}. Next attempt in {wait:?} or later."
     );
     tracing::error!("{why}");
-    s.timeline.event("checkpoint-failed", why);
+    s.timeline.event(EventKind::CheckpointFailed, why);
 }
 
 /// Asks every server whether its part of the pending cut is committed; counts the cut
@@ -297,7 +298,7 @@ async fn prune_cuts(
         if !std::mem::replace(&mut s.prune_failing, true) {
             let why = failed.join("; ");
             tracing::warn!("pruning old checkpoints: {why}; retrying after each cut");
-            s.timeline.event("prune-failed", why);
+            s.timeline.event(EventKind::PruneFailed, why);
         }
         return;
     }
@@ -305,7 +306,7 @@ async fn prune_cuts(
     if deleted > 0 {
         let steps: Vec<u64> = kept.iter().map(|r| r.step).collect();
         s.timeline.event(
-            "checkpoints-pruned",
+            EventKind::CheckpointsPruned,
             format!("{deleted} shard checkpoints deleted; cuts kept: {steps:?}"),
         );
     }
@@ -368,13 +369,13 @@ async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps:
             Resolution::Settled => {
                 shared.settled(&mut s, step);
                 s.timeline.event(
-                    "step-settled",
+                    EventKind::StepSettled,
                     format!("step {step}: applied on every server; only its report was lost"),
                 );
             }
             Resolution::Regranted => {
                 s.timeline.event(
-                    "step-regranted",
+                    EventKind::StepRegranted,
                     format!("step {step}: applied on {count} of {servers} servers"),
                 );
             }
@@ -389,7 +390,7 @@ async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps:
         s.pause_started = None;
         let epoch = s.epoch;
         s.timeline.event(
-            "rollback-needed",
+            EventKind::RollbackNeeded,
             format!(
                 "step {step} reached {count} of {servers} servers before its worker stopped; \
                  rolling back to the last cut for exact results; epoch {epoch}"

@@ -9,11 +9,94 @@ use serde::{Deserialize, Serialize};
 
 use crate::PsError;
 
+/// Defines [`EventKind`] with each kind's name in the timeline files, in one list.
+macro_rules! event_kinds {
+    ($($variant:ident => $name:literal,)*) => {
+        /// What happened. Serialised as its name (`"failure-detected"`), the spelling of
+        /// `events.csv` and `timeline.json`.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum EventKind {
+            $(#[serde(rename = $name)] $variant,)*
+        }
+
+        impl EventKind {
+            pub const ALL: &[EventKind] = &[$(EventKind::$variant,)*];
+
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(EventKind::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+event_kinds! {
+    TrainingStart => "training-start",
+    TrainingEnd => "training-end",
+    Killed => "killed",
+    KillSkipped => "kill-skipped",
+    Interrupted => "interrupted",
+    SuspicionConfirmed => "suspicion-confirmed",
+    FailureDetected => "failure-detected",
+    WorkerFailureDetected => "worker-failure-detected",
+    RecoveryStart => "recovery-start",
+    RecoveryRetry => "recovery-retry",
+    RecoveryEnd => "recovery-end",
+    RollbackNeeded => "rollback-needed",
+    Replacement => "replacement",
+    ReplacementFailed => "replacement-failed",
+    RebuildStart => "rebuild-start",
+    RebuildProgress => "rebuild-progress",
+    RebuildEnd => "rebuild-end",
+    Degraded => "degraded",
+    PartialRestore => "partial-restore",
+    CheckpointStart => "checkpoint-start",
+    CheckpointEnd => "checkpoint-end",
+    CheckpointFailed => "checkpoint-failed",
+    CheckpointAbandoned => "checkpoint-abandoned",
+    CheckpointCopied => "checkpoint-copied",
+    CheckpointsPruned => "checkpoints-pruned",
+    PruneFailed => "prune-failed",
+    CprDecision => "cpr-decision",
+    CprInterval => "cpr-interval",
+    StepRegranted => "step-regranted",
+    StepSettled => "step-settled",
+    ServerJoined => "server-joined",
+    SpareJoined => "spare-joined",
+    WorkerJoined => "worker-joined",
+    JoinRefused => "join-refused",
+    Coordinator => "coordinator",
+    Fatal => "fatal",
+    Error => "error",
+}
+
+impl std::fmt::Display for EventKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.name())
+    }
+}
+
+/// The cluster member an event is about, where it is about one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Subject {
+    Server(u32),
+    Worker(u32),
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Event {
     /// Seconds since the timeline started.
     pub t: f64,
-    pub kind: String,
+    pub kind: EventKind,
+    /// The member the event is about (a kill, a failure), so readers need not parse `detail`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subject: Option<Subject>,
+    /// The global step the event happened at, where it has one (a kill at a step).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
+    /// Words for a person; never parsed.
     pub detail: String,
 }
 
@@ -50,13 +133,35 @@ impl Timeline {
         v[second] += n;
     }
 
-    pub fn event(&mut self, kind: &str, detail: impl Into<String>) -> f64 {
+    pub fn event(&mut self, kind: EventKind, detail: impl Into<String>) -> f64 {
+        self.record(kind, None, None, detail.into())
+    }
+
+    /// An event about one member, at a step when it has one.
+    pub fn event_about(
+        &mut self,
+        kind: EventKind,
+        subject: Subject,
+        step: Option<u64>,
+        detail: impl Into<String>,
+    ) -> f64 {
+        self.record(kind, Some(subject), step, detail.into())
+    }
+
+    fn record(
+        &mut self,
+        kind: EventKind,
+        subject: Option<Subject>,
+        step: Option<u64>,
+        detail: String,
+    ) -> f64 {
         let t = self.now();
-        let detail = detail.into();
         tracing::info!("[{t:7.2}s] {kind}: {detail}");
         self.data.events.push(Event {
             t,
-            kind: kind.to_string(),
+            kind,
+            subject,
+            step,
             detail,
         });
         t
@@ -77,6 +182,11 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> PsError + '_ {
 }
 
 impl TimelineData {
+    /// The events of one kind, in order.
+    pub fn of(&self, kind: EventKind) -> impl Iterator<Item = &Event> {
+        self.events.iter().filter(move |e| e.kind == kind)
+    }
+
     /// Writes `throughput.csv`, `events.csv` and `timeline.json` into `dir`.
     pub fn write(&self, dir: &Path) -> Result<(), PsError> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
@@ -106,5 +216,49 @@ impl TimelineData {
         let bytes = std::fs::read(path).map_err(io(path))?;
         serde_json::from_slice(&bytes)
             .map_err(|e| PsError::Config(format!("{}: not a timeline: {e}", path.display())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_serialise_as_their_names_and_back() {
+        for &kind in EventKind::ALL {
+            let json = serde_json::to_string(&kind).unwrap();
+            assert_eq!(json, format!("\"{}\"", kind.name()));
+            assert_eq!(serde_json::from_str::<EventKind>(&json).unwrap(), kind);
+        }
+        let names: std::collections::HashSet<_> = EventKind::ALL.iter().map(|k| k.name()).collect();
+        assert_eq!(names.len(), EventKind::ALL.len(), "names are distinct");
+    }
+
+    #[test]
+    fn a_timeline_round_trips_through_its_files() {
+        let mut timeline = Timeline::new();
+        timeline.event(EventKind::TrainingStart, "10 steps");
+        timeline.event_about(
+            EventKind::Killed,
+            Subject::Server(2),
+            Some(7),
+            "server 2 by SIGKILL",
+        );
+        timeline.samples(64);
+        let dir = tempfile::tempdir().unwrap();
+        timeline.data.write(dir.path()).unwrap();
+        let back = TimelineData::read(&dir.path().join("timeline.json")).unwrap();
+        assert_eq!(back.events, timeline.data.events);
+        let killed: Vec<_> = back.of(EventKind::Killed).collect();
+        assert_eq!(killed[0].subject, Some(Subject::Server(2)));
+        assert_eq!(killed[0].step, Some(7));
+        let csv = std::fs::read_to_string(dir.path().join("events.csv")).unwrap();
+        assert!(csv.contains(",killed,\"server 2 by SIGKILL\""), "{csv}");
+        let unknown =
+            r#"{"samples_per_second":[],"events":[{"t":1.0,"kind":"exploded","detail":""}]}"#;
+        let path = dir.path().join("bad.json");
+        std::fs::write(&path, unknown).unwrap();
+        let e = TimelineData::read(&path).unwrap_err().to_string();
+        assert!(e.contains("bad.json") && e.contains("exploded"), "{e}");
     }
 }

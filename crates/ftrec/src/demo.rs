@@ -1,6 +1,7 @@
 //! `ftrec demo`: generate data, train on a local cluster, SIGKILL a server mid-run and
 //! show the recovery.
 
+use ftrec_proto::timeline::{EventKind, TimelineData};
 use std::path::Path;
 
 use anyhow::{Context, Result};
@@ -108,8 +109,8 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let auc = report.auc.unwrap_or(f64::NAN);
     let gap = meta.teacher_auc - auc;
     let s = &report.summary;
-    let timeline = ftrec_proto::timeline::TimelineData::read(&run_dir.join("timeline.json"))?;
-    let killed = timeline.events.iter().any(|e| e.kind == "killed");
+    let timeline = TimelineData::read(&run_dir.join("timeline.json"))?;
+    let killed = timeline.of(EventKind::Killed).next().is_some();
     if a.json {
         return print_json(json!({
             "auc": auc, "teacher_auc": meta.teacher_auc, "auc_gap": gap,
@@ -124,21 +125,21 @@ pub fn run(a: DemoArgs) -> Result<()> {
     }
     for e in timeline.events.iter().filter(|e| {
         matches!(
-            e.kind.as_str(),
-            "training-start"
-                | "killed"
-                | "failure-detected"
-                | "replacement"
-                | "server-joined"
-                | "recovery-start"
-                | "rebuild-start"
-                | "degraded"
-                | "rebuild-progress"
-                | "rebuild-end"
-                | "partial-restore"
-                | "cpr-decision"
-                | "recovery-end"
-                | "training-end"
+            e.kind,
+            EventKind::TrainingStart
+                | EventKind::Killed
+                | EventKind::FailureDetected
+                | EventKind::Replacement
+                | EventKind::ServerJoined
+                | EventKind::RecoveryStart
+                | EventKind::RebuildStart
+                | EventKind::Degraded
+                | EventKind::RebuildProgress
+                | EventKind::RebuildEnd
+                | EventKind::PartialRestore
+                | EventKind::CprDecision
+                | EventKind::RecoveryEnd
+                | EventKind::TrainingEnd
         )
     }) {
         outln!("  [{:7.2}s] {:<17} {}", e.t, e.kind, e.detail);

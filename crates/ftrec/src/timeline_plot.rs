@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use ftrec_proto::timeline::TimelineData;
+use ftrec_proto::timeline::{EventKind, TimelineData};
 use plotters::prelude::*;
 
 /// Throughput against time with failure, detection and recovery marked.
@@ -47,21 +47,16 @@ pub fn plot_timeline(timeline: &TimelineData, out: &Path, title: &str) -> anyhow
         .label("throughput")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
     for (kind, color) in [
-        ("killed", RED),
-        ("failure-detected", MAGENTA),
-        ("rebuild-start", RGBColor(230, 140, 0)),
-        ("rebuild-end", RGBColor(120, 60, 0)),
+        (EventKind::Killed, RED),
+        (EventKind::FailureDetected, MAGENTA),
+        (EventKind::RebuildStart, RGBColor(230, 140, 0)),
+        (EventKind::RebuildEnd, RGBColor(120, 60, 0)),
         // CPR: where a shard reloaded its checkpoint (the event states the PLS).
-        ("partial-restore", RGBColor(0, 150, 150)),
-        ("recovery-end", GREEN),
-        ("checkpoint-end", RGBColor(150, 150, 150)),
+        (EventKind::PartialRestore, RGBColor(0, 150, 150)),
+        (EventKind::RecoveryEnd, GREEN),
+        (EventKind::CheckpointEnd, RGBColor(150, 150, 150)),
     ] {
-        let xs: Vec<f64> = timeline
-            .events
-            .iter()
-            .filter(|e| e.kind == kind)
-            .map(|e| e.t)
-            .collect();
+        let xs: Vec<f64> = timeline.of(kind).map(|e| e.t).collect();
         if xs.is_empty() {
             continue;
         }
@@ -71,7 +66,7 @@ pub fn plot_timeline(timeline: &TimelineData, out: &Path, title: &str) -> anyhow
                     .map(|x| PathElement::new(vec![(x, 0.0), (x, top)], color.stroke_width(1))),
             )
             .map_err(|e| err(e.to_string()))?
-            .label(kind)
+            .label(kind.name())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
     }
     chart
