@@ -62,7 +62,9 @@ pub struct JobConfig {
 
 impl JobConfig {
     /// Built-in presets. `tiny`: 26 tables x 100,000 rows x 64, bottom 13-512-256-64, top
-    /// 415-512-256-1, batch 2048, SGD lr 0.01 (the benchmark configuration).
+    /// 415-512-256-1, batch 2048, SGD lr 0.01 (the benchmark configuration). `demo`: tiny
+    /// with Adagrad. `micro`: 4 tables x 2,000 rows x 8, batch 64, row-wise Adagrad and Adam
+    /// (fault schedules in tests).
     pub fn preset(name: &str) -> Result<Self, ConfigError> {
         match name {
             "tiny" => Ok(Self {
@@ -110,8 +112,33 @@ impl JobConfig {
                 };
                 Ok(c)
             }
+            // Fault schedules in tests: tables of a few thousand rows, so that one
+            // schedule trains in well under a second, with stateful optimizers on both
+            // sides, so that redundancy must carry optimizer state too.
+            "micro" => {
+                let mut c = Self::preset("tiny")?;
+                c.model.num_dense = 4;
+                c.model.num_tables = 4;
+                c.model.rows_per_table = 2_000;
+                c.model.dim = 8;
+                c.model.bottom = vec![16, 8];
+                c.model.top = vec![16, 1];
+                c.train.batch_size = 64;
+                c.optimizer.sparse = Optimizer::RowwiseAdagrad {
+                    lr: 0.05,
+                    eps: 1e-8,
+                    initial_accumulator: 0.0,
+                };
+                c.optimizer.dense = Optimizer::Adam {
+                    lr: 0.01,
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                };
+                Ok(c)
+            }
             other => Err(ConfigError::Invalid(format!(
-                "unknown preset {other:?} (known: tiny, demo)"
+                "unknown preset {other:?} (known: tiny, demo, micro)"
             ))),
         }
     }
@@ -277,6 +304,21 @@ impl JobConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_preset_is_valid_and_micro_is_small_and_stateful() {
+        for name in ["tiny", "demo", "micro"] {
+            let c = JobConfig::preset(name).unwrap();
+            c.validate().unwrap();
+            c.model_config().unwrap();
+        }
+        let micro = JobConfig::preset("micro").unwrap().model_config().unwrap();
+        assert!(micro.table_rows.iter().all(|&r| r <= 2_000));
+        assert!(!matches!(micro.sparse_optimizer, Optimizer::Sgd { .. }));
+        assert!(!matches!(micro.dense_optimizer, Optimizer::Sgd { .. }));
+        let e = JobConfig::preset("huge").unwrap_err().to_string();
+        assert!(e.contains("\"huge\"") && e.contains("micro"), "{e}");
+    }
 
     #[test]
     fn preset_file_and_overrides_layer_in_order() {
