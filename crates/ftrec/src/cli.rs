@@ -84,6 +84,11 @@ pub struct ClusterRunArgs {
     /// SIGKILL `ROLE:ID` this long after training starts, e.g. `server:1@10s` (repeatable).
     #[arg(long = "kill", value_name = "ROLE:ID@SECONDS")]
     pub kills: Vec<String>,
+    /// Arm a fault point in a server, `server:J@POINT[:STEP][=kill|skip]` (repeatable):
+    /// prepare, commit, rebuild or fold-parity. `server:1@fold-parity:20=skip` drops one
+    /// parity difference, a planted bug the end-of-run parity check must report.
+    #[arg(long = "fault", value_name = "server:J@SPEC")]
+    pub faults: Vec<String>,
     /// Spare servers to start; a failed server's slot goes to a spare before a new process.
     #[arg(long, default_value_t = 0)]
     pub spares: usize,

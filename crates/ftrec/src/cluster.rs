@@ -80,11 +80,14 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
         bail!("no dataset: pass --data DIR or set data.dir");
     };
     config.data.dir = Some(absolute(&data)?);
-    let kills = a
+    let mut kills = a
         .kills
         .iter()
         .map(|k| k.parse::<KillSpec>().map_err(anyhow::Error::msg))
         .collect::<Result<Vec<_>>>()?;
+    for fault in &a.faults {
+        kills.push(KillSpec::fault(fault).map_err(anyhow::Error::msg)?);
+    }
     let job = Job::new(config)?;
     let total = job.config.train.steps;
     let pb = bar(total, "cluster");

@@ -453,3 +453,51 @@ fn dense_ranges_coded_instead_of_replicated_come_back_exactly() {
     let out = ec_run(&data, &dir.path().join("r2"), "4", &extra);
     assert_exact(&out, &expected, &[1, 2], "dense coded, r = 2, neighbours");
 }
+
+/// The checks can fail: a parity difference dropped once, armed at run time through a
+/// server's fault registry (`--fault server:J@fold-parity:N=skip`), leaves the model
+/// itself exact but one stripe's parity wrong, and the end-of-run check reports it. Under
+/// 2PC (staged differences folded at commit) and in one-round mode alike.
+#[test]
+fn a_planted_dropped_parity_difference_is_reported_by_the_parity_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let expected = train_digest(&data, &[]);
+    for (name, extra) in [
+        ("2pc", &[][..]),
+        ("one-round", &["--set", "ec.two_phase_commit=false"][..]),
+    ] {
+        let mut args = vec!["--fault", "server:1@fold-parity:20=skip"];
+        args.extend(extra);
+        let out = ec_run(&data, &dir.path().join(name), "3", &args);
+        assert_eq!(
+            out["state_digest"], expected,
+            "{name}: the data is exact: {out}"
+        );
+        let mismatches = out["parity_mismatches"].as_u64().unwrap();
+        eprintln!("{name}: {mismatches} parity mismatches");
+        assert!(
+            mismatches >= 1,
+            "{name}: a dropped difference went unseen: {out}"
+        );
+        assert_eq!(out["replica_mismatches"], 0, "{name}: {out}");
+    }
+    let e = refused(&[
+        "cluster",
+        "run",
+        "--data",
+        &data,
+        "--fault",
+        "server:1@fold-parity:x=skip",
+    ]);
+    assert!(e.contains("step \"x\""), "{e}");
+    let e = refused(&[
+        "cluster",
+        "run",
+        "--data",
+        &data,
+        "--fault",
+        "worker:0@commit:3",
+    ]);
+    assert!(e.contains("fault points are in servers"), "{e}");
+}

@@ -1,0 +1,141 @@
+//! `--kill` specs: which member dies, and when (after a time, at a granted step, or at a
+//! fault point inside a server).
+
+use std::time::Duration;
+
+use ftrec_faults::{FaultAction, FaultSpec, points};
+use ftrec_proto::proto::Role;
+
+/// When a `--kill` fires.
+#[derive(Clone, Debug, PartialEq)]
+pub enum KillAt {
+    /// This long after training starts.
+    After(Duration),
+    /// As soon as the coordinator grants this global step (exact, for tests).
+    Step(u64),
+    /// The server kills itself at this fault point (armed in its registry, `ftrec-faults`).
+    Point(FaultSpec),
+}
+
+/// `role:id@seconds` (`server:1@10s`) or `role:id@step:N` (`server:1@step:8`): SIGKILL
+/// that process that long after training starts, or as soon as step N is granted.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KillSpec {
+    pub role: Role,
+    pub id: usize,
+    pub at: KillAt,
+}
+
+/// `prepare:N`, `commit:N` or `rebuild`: the points a `--kill` may name (a kill, not a
+/// planted skip).
+fn is_kill_point(when: &str) -> bool {
+    FaultSpec::parse(when).is_ok_and(|spec| {
+        spec.action == FaultAction::Kill
+            && match spec.point.as_str() {
+                points::REBUILD => spec.step.is_none(),
+                points::PREPARE | points::COMMIT => spec.step.is_some(),
+                _ => false,
+            }
+    })
+}
+
+impl std::str::FromStr for KillSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || {
+            format!(
+                "--kill {s:?}: expected ROLE:ID@SECONDS, ROLE:ID@step:N or (servers of an \
+                 erasure-coded run) ROLE:ID@prepare:N, @commit:N or @rebuild, e.g. server:1@10s, \
+                 server:1@step:8 or server:1@commit:8"
+            )
+        };
+        let (who, when) = s.split_once('@').ok_or_else(bad)?;
+        let (role, id) = parse_member(who).map_err(|_| bad())?;
+        let at = match when.strip_prefix("step:") {
+            Some(step) => KillAt::Step(step.parse().map_err(|_| bad())?),
+            None if is_kill_point(when) => {
+                if role != Role::Server {
+                    return Err(bad());
+                }
+                KillAt::Point(FaultSpec::parse(when).map_err(|_| bad())?)
+            }
+            None => {
+                let secs: f64 = when.trim_end_matches('s').parse().map_err(|_| bad())?;
+                if !(secs.is_finite() && secs >= 0.0) {
+                    return Err(bad());
+                }
+                KillAt::After(Duration::from_secs_f64(secs))
+            }
+        };
+        Ok(Self { role, id, at })
+    }
+}
+
+impl KillSpec {
+    /// `server:J@POINT[:STEP][=kill|skip]`: any fault point of a server, any action
+    /// (`cluster run --fault`).
+    pub fn fault(s: &str) -> Result<Self, String> {
+        let (who, spec) = s
+            .split_once('@')
+            .ok_or_else(|| format!("--fault {s:?}: expected server:J@POINT[:STEP][=kill|skip]"))?;
+        let (role, id) = parse_member(who).map_err(|e| format!("--fault {e}"))?;
+        if role != Role::Server {
+            return Err(format!("--fault {s:?}: fault points are in servers"));
+        }
+        let spec = FaultSpec::parse(spec).map_err(|e| format!("--fault: {e}"))?;
+        Ok(Self {
+            role,
+            id,
+            at: KillAt::Point(spec),
+        })
+    }
+}
+
+/// `server:1` or `worker:0`.
+pub fn parse_member(s: &str) -> Result<(Role, usize), String> {
+    let (role, id) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?}: expected ROLE:ID, e.g. server:1"))?;
+    let role = match role {
+        "server" => Role::Server,
+        "worker" => Role::Worker,
+        other => return Err(format!("{s:?}: unknown role {other:?} (server or worker)")),
+    };
+    let id = id
+        .parse()
+        .map_err(|_| format!("{s:?}: {id:?} is not a process id number"))?;
+    Ok((role, id))
+}
+
+/// Every `--kill` names a member the cluster has.
+pub(super) fn check_members(
+    job: &ftrec_proto::Job,
+    kills: &[KillSpec],
+) -> Result<(), ftrec_proto::PsError> {
+    for k in kills {
+        let (what, count) = match k.role {
+            Role::Server => ("servers", job.config.cluster.servers),
+            _ => ("workers", job.config.cluster.workers),
+        };
+        if k.id >= count {
+            return Err(ftrec_proto::PsError::Config(format!(
+                "--kill names {} {}, but the cluster has {count} {what} (0..={})",
+                &what[..what.len() - 1],
+                k.id,
+                count.saturating_sub(1)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The fault points to arm, by server slot.
+pub(super) fn fault_points(kills: &[KillSpec]) -> Vec<(usize, FaultSpec)> {
+    kills
+        .iter()
+        .filter_map(|k| match &k.at {
+            KillAt::Point(p) => Some((k.id, p.clone())),
+            _ => None,
+        })
+        .collect()
+}

@@ -1,0 +1,311 @@
+//! `ftrec cluster run`: a whole cluster on this host. The launcher embeds the coordinator,
+//! starts every server and worker as a separate `ftrec` process on loopback, injects
+//! SIGKILLs on schedule, replaces dead servers with fresh processes, and at the end gathers
+//! the model from the servers for its digest and evaluation.
+
+mod kill;
+mod report;
+mod run_dir;
+mod spawner;
+
+pub use kill::{KillAt, KillSpec, parse_member};
+pub use run_dir::private_run_dir;
+use spawner::LocalSpawner;
+pub use spawner::{LAUNCHER_PID_ENV, die_with_launcher};
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ftrec_model::ModelState;
+use serde::Serialize;
+
+use ftrec_coordinator::{self as coordinator, CoordinatorOptions, RunSummary, Spawner, sigkill};
+use ftrec_proto::PsError;
+use ftrec_proto::job::Job;
+use ftrec_proto::proto::Role;
+use ftrec_proto::timeline::EventKind;
+
+pub struct LaunchOptions {
+    pub job: Job,
+    /// Where the job file, process logs and timeline go.
+    pub run_dir: PathBuf,
+    pub kills: Vec<KillSpec>,
+    /// Spare servers started up front and handed a slot on a failure.
+    pub spares: usize,
+    /// The `ftrec` binary to start processes with.
+    pub exe: PathBuf,
+    /// Bound on the whole run.
+    pub time_limit: Duration,
+    /// Evaluates the final model (the caller's trainer on the test split, say); the
+    /// cluster itself has no evaluation of its own to depend on.
+    pub evaluate: Option<Evaluator>,
+}
+
+/// Metrics of the gathered final model, or why they could not be computed.
+pub type Evaluator =
+    Box<dyn FnOnce(&Job, ModelState) -> Result<ftrec_model::metrics::Metrics, String> + Send>;
+
+/// Progress shown while the cluster trains.
+#[derive(Clone, Debug)]
+pub struct Progress {
+    /// The embedded coordinator's address (for `ftrec cluster kill`).
+    pub coordinator: String,
+    /// Its Prometheus endpoint, `host:port`.
+    pub coordinator_metrics: Option<String>,
+    pub steps: u64,
+    pub samples: u64,
+    pub epoch: u64,
+    pub seconds: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LaunchReport {
+    #[serde(flatten)]
+    pub summary: RunSummary,
+    pub state_digest: String,
+    /// One per server, in server order: xxh3 of its shard (each table's local rows in
+    /// order, then its dense range, their optimizer state and the dense step), so a test
+    /// can tell which servers' state a recovery touched.
+    pub shard_digests: Vec<String>,
+    /// Erasure coding: stripes whose stored parity disagrees with their data rows, and
+    /// dense replicas that differ from their primary, checked over everything at the end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parity_mismatches: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_mismatches: Option<u64>,
+    pub servers: usize,
+    pub workers: usize,
+    /// From each SIGKILL to training resumed (detection included).
+    pub kill_to_resume_seconds: Vec<f64>,
+    pub auc: Option<f64>,
+    pub logloss: Option<f64>,
+    pub eval_samples: Option<usize>,
+    pub run_dir: PathBuf,
+    /// The caller removed the run directory after the run (a temporary one).
+    pub run_dir_removed: bool,
+}
+
+pub(super) fn io(path: &Path) -> impl Fn(std::io::Error) -> PsError + '_ {
+    move |error| PsError::Io {
+        path: path.display().to_string(),
+        error,
+    }
+}
+
+/// Runs the cluster to the end and reports. `on_progress` is called a few times a second.
+pub fn run(opts: LaunchOptions, on_progress: impl Fn(&Progress)) -> Result<LaunchReport, PsError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(io(Path::new("tokio runtime")))?;
+    rt.block_on(run_async(opts, on_progress))
+}
+
+async fn run_async(
+    opts: LaunchOptions,
+    on_progress: impl Fn(&Progress),
+) -> Result<LaunchReport, PsError> {
+    let LaunchOptions {
+        job,
+        run_dir,
+        kills,
+        spares,
+        exe,
+        time_limit,
+        evaluate,
+    } = opts;
+    kill::check_members(&job, &kills)?;
+    let logs = run_dir.join("logs");
+    std::fs::create_dir_all(&logs).map_err(io(&logs))?;
+    let job_file = run_dir.join("job.toml");
+    job.save(&job_file)?;
+    let cluster = job.config.cluster.clone();
+    let spawner = Arc::new(LocalSpawner {
+        exe,
+        job_file,
+        logs,
+        children: Mutex::new(Vec::new()),
+        faults: Mutex::new(kill::fault_points(&kills)),
+        spawned: Mutex::new(Vec::new()),
+    });
+    let mut handle = coordinator::start(CoordinatorOptions {
+        job: job.clone(),
+        host: "127.0.0.1".into(),
+        port: 0,
+        spawner: Some(spawner.clone()),
+    })
+    .await?;
+    let shared = handle.shared.clone();
+    let result = async {
+        let address = shared.address().to_string();
+        for id in 0..cluster.servers {
+            spawner.spawn_server(id, &address)?;
+        }
+        for n in 0..spares {
+            spawner.spawn_spare(n, &address)?;
+        }
+        for id in 0..cluster.workers {
+            spawner.spawn_worker(id, &address)?;
+        }
+        let supervised = Supervised {
+            spawner: &spawner,
+            kills: &kills,
+            time_limit,
+            run_dir: &run_dir,
+        };
+        let kill_times = supervised.run(&mut handle, &on_progress).await?;
+        report::final_report(&job, &shared, kill_times, evaluate, &run_dir).await
+    }
+    .await;
+    shared.stop();
+    let reaper = spawner.clone();
+    let grace = Duration::from_millis(cluster.failure_timeout_ms * 5).max(Duration::from_secs(3));
+    let _ = tokio::task::spawn_blocking(move || reaper.reap(grace)).await;
+    // Written on every way out (success, error, time limit, signal): the record of what
+    // happened is most wanted when the run did not finish.
+    let written = shared.timeline().write(&run_dir);
+    match (result, written) {
+        (Ok(report), Ok(())) => Ok(report),
+        (Ok(_), Err(e)) => Err(e),
+        (Err(e), written) => {
+            if let Err(w) = written {
+                tracing::warn!("writing the timeline: {w}");
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The launcher while the cluster trains: progress, timed kills, signals and the time limit.
+struct Supervised<'a> {
+    spawner: &'a LocalSpawner,
+    kills: &'a [KillSpec],
+    time_limit: Duration,
+    run_dir: &'a Path,
+}
+
+impl Supervised<'_> {
+    /// Until the coordinator says the run is done. Returns the timeline times of the timed
+    /// kills it fired.
+    async fn run(
+        &self,
+        handle: &mut coordinator::Handle,
+        on_progress: &impl Fn(&Progress),
+    ) -> Result<Vec<f64>, PsError> {
+        let shared = handle.shared.clone();
+        let address = shared.address().to_string();
+        let started = Instant::now();
+        let mut stop_signals = StopSignals::new()?;
+        let mut timed = Vec::new();
+        for k in self.kills {
+            match k.at {
+                KillAt::After(after) => timed.push((after, k.role, k.id)),
+                KillAt::Step(step) => shared.kill_at_step(k.role, k.id, step),
+                KillAt::Point(_) => {}
+            }
+        }
+        timed.sort_by_key(|k| k.0);
+        let mut kill_times = Vec::new();
+        let mut training_start: Option<Instant> = None;
+        loop {
+            self.spawner.reap_exited();
+            let summary = shared.summary();
+            // The event log is copied only until training has started.
+            if training_start.is_none()
+                && shared
+                    .timeline()
+                    .of(EventKind::TrainingStart)
+                    .next()
+                    .is_some()
+            {
+                training_start = Some(Instant::now());
+            }
+            on_progress(&Progress {
+                coordinator: address.clone(),
+                coordinator_metrics: handle.metrics_address.clone(),
+                steps: summary.steps,
+                samples: summary.samples,
+                epoch: summary.epoch,
+                seconds: started.elapsed().as_secs_f64(),
+            });
+            if let Some(t0) = training_start {
+                while timed.first().is_some_and(|k| t0.elapsed() >= k.0) {
+                    let (_, role, id) = timed.remove(0);
+                    kill_times.extend(kill_now(&shared, role, id)?);
+                }
+            }
+            let waited = tokio::select! {
+                waited = handle.wait_done(Duration::from_millis(200)) => waited,
+                signal = stop_signals.recv() => {
+                    shared.event(EventKind::Interrupted, format!("{signal}: stopping every process"));
+                    return Err(PsError::Stopped(format!(
+                        "by {signal}; timeline and logs in {}",
+                        self.run_dir.display()
+                    )));
+                }
+            };
+            match waited {
+                Ok(()) => return Ok(kill_times),
+                Err(PsError::Timeout(_)) => {}
+                Err(e) => {
+                    return Err(PsError::Fatal(format!(
+                        "{e}; logs in {}",
+                        self.run_dir.join("logs").display()
+                    )));
+                }
+            }
+            if started.elapsed() > self.time_limit {
+                return Err(PsError::Timeout(format!(
+                    "the cluster did not finish within {:?}; logs in {}",
+                    self.time_limit,
+                    self.run_dir.display()
+                )));
+            }
+        }
+    }
+}
+
+/// SIGKILLs `role` `id` now; its timeline time, or `None` if it has no process.
+fn kill_now(shared: &coordinator::Shared, role: Role, id: usize) -> Result<Option<f64>, PsError> {
+    let who = coordinator::role_name(role);
+    let Some(pid) = shared.pid_of(role, id) else {
+        shared.event(
+            EventKind::KillSkipped,
+            format!("{who} {id}: no such process"),
+        );
+        return Ok(None);
+    };
+    sigkill(pid).map_err(io(Path::new("kill")))?;
+    Ok(Some(shared.event_about(
+        EventKind::Killed,
+        coordinator::subject(role, id),
+        None,
+        format!("{who} {id} (pid {pid}) by SIGKILL"),
+    )))
+}
+
+/// SIGTERM and SIGINT, which stop the run cleanly (children stopped, timeline written)
+/// instead of killing the launcher outright.
+struct StopSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn new() -> Result<Self, PsError> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).map_err(io(Path::new("SIGTERM handler")))?,
+            int: signal(SignalKind::interrupt()).map_err(io(Path::new("SIGINT handler")))?,
+        })
+    }
+
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! What a finished run reports: the gathered model's digests, the parity check, the
+//! evaluation, and each kill's time to resume, read from the typed timeline.
+
+use std::path::Path;
+
+use ftrec_coordinator::Shared;
+use ftrec_proto::timeline::{EventKind, Subject, TimelineData};
+use ftrec_proto::{Job, PsError};
+
+use super::{Evaluator, LaunchReport};
+
+pub(super) async fn final_report(
+    job: &Job,
+    shared: &Shared,
+    mut kill_times: Vec<f64>,
+    evaluate: Option<Evaluator>,
+    run_dir: &Path,
+) -> Result<LaunchReport, PsError> {
+    let mut summary = shared.summary();
+    let timeline = shared.timeline();
+    for r in &mut summary.recoveries {
+        r.kill_to_resume_seconds = last_kill_before(&timeline, r.server, r.detected_at)
+            .map(|killed| r.resumed_at - killed);
+    }
+    // Kills at a step are fired by the coordinator; timed ones by the launcher.
+    kill_times.extend(
+        timeline
+            .of(EventKind::Killed)
+            .filter(|e| e.step.is_some())
+            .map(|e| e.t),
+    );
+    let kill_to_resume: Vec<f64> = kill_times
+        .iter()
+        .filter_map(|&k| {
+            timeline
+                .of(EventKind::RecoveryEnd)
+                .find(|e| e.t >= k)
+                .map(|e| e.t - k)
+        })
+        .collect();
+    let epoch = summary.epoch;
+    let addresses = shared.server_addresses();
+    let (state, shard_digests) = ftrec_proto::gather::gather_state(job, &addresses, epoch).await?;
+    let (mut parity_mismatches, mut replica_mismatches) = (None, None);
+    if job.config.cluster.ft.erasure_coded() {
+        let report = crate::parity_check::verify_parity(job, &addresses, epoch, &state).await?;
+        parity_mismatches = Some(report.mismatches);
+        replica_mismatches = Some(report.replica_mismatches);
+    }
+    let digest = state.digest().to_string();
+    let (mut auc, mut logloss, mut eval_samples) = (None, None, None);
+    if let Some(evaluate) = evaluate {
+        let metrics = evaluate(job, state).map_err(PsError::Fatal)?;
+        auc = Some(metrics.auc);
+        logloss = Some(metrics.logloss);
+        eval_samples = Some(metrics.samples);
+    }
+    let cluster = &job.config.cluster;
+    Ok(LaunchReport {
+        summary,
+        state_digest: digest,
+        shard_digests,
+        parity_mismatches,
+        replica_mismatches,
+        servers: cluster.servers,
+        workers: cluster.workers,
+        kill_to_resume_seconds: kill_to_resume,
+        auc,
+        logloss,
+        eval_samples,
+        run_dir: run_dir.to_path_buf(),
+        run_dir_removed: false,
+    })
+}
+
+/// A recovery's own SIGKILL: the last kill of its server before the failure was detected.
+fn last_kill_before(timeline: &TimelineData, server: usize, detected_at: f64) -> Option<f64> {
+    let subject = Some(Subject::Server(server as u32));
+    timeline
+        .of(EventKind::Killed)
+        .filter(|e| e.subject == subject && e.t <= detected_at)
+        .map(|e| e.t)
+        .reduce(f64::max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ftrec_proto::timeline::Timeline;
+
+    #[test]
+    fn a_recovery_is_timed_from_its_own_servers_last_kill() {
+        let mut timeline = Timeline::new();
+        timeline.event_about(EventKind::Killed, Subject::Server(1), None, "server 1");
+        timeline.event_about(EventKind::Killed, Subject::Server(0), Some(9), "server 0");
+        timeline.event_about(
+            EventKind::Killed,
+            Subject::Server(1),
+            Some(12),
+            "server 1 again",
+        );
+        let data = &timeline.data;
+        let times: Vec<f64> = data.events.iter().map(|e| e.t).collect();
+        assert_eq!(last_kill_before(data, 1, f64::MAX), Some(times[2]));
+        assert_eq!(last_kill_before(data, 1, times[1]), Some(times[0]));
+        assert_eq!(last_kill_before(data, 0, f64::MAX), Some(times[1]));
+        assert_eq!(last_kill_before(data, 2, f64::MAX), None);
+        // A worker's kill is no server's.
+        let mut timeline = Timeline::new();
+        timeline.event_about(EventKind::Killed, Subject::Worker(1), None, "worker 1");
+        assert_eq!(last_kill_before(&timeline.data, 1, f64::MAX), None);
+    }
+}

@@ -1,0 +1,189 @@
+//! The launcher's children: every server and worker is an `ftrec` process started here,
+//! with its fault points as `--fault` flags, reaped or killed at the end.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use ftrec_coordinator::Spawner;
+use ftrec_faults::{FaultSpec, points};
+use ftrec_proto::PsError;
+
+/// Set in every child's environment: the launcher's pid, so the child dies with it.
+pub const LAUNCHER_PID_ENV: &str = "FTREC_LAUNCHER_PID";
+
+/// Called first thing by `ftrec server` and `ftrec worker`. When a launcher started this
+/// process, the kernel SIGKILLs it as soon as the launcher dies, even by SIGKILL
+/// (`PR_SET_PDEATHSIG`), so no server or worker lingers as an orphan. The launcher spawns
+/// children only from threads that live as long as it does (its main thread and its
+/// runtime's workers), since the signal follows the spawning thread's exit.
+pub fn die_with_launcher() -> Result<(), PsError> {
+    let Some(launcher) = std::env::var(LAUNCHER_PID_ENV)
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+    else {
+        return Ok(());
+    };
+    rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL)).map_err(
+        |e| PsError::Io {
+            path: "prctl(PR_SET_PDEATHSIG)".into(),
+            error: e.into(),
+        },
+    )?;
+    // The launcher may have died before the call above: this process was then adopted.
+    let parent = rustix::process::getppid().map(|p| p.as_raw_pid());
+    if parent != Some(launcher) {
+        return Err(PsError::Stopped(format!(
+            "the launcher (pid {launcher}) is gone; not starting without it"
+        )));
+    }
+    Ok(())
+}
+
+/// Child processes started by the launcher; every one is reaped or killed at the end.
+pub(super) struct LocalSpawner {
+    pub(super) exe: PathBuf,
+    pub(super) job_file: PathBuf,
+    pub(super) logs: PathBuf,
+    pub(super) children: Mutex<Vec<(String, Child)>>,
+    /// Planned deaths not yet handed to a process, by server slot.
+    pub(super) faults: Mutex<Vec<(usize, FaultSpec)>>,
+    /// Processes started per server slot so far.
+    pub(super) spawned: Mutex<Vec<usize>>,
+}
+
+impl LocalSpawner {
+    /// The `--fault` flags of the next process of slot `id`: phase points go to its first
+    /// process, a rebuild death to its first replacement (the process that rebuilds).
+    fn faults_for(&self, id: usize) -> Vec<String> {
+        let Ok(mut spawned) = self.spawned.lock() else {
+            return Vec::new();
+        };
+        if spawned.len() <= id {
+            spawned.resize(id + 1, 0);
+        }
+        let replacement = spawned[id] > 0;
+        spawned[id] += 1;
+        let Ok(mut faults) = self.faults.lock() else {
+            return Vec::new();
+        };
+        let mut mine = Vec::new();
+        faults.retain(|(slot, spec)| {
+            let due = *slot == id && (spec.point == points::REBUILD) == replacement;
+            if due {
+                mine.extend(["--fault".to_string(), spec.to_string()]);
+            }
+            !due
+        });
+        mine
+    }
+
+    fn spawn(&self, name: String, args: &[String]) -> Result<(), PsError> {
+        self.spawn_with(name, args, Vec::new())
+    }
+
+    fn spawn_with(
+        &self,
+        name: String,
+        args: &[String],
+        faults: Vec<String>,
+    ) -> Result<(), PsError> {
+        let n = self.children.lock().map_or(0, |c| c.len());
+        let log_path = self.logs.join(format!("{name}-{n}.log"));
+        let log = std::fs::File::create(&log_path).map_err(|error| PsError::Io {
+            path: log_path.display().to_string(),
+            error,
+        })?;
+        let err_log = log.try_clone().map_err(|error| PsError::Io {
+            path: log_path.display().to_string(),
+            error,
+        })?;
+        let child = Command::new(&self.exe)
+            .args(args)
+            .args(faults)
+            .env(LAUNCHER_PID_ENV, std::process::id().to_string())
+            .env(
+                "FTREC_LOG",
+                std::env::var("FTREC_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err_log)
+            .spawn()
+            .map_err(|error| PsError::Io {
+                path: self.exe.display().to_string(),
+                error,
+            })?;
+        if let Ok(mut c) = self.children.lock() {
+            c.push((name, child));
+        }
+        Ok(())
+    }
+
+    fn base_args(&self, role: &str, coordinator: &str) -> Vec<String> {
+        vec![
+            role.to_string(),
+            "--job".into(),
+            self.job_file.display().to_string(),
+            "--coordinator".into(),
+            coordinator.to_string(),
+        ]
+    }
+
+    /// Reaps the children that have exited, so a killed one does not linger as a zombie
+    /// (whose pid would still look alive to the checkpoint leases it held).
+    pub(super) fn reap_exited(&self) {
+        if let Ok(mut children) = self.children.lock() {
+            for (_, child) in children.iter_mut() {
+                let _ = child.try_wait();
+            }
+        }
+    }
+
+    /// Waits up to `grace` for every child to exit, then SIGKILLs the rest.
+    pub(super) fn reap(&self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        let Ok(mut children) = self.children.lock() else {
+            return;
+        };
+        for (name, child) in children.iter_mut() {
+            loop {
+                match child.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    _ => {
+                        tracing::warn!("{name} did not exit; killing it");
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Spawner for LocalSpawner {
+    fn spawn_server(&self, id: usize, coordinator: &str) -> Result<(), PsError> {
+        let mut args = self.base_args("server", coordinator);
+        args.extend(["--id".into(), id.to_string()]);
+        self.spawn_with(format!("server-{id}"), &args, self.faults_for(id))
+    }
+
+    fn spawn_worker(&self, id: usize, coordinator: &str) -> Result<(), PsError> {
+        let mut args = self.base_args("worker", coordinator);
+        args.extend(["--id".into(), id.to_string()]);
+        self.spawn(format!("worker-{id}"), &args)
+    }
+}
+
+impl LocalSpawner {
+    pub(super) fn spawn_spare(&self, n: usize, coordinator: &str) -> Result<(), PsError> {
+        let mut args = self.base_args("server", coordinator);
+        args.push("--spare".into());
+        self.spawn(format!("spare-{n}"), &args)
+    }
+}
