@@ -7,28 +7,23 @@
 #[cfg(target_endian = "big")]
 compile_error!("ftrec-ckpt writes native f32 bytes and supports only little-endian targets");
 
-pub mod branch;
-pub mod chunk;
-pub mod chunklist;
-pub mod deck;
-pub mod dense;
 mod engine;
-mod envelope;
 mod error;
 mod export;
-pub mod incrcp;
-mod incrcp_worker;
-pub mod lease;
-pub mod manifest;
-pub mod merge;
-mod object;
-mod partial;
-mod parts;
-mod policy;
-mod retention;
-mod session;
-mod store;
-pub mod tracker;
+pub mod format;
+pub mod history;
+pub mod storage;
+pub mod strategies;
+
+// Every module keeps its path at the crate root (`ftrec_ckpt::chunk`, `crate::store`):
+// the folders group files by role without changing what users and siblings name.
+pub use format::{chunk, chunklist, dense, manifest};
+pub(crate) use format::{envelope, parts};
+pub use history::{branch, lease};
+pub(crate) use history::{retention, session};
+pub(crate) use storage::{object, store};
+pub use strategies::{deck, incrcp, merge, tracker};
+pub(crate) use strategies::{incrcp_worker, policy};
 
 pub use engine::{CHUNK_BYTES, Checkpoints};
 pub use error::CkptError;

@@ -6,17 +6,16 @@
 //! dataset serves models of any table size.
 
 pub mod binfmt;
-pub mod compressed;
 pub mod convert;
-pub mod criteo;
 mod error;
 pub mod generate;
-pub mod hashing;
+pub mod input;
 mod record;
-pub mod schema;
 mod staging;
 pub mod stats;
-pub mod text;
+
+// The readers keep their root paths (`ftrec_data::criteo`).
+pub use input::{compressed, criteo, hashing, schema, text};
 
 pub use binfmt::{Dataset, DatasetWriter};
 pub use error::DataError;

@@ -11,15 +11,14 @@ mod batch;
 mod config;
 mod dlrm;
 mod error;
-mod interaction;
-pub mod matmul;
-mod memory;
+pub mod layers;
 pub mod metrics;
-mod mlp;
-mod optim;
-mod sparse;
-mod state;
-mod table;
+pub mod params;
+
+// Modules keep their root paths (`ftrec_model::matmul`, `crate::optim`).
+pub use layers::matmul;
+pub(crate) use layers::{interaction, mlp, sparse};
+pub(crate) use params::{memory, optim, state, table};
 
 pub use batch::{Bags, Batch};
 pub use config::{ModelConfig, interaction_width};

@@ -1,5 +1,6 @@
 //! `ftrec cluster run|kill`, `ftrec server|worker|coordinator` and `ftrec plot timeline`.
 
+use clap::{Args, Subcommand};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -13,9 +14,138 @@ use ftrec_server::ServerOptions;
 use ftrec_worker::WorkerOptions;
 use serde_json::json;
 
-use crate::cli::*;
-use crate::commands::{load_config, print_json, run_overrides};
+pub mod plot;
+
+use crate::commands::config::{ConfigArgs, load_config, run_overrides};
+use crate::output::print_json;
 use crate::progress::bar;
+
+#[derive(Subcommand, Debug)]
+pub enum ClusterCommand {
+    /// Launch servers and workers as separate processes on loopback and train.
+    Run(Box<ClusterRunArgs>),
+    /// SIGKILL a member of a running cluster, e.g. `server:1`.
+    Kill {
+        /// The coordinator's address (printed by `cluster run`).
+        #[arg(long)]
+        coordinator: String,
+        /// The job file (`RUN_DIR/job.toml`, printed by `cluster run`): its secret admits
+        /// the call. Not needed when `FTREC_JOB_SECRET` is set.
+        #[arg(long)]
+        job: Option<PathBuf>,
+        /// `server:ID` or `worker:ID`.
+        member: String,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct ClusterRunArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Dataset directory (overrides data.dir).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Total steps over all workers (overrides train.steps).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Parameter servers (overrides cluster.servers).
+    #[arg(long)]
+    pub servers: Option<usize>,
+    /// Workers (overrides cluster.workers).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Fault tolerance: none, checkpoint, ec, ec+checkpoint or partial (overrides cluster.ft).
+    #[arg(long, value_parser = str::parse::<ftrec_config::FaultTolerance>)]
+    pub ft: Option<ftrec_config::FaultTolerance>,
+    /// Steps in strict order: bit-reproducible (overrides cluster.deterministic).
+    #[arg(long)]
+    pub deterministic: bool,
+    /// SIGKILL `ROLE:ID` this long after training starts, e.g. `server:1@10s` (repeatable).
+    #[arg(long = "kill", value_name = "ROLE:ID@SECONDS")]
+    pub kills: Vec<String>,
+    /// Arm a fault point in a server, `server:J@POINT[:STEP][=kill|skip]` (repeatable):
+    /// prepare, commit, rebuild or fold-parity. `server:1@fold-parity:20=skip` drops one
+    /// parity difference, a planted bug the end-of-run parity check must report.
+    #[arg(long = "fault", value_name = "server:J@SPEC")]
+    pub faults: Vec<String>,
+    /// Spare servers to start; a failed server's slot goes to a spare before a new process.
+    #[arg(long, default_value_t = 0)]
+    pub spares: usize,
+    /// Checkpoint directory for `--ft checkpoint` (default: RUN_DIR/checkpoints).
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Job file, process logs, timeline CSV/JSON (default: a new temporary directory).
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 3600.0)]
+    pub time_limit: f64,
+    /// Skip the final evaluation on the test split.
+    #[arg(long)]
+    pub no_eval: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ServerArgs {
+    /// The job file `cluster run` writes (a TOML training configuration).
+    #[arg(long)]
+    pub job: PathBuf,
+    #[arg(long)]
+    pub coordinator: String,
+    /// Server slot; omit with `--spare`.
+    #[arg(long, required_unless_present = "spare")]
+    pub id: Option<usize>,
+    /// Join as a standby that takes over a failed server's slot.
+    #[arg(long, conflicts_with = "id")]
+    pub spare: bool,
+    /// Interface to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Arm a fault point in this server, NAME[:STEP][=kill|skip] (prepare, commit, rebuild,
+    /// fold-parity); it fires once. `cluster run --kill server:J@commit:N` passes these.
+    #[arg(long = "fault", value_name = "SPEC")]
+    pub faults: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    #[arg(long)]
+    pub job: PathBuf,
+    #[arg(long)]
+    pub coordinator: String,
+    #[arg(long)]
+    pub id: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct CoordinatorArgs {
+    #[arg(long)]
+    pub job: PathBuf,
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    #[arg(long, default_value_t = 7070)]
+    pub port: u16,
+    /// Where the timeline goes.
+    #[arg(long, default_value = ".")]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PlotCommand {
+    /// Throughput against time with failure, detection and recovery marked (PNG).
+    Timeline {
+        /// `timeline.json` from a cluster run (or its run directory).
+        input: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "ftrec cluster throughput")]
+        title: String,
+    },
+}
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
@@ -104,7 +234,7 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
             spares: a.spares,
             exe: std::env::current_exe().context("locating the ftrec binary")?,
             time_limit: Duration::from_secs_f64(a.time_limit),
-            evaluate: (!a.no_eval).then(crate::cluster::evaluator),
+            evaluate: (!a.no_eval).then(evaluator),
         },
         |p| {
             if !announced.replace(true) {
@@ -293,7 +423,7 @@ pub fn plot_timeline(input: &Path, out: &Path, title: &str) -> Result<()> {
         input.to_path_buf()
     };
     let data = TimelineData::read(&path)?;
-    crate::timeline_plot::plot_timeline(&data, out, title)?;
+    plot::plot_timeline(&data, out, title)?;
     outln!("wrote {}", out.display());
     Ok(())
 }

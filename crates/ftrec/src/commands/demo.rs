@@ -1,18 +1,41 @@
 //! `ftrec demo`: generate data, train on a local cluster, SIGKILL a server mid-run and
 //! show the recovery.
 
-use ftrec_proto::timeline::{EventKind, TimelineData};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+use clap::Args;
 use ftrec_config::JobConfig;
 use ftrec_data::generate::{GenConfig, OutputFormat, read_meta};
 use ftrec_data::{TEST_FILE, TRAIN_FILE};
+use ftrec_proto::timeline::{EventKind, TimelineData};
 use serde_json::json;
 
-use crate::cli::DemoArgs;
-use crate::commands::{print_json, run_gen};
+use crate::commands::data::run_gen;
+use crate::output::print_json;
 use crate::progress::bar;
+
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Where to put the generated data.
+    #[arg(long, default_value = "demo-data")]
+    pub dir: PathBuf,
+    /// Samples to generate (train + test).
+    #[arg(long, default_value_t = 2_600_000)]
+    pub rows: u64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// SIGKILL server 1 this many seconds after training starts.
+    #[arg(long, default_value_t = 20.0)]
+    pub kill_after: f64,
+    /// How the cluster survives the kill: `ec` (3 servers, erasure coded: the server is
+    /// rebuilt from the others, nothing rolls back) or `checkpoint` (2 servers, roll back to
+    /// the last consistent checkpoint).
+    #[arg(long, default_value = "ec", value_parser = str::parse::<ftrec_config::FaultTolerance>)]
+    pub ft: ftrec_config::FaultTolerance,
+    #[arg(long)]
+    pub json: bool,
+}
 
 fn remove_if_present(dir: &Path) -> Result<()> {
     match std::fs::remove_dir_all(dir) {
@@ -95,7 +118,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
             spares: 0,
             exe: std::env::current_exe()?,
             time_limit: std::time::Duration::from_secs(3600),
-            evaluate: Some(crate::cluster::evaluator()),
+            evaluate: Some(crate::commands::cluster::evaluator()),
         },
         |p| {
             pb.set_position(p.steps);

@@ -1,15 +1,77 @@
 //! `ftrec bench ckpt`: runs the checkpoint benchmark and writes its CSV files, plots and
 //! summary.
 
+use clap::Args;
 use std::fmt::Write as _;
 use std::path::Path;
+use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use ftrec_train::bench_ckpt::{CkptBenchConfig, CkptBenchReport, bench_ckpt};
 use plotters::prelude::*;
 use serde_json::json;
 
-use crate::cli::BenchCkptArgs;
+#[derive(Args, Debug)]
+pub struct BenchCkptArgs {
+    /// Scratch directory for checkpoints (emptied per strategy).
+    #[arg(long, default_value = "bench-ckpt-scratch")]
+    pub dir: PathBuf,
+    /// Where the CSV files, plots and summary go.
+    #[arg(long, default_value = "bench-ckpt")]
+    pub out: PathBuf,
+    /// Scale of the Criteo Kaggle table sizes (1.0: 33.8M rows, ~2.3 GB).
+    #[arg(long, default_value_t = 1.0)]
+    pub scale: f64,
+    #[arg(long, default_value_t = 150)]
+    pub checkpoints: usize,
+    /// Training steps between checkpoints.
+    #[arg(long, default_value_t = 10)]
+    pub interval: u64,
+    /// Time the restore of every N-th checkpoint (and the last).
+    #[arg(long, default_value_t = 5)]
+    pub restore_every: usize,
+    /// Full checkpoints actually written by the full strategy (the rest extrapolated).
+    #[arg(long, default_value_t = 3)]
+    pub full_samples: usize,
+    /// Differential (Check-N-Run) baseline reset: a full checkpoint every N.
+    #[arg(long, default_value_t = 50)]
+    pub differential_full_every: u64,
+    #[arg(long, default_value_t = 0.02)]
+    pub incrcp_threshold: f64,
+    /// DECK: a full checkpoint when live deltas exceed this many times one delta.
+    #[arg(long, default_value_t = 64.0)]
+    pub deck_live_factor: f64,
+    #[arg(long, default_value_t = 2048)]
+    pub batch_size: usize,
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    #[arg(long)]
+    pub skip_deck: bool,
+    /// Strategies of the IncrCP experiment, comma-separated (full must be among them for
+    /// the disk comparison).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_parser = parse_experiment_strategy,
+        default_value = "full,differential,naive-incremental,incrcp"
+    )]
+    pub strategies: Vec<ftrec_ckpt::Strategy>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_experiment_strategy(s: &str) -> Result<ftrec_ckpt::Strategy, String> {
+    use ftrec_ckpt::Strategy;
+    match serde_json::from_value(serde_json::Value::String(s.into())) {
+        Ok(Strategy::Deck) => Err("deck has its own experiment (see --skip-deck)".into()),
+        Ok(strategy) => Ok(strategy),
+        Err(_) => Err(format!(
+            "unknown strategy {s:?}: expected full, differential, naive-incremental or incrcp"
+        )),
+    }
+}
 
 pub fn run(a: BenchCkptArgs) -> Result<()> {
     let config = CkptBenchConfig {

@@ -1,7 +1,9 @@
 //! `ftrec bench cluster`: the cluster against the single-process trainer on the same cores,
 //! RPC bytes per sample, checkpoint pause and the time from a SIGKILL to training resumed.
 
+use clap::Args;
 use std::path::Path;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -14,8 +16,47 @@ use ftrec_proto::timeline::TimelineData;
 use ftrec_train::Trainer;
 use serde_json::json;
 
-use crate::cli::BenchClusterArgs;
-use crate::commands::{print_json, run_gen};
+use crate::commands::data::run_gen;
+use crate::output::print_json;
+
+#[derive(Args, Debug)]
+pub struct BenchClusterArgs {
+    /// Dataset directory (generated with the tiny Criteo shape when missing).
+    #[arg(long, default_value = "bench-cluster-data")]
+    pub data: PathBuf,
+    #[arg(long, default_value_t = 1_000_000)]
+    pub rows: u64,
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+    #[arg(long, default_value_t = 300)]
+    pub steps: u64,
+    #[arg(long, default_value_t = 2)]
+    pub servers: usize,
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    #[arg(long, default_value_t = 50)]
+    pub checkpoint_every: u64,
+    /// SIGKILL server 1 this many seconds into the checkpointed run.
+    #[arg(long, default_value_t = 5.0)]
+    pub kill_after: f64,
+    /// Checkpoint strategies to run side by side, each with a SIGKILLed server (comma
+    /// separated: full, differential, naive-incremental, incrcp, deck).
+    #[arg(long, value_delimiter = ',', default_value = "full")]
+    pub strategies: Vec<String>,
+    /// Cut interval for the strategies other than `full` (default: --checkpoint-every),
+    /// e.g. 12x more often for DECK's experiment.
+    #[arg(long)]
+    pub delta_every: Option<u64>,
+    /// Where summary.json and the timeline plots go.
+    #[arg(long, default_value = "bench-cluster")]
+    pub out: PathBuf,
+    /// Override a configuration key of the preset (repeatable), e.g.
+    /// `--set model.rows_per_table=300000` for a larger model.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    #[arg(long)]
+    pub json: bool,
+}
 
 fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
@@ -66,7 +107,7 @@ impl BenchRun<'_> {
             },
             |_| {},
         )?;
-        crate::timeline_plot::plot_timeline(
+        crate::commands::cluster::plot::plot_timeline(
             &TimelineData::read(&run_dir.join("timeline.json"))?,
             &self.out.join(format!("{}.png", self.name)),
             &format!("{}: {servers} servers, {workers} workers", self.name),

@@ -11,7 +11,8 @@ use ftrec_data::{Dataset, TEST_FILE, TRAIN_FILE};
 use ftrec_train::cpr_study::{CostOverrides, Strategy, StudyConfig, StudyReport, run_study};
 use plotters::prelude::*;
 
-use crate::commands::{print_json, run_gen};
+use crate::commands::data::run_gen;
+use crate::output::print_json;
 
 #[derive(Args, Debug)]
 pub struct BenchCprArgs {

@@ -1,5 +1,6 @@
 //! `ftrec ckpt ...`: inspect, verify and restore checkpoints.
 
+use clap::{Subcommand, ValueEnum};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
@@ -10,8 +11,86 @@ use ftrec_ckpt::{
 use ftrec_train::{Progress, snapshot};
 use serde_json::json;
 
-use crate::ckpt_cluster as cluster;
-use crate::cli::{CkptCommand, ExportFormat};
+mod cluster;
+
+#[derive(Subcommand, Debug)]
+pub enum CkptCommand {
+    /// List committed checkpoints.
+    Ls {
+        dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a checkpoint's manifest.
+    Show { dir: PathBuf, id: String },
+    /// Check everything a restore of one checkpoint (or of each) reads, its whole lineage
+    /// included; exits non-zero on any damage.
+    Verify {
+        dir: PathBuf,
+        id: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Export a checkpoint (newest by default) as named tensors.
+    Export {
+        dir: PathBuf,
+        #[arg(long)]
+        id: Option<String>,
+        #[arg(long, value_enum, default_value_t = ExportFormat::Safetensors)]
+        format: ExportFormat,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Merge DECK deltas hierarchically (stride s), as the trainer's background merger
+    /// does; run it on any host that reaches the store, e.g. with
+    /// `checkpoint.deck.merge_in_background = false` in the trainer.
+    Merge {
+        dir: PathBuf,
+        #[arg(long, default_value_t = 2)]
+        stride: u32,
+        /// Keep merging as new deltas arrive, checking every this many seconds.
+        #[arg(long)]
+        watch: Option<f64>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete checkpoints not retained and the data of crashed writes.
+    Gc {
+        dir: PathBuf,
+        /// Keep the newest N checkpoints of every branch (and every checkpoint their
+        /// restore needs).
+        #[arg(long)]
+        keep: Option<usize>,
+        /// Delete branch B entirely (repeatable): the explicit way to drop a branch.
+        #[arg(long = "drop-branch", value_name = "B")]
+        drop_branch: Vec<u32>,
+        /// While a writer holds the location, uncommitted data this old (seconds) is
+        /// taken as abandoned; without a live writer, all uncommitted data is.
+        #[arg(long, default_value_t = 3600.0)]
+        abandoned_after: f64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Restore a checkpoint (newest by default): report its state digest and the restore
+    /// time, and with `--out` save it as a model snapshot file.
+    Restore {
+        dir: PathBuf,
+        #[arg(long)]
+        id: Option<String>,
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ExportFormat {
+    /// Loadable by Python's `safetensors` and PyTorch; names in FORMAT.md.
+    Safetensors,
+}
 
 /// `DIR` or `DIR@ID`. A path that exists as given is taken whole, so directories whose
 /// names contain `@` still work.

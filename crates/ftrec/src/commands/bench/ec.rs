@@ -3,16 +3,51 @@
 //! coding (2PC on and off), the same SIGKILL under erasure coding and under checkpoints,
 //! and the memory the redundancy takes.
 
+use clap::Args;
 use std::path::Path;
+use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use ftrec_cluster::launch::LaunchReport;
 use ftrec_config::{FaultTolerance, JobConfig};
 use serde_json::json;
 
-use crate::bench_cluster::{BenchRun, bench_setup};
-use crate::cli::BenchEcArgs;
-use crate::commands::print_json;
+use super::cluster::{BenchRun, bench_setup};
+use crate::output::print_json;
+
+#[derive(Args, Debug)]
+pub struct BenchEcArgs {
+    /// Dataset directory (generated with the tiny Criteo shape when missing).
+    #[arg(long, default_value = "bench-cluster-data")]
+    pub data: PathBuf,
+    #[arg(long, default_value_t = 1_000_000)]
+    pub rows: u64,
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+    #[arg(long, default_value_t = 300)]
+    pub steps: u64,
+    #[arg(long, default_value_t = 3)]
+    pub servers: usize,
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// SIGKILL server 1 this many seconds into the runs with a failure.
+    #[arg(long, default_value_t = 5.0)]
+    pub kill_after: f64,
+    /// Standby servers started up front (ECRec's replacement server), in every run.
+    #[arg(long, default_value_t = 1)]
+    pub spares: usize,
+    /// Cut interval of the `--ft checkpoint` run compared with.
+    #[arg(long, default_value_t = 50)]
+    pub checkpoint_every: u64,
+    /// Where summary.json and the timeline plots go.
+    #[arg(long, default_value = "bench-ec")]
+    pub out: PathBuf,
+    /// Override a configuration key (repeatable), e.g. `--set ec.k=3`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    #[arg(long)]
+    pub json: bool,
+}
 
 fn run_one(a: &BenchEcArgs, config: &JobConfig, name: &str, kill: bool) -> Result<LaunchReport> {
     let kills = if kill {

@@ -1,0 +1,7 @@
+//! The network's compute: matrix products over `gemm`, MLP layers, the dot interaction
+//! and sum-pooled embedding bags.
+
+pub(crate) mod interaction;
+pub mod matmul;
+pub(crate) mod mlp;
+pub(crate) mod sparse;

@@ -1,0 +1,76 @@
+//! `ftrec bench ...`: the benchmarks behind BENCHMARKS.md.
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+use ftrec_train::bench;
+
+use self::ckpt::BenchCkptArgs;
+use crate::commands::config::{ConfigArgs, load_config};
+use crate::output::print_json;
+use crate::progress::bar;
+use cluster::BenchClusterArgs;
+use ec::BenchEcArgs;
+
+pub mod ckpt;
+pub mod cluster;
+pub mod cpr;
+pub mod ec;
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Median training step time on in-memory batches.
+    Train(BenchTrainArgs),
+    /// Checkpoint strategies side by side on a Criteo-shaped model (~2.3 GB at scale 1):
+    /// IncrCP and DECK experiments, disk bandwidth by dd; CSV, PNG plots, summary JSON.
+    Ckpt(BenchCkptArgs),
+    /// The cluster (2 servers, 2 workers by default) against the single-process trainer on
+    /// the same cores; RPC bytes per sample; checkpoint pause; SIGKILL to training resumed.
+    Cluster(BenchClusterArgs),
+    /// ECRec against no fault tolerance and against checkpoints on the same cluster and
+    /// data: normal-mode overhead (with and without 2PC), SIGKILL to the next step,
+    /// rebuild rate, recovery speed-up over checkpoints, memory overhead.
+    Ec(BenchEcArgs),
+    /// The CPR emulation study: full recovery, partial recovery and CPR (vanilla, SCAR,
+    /// MFU, SSU) under injected failures; AUC, PLS, checkpoint overhead, plots.
+    Cpr(cpr::BenchCprArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchTrainArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 30)]
+    pub steps: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub(crate) fn bench_train(a: BenchTrainArgs) -> Result<()> {
+    let config = load_config(&a.config, Vec::new())?;
+    let pb = bar((a.warmup + a.steps) as u64, "bench");
+    if a.json {
+        pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let r = bench::bench_train(&config, a.warmup, a.steps, |i| pb.set_position(i as u64))?;
+    pb.finish_and_clear();
+    if a.json {
+        return print_json(serde_json::to_value(&r)?);
+    }
+    outln!(
+        "batch {} on {} threads: median step {:.2} ms (p10 {:.2}, p90 {:.2}) = {:.0} samples/s; model {:.0} MiB, peak RSS {}",
+        r.batch_size,
+        r.threads,
+        r.step_ms_median,
+        r.step_ms_p10,
+        r.step_ms_p90,
+        r.samples_per_sec,
+        r.model_bytes as f64 / (1 << 20) as f64,
+        r.peak_rss_bytes.map_or("n/a".into(), |b| format!(
+            "{:.0} MiB",
+            b as f64 / (1 << 20) as f64
+        ))
+    );
+    Ok(())
+}
