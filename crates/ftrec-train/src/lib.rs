@@ -1,9 +1,7 @@
-//! Single-process training: the training loop over a binary dataset, evaluation, model
-//! snapshots, and the training benchmark. The configuration is `ftrec-config`'s.
+//! Single-process training: the training loop over a binary dataset, evaluation and model
+//! snapshots. The configuration is `ftrec-config`'s; the experiments built on it live in
+//! `ftrec-bench`.
 
-pub mod bench;
-pub mod bench_ckpt;
-pub mod cpr_study;
 mod error;
 pub mod snapshot;
 pub mod trainer;

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use ftrec_train::bench_ckpt::{CkptBenchConfig, CkptBenchReport, bench_ckpt};
+use ftrec_bench::ckpt::{CkptBenchConfig, CkptBenchReport, bench_ckpt};
 use plotters::prelude::*;
 use serde_json::json;
 
@@ -223,7 +223,7 @@ type Series = Vec<(String, Vec<(f64, f64)>)>;
 
 fn by_strategy(
     report: &CkptBenchReport,
-    value: impl Fn(&ftrec_train::bench_ckpt::CheckpointRow) -> Option<f64>,
+    value: impl Fn(&ftrec_bench::ckpt::CheckpointRow) -> Option<f64>,
 ) -> Series {
     report
         .summaries

@@ -5,10 +5,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::Args;
+use ftrec_bench::cpr_study::{CostOverrides, Strategy, StudyConfig, StudyReport, run_study};
 use ftrec_config::JobConfig;
 use ftrec_data::generate::{GenConfig, OutputFormat, read_meta};
 use ftrec_data::{Dataset, TEST_FILE, TRAIN_FILE};
-use ftrec_train::cpr_study::{CostOverrides, Strategy, StudyConfig, StudyReport, run_study};
 use plotters::prelude::*;
 
 use crate::commands::data::run_gen;

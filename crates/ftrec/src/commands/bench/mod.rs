@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use clap::{Args, Subcommand};
-use ftrec_train::bench;
+use ftrec_bench::train_step;
 
 use self::ckpt::BenchCkptArgs;
 use crate::commands::config::{ConfigArgs, load_config};
@@ -53,7 +53,7 @@ pub(crate) fn bench_train(a: BenchTrainArgs) -> Result<()> {
     if a.json {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let r = bench::bench_train(&config, a.warmup, a.steps, |i| pb.set_position(i as u64))?;
+    let r = train_step::bench_train(&config, a.warmup, a.steps, |i| pb.set_position(i as u64))?;
     pb.finish_and_clear();
     if a.json {
         return print_json(serde_json::to_value(&r)?);

@@ -9,8 +9,8 @@ use rand_distr::{Distribution, Zipf};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use serde::Serialize;
 
-use crate::TrainError;
 use ftrec_config::JobConfig;
+use ftrec_train::TrainError;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {

@@ -7,7 +7,7 @@ use rand::SeedableRng;
 use rand::seq::index::sample;
 use rand_xoshiro::Xoshiro256PlusPlus;
 
-use crate::TrainError;
+use ftrec_train::TrainError;
 
 /// Servers of `servers` a failure of `fraction` loses (0 when the fraction is not a whole
 /// number of servers, which the study refuses).

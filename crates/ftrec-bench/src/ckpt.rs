@@ -23,8 +23,8 @@ use rand_distr::{Distribution, Zipf};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use serde::Serialize;
 
-use crate::TrainError;
 use ftrec_config::JobConfig;
+use ftrec_train::TrainError;
 
 #[derive(Clone, Debug)]
 pub struct CkptBenchConfig {
@@ -245,7 +245,7 @@ struct Rig {
 
 impl Rig {
     fn new(config: &JobConfig) -> Result<Self, TrainError> {
-        let (pool, state, model) = crate::bench::fresh_model(config)?;
+        let (pool, state, model) = crate::train_step::fresh_model(config)?;
         Ok(Self {
             batch: Batch::with_tables(state.tables().len()),
             source: BatchSource::new(config, config.seed ^ 0x5eed)?,

@@ -13,7 +13,7 @@ use super::costs::copy_state;
 use super::failures::{Schedule, reset_servers, servers_lost};
 use super::report::{OverheadSeconds, RunResult};
 use super::{CostFrame, Strategy, StudyConfig};
-use crate::{Progress, TrainError, Trainer};
+use ftrec_train::{Progress, TrainError, Trainer};
 
 pub(super) struct Run<'a> {
     config: &'a StudyConfig,
@@ -97,7 +97,7 @@ impl<'a> Run<'a> {
     pub fn execute(self, train: &Dataset, test: &Dataset) -> Result<Outcome, TrainError> {
         let job = &self.config.job;
         let servers = self.config.servers;
-        let (pool, mut state, mut model) = crate::bench::fresh_model(job)?;
+        let (pool, mut state, mut model) = crate::train_step::fresh_model(job)?;
         let mc = state.config().clone();
         let table_rows: Vec<u32> = mc.table_rows.iter().map(|&r| r as u32).collect();
         let row_bytes = (mc.row_stride() * 4) as u64;

@@ -2,11 +2,11 @@
 //! Eq. 3 recomputed from the failure schedule, full recovery's rollback, checkpoint bytes,
 //! and determinism under a fixed seed.
 
+use ftrec_bench::cpr_study::failures::Schedule;
+use ftrec_bench::cpr_study::{CostOverrides, Strategy, StudyConfig, StudyReport, run_study};
 use ftrec_config::JobConfig;
 use ftrec_data::generate::{GenConfig, OutputFormat, generate};
 use ftrec_data::{Dataset, TEST_FILE, TRAIN_FILE};
-use ftrec_train::cpr_study::failures::Schedule;
-use ftrec_train::cpr_study::{CostOverrides, Strategy, StudyConfig, StudyReport, run_study};
 
 const BATCH: u64 = 64;
 
@@ -66,7 +66,7 @@ fn schedule_steps(config: &StudyConfig, total_steps: u64) -> Vec<u64> {
         .collect()
 }
 
-fn find(r: &StudyReport, s: Strategy, f: f64) -> &ftrec_train::cpr_study::RunResult {
+fn find(r: &StudyReport, s: Strategy, f: f64) -> &ftrec_bench::cpr_study::RunResult {
     r.runs
         .iter()
         .find(|x| x.strategy == s.name() && x.fraction == f)

@@ -21,8 +21,8 @@ use ftrec_config::{CprPriority, JobConfig};
 use ftrec_data::Dataset;
 use serde::Serialize;
 
-use crate::TrainError;
 pub use costs::{CostFrame, CostOverrides};
+use ftrec_train::TrainError;
 pub use report::{RunResult, StudyReport};
 
 /// The six strategies of §5.1.

@@ -19,7 +19,7 @@ use ftrec_model::ModelState;
 use serde::Serialize;
 
 use super::{StudyConfig, failures};
-use crate::TrainError;
+use ftrec_train::TrainError;
 
 /// Times the user gives instead of measured ones, in seconds of the job frame.
 #[derive(Clone, Debug, Default, PartialEq)]
