@@ -2,7 +2,7 @@
 """TorchRec on CPU, the same DLRM step that `ftrec bench train --preset tiny` times.
 
 What is matched (crates/ftrec-config/src/lib.rs `preset("tiny")`,
-crates/ftrec-train/src/bench.rs, crates/ftrec-model/src/{dlrm,mlp,interaction}.rs):
+crates/ftrec-bench/src/train_step.rs, crates/ftrec-model/src/dlrm.rs, crates/ftrec-model/src/layers/{mlp,interaction}.rs):
 
 - 26 tables x 100,000 rows x dim 64, one id per feature, sum pooling;
 - bottom MLP 13-512-256-64 with ReLU on every layer, the dot interaction over the
