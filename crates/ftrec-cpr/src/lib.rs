@@ -12,4 +12,4 @@ pub mod tables;
 
 pub use error::CprError;
 pub use formulas::{CostInputs, Decision, Pls, Recovery};
-pub use priority::{Prioritizer, build_prioritizer};
+pub use priority::{CprPriority, Prioritizer, build_prioritizer};

@@ -1,8 +1,6 @@
 //! Which tables prioritised saving applies to (cpr.txt §5.1: the 7 largest of 26 Kaggle
 //! tables, 99.6% of the rows; the rest are small enough to save in full every time).
 
-use ftrec_config::CprSection;
-
 /// Share of all rows the default set of prioritised tables holds at least.
 pub const DEFAULT_ROW_SHARE: f64 = 0.99;
 
@@ -25,11 +23,12 @@ pub fn largest_tables(table_rows: &[usize], share: f64) -> Vec<usize> {
     chosen
 }
 
-/// `cpr.tables`, or the default of [`largest_tables`] at [`DEFAULT_ROW_SHARE`].
-pub fn prioritized_tables(cpr: &CprSection, table_rows: &[usize]) -> Vec<usize> {
-    match &cpr.tables {
+/// The configured tables (`cpr.tables`), or the default of [`largest_tables`] at
+/// [`DEFAULT_ROW_SHARE`].
+pub fn prioritized_tables(configured: Option<&[usize]>, table_rows: &[usize]) -> Vec<usize> {
+    match configured {
         Some(list) => {
-            let mut list = list.clone();
+            let mut list = list.to_vec();
             list.sort_unstable();
             list
         }
@@ -51,9 +50,7 @@ mod tests {
         assert_eq!(largest_tables(&rows, 1.0), vec![0, 1, 2, 3]);
         // Equal sizes: lower index first.
         assert_eq!(largest_tables(&[5, 5, 5, 5], 0.5), vec![0, 1]);
-        let mut cpr = CprSection::default();
-        assert_eq!(prioritized_tables(&cpr, &rows), vec![1, 2, 3]);
-        cpr.tables = Some(vec![3, 0]);
-        assert_eq!(prioritized_tables(&cpr, &rows), vec![0, 3]);
+        assert_eq!(prioritized_tables(None, &rows), vec![1, 2, 3]);
+        assert_eq!(prioritized_tables(Some(&[3, 0]), &rows), vec![0, 3]);
     }
 }

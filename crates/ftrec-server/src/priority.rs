@@ -53,7 +53,7 @@ impl PriorityState {
             return None;
         }
         let global_rows = &shard.global_config().table_rows;
-        let chosen = ftrec_cpr::tables::prioritized_tables(&c.cpr, global_rows);
+        let chosen = ftrec_cpr::tables::prioritized_tables(c.cpr.tables.as_deref(), global_rows);
         let trackers = shard
             .state()
             .tables()

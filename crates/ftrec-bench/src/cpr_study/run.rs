@@ -110,7 +110,8 @@ impl<'a> Run<'a> {
         // it is not counted as a checkpoint written.
         let mut saved = state.clone();
         let mut saved_at = Position::default();
-        let prioritized = ftrec_cpr::tables::prioritized_tables(&job.cpr, &mc.table_rows);
+        let prioritized =
+            ftrec_cpr::tables::prioritized_tables(job.cpr.tables.as_deref(), &mc.table_rows);
         let mut selectors: Vec<Option<Box<dyn Prioritizer>>> = (0..mc.tables())
             .map(|t| {
                 let kind = self.strategy.and_then(Strategy::priority)?;

@@ -17,7 +17,9 @@ mod ssu;
 #[cfg(test)]
 mod tests;
 
-use ftrec_config::CprPriority;
+mod kind;
+pub use kind::CprPriority;
+
 use ftrec_model::EmbeddingTable;
 
 pub use mfu::Mfu;

@@ -1,4 +1,4 @@
-use ftrec_config::CprPriority;
+use crate::CprPriority;
 use ftrec_model::{EmbeddingTable, Optimizer};
 use proptest::prelude::*;
 
