@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use ftrec_ckpt::{Checkpointer, Checkpoints, Strategy};
+use ftrec_ckpt::{Checkpointer, Checkpoints, Strategy, StrategyConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::ConfigError;
@@ -136,7 +136,26 @@ impl CheckpointSection {
                 "checkpoint.incrcp_threshold = {r}: must be within 0..=1"
             )));
         }
+        self.strategy_config()?;
         Ok(())
+    }
+
+    /// The strategy this section asks for, complete and checked (`None`: no checkpoints).
+    pub fn strategy_config(&self) -> Result<Option<StrategyConfig>, ConfigError> {
+        let Some(strategy) = self.effective_strategy() else {
+            return Ok(None);
+        };
+        let full_every = self
+            .full_every
+            .unwrap_or_else(|| strategy.default_full_every());
+        StrategyConfig::new(
+            strategy,
+            full_every,
+            self.incrcp_threshold,
+            self.deck.clone(),
+        )
+        .map(Some)
+        .map_err(|e| ConfigError::Invalid(format!("checkpoint: {e}")))
     }
 
     /// The checkpointer this section asks for, writing through `checkpoints` (a handle
@@ -147,20 +166,9 @@ impl CheckpointSection {
         checkpoints: Checkpoints,
         tables: usize,
     ) -> Result<Option<Checkpointer>, ConfigError> {
-        let Some(strategy) = self.effective_strategy() else {
+        let Some(config) = self.strategy_config()? else {
             return Ok(None);
         };
-        Ok(Some(if strategy == Strategy::Deck {
-            Checkpointer::deck(checkpoints, tables, self.deck.clone())?
-        } else {
-            Checkpointer::with_threshold(
-                checkpoints,
-                strategy,
-                self.full_every
-                    .unwrap_or_else(|| strategy.default_full_every()),
-                tables,
-                self.incrcp_threshold,
-            )?
-        }))
+        Ok(Some(Checkpointer::start(checkpoints, config, tables)?))
     }
 }

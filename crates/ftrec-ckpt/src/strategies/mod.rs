@@ -1,6 +1,7 @@
 //! The checkpoint strategies (full, differential, naive-incremental, IncrCP, DECK), the
 //! delta tracker they share, and merging.
 
+pub(crate) mod config;
 pub mod deck;
 pub mod incrcp;
 pub(crate) mod incrcp_worker;

@@ -4,7 +4,6 @@
 use std::time::Instant;
 
 use ftrec_model::ModelState;
-use serde::{Deserialize, Serialize};
 
 use crate::deck::{DeckEvent, DeckOptions, Stager};
 use crate::incrcp;
@@ -12,54 +11,9 @@ use crate::incrcp_worker::{CommitReport, IncrcpWorker};
 use crate::manifest::{CheckpointKind, Manifest};
 use crate::manifest::{DeckRef, FileEntry};
 use crate::merge::MergeReport;
-use crate::{CHUNK_BYTES, Checkpoints, CkptError, DeltaTracker, TenantId};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Strategy {
-    /// Every checkpoint is full.
-    Full,
-    /// Rows changed since the last full baseline (Check-N-Run).
-    Differential,
-    /// Rows changed since the previous checkpoint; restore replays the chain.
-    NaiveIncremental,
-    /// Rows changed since the previous checkpoint, in IncrCP's 2-D chunk list: written in
-    /// the background, restored from one rectangle, baseline reset when cheaper.
-    Incrcp,
-    /// DECK: deltas staged through local disk in the background, merged hierarchically,
-    /// a new full checkpoint every N deltas or when the live deltas grow too large.
-    Deck,
-}
-
-impl Strategy {
-    pub const ALL: [Self; 5] = [
-        Self::Full,
-        Self::Differential,
-        Self::NaiveIncremental,
-        Self::Incrcp,
-        Self::Deck,
-    ];
-
-    /// The name used in configuration files, on the command line and in reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Full => "full",
-            Self::Differential => "differential",
-            Self::NaiveIncremental => "naive-incremental",
-            Self::Incrcp => "incrcp",
-            Self::Deck => "deck",
-        }
-    }
-
-    /// `checkpoint.full_every` when the user sets none: IncrCP decides its baseline
-    /// resets from measured costs, so it has no fixed cap.
-    pub fn default_full_every(self) -> u64 {
-        match self {
-            Strategy::Incrcp | Strategy::Deck => 0,
-            _ => 10,
-        }
-    }
-}
+use crate::{
+    CHUNK_BYTES, Checkpoints, CkptError, DeltaTracker, Strategy, StrategyConfig, TenantId,
+};
 
 /// IncrCP §4.5: before each checkpoint, assume a failure follows it and pick the kind
 /// with the shorter construction plus recovery time. A new baseline costs `C_base` (and
@@ -109,23 +63,25 @@ impl ResetModel {
     }
 }
 
-/// Takes checkpoints of a training run according to a [`Strategy`].
+/// Takes checkpoints of a training run according to a [`StrategyConfig`].
 pub struct Checkpointer {
     checkpoints: Checkpoints,
-    strategy: Strategy,
-    /// A full checkpoint every this many checkpoints (0: only the first).
-    full_every: u64,
     tracker: DeltaTracker,
     tenant: TenantId,
     last: Option<String>,
     baseline: Option<String>,
-    since_full: u64,
     /// Seconds spent in `track` and `compact`, to report the tracking overhead.
     tracking_seconds: f64,
-    incrcp: Option<IncrcpState>,
-    /// Size of the row chunks IncrCP copies increments into.
-    chunk_bytes: usize,
-    deck: Option<DeckState>,
+    mode: Mode,
+}
+
+/// Each strategy's own state.
+enum Mode {
+    Full,
+    Differential { full_every: u64, since_full: u64 },
+    NaiveIncremental { full_every: u64, since_full: u64 },
+    Incrcp(Box<IncrcpState>),
+    Deck(Box<DeckState>),
 }
 
 /// DECK's side of the checkpointer.
@@ -136,7 +92,7 @@ struct DeckState {
     last_delta_bytes: u64,
     /// Bytes of live deltas and merged checkpoints on the current base.
     live_bytes: u64,
-    pub stats: DeckStats,
+    stats: DeckStats,
 }
 
 /// What DECK did in this run.
@@ -155,6 +111,10 @@ pub struct DeckStats {
 
 /// IncrCP's side of the checkpointer: the background writer and the reset model.
 struct IncrcpState {
+    full_every: u64,
+    since_full: u64,
+    /// Size of the row chunks increments are copied into.
+    chunk_bytes: usize,
     worker: IncrcpWorker,
     column: u32,
     reset: ResetModel,
@@ -162,8 +122,64 @@ struct IncrcpState {
     baselines: u32,
 }
 
+/// A full checkpoint is due after `since_full` deltas under a cap of `full_every`.
+fn cap_reached(full_every: u64, since_full: u64) -> bool {
+    full_every > 0 && since_full + 1 >= full_every
+}
+
 impl Checkpointer {
-    /// A checkpointer with IncrCP's default extraction threshold.
+    /// A checkpointer for `tables` tables, writing to `checkpoints`.
+    pub fn start(
+        checkpoints: Checkpoints,
+        config: StrategyConfig,
+        tables: usize,
+    ) -> Result<Self, CkptError> {
+        let mut tracker = DeltaTracker::new(tables);
+        let tenant = tracker.register("checkpointer");
+        let mode = match config {
+            StrategyConfig::Full => Mode::Full,
+            StrategyConfig::Differential { full_every } => Mode::Differential {
+                full_every,
+                since_full: 0,
+            },
+            StrategyConfig::NaiveIncremental { full_every } => Mode::NaiveIncremental {
+                full_every,
+                since_full: 0,
+            },
+            StrategyConfig::Incrcp {
+                full_every,
+                threshold,
+            } => Mode::Incrcp(Box::new(IncrcpState {
+                full_every,
+                since_full: 0,
+                chunk_bytes: CHUNK_BYTES,
+                worker: IncrcpWorker::spawn(checkpoints.clone(), threshold.get())?,
+                column: 0,
+                reset: ResetModel::default(),
+                reports: Vec::new(),
+                baselines: 0,
+            })),
+            StrategyConfig::Deck(options) => Mode::Deck(Box::new(DeckState {
+                stager: Stager::start(checkpoints.clone(), &options)?,
+                options,
+                deltas_since_full: 0,
+                last_delta_bytes: 0,
+                live_bytes: 0,
+                stats: DeckStats::default(),
+            })),
+        };
+        Ok(Self {
+            checkpoints,
+            tracker,
+            tenant,
+            last: None,
+            baseline: None,
+            tracking_seconds: 0.0,
+            mode,
+        })
+    }
+
+    /// `strategy` with `full_every` and IncrCP's default threshold (DECK's defaults).
     pub fn new(
         checkpoints: Checkpoints,
         strategy: Strategy,
@@ -187,134 +203,113 @@ impl Checkpointer {
         tables: usize,
         threshold: f64,
     ) -> Result<Self, CkptError> {
-        if !(0.0..=1.0).contains(&threshold) {
-            return Err(CkptError::Invalid(format!(
-                "incrcp threshold R = {threshold}: must be within 0..=1"
-            )));
-        }
-        let mut tracker = DeltaTracker::new(tables);
-        let tenant = tracker.register("checkpointer");
-        let incrcp = match strategy {
-            Strategy::Incrcp => Some(IncrcpState {
-                worker: IncrcpWorker::spawn(checkpoints.clone(), threshold)?,
-                column: 0,
-                reset: ResetModel::default(),
-                reports: Vec::new(),
-                baselines: 0,
-            }),
-            _ => None,
-        };
-        Ok(Self {
-            checkpoints,
-            strategy,
-            full_every,
-            tracker,
-            tenant,
-            last: None,
-            baseline: None,
-            since_full: 0,
-            tracking_seconds: 0.0,
-            incrcp,
-            chunk_bytes: CHUNK_BYTES,
-            deck: None,
-        })
+        let config = StrategyConfig::new(strategy, full_every, threshold, DeckOptions::default())?;
+        Self::start(checkpoints, config, tables)
     }
 
-    /// A DECK checkpointer. `full_every` is ignored: DECK's full interval is
-    /// `options.full_every_deltas` and `options.live_factor`.
+    /// A DECK checkpointer; its full interval is `options.full_every_deltas` and
+    /// `options.live_factor`.
     pub fn deck(
         checkpoints: Checkpoints,
         tables: usize,
         options: DeckOptions,
     ) -> Result<Self, CkptError> {
-        let stager = Stager::start(checkpoints.clone(), &options)?;
-        let mut ck = Self::new(checkpoints, Strategy::Deck, 0, tables)?;
-        ck.chunk_bytes = options.chunk_bytes;
-        ck.deck = Some(DeckState {
-            stager,
-            options,
-            deltas_since_full: 0,
-            last_delta_bytes: 0,
-            live_bytes: 0,
-            stats: DeckStats::default(),
-        });
-        Ok(ck)
+        let config = StrategyConfig::new(Strategy::Deck, 0, incrcp::DEFAULT_THRESHOLD, options)?;
+        Self::start(checkpoints, config, tables)
     }
 
     /// Waits until every checkpoint is committed and DECK's merger is idle.
     pub fn flush_background(&mut self) -> Result<(), CkptError> {
-        match &mut self.deck {
-            Some(d) => {
+        match &mut self.mode {
+            Mode::Deck(d) => {
                 let events = d.stager.wait_idle();
                 self.absorb_deck(events)
             }
-            None => self.flush(),
+            _ => self.flush(),
         }
     }
 
     /// What DECK did so far (after the last `flush` or `checkpoint`).
     pub fn deck_stats(&self) -> Option<DeckStats> {
-        self.deck.as_ref().map(|d| DeckStats {
-            peak_resident_chunks: d.stager.peak_resident_chunks(),
-            ..d.stats.clone()
-        })
+        match &self.mode {
+            Mode::Deck(d) => Some(DeckStats {
+                peak_resident_chunks: d.stager.peak_resident_chunks(),
+                ..d.stats.clone()
+            }),
+            _ => None,
+        }
     }
 
-    /// Sets the size of IncrCP's increment chunks (smaller chunks give the key-range
-    /// filter more to work with, at more objects per checkpoint).
+    /// Sets the size of the chunks IncrCP copies increments into and DECK stages
+    /// (smaller chunks give IncrCP's key-range filter more to work with, at more objects
+    /// per checkpoint). The other strategies write the engine's chunks.
     pub fn set_chunk_bytes(&mut self, bytes: usize) {
-        self.chunk_bytes = bytes.max(1);
+        match &mut self.mode {
+            Mode::Incrcp(i) => i.chunk_bytes = bytes.max(1),
+            Mode::Deck(d) => d.options.chunk_bytes = bytes.max(1),
+            _ => {}
+        }
     }
 
     /// Tells IncrCP's reset model how fast checkpoints are read back (measured by a
     /// restore), instead of assuming the baseline's write speed.
     pub fn set_read_bandwidth(&mut self, bytes_per_second: f64) {
-        if let Some(i) = &mut self.incrcp {
+        if let Mode::Incrcp(i) = &mut self.mode {
             i.reset.read_bytes_per_second = Some(bytes_per_second);
         }
     }
 
     /// Reports of committed IncrCP increments, oldest first.
     pub fn incrcp_reports(&self) -> &[CommitReport] {
-        self.incrcp.as_ref().map_or(&[], |i| &i.reports)
+        match &self.mode {
+            Mode::Incrcp(i) => &i.reports,
+            _ => &[],
+        }
     }
 
     /// Number of IncrCP baselines (full checkpoints) written.
     pub fn incrcp_baselines(&self) -> u32 {
-        self.incrcp.as_ref().map_or(0, |i| i.baselines)
+        match &self.mode {
+            Mode::Incrcp(i) => i.baselines,
+            _ => 0,
+        }
     }
 
     /// Takes in, without waiting, what the background writers finished: a write that
     /// failed is reported here. A caller that wants to know whether a checkpoint is
     /// committed looks for its manifest (a DECK merge may have replaced a delta since).
     pub fn poll(&mut self) -> Result<(), CkptError> {
-        if let Some(d) = &mut self.deck {
-            let events = d.stager.poll();
-            return self.absorb_deck(events);
+        match &mut self.mode {
+            Mode::Deck(d) => {
+                let events = d.stager.poll();
+                self.absorb_deck(events)
+            }
+            Mode::Incrcp(i) => {
+                let reports = i.worker.poll();
+                self.absorb(reports)
+            }
+            _ => Ok(()),
         }
-        let Some(i) = &mut self.incrcp else {
-            return Ok(());
-        };
-        let reports = i.worker.poll();
-        self.absorb(reports)
     }
 
     /// Waits until every checkpoint taken so far is committed. A background write that
     /// failed is reported here (or by the next `checkpoint`).
     pub fn flush(&mut self) -> Result<(), CkptError> {
-        if let Some(d) = &mut self.deck {
-            let events = d.stager.wait_committed();
-            return self.absorb_deck(events);
+        match &mut self.mode {
+            Mode::Deck(d) => {
+                let events = d.stager.wait_committed();
+                self.absorb_deck(events)
+            }
+            Mode::Incrcp(i) => {
+                let reports = i.worker.wait_idle();
+                self.absorb(reports)
+            }
+            _ => Ok(()),
         }
-        let Some(i) = &mut self.incrcp else {
-            return Ok(());
-        };
-        let reports = i.worker.wait_idle();
-        self.absorb(reports)
     }
 
     fn absorb_deck(&mut self, events: Vec<Result<DeckEvent, CkptError>>) -> Result<(), CkptError> {
-        let Some(d) = &mut self.deck else {
+        let Mode::Deck(d) = &mut self.mode else {
             return Ok(());
         };
         let mut first_error = None;
@@ -346,7 +341,7 @@ impl Checkpointer {
     }
 
     fn absorb(&mut self, reports: Vec<Result<CommitReport, CkptError>>) -> Result<(), CkptError> {
-        let Some(i) = &mut self.incrcp else {
+        let Mode::Incrcp(i) = &mut self.mode else {
             return Ok(());
         };
         let mut first_error = None;
@@ -371,12 +366,18 @@ impl Checkpointer {
     }
 
     pub fn strategy(&self) -> Strategy {
-        self.strategy
+        match self.mode {
+            Mode::Full => Strategy::Full,
+            Mode::Differential { .. } => Strategy::Differential,
+            Mode::NaiveIncremental { .. } => Strategy::NaiveIncremental,
+            Mode::Incrcp(_) => Strategy::Incrcp,
+            Mode::Deck(_) => Strategy::Deck,
+        }
     }
 
     /// Records the rows of `table` a step updated (a no-op for the full strategy).
     pub fn track(&mut self, table: usize, rows: &[u32]) {
-        if self.strategy != Strategy::Full {
+        if !matches!(self.mode, Mode::Full) {
             let t = Instant::now();
             self.tracker.track(table, rows);
             self.tracking_seconds += t.elapsed().as_secs_f64();
@@ -385,7 +386,7 @@ impl Checkpointer {
 
     /// De-duplicates tracked rows; call every few steps to bound memory.
     pub fn compact(&mut self) {
-        if self.strategy != Strategy::Full {
+        if !matches!(self.mode, Mode::Full) {
             let t = Instant::now();
             self.tracker.compact();
             self.tracking_seconds += t.elapsed().as_secs_f64();
@@ -404,42 +405,78 @@ impl Checkpointer {
         step: u64,
         trainer: serde_json::Value,
     ) -> Result<Manifest, CkptError> {
-        if self.strategy == Strategy::Incrcp {
-            return self.checkpoint_incrcp(state, step, trainer);
-        }
-        if self.strategy == Strategy::Deck {
-            return self.checkpoint_deck(state, step, trainer);
-        }
-        let need_full = self.strategy == Strategy::Full
-            || self.baseline.is_none()
-            || (self.full_every > 0 && self.since_full + 1 >= self.full_every);
-        let manifest = if need_full {
-            let m = self.checkpoints.write_full(state, step, trainer)?;
-            self.tracker.take(self.tenant);
-            self.baseline = Some(m.id.clone());
-            self.since_full = 0;
-            m
-        } else {
-            let (kind, rows, parent) = match self.strategy {
-                Strategy::Differential => (
+        let manifest = match &mut self.mode {
+            Mode::Incrcp(_) => return self.checkpoint_incrcp(state, step, trainer),
+            Mode::Deck(_) => return self.checkpoint_deck(state, step, trainer),
+            Mode::Full => self.write_baseline(state, step, trainer)?,
+            Mode::Differential {
+                full_every,
+                since_full,
+            }
+            | Mode::NaiveIncremental {
+                full_every,
+                since_full,
+            } if self.baseline.is_none() || cap_reached(*full_every, *since_full) => {
+                *since_full = 0;
+                self.write_baseline(state, step, trainer)?
+            }
+            Mode::Differential { since_full, .. } => {
+                *since_full += 1;
+                let rows = self.tracker.peek(self.tenant);
+                let parent = self.baseline.clone();
+                self.write_delta(
+                    state,
+                    step,
                     CheckpointKind::Differential,
-                    self.tracker.peek(self.tenant),
-                    self.baseline.clone(),
-                ),
-                _ => (
+                    &rows,
+                    parent,
+                    trainer,
+                )?
+            }
+            Mode::NaiveIncremental { since_full, .. } => {
+                *since_full += 1;
+                let rows = self.tracker.take(self.tenant);
+                let parent = self.last.clone();
+                self.write_delta(
+                    state,
+                    step,
                     CheckpointKind::NaiveIncremental,
-                    self.tracker.take(self.tenant),
-                    self.last.clone(),
-                ),
-            };
-            let parent = parent
-                .ok_or_else(|| CkptError::Invalid("delta checkpoint without a parent".into()))?;
-            self.since_full += 1;
-            self.checkpoints
-                .write(state, step, kind, Some(&rows), vec![parent], trainer)?
+                    &rows,
+                    parent,
+                    trainer,
+                )?
+            }
         };
         self.last = Some(manifest.id.clone());
         Ok(manifest)
+    }
+
+    /// A full checkpoint that starts a new baseline: the tracked rows are covered by it.
+    fn write_baseline(
+        &mut self,
+        state: &ModelState,
+        step: u64,
+        trainer: serde_json::Value,
+    ) -> Result<Manifest, CkptError> {
+        let m = self.checkpoints.write_full(state, step, trainer)?;
+        self.tracker.take(self.tenant);
+        self.baseline = Some(m.id.clone());
+        Ok(m)
+    }
+
+    fn write_delta(
+        &self,
+        state: &ModelState,
+        step: u64,
+        kind: CheckpointKind,
+        rows: &[Vec<u32>],
+        parent: Option<String>,
+        trainer: serde_json::Value,
+    ) -> Result<Manifest, CkptError> {
+        let parent =
+            parent.ok_or_else(|| CkptError::Invalid("delta checkpoint without a parent".into()))?;
+        self.checkpoints
+            .write(state, step, kind, Some(rows), vec![parent], trainer)
     }
 
     /// IncrCP: a new baseline when the reset model prefers one (or `full_every` asks);
@@ -451,27 +488,24 @@ impl Checkpointer {
         step: u64,
         trainer: serde_json::Value,
     ) -> Result<Manifest, CkptError> {
-        let polled = match &mut self.incrcp {
-            Some(i) => i.worker.poll(),
-            None => return Err(CkptError::Invalid("incrcp state missing".into())),
+        self.poll()?;
+        let Mode::Incrcp(i) = &self.mode else {
+            return Err(CkptError::Invalid(
+                "incrcp checkpoint of another strategy".into(),
+            ));
         };
-        self.absorb(polled)?;
-        let cap = self.full_every > 0 && self.since_full + 1 >= self.full_every;
-        let prefers = self
-            .incrcp
-            .as_ref()
-            .is_some_and(|i| i.reset.prefers_baseline());
-        if self.baseline.is_none() || cap || prefers {
+        let reset = self.baseline.is_none()
+            || cap_reached(i.full_every, i.since_full)
+            || i.reset.prefers_baseline();
+        if reset {
             // Finish the old chain first: its extraction rounds must not race the reset.
             self.flush()?;
             let start = Instant::now();
-            let m = self.checkpoints.write_full(state, step, trainer)?;
+            let m = self.write_baseline(state, step, trainer)?;
             let seconds = start.elapsed().as_secs_f64();
-            self.tracker.take(self.tenant);
-            self.baseline = Some(m.id.clone());
             self.last = Some(m.id.clone());
-            self.since_full = 0;
-            if let Some(i) = &mut self.incrcp {
+            if let Mode::Incrcp(i) = &mut self.mode {
+                i.since_full = 0;
                 i.reset.new_baseline(seconds, m.bytes());
                 i.column = 0;
                 i.baselines += 1;
@@ -485,21 +519,24 @@ impl Checkpointer {
             .baseline
             .clone()
             .ok_or_else(|| CkptError::Invalid("incrcp increment without a baseline".into()))?;
-        let Some(i) = &mut self.incrcp else {
-            return Err(CkptError::Invalid("incrcp state missing".into()));
+        let id = self.checkpoints.id_for(step, CheckpointKind::Incrcp);
+        let Mode::Incrcp(i) = &mut self.mode else {
+            return Err(CkptError::Invalid(
+                "incrcp checkpoint of another strategy".into(),
+            ));
         };
         let place = incrcp::IncrementPlace {
-            id: self.checkpoints.id_for(step, CheckpointKind::Incrcp),
+            id,
             step,
             baseline: &baseline,
             column: i.column,
         };
-        let inc = incrcp::copy_increment(state, place, &rows, trainer, self.chunk_bytes)?;
+        let inc = incrcp::copy_increment(state, place, &rows, trainer, i.chunk_bytes)?;
         let manifest = inc.manifest.clone();
         i.worker.submit(inc, state.tables().len())?;
         i.column += 1;
         i.reset.incr_seconds = Some(start.elapsed().as_secs_f64());
-        self.since_full += 1;
+        i.since_full += 1;
         self.last = Some(manifest.id.clone());
         Ok(manifest)
     }
@@ -513,19 +550,18 @@ impl Checkpointer {
         step: u64,
         trainer: serde_json::Value,
     ) -> Result<Manifest, CkptError> {
-        let events = match &mut self.deck {
-            Some(d) => d.stager.poll(),
-            None => return Err(CkptError::Invalid("deck state missing".into())),
-        };
-        self.absorb_deck(events)?;
-        let Some(d) = &mut self.deck else {
-            return Err(CkptError::Invalid("deck state missing".into()));
+        self.poll()?;
+        let Mode::Deck(d) = &mut self.mode else {
+            return Err(CkptError::Invalid(
+                "deck checkpoint of another strategy".into(),
+            ));
         };
         let o = &d.options;
         let due = (o.full_every_deltas > 0 && d.deltas_since_full >= o.full_every_deltas)
             || (o.live_factor > 0.0
                 && d.last_delta_bytes > 0
                 && d.live_bytes as f64 > o.live_factor * d.last_delta_bytes as f64);
+        let chunk_bytes = o.chunk_bytes;
         let checkpoints = &self.checkpoints;
         let template = |kind, parents, deck| Manifest {
             id: checkpoints.id_for(step, kind),
@@ -554,7 +590,7 @@ impl Checkpointer {
                     state,
                     template(CheckpointKind::Full, Vec::new(), None),
                     None,
-                    self.chunk_bytes,
+                    chunk_bytes,
                 )?;
                 self.baseline = Some(m.id.clone());
                 d.deltas_since_full = 0;
@@ -574,7 +610,7 @@ impl Checkpointer {
                     state,
                     template(CheckpointKind::Delta, vec![base], Some(deck)),
                     Some(&rows),
-                    self.chunk_bytes,
+                    chunk_bytes,
                 )?;
                 d.deltas_since_full = k;
                 d.last_delta_bytes = m.bytes();
