@@ -2,7 +2,9 @@
 //! resolution), decided under the lock and run by `tasks` after releasing it.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::planner::{self, Cause, RecoveryAction, Situation};
 use crate::tasks::run_task;
@@ -71,15 +73,16 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
 /// kernel at once), so that server is dead now, not after its heartbeats time out. A
 /// probe that gets no answer either way decides nothing; the heartbeats still do.
 async fn probe_servers(shared: Arc<Shared>, targets: Vec<(usize, String)>) {
-    let probes = targets.into_iter().map(|(id, address)| async move {
-        let attempt = tokio::time::timeout(
-            Duration::from_millis(300),
-            tokio::net::TcpStream::connect(address.as_str()),
-        )
-        .await;
-        let refused =
-            matches!(attempt, Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused);
-        (id, address, refused)
+    let network = shared.job.network().clone();
+    let probes = targets.into_iter().map(|(id, address)| {
+        let network = network.clone();
+        async move {
+            let attempt =
+                tokio::time::timeout(Duration::from_millis(300), network.connect(&address)).await;
+            let refused =
+                matches!(attempt, Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused);
+            (id, address, refused)
+        }
     });
     for (id, address, refused) in futures::future::join_all(probes).await {
         if !refused {
@@ -132,7 +135,14 @@ fn detect_failures(shared: &Shared, s: &mut State) {
         );
         s.failed.push((id, t));
         s.suspect_until = None;
-        if !c.ft.checkpoints() || s.cpr.as_ref().is_some_and(|cpr| cpr.partial()) {
+        // `ec+checkpoint` rebuilds a lost server from the survivors and keeps its state
+        // too; it rolls back only when more of a group is lost than the code rebuilds, and
+        // that rewind clears the orphans. (Forgetting its steps in flight here lost them
+        // for good: found by the simulated cluster, `ftrec-sim`.)
+        let keeps_state = !c.ft.checkpoints()
+            || c.ft.erasure_coded()
+            || s.cpr.as_ref().is_some_and(|cpr| cpr.partial());
+        if keeps_state {
             // The run keeps its state: steps in flight are resolved after recovery (granted
             // again, or settled where every server applied them).
             s.steps.orphan_outstanding();

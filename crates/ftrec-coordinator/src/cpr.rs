@@ -3,7 +3,9 @@
 //! choice (Eq. 1 against Eq. 2), made once the first checkpoint has measured `O_save`.
 //! The arithmetic lives in `ftrec-cpr`; this file feeds it what the cluster measured.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use ftrec_cpr::{CostInputs, Decision, Pls, Recovery};
 

@@ -25,7 +25,9 @@ mod sim_tests;
 mod tasks;
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use serde::Serialize;
 use tokio::sync::watch;
@@ -232,6 +234,9 @@ pub struct Shared {
 pub struct RunSummary {
     pub steps: u64,
     pub samples: u64,
+    /// Samples whose updates a lost shard no longer holds, summed over shards: under
+    /// `none` all a replaced shard had trained, under `partial` what it trained since its
+    /// cut. 0 in the exact modes.
     pub lost_samples: u64,
     pub train_seconds: f64,
     pub samples_per_sec: f64,
@@ -562,7 +567,8 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
     } else {
         c.train.epochs * schedule.batches_per_epoch()
     };
-    let (listener, address) = ftrec_proto::client::bind(&opts.host, opts.port).await?;
+    let network = job.network().clone();
+    let (incoming, address) = network.bind(&opts.host, opts.port).await?;
     let metrics = Arc::new(
         Metrics::new("role=\"coordinator\"".into())
             .counter("ftrec_samples_total", "Samples trained")
@@ -580,7 +586,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
                 "Portion of lost samples (partial recovery, CPR Eq. 3)",
             ),
     );
-    let metrics_address = metrics::start(&opts.host, metrics.clone()).await;
+    let metrics_address = metrics::start(&network, &opts.host, metrics.clone()).await;
     let (done_tx, done_rx) = watch::channel(false);
     let cluster = &c.cluster;
     let shared = Arc::new(Shared {
@@ -635,7 +641,6 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         CoordinatorServer::new(service::Service(shared.clone())),
         shared.job.secret().checker(),
     );
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let mut builder = ftrec_proto::auth::server_builder(&shared.job)?;
     tokio::spawn(async move {
         if let Err(e) = builder

@@ -4,7 +4,9 @@
 //! and the run's record of each recovery.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::planner::RecoveryAction;
 use crate::{Phase, Recovery, Shared, State};
@@ -225,6 +227,49 @@ fn account_partial_restore(shared: &Shared, s: &mut State, action: &RecoveryActi
     }
 }
 
+/// Counts the samples whose updates a lost shard no longer holds, summed over the shards:
+/// under `none` everything a replaced shard had trained (it starts over from its initial
+/// state), under partial recovery what it trained since the cut it reloads. Exact modes
+/// lose nothing (a rollback retrains, counted in `steps_rolled_back`).
+fn account_lost_samples(shared: &Shared, s: &mut State, action: &RecoveryAction) {
+    let schedule = shared.schedule;
+    let settled_before = |next_step: u64, unsettled: &[u64]| {
+        let in_flight: u64 = unsettled.iter().map(|&u| schedule.batch(u).1).sum();
+        schedule.samples_before(next_step).saturating_sub(in_flight)
+    };
+    let (per_shard, shards) = match action {
+        RecoveryAction::KeepState {
+            next_step,
+            unsettled,
+        } if shared.job.config.cluster.ft == ftrec_config::FaultTolerance::None => {
+            let mut lost: Vec<usize> = s.failed.iter().map(|&(server, _)| server).collect();
+            lost.sort_unstable();
+            lost.dedup();
+            (settled_before(*next_step, unsettled), lost.len() as u64)
+        }
+        RecoveryAction::PartialRestore {
+            servers,
+            cut,
+            next_step,
+            unsettled,
+        } => (
+            settled_before(*next_step, unsettled)
+                .saturating_sub(schedule.samples_before(cut.unwrap_or(0))),
+            servers.len() as u64,
+        ),
+        _ => return,
+    };
+    let lost = per_shard * shards;
+    if lost > 0 {
+        s.lost_samples += lost;
+        shared.metrics.add("ftrec_lost_samples_total", lost);
+        s.timeline.event(
+            EventKind::SamplesLost,
+            format!("{shards} shard(s) lost the updates of {per_shard} samples each"),
+        );
+    }
+}
+
 /// Runs `server`'s rebuild and follows its progress stream: with `report`, a
 /// `rebuild-progress` event at each quarter of its tables. Returns the totals, or, for a
 /// background rebuild, the first reply (`serving`) and the rest of the stream.
@@ -413,6 +458,7 @@ pub(super) async fn recover(
     s.recover_after = None;
     s.lost_in_a_row = 0;
     account_partial_restore(shared, &mut s, &action);
+    account_lost_samples(shared, &mut s, &action);
     if matches!(action, RecoveryAction::PartialRestore { .. }) {
         // CPR's O_load and O_res, measured: the reload calls, and detection to the start
         // of this recovery (the replacement had joined).

@@ -1,7 +1,9 @@
 //! The coordinator's RPCs: join, heartbeat, step grants, placement, kill.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use tonic::{Request, Response, Status};
 

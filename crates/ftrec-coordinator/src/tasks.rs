@@ -2,7 +2,9 @@
 //! consistent cuts and CPR's prioritised saves (and pruning what is no longer kept), and
 //! resolving the steps of dead workers. Recoveries run in `recovery.rs`.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::control::Task;
 use crate::ledger::{Applied, Resolution};

@@ -3,7 +3,7 @@
 //! `ftrec` binary plots it like ECRec's Fig. 6).
 
 use std::path::Path;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
@@ -51,6 +51,7 @@ event_kinds! {
     RebuildEnd => "rebuild-end",
     Degraded => "degraded",
     PartialRestore => "partial-restore",
+    SamplesLost => "samples-lost",
     CheckpointStart => "checkpoint-start",
     CheckpointEnd => "checkpoint-end",
     CheckpointFailed => "checkpoint-failed",

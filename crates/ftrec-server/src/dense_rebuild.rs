@@ -4,7 +4,7 @@
 //! parity rows from the members' restored ranges, never from other parity rows (those
 //! are being re-derived at the same time).
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use ftrec_ec::DenseParitySlot;
 
@@ -61,7 +61,7 @@ fn agree(
 impl Core {
     pub(super) async fn rebuild_coded_dense(
         &self,
-        clients: &HashMap<usize, ServerClient>,
+        clients: &BTreeMap<usize, ServerClient>,
         epoch: u64,
         global: &ftrec_model::ModelConfig,
         parity_only: bool,
@@ -96,7 +96,7 @@ impl Core {
         };
         let mut applied = None;
         let mut bytes = 0u64;
-        let mut decoded: HashMap<usize, Vec<Option<Vec<u8>>>> = HashMap::new();
+        let mut decoded: BTreeMap<usize, Vec<Option<Vec<u8>>>> = BTreeMap::new();
         for &j in &needed {
             let mut rows: Vec<Option<Vec<u8>>> = Vec::with_capacity(k + r);
             for (i, member) in stripes.dense_members(g, j).into_iter().enumerate() {

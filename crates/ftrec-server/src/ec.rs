@@ -13,7 +13,7 @@
 //!   everything prepared or staged in older epochs: no staged update stays behind. A server that dies in phase 2 loses nothing: its parity holders and
 //!   dense replica commit the step, and the rebuild decodes its rows with it.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ftrec_ec::{Codec, StripeLayout};
@@ -99,7 +99,7 @@ impl ParityPropagator {
     /// The request to parity holder `server` for `step`, started empty if new.
     fn request_to<'a>(
         &self,
-        out: &'a mut HashMap<usize, ParityUpdateRequest>,
+        out: &'a mut BTreeMap<usize, ParityUpdateRequest>,
         server: usize,
         epoch: u64,
         step: u64,
@@ -114,8 +114,8 @@ impl ParityPropagator {
     }
 
     /// One request per parity holder: slots, coefficients and differences.
-    fn requests(&self, staged: &StagedUpdate, epoch: u64) -> HashMap<usize, ParityUpdateRequest> {
-        let mut out: HashMap<usize, ParityUpdateRequest> = HashMap::new();
+    fn requests(&self, staged: &StagedUpdate, epoch: u64) -> BTreeMap<usize, ParityUpdateRequest> {
+        let mut out: BTreeMap<usize, ParityUpdateRequest> = BTreeMap::new();
         let r = self.stripes.params.r;
         let mut delta = Vec::new();
         for rows in staged.rows() {
@@ -123,7 +123,7 @@ impl ParityPropagator {
             let row_bytes = stride * 4;
             let old: &[u8] = bytemuck::cast_slice(&rows.old);
             let new: &[u8] = bytemuck::cast_slice(&rows.new);
-            let mut per_holder: HashMap<usize, HolderDeltas> = HashMap::new();
+            let mut per_holder: BTreeMap<usize, HolderDeltas> = BTreeMap::new();
             for (n, &g) in rows.globals.iter().enumerate() {
                 let span = n * row_bytes..(n + 1) * row_bytes;
                 if old[span.clone()] == new[span.clone()] {
@@ -224,15 +224,15 @@ struct Prepared {
 /// Parity differences staged for a step, from any data server.
 struct StagedParity {
     epoch: u64,
-    at: std::time::Instant,
+    at: tokio::time::Instant,
     request: ParityUpdateRequest,
 }
 
 /// The erasure-coding state of a server beside its shard.
 #[derive(Default)]
 pub(super) struct EcState {
-    prepared: Mutex<HashMap<u64, Prepared>>,
-    staged_parity: Mutex<HashMap<u64, Vec<StagedParity>>>,
+    prepared: Mutex<BTreeMap<u64, Prepared>>,
+    staged_parity: Mutex<BTreeMap<u64, Vec<StagedParity>>>,
     /// One-round mode: the (source, step, epoch) of recent folds, so a retried update is
     /// not folded twice (XOR would cancel it).
     folded: Mutex<std::collections::VecDeque<(u32, u64, u64)>>,
@@ -340,7 +340,7 @@ impl Core {
             entries.retain(|s| !(s.request.source == req.source && s.epoch == req.epoch));
             entries.push(StagedParity {
                 epoch: req.epoch,
-                at: std::time::Instant::now(),
+                at: tokio::time::Instant::now(),
                 request: req,
             });
             return Ok(());

@@ -16,7 +16,9 @@ mod service;
 pub mod shard;
 
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use ftrec_ckpt::{Checkpoints, open_store};
 use tokio::sync::{Notify, watch};
@@ -206,10 +208,11 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let job = opts.job;
     let layout = job.layout()?;
     let cluster = job.config.cluster.clone();
-    let (listener, address) = ftrec_proto::client::bind(&opts.host, 0).await?;
+    let network = job.network().clone();
+    let (incoming, address) = network.bind(&opts.host, 0).await?;
     let label = opts.id.map_or("spare".to_string(), |i| i.to_string());
     let metrics = Arc::new(server_metrics(&label));
-    let metrics_address = metrics::start(&opts.host, metrics.clone())
+    let metrics_address = metrics::start(&network, &opts.host, metrics.clone())
         .await
         .unwrap_or_default();
     let mut coordinator = job.connector()?.coordinator(&opts.coordinator).await?;
@@ -219,7 +222,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             id: opts.id.unwrap_or(0) as u32,
             address: address.clone(),
             fingerprint: job.fingerprint(),
-            pid: std::process::id(),
+            pid: network.pid(),
             metrics_address,
             spare: opts.id.is_none(),
         })
@@ -254,15 +257,15 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     // An erasure-coded slot taken after a failure (or by a spare) is rebuilt from the
     // survivors before it serves: generating the initial tables would be wasted time.
     let replacement = c.cluster.ft.erasure_coded() && (joined.epoch > 1 || opts.id.is_none());
-    let shard = tokio::task::spawn_blocking(move || {
-        if replacement {
-            Shard::awaiting_rebuild(&model, seed, host_layout, id)
-        } else {
-            Shard::initial(&model, seed, host_layout, id)
-        }
-    })
-    .await
-    .map_err(|e| PsError::Internal(e.to_string()));
+    let shard = network
+        .blocking(move || {
+            if replacement {
+                Shard::awaiting_rebuild(&model, seed, host_layout, id)
+            } else {
+                Shard::initial(&model, seed, host_layout, id)
+            }
+        })
+        .await;
     starting.abort();
     let shard = shard??;
     let checkpoints = match &c.checkpoint.dir {
@@ -332,7 +335,6 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             .max_encoding_message_size(usize::MAX),
         job.secret().checker(),
     );
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let serve_stop = stop.clone();
     let mut builder = ftrec_proto::auth::server_builder(&job)?;
     let serving = tokio::spawn(async move {

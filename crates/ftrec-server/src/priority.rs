@@ -10,7 +10,7 @@
 //! rows (workers aggregate a row's gradient over the batch before pushing).
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use tokio::time::Instant;
 
 use ftrec_ckpt::{CheckpointKind, Checkpoints, Manifest};
 use ftrec_cpr::Prioritizer;

@@ -4,8 +4,8 @@
 //! that range's primary). Training is held by the coordinator meanwhile; the rebuilt
 //! state is bit-identical to the lost one because the code works on the rows' bytes.
 
-use std::collections::HashMap;
-use std::time::Instant;
+use std::collections::BTreeMap;
+use tokio::time::Instant;
 
 use ftrec_ec::Codec;
 use ftrec_model::{EmbeddingTable, ModelState};
@@ -22,11 +22,11 @@ use ftrec_proto::wire::bytes_to_f32s;
 
 /// Every survivor's data and parity slots of table `t`, streamed from all at once.
 async fn fetch_table(
-    clients: HashMap<usize, ServerClient>,
+    clients: BTreeMap<usize, ServerClient>,
     epoch: u64,
     t: usize,
     with_parity: bool,
-) -> Result<(HashMap<usize, Vec<u8>>, HashMap<usize, Vec<u8>>), PsError> {
+) -> Result<(BTreeMap<usize, Vec<u8>>, BTreeMap<usize, Vec<u8>>), PsError> {
     let fetches = clients.into_iter().map(|(s, client)| {
         let (mut rows_client, mut parity_client) = (client.clone(), client);
         async move {
@@ -48,8 +48,8 @@ async fn fetch_table(
             Ok::<_, PsError>((s, d?, p?))
         }
     });
-    let mut data = HashMap::new();
-    let mut parity = HashMap::new();
+    let mut data = BTreeMap::new();
+    let mut parity = BTreeMap::new();
     for fetched in futures::future::join_all(fetches).await {
         let (s, d, p) = fetched?;
         data.insert(s, d);
@@ -98,7 +98,7 @@ impl Core {
         let lost: Vec<usize> = req.lost.iter().map(|&s| s as usize).collect();
         let (group, _) = stripes.group_of_server(me);
         let (first, members) = stripes.group(group);
-        let mut clients: HashMap<usize, ServerClient> = HashMap::new();
+        let mut clients: BTreeMap<usize, ServerClient> = BTreeMap::new();
         for s in first..first + members {
             if s == me || lost.contains(&s) {
                 continue;
@@ -179,7 +179,7 @@ impl Core {
             }
             let decode_started = Instant::now();
             // Survivors' slots by server index: no hashing per row.
-            let by_server = |held: HashMap<usize, Vec<u8>>| {
+            let by_server = |held: BTreeMap<usize, Vec<u8>>| {
                 let mut v: Vec<Option<Vec<u8>>> = vec![None; layout.servers()];
                 for (s, bytes) in held {
                     v[s] = Some(bytes);
@@ -220,7 +220,7 @@ impl Core {
             };
             let held = &mut redundancy.parity[t];
             // Decoding is CPU work: on this runtime thread, spread over rayon's threads.
-            let decoded = tokio::task::block_in_place(|| -> Result<u64, PsError> {
+            let decoded = self.job.network().in_place(|| -> Result<u64, PsError> {
                 use rayon::prelude::*;
                 let data_rows: u64 = if parity_only {
                     0
@@ -324,7 +324,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     async fn serve_degraded(
         &self,
-        clients: &HashMap<usize, ServerClient>,
+        clients: &BTreeMap<usize, ServerClient>,
         epoch: u64,
         global: &ftrec_model::ModelConfig,
         config: ftrec_model::ModelConfig,
@@ -418,7 +418,7 @@ impl Core {
     /// 2PC the replica holder committed exactly the steps the slot had.
     async fn fetch_dense_parts(
         &self,
-        clients: &HashMap<usize, ServerClient>,
+        clients: &BTreeMap<usize, ServerClient>,
         epoch: u64,
         global: &ftrec_model::ModelConfig,
         config: &ftrec_model::ModelConfig,

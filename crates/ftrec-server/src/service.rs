@@ -1,7 +1,7 @@
 //! The parameter server's RPCs.
 
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use tonic::{Request, Response, Status};
@@ -119,34 +119,38 @@ impl ParameterServer for Service {
         };
         core.wait_rebuilt().await?;
         let started = Instant::now();
-        let reply = tokio::task::spawn_blocking(move || -> Result<_, PsError> {
-            let _turn = core.commit_turn.blocking_lock();
-            let reply = if req.priority {
-                let save = core.write_priority(&checkpoints, req.step)?;
-                CheckpointReply {
-                    id: save.manifest.id.clone(),
-                    bytes: save.manifest.bytes(),
-                    seconds: 0.0,
-                    committed: true,
-                    tracker_bytes: save.tracker_bytes,
-                    select_seconds: save.select_seconds,
-                }
-            } else {
-                let (manifest, committed) = core.write_cut(&checkpoints, req.step)?;
-                CheckpointReply {
-                    id: manifest.id.clone(),
-                    bytes: manifest.bytes(),
-                    seconds: 0.0,
-                    committed,
-                    tracker_bytes: 0,
-                    select_seconds: 0.0,
-                }
-            };
-            core.metrics.add("ftrec_checkpoints_total", 1);
-            Ok(reply)
-        })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))??;
+        let turn = core.commit_turn.clone().lock_owned().await;
+        let reply = core
+            .job
+            .network()
+            .clone()
+            .blocking(move || -> Result<_, PsError> {
+                let _turn = turn;
+                let reply = if req.priority {
+                    let save = core.write_priority(&checkpoints, req.step)?;
+                    CheckpointReply {
+                        id: save.manifest.id.clone(),
+                        bytes: save.manifest.bytes(),
+                        seconds: 0.0,
+                        committed: true,
+                        tracker_bytes: save.tracker_bytes,
+                        select_seconds: save.select_seconds,
+                    }
+                } else {
+                    let (manifest, committed) = core.write_cut(&checkpoints, req.step)?;
+                    CheckpointReply {
+                        id: manifest.id.clone(),
+                        bytes: manifest.bytes(),
+                        seconds: 0.0,
+                        committed,
+                        tracker_bytes: 0,
+                        select_seconds: 0.0,
+                    }
+                };
+                core.metrics.add("ftrec_checkpoints_total", 1);
+                Ok(reply)
+            })
+            .await??;
         Ok(Response::new(CheckpointReply {
             seconds: started.elapsed().as_secs_f64(),
             ..reply
@@ -163,10 +167,10 @@ impl ParameterServer for Service {
         let Some(checkpoints) = core.checkpoints.clone() else {
             return Err(PsError::Config("checkpoint.dir is not set".into()).into());
         };
-        let committed =
-            tokio::task::spawn_blocking(move || core.cut_committed(&checkpoints, req.step))
-                .await
-                .map_err(|e| Status::internal(e.to_string()))??;
+        let network = core.job.network().clone();
+        let committed = network
+            .blocking(move || core.cut_committed(&checkpoints, req.step))
+            .await??;
         Ok(Response::new(CutCommittedReply { committed }))
     }
 
@@ -183,38 +187,43 @@ impl ParameterServer for Service {
         {
             ec.drop_older_than(req.epoch);
         }
-        let id = tokio::task::spawn_blocking(move || -> Result<String, PsError> {
-            let _turn = core.commit_turn.blocking_lock();
-            core.check_epoch_forward(req.epoch)?;
-            let (state, id) = match req.step {
-                Some(step) => {
-                    let Some(checkpoints) = &core.checkpoints else {
-                        return Err(PsError::Config("checkpoint.dir is not set".into()));
-                    };
-                    core.restore_cut(checkpoints, step)?
-                }
-                None => {
-                    core.restart_history()?;
-                    let c = &core.job.config;
-                    let shard = Shard::initial(&c.model_config()?, c.seed, core.layout, core.id)?;
-                    (shard.state().clone(), "initial".to_string())
-                }
-            };
-            core.cancel_background();
-            let mut shard = core
-                .shard
-                .write()
-                .map_err(|_| PsError::Internal("shard lock poisoned".into()))?;
-            shard.replace_state(state)?;
-            core.publish(req.epoch, |steps| {
-                *steps = AppliedSteps::up_to(req.step.unwrap_or(0))
-            });
-            core.metrics.add("ftrec_restores_total", 1);
-            core.metrics.set("ftrec_epoch", req.epoch as f64);
-            Ok(id)
-        })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))??;
+        let turn = core.commit_turn.clone().lock_owned().await;
+        let id = core
+            .job
+            .network()
+            .clone()
+            .blocking(move || -> Result<String, PsError> {
+                let _turn = turn;
+                core.check_epoch_forward(req.epoch)?;
+                let (state, id) = match req.step {
+                    Some(step) => {
+                        let Some(checkpoints) = &core.checkpoints else {
+                            return Err(PsError::Config("checkpoint.dir is not set".into()));
+                        };
+                        core.restore_cut(checkpoints, step)?
+                    }
+                    None => {
+                        core.restart_history()?;
+                        let c = &core.job.config;
+                        let shard =
+                            Shard::initial(&c.model_config()?, c.seed, core.layout, core.id)?;
+                        (shard.state().clone(), "initial".to_string())
+                    }
+                };
+                core.cancel_background();
+                let mut shard = core
+                    .shard
+                    .write()
+                    .map_err(|_| PsError::Internal("shard lock poisoned".into()))?;
+                shard.replace_state(state)?;
+                core.publish(req.epoch, |steps| {
+                    *steps = AppliedSteps::up_to(req.step.unwrap_or(0))
+                });
+                core.metrics.add("ftrec_restores_total", 1);
+                core.metrics.set("ftrec_epoch", req.epoch as f64);
+                Ok(id)
+            })
+            .await??;
         Ok(Response::new(RestoreReply {
             id,
             seconds: started.elapsed().as_secs_f64(),
@@ -384,14 +393,15 @@ impl ParameterServer for Service {
         let shard_digest = if req.digest {
             core.wait_rebuilt().await?;
             // Hashing a whole shard is CPU work: off the RPC threads.
-            tokio::task::spawn_blocking(move || {
-                core.shard
-                    .read()
-                    .map(|shard| shard.digest())
-                    .map_err(|_| Status::internal("shard lock"))
-            })
-            .await
-            .map_err(|e| Status::internal(e.to_string()))??
+            let network = core.job.network().clone();
+            network
+                .blocking(move || {
+                    core.shard
+                        .read()
+                        .map(|shard| shard.digest())
+                        .map_err(|_| Status::internal("shard lock"))
+                })
+                .await??
         } else {
             String::new()
         };
@@ -405,9 +415,10 @@ impl ParameterServer for Service {
         let core = self.0.clone();
         let req = req.into_inner();
         core.check_epoch(req.epoch)?;
-        let deleted = tokio::task::spawn_blocking(move || core.prune(&req.keep_steps))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))??;
+        let network = core.job.network().clone();
+        let deleted = network
+            .blocking(move || core.prune(&req.keep_steps))
+            .await??;
         Ok(Response::new(PruneReply { deleted }))
     }
 

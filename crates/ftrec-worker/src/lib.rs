@@ -5,7 +5,9 @@
 pub mod shard_client;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use ftrec_data::Dataset;
 use ftrec_model::{Batch, Dlrm, GemmMatMul, ModelConfig};
@@ -65,7 +67,6 @@ impl Loss {
 struct Worker {
     job: Job,
     id: usize,
-    rt: tokio::runtime::Runtime,
     coordinator: CoordinatorClient,
     shards: ShardClient,
     config: ModelConfig,
@@ -90,6 +91,8 @@ struct StepTimes {
     push: f64,
 }
 
+/// Runs a worker process: its own runtime, with one thread for heartbeats while the
+/// calling thread trains.
 pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -99,7 +102,14 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
             path: "tokio runtime".into(),
             error,
         })?;
+    rt.block_on(run_async(opts))
+}
+
+/// Runs a worker on the current runtime (a simulated host, in `ftrec-sim`). The compute
+/// runs on the calling task: in a simulation it takes no simulated time.
+pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
     let job = opts.job;
+    let network = job.network().clone();
     let config = job.config.model_config()?;
     let data = job.train_data()?;
     if data.num_dense() != config.num_dense || data.num_sparse() != config.tables() {
@@ -130,24 +140,25 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
             .counter("ftrec_lost_steps_total", "Steps lost to server errors")
             .counter("ftrec_rpc_bytes_total", "Pull and push payload bytes"),
     );
-    let metrics_address = rt
-        .block_on(metrics::start("127.0.0.1", metrics.clone()))
+    let metrics_address = metrics::start(&network, "127.0.0.1", metrics.clone())
+        .await
         .unwrap_or_default();
-    let mut coordinator = rt.block_on(job.connector()?.coordinator(&opts.coordinator))?;
-    let joined = rt
-        .block_on(coordinator.join(JoinRequest {
+    let mut coordinator = job.connector()?.coordinator(&opts.coordinator).await?;
+    let joined = coordinator
+        .join(JoinRequest {
             role: Role::Worker as i32,
             id: opts.id as u32,
             address: String::new(),
             fingerprint: job.fingerprint(),
-            pid: std::process::id(),
+            pid: network.pid(),
             metrics_address,
             spare: false,
-        }))
+        })
+        .await
         .map_err(|s| PsError::rpc(format!("worker {} joining", opts.id), &s))?
         .into_inner();
     tracing::info!("worker {} joined in epoch {}", opts.id, joined.epoch);
-    let heartbeats = rt.spawn(keep_alive(
+    let heartbeats = tokio::spawn(keep_alive(
         coordinator.clone(),
         HeartbeatRequest {
             role: Role::Worker as i32,
@@ -184,7 +195,6 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
         batch: Batch::with_tables(config.tables()),
         job,
         id: opts.id,
-        rt,
         coordinator,
         config,
         data,
@@ -194,13 +204,13 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
         times: StepTimes::default(),
         metrics,
     };
-    let result = worker.run();
+    let result = worker.run().await;
     heartbeats.abort();
     result
 }
 
 impl Worker {
-    fn run(&mut self) -> Result<(), PsError> {
+    async fn run(&mut self) -> Result<(), PsError> {
         let mut report: Option<Outcome> = None;
         let mut loss: Option<Loss> = None;
         let mut epoch = 0;
@@ -218,14 +228,12 @@ impl Worker {
                     _ => None,
                 },
                 rpc_bytes: self.rpc_bytes,
-                pid: std::process::id(),
+                pid: self.job.network().pid(),
                 lost_reason: loss.as_ref().map(|l| l.reason.clone()).unwrap_or_default(),
                 ahead_epoch: loss.as_ref().and_then(|l| l.ahead_epoch),
             };
             let asked = Instant::now();
-            let reply = self
-                .rt
-                .block_on(self.coordinator.clone().next_step(request));
+            let reply = self.coordinator.clone().next_step(request).await;
             self.times.coordinator += asked.elapsed().as_secs_f64();
             let reply = match reply.map_err(|s| PsError::rpc("next step", &s)) {
                 Ok(r) => r.into_inner(),
@@ -241,7 +249,7 @@ impl Worker {
                             "coordinator unreachable: {e}"
                         )));
                     }
-                    std::thread::sleep(Duration::from_millis(100));
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
             };
@@ -252,7 +260,9 @@ impl Worker {
             match reply.action() {
                 Action::Train => {
                     epoch = reply.epoch;
-                    let outcome = self.step(reply.step, reply.epoch, reply.placement_version);
+                    let outcome = self
+                        .step(reply.step, reply.epoch, reply.placement_version)
+                        .await;
                     let moved = self.shards.take_bytes();
                     self.rpc_bytes += moved;
                     self.metrics.add("ftrec_rpc_bytes_total", moved);
@@ -271,7 +281,7 @@ impl Worker {
                 }
                 Action::Wait | Action::Unspecified => {
                     epoch = reply.epoch;
-                    std::thread::sleep(Duration::from_millis(reply.wait_ms.max(1) as u64));
+                    tokio::time::sleep(Duration::from_millis(reply.wait_ms.max(1) as u64)).await;
                 }
                 Action::Stop => {
                     let t = self.times;
@@ -293,10 +303,9 @@ impl Worker {
 
     /// One granted step: pull, compute, push. An error the shard client could not get
     /// past loses the step (the coordinator then resolves it).
-    fn step(&mut self, step: u64, epoch: u64, placement_version: u64) -> Result<(), PsError> {
+    async fn step(&mut self, step: u64, epoch: u64, placement_version: u64) -> Result<(), PsError> {
         let started = Instant::now();
-        self.rt
-            .block_on(self.shards.ensure_placement(placement_version))?;
+        self.shards.ensure_placement(placement_version).await?;
         let (position, count) = self.schedule.batch(step);
         self.data.fill_batch(
             position as usize,
@@ -314,9 +323,7 @@ impl Worker {
         let routed = self.shards.route(&unique);
         let wait_applied = self.job.config.cluster.deterministic.then_some(step);
         let pull_started = Instant::now();
-        let pulled = self
-            .rt
-            .block_on(self.shards.pull(epoch, wait_applied, &routed))?;
+        let pulled = self.shards.pull(epoch, wait_applied, &routed).await?;
         let pulled_seconds = pull_started.elapsed().as_secs_f64();
         self.times.pull += pulled_seconds;
         for (t, rows) in unique.iter().enumerate() {
@@ -328,10 +335,9 @@ impl Worker {
         let grads = self.model.gradients();
         let sparse: Vec<&[f32]> = grads.sparse.iter().map(Vec::as_slice).collect();
         let push_started = Instant::now();
-        self.rt.block_on(
-            self.shards
-                .push(epoch, step, &unique, &sparse, &grads.dense),
-        )?;
+        self.shards
+            .push(epoch, step, &unique, &sparse, &grads.dense)
+            .await?;
         let pushed = push_started.elapsed().as_secs_f64();
         self.times.push += pushed;
         self.times.compute += started.elapsed().as_secs_f64() - pushed - pulled_seconds;

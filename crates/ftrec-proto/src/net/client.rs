@@ -2,10 +2,13 @@
 //! (TLS too, when configured), and connecting to an address that does not answer fails
 //! with the address in the message.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use tokio::time::Instant;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Uri};
+
+use crate::network::Network;
 
 use crate::PsError;
 use crate::auth::{AttachSecret, JobSecret, TlsMaterial};
@@ -22,6 +25,7 @@ pub struct Connector {
     timeout: Duration,
     secret: AttachSecret,
     tls: Option<ClientTlsConfig>,
+    network: Network,
 }
 
 impl Connector {
@@ -29,11 +33,13 @@ impl Connector {
         timeout: Duration,
         secret: &JobSecret,
         tls: Option<&TlsMaterial>,
+        network: Network,
     ) -> Result<Self, PsError> {
         Ok(Self {
             timeout,
             secret: secret.attacher()?,
             tls: tls.map(TlsMaterial::client),
+            network,
         })
     }
 
@@ -64,10 +70,42 @@ impl Connector {
         }
     }
 
+    /// Dials through the member's network: the host's TCP stack, or a simulated one.
+    fn channel(&self, endpoint: &Endpoint) -> Channel {
+        match self.network.transport() {
+            None => endpoint.connect_lazy(),
+            Some(transport) => {
+                let transport = transport.clone();
+                endpoint.connect_with_connector_lazy(tower::service_fn(move |uri: Uri| {
+                    let address = uri.authority().map(|a| a.to_string()).unwrap_or_default();
+                    let dialing = transport.dial(address);
+                    async move { dialing.await.map(hyper_util::rt::TokioIo::new) }
+                }))
+            }
+        }
+    }
+
+    /// Connects at once (an error if no one listens there).
+    async fn connect(&self, endpoint: &Endpoint) -> Result<Channel, tonic::transport::Error> {
+        match self.network.transport() {
+            None => endpoint.connect().await,
+            Some(transport) => {
+                let transport = transport.clone();
+                endpoint
+                    .connect_with_connector(tower::service_fn(move |uri: Uri| {
+                        let address = uri.authority().map(|a| a.to_string()).unwrap_or_default();
+                        let dialing = transport.dial(address);
+                        async move { dialing.await.map(hyper_util::rt::TokioIo::new) }
+                    }))
+                    .await
+            }
+        }
+    }
+
     /// A server client whose channel connects on first use (and reconnects after a
     /// failure).
     pub fn server(&self, address: &str) -> Result<ServerClient, PsError> {
-        let channel = self.endpoint(address)?.connect_lazy();
+        let channel = self.channel(&self.endpoint(address)?);
         Ok(
             ServerClient::new(InterceptedService::new(channel, self.secret.clone()))
                 .max_decoding_message_size(usize::MAX)
@@ -81,7 +119,7 @@ impl Connector {
         let ep = self.endpoint(address)?;
         let started = Instant::now();
         loop {
-            match ep.connect().await {
+            match self.connect(&ep).await {
                 Ok(channel) => {
                     return Ok(CoordinatorClient::new(InterceptedService::new(
                         channel,

@@ -11,6 +11,7 @@ use ftrec_data::{Dataset, TRAIN_FILE};
 use crate::PsError;
 use crate::auth::{JobSecret, TlsMaterial};
 use crate::client::Connector;
+use crate::network::Network;
 use crate::placement::Layout;
 
 /// The file name a generated secret is saved under, beside the job file.
@@ -23,6 +24,7 @@ pub struct Job {
     /// The secret was made for this job (not configured): `save` writes it.
     generated: bool,
     tls: Option<TlsMaterial>,
+    network: Network,
 }
 
 impl Job {
@@ -55,6 +57,7 @@ impl Job {
             secret: configured.unwrap_or_else(JobSecret::generate),
             config,
             tls,
+            network: Network::default(),
         })
     }
 
@@ -112,6 +115,7 @@ impl Job {
             secret,
             generated: false,
             tls,
+            network: Network::default(),
         })
     }
 
@@ -141,7 +145,22 @@ impl Job {
 
     /// How this process calls the others: the job's timeout, secret and TLS.
     pub fn connector(&self) -> Result<Connector, PsError> {
-        Connector::new(self.timeout(), &self.secret, self.tls.as_ref())
+        Connector::new(
+            self.timeout(),
+            &self.secret,
+            self.tls.as_ref(),
+            self.network.clone(),
+        )
+    }
+
+    /// The network this member's listeners and channels use.
+    pub fn network(&self) -> &Network {
+        &self.network
+    }
+
+    /// The same job over another network (a simulated one, in `ftrec-sim`).
+    pub fn with_network(self, network: Network) -> Self {
+        Self { network, ..self }
     }
 
     pub fn secret(&self) -> &JobSecret {

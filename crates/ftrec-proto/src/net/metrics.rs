@@ -84,7 +84,16 @@ pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
 }
 
 /// Binds the metrics endpoint on `host:0` and starts serving it; returns its address.
-pub async fn start(host: &str, metrics: Arc<Metrics>) -> Option<String> {
+pub async fn start(
+    network: &crate::network::Network,
+    host: &str,
+    metrics: Arc<Metrics>,
+) -> Option<String> {
+    // A simulated member has no real port to offer, and a real one would escape the
+    // simulation.
+    if network.is_simulated() {
+        return None;
+    }
     match crate::client::bind(host, 0).await {
         Ok((listener, address)) => {
             tokio::spawn(serve(listener, metrics));

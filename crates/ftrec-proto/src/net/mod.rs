@@ -4,3 +4,4 @@ pub mod auth;
 pub mod client;
 pub mod job;
 pub mod metrics;
+pub mod network;

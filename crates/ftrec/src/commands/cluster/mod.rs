@@ -329,7 +329,7 @@ pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
                     ftrec_config::SECRET_ENV
                 )
             })?;
-            client::Connector::new(Duration::from_secs(10), &secret, None)?
+            client::Connector::new(Duration::from_secs(10), &secret, None, Default::default())?
         }
     };
     let rt = runtime()?;

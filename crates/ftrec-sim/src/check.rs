@@ -1,0 +1,128 @@
+//! What each `--ft` mode promises at the end of a run, checked on its outcome.
+
+use std::fmt;
+
+use ftrec_config::{FaultTolerance, JobConfig};
+
+use crate::Outcome;
+
+/// A broken promise.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Violation {
+    /// The run did not finish (a member gave up, the time limit passed).
+    Unfinished(String),
+    /// An exact mode ended with another model than `ftrec train`.
+    Digest {
+        got: String,
+        want: String,
+    },
+    ParityMismatches(u64),
+    ReplicaMismatches(u64),
+    /// An exact mode lost samples.
+    LostSamples(u64),
+    /// Not every step's samples were trained exactly once.
+    Samples {
+        got: u64,
+        want: u64,
+    },
+    /// Partial recovery without its PLS, or over its target.
+    Pls {
+        pls: Option<f64>,
+        target: f64,
+    },
+    /// A mode that restarts lost shards (`none`) lost one and did not say so.
+    LossUnreported,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unfinished(why) => write!(f, "the run did not finish: {why}"),
+            Self::Digest { got, want } => {
+                write!(f, "state digest {got}, but ftrec train ends with {want}")
+            }
+            Self::ParityMismatches(n) => write!(f, "{n} stripes with a wrong parity row"),
+            Self::ReplicaMismatches(n) => write!(f, "{n} dense replicas differ from primary"),
+            Self::LostSamples(n) => write!(f, "an exact mode lost {n} samples"),
+            Self::Samples { got, want } => write!(
+                f,
+                "{got} samples trained, {want} scheduled (plus at most the rolled-back steps)"
+            ),
+            Self::Pls { pls, target } => write!(f, "PLS {pls:?} against a target of {target}"),
+            Self::LossUnreported => {
+                f.write_str("a server's shard restarted from scratch, and no loss was reported")
+            }
+        }
+    }
+}
+
+/// The promises of `config`'s mode that `outcome` breaks (none: the run is correct).
+/// `reference` is `ftrec train`'s digest of the same job.
+pub fn check(
+    config: &JobConfig,
+    outcome: &Result<Outcome, String>,
+    reference: &str,
+) -> Vec<Violation> {
+    let o = match outcome {
+        Ok(o) => o,
+        Err(why) => return vec![Violation::Unfinished(why.clone())],
+    };
+    let mut violations = Vec::new();
+    let summary = &o.summary;
+    // A rollback trains its finished steps again, and counts them again; it also counts
+    // the steps that were in flight (granted, never finished) as rolled back.
+    let batch = config.train.batch_size as u64;
+    let scheduled = config.train.steps * batch;
+    let retrained_at_most = summary.steps_rolled_back * batch;
+    if summary.samples < scheduled || summary.samples > scheduled + retrained_at_most {
+        violations.push(Violation::Samples {
+            got: summary.samples,
+            want: scheduled,
+        });
+    }
+    let mode = config.cluster.ft;
+    if let Some(parity) = &o.parity {
+        if parity.mismatches > 0 {
+            violations.push(Violation::ParityMismatches(parity.mismatches));
+        }
+        if parity.replica_mismatches > 0 {
+            violations.push(Violation::ReplicaMismatches(parity.replica_mismatches));
+        }
+    }
+    match mode {
+        FaultTolerance::Ec | FaultTolerance::EcCheckpoint | FaultTolerance::Checkpoint => {
+            if o.state_digest != reference {
+                violations.push(Violation::Digest {
+                    got: o.state_digest.clone(),
+                    want: reference.to_string(),
+                });
+            }
+            if summary.lost_samples > 0 {
+                violations.push(Violation::LostSamples(summary.lost_samples));
+            }
+        }
+        FaultTolerance::Partial => {
+            let target = config.cpr.target_pls;
+            let restored = summary.recoveries.iter().any(|r| r.mode == "partial");
+            let within = summary.pls.is_some_and(|pls| pls <= target);
+            if !within || (restored && summary.lost_samples == 0 && summary.pls != Some(0.0)) {
+                violations.push(Violation::Pls {
+                    pls: summary.pls,
+                    target,
+                });
+            }
+        }
+        FaultTolerance::None => {
+            let restarted = summary.recoveries.iter().any(|r| r.mode == "keep");
+            // A lost shard that had trained anything must show up as lost samples.
+            let trained_before = summary
+                .recoveries
+                .iter()
+                .any(|r| r.mode == "keep" && r.resumed_step > 0);
+            if restarted && trained_before && summary.lost_samples == 0 {
+                violations.push(Violation::LossUnreported);
+            }
+        }
+    }
+    violations
+}

@@ -1,0 +1,282 @@
+//! One simulated run: the real coordinator, servers and workers as turmoil hosts of one
+//! simulation, a fault schedule applied between its ticks, and what the run ended with.
+//!
+//! The coordinator runs as the simulation's client: the run is over when it has seen
+//! every step trained and gathered the model (or gave up). Servers and workers are hosts,
+//! restarted in place when the coordinator asks for a replacement (its `Spawner`).
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ftrec_cluster::parity_check::{ParityReport, verify_parity};
+use ftrec_config::JobConfig;
+use ftrec_coordinator::{CoordinatorOptions, RunSummary, Spawner};
+use ftrec_faults::{FaultSpec, Faults};
+use ftrec_proto::network::Network;
+use ftrec_proto::{Job, PsError};
+
+use crate::SimError;
+use crate::schedule::{Fault, Member, Schedule};
+use crate::transport::TurmoilTransport;
+
+/// The coordinator's simulated host, and the port it listens on.
+pub const COORDINATOR: &str = "coordinator";
+const COORDINATOR_PORT: u16 = 7000;
+
+/// The network's latency when no fault raises it (each message takes a random time up to
+/// this): replies interleave differently under each seed, and a step takes tens of
+/// simulated milliseconds, so that a schedule's faults land while training runs.
+const BASE_LATENCY: Duration = Duration::from_millis(5);
+
+/// One run to simulate.
+pub struct RunOptions {
+    pub config: JobConfig,
+    /// Seeds turmoil (message latencies, the order hosts run in) and nothing else: the
+    /// schedule is drawn separately, so that a test can fix one and vary the other.
+    pub seed: u64,
+    pub schedule: Schedule,
+    /// Fault points armed on members from the start: a planted bug.
+    pub armed: Vec<(Member, FaultSpec)>,
+    /// Simulated time after which the run counts as hung.
+    pub time_limit: Duration,
+}
+
+/// What a run ended with.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub summary: RunSummary,
+    /// The digest of the model gathered from the servers.
+    pub state_digest: String,
+    /// Erasure-coded modes: the end-of-run parity and replica check.
+    pub parity: Option<ParityReport>,
+    /// The coordinator's timeline, one line per event (simulated time, kind, subject,
+    /// step, detail): equal across two runs of one seed.
+    pub trace: Vec<String>,
+    /// The planted fault points that fired, per member.
+    pub fired: Vec<(Member, FaultSpec)>,
+    pub simulated_seconds: f64,
+}
+
+/// Replacements the coordinator asked for, served by the driver between ticks.
+#[derive(Default)]
+struct Requests {
+    restart: Vec<Member>,
+    crash: Vec<Member>,
+}
+
+type SharedRequests = Arc<Mutex<Requests>>;
+
+fn requests(shared: &SharedRequests) -> std::sync::MutexGuard<'_, Requests> {
+    shared.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The coordinator's way to start a replacement: restart the member's host.
+struct SimSpawner(SharedRequests);
+
+impl Spawner for SimSpawner {
+    fn spawn_server(&self, id: usize, _coordinator: &str) -> Result<(), PsError> {
+        requests(&self.0).restart.push(Member::Server(id));
+        Ok(())
+    }
+
+    fn spawn_worker(&self, id: usize, _coordinator: &str) -> Result<(), PsError> {
+        requests(&self.0).restart.push(Member::Worker(id));
+        Ok(())
+    }
+}
+
+/// The job as `member` sees it: the cluster's job over that member's simulated network.
+fn job_on(job: &Job, host: &str) -> Job {
+    job.clone()
+        .with_network(Network::simulated(Arc::new(TurmoilTransport::new(host))))
+}
+
+/// Runs `opts` to its end. An error means the harness could not run it; a run that
+/// failed (a member gave up, the time limit passed) is an `Err` inside the outcome.
+pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
+    let job = Job::new(opts.config).map_err(SimError::Job)?;
+    let cluster = job.config.cluster.clone();
+    let mut sim = turmoil::Builder::new()
+        .rng_seed(opts.seed)
+        .simulation_duration(opts.time_limit + Duration::from_secs(30))
+        .tick_duration(Duration::from_millis(1))
+        .min_message_latency(Duration::ZERO)
+        .max_message_latency(BASE_LATENCY)
+        .build();
+    let shared_requests = SharedRequests::default();
+    let coordinator_address = format!("{COORDINATOR}:{COORDINATOR_PORT}");
+    let mut registries = Vec::new();
+    let mut members = Vec::new();
+    members.extend((0..cluster.servers).map(Member::Server));
+    members.extend((0..cluster.workers).map(Member::Worker));
+    for &member in &members {
+        let killed = shared_requests.clone();
+        let faults = Faults::with_kill_hook(Arc::new(move |_spec: &FaultSpec| {
+            requests(&killed).crash.push(member);
+        }));
+        for (m, spec) in &opts.armed {
+            if *m == member {
+                faults.arm(spec.clone());
+            }
+        }
+        registries.push((member, faults.clone()));
+        let host = member.host();
+        let job = job_on(&job, &host);
+        let coordinator = coordinator_address.clone();
+        sim.host(host.as_str(), move || {
+            let (job, coordinator, faults) = (job.clone(), coordinator.clone(), faults.clone());
+            async move {
+                let result = match member {
+                    Member::Server(id) => {
+                        ftrec_server::run(ftrec_server::ServerOptions {
+                            job,
+                            id: Some(id),
+                            coordinator,
+                            host: "0.0.0.0".into(),
+                            faults,
+                        })
+                        .await
+                    }
+                    Member::Worker(id) => {
+                        ftrec_worker::run_async(ftrec_worker::WorkerOptions {
+                            job,
+                            id,
+                            coordinator,
+                        })
+                        .await
+                    }
+                };
+                // A member that gives up is a finding for the coordinator to act on (it
+                // sees the silence), not an error of the simulation.
+                if let Err(e) = result {
+                    tracing::info!("{member} stopped: {e}");
+                }
+                Ok(())
+            }
+        });
+    }
+    let slot: Rc<RefCell<Option<Result<Outcome, String>>>> = Rc::default();
+    let result_slot = slot.clone();
+    let coordinator_job = job_on(&job, COORDINATOR);
+    let spawner = Arc::new(SimSpawner(shared_requests.clone()));
+    let limit = opts.time_limit;
+    // Faults hit training, not the end-of-run checks (which gather from every server).
+    let trained = Arc::new(AtomicBool::new(false));
+    let training_over = trained.clone();
+    sim.client(COORDINATOR, async move {
+        let outcome = coordinate(coordinator_job, spawner, limit, &training_over).await;
+        *result_slot.borrow_mut() = Some(outcome);
+        Ok(())
+    });
+    let mut pending = opts.schedule.events.clone();
+    let mut latency_until: Option<Duration> = None;
+    loop {
+        let now = sim.elapsed();
+        if trained.load(Ordering::SeqCst) {
+            pending.clear();
+        }
+        while pending.first().is_some_and(|e| e.at <= now) {
+            let event = pending.remove(0);
+            match event.fault {
+                Fault::Crash(m) => sim.crash(m.host().as_str()),
+                Fault::Bounce(m) => sim.bounce(m.host().as_str()),
+                Fault::Latency { max, lasting } => {
+                    sim.set_max_message_latency(max);
+                    latency_until = Some(now + lasting);
+                }
+            }
+        }
+        if latency_until.is_some_and(|until| now >= until) {
+            sim.set_max_message_latency(BASE_LATENCY);
+            latency_until = None;
+        }
+        let (restart, crash) = {
+            let mut r = requests(&shared_requests);
+            (std::mem::take(&mut r.restart), std::mem::take(&mut r.crash))
+        };
+        for m in crash {
+            sim.crash(m.host().as_str());
+        }
+        for m in restart {
+            sim.bounce(m.host().as_str());
+        }
+        match sim.step() {
+            Ok(true) => break,
+            Ok(false) => {}
+            Err(e) => return Err(SimError::Simulation(e.to_string())),
+        }
+    }
+    let simulated_seconds = sim.elapsed().as_secs_f64();
+    let outcome = slot
+        .borrow_mut()
+        .take()
+        .ok_or_else(|| SimError::Simulation("the coordinator left no outcome".into()))?;
+    Ok(outcome.map(|mut o| {
+        o.simulated_seconds = simulated_seconds;
+        o.fired = registries
+            .iter()
+            .flat_map(|(m, faults)| faults.fired().into_iter().map(|spec| (*m, spec)))
+            .collect();
+        o
+    }))
+}
+
+/// The coordinator's host: runs the job to its end, then gathers the model and checks
+/// parity, as `cluster run` does.
+async fn coordinate(
+    job: Job,
+    spawner: Arc<SimSpawner>,
+    limit: Duration,
+    trained: &AtomicBool,
+) -> Result<Outcome, String> {
+    let mut handle = ftrec_coordinator::start(CoordinatorOptions {
+        job: job.clone(),
+        host: "0.0.0.0".into(),
+        port: COORDINATOR_PORT,
+        spawner: Some(spawner),
+    })
+    .await
+    .map_err(|e| format!("coordinator: {e}"))?;
+    let shared = handle.shared.clone();
+    let finished = handle.wait_done(limit).await;
+    trained.store(true, Ordering::SeqCst);
+    let trace = trace_of(&shared.timeline());
+    let checked = async {
+        finished?;
+        let summary = shared.summary();
+        let addresses = shared.server_addresses();
+        let (state, _) = ftrec_proto::gather::gather_state(&job, &addresses, summary.epoch).await?;
+        let parity = if job.config.cluster.ft.erasure_coded() {
+            Some(verify_parity(&job, &addresses, summary.epoch, &state).await?)
+        } else {
+            None
+        };
+        Ok::<_, PsError>(Outcome {
+            summary,
+            state_digest: state.digest().to_string(),
+            parity,
+            trace: trace.clone(),
+            fired: Vec::new(),
+            simulated_seconds: 0.0,
+        })
+    }
+    .await;
+    shared.stop();
+    checked.map_err(|e| format!("{e}\ntimeline:\n{}", trace.join("\n")))
+}
+
+fn trace_of(timeline: &ftrec_proto::timeline::TimelineData) -> Vec<String> {
+    timeline
+        .events
+        .iter()
+        .map(|e| {
+            format!(
+                "{:.3} {} {:?} {:?} {}",
+                e.t, e.kind, e.subject, e.step, e.detail
+            )
+        })
+        .collect()
+}

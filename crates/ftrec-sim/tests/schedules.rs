@@ -1,0 +1,195 @@
+//! Seeded fault schedules over the in-process cluster, each ending with its mode's
+//! invariants checked. `FTREC_SIM_SEED=N` replays one seed of every mode.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use ftrec_config::FaultTolerance;
+use ftrec_sim::{RunOptions, SERVERS, Schedule, WORKERS, check, job_config, reference_digest, run};
+
+const STEPS: u64 = 60;
+const SCHEDULES_PER_MODE: u64 = 40;
+
+fn data_dir() -> &'static std::path::Path {
+    static DATA: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DATA.get_or_init(|| {
+        let data = tempfile::tempdir().unwrap();
+        ftrec_sim::generate_dataset(data.path()).unwrap();
+        data
+    })
+    .path()
+}
+
+/// Checkpoints in memory where the machine has a tmpfs: the schedules test the cluster's
+/// logic, and fsync on a real disk would make them slow, not more thorough (the
+/// multi-process tests write to disk).
+fn checkpoint_dir() -> tempfile::TempDir {
+    let shm = std::path::Path::new("/dev/shm");
+    if shm.is_dir()
+        && let Ok(dir) = tempfile::tempdir_in(shm)
+    {
+        return dir;
+    }
+    tempfile::tempdir().unwrap()
+}
+
+fn seeds() -> Vec<u64> {
+    match std::env::var("FTREC_SIM_SEED") {
+        Ok(seed) => vec![seed.parse().expect("FTREC_SIM_SEED must be a number")],
+        Err(_) => (0..SCHEDULES_PER_MODE).collect(),
+    }
+}
+
+/// Runs every seed's schedule under `mode` and fails with each broken promise, naming the
+/// seed that replays it.
+fn schedules_keep_their_promises(mode: FaultTolerance) {
+    if let Ok(filter) = std::env::var("FTREC_SIM_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_test_writer()
+            .try_init();
+    }
+    let started = std::time::Instant::now();
+    let mut failures = Vec::new();
+    let mut faults_seen = 0;
+    // The checkpoint directory is not part of what is trained.
+    let reference =
+        reference_digest(&job_config(mode, data_dir(), data_dir(), STEPS).unwrap()).unwrap();
+    for seed in seeds() {
+        let ck = checkpoint_dir();
+        let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
+        let schedule = Schedule::random(seed, SERVERS, WORKERS);
+        let outcome = run(RunOptions {
+            config: config.clone(),
+            seed,
+            schedule: schedule.clone(),
+            armed: Vec::new(),
+            time_limit: Duration::from_secs(60),
+        })
+        .unwrap();
+        if let Ok(o) = &outcome {
+            faults_seen += o.summary.recoveries.len();
+            if std::env::var("FTREC_SIM_TRACE").is_ok() {
+                eprintln!("seed {seed}: {schedule}\n{}", o.trace.join("\n"));
+            }
+        }
+        let violations = check(&config, &outcome, &reference);
+        if !violations.is_empty() {
+            let list: Vec<String> = violations.iter().map(|v| v.to_string()).collect();
+            failures.push(format!(
+                "seed {seed} ({schedule}): {}\n  replay: FTREC_SIM_SEED={seed} cargo test -p ftrec-sim --test schedules {}",
+                list.join("; "),
+                mode.name().replace('+', "_")
+            ));
+        }
+    }
+    eprintln!(
+        "{}: {} schedules, {faults_seen} recoveries, {:.1} s",
+        mode.name(),
+        seeds().len(),
+        started.elapsed().as_secs_f64()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn ec() {
+    schedules_keep_their_promises(FaultTolerance::Ec);
+}
+
+#[test]
+fn ec_checkpoint() {
+    schedules_keep_their_promises(FaultTolerance::EcCheckpoint);
+}
+
+#[test]
+fn checkpoint() {
+    schedules_keep_their_promises(FaultTolerance::Checkpoint);
+}
+
+#[test]
+fn partial() {
+    schedules_keep_their_promises(FaultTolerance::Partial);
+}
+
+#[test]
+fn none() {
+    schedules_keep_their_promises(FaultTolerance::None);
+}
+
+/// A seed replays: the same schedule and seed give the same timeline, event for event
+/// and simulated time for time, and the same model.
+#[test]
+fn a_seed_replays_exactly() {
+    let mode = FaultTolerance::Ec;
+    let ck = checkpoint_dir();
+    let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
+    // A schedule with a crash and a restart in it.
+    let seed = 9;
+    let schedule = Schedule::random(seed, SERVERS, WORKERS);
+    let go = || {
+        run(RunOptions {
+            config: config.clone(),
+            seed,
+            schedule: schedule.clone(),
+            armed: Vec::new(),
+            time_limit: Duration::from_secs(60),
+        })
+        .unwrap()
+        .unwrap()
+    };
+    let (a, b) = (go(), go());
+    assert!(
+        !a.summary.recoveries.is_empty(),
+        "{schedule}: nothing recovered"
+    );
+    assert_eq!(a.trace, b.trace);
+    assert_eq!(a.state_digest, b.state_digest);
+    assert_eq!(a.simulated_seconds, b.simulated_seconds);
+}
+
+/// The harness can fail: a parity difference dropped once on one server (armed at run
+/// time through that member's fault registry) is caught by the parity check of some
+/// schedule, and that schedule's seed replays the same failure.
+#[test]
+fn a_planted_dropped_parity_difference_is_caught_and_its_seed_replays_it() {
+    use ftrec_faults::{FaultAction, FaultSpec};
+    use ftrec_sim::{Member, Violation};
+    let mode = FaultTolerance::Ec;
+    let ck = checkpoint_dir();
+    let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
+    let reference = reference_digest(&config).unwrap();
+    let go = |seed: u64| {
+        let outcome = run(RunOptions {
+            config: config.clone(),
+            seed,
+            schedule: Schedule::random(seed, SERVERS, WORKERS),
+            armed: vec![(
+                Member::Server(1),
+                FaultSpec::new("fold-parity", Some(30), FaultAction::Skip),
+            )],
+            time_limit: Duration::from_secs(60),
+        })
+        .unwrap();
+        let violations = check(&config, &outcome, &reference);
+        (outcome.map(|o| (o.trace, o.fired)), violations)
+    };
+    let caught = (0..20).find_map(|seed| {
+        let (outcome, violations) = go(seed);
+        violations
+            .iter()
+            .any(|v| matches!(v, Violation::ParityMismatches(_)))
+            .then_some((seed, outcome, violations))
+    });
+    let Some((seed, outcome, violations)) = caught else {
+        panic!("no schedule caught the dropped parity difference");
+    };
+    let fired = &outcome.as_ref().unwrap().1;
+    assert_eq!(fired.len(), 1, "the planted fault fired once: {fired:?}");
+    let (replayed, replayed_violations) = go(seed);
+    assert_eq!(
+        replayed_violations, violations,
+        "seed {seed} did not replay"
+    );
+    assert_eq!(replayed.unwrap().0, outcome.unwrap().0);
+}
