@@ -23,4 +23,4 @@ pub mod proto {
 pub use error::PsError;
 pub use net::job::Job;
 pub use net::{auth, client, job, metrics, network};
-pub use state::{applied, assemble, gather, placement};
+pub use state::{applied, assemble, gather, identity, placement};

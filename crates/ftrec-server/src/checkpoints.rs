@@ -11,6 +11,7 @@ use ftrec_ckpt::{BranchStart, Checkpointer, Checkpoints, GcOptions, Manifest};
 use crate::Core;
 use crate::shard::{PostCommit, StagedRows};
 use ftrec_proto::PsError;
+use ftrec_proto::identity::{EcIdentity, ShardIdentity};
 
 /// The shard's checkpointer, shared by the server and its tracking observer. `None` until
 /// the first cut (and again after a restore): a new one starts with a full checkpoint.
@@ -57,24 +58,24 @@ impl PostCommit for Tracking {
 impl Core {
     /// What a shard checkpoint says of itself: whose shard, under which placement (with
     /// what a reader needs to invert it: the global table sizes and, for erasure coding,
-    /// the code's parameters), of which job and step.
-    pub(super) fn identity(&self, shard: &crate::shard::Shard, step: u64) -> serde_json::Value {
-        let mut identity = serde_json::json!({
-            "server": self.id,
-            "servers": self.layout.servers(),
-            "placement": self.layout.scheme(),
-            "global_table_rows": shard.global_config().table_rows,
-            "fingerprint": self.job.fingerprint(),
-            "step": step,
-        });
-        if let Some(stripes) = self.layout.stripes() {
-            identity["ec"] = serde_json::json!({
-                "k": stripes.params.k,
-                "r": stripes.params.r,
-                "groups": stripes.params.groups,
-            });
+    /// the code's parameters), of which job, epoch and step.
+    pub(super) fn identity(&self, shard: &crate::shard::Shard, step: u64) -> ShardIdentity {
+        ShardIdentity {
+            version: ShardIdentity::VERSION,
+            fingerprint: self.job.fingerprint(),
+            server: self.id,
+            servers: self.layout.servers(),
+            epoch: self.live().epoch,
+            placement: self.layout.scheme(),
+            global_table_rows: shard.global_config().table_rows.clone(),
+            step,
+            ec: self.layout.stripes().map(|stripes| EcIdentity {
+                k: stripes.params.k,
+                r: stripes.params.r,
+                groups: stripes.params.groups,
+            }),
+            cpr_priority: None,
         }
-        identity
     }
 
     /// A lease key shared by every process that holds this job's slot, so a replacement
@@ -159,7 +160,7 @@ impl Core {
             *guard = None;
             return Err(e.into());
         }
-        let written = ck.checkpoint(shard.state(), step, identity);
+        let written = ck.checkpoint(shard.state(), step, identity.to_json());
         drop(shard);
         let manifest = match written {
             Ok(m) => m,
@@ -254,11 +255,8 @@ impl Core {
             ))
         })?;
         let (state, manifest) = checkpoints.restore(&id)?;
-        check_owner(
-            &manifest.trainer,
-            self.id,
-            &checkpoints.store().describe(&id),
-        )?;
+        let what = checkpoints.store().describe(&id);
+        ShardIdentity::from_json(&manifest.trainer, &what)?.check_owner(self.id, &what)?;
         // The tracked history is gone with the state it described.
         *lock(&self.checkpointer) = None;
         let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
@@ -299,41 +297,5 @@ impl Core {
             ..GcOptions::default()
         })?;
         Ok(report.checkpoints.len() as u64)
-    }
-}
-
-/// Refuses a shard checkpoint written by another server (a swapped or copied directory):
-/// restoring it would silently put another shard's rows in this server's slots.
-pub(super) fn check_owner(
-    identity: &serde_json::Value,
-    server: usize,
-    what: &str,
-) -> Result<(), PsError> {
-    match identity.get("server").and_then(|v| v.as_u64()) {
-        Some(owner) if owner == server as u64 => Ok(()),
-        Some(owner) => Err(PsError::BadRequest(format!(
-            "{what} is server {owner}'s shard; server {server} refuses to restore it"
-        ))),
-        None => Err(PsError::BadRequest(format!(
-            "{what} carries no server identity; it is not a cluster shard checkpoint"
-        ))),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::check_owner;
-
-    #[test]
-    fn a_shard_checkpoint_of_another_server_is_refused() {
-        let identity = serde_json::json!({"server": 1, "servers": 2, "step": 40});
-        assert!(check_owner(&identity, 1, "ck").is_ok());
-        let e = check_owner(&identity, 0, "ck").unwrap_err().to_string();
-        assert!(
-            e.contains("server 1's shard") && e.contains("server 0 refuses"),
-            "{e}"
-        );
-        let e = check_owner(&serde_json::json!({"step": 3}), 0, "ck").unwrap_err();
-        assert!(e.to_string().contains("no server identity"));
     }
 }

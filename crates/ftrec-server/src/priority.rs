@@ -153,7 +153,7 @@ impl Core {
         let tracker_bytes = state.memory_bytes();
         drop(state);
         let mut identity = self.identity(&shard, step);
-        identity["cpr_priority"] = self.job.config.cpr.priority.name().into();
+        identity.cpr_priority = Some(self.job.config.cpr.priority.name().into());
         writer.pin_step(step)?;
         let manifest = writer.write(
             shard.state(),
@@ -161,7 +161,7 @@ impl Core {
             CheckpointKind::NaiveIncremental,
             Some(&rows),
             vec![parent.id],
-            identity,
+            identity.to_json(),
         )?;
         Ok(PrioritySave {
             manifest,

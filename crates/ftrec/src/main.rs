@@ -66,8 +66,9 @@ pub enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(commands::bench::BenchCommand),
-    /// Generate Criteo-shaped data, train it on a local cluster (2 servers, 2 workers) with
-    /// checkpoints, SIGKILL a server mid-run, recover, and compare AUC with the teacher's.
+    /// Generate Criteo-shaped data, train it on a local cluster (3 erasure-coded servers and
+    /// 2 workers by default; `--ft checkpoint`: 2 servers with checkpoints), SIGKILL a server
+    /// mid-run, recover, and compare AUC with the teacher's.
     Demo(commands::demo::DemoArgs),
     /// Inspect, verify and restore checkpoints.
     #[command(subcommand)]

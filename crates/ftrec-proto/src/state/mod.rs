@@ -1,7 +1,9 @@
 //! Shared views of the model's distribution: where rows live, which steps a server has
-//! applied, and how shards add up to the global model.
+//! applied, how shards add up to the global model, and what a shard checkpoint says of
+//! itself.
 
 pub mod applied;
 pub mod assemble;
 pub mod gather;
+pub mod identity;
 pub mod placement;

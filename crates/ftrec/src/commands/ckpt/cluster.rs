@@ -140,18 +140,12 @@ pub fn restore_cut(servers: &[String], step: Option<&str>) -> Result<(String, Mo
 /// The code's parameters and the global table sizes an erasure-coded shard checkpoint
 /// records in its identity.
 fn stripe_identity(identity: &serde_json::Value) -> Option<(ftrec_ec::EcParams, Vec<usize>)> {
-    let ec = identity.get("ec")?;
-    let field = |k: &str| ec.get(k)?.as_u64().map(|v| v as usize);
+    let identity = ftrec_proto::identity::ShardIdentity::from_json(identity, "").ok()?;
+    let ec = identity.ec?;
     let params = ftrec_ec::EcParams {
-        k: field("k")?,
-        r: field("r")?,
-        groups: field("groups")?,
+        k: ec.k,
+        r: ec.r,
+        groups: ec.groups,
     };
-    let rows = identity
-        .get("global_table_rows")?
-        .as_array()?
-        .iter()
-        .map(|v| v.as_u64().map(|v| v as usize))
-        .collect::<Option<Vec<_>>>()?;
-    Some((params, rows))
+    Some((params, identity.global_table_rows))
 }
