@@ -7,7 +7,7 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,6 +21,9 @@ use ftrec_proto::{Job, PsError};
 use crate::SimError;
 use crate::schedule::{Fault, Member, Schedule};
 use crate::transport::TurmoilTransport;
+
+/// Steps at the end of a run that no scheduled fault hits.
+const QUIET_STEPS: u64 = 10;
 
 /// The coordinator's simulated host, and the port it listens on.
 pub const COORDINATOR: &str = "coordinator";
@@ -163,11 +166,13 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
     let coordinator_job = job_on(&job, COORDINATOR);
     let spawner = Arc::new(SimSpawner(shared_requests.clone()));
     let limit = opts.time_limit;
-    // Faults hit training, not the end-of-run checks (which gather from every server).
-    let trained = Arc::new(AtomicBool::new(false));
-    let training_over = trained.clone();
+    // Faults hit training, and none lands in its last steps: a server lost after the
+    // last step is noticed by nobody before the end-of-run checks gather from it.
+    let steps_done = Arc::new(AtomicU64::new(0));
+    let progress = steps_done.clone();
+    let quiet_from = job.config.train.steps.saturating_sub(QUIET_STEPS);
     sim.client(COORDINATOR, async move {
-        let outcome = coordinate(coordinator_job, spawner, limit, &training_over).await;
+        let outcome = coordinate(coordinator_job, spawner, limit, &progress).await;
         *result_slot.borrow_mut() = Some(outcome);
         Ok(())
     });
@@ -175,7 +180,7 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
     let mut latency_until: Option<Duration> = None;
     loop {
         let now = sim.elapsed();
-        if trained.load(Ordering::SeqCst) {
+        if steps_done.load(Ordering::SeqCst) >= quiet_from {
             pending.clear();
         }
         while pending.first().is_some_and(|e| e.at <= now) {
@@ -230,7 +235,7 @@ async fn coordinate(
     job: Job,
     spawner: Arc<SimSpawner>,
     limit: Duration,
-    trained: &AtomicBool,
+    steps_done: &Arc<AtomicU64>,
 ) -> Result<Outcome, String> {
     let mut handle = ftrec_coordinator::start(CoordinatorOptions {
         job: job.clone(),
@@ -241,8 +246,17 @@ async fn coordinate(
     .await
     .map_err(|e| format!("coordinator: {e}"))?;
     let shared = handle.shared.clone();
+    let watched = shared.clone();
+    let progress = steps_done.clone();
+    let watch = tokio::spawn(async move {
+        loop {
+            progress.store(watched.summary().steps, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    });
     let finished = handle.wait_done(limit).await;
-    trained.store(true, Ordering::SeqCst);
+    watch.abort();
+    steps_done.store(u64::MAX, Ordering::SeqCst);
     let trace = trace_of(&shared.timeline());
     let checked = async {
         finished?;

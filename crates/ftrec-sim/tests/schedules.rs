@@ -69,6 +69,10 @@ fn schedules_keep_their_promises(mode: FaultTolerance) {
         .unwrap();
         if let Ok(o) = &outcome {
             faults_seen += o.summary.recoveries.len();
+            if let Ok(dir) = std::env::var("FTREC_SIM_DUMP") {
+                let path = format!("{dir}/{}-{seed}.txt", mode.name());
+                std::fs::write(path, o.trace.join("\n")).unwrap();
+            }
             if std::env::var("FTREC_SIM_TRACE").is_ok() {
                 eprintln!("seed {seed}: {schedule}\n{}", o.trace.join("\n"));
             }
@@ -118,34 +122,34 @@ fn none() {
 }
 
 /// A seed replays: the same schedule and seed give the same timeline, event for event
-/// and simulated time for time, and the same model.
+/// and simulated time for time, and the same model, in every mode.
 #[test]
 fn a_seed_replays_exactly() {
-    let mode = FaultTolerance::Ec;
-    let ck = checkpoint_dir();
-    let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
     // A schedule with a crash and a restart in it.
     let seed = 9;
     let schedule = Schedule::random(seed, SERVERS, WORKERS);
-    let go = || {
-        run(RunOptions {
-            config: config.clone(),
-            seed,
-            schedule: schedule.clone(),
-            armed: Vec::new(),
-            time_limit: Duration::from_secs(60),
-        })
-        .unwrap()
-        .unwrap()
-    };
-    let (a, b) = (go(), go());
-    assert!(
-        !a.summary.recoveries.is_empty(),
-        "{schedule}: nothing recovered"
-    );
-    assert_eq!(a.trace, b.trace);
-    assert_eq!(a.state_digest, b.state_digest);
-    assert_eq!(a.simulated_seconds, b.simulated_seconds);
+    for mode in FaultTolerance::ALL {
+        let go = || {
+            let ck = checkpoint_dir();
+            run(RunOptions {
+                config: job_config(mode, data_dir(), ck.path(), STEPS).unwrap(),
+                seed,
+                schedule: schedule.clone(),
+                armed: Vec::new(),
+                time_limit: Duration::from_secs(60),
+            })
+            .unwrap()
+            .unwrap()
+        };
+        let (a, b) = (go(), go());
+        assert!(
+            !a.summary.recoveries.is_empty(),
+            "{mode:?} {schedule}: nothing recovered"
+        );
+        assert_eq!(a.trace, b.trace, "{mode:?}");
+        assert_eq!(a.state_digest, b.state_digest, "{mode:?}");
+        assert_eq!(a.simulated_seconds, b.simulated_seconds, "{mode:?}");
+    }
 }
 
 /// The harness can fail: a parity difference dropped once on one server (armed at run

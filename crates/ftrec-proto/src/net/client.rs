@@ -8,7 +8,7 @@ use tokio::time::Instant;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Uri};
 
-use crate::network::Network;
+use crate::network::{Network, Transport};
 
 use crate::PsError;
 use crate::auth::{AttachSecret, JobSecret, TlsMaterial};
@@ -74,14 +74,7 @@ impl Connector {
     fn channel(&self, endpoint: &Endpoint) -> Channel {
         match self.network.transport() {
             None => endpoint.connect_lazy(),
-            Some(transport) => {
-                let transport = transport.clone();
-                endpoint.connect_with_connector_lazy(tower::service_fn(move |uri: Uri| {
-                    let address = uri.authority().map(|a| a.to_string()).unwrap_or_default();
-                    let dialing = transport.dial(address);
-                    async move { dialing.await.map(hyper_util::rt::TokioIo::new) }
-                }))
-            }
+            Some(transport) => endpoint.connect_with_connector_lazy(dialer(transport.clone())),
         }
     }
 
@@ -90,13 +83,8 @@ impl Connector {
         match self.network.transport() {
             None => endpoint.connect().await,
             Some(transport) => {
-                let transport = transport.clone();
                 endpoint
-                    .connect_with_connector(tower::service_fn(move |uri: Uri| {
-                        let address = uri.authority().map(|a| a.to_string()).unwrap_or_default();
-                        let dialing = transport.dial(address);
-                        async move { dialing.await.map(hyper_util::rt::TokioIo::new) }
-                    }))
+                    .connect_with_connector(dialer(transport.clone()))
                     .await
             }
         }
@@ -140,6 +128,24 @@ impl Connector {
             }
         }
     }
+}
+
+/// hyper's connector over a [`Transport`]: dials the URI's authority.
+fn dialer(
+    transport: std::sync::Arc<dyn Transport>,
+) -> impl tower::Service<
+    Uri,
+    Response = hyper_util::rt::TokioIo<crate::network::Conn>,
+    Error = std::io::Error,
+    Future = impl Future<Output = std::io::Result<hyper_util::rt::TokioIo<crate::network::Conn>>> + Send,
+> + Clone
++ Send
++ 'static {
+    tower::service_fn(move |uri: Uri| {
+        let address = uri.authority().map(|a| a.to_string()).unwrap_or_default();
+        let dialing = transport.dial(address);
+        async move { dialing.await.map(hyper_util::rt::TokioIo::new) }
+    })
 }
 
 /// An error with its chain of causes: tonic's transport errors say only "transport
