@@ -100,6 +100,11 @@ fn job_on(job: &Job, host: &str) -> Job {
 /// Runs `opts` to its end. An error means the harness could not run it; a run that
 /// failed (a member gave up, the time limit passed) is an `Err` inside the outcome.
 pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
+    // Simulations take turns in a process: tokio's task ids come from one counter per
+    // process (see `align_task_ids`), so two at once would each change the other's run.
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    align_task_ids()?;
     let job = Job::new(opts.config).map_err(SimError::Job)?;
     let cluster = job.config.cluster.clone();
     let mut sim = turmoil::Builder::new()
@@ -227,6 +232,30 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
             .collect();
         o
     }))
+}
+
+/// Tokio numbers tasks from one counter per process, and a runtime torn down (a crashed or
+/// bounced host) shuts its tasks down shard by shard, by task id modulo the shard count.
+/// That order decides the order of the dying host's last messages, and so the rest of the
+/// run. Starting every simulation at the same residue makes a run replay the same in a
+/// process that ran other simulations before; `run` lets none run beside it.
+fn align_task_ids() -> Result<(), SimError> {
+    const RESIDUES: u64 = 64;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .map_err(|e| SimError::Simulation(format!("a runtime to align task ids: {e}")))?;
+    rt.block_on(async {
+        loop {
+            let id = tokio::spawn(async { tokio::task::id().to_string() })
+                .await
+                .ok()
+                .and_then(|id| id.parse::<u64>().ok());
+            match id {
+                Some(id) if id % RESIDUES != RESIDUES - 1 => continue,
+                _ => return Ok(()),
+            }
+        }
+    })
 }
 
 /// The coordinator's host: runs the job to its end, then gathers the model and checks

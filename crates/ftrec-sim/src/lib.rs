@@ -18,12 +18,13 @@
 //!   simulation's thread until done, so their results (bit-exact in deterministic mode)
 //!   enter the simulation at one point.
 //!
-//! Two runs of a seed produce the same coordinator timeline, event for event and time
-//! for time; a test asserts it, in every mode. One leak is known and not yet found: in a
-//! process that has run other simulations before (the test suite), a restarted host's join
-//! can land a few simulated milliseconds apart from a fresh process's run of the same
-//! seed, and the run goes on from there. Every verdict we compared was the same, and a
-//! seed replayed alone (`FTREC_SIM_SEED`) is exact, run after run.
+//! One more thing reaches across simulations, and is handled: tokio numbers tasks from one
+//! counter per process, and a torn-down runtime (a crashed or bounced host) shuts its
+//! tasks down in an order that depends on their ids, which orders the dying host's last
+//! messages. Each run starts the counter at the same residue, and simulations in a process
+//! take turns, so a seed replays the same whether run alone or after others in the suite.
+//! Two runs of a seed produce the same coordinator timeline, event for event and time for
+//! time; a test asserts it, in every mode.
 
 mod check;
 mod cluster;
