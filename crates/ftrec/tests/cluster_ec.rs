@@ -467,9 +467,30 @@ fn a_planted_dropped_parity_difference_is_reported_by_the_parity_check() {
         ("2pc", &[][..]),
         ("one-round", &["--set", "ec.two_phase_commit=false"][..]),
     ] {
-        let mut args = vec!["--fault", "server:1@fold-parity:20=skip"];
+        let run_dir = dir.path().join(name);
+        let mut args = cluster_args(&data, &run_dir, STEPS);
+        args.extend([
+            "--servers",
+            "3",
+            "--workers",
+            "1",
+            "--deterministic",
+            "--ft",
+            "ec",
+            "--no-eval",
+            "--fault",
+            "server:1@fold-parity:20=skip",
+        ]);
         args.extend(extra);
-        let out = ec_run(&data, &dir.path().join(name), "3", &args);
+        // The run prints its report and fails: wrong parity is a failed run.
+        let run = ftrec(&args);
+        assert!(!run.status.success(), "{name}: exited 0 with wrong parity");
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(
+            stderr.contains("the parity check failed"),
+            "{name}: {stderr}"
+        );
+        let out: Value = serde_json::from_slice(&run.stdout).expect("the JSON report");
         assert_eq!(
             out["state_digest"], expected,
             "{name}: the data is exact: {out}"

@@ -383,33 +383,36 @@ fn start_long_run(data: &str, run: &Path) -> (Child, Vec<u32>) {
 }
 
 #[test]
-fn the_launcher_stops_its_processes_on_sigterm_and_they_die_with_it_on_sigkill() {
+fn the_launcher_stops_its_processes_on_sigterm_or_sighup_and_they_die_with_it_on_sigkill() {
     let dir = tempfile::tempdir().unwrap();
     let data = setup(dir.path());
 
-    let run = dir.path().join("term");
-    let (mut launcher, kids) = start_long_run(&data, &run);
-    let term = Command::new("kill")
-        .args(["-TERM", &launcher.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(term.success());
-    assert!(
-        wait_until(Duration::from_secs(20), || launcher
-            .try_wait()
-            .unwrap()
-            .is_some()),
-        "the launcher did not stop on SIGTERM"
-    );
-    assert!(!launcher.wait().unwrap().success());
-    assert!(kids.iter().all(|&k| !alive(k)), "children left: {kids:?}");
-    let kinds = events(&run);
-    assert!(
-        kinds
-            .iter()
-            .any(|(k, d)| k == "interrupted" && d.contains("SIGTERM")),
-        "{kinds:?}"
-    );
+    // SIGHUP too: the terminal that started the run closed.
+    for signal in ["TERM", "HUP"] {
+        let run = dir.path().join(signal);
+        let (mut launcher, kids) = start_long_run(&data, &run);
+        let sent = Command::new("kill")
+            .args([&format!("-{signal}"), &launcher.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        assert!(
+            wait_until(Duration::from_secs(20), || launcher
+                .try_wait()
+                .unwrap()
+                .is_some()),
+            "the launcher did not stop on SIG{signal}"
+        );
+        assert!(!launcher.wait().unwrap().success());
+        assert!(kids.iter().all(|&k| !alive(k)), "children left: {kids:?}");
+        let kinds = events(&run);
+        assert!(
+            kinds
+                .iter()
+                .any(|(k, d)| k == "interrupted" && d.contains(&format!("SIG{signal}"))),
+            "{kinds:?}"
+        );
+    }
 
     let run = dir.path().join("kill");
     let (mut launcher, kids) = start_long_run(&data, &run);

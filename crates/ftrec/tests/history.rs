@@ -147,6 +147,22 @@ fn a_resume_from_an_older_checkpoint_forks_a_branch_and_rewrites_nothing() {
         for (id, digest) in &before {
             assert_eq!(last.get(id), Some(digest), "{strategy}: {id}");
         }
+        // A flipped byte in a branch record is damage that `ckpt verify` names.
+        let record = std::path::Path::new(ck).join(format!("branches/{branch:06}.branch"));
+        let good = std::fs::read(&record).unwrap();
+        let mut bad = good.clone();
+        let last_byte = bad.len() - 1;
+        bad[last_byte] ^= 1;
+        std::fs::write(&record, &bad).unwrap();
+        let verify = ftrec(&["ckpt", "verify", ck]);
+        let said = String::from_utf8_lossy(&verify.stdout);
+        assert!(!verify.status.success(), "{strategy}: {said}");
+        assert!(
+            said.contains(&format!("branches/{branch:06}.branch: DAMAGED")),
+            "{strategy}: {said}"
+        );
+        std::fs::write(&record, &good).unwrap();
+        assert!(ftrec(&["ckpt", "verify", ck]).status.success());
     }
 }
 

@@ -84,6 +84,22 @@ pub fn list(store: &dyn Store) -> Result<Vec<BranchRecord>, CkptError> {
     Ok(out)
 }
 
+/// Every branch record's key with whether it decodes (magic, version, checksum, JSON).
+pub fn verify_each(store: &dyn Store) -> Result<Vec<(String, Result<(), CkptError>)>, CkptError> {
+    Ok(store
+        .list("branches/")?
+        .into_iter()
+        .filter(|k| k.ends_with(".branch"))
+        .map(|k| {
+            let checked = store
+                .get(&k)
+                .and_then(|bytes| BranchRecord::decode(&store.describe(&k), &bytes))
+                .map(|_| ());
+            (k, checked)
+        })
+        .collect())
+}
+
 /// Records a new branch numbered above every branch recorded or seen in `ids`. Creation
 /// is exclusive, so two processes racing here get different numbers.
 pub fn create(

@@ -222,6 +222,8 @@ impl Checkpoints {
             out.push((m.id.clone(), checked));
         }
         out.extend(damaged.into_iter().map(|(id, e)| (id, Err(e))));
+        // Branch records are checksummed too: a damaged one would misplace a fork.
+        out.extend(crate::branch::verify_each(self.store())?);
         Ok(out)
     }
 }

@@ -286,11 +286,13 @@ fn kill_now(shared: &coordinator::Shared, role: Role, id: usize) -> Result<Optio
     )))
 }
 
-/// SIGTERM and SIGINT, which stop the run cleanly (children stopped, timeline written)
-/// instead of killing the launcher outright.
+/// SIGTERM, SIGINT and SIGHUP (the terminal that started the run closed), which stop the
+/// run cleanly (children stopped, timeline written) instead of killing the launcher
+/// outright.
 struct StopSignals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
 }
 
 impl StopSignals {
@@ -299,6 +301,7 @@ impl StopSignals {
         Ok(Self {
             term: signal(SignalKind::terminate()).map_err(io(Path::new("SIGTERM handler")))?,
             int: signal(SignalKind::interrupt()).map_err(io(Path::new("SIGINT handler")))?,
+            hup: signal(SignalKind::hangup()).map_err(io(Path::new("SIGHUP handler")))?,
         })
     }
 
@@ -306,6 +309,7 @@ impl StopSignals {
         tokio::select! {
             _ = self.term.recv() => "SIGTERM",
             _ = self.int.recv() => "SIGINT",
+            _ = self.hup.recv() => "SIGHUP",
         }
     }
 }

@@ -258,8 +258,15 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
             .with_context(|| format!("removing the run directory {}", report.run_dir.display()))?;
         report.run_dir_removed = true;
     }
+    // A run whose redundancy is wrong failed, whatever the rest says: a later failure
+    // would rebuild from the wrong bytes.
+    let damaged = redundancy_damage(&report);
     if a.json {
-        return print_json(serde_json::to_value(&report)?);
+        print_json(serde_json::to_value(&report)?)?;
+        if let Some(why) = damaged {
+            bail!("{why}");
+        }
+        return Ok(());
     }
     let s = &report.summary;
     outln!(
@@ -300,6 +307,9 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
         );
     }
     outln!("state digest {}", report.state_digest);
+    if let (Some(parity), Some(replicas)) = (report.parity_mismatches, report.replica_mismatches) {
+        outln!("parity check: {parity} stripe mismatches, {replicas} dense replica mismatches");
+    }
     if report.run_dir_removed {
         outln!(
             "run directory removed; pass --run-dir DIR to keep the timeline, logs and checkpoints"
@@ -310,7 +320,22 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
             report.run_dir.display()
         );
     }
+    if let Some(why) = damaged {
+        bail!("{why}");
+    }
     Ok(())
+}
+
+/// Why the end-of-run parity check fails the run, if it does.
+fn redundancy_damage(report: &ftrec_cluster::launch::LaunchReport) -> Option<String> {
+    let parity = report.parity_mismatches.unwrap_or(0);
+    let replicas = report.replica_mismatches.unwrap_or(0);
+    (parity + replicas > 0).then(|| {
+        format!(
+            "the parity check failed: {parity} stripes with a wrong parity row and {replicas} \
+             dense replicas that differ from their primary"
+        )
+    })
 }
 
 pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
