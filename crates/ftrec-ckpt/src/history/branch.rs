@@ -84,8 +84,11 @@ pub fn list(store: &dyn Store) -> Result<Vec<BranchRecord>, CkptError> {
     Ok(out)
 }
 
+/// A stored record's key, and whether it checked out.
+pub type Verdict = (String, Result<(), CkptError>);
+
 /// Every branch record's key with whether it decodes (magic, version, checksum, JSON).
-pub fn verify_each(store: &dyn Store) -> Result<Vec<(String, Result<(), CkptError>)>, CkptError> {
+pub fn verify_each(store: &dyn Store) -> Result<Vec<Verdict>, CkptError> {
     Ok(store
         .list("branches/")?
         .into_iter()
