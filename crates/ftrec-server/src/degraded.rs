@@ -309,7 +309,7 @@ impl Core {
                 };
                 let (d, p) = (d.clone(), p.clone());
                 async move {
-                    let mut client = peers.client(server, attempt > 1).await?;
+                    let mut client = peers.client(server, attempt > 1, epoch).await?;
                     let reply = client
                         .fetch_slots(req)
                         .await

@@ -35,7 +35,8 @@ use ftrec_proto::wire::{bytes_to_u32s, u32s_to_bytes};
 pub(super) struct Peers {
     coordinator: CoordinatorClient,
     connector: Connector,
-    map: tokio::sync::Mutex<Vec<(String, ServerClient)>>,
+    /// The placement map, and the epoch this server was in when it was fetched.
+    map: tokio::sync::Mutex<(u64, Vec<(String, ServerClient)>)>,
 }
 
 impl Peers {
@@ -43,14 +44,24 @@ impl Peers {
         Self {
             coordinator,
             connector,
-            map: tokio::sync::Mutex::new(Vec::new()),
+            map: tokio::sync::Mutex::new((0, Vec::new())),
         }
     }
 
-    /// A client for `server`, fetching the placement map when it is unknown (or `fresh`).
-    pub(super) async fn client(&self, server: usize, fresh: bool) -> Result<ServerClient, PsError> {
-        let mut map = self.map.lock().await;
-        if fresh || map.get(server).is_none_or(|(a, _)| a.is_empty()) {
+    /// A client for `server`, fetching the placement map when it is unknown, `fresh`, or
+    /// older than `epoch`. A new epoch may have replaced a peer, and the old address can
+    /// be silent rather than refusing (a frozen host, a link down): a call there would
+    /// wait out its whole deadline before any retry learned the new address.
+    pub(super) async fn client(
+        &self,
+        server: usize,
+        fresh: bool,
+        epoch: u64,
+    ) -> Result<ServerClient, PsError> {
+        let mut guard = self.map.lock().await;
+        let (fetched_in, map) = &mut *guard;
+        if fresh || *fetched_in < epoch || map.get(server).is_none_or(|(a, _)| a.is_empty()) {
+            *fetched_in = epoch;
             let placement = self
                 .coordinator
                 .clone()
@@ -192,7 +203,7 @@ impl PreCommit for ParityPropagator {
                     let mut last = None;
                     // A replacement took the slot: its new address is one map refresh away.
                     for fresh in [false, true] {
-                        let mut client = peers.client(server, fresh).await?;
+                        let mut client = peers.client(server, fresh, epoch).await?;
                         match client.parity_update(req.clone()).await {
                             Ok(_) => return Ok(()),
                             Err(s) => {
@@ -206,7 +217,18 @@ impl PreCommit for ParityPropagator {
                     Err(last.unwrap_or_else(|| PsError::Unavailable(format!("server {server}"))))
                 }
             });
-        for result in futures::future::join_all(calls).await {
+        // A new epoch fences this update (the servers refuse it now), and a peer that went
+        // silent must not hold the commit turn, which the recovery needs, for a deadline.
+        let mut live = self.epoch.clone();
+        let results = tokio::select! {
+            biased;
+            results = futures::future::join_all(calls) => results,
+            moved = live.wait_for(|l| l.epoch != epoch) => {
+                let current = moved.map(|l| l.epoch).unwrap_or(epoch);
+                return Err(PsError::StaleEpoch { got: epoch, current });
+            }
+        };
+        for result in results {
             result?;
         }
         Ok(())

@@ -45,6 +45,9 @@ pub struct RunOptions {
     pub armed: Vec<(Member, FaultSpec)>,
     /// Simulated time after which the run counts as hung.
     pub time_limit: Duration,
+    /// Replacements start on new hosts even for a crashed one, whose old address then
+    /// stays silent (no refusal ever comes), instead of restarting in place.
+    pub replace_on_new_host: bool,
 }
 
 /// What a run ended with.
@@ -97,43 +100,53 @@ fn job_on(job: &Job, host: &str) -> Job {
         .with_network(Network::simulated(Arc::new(TurmoilTransport::new(host))))
 }
 
-/// Runs `opts` to its end. An error means the harness could not run it; a run that
-/// failed (a member gave up, the time limit passed) is an `Err` inside the outcome.
-pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
-    // Simulations take turns in a process: tokio's task ids come from one counter per
-    // process (see `align_task_ids`), so two at once would each change the other's run.
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    align_task_ids()?;
-    let job = Job::new(opts.config).map_err(SimError::Job)?;
-    let cluster = job.config.cluster.clone();
-    let mut sim = turmoil::Builder::new()
-        .rng_seed(opts.seed)
-        .simulation_duration(opts.time_limit + Duration::from_secs(30))
-        .tick_duration(Duration::from_millis(1))
-        .min_message_latency(Duration::ZERO)
-        .max_message_latency(BASE_LATENCY)
-        .build();
-    let shared_requests = SharedRequests::default();
-    let coordinator_address = format!("{COORDINATOR}:{COORDINATOR_PORT}");
-    let mut registries = Vec::new();
-    let mut members = Vec::new();
-    members.extend((0..cluster.servers).map(Member::Server));
-    members.extend((0..cluster.workers).map(Member::Worker));
-    for &member in &members {
-        let killed = shared_requests.clone();
-        let faults = Faults::with_kill_hook(Arc::new(move |_spec: &FaultSpec| {
-            requests(&killed).crash.push(member);
-        }));
-        for (m, spec) in &opts.armed {
-            if *m == member {
-                faults.arm(spec.clone());
-            }
+/// The simulation's member hosts: which host serves each slot now, and which are silent.
+struct Hosts {
+    job: Job,
+    coordinator: String,
+    /// Each slot's fault registry, shared by every process that holds the slot.
+    registries: Vec<(Member, Faults)>,
+    current: Vec<(Member, String)>,
+    all: Vec<String>,
+    frozen: Vec<String>,
+    replacements: u32,
+    on_new_host: bool,
+}
+
+impl Hosts {
+    /// The host that holds `member`'s slot now.
+    fn of(&self, member: Member) -> &str {
+        self.current
+            .iter()
+            .rev()
+            .find(|(m, _)| *m == member)
+            .map_or("", |(_, h)| h.as_str())
+    }
+
+    /// A replacement restarts on the slot's host, as `cluster run` restarts a dead process
+    /// on its machine; on a new host, as a spare machine would take the slot, when the old
+    /// host is silent (or `on_new_host` asks for it: a crashed host then stays silent too,
+    /// the real-failures issue's standard failure).
+    fn replace(&mut self, sim: &mut turmoil::Sim<'_>, member: Member) {
+        let current = self.of(member).to_string();
+        if !self.on_new_host && !self.frozen.contains(&current) {
+            sim.bounce(current.as_str());
+            return;
         }
-        registries.push((member, faults.clone()));
-        let host = member.host();
-        let job = job_on(&job, &host);
-        let coordinator = coordinator_address.clone();
+        self.replacements += 1;
+        let host = format!("{}-r{}", member.host(), self.replacements);
+        self.start(sim, member, host);
+    }
+
+    fn start(&mut self, sim: &mut turmoil::Sim<'_>, member: Member, host: String) {
+        let faults = self
+            .registries
+            .iter()
+            .find(|(m, _)| *m == member)
+            .map(|(_, f)| f.clone())
+            .unwrap_or_else(|| Faults::with_kill_hook(Arc::new(|_| {})));
+        let job = job_on(&self.job, &host);
+        let coordinator = self.coordinator.clone();
         sim.host(host.as_str(), move || {
             let (job, coordinator, faults) = (job.clone(), coordinator.clone(), faults.clone());
             async move {
@@ -165,6 +178,75 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
                 Ok(())
             }
         });
+        // A silent host stays silent to newcomers too.
+        for frozen in &self.frozen {
+            sim.hold(frozen.as_str(), host.as_str());
+        }
+        self.current.push((member, host.clone()));
+        self.all.push(host);
+    }
+
+    fn freeze(&mut self, sim: &turmoil::Sim<'_>, host: &str) {
+        for other in self.all.iter().filter(|h| *h != host) {
+            sim.hold(host, other.as_str());
+        }
+        self.frozen.push(host.to_string());
+    }
+
+    fn thaw(&mut self, sim: &turmoil::Sim<'_>, host: &str) {
+        for other in self.all.iter().filter(|h| *h != host) {
+            sim.release(host, other.as_str());
+        }
+        self.frozen.retain(|h| h != host);
+    }
+}
+
+/// Runs `opts` to its end. An error means the harness could not run it; a run that
+/// failed (a member gave up, the time limit passed) is an `Err` inside the outcome.
+pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
+    // Simulations take turns in a process: tokio's task ids come from one counter per
+    // process (see `align_task_ids`), so two at once would each change the other's run.
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    align_task_ids()?;
+    let job = Job::new(opts.config).map_err(SimError::Job)?;
+    let cluster = job.config.cluster.clone();
+    let mut sim = turmoil::Builder::new()
+        .rng_seed(opts.seed)
+        .simulation_duration(opts.time_limit + Duration::from_secs(30))
+        .tick_duration(Duration::from_millis(1))
+        .min_message_latency(Duration::ZERO)
+        .max_message_latency(BASE_LATENCY)
+        .build();
+    let shared_requests = SharedRequests::default();
+    let mut registries = Vec::new();
+    let mut members = Vec::new();
+    members.extend((0..cluster.servers).map(Member::Server));
+    members.extend((0..cluster.workers).map(Member::Worker));
+    for &member in &members {
+        let killed = shared_requests.clone();
+        let faults = Faults::with_kill_hook(Arc::new(move |_spec: &FaultSpec| {
+            requests(&killed).crash.push(member);
+        }));
+        for (m, spec) in &opts.armed {
+            if *m == member {
+                faults.arm(spec.clone());
+            }
+        }
+        registries.push((member, faults));
+    }
+    let mut hosts = Hosts {
+        job: job.clone(),
+        coordinator: format!("{COORDINATOR}:{COORDINATOR_PORT}"),
+        registries: registries.clone(),
+        current: Vec::new(),
+        all: vec![COORDINATOR.to_string()],
+        frozen: Vec::new(),
+        replacements: 0,
+        on_new_host: opts.replace_on_new_host,
+    };
+    for &member in &members {
+        hosts.start(&mut sim, member, member.host());
     }
     let slot: Rc<RefCell<Option<Result<Outcome, String>>>> = Rc::default();
     let result_slot = slot.clone();
@@ -182,6 +264,7 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
         Ok(())
     });
     let mut pending = opts.schedule.events.clone();
+    let mut thaw: Vec<(Duration, String)> = Vec::new();
     let mut latency_until: Option<Duration> = None;
     loop {
         let now = sim.elapsed();
@@ -191,13 +274,24 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
         while pending.first().is_some_and(|e| e.at <= now) {
             let event = pending.remove(0);
             match event.fault {
-                Fault::Crash(m) => sim.crash(m.host().as_str()),
-                Fault::Bounce(m) => sim.bounce(m.host().as_str()),
+                Fault::Crash(m) => sim.crash(hosts.of(m)),
+                Fault::Bounce(m) => sim.bounce(hosts.of(m)),
                 Fault::Latency { max, lasting } => {
                     sim.set_max_message_latency(max);
                     latency_until = Some(now + lasting);
                 }
+                Fault::Freeze { member, lasting } => {
+                    let host = hosts.of(member).to_string();
+                    hosts.freeze(&sim, &host);
+                    if let Some(lasting) = lasting {
+                        thaw.push((now + lasting, host));
+                    }
+                }
             }
+        }
+        while let Some(at) = thaw.iter().position(|(at, _)| *at <= now) {
+            let (_, host) = thaw.remove(at);
+            hosts.thaw(&sim, &host);
         }
         if latency_until.is_some_and(|until| now >= until) {
             sim.set_max_message_latency(BASE_LATENCY);
@@ -208,10 +302,10 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
             (std::mem::take(&mut r.restart), std::mem::take(&mut r.crash))
         };
         for m in crash {
-            sim.crash(m.host().as_str());
+            sim.crash(hosts.of(m));
         }
         for m in restart {
-            sim.bounce(m.host().as_str());
+            hosts.replace(&mut sim, m);
         }
         match sim.step() {
             Ok(true) => break,

@@ -40,6 +40,13 @@ pub enum Fault {
     Bounce(Member),
     /// Every message takes up to `max` for `lasting`.
     Latency { max: Duration, lasting: Duration },
+    /// The member goes silent: nothing it sends arrives and nothing reaches it, as when
+    /// its process is frozen (SIGSTOP) or its link is down; after `lasting` (if ever) the
+    /// held messages flow again, as after SIGCONT or link-up.
+    Freeze {
+        member: Member,
+        lasting: Option<Duration>,
+    },
 }
 
 impl fmt::Display for Fault {
@@ -50,6 +57,10 @@ impl fmt::Display for Fault {
             Self::Latency { max, lasting } => {
                 write!(f, "latency up to {max:?} for {lasting:?}")
             }
+            Self::Freeze { member, lasting } => match lasting {
+                Some(d) => write!(f, "freeze {member} for {d:?}"),
+                None => write!(f, "freeze {member} for good"),
+            },
         }
     }
 }
@@ -118,6 +129,25 @@ impl Schedule {
         }
         events.sort_by_key(|e| e.at);
         Self { events }
+    }
+}
+
+impl Schedule {
+    /// One server frozen while training runs, drawn from `seed`: for good (a host that
+    /// went silent), or thawed after a while (a zombie: a member declared dead that comes
+    /// back). The real-failures issue's standard failure.
+    pub fn freeze(seed: u64, servers: usize) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x5EED_F00D);
+        let member = Member::Server(rng.gen_range(0..servers));
+        let lasting = rng
+            .gen_bool(0.5)
+            .then(|| Duration::from_millis(rng.gen_range(500..2_500)));
+        Self {
+            events: vec![Event {
+                at: Duration::from_millis(rng.gen_range(150..450)),
+                fault: Fault::Freeze { member, lasting },
+            }],
+        }
     }
 }
 

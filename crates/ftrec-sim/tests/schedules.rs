@@ -33,6 +33,16 @@ fn checkpoint_dir() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
 }
 
+/// `FTREC_SIM_LOG=info` (a tracing filter) shows the members' logs.
+fn logs() {
+    if let Ok(filter) = std::env::var("FTREC_SIM_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_test_writer()
+            .try_init();
+    }
+}
+
 fn seeds() -> Vec<u64> {
     match std::env::var("FTREC_SIM_SEED") {
         Ok(seed) => vec![seed.parse().expect("FTREC_SIM_SEED must be a number")],
@@ -43,12 +53,7 @@ fn seeds() -> Vec<u64> {
 /// Runs every seed's schedule under `mode` and fails with each broken promise, naming the
 /// seed that replays it.
 fn schedules_keep_their_promises(mode: FaultTolerance) {
-    if let Ok(filter) = std::env::var("FTREC_SIM_LOG") {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_test_writer()
-            .try_init();
-    }
+    logs();
     let started = std::time::Instant::now();
     let mut failures = Vec::new();
     let mut faults_seen = 0;
@@ -65,6 +70,7 @@ fn schedules_keep_their_promises(mode: FaultTolerance) {
             schedule: schedule.clone(),
             armed: Vec::new(),
             time_limit: Duration::from_secs(60),
+            replace_on_new_host: false,
         })
         .unwrap();
         if let Ok(o) = &outcome {
@@ -137,6 +143,7 @@ fn a_seed_replays_exactly() {
                 schedule: schedule.clone(),
                 armed: Vec::new(),
                 time_limit: Duration::from_secs(60),
+                replace_on_new_host: false,
             })
             .unwrap()
             .unwrap()
@@ -173,6 +180,7 @@ fn a_planted_dropped_parity_difference_is_caught_and_its_seed_replays_it() {
                 FaultSpec::new("fold-parity", Some(30), FaultAction::Skip),
             )],
             time_limit: Duration::from_secs(60),
+            replace_on_new_host: false,
         })
         .unwrap();
         let violations = check(&config, &outcome, &reference);
@@ -196,4 +204,68 @@ fn a_planted_dropped_parity_difference_is_caught_and_its_seed_replays_it() {
         "seed {seed} did not replay"
     );
     assert_eq!(replayed.unwrap().0, outcome.unwrap().0);
+}
+
+/// A server that goes silent (frozen for good, or thawed later as a zombie) is handled
+/// like a dead one: replaced on another host, the run ends with its mode's promises.
+fn frozen_servers_keep_their_promises(mode: FaultTolerance) {
+    logs();
+    let reference =
+        reference_digest(&job_config(mode, data_dir(), data_dir(), STEPS).unwrap()).unwrap();
+    let mut failures = Vec::new();
+    for seed in freeze_seeds() {
+        let ck = checkpoint_dir();
+        let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
+        let schedule = Schedule::freeze(seed, SERVERS);
+        let outcome = run(RunOptions {
+            config: config.clone(),
+            seed,
+            schedule: schedule.clone(),
+            armed: Vec::new(),
+            time_limit: Duration::from_secs(60),
+            replace_on_new_host: true,
+        })
+        .unwrap();
+        if let (Ok(o), Ok(_)) = (&outcome, std::env::var("FTREC_SIM_TRACE")) {
+            eprintln!("seed {seed}: {schedule}\n{}", o.trace.join("\n"));
+        }
+        let violations = check(&config, &outcome, &reference);
+        if !violations.is_empty() {
+            let list: Vec<String> = violations.iter().map(|v| v.to_string()).collect();
+            failures.push(format!("seed {seed} ({schedule}): {}", list.join("; ")));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+fn freeze_seeds() -> Vec<u64> {
+    match std::env::var("FTREC_SIM_SEED") {
+        Ok(seed) => vec![seed.parse().expect("FTREC_SIM_SEED must be a number")],
+        Err(_) => (0..8).collect(),
+    }
+}
+
+#[test]
+fn frozen_ec() {
+    frozen_servers_keep_their_promises(FaultTolerance::Ec);
+}
+
+#[test]
+fn frozen_ec_checkpoint() {
+    frozen_servers_keep_their_promises(FaultTolerance::EcCheckpoint);
+}
+
+#[test]
+fn frozen_checkpoint() {
+    frozen_servers_keep_their_promises(FaultTolerance::Checkpoint);
+}
+
+#[test]
+fn frozen_partial() {
+    frozen_servers_keep_their_promises(FaultTolerance::Partial);
+}
+
+#[test]
+fn frozen_none() {
+    frozen_servers_keep_their_promises(FaultTolerance::None);
 }

@@ -15,7 +15,7 @@ use rayon::ThreadPool;
 
 use crate::shard_client::{CommitProtocol, ShardClient};
 use ftrec_proto::PsError;
-use ftrec_proto::client::{CoordinatorClient, keep_alive};
+use ftrec_proto::client::CoordinatorClient;
 use ftrec_proto::job::{Job, Schedule};
 use ftrec_proto::metrics::{self, Metrics};
 use ftrec_proto::proto::next_step_reply::Action;
@@ -79,6 +79,37 @@ struct Worker {
     rpc_bytes: u64,
     times: StepTimes,
     metrics: Arc<Metrics>,
+    /// The cluster's epoch, as the coordinator's heartbeat replies tell it.
+    epochs: tokio::sync::watch::Receiver<u64>,
+}
+
+/// Keeps the worker alive at the coordinator while it computes, and publishes the epoch
+/// each reply carries. Losing the coordinator is the main loop's to notice.
+async fn heartbeat(
+    mut coordinator: CoordinatorClient,
+    id: usize,
+    period: Duration,
+    epochs: tokio::sync::watch::Sender<u64>,
+) {
+    loop {
+        let beat = coordinator.heartbeat(HeartbeatRequest {
+            role: Role::Worker as i32,
+            id: id as u32,
+            epoch: 0,
+            spare: false,
+            ready: true,
+        });
+        if let Ok(reply) = beat.await {
+            epochs.send_if_modified(|e| {
+                let newer = reply.get_ref().epoch > *e;
+                if newer {
+                    *e = reply.get_ref().epoch;
+                }
+                newer
+            });
+        }
+        tokio::time::sleep(period).await;
+    }
 }
 
 /// Where a worker's time goes, logged when it stops.
@@ -158,16 +189,12 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
         .map_err(|s| PsError::rpc(format!("worker {} joining", opts.id), &s))?
         .into_inner();
     tracing::info!("worker {} joined in epoch {}", opts.id, joined.epoch);
-    let heartbeats = tokio::spawn(keep_alive(
+    let (epochs_tx, epochs) = tokio::sync::watch::channel(joined.epoch);
+    let heartbeats = tokio::spawn(heartbeat(
         coordinator.clone(),
-        HeartbeatRequest {
-            role: Role::Worker as i32,
-            id: opts.id as u32,
-            epoch: 0,
-            spare: false,
-            ready: true,
-        },
+        opts.id,
         Duration::from_millis(job.config.cluster.heartbeat_ms),
+        epochs_tx,
     ));
     let cluster = &job.config.cluster;
     let protocol = if cluster.ft.erasure_coded() && job.config.ec.two_phase_commit {
@@ -203,6 +230,7 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
         rpc_bytes: 0,
         times: StepTimes::default(),
         metrics,
+        epochs,
     };
     let result = worker.run().await;
     heartbeats.abort();
@@ -260,9 +288,18 @@ impl Worker {
             match reply.action() {
                 Action::Train => {
                     epoch = reply.epoch;
-                    let outcome = self
-                        .step(reply.step, reply.epoch, reply.placement_version)
-                        .await;
+                    // A new epoch fences the step (the servers refuse it now), and a server
+                    // declared dead may be silent: no call of the step waits on it.
+                    let mut epochs = self.epochs.clone();
+                    let granted = reply.epoch;
+                    let outcome = tokio::select! {
+                        biased;
+                        outcome = self.step(reply.step, reply.epoch, reply.placement_version) => outcome,
+                        moved = epochs.wait_for(|e| *e > granted) => Err(PsError::StaleEpoch {
+                            got: granted,
+                            current: moved.map(|e| *e).unwrap_or(granted),
+                        }),
+                    };
                     let moved = self.shards.take_bytes();
                     self.rpc_bytes += moved;
                     self.metrics.add("ftrec_rpc_bytes_total", moved);
