@@ -52,6 +52,7 @@ event_kinds! {
     Degraded => "degraded",
     PartialRestore => "partial-restore",
     SamplesLost => "samples-lost",
+    SupersededKilled => "superseded-killed",
     CheckpointStart => "checkpoint-start",
     CheckpointEnd => "checkpoint-end",
     CheckpointFailed => "checkpoint-failed",

@@ -452,3 +452,72 @@ fn a_temporary_run_directory_is_removed_after_a_successful_run() {
     let run_dir = out["run_dir"].as_str().unwrap();
     assert!(!Path::new(run_dir).exists(), "{run_dir} is still there");
 }
+
+/// The standard failure: a server host that goes silent (SIGSTOP: no refusal ever comes).
+/// It is declared dead after the failure timeout, replaced, and killed by the launcher;
+/// nothing waits on it, and the run ends with `ftrec train`'s model and exact parity.
+#[test]
+fn a_frozen_server_is_replaced_and_the_run_ends_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let steps = "600";
+    let expected = single_process_digest(&data, steps);
+    let run = dir.path().join("frozen");
+    let mut args = cluster_args(&data, &run, steps);
+    args.extend([
+        "--servers",
+        "3",
+        "--workers",
+        "1",
+        "--deterministic",
+        "--ft",
+        "ec",
+    ]);
+    let mut launcher = Command::new(BIN)
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = launcher.id();
+    let is_server_1 = |p: &u32| {
+        let cmdline = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        args.contains(&&b"server"[..]) && args.windows(2).any(|w| w == [&b"--id"[..], b"1"])
+    };
+    let mut frozen = None;
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            frozen = children_of(pid).into_iter().find(is_server_1);
+            frozen.is_some() && children_of(pid).len() >= 4
+        }),
+        "the launcher did not start its processes"
+    );
+    let frozen = frozen.unwrap();
+    // Training is under way: 600 steps take several seconds.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        Command::new("kill")
+            .args(["-STOP", &frozen.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let out = launcher.wait_with_output().unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("the report");
+    assert!(out.status.success(), "{report}");
+    assert_eq!(report["state_digest"], expected, "{report}");
+    assert_eq!(report["parity_mismatches"], 0, "{report}");
+    assert_eq!(report["replica_mismatches"], 0, "{report}");
+    let recoveries = report["recoveries"].as_array().unwrap();
+    assert!(
+        recoveries.iter().any(|r| r["server"] == 1),
+        "no recovery of server 1: {report}"
+    );
+    assert!(!alive(frozen), "the frozen server outlived the run");
+    let kinds = events(&run);
+    assert!(
+        kinds.iter().any(|(k, _)| k == "superseded-killed"),
+        "{kinds:?}"
+    );
+}

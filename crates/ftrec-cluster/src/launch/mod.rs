@@ -211,6 +211,18 @@ impl Supervised<'_> {
         let mut training_start: Option<Instant> = None;
         loop {
             self.spawner.reap_exited();
+            for (name, pid) in self
+                .spawner
+                .kill_superseded(|role, id| shared.pid_of(role, id))
+            {
+                shared.event(
+                    EventKind::SupersededKilled,
+                    format!(
+                        "{name} (pid {pid}) by SIGKILL: declared dead, its slot has a new \
+                         process, and it may be frozen or cut off rather than gone"
+                    ),
+                );
+            }
             let summary = shared.summary();
             // The event log is copied only until training has started.
             if training_start.is_none()

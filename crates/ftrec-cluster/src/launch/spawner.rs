@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use ftrec_coordinator::Spawner;
 use ftrec_faults::{FaultSpec, points};
 use ftrec_proto::PsError;
+use ftrec_proto::proto::Role;
 
 /// Set in every child's environment: the launcher's pid, so the child dies with it.
 pub const LAUNCHER_PID_ENV: &str = "FTREC_LAUNCHER_PID";
@@ -141,6 +142,49 @@ impl LocalSpawner {
         }
     }
 
+    /// SIGKILLs every child whose slot a later process holds now: the coordinator declared
+    /// it dead and fenced it (it may be frozen or cut off rather than gone), so nothing it
+    /// could still do is wanted, and waiting for it to exit would only delay the end of
+    /// the run. `holder` gives a slot's current process id. Returns the names and pids
+    /// killed.
+    pub(super) fn kill_superseded(
+        &self,
+        holder: impl Fn(Role, usize) -> Option<u32>,
+    ) -> Vec<(String, u32)> {
+        // Not under the children's lock while asking the coordinator: it calls this
+        // spawner (which takes that lock) while holding its own.
+        let listed: Vec<(String, u32)> = match self.children.lock() {
+            Ok(children) => children.iter().map(|(n, c)| (n.clone(), c.id())).collect(),
+            Err(_) => return Vec::new(),
+        };
+        let superseded: Vec<u32> = listed
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (name, pid))| {
+                let (role, slot) = slot_of(name)?;
+                let current = holder(role, slot)?;
+                // Only a process started after this one can have superseded it.
+                listed[i + 1..]
+                    .iter()
+                    .any(|(_, later)| *later == current)
+                    .then_some(*pid)
+            })
+            .collect();
+        let Ok(mut children) = self.children.lock() else {
+            return Vec::new();
+        };
+        let mut killed = Vec::new();
+        for (name, child) in children.iter_mut() {
+            if superseded.contains(&child.id()) && matches!(child.try_wait(), Ok(None)) {
+                let pid = child.id();
+                let _ = child.kill();
+                let _ = child.wait();
+                killed.push((name.clone(), pid));
+            }
+        }
+        killed
+    }
+
     /// Waits up to `grace` for every child to exit, then SIGKILLs the rest.
     pub(super) fn reap(&self, grace: Duration) {
         let deadline = Instant::now() + grace;
@@ -186,4 +230,16 @@ impl LocalSpawner {
         args.push("--spare".into());
         self.spawn(format!("spare-{n}"), &args)
     }
+}
+
+/// The slot a child was started for, from its name (`server-J`, `worker-J`; spares have
+/// none until assigned).
+fn slot_of(name: &str) -> Option<(Role, usize)> {
+    let (role, id) = name.rsplit_once('-')?;
+    let role = match role {
+        "server" => Role::Server,
+        "worker" => Role::Worker,
+        _ => return None,
+    };
+    Some((role, id.parse().ok()?))
 }
