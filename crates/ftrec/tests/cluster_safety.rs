@@ -473,7 +473,7 @@ fn a_frozen_server_is_replaced_and_the_run_ends_exact() {
         "--ft",
         "ec",
     ]);
-    let mut launcher = Command::new(BIN)
+    let launcher = Command::new(BIN)
         .args(&args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
