@@ -61,6 +61,9 @@ struct Member {
     /// A probe found nothing listening at its address: dead, without waiting for its
     /// heartbeats to time out.
     refused: bool,
+    /// Which join of the slot this is (`JoinReply.incarnation`): an older process of the
+    /// slot that comes back (a zombie) is told apart by it.
+    incarnation: u64,
 }
 
 impl Member {
@@ -143,6 +146,8 @@ struct State {
     steps: StepLedger,
     samples: u64,
     lost_samples: u64,
+    /// Incarnations of processes refused after being declared dead.
+    zombies: std::collections::BTreeSet<u64>,
     rpc_bytes: u64,
     last_checkpoint: Option<u64>,
     /// The newest committed checkpoint of any kind (a cut or a CPR prioritised save).
@@ -238,6 +243,9 @@ pub struct RunSummary {
     /// `none` all a replaced shard had trained, under `partial` what it trained since its
     /// cut. 0 in the exact modes.
     pub lost_samples: u64,
+    /// Processes that came back after being declared dead (after SIGCONT, link-up, the
+    /// end of a partition) and were turned away, each counted once.
+    pub zombies_refused: u64,
     pub train_seconds: f64,
     pub samples_per_sec: f64,
     pub rpc_bytes: u64,
@@ -322,6 +330,7 @@ impl Shared {
             steps: s.steps.next_step(),
             samples: s.samples,
             lost_samples: s.lost_samples,
+            zombies_refused: s.zombies.len() as u64,
             train_seconds: seconds,
             samples_per_sec: s.samples as f64 / seconds,
             rpc_bytes: s.rpc_bytes,
@@ -602,6 +611,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             steps: StepLedger::new(total_steps),
             samples: 0,
             lost_samples: 0,
+            zombies: Default::default(),
             rpc_bytes: 0,
             last_checkpoint: None,
             last_save: None,

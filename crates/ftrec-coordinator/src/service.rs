@@ -32,6 +32,9 @@ impl Coordinator for Service {
         let mut s = shared.lock();
         let mut spare_token = 0;
         let id = req.id as usize;
+        // Every join is a new incarnation (a spare's is its token).
+        let incarnation = s.next_token;
+        s.next_token += 1;
         let member = Member {
             address: req.address.clone(),
             pid: req.pid,
@@ -40,11 +43,11 @@ impl Coordinator for Service {
             ready: false,
             last_seen: Some(Instant::now()),
             refused: false,
+            incarnation: u64::from(incarnation),
         };
         match (req.role(), req.spare) {
             (Role::Server, true) => {
-                spare_token = s.next_token;
-                s.next_token += 1;
+                spare_token = incarnation;
                 s.spares.push(Spare {
                     token: spare_token,
                     member,
@@ -111,6 +114,7 @@ impl Coordinator for Service {
             servers: c.servers as u32,
             workers: c.workers as u32,
             spare_token,
+            incarnation: u64::from(incarnation),
         }))
     }
 
@@ -142,8 +146,11 @@ impl Coordinator for Service {
                 .ok_or_else(|| Status::invalid_argument("unknown worker"))?,
             _ => return Err(Status::invalid_argument("heartbeat without a role")),
         };
-        if !member.alive {
-            // Declared dead (and replaced): a paused process that wakes up must not serve.
+        // Declared dead (and replaced): a paused or cut-off process that comes back must not
+        // serve. Its slot may hold a newer process by now, told apart by its incarnation.
+        let superseded = req.incarnation != 0 && req.incarnation != member.incarnation;
+        if !member.alive || superseded {
+            s.zombies.insert(req.incarnation);
             return Err(PsError::Fenced(
                 "this process was declared dead; its slot has been replaced".into(),
             )
@@ -169,12 +176,16 @@ impl Coordinator for Service {
         if let Some(m) = s.workers.get_mut(worker) {
             // A worker declared dead whose slot went to a replacement must not take steps
             // under that slot: they would be settled or lost under the wrong process.
-            if req.pid != 0 && m.pid != 0 && m.pid != req.pid {
-                return Err(PsError::Fenced(format!(
-                    "worker {worker} is held by pid {}; this process (pid {}) was declared dead",
-                    m.pid, req.pid
-                ))
-                .into());
+            let superseded = (req.pid != 0 && m.pid != 0 && m.pid != req.pid)
+                || (req.incarnation != 0 && req.incarnation != m.incarnation);
+            if superseded {
+                let why = format!(
+                    "worker {worker} is held by pid {} (incarnation {}); this process (pid {}, \
+                     incarnation {}) was declared dead",
+                    m.pid, m.incarnation, req.pid, req.incarnation
+                );
+                s.zombies.insert(req.incarnation);
+                return Err(PsError::Fenced(why).into());
             }
             m.last_seen = Some(Instant::now());
         }

@@ -92,6 +92,9 @@ struct Core {
     background: Mutex<Option<degraded::Background>>,
     /// Numbers each background rebuild, so a superseded one can tell.
     background_ids: std::sync::atomic::AtomicU64,
+    /// This process's incarnation of its slot (`JoinReply.incarnation`), sent with every
+    /// heartbeat so the coordinator refuses it once a newer process holds the slot.
+    incarnation: u64,
 }
 
 fn server_metrics(id: &str) -> Metrics {
@@ -251,6 +254,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             epoch: 0,
             spare: false,
             ready: false,
+            incarnation: joined.incarnation,
         },
         heartbeat,
     ));
@@ -328,6 +332,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         peers,
         background: Mutex::new(None),
         background_ids: std::sync::atomic::AtomicU64::new(0),
+        incarnation: joined.incarnation,
     });
     let service = tonic::service::interceptor::InterceptedService::new(
         ParameterServerServer::new(service::Service(core.clone()))
@@ -374,6 +379,7 @@ async fn wait_for_assignment(
                 epoch: 0,
                 spare: true,
                 ready: false,
+                incarnation: u64::from(token),
             })
             .await
         {
@@ -420,6 +426,7 @@ async fn heartbeat_loop(
                 epoch: core.live().epoch,
                 spare: false,
                 ready: true,
+                incarnation: core.incarnation,
             })
             .await;
         match reply.map_err(|s| PsError::rpc("heartbeat", &s)) {

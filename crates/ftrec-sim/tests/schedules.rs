@@ -269,3 +269,43 @@ fn frozen_partial() {
 fn frozen_none() {
     frozen_servers_keep_their_promises(FaultTolerance::None);
 }
+
+/// A server frozen past the failure timeout, then thawed while training goes on (SIGCONT,
+/// link-up): its slot has a new process, so it is refused, counted once, and the run ends
+/// exact.
+#[test]
+fn a_thawed_server_is_refused_as_a_zombie() {
+    use ftrec_sim::{Event, Fault, Member};
+    logs();
+    for mode in [FaultTolerance::Ec, FaultTolerance::Checkpoint] {
+        let ck = checkpoint_dir();
+        let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
+        let reference = reference_digest(&config).unwrap();
+        let schedule = Schedule {
+            events: vec![Event {
+                at: Duration::from_millis(300),
+                fault: Fault::Freeze {
+                    member: Member::Server(1),
+                    lasting: Some(Duration::from_millis(900)),
+                },
+            }],
+        };
+        let outcome = run(RunOptions {
+            config: config.clone(),
+            seed: 3,
+            schedule,
+            armed: Vec::new(),
+            time_limit: Duration::from_secs(60),
+            replace_on_new_host: true,
+        })
+        .unwrap();
+        assert_eq!(check(&config, &outcome, &reference), vec![], "{mode:?}");
+        let o = outcome.unwrap();
+        assert_eq!(
+            o.summary.zombies_refused,
+            1,
+            "{mode:?}: {}",
+            o.trace.join("\n")
+        );
+    }
+}

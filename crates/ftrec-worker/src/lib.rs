@@ -81,6 +81,8 @@ struct Worker {
     metrics: Arc<Metrics>,
     /// The cluster's epoch, as the coordinator's heartbeat replies tell it.
     epochs: tokio::sync::watch::Receiver<u64>,
+    /// This process's incarnation of its slot (`JoinReply.incarnation`).
+    incarnation: u64,
 }
 
 /// Keeps the worker alive at the coordinator while it computes, and publishes the epoch
@@ -88,6 +90,7 @@ struct Worker {
 async fn heartbeat(
     mut coordinator: CoordinatorClient,
     id: usize,
+    incarnation: u64,
     period: Duration,
     epochs: tokio::sync::watch::Sender<u64>,
 ) {
@@ -98,6 +101,7 @@ async fn heartbeat(
             epoch: 0,
             spare: false,
             ready: true,
+            incarnation,
         });
         if let Ok(reply) = beat.await {
             epochs.send_if_modified(|e| {
@@ -193,6 +197,7 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
     let heartbeats = tokio::spawn(heartbeat(
         coordinator.clone(),
         opts.id,
+        joined.incarnation,
         Duration::from_millis(job.config.cluster.heartbeat_ms),
         epochs_tx,
     ));
@@ -231,6 +236,7 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
         times: StepTimes::default(),
         metrics,
         epochs,
+        incarnation: joined.incarnation,
     };
     let result = worker.run().await;
     heartbeats.abort();
@@ -259,6 +265,7 @@ impl Worker {
                 pid: self.job.network().pid(),
                 lost_reason: loss.as_ref().map(|l| l.reason.clone()).unwrap_or_default(),
                 ahead_epoch: loss.as_ref().and_then(|l| l.ahead_epoch),
+                incarnation: self.incarnation,
             };
             let asked = Instant::now();
             let reply = self.coordinator.clone().next_step(request).await;
