@@ -265,6 +265,7 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
     });
     let mut pending = opts.schedule.events.clone();
     let mut thaw: Vec<(Duration, String)> = Vec::new();
+    let mut repair: Vec<(Duration, String, String)> = Vec::new();
     let mut latency_until: Option<Duration> = None;
     loop {
         let now = sim.elapsed();
@@ -280,6 +281,13 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
                     sim.set_max_message_latency(max);
                     latency_until = Some(now + lasting);
                 }
+                Fault::Partition { a, b, lasting } => {
+                    let (a, b) = (hosts.of(a).to_string(), hosts.of(b).to_string());
+                    sim.partition(a.as_str(), b.as_str());
+                    if let Some(lasting) = lasting {
+                        repair.push((now + lasting, a, b));
+                    }
+                }
                 Fault::Freeze { member, lasting } => {
                     let host = hosts.of(member).to_string();
                     hosts.freeze(&sim, &host);
@@ -288,6 +296,10 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
                     }
                 }
             }
+        }
+        while let Some(at) = repair.iter().position(|(at, _, _)| *at <= now) {
+            let (_, a, b) = repair.remove(at);
+            sim.repair(a.as_str(), b.as_str());
         }
         while let Some(at) = thaw.iter().position(|(at, _)| *at <= now) {
             let (_, host) = thaw.remove(at);

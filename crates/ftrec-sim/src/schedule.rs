@@ -47,6 +47,13 @@ pub enum Fault {
         member: Member,
         lasting: Option<Duration>,
     },
+    /// Messages between two members are dropped (both ways) for `lasting`, if it ends;
+    /// everyone else, the coordinator included, still reaches both.
+    Partition {
+        a: Member,
+        b: Member,
+        lasting: Option<Duration>,
+    },
 }
 
 impl fmt::Display for Fault {
@@ -57,6 +64,10 @@ impl fmt::Display for Fault {
             Self::Latency { max, lasting } => {
                 write!(f, "latency up to {max:?} for {lasting:?}")
             }
+            Self::Partition { a, b, lasting } => match lasting {
+                Some(d) => write!(f, "partition {a} | {b} for {d:?}"),
+                None => write!(f, "partition {a} | {b} for good"),
+            },
             Self::Freeze { member, lasting } => match lasting {
                 Some(d) => write!(f, "freeze {member} for {d:?}"),
                 None => write!(f, "freeze {member} for good"),

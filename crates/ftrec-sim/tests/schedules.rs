@@ -309,3 +309,39 @@ fn a_thawed_server_is_refused_as_a_zombie() {
         );
     }
 }
+
+/// The nasty partition: the worker cannot reach a server that the coordinator still
+/// sees. Today the worker loses its step over and over and nobody fences the server
+/// (the rest of the real-failures issue: the worker must report the unreachable server,
+/// and the coordinator fence it and recover).
+#[test]
+#[ignore = "livelocks today: issue 21's partition work"]
+fn a_worker_cut_off_from_one_server() {
+    use ftrec_sim::{Event, Fault, Member};
+    logs();
+    let mode = FaultTolerance::Ec;
+    let ck = checkpoint_dir();
+    let mut config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
+    config.cluster.workers = 1;
+    let reference = reference_digest(&config).unwrap();
+    let schedule = Schedule {
+        events: vec![Event {
+            at: Duration::from_millis(300),
+            fault: Fault::Partition {
+                a: Member::Worker(0),
+                b: Member::Server(1),
+                lasting: None,
+            },
+        }],
+    };
+    let outcome = run(RunOptions {
+        config: config.clone(),
+        seed: 1,
+        schedule,
+        armed: Vec::new(),
+        time_limit: Duration::from_secs(60),
+        replace_on_new_host: true,
+    })
+    .unwrap();
+    assert_eq!(check(&config, &outcome, &reference), vec![]);
+}
