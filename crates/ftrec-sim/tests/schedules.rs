@@ -8,7 +8,9 @@ use ftrec_config::FaultTolerance;
 use ftrec_sim::{RunOptions, SERVERS, Schedule, WORKERS, check, job_config, reference_digest, run};
 
 const STEPS: u64 = 60;
-const SCHEDULES_PER_MODE: u64 = 40;
+/// Seeds per mode: 40 random schedules (200 in all) and 8 freezes.
+const RANDOM_PER_MODE: u64 = 40;
+const FREEZES_PER_MODE: u64 = 8;
 
 fn data_dir() -> &'static std::path::Path {
     static DATA: OnceLock<tempfile::TempDir> = OnceLock::new();
@@ -43,38 +45,51 @@ fn logs() {
     }
 }
 
-fn seeds() -> Vec<u64> {
+/// The seeds of a sweep: `count` of them, or the one `FTREC_SIM_SEED` names (a replay).
+fn seeds(count: u64) -> Vec<u64> {
     match std::env::var("FTREC_SIM_SEED") {
         Ok(seed) => vec![seed.parse().expect("FTREC_SIM_SEED must be a number")],
-        Err(_) => (0..SCHEDULES_PER_MODE).collect(),
+        Err(_) => (0..count).collect(),
     }
 }
 
-/// Runs every seed's schedule under `mode` and fails with each broken promise, naming the
-/// seed that replays it.
-fn schedules_keep_their_promises(mode: FaultTolerance) {
+/// The kinds of schedule a sweep draws.
+#[derive(Clone, Copy)]
+enum Kind {
+    /// Crashes, restarts and latency; a replacement restarts on its slot's host.
+    Random,
+    /// One server frozen, for good or for a while; its replacement starts elsewhere.
+    Freeze,
+}
+
+/// Runs `count` seeds' schedules of `kind` under `mode` and fails with each broken
+/// promise, naming the seed that replays it.
+fn schedules_keep_their_promises(mode: FaultTolerance, kind: Kind, count: u64) {
     logs();
     let started = std::time::Instant::now();
     let mut failures = Vec::new();
-    let mut faults_seen = 0;
+    let mut recoveries = 0;
     // The checkpoint directory is not part of what is trained.
     let reference =
         reference_digest(&job_config(mode, data_dir(), data_dir(), STEPS).unwrap()).unwrap();
-    for seed in seeds() {
+    for seed in seeds(count) {
         let ck = checkpoint_dir();
         let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
-        let schedule = Schedule::random(seed, SERVERS, WORKERS);
+        let (schedule, replace_on_new_host) = match kind {
+            Kind::Random => (Schedule::random(seed, SERVERS, WORKERS), false),
+            Kind::Freeze => (Schedule::freeze(seed, SERVERS), true),
+        };
         let outcome = run(RunOptions {
             config: config.clone(),
             seed,
             schedule: schedule.clone(),
             armed: Vec::new(),
             time_limit: Duration::from_secs(60),
-            replace_on_new_host: false,
+            replace_on_new_host,
         })
         .unwrap();
         if let Ok(o) = &outcome {
-            faults_seen += o.summary.recoveries.len();
+            recoveries += o.summary.recoveries.len();
             if let Ok(dir) = std::env::var("FTREC_SIM_DUMP") {
                 let path = format!("{dir}/{}-{seed}.txt", mode.name());
                 std::fs::write(path, o.trace.join("\n")).unwrap();
@@ -86,17 +101,20 @@ fn schedules_keep_their_promises(mode: FaultTolerance) {
         let violations = check(&config, &outcome, &reference);
         if !violations.is_empty() {
             let list: Vec<String> = violations.iter().map(|v| v.to_string()).collect();
+            let test = match kind {
+                Kind::Random => mode.name().replace('+', "_"),
+                Kind::Freeze => format!("frozen_{}", mode.name().replace('+', "_")),
+            };
             failures.push(format!(
-                "seed {seed} ({schedule}): {}\n  replay: FTREC_SIM_SEED={seed} cargo test -p ftrec-sim --test schedules {}",
-                list.join("; "),
-                mode.name().replace('+', "_")
+                "seed {seed} ({schedule}): {}\n  replay: FTREC_SIM_SEED={seed} cargo test -p ftrec-sim --test schedules {test}",
+                list.join("; ")
             ));
         }
     }
     eprintln!(
-        "{}: {} schedules, {faults_seen} recoveries, {:.1} s",
+        "{}: {} schedules, {recoveries} recoveries, {:.1} s",
         mode.name(),
-        seeds().len(),
+        seeds(count).len(),
         started.elapsed().as_secs_f64()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -104,27 +122,27 @@ fn schedules_keep_their_promises(mode: FaultTolerance) {
 
 #[test]
 fn ec() {
-    schedules_keep_their_promises(FaultTolerance::Ec);
+    schedules_keep_their_promises(FaultTolerance::Ec, Kind::Random, RANDOM_PER_MODE);
 }
 
 #[test]
 fn ec_checkpoint() {
-    schedules_keep_their_promises(FaultTolerance::EcCheckpoint);
+    schedules_keep_their_promises(FaultTolerance::EcCheckpoint, Kind::Random, RANDOM_PER_MODE);
 }
 
 #[test]
 fn checkpoint() {
-    schedules_keep_their_promises(FaultTolerance::Checkpoint);
+    schedules_keep_their_promises(FaultTolerance::Checkpoint, Kind::Random, RANDOM_PER_MODE);
 }
 
 #[test]
 fn partial() {
-    schedules_keep_their_promises(FaultTolerance::Partial);
+    schedules_keep_their_promises(FaultTolerance::Partial, Kind::Random, RANDOM_PER_MODE);
 }
 
 #[test]
 fn none() {
-    schedules_keep_their_promises(FaultTolerance::None);
+    schedules_keep_their_promises(FaultTolerance::None, Kind::Random, RANDOM_PER_MODE);
 }
 
 /// A seed replays: the same schedule and seed give the same timeline, event for event
@@ -206,68 +224,31 @@ fn a_planted_dropped_parity_difference_is_caught_and_its_seed_replays_it() {
     assert_eq!(replayed.unwrap().0, outcome.unwrap().0);
 }
 
-/// A server that goes silent (frozen for good, or thawed later as a zombie) is handled
-/// like a dead one: replaced on another host, the run ends with its mode's promises.
-fn frozen_servers_keep_their_promises(mode: FaultTolerance) {
-    logs();
-    let reference =
-        reference_digest(&job_config(mode, data_dir(), data_dir(), STEPS).unwrap()).unwrap();
-    let mut failures = Vec::new();
-    for seed in freeze_seeds() {
-        let ck = checkpoint_dir();
-        let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
-        let schedule = Schedule::freeze(seed, SERVERS);
-        let outcome = run(RunOptions {
-            config: config.clone(),
-            seed,
-            schedule: schedule.clone(),
-            armed: Vec::new(),
-            time_limit: Duration::from_secs(60),
-            replace_on_new_host: true,
-        })
-        .unwrap();
-        if let (Ok(o), Ok(_)) = (&outcome, std::env::var("FTREC_SIM_TRACE")) {
-            eprintln!("seed {seed}: {schedule}\n{}", o.trace.join("\n"));
-        }
-        let violations = check(&config, &outcome, &reference);
-        if !violations.is_empty() {
-            let list: Vec<String> = violations.iter().map(|v| v.to_string()).collect();
-            failures.push(format!("seed {seed} ({schedule}): {}", list.join("; ")));
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
-}
-
-fn freeze_seeds() -> Vec<u64> {
-    match std::env::var("FTREC_SIM_SEED") {
-        Ok(seed) => vec![seed.parse().expect("FTREC_SIM_SEED must be a number")],
-        Err(_) => (0..8).collect(),
-    }
-}
-
+// A server that goes silent (frozen for good, or thawed later as a zombie) is handled
+// like a dead one: replaced on another host, the run ends with its mode's promises.
 #[test]
 fn frozen_ec() {
-    frozen_servers_keep_their_promises(FaultTolerance::Ec);
+    schedules_keep_their_promises(FaultTolerance::Ec, Kind::Freeze, FREEZES_PER_MODE);
 }
 
 #[test]
 fn frozen_ec_checkpoint() {
-    frozen_servers_keep_their_promises(FaultTolerance::EcCheckpoint);
+    schedules_keep_their_promises(FaultTolerance::EcCheckpoint, Kind::Freeze, FREEZES_PER_MODE);
 }
 
 #[test]
 fn frozen_checkpoint() {
-    frozen_servers_keep_their_promises(FaultTolerance::Checkpoint);
+    schedules_keep_their_promises(FaultTolerance::Checkpoint, Kind::Freeze, FREEZES_PER_MODE);
 }
 
 #[test]
 fn frozen_partial() {
-    frozen_servers_keep_their_promises(FaultTolerance::Partial);
+    schedules_keep_their_promises(FaultTolerance::Partial, Kind::Freeze, FREEZES_PER_MODE);
 }
 
 #[test]
 fn frozen_none() {
-    frozen_servers_keep_their_promises(FaultTolerance::None);
+    schedules_keep_their_promises(FaultTolerance::None, Kind::Freeze, FREEZES_PER_MODE);
 }
 
 /// A server frozen past the failure timeout, then thawed while training goes on (SIGCONT,

@@ -36,6 +36,17 @@ fn ec_run_with(
     ft: &str,
     extra: &[&str],
 ) -> Value {
+    json_of(&ftrec(&ec_args(data, run, servers, ft, extra)))
+}
+
+/// The command line of a deterministic one-worker run under `ft` with `extra` flags.
+fn ec_args<'a>(
+    data: &'a str,
+    run: &'a std::path::Path,
+    servers: &'a str,
+    ft: &'a str,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
     let mut args = cluster_args(data, run, STEPS);
     args.extend([
         "--servers",
@@ -48,7 +59,7 @@ fn ec_run_with(
         "--no-eval",
     ]);
     args.extend(extra);
-    json_of(&ftrec(&args))
+    args
 }
 
 /// Runs `ftrec args`, which must fail, and returns what it said.
@@ -184,21 +195,8 @@ fn every_stateful_optimizer_is_rebuilt_exactly() {
 fn more_losses_than_the_code_covers_end_the_run_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let data = setup(dir.path());
-    let mut args = cluster_args(&data, dir.path(), STEPS);
-    args.extend([
-        "--servers",
-        "3",
-        "--workers",
-        "1",
-        "--deterministic",
-        "--ft",
-        "ec",
-        "--no-eval",
-        "--kill",
-        "server:0@step:30",
-        "--kill",
-        "server:1@step:30",
-    ]);
+    let mut args = ec_args(&data, dir.path(), "3", "ec", &[]);
+    args.extend(["--kill", "server:0@step:30", "--kill", "server:1@step:30"]);
     let err = refused(&args);
     assert!(
         err.contains("2 servers of erasure-coding group 0") && err.contains("ec+checkpoint"),
@@ -468,20 +466,8 @@ fn a_planted_dropped_parity_difference_is_reported_by_the_parity_check() {
         ("one-round", &["--set", "ec.two_phase_commit=false"][..]),
     ] {
         let run_dir = dir.path().join(name);
-        let mut args = cluster_args(&data, &run_dir, STEPS);
-        args.extend([
-            "--servers",
-            "3",
-            "--workers",
-            "1",
-            "--deterministic",
-            "--ft",
-            "ec",
-            "--no-eval",
-            "--fault",
-            "server:1@fold-parity:20=skip",
-        ]);
-        args.extend(extra);
+        let mut args = ec_args(&data, &run_dir, "3", "ec", extra);
+        args.extend(["--fault", "server:1@fold-parity:20=skip"]);
         // The run prints its report and fails: wrong parity is a failed run.
         let run = ftrec(&args);
         assert!(!run.status.success(), "{name}: exited 0 with wrong parity");
