@@ -110,10 +110,12 @@ fn detect_failures(shared: &Shared, s: &mut State) {
     for id in 0..s.servers.len() {
         let m = &s.servers[id];
         let silent = m.silent_for();
-        if !(m.joined && m.alive && (silent > timeout || m.refused)) {
+        if !(m.joined && m.alive && (silent > timeout || m.refused || m.cut_off.is_some())) {
             continue;
         }
-        let why = if m.refused {
+        let why = if let Some(why) = &m.cut_off {
+            why.clone()
+        } else if m.refused {
             format!(
                 "its port refused a connection after a worker's call failed (silent for {silent:?})"
             )
@@ -198,6 +200,7 @@ fn replace_server(shared: &Shared, s: &mut State, id: usize) {
             ready: false,
             last_seen: Some(Instant::now()),
             refused: false,
+            cut_off: None,
             ..spare.member.clone()
         };
         let (token, address) = (spare.token, member.address.clone());

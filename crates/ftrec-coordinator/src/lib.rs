@@ -64,6 +64,9 @@ struct Member {
     /// Which join of the slot this is (`JoinReply.incarnation`): an older process of the
     /// slot that comes back (a zombie) is told apart by it.
     incarnation: u64,
+    /// Workers cannot reach it, though it answers the coordinator (a partition): why it is
+    /// to be declared dead.
+    cut_off: Option<String>,
 }
 
 impl Member {
@@ -148,6 +151,9 @@ struct State {
     lost_samples: u64,
     /// Incarnations of processes refused after being declared dead.
     zombies: std::collections::BTreeSet<u64>,
+    /// Lost steps in a row whose worker could not reach this server (reset by any step
+    /// that finishes).
+    unreachable_reports: std::collections::BTreeMap<usize, u32>,
     rpc_bytes: u64,
     last_checkpoint: Option<u64>,
     /// The newest committed checkpoint of any kind (a cut or a CPR prioritised save).
@@ -612,6 +618,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             samples: 0,
             lost_samples: 0,
             zombies: Default::default(),
+            unreachable_reports: Default::default(),
             rpc_bytes: 0,
             last_checkpoint: None,
             last_save: None,

@@ -44,6 +44,7 @@ impl Coordinator for Service {
             last_seen: Some(Instant::now()),
             refused: false,
             incarnation: u64::from(incarnation),
+            cut_off: None,
         };
         match (req.role(), req.spare) {
             (Role::Server, true) => {
@@ -195,6 +196,7 @@ impl Coordinator for Service {
             && s.steps.finish(step, worker, req.epoch)
         {
             s.lost_in_a_row = 0;
+            s.unreachable_reports.clear();
             shared.settled(&mut s, step);
         }
         if let Some(step) = req.lost {
@@ -209,6 +211,9 @@ impl Coordinator for Service {
             // The step becomes an orphan: the control loop asks the servers which of them
             // applied it, then grants it again or rolls back. Never skipped.
             s.steps.lose(step, worker, req.epoch);
+            if let Some(server) = req.unreachable_server {
+                cut_off_report(&mut s, server as usize, worker, &req.lost_reason);
+            }
             let c = &shared.job.config.cluster;
             s.suspect_until = Some(
                 Instant::now() + Duration::from_millis(c.failure_timeout_ms + 2 * c.heartbeat_ms),
@@ -278,4 +283,28 @@ fn refusal(s: &crate::State, step: u64, req: &NextStepRequest) -> Option<String>
             s.lost_in_a_row, req.worker
         )
     })
+}
+
+/// Lost steps in a row, each because its worker could not reach the same server, after
+/// which that server is declared dead even though it answers the coordinator: it is cut
+/// off from the workers (a partition), and the job cannot train through it.
+const UNREACHABLE_REPORTS: u32 = 2;
+
+fn cut_off_report(s: &mut crate::State, server: usize, worker: usize, reason: &str) {
+    let count = s.unreachable_reports.entry(server).or_default();
+    *count += 1;
+    let count = *count;
+    if count < UNREACHABLE_REPORTS {
+        return;
+    }
+    if let Some(m) = s.servers.get_mut(server)
+        && m.alive
+        && m.cut_off.is_none()
+    {
+        m.cut_off = Some(format!(
+            "is cut off from the workers: {count} steps in a row lost because worker {worker} \
+             could not reach it ({reason}), though it answers the coordinator"
+        ));
+        s.unreachable_reports.remove(&server);
+    }
 }

@@ -292,37 +292,56 @@ fn a_thawed_server_is_refused_as_a_zombie() {
 }
 
 /// The nasty partition: the worker cannot reach a server that the coordinator still
-/// sees. Today the worker loses its step over and over and nobody fences the server
-/// (the rest of the real-failures issue: the worker must report the unreachable server,
-/// and the coordinator fence it and recover).
+/// sees. The worker names the server in its loss reports; after two lost steps in a row
+/// the coordinator declares the server dead, fences it and recovers, and the old process
+/// (still talking to the coordinator) is refused as a zombie.
 #[test]
-#[ignore = "livelocks today: issue 21's partition work"]
-fn a_worker_cut_off_from_one_server() {
+fn a_worker_cut_off_from_one_server_gets_it_replaced() {
     use ftrec_sim::{Event, Fault, Member};
     logs();
-    let mode = FaultTolerance::Ec;
-    let ck = checkpoint_dir();
-    let mut config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
-    config.cluster.workers = 1;
-    let reference = reference_digest(&config).unwrap();
-    let schedule = Schedule {
-        events: vec![Event {
-            at: Duration::from_millis(300),
-            fault: Fault::Partition {
-                a: Member::Worker(0),
-                b: Member::Server(1),
-                lasting: None,
-            },
-        }],
-    };
-    let outcome = run(RunOptions {
-        config: config.clone(),
-        seed: 1,
-        schedule,
-        armed: Vec::new(),
-        time_limit: Duration::from_secs(60),
-        replace_on_new_host: true,
-    })
-    .unwrap();
-    assert_eq!(check(&config, &outcome, &reference), vec![]);
+    for mode in [
+        FaultTolerance::Ec,
+        FaultTolerance::EcCheckpoint,
+        FaultTolerance::Checkpoint,
+    ] {
+        let ck = checkpoint_dir();
+        let mut config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
+        config.cluster.workers = 1;
+        let reference = reference_digest(&config).unwrap();
+        let schedule = Schedule {
+            events: vec![Event {
+                at: Duration::from_millis(300),
+                fault: Fault::Partition {
+                    a: Member::Worker(0),
+                    b: Member::Server(1),
+                    lasting: None,
+                },
+            }],
+        };
+        let outcome = run(RunOptions {
+            config: config.clone(),
+            seed: 1,
+            schedule,
+            armed: Vec::new(),
+            time_limit: Duration::from_secs(60),
+            replace_on_new_host: true,
+        })
+        .unwrap();
+        assert_eq!(check(&config, &outcome, &reference), vec![], "{mode:?}");
+        let o = outcome.unwrap();
+        if std::env::var("FTREC_SIM_TRACE").is_ok() {
+            eprintln!("{mode:?}\n{}", o.trace.join("\n"));
+        }
+        assert!(
+            o.summary.recoveries.iter().any(|r| r.server == 1),
+            "{mode:?}: server 1 was not replaced: {}",
+            o.trace.join("\n")
+        );
+        assert!(
+            o.trace
+                .iter()
+                .any(|l| l.contains("cut off from the workers")),
+            "{mode:?}"
+        );
+    }
 }

@@ -39,6 +39,8 @@ struct Loss {
     /// A server refused the step for being in this later epoch: not a failure the
     /// coordinator caused, so it must end the run rather than retry forever.
     ahead_epoch: Option<u64>,
+    /// The server whose calls failed in transport (it may be cut off from this worker).
+    unreachable_server: Option<usize>,
 }
 
 impl Loss {
@@ -60,6 +62,7 @@ impl Loss {
         Self {
             reason,
             ahead_epoch,
+            unreachable_server: None,
         }
     }
 }
@@ -266,6 +269,10 @@ impl Worker {
                 lost_reason: loss.as_ref().map(|l| l.reason.clone()).unwrap_or_default(),
                 ahead_epoch: loss.as_ref().and_then(|l| l.ahead_epoch),
                 incarnation: self.incarnation,
+                unreachable_server: loss
+                    .as_ref()
+                    .and_then(|l| l.unreachable_server)
+                    .map(|s| s as u32),
             };
             let asked = Instant::now();
             let reply = self.coordinator.clone().next_step(request).await;
@@ -299,6 +306,7 @@ impl Worker {
                     // declared dead may be silent: no call of the step waits on it.
                     let mut epochs = self.epochs.clone();
                     let granted = reply.epoch;
+                    self.shards.take_unreachable();
                     let outcome = tokio::select! {
                         biased;
                         outcome = self.step(reply.step, reply.epoch, reply.placement_version) => outcome,
@@ -318,7 +326,10 @@ impl Worker {
                         Err(e) => {
                             self.metrics.add("ftrec_lost_steps_total", 1);
                             tracing::warn!("worker {}: step {} lost: {e}", self.id, reply.step);
-                            loss = Some(Loss::of(&e, reply.epoch));
+                            loss = Some(Loss {
+                                unreachable_server: self.shards.take_unreachable(),
+                                ..Loss::of(&e, reply.epoch)
+                            });
                             Outcome::Lost(reply.step)
                         }
                     });

@@ -84,6 +84,7 @@ pub struct ShardClient {
     /// Payload bytes sent and received since the last [`ShardClient::take_bytes`].
     bytes: u64,
     protocol: CommitProtocol,
+    unreachable: Option<usize>,
 }
 
 impl ShardClient {
@@ -102,6 +103,7 @@ impl ShardClient {
             connector,
             bytes: 0,
             protocol: CommitProtocol::OneRound,
+            unreachable: None,
         }
     }
 
@@ -111,6 +113,13 @@ impl ShardClient {
     }
 
     /// Payload bytes moved since the last call.
+    /// The server whose calls last failed for good in transport (timed out, unreachable),
+    /// taken once: the worker names it when it reports the step lost, so the coordinator
+    /// can tell a server cut off from the workers from one that is merely slow.
+    pub fn take_unreachable(&mut self) -> Option<usize> {
+        self.unreachable.take()
+    }
+
     pub fn take_bytes(&mut self) -> u64 {
         std::mem::take(&mut self.bytes)
     }
@@ -320,6 +329,9 @@ impl ShardClient {
                     Err(status) => {
                         let e = PsError::rpc(format!("prepare to server {s}"), &status);
                         if !e.is_retryable() || attempt == ATTEMPTS {
+                            if matches!(e, PsError::Unavailable(_)) {
+                                self.unreachable = Some(s);
+                            }
                             return Err(e);
                         }
                         if matches!(e, PsError::NotOwner { .. }) {
@@ -358,6 +370,7 @@ impl ShardClient {
                 call(client, requests[s].clone())
             });
             let mut failure: Option<PsError> = None;
+            let mut failed_server = None;
             let mut stale_map = false;
             for (&s, result) in pending.iter().zip(join_all(calls).await) {
                 match result {
@@ -368,13 +381,19 @@ impl ShardClient {
                         // A cause that will not pass decides; otherwise keep the first.
                         if failure.as_ref().is_none_or(PsError::is_retryable) {
                             failure = Some(e);
+                            failed_server = Some(s);
                         }
                     }
                 }
             }
             match failure {
                 None => break,
-                Some(e) if !e.is_retryable() || attempt == ATTEMPTS => return Err(e),
+                Some(e) if !e.is_retryable() || attempt == ATTEMPTS => {
+                    if matches!(e, PsError::Unavailable(_)) {
+                        self.unreachable = failed_server;
+                    }
+                    return Err(e);
+                }
                 Some(e) => {
                     tracing::debug!("{what}: {e}; asking again (attempt {attempt})");
                     if stale_map {
