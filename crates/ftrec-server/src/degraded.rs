@@ -289,6 +289,7 @@ impl Core {
         };
         let give_up = Instant::now() + self.job.timeout() * 4;
         let mut attempt = 0u32;
+        let mut unreachable_in_a_row = 0u32;
         // Under steady commits a snapshot may keep straddling one; after a few tries this
         // server's commit turn is taken, which stops new steps here and so (each step
         // needs every server) everywhere: the survivors then settle on this server's steps.
@@ -323,11 +324,32 @@ impl Core {
                     })
                 }
             });
-            let answers: Vec<Answer> = futures::future::join_all(calls)
-                .await
-                .into_iter()
-                .filter_map(|a| a.map_err(|e| tracing::debug!("degraded read: {e}")).ok())
-                .collect();
+            let mut answers: Vec<Answer> = Vec::new();
+            let mut unreachable = None;
+            for answer in futures::future::join_all(calls).await {
+                match answer {
+                    Ok(a) => answers.push(a),
+                    // A survivor that refuses for good: the caller learns it now, with the
+                    // survivor named in the error, not after the read's whole deadline.
+                    Err(e) if !e.is_retryable() => {
+                        return Err(PsError::Degraded(format!(
+                            "server {me}: degraded read of table {table}: {e}"
+                        )));
+                    }
+                    Err(e @ PsError::Unavailable(_)) => unreachable = Some(e),
+                    // Busy (rebuilding itself, overloaded): ask again.
+                    Err(e) => tracing::debug!("degraded read: {e}"),
+                }
+            }
+            match unreachable {
+                Some(e) if unreachable_in_a_row + 1 >= SURVIVOR_ATTEMPTS => {
+                    return Err(PsError::Unavailable(format!(
+                        "server {me}: degraded read of table {table}: {e}"
+                    )));
+                }
+                Some(_) => unreachable_in_a_row += 1,
+                None => unreachable_in_a_row = 0,
+            }
             let consistent = answers.windows(2).all(|w| w[0].applied == w[1].applied);
             if consistent && let Some(applied) = answers.first().map(|a| a.applied.clone()) {
                 let by_server: BTreeMap<usize, &Answer> =
@@ -393,6 +415,10 @@ impl Core {
         }
     }
 }
+
+/// Reads in a row in which some survivor could not be reached before a degraded read
+/// gives up and says which: its calls have each waited out their own deadline already.
+const SURVIVOR_ATTEMPTS: u32 = 3;
 
 /// Splits `bytes` into one row per slot of `locals`.
 fn split_rows(
