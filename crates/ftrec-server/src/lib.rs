@@ -246,8 +246,9 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let (seed, host_layout) = (c.seed, layout);
     // Building a large shard takes longer than the failure timeout: heartbeat (not yet
     // ready) meanwhile, or the coordinator would declare the newcomer dead.
+    let mut beats = job.heartbeat_client(&opts.coordinator).await?;
     let starting = tokio::spawn(ftrec_proto::client::keep_alive(
-        coordinator.clone(),
+        beats.clone(),
         HeartbeatRequest {
             role: Role::Server as i32,
             id: id as u32,
@@ -349,7 +350,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             .await
     });
     heartbeat_loop(
-        &mut coordinator,
+        &mut beats,
         core,
         heartbeat,
         cluster.failure_timeout_ms,

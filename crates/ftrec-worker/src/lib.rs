@@ -198,7 +198,7 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
     tracing::info!("worker {} joined in epoch {}", opts.id, joined.epoch);
     let (epochs_tx, epochs) = tokio::sync::watch::channel(joined.epoch);
     let heartbeats = tokio::spawn(heartbeat(
-        coordinator.clone(),
+        job.heartbeat_client(&opts.coordinator).await?,
         opts.id,
         joined.incarnation,
         Duration::from_millis(job.config.cluster.heartbeat_ms),

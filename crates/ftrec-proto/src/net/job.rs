@@ -153,6 +153,20 @@ impl Job {
         )
     }
 
+    /// A coordinator client for heartbeats only: a connection of its own, never queued
+    /// behind other calls, and each beat bounded by the failure timeout (a beat that takes
+    /// longer cannot keep anyone alive anyway).
+    pub async fn heartbeat_client(
+        &self,
+        coordinator: &str,
+    ) -> Result<crate::client::CoordinatorClient, PsError> {
+        let deadline = std::time::Duration::from_millis(self.config.cluster.failure_timeout_ms);
+        self.connector()?
+            .with_timeout(deadline)
+            .coordinator(coordinator)
+            .await
+    }
+
     /// The network this member's listeners and channels use.
     pub fn network(&self) -> &Network {
         &self.network
