@@ -211,7 +211,11 @@ impl Coordinator for Service {
             // The step becomes an orphan: the control loop asks the servers which of them
             // applied it, then grants it again or rolls back. Never skipped.
             s.steps.lose(step, worker, req.epoch);
-            if let Some(server) = req.unreachable_server {
+            // Only a step granted in this epoch speaks of the slot's current process: an
+            // older one's calls went to whoever held the slot before the last recovery.
+            if let Some(server) = req.unreachable_server
+                && req.epoch == s.epoch
+            {
                 cut_off_report(&mut s, server as usize, worker, &req.lost_reason);
             }
             let c = &shared.job.config.cluster;
