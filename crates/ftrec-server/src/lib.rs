@@ -349,13 +349,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             .serve_with_incoming_shutdown(incoming, async move { serve_stop.notified().await })
             .await
     });
-    heartbeat_loop(
-        &mut beats,
-        core,
-        heartbeat,
-        cluster.failure_timeout_ms,
-    )
-    .await?;
+    heartbeat_loop(&mut beats, core, heartbeat, cluster.failure_timeout_ms).await?;
     stop.notify_waiters();
     let _ = tokio::time::timeout(Duration::from_secs(2), serving).await;
     Ok(())
