@@ -22,6 +22,7 @@ mod recovery;
 mod service;
 #[cfg(test)]
 mod sim_tests;
+mod summary;
 mod tasks;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -42,6 +43,7 @@ use ftrec_proto::proto::next_step_reply::Action;
 use ftrec_proto::proto::*;
 use ftrec_proto::timeline::{EventKind, Subject, Timeline, TimelineData};
 use ledger::StepLedger;
+pub use summary::{CheckpointRecord, Recovery, RunSummary};
 
 /// Starts replacement processes. The local launcher spawns children; without one, the
 /// coordinator waits for a registered spare or a server started by hand.
@@ -90,53 +92,6 @@ pub enum Phase {
     Checkpointing,
     Recovering,
     Done,
-}
-
-/// One recovery from a server failure, in seconds since the timeline started.
-#[derive(Clone, Debug, Serialize)]
-pub struct Recovery {
-    pub server: usize,
-    pub detected_at: f64,
-    pub resumed_at: f64,
-    /// Step training continued from.
-    pub resumed_step: u64,
-    pub steps_rolled_back: u64,
-    /// Erasure coding: the longest replacement's rebuild, and the bytes rebuilt (with a
-    /// background rebuild, filled in when it ends).
-    pub rebuild_seconds: f64,
-    pub rebuild_bytes: u64,
-    /// Erasure coding: failure detection to full redundancy restored (with a background
-    /// rebuild, training ran degraded meanwhile).
-    pub degraded_seconds: f64,
-    /// The rebuild ran in the background while training went on (2PC on).
-    pub background_rebuild: bool,
-    /// Steps granted while the replacement rebuilt in the background.
-    pub steps_while_degraded: u64,
-    /// From the SIGKILL of this server (an injected `--kill`) to training resumed; filled
-    /// in by `cluster run` from the timeline.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kill_to_resume_seconds: Option<f64>,
-    /// The epoch this recovery began.
-    pub epoch: u64,
-    /// How the servers came back: `rollback`, `keep`, `rebuild` or `partial`.
-    pub mode: &'static str,
-    /// Partial recovery: every server's shard digest once recovered, before training
-    /// went on (survivors: their state at the failure; replacements: their checkpoint).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub shard_digests: Vec<String>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct CheckpointRecord {
-    pub step: u64,
-    pub started_at: f64,
-    /// Training was paused from the cut request to the end of the write.
-    pub pause_seconds: f64,
-    pub bytes: u64,
-    /// Each server's checkpoint id of this cut, by server slot.
-    pub ids: Vec<String>,
-    /// A CPR prioritised save (chosen rows on top of the last cut), not a cut.
-    pub priority: bool,
 }
 
 struct State {
@@ -238,42 +193,6 @@ pub struct Shared {
     spawner: Option<Arc<dyn Spawner>>,
     metrics: Arc<Metrics>,
     done: watch::Sender<bool>,
-}
-
-/// What a finished run reports.
-#[derive(Clone, Debug, Serialize)]
-pub struct RunSummary {
-    pub steps: u64,
-    pub samples: u64,
-    /// Samples whose updates a lost shard no longer holds, summed over shards: under
-    /// `none` all a replaced shard had trained, under `partial` what it trained since its
-    /// cut. 0 in the exact modes.
-    pub lost_samples: u64,
-    /// Processes that came back after being declared dead (after SIGCONT, link-up, the
-    /// end of a partition) and were turned away, each counted once.
-    pub zombies_refused: u64,
-    pub train_seconds: f64,
-    pub samples_per_sec: f64,
-    pub rpc_bytes: u64,
-    pub rpc_bytes_per_sample: f64,
-    pub epoch: u64,
-    pub checkpoints: Vec<CheckpointRecord>,
-    pub recoveries: Vec<Recovery>,
-    pub recovery_seconds: f64,
-    /// Steps trained again because of rollbacks, over every recovery (0 under partial
-    /// recovery and erasure coding).
-    pub steps_rolled_back: u64,
-    /// Partial recovery: the portion of lost samples (CPR Eq. 3), the recovery in force
-    /// (`partial`, or `full` when the comparison fell back), and that comparison.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pls: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub recovery_mode: Option<&'static str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cpr_decision: Option<ftrec_cpr::Decision>,
-    /// CPR prioritised saves: how many, and their trackers' cost (cpr.txt Table 1).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cpr_priority: Option<cpr::PriorityReport>,
 }
 
 impl Shared {
