@@ -17,7 +17,6 @@ use ftrec_train::Trainer;
 use serde_json::json;
 
 use crate::commands::data::run_gen;
-use crate::output::print_json;
 
 #[derive(Args, Debug)]
 pub struct BenchClusterArgs {
@@ -268,13 +267,5 @@ pub fn run(a: BenchClusterArgs) -> Result<()> {
         "lost_samples": s.lost_samples,
         "strategies": per_strategy,
     });
-    let path = a.out.join("summary.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
-        .with_context(|| path.display().to_string())?;
-    if a.json {
-        return print_json(summary);
-    }
-    outln!("{}", serde_json::to_string_pretty(&summary)?);
-    outln!("wrote {}", Path::new(&a.out).display());
-    Ok(())
+    super::write_summary(&a.out, summary, a.json)
 }

@@ -4,16 +4,14 @@
 //! and the memory the redundancy takes.
 
 use clap::Args;
-use std::path::Path;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use ftrec_cluster::launch::LaunchReport;
 use ftrec_config::{FaultTolerance, JobConfig};
 use serde_json::json;
 
 use super::cluster::{BenchRun, bench_setup};
-use crate::output::print_json;
 
 #[derive(Args, Debug)]
 pub struct BenchEcArgs {
@@ -176,13 +174,5 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
         ],
         "lost_samples": ec_kill.summary.lost_samples,
     });
-    let path = a.out.join("summary.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
-        .with_context(|| path.display().to_string())?;
-    if a.json {
-        return print_json(summary);
-    }
-    outln!("{}", serde_json::to_string_pretty(&summary)?);
-    outln!("wrote {}", Path::new(&a.out).display());
-    Ok(())
+    super::write_summary(&a.out, summary, a.json)
 }

@@ -74,3 +74,18 @@ pub(crate) fn bench_train(a: BenchTrainArgs) -> Result<()> {
     );
     Ok(())
 }
+
+/// Writes a benchmark's `summary.json` into `out`, then prints it: as the JSON output
+/// with `json`, pretty for a person otherwise.
+fn write_summary(out: &std::path::Path, summary: serde_json::Value, json: bool) -> Result<()> {
+    use anyhow::Context;
+    let path = out.join("summary.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| path.display().to_string())?;
+    if json {
+        return print_json(summary);
+    }
+    outln!("{}", serde_json::to_string_pretty(&summary)?);
+    outln!("wrote {}", out.display());
+    Ok(())
+}
