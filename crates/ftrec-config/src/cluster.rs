@@ -94,9 +94,42 @@ pub struct ClusterSection {
     /// A member silent this long is declared dead.
     #[serde(default = "default_failure_timeout_ms")]
     pub failure_timeout_ms: u64,
-    /// Bound on every RPC and every wait in the cluster.
-    #[serde(default = "default_rpc_timeout_ms")]
-    pub rpc_timeout_ms: u64,
+    /// Bound on the control plane's RPCs (joins, placement, epoch changes, orphan
+    /// resolution) and on the waits that have no deadline of their own below. Default:
+    /// 10 x the failure timeout.
+    #[serde(default)]
+    pub rpc_timeout_ms: Option<u64>,
+    /// Deadlines per kind of RPC, derived from `failure_timeout_ms` when not set.
+    #[serde(default)]
+    pub deadlines: DeadlinesSection,
+}
+
+/// `[cluster.deadlines]`: how long each kind of call may take before its callee counts as
+/// unreachable for it. A silent peer (a frozen host, a link down, a partition) costs a
+/// caller exactly one of these, so each is as short as its work allows, and derived from
+/// the failure timeout unless set. Heartbeats are bounded by `failure_timeout_ms` itself.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeadlinesSection {
+    /// Pull, push, 2PC prepare/commit/abort, and a server's parity update to a peer: the
+    /// whole call, retries included. Default: 5 x the failure timeout.
+    pub step_ms: Option<u64>,
+    /// A rebuild transfer that moves no bytes for this long fails (progress, not total
+    /// time: a large shard may take minutes). Default: 5 x the failure timeout.
+    pub rebuild_stall_ms: Option<u64>,
+    /// A checkpoint write, a cut's commit or a restore (local disk or object store).
+    /// Default: 60 x the failure timeout.
+    pub checkpoint_io_ms: Option<u64>,
+}
+
+/// Every deadline of a job, resolved (see [`DeadlinesSection`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deadlines {
+    pub step: std::time::Duration,
+    pub heartbeat: std::time::Duration,
+    pub rebuild_stall: std::time::Duration,
+    pub checkpoint_io: std::time::Duration,
+    pub control: std::time::Duration,
 }
 
 /// `[ec]`: erasure coding (`cluster.ft = "ec"` or `"ec+checkpoint"`).
@@ -190,9 +223,6 @@ fn default_heartbeat_ms() -> u64 {
 fn default_failure_timeout_ms() -> u64 {
     1000
 }
-fn default_rpc_timeout_ms() -> u64 {
-    30_000
-}
 
 impl Default for ClusterSection {
     fn default() -> Self {
@@ -203,7 +233,8 @@ impl Default for ClusterSection {
             deterministic: false,
             heartbeat_ms: default_heartbeat_ms(),
             failure_timeout_ms: default_failure_timeout_ms(),
-            rpc_timeout_ms: default_rpc_timeout_ms(),
+            rpc_timeout_ms: None,
+            deadlines: DeadlinesSection::default(),
         }
     }
 }
@@ -222,11 +253,41 @@ impl ClusterSection {
                 self.failure_timeout_ms, self.heartbeat_ms
             )));
         }
-        if self.rpc_timeout_ms == 0 {
-            return Err(ConfigError::Invalid(
-                "cluster.rpc_timeout_ms must be positive".into(),
-            ));
+        let d = &self.deadlines;
+        for (key, value) in [
+            ("rpc_timeout_ms", self.rpc_timeout_ms),
+            ("step_ms", d.step_ms),
+            ("rebuild_stall_ms", d.rebuild_stall_ms),
+            ("checkpoint_io_ms", d.checkpoint_io_ms),
+        ] {
+            if value.is_some_and(|v| v <= self.heartbeat_ms) {
+                return Err(ConfigError::Invalid(format!(
+                    "cluster.{}{key} = {} must exceed cluster.heartbeat_ms = {}",
+                    if key == "rpc_timeout_ms" {
+                        ""
+                    } else {
+                        "deadlines."
+                    },
+                    value.unwrap_or_default(),
+                    self.heartbeat_ms
+                )));
+            }
         }
         Ok(())
+    }
+
+    /// The job's deadlines, each the configured value or its default derived from the
+    /// failure timeout.
+    pub fn deadlines(&self) -> Deadlines {
+        let ms = std::time::Duration::from_millis;
+        let failure = self.failure_timeout_ms;
+        let d = &self.deadlines;
+        Deadlines {
+            step: ms(d.step_ms.unwrap_or(5 * failure)),
+            heartbeat: ms(failure),
+            rebuild_stall: ms(d.rebuild_stall_ms.unwrap_or(5 * failure)),
+            checkpoint_io: ms(d.checkpoint_io_ms.unwrap_or(60 * failure)),
+            control: ms(self.rpc_timeout_ms.unwrap_or(10 * failure)),
+        }
     }
 }

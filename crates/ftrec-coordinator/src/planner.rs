@@ -92,6 +92,16 @@ impl RecoveryAction {
         }
     }
 
+    /// Whether some server reads a checkpoint for it (its calls need the checkpoint I/O
+    /// deadline, not the control plane's). A rebuild's calls carry its whole stream, so
+    /// they get that bound too; the survivors bound each transfer by its progress.
+    pub fn restores(&self) -> bool {
+        matches!(
+            self,
+            Self::Rollback { .. } | Self::PartialRestore { .. } | Self::Rebuild { .. }
+        )
+    }
+
     /// The step training continues from.
     pub fn resume_step(&self) -> u64 {
         match self {

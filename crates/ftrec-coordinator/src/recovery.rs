@@ -33,12 +33,31 @@ async fn recovery_calls(
     epoch: u64,
     action: &RecoveryAction,
 ) -> (Vec<RecoveryReply>, Vec<Background>) {
+    // Under 2PC the survivors are fenced first, and the steps some of them committed
+    // before their fence are finished everywhere they are prepared.
+    let finish = match action {
+        RecoveryAction::KeepState { unsettled, .. } | RecoveryAction::Rebuild { unsettled, .. }
+            if two_phase(shared) =>
+        {
+            let lost: &[usize] = match action {
+                RecoveryAction::Rebuild { servers, .. } => servers,
+                _ => &[],
+            };
+            match fence_survivors(&clients, lost, epoch, unsettled).await {
+                Ok(finish) => finish,
+                Err(failed) => return (failed, Vec::new()),
+            }
+        }
+        _ => Vec::new(),
+    };
+    let finish = &finish;
     let set_epoch = |i: usize, mut c: ServerClient, applied: u64, unsettled: Vec<u64>| async move {
         let r = c
             .set_epoch(SetEpochRequest {
                 epoch,
                 applied,
                 unsettled,
+                finish: finish.clone(),
             })
             .await;
         (i, r.map(|_| None))
@@ -183,6 +202,64 @@ async fn recovery_calls(
         }
         RecoveryAction::Abandon { .. } => (Vec::new(), Vec::new()),
     }
+}
+
+fn two_phase(shared: &Shared) -> bool {
+    let config = &shared.job.config;
+    config.cluster.ft.erasure_coded() && config.ec.two_phase_commit
+}
+
+/// 2PC's first recovery round: every survivor (every slot not in `lost`) raises its fence
+/// to `epoch`, after which none commits a step of an older epoch, and says which of the
+/// `unsettled` steps it applied. A step applied on some survivor was decided "commit" by
+/// its worker: the survivors that still hold it prepared must commit it too (ECRec's
+/// atomicity), or its parity differences would be on some holders only. Returns those
+/// steps, or the survivors' failures.
+async fn fence_survivors(
+    clients: &[ServerClient],
+    lost: &[usize],
+    epoch: u64,
+    unsettled: &[u64],
+) -> Result<Vec<u64>, Vec<RecoveryReply>> {
+    let calls = clients
+        .iter()
+        .cloned()
+        .enumerate()
+        .filter(|(i, _)| !lost.contains(i))
+        .map(|(i, mut c)| async move {
+            let r = c
+                .fence(FenceRequest {
+                    epoch,
+                    steps: unsettled.to_vec(),
+                })
+                .await;
+            (i, r.map(|reply| reply.into_inner().applied))
+        });
+    let mut finish = Vec::new();
+    let mut failed = Vec::new();
+    for (i, reply) in futures::future::join_all(calls).await {
+        match reply {
+            Ok(applied) => finish.extend(
+                unsettled
+                    .iter()
+                    .zip(applied)
+                    .filter(|(_, applied)| *applied)
+                    .map(|(&step, _)| step),
+            ),
+            Err(e) => failed.push((i, Err(e))),
+        }
+    }
+    if !failed.is_empty() {
+        return Err(failed);
+    }
+    finish.sort_unstable();
+    finish.dedup();
+    if !finish.is_empty() {
+        tracing::info!(
+            "epoch {epoch}: steps {finish:?} committed on some survivor before the fence; finishing them"
+        );
+    }
+    Ok(finish)
 }
 
 /// Counts the PLS of a partial restore (CPR Eq. 3), one term per reloaded server, and

@@ -24,7 +24,16 @@ const RESOLVE_RETRY: Duration = Duration::from_millis(200);
 const CONFIRM_RETRY: Duration = Duration::from_millis(50);
 
 pub(super) async fn run_task(shared: &std::sync::Arc<Shared>, task: Task) {
-    let clients: Result<Vec<_>, _> = shared.job.connector().and_then(|connector| {
+    // Each task's calls get their kind's deadline: checkpoint I/O for writes and restores
+    // (a rollback, a partial restore), the control plane's for the rest. A rebuild's
+    // transfers are the servers' own, bounded by the rebuild stall deadline.
+    let deadlines = shared.job.deadlines();
+    let deadline = match &task {
+        Task::Checkpoint { .. } => deadlines.checkpoint_io,
+        Task::Recover { action, .. } if action.restores() => deadlines.checkpoint_io,
+        _ => deadlines.control,
+    };
+    let clients: Result<Vec<_>, _> = shared.job.connector_for(deadline).and_then(|connector| {
         shared
             .server_addresses()
             .iter()

@@ -9,7 +9,9 @@
 //!
 //! A point is a name in the code (`faults.kill_at(points::PREPARE, Some(step))`). An armed
 //! spec `NAME[:STEP][=ACTION]` fires once, at the first pass through that point (at that
-//! step, if it names one), and is then disarmed.
+//! step, if it names one), and is then disarmed. `ACTION` is `kill` (the default), `skip`,
+//! or `delay-MS`: the member stalls there for MS milliseconds, as a slow disk, a long pause
+//! or a congested link would stall it (the windows of 2PC that only a slow member opens).
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -38,13 +40,22 @@ pub enum FaultAction {
     Kill,
     /// The code at the point skips its effect once (a planted bug).
     Skip,
+    /// The member stalls at the point for this many milliseconds, then goes on.
+    Delay { ms: u64 },
 }
 
 impl FaultAction {
-    fn name(self) -> &'static str {
+    fn same_kind(self, other: Self) -> bool {
+        std::mem::discriminant(&self) == std::mem::discriminant(&other)
+    }
+}
+
+impl fmt::Display for FaultAction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Kill => "kill",
-            Self::Skip => "skip",
+            Self::Kill => f.write_str("kill"),
+            Self::Skip => f.write_str("skip"),
+            Self::Delay { ms } => write!(f, "delay-{ms}"),
         }
     }
 }
@@ -67,7 +78,7 @@ pub enum FaultError {
     },
     #[error("fault spec {spec:?}: step {step:?} is not a non-negative integer")]
     BadStep { spec: String, step: String },
-    #[error("fault spec {spec:?}: unknown action {action:?} (kill or skip)")]
+    #[error("fault spec {spec:?}: unknown action {action:?} (kill, skip or delay-MS)")]
     BadAction { spec: String, action: String },
 }
 
@@ -84,6 +95,12 @@ impl FaultSpec {
         let (target, action) = match spec.split_once('=') {
             Some((target, "kill")) => (target, FaultAction::Kill),
             Some((target, "skip")) => (target, FaultAction::Skip),
+            Some((target, other)) if delay_ms(other).is_some() => (
+                target,
+                FaultAction::Delay {
+                    ms: delay_ms(other).unwrap_or_default(),
+                },
+            ),
             Some((_, other)) => {
                 return Err(FaultError::BadAction {
                     spec: spec.into(),
@@ -117,6 +134,11 @@ impl FaultSpec {
     }
 }
 
+/// The milliseconds of a `delay-MS` action.
+fn delay_ms(action: &str) -> Option<u64> {
+    action.strip_prefix("delay-")?.parse().ok()
+}
+
 impl fmt::Display for FaultSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.point)?;
@@ -124,7 +146,7 @@ impl fmt::Display for FaultSpec {
             write!(f, ":{step}")?;
         }
         if self.action != FaultAction::Kill {
-            write!(f, "={}", self.action.name())?;
+            write!(f, "={}", self.action)?;
         }
         Ok(())
     }
@@ -201,12 +223,13 @@ impl Faults {
         lock(&self.fired).clone()
     }
 
-    /// Fires the first spec armed with `action` at `point` (and `step`), once.
+    /// Fires the first spec armed with an action of `action`'s kind at `point` (and
+    /// `step`), once.
     fn fire(&self, point: &str, step: Option<u64>, action: FaultAction) -> Option<FaultSpec> {
         let mut armed = lock(&self.armed);
         let at = armed
             .iter()
-            .position(|s| s.action == action && s.matches(point, step))?;
+            .position(|s| s.action.same_kind(action) && s.matches(point, step))?;
         let spec = armed.remove(at);
         drop(armed);
         lock(&self.fired).push(spec.clone());
@@ -223,6 +246,18 @@ impl Faults {
     /// True (once) if a `skip` is armed at this point: the caller leaves its effect out.
     pub fn skip_at(&self, point: &str, step: Option<u64>) -> bool {
         self.fire(point, step, FaultAction::Skip).is_some()
+    }
+
+    /// How long to stall here (once) if a `delay` is armed at this point. The caller
+    /// sleeps on its runtime's clock, so a simulated member stalls in simulated time.
+    pub fn delay_at(&self, point: &str, step: Option<u64>) -> Option<std::time::Duration> {
+        match self.fire(point, step, FaultAction::Delay { ms: 0 })?.action {
+            FaultAction::Delay { ms } => {
+                tracing::warn!("fault {point}: stalling {ms} ms");
+                Some(std::time::Duration::from_millis(ms))
+            }
+            _ => None,
+        }
     }
 }
 

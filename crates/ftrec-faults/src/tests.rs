@@ -10,6 +10,7 @@ fn specs_round_trip_and_nonsense_is_refused_by_name() {
         "rebuild",
         "fold-parity:7=skip",
         "rebuild=skip",
+        "prepare:9=delay-2500",
     ] {
         let spec = FaultSpec::parse(text).unwrap();
         assert_eq!(spec.to_string(), text);
@@ -24,6 +25,8 @@ fn specs_round_trip_and_nonsense_is_refused_by_name() {
         ("prepare:x", "step \"x\""),
         ("commit:-1", "step \"-1\""),
         ("rebuild=explode", "unknown action \"explode\""),
+        ("prepare=delay-", "unknown action \"delay-\""),
+        ("prepare=delay-x", "unknown action \"delay-x\""),
     ] {
         let e = FaultSpec::parse(bad).unwrap_err().to_string();
         assert!(
@@ -64,6 +67,20 @@ fn a_stepless_spec_fires_at_any_step_and_actions_do_not_cross() {
     assert_eq!(kills.load(Ordering::SeqCst), 0, "a skip is not a kill");
     assert!(faults.skip_at(points::FOLD_PARITY, Some(9)));
     assert!(!faults.skip_at(points::FOLD_PARITY, Some(10)));
+}
+
+#[test]
+fn a_delay_fires_once_with_its_length_and_is_no_kill() {
+    let (faults, kills) = counting();
+    faults.arm(FaultSpec::parse("prepare:4=delay-1500").unwrap());
+    assert_eq!(faults.delay_at(points::PREPARE, Some(3)), None);
+    faults.kill_at(points::PREPARE, Some(4));
+    assert_eq!(kills.load(Ordering::SeqCst), 0, "a delay is not a kill");
+    assert_eq!(
+        faults.delay_at(points::PREPARE, Some(4)),
+        Some(std::time::Duration::from_millis(1500))
+    );
+    assert_eq!(faults.delay_at(points::PREPARE, Some(4)), None);
 }
 
 #[test]

@@ -8,10 +8,17 @@
 //!   the next update from being staged against rows that are about to change.
 //! - Phase 2 (`CommitStep`): the update is installed and the parity holders fold what they
 //!   staged for the step; `AbortStep` drops both.
-//! - A prepared step not decided within four RPC timeouts is aborted, and a recovery
-//!   fences its epoch (no older step prepares or commits from then on) and drops
-//!   everything prepared or staged in older epochs: no staged update stays behind. A server that dies in phase 2 loses nothing: its parity holders and
-//!   dense replica commit the step, and the rebuild decodes its rows with it.
+//! - Nothing here decides a step on its own: no timer aborts a prepared step, and staged
+//!   differences are never aged out. A step is decided by whoever drives it: its worker
+//!   (commit or abort), the coordinator's orphan resolution (commit where prepared, or grant
+//!   it again: a regrant in the same epoch reuses the prepared update and sends its
+//!   differences again, since an abort may have dropped them at the holders), or a
+//!   recovery. A recovery first *fences* the old epoch: under the shard's write lock, the
+//!   same lock a commit installs under, so every commit of that epoch is either installed
+//!   before the fence (and the recovery sees it applied) or refused after it. The
+//!   recovery then tells each survivor which fenced steps some server had committed
+//!   (`SetEpoch.finish`): those are committed where prepared, the rest dropped. So a step
+//!   ends applied on every server or on none, whatever the timing of the fence.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -238,15 +245,13 @@ impl PreCommit for ParityPropagator {
 /// A phase-1 update waiting for its decision, holding the commit turn.
 struct Prepared {
     epoch: u64,
-    id: u64,
-    staged: StagedUpdate,
+    staged: Arc<StagedUpdate>,
     _turn: OwnedMutexGuard<()>,
 }
 
 /// Parity differences staged for a step, from any data server.
 struct StagedParity {
     epoch: u64,
-    at: tokio::time::Instant,
     request: ParityUpdateRequest,
 }
 
@@ -259,10 +264,13 @@ pub(super) struct EcState {
     /// not folded twice (XOR would cancel it).
     folded: Mutex<std::collections::VecDeque<(u32, u64, u64)>>,
     /// The newest epoch a recovery announced; a step of an older one may no longer be
-    /// prepared or committed here, even before the recovery gets the commit turn.
+    /// prepared or committed here, even before the recovery gets the commit turn. Raised
+    /// only under the shard's write lock and the `prepared` lock (`Core::raise_fence`), and
+    /// read under one of them where it decides anything.
     fence: std::sync::atomic::AtomicU64,
-    /// Distinguishes prepares of the same step, so a timer aborts only its own.
-    next_prepare: std::sync::atomic::AtomicU64,
+    /// Woken whenever a step is prepared here (a phase 1 waiting for the turn checks
+    /// whether it was its own step).
+    pub(crate) prepared_changed: tokio::sync::Notify,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -274,12 +282,31 @@ impl EcState {
         self.fence.load(std::sync::atomic::Ordering::SeqCst) > epoch
     }
 
-    /// The id of `step` if it is prepared here in `epoch` (a retried phase 1).
-    pub(crate) fn prepared_id(&self, step: u64, epoch: u64) -> Option<u64> {
+    fn fenced(&self, epoch: u64) -> PsError {
+        PsError::StaleEpoch {
+            got: epoch,
+            current: self.fence.load(std::sync::atomic::Ordering::SeqCst),
+        }
+    }
+
+    /// The staged update of `step` if it is prepared here in `epoch`: a retried phase 1, or
+    /// a step granted again after its first phase 1 ran here.
+    pub(crate) fn prepared(&self, step: u64, epoch: u64) -> Option<Arc<StagedUpdate>> {
         lock(&self.prepared)
             .get(&step)
             .filter(|p| p.epoch == epoch)
-            .map(|p| p.id)
+            .map(|p| p.staged.clone())
+    }
+
+    /// Takes the differences staged for `step` in `epoch`.
+    fn take_staged_parity(&self, step: u64, epoch: u64) -> Vec<ParityUpdateRequest> {
+        lock(&self.staged_parity)
+            .remove(&step)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|s| s.epoch == epoch)
+            .map(|s| s.request)
+            .collect()
     }
 
     /// The end of 2PC phase 1 (the pipeline's two-phase mode): the update is staged and
@@ -291,40 +318,26 @@ impl EcState {
         epoch: u64,
         staged: StagedUpdate,
         turn: OwnedMutexGuard<()>,
-    ) -> Result<u64, PsError> {
+    ) -> Result<(), PsError> {
         let step = staged.step;
         core.faults.kill_at(points::PREPARE, Some(step));
-        // A recovery began while the differences were out: this step is its to decide.
+        let mut prepared = lock(&self.prepared);
+        // Under the lock the fence is raised under: a recovery that fenced this epoch finds
+        // the step here (and decides it) or it is never prepared.
         if self.fenced_past(epoch) {
-            return Err(PsError::StaleEpoch {
-                got: epoch,
-                current: self.fence.load(std::sync::atomic::Ordering::SeqCst),
-            });
+            return Err(self.fenced(epoch));
         }
-        let id = self
-            .next_prepare
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        lock(&self.prepared).insert(
+        prepared.insert(
             step,
             Prepared {
                 epoch,
-                id,
-                staged,
+                staged: Arc::new(staged),
                 _turn: turn,
             },
         );
-        Ok(id)
-    }
-
-    /// Drops what older epochs prepared or staged (a recovery decided their fate).
-    pub(super) fn drop_older_than(&self, epoch: u64) {
-        self.fence
-            .fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
-        lock(&self.prepared).retain(|_, p| p.epoch >= epoch);
-        for staged in lock(&self.staged_parity).values_mut() {
-            staged.retain(|s| s.epoch >= epoch);
-        }
-        lock(&self.staged_parity).retain(|_, v| !v.is_empty());
+        drop(prepared);
+        self.prepared_changed.notify_waiters();
+        Ok(())
     }
 }
 
@@ -344,25 +357,17 @@ impl Core {
         validate_parity_update(&*self.shard_read()?, &req)?;
         if req.staged {
             let mut staged = lock(&ec.staged_parity);
-            // Differences of a step that was never decided (its worker died between the
-            // phases) go once they are far older than any decision could be, unless this
-            // server holds the step prepared itself.
-            let limit = self.job.timeout() * 4;
-            let prepared = lock(&ec.prepared);
-            for (step, entries) in staged.iter_mut() {
-                if !prepared.contains_key(step) {
-                    entries.retain(|s| s.at.elapsed() < limit);
-                }
+            // This server committed the step already, with every difference staged for it
+            // then: a late or resent one has nothing left to join.
+            if self.steps().contains(req.step) {
+                return Ok(());
             }
-            drop(prepared);
-            staged.retain(|_, v| !v.is_empty());
             let entries = staged.entry(req.step).or_default();
             // A retried update (its reply was lost) replaces the first: folding the same
             // difference twice would cancel it.
             entries.retain(|s| !(s.request.source == req.source && s.epoch == req.epoch));
             entries.push(StagedParity {
                 epoch: req.epoch,
-                at: tokio::time::Instant::now(),
                 request: req,
             });
             return Ok(());
@@ -381,89 +386,139 @@ impl Core {
         Ok(())
     }
 
-    /// 2PC phase 2: installs (or with `commit = false` drops) what phase 1 prepared and
-    /// the parity differences staged for `step`. Returns the applied-step count.
-    pub(super) fn decide_step(&self, epoch: u64, step: u64, commit: bool) -> Result<u64, PsError> {
-        self.decide(epoch, step, commit, None)
-    }
-
-    /// [`Core::decide_step`], or with `only` the abort of one particular prepare (its
-    /// timer's), which leaves a newer prepare of the same step alone.
-    fn decide(
-        &self,
-        epoch: u64,
-        step: u64,
-        commit: bool,
-        only: Option<u64>,
-    ) -> Result<u64, PsError> {
+    /// 2PC phase 2, abort: drops what phase 1 prepared for `step` and the parity
+    /// differences staged for it. Returns the applied-step count.
+    pub(super) fn abort_step(&self, epoch: u64, step: u64) -> Result<u64, PsError> {
         self.check_epoch(epoch)?;
         let ec = self.ec()?;
-        if commit && ec.fenced_past(epoch) {
-            // A recovery is deciding this epoch's steps: committing here now could leave
-            // the step on some servers only.
-            return Err(PsError::StaleEpoch {
-                got: epoch,
-                current: ec.fence.load(std::sync::atomic::Ordering::SeqCst),
-            });
-        }
-        let prepared = {
+        let dropped = {
             let mut all = lock(&ec.prepared);
-            let mine = all
-                .get(&step)
-                .is_some_and(|p| p.epoch == epoch && only.is_none_or(|id| p.id == id));
+            let mine = all.get(&step).is_some_and(|p| p.epoch == epoch);
             if mine { all.remove(&step) } else { None }
         };
-        if only.is_some() && prepared.is_none() {
-            return Ok(self.steps().count());
-        }
+        ec.take_staged_parity(step, epoch);
         tracing::debug!(
-            "{} step {step} in epoch {epoch}: prepared here {}",
-            if commit { "commit" } else { "abort" },
-            prepared.is_some()
+            "abort step {step} in epoch {epoch}: prepared here {}",
+            dropped.is_some()
         );
-        if commit && prepared.is_none() {
-            if self.steps().contains(step) {
-                // A retried commit whose first attempt went through.
-                return Ok(self.steps().count());
-            }
-            return Err(PsError::NotPrepared {
-                server: self.id as u32,
-                step,
-                epoch,
-            });
+        // Dropping the prepared update releases the commit turn.
+        drop(dropped);
+        Ok(self.steps().count())
+    }
+
+    /// 2PC phase 2, commit: installs what phase 1 prepared for `step` with the parity
+    /// differences staged for it. Returns the applied-step count.
+    pub(super) async fn commit_step(&self, epoch: u64, step: u64) -> Result<u64, PsError> {
+        self.check_epoch(epoch)?;
+        let ec = self.ec()?;
+        if ec.fenced_past(epoch) {
+            return Err(ec.fenced(epoch));
         }
-        let parity: Vec<ParityUpdateRequest> = lock(&ec.staged_parity)
-            .remove(&step)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|s| s.epoch == epoch)
-            .map(|s| s.request)
-            .collect();
-        let Some(prepared) = prepared.filter(|_| commit) else {
-            return Ok(self.steps().count());
-        };
+        // A slow member (`commit:N=delay-MS`): the decision is in, the install is late, and
+        // a recovery may fence the epoch meanwhile: the check below, not the one above,
+        // is the one that counts.
+        if let Some(pause) = self.faults.delay_at(points::COMMIT, Some(step)) {
+            tokio::time::sleep(pause).await;
+        }
         self.faults.kill_at(points::COMMIT, Some(step));
-        let applied = self.install(epoch, &prepared.staged, &parity)?;
+        let (prepared, applied) = {
+            let mut shard = self.shard_write()?;
+            // The epoch, the fence and the install are one step under this lock, which
+            // every fence is raised under: a commit lands before a recovery's fence (which
+            // then counts it applied) or is refused after it.
+            self.check_epoch(epoch)?;
+            if ec.fenced_past(epoch) {
+                return Err(ec.fenced(epoch));
+            }
+            let prepared = {
+                let mut all = lock(&ec.prepared);
+                let mine = all.get(&step).is_some_and(|p| p.epoch == epoch);
+                if mine { all.remove(&step) } else { None }
+            };
+            let Some(prepared) = prepared else {
+                if self.steps().contains(step) {
+                    // A retried commit whose first attempt went through.
+                    return Ok(self.steps().count());
+                }
+                return Err(PsError::NotPrepared {
+                    server: self.id as u32,
+                    step,
+                    epoch,
+                });
+            };
+            let parity = ec.take_staged_parity(step, epoch);
+            let applied = self.install_locked(&mut shard, epoch, &prepared.staged, &parity)?;
+            (prepared, applied)
+        };
+        self.after_commit(&prepared.staged);
         // Dropping `prepared` here releases the commit turn for the next update.
         drop(prepared);
         Ok(applied)
     }
 
-    /// Aborts prepare `id` of `step` if phase 2 has not decided it long after any decision
-    /// could arrive (a worker's commit, with its retries, ends well within this).
-    pub(super) fn abort_if_undecided(self: &Arc<Self>, epoch: u64, step: u64, id: u64) {
-        let core = self.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(core.job.timeout() * 4).await;
-            let undecided = core.ec.as_ref().is_some_and(|ec| {
-                lock(&ec.prepared)
-                    .get(&step)
-                    .is_some_and(|p| p.epoch == epoch && p.id == id)
-            });
-            if undecided && core.decide(epoch, step, false, Some(id)).is_ok() {
-                tracing::warn!("step {step} was prepared but never decided; aborted it");
+    /// Raises the fence to `epoch`: from now on no step of an older epoch is prepared or
+    /// committed here. Under the shard's write lock, so no commit straddles it.
+    pub(super) fn raise_fence(&self, epoch: u64) -> Result<(), PsError> {
+        let Some(ec) = &self.ec else {
+            return Ok(());
+        };
+        let _shard = self.shard_write()?;
+        let _prepared = lock(&ec.prepared);
+        ec.fence
+            .fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// A recovery decides what older epochs left prepared or staged here: the fence goes
+    /// up to `epoch` (if it is not there yet), the steps in `finish` (committed on some
+    /// server before the fence) are committed where prepared, with the differences staged
+    /// for them, and everything else of older epochs is dropped.
+    pub(super) fn settle_older_epochs(&self, epoch: u64, finish: &[u64]) -> Result<(), PsError> {
+        let Some(ec) = &self.ec else {
+            return Ok(());
+        };
+        let mut finished = Vec::new();
+        let mut dropped = Vec::new();
+        {
+            let mut shard = self.shard_write()?;
+            let mut prepared = lock(&ec.prepared);
+            ec.fence
+                .fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
+            let older: Vec<u64> = prepared
+                .iter()
+                .filter(|(_, p)| p.epoch < epoch)
+                .map(|(&step, _)| step)
+                .collect();
+            for step in older {
+                let Some(p) = prepared.remove(&step) else {
+                    continue;
+                };
+                if finish.contains(&step) {
+                    let parity = ec.take_staged_parity(step, p.epoch);
+                    let live = self.live().epoch;
+                    self.install_locked(&mut shard, live, &p.staged, &parity)?;
+                    tracing::info!(
+                        "step {step} of epoch {}: committed by the recovery",
+                        p.epoch
+                    );
+                    finished.push(p);
+                } else {
+                    dropped.push(p);
+                }
             }
-        });
+            let mut staged = lock(&ec.staged_parity);
+            for entries in staged.values_mut() {
+                entries.retain(|s| s.epoch >= epoch);
+            }
+            staged.retain(|_, v| !v.is_empty());
+        }
+        for p in &finished {
+            self.after_commit(&p.staged);
+        }
+        // The turns they held go with them.
+        drop(finished);
+        drop(dropped);
+        Ok(())
     }
 }
 

@@ -294,7 +294,10 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let erasure_coded = c.cluster.ft.erasure_coded();
     let mut peers = None;
     if let Some(stripes) = layout.stripes() {
-        let shared_peers = Arc::new(ec::Peers::new(coordinator.clone(), job.connector()?));
+        let shared_peers = Arc::new(ec::Peers::new(
+            coordinator.clone(),
+            job.connector_for(job.deadlines().step)?,
+        ));
         peers = Some(shared_peers.clone());
         let codec = ftrec_ec::Codec::new(stripes.params.k, stripes.params.r)
             .map_err(|e| PsError::Config(e.to_string()))?;

@@ -4,7 +4,8 @@
 //!
 //! Two functions change state, and nothing else does:
 //! - [`Core::install`] applies a staged update (rows, dense range, replica, applied steps),
-//!   with the parity differences staged for the same step;
+//!   with the parity differences staged for the same step (its body, `install_locked`, is
+//!   what 2PC's commit runs under the lock it checks the epoch fence under);
 //! - [`apply_parity_difference`] folds one data server's differences into parity rows.
 //!
 //! Two-phase commit is a mode of this pipeline, not a second path: phase 1 runs the same
@@ -36,8 +37,8 @@ pub(crate) enum Pushed {
     Applied { steps: u64, rows: usize },
     /// The step was applied here already (a dead worker's step granted again): ignored.
     Duplicate { steps: u64 },
-    /// 2PC phase 1 done: staged and held as prepare `id` until phase 2.
-    Prepared { id: u64, rows: usize },
+    /// 2PC phase 1 done: staged and held until phase 2.
+    Prepared { rows: usize },
 }
 
 impl Core {
@@ -47,13 +48,22 @@ impl Core {
         update: Update,
         mode: CommitMode,
     ) -> Result<Pushed, PsError> {
-        if mode == CommitMode::TwoPhase {
-            // A retried phase 1 (its reply was lost) finds its step prepared already.
-            if let Some(id) = self.ec()?.prepared_id(update.step, epoch) {
-                return Ok(Pushed::Prepared { id, rows: 0 });
-            }
-        }
-        let turn = self.commit_turn.clone().lock_owned().await;
+        let turn = match mode {
+            CommitMode::Immediate => self.commit_turn.clone().lock_owned().await,
+            CommitMode::TwoPhase => match self.turn_or_prepared(epoch, update.step).await? {
+                Ok(turn) => turn,
+                Err(staged) => {
+                    // A retried phase 1, or the step granted again, finds it prepared
+                    // already. Its differences go out again: an abort may have dropped
+                    // them at the holders since (a phase 1 that finished after its worker
+                    // gave up on it). Holders replace a resent difference: idempotent.
+                    for observer in &self.pre_commit {
+                        observer.pre_commit(&staged).await?;
+                    }
+                    return Ok(Pushed::Prepared { rows: 0 });
+                }
+            },
+        };
         self.check_epoch(epoch)?;
         if self.steps().contains(update.step) {
             self.metrics.add("ftrec_duplicate_pushes_total", 1);
@@ -77,8 +87,13 @@ impl Core {
                 Ok(Pushed::Applied { steps, rows })
             }
             CommitMode::TwoPhase => {
-                let id = self.ec()?.hold_prepared(self, epoch, staged, turn)?;
-                Ok(Pushed::Prepared { id, rows })
+                // A slow member (`prepare:N=delay-MS`): its differences are out, its answer
+                // is late; the worker may give up on it meanwhile.
+                if let Some(pause) = self.faults.delay_at(points::PREPARE, Some(staged.step)) {
+                    tokio::time::sleep(pause).await;
+                }
+                self.ec()?.hold_prepared(self, epoch, staged, turn)?;
+                Ok(Pushed::Prepared { rows })
             }
         }
     }
@@ -97,18 +112,61 @@ impl Core {
             // Restores and recoveries take the turn too, so this holds; checked where it
             // matters anyway, under the lock that installs.
             self.check_epoch(epoch)?;
-            for request in parity {
-                apply_parity_difference(&mut shard, request, &self.faults)?;
-            }
-            shard.commit(staged);
-            self.publish(epoch, |steps| {
-                steps.insert(staged.step);
-            })
+            self.install_locked(&mut shard, epoch, staged, parity)?
         };
+        self.after_commit(staged);
+        Ok(steps)
+    }
+
+    /// [`Core::install`]'s change, under the shard's write lock the caller holds (2PC's
+    /// commit checks the epoch fence under the same lock). The caller then runs
+    /// [`Core::after_commit`].
+    pub(crate) fn install_locked(
+        &self,
+        shard: &mut Shard,
+        epoch: u64,
+        staged: &StagedUpdate,
+        parity: &[ParityUpdateRequest],
+    ) -> Result<u64, PsError> {
+        for request in parity {
+            apply_parity_difference(shard, request, &self.faults)?;
+        }
+        shard.commit(staged);
+        Ok(self.publish(epoch, |steps| {
+            steps.insert(staged.step);
+        }))
+    }
+
+    /// The post-commit observers, once the shard lock is released.
+    pub(crate) fn after_commit(&self, staged: &StagedUpdate) {
         for observer in &self.post_commit {
             observer.post_commit(staged.rows());
         }
-        Ok(steps)
+    }
+
+    /// 2PC phase 1 waits for the commit turn, unless its step is (or becomes, while it
+    /// waits) prepared here in `epoch`: then the turn is held by that very step, and the
+    /// wait would last until the step is decided, which needs this call's answer. A
+    /// retry that arrives while the first attempt is still running is the common case.
+    async fn turn_or_prepared(
+        &self,
+        epoch: u64,
+        step: u64,
+    ) -> Result<Result<tokio::sync::OwnedMutexGuard<()>, std::sync::Arc<StagedUpdate>>, PsError>
+    {
+        let ec = self.ec()?;
+        loop {
+            let changed = ec.prepared_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if let Some(staged) = ec.prepared(step, epoch) {
+                return Ok(Err(staged));
+            }
+            tokio::select! {
+                turn = self.commit_turn.clone().lock_owned() => return Ok(Ok(turn)),
+                _ = changed => {}
+            }
+        }
     }
 
     /// Decodes the pending rows an update touches (a replacement rebuilding in the

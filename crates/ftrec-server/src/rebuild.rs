@@ -110,7 +110,12 @@ impl Core {
                 .ok_or_else(|| {
                     PsError::BadRequest(format!("rebuild: no address for server {s}"))
                 })?;
-            clients.insert(s, self.job.connector()?.server(address)?);
+            clients.insert(
+                s,
+                self.job
+                    .connector_for(self.job.deadlines().rebuild_stall)?
+                    .server(address)?,
+            );
         }
         let parity_only = req.parity_only;
         let global = self.job.config.model_config()?;
@@ -300,9 +305,7 @@ impl Core {
             shard.install_rebuilt(state, redundancy)?;
             self.publish(epoch, |steps| *steps = applied);
         }
-        if let Some(ec) = &self.ec {
-            ec.drop_older_than(epoch);
-        }
+        self.settle_older_epochs(epoch, &[])?;
         // Cuts go on from here: the slot's history continues on its newest branch.
         self.continue_history()?;
         self.metrics.set("ftrec_epoch", epoch as f64);
@@ -393,9 +396,7 @@ impl Core {
             shard.begin_background_rebuild(pending);
             self.publish(epoch, |steps| *steps = parts.applied);
         }
-        if let Some(ec) = &self.ec {
-            ec.drop_older_than(epoch);
-        }
+        self.settle_older_epochs(epoch, &[])?;
         self.metrics.set("ftrec_epoch", epoch as f64);
         tracing::info!(
             "serving degraded in epoch {epoch} after {:.3} s; rebuilding in the background",

@@ -84,15 +84,20 @@ impl ParameterServer for Service {
             core.wait_applied(req.epoch, req.step).await?;
         }
         let (update, in_bytes) = Update::from_push(&req)?;
-        let step = update.step;
         let mode = match req.prepare {
             true => CommitMode::TwoPhase,
             false => CommitMode::Immediate,
         };
-        let pushed = core.run_update(req.epoch, update, mode).await?;
-        if let Pushed::Prepared { id, .. } = pushed {
-            core.abort_if_undecided(req.epoch, step, id);
-        }
+        // The update runs to its end even if its caller leaves (a deadline, a cancelled
+        // stream): once its parity differences are out, stopping halfway would leave
+        // holders with differences of an update that neither installed here nor was
+        // prepared (one-round holders fold them at once). Its fate is then the worker's,
+        // the regrant's or the recovery's to decide, as for any other.
+        let running = core.clone();
+        let epoch = req.epoch;
+        let pushed = tokio::spawn(async move { running.run_update(epoch, update, mode).await })
+            .await
+            .map_err(|e| PsError::Internal(format!("update task: {e}")))??;
         let (applied, rows) = match pushed {
             Pushed::Prepared { rows, .. } => (core.steps().count(), rows),
             Pushed::Applied { steps, rows } => (steps, rows),
@@ -182,10 +187,8 @@ impl ParameterServer for Service {
         let req = req.into_inner();
         let started = Instant::now();
         // Steps an older epoch prepared hold the commit turn: the rollback decided them.
-        if let Some(ec) = &core.ec
-            && req.epoch >= core.live().epoch
-        {
-            ec.drop_older_than(req.epoch);
+        if req.epoch >= core.live().epoch {
+            core.settle_older_epochs(req.epoch, &[])?;
         }
         let turn = core.commit_turn.clone().lock_owned().await;
         let id = core
@@ -237,11 +240,10 @@ impl ParameterServer for Service {
         let core = &self.0;
         let req = req.into_inner();
         // Steps prepared in an older epoch hold the commit turn: the recovery decides
-        // their fate, so they go first (and none of that epoch commits here from now on).
-        if let Some(ec) = &core.ec
-            && req.epoch >= core.live().epoch
-        {
-            ec.drop_older_than(req.epoch);
+        // their fate, so they go first (and none of that epoch commits here from now on):
+        // those some server committed are committed here too, the rest dropped.
+        if req.epoch >= core.live().epoch {
+            core.settle_older_epochs(req.epoch, &req.finish)?;
         }
         // In the commit turn and under the shard lock, so no push straddles the change.
         let _turn = core.commit_turn.lock().await;
@@ -255,6 +257,21 @@ impl ParameterServer for Service {
         });
         core.metrics.set("ftrec_epoch", req.epoch as f64);
         Ok(Response::new(SetEpochReply {}))
+    }
+
+    async fn fence(&self, req: Request<FenceRequest>) -> Result<Response<AppliedReply>, Status> {
+        let core = &self.0;
+        let req = req.into_inner();
+        core.check_epoch_forward(req.epoch)?;
+        core.raise_fence(req.epoch)?;
+        let applied = {
+            let steps = core.steps();
+            req.steps.iter().map(|&s| steps.contains(s)).collect()
+        };
+        Ok(Response::new(AppliedReply {
+            applied,
+            shard_digest: String::new(),
+        }))
     }
 
     type FetchRowsStream =
@@ -438,7 +455,7 @@ impl ParameterServer for Service {
         req: Request<StepDecision>,
     ) -> Result<Response<StepDecisionReply>, Status> {
         let req = req.into_inner();
-        let applied = self.0.decide_step(req.epoch, req.step, true)?;
+        let applied = self.0.commit_step(req.epoch, req.step).await?;
         Ok(Response::new(StepDecisionReply { applied }))
     }
 
@@ -447,7 +464,7 @@ impl ParameterServer for Service {
         req: Request<StepDecision>,
     ) -> Result<Response<StepDecisionReply>, Status> {
         let req = req.into_inner();
-        let applied = self.0.decide_step(req.epoch, req.step, false)?;
+        let applied = self.0.abort_step(req.epoch, req.step)?;
         Ok(Response::new(StepDecisionReply { applied }))
     }
 

@@ -93,7 +93,7 @@ pub fn job_config(
     cluster.deterministic = true;
     cluster.heartbeat_ms = 50;
     cluster.failure_timeout_ms = 400;
-    cluster.rpc_timeout_ms = 5_000;
+    cluster.rpc_timeout_ms = Some(5_000);
     if mode.checkpoints() {
         c.checkpoint.dir = Some(PathBuf::from(checkpoints));
         c.checkpoint.every_steps = 10;

@@ -217,7 +217,7 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
         coordinator.clone(),
         job.layout()?,
         config.dim,
-        job.connector()?,
+        job.connector_for(job.deadlines().step)?,
     )
     .with_protocol(protocol);
     let mut worker = Worker {

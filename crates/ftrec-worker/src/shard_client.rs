@@ -12,6 +12,7 @@
 use std::time::Duration;
 
 use futures::future::join_all;
+use tokio::time::Instant;
 
 use ftrec_proto::PsError;
 use ftrec_proto::client::{Connector, CoordinatorClient, ServerClient};
@@ -19,7 +20,9 @@ use ftrec_proto::placement::{GlobalRow, Layout};
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::{extend_f32s, f32s_to_bytes, u32s_to_bytes};
 
-/// Calls sent per server and step before the step is given up.
+/// Calls sent per server and step before the step is given up. All of them share one
+/// deadline (the connector's, `cluster.deadlines.step_ms`): a server that does not answer
+/// costs the step one deadline, not one per attempt.
 const ATTEMPTS: usize = 3;
 /// Wait before asking again a server that was unavailable or rebuilding rows.
 const RETRY_WAIT: Duration = Duration::from_millis(50);
@@ -322,13 +325,14 @@ impl ShardClient {
     async fn prepare_in_order(&mut self, pushes: Vec<PushRequest>) -> Result<(), PsError> {
         for (s, push) in pushes.into_iter().enumerate() {
             let mut attempt = 1;
+            let give_up = Instant::now() + self.connector.timeout();
             loop {
                 let mut client = self.servers[s].clone();
-                match client.push(push.clone()).await {
+                let what = format!("prepare to server {s}");
+                match within(give_up, &what, client.push(push.clone())).await {
                     Ok(_) => break,
-                    Err(status) => {
-                        let e = PsError::rpc(format!("prepare to server {s}"), &status);
-                        if !e.is_retryable() || attempt == ATTEMPTS {
+                    Err(e) => {
+                        if !e.is_retryable() || attempt == ATTEMPTS || Instant::now() >= give_up {
                             if matches!(e, PsError::Unavailable(_)) {
                                 self.unreachable = Some(s);
                             }
@@ -361,22 +365,24 @@ impl ShardClient {
         Fut: std::future::Future<Output = Result<tonic::Response<Rep>, tonic::Status>>,
     {
         let mut replies: Vec<Option<Rep>> = requests.iter().map(|_| None).collect();
+        let give_up = Instant::now() + self.connector.timeout();
         for attempt in 1..=ATTEMPTS {
             let pending: Vec<usize> = (0..replies.len())
                 .filter(|&s| replies[s].is_none())
                 .collect();
             let calls = pending.iter().map(|&s| {
                 let client = self.servers[s].clone();
-                call(client, requests[s].clone())
+                let what = format!("{what} to server {s}");
+                let call = call(client, requests[s].clone());
+                async move { within(give_up, &what, call).await }
             });
             let mut failure: Option<PsError> = None;
             let mut failed_server = None;
             let mut stale_map = false;
             for (&s, result) in pending.iter().zip(join_all(calls).await) {
                 match result {
-                    Ok(r) => replies[s] = Some(r.into_inner()),
-                    Err(status) => {
-                        let e = PsError::rpc(format!("{what} to server {s}"), &status);
+                    Ok(r) => replies[s] = Some(r),
+                    Err(e) => {
                         stale_map |= matches!(e, PsError::NotOwner { .. });
                         // A cause that will not pass decides; otherwise keep the first.
                         if failure.as_ref().is_none_or(PsError::is_retryable) {
@@ -388,7 +394,9 @@ impl ShardClient {
             }
             match failure {
                 None => break,
-                Some(e) if !e.is_retryable() || attempt == ATTEMPTS => {
+                Some(e)
+                    if !e.is_retryable() || attempt == ATTEMPTS || Instant::now() >= give_up =>
+                {
                     if matches!(e, PsError::Unavailable(_)) {
                         self.unreachable = failed_server;
                     }
@@ -405,6 +413,22 @@ impl ShardClient {
             }
         }
         Ok(replies.into_iter().flatten().collect())
+    }
+}
+
+/// One call, bounded by the deadline its step's calls share; a call still unanswered then
+/// is `Unavailable`: its server is silent (frozen, cut off), as far as this step can tell.
+async fn within<Rep>(
+    give_up: Instant,
+    what: &str,
+    call: impl std::future::Future<Output = Result<tonic::Response<Rep>, tonic::Status>>,
+) -> Result<Rep, PsError> {
+    match tokio::time::timeout_at(give_up, call).await {
+        Ok(Ok(reply)) => Ok(reply.into_inner()),
+        Ok(Err(status)) => Err(PsError::rpc(what, &status)),
+        Err(_) => Err(PsError::Unavailable(format!(
+            "{what}: no answer within the step deadline (cluster.deadlines.step_ms)"
+        ))),
     }
 }
 

@@ -30,6 +30,7 @@ fn with_secret<T>(message: T, secret: &str) -> tonic::Request<T> {
 
 fn set_epoch(epoch: u64) -> SetEpochRequest {
     SetEpochRequest {
+        finish: Vec::new(),
         epoch,
         applied: 0,
         unsettled: Vec::new(),

@@ -160,9 +160,7 @@ impl Job {
         &self,
         coordinator: &str,
     ) -> Result<crate::client::CoordinatorClient, PsError> {
-        let deadline = std::time::Duration::from_millis(self.config.cluster.failure_timeout_ms);
-        self.connector()?
-            .with_timeout(deadline)
+        self.connector_for(self.deadlines().heartbeat)?
             .coordinator(coordinator)
             .await
     }
@@ -319,8 +317,21 @@ impl Job {
         Ok(Dataset::open_split(dir, TRAIN_FILE)?)
     }
 
+    /// The control plane's deadline (`cluster.rpc_timeout_ms`), and the bound on waits
+    /// that have no deadline of their own.
     pub fn timeout(&self) -> std::time::Duration {
-        std::time::Duration::from_millis(self.config.cluster.rpc_timeout_ms)
+        self.deadlines().control
+    }
+
+    /// Every deadline of the job, per kind of call.
+    pub fn deadlines(&self) -> ftrec_config::Deadlines {
+        self.config.cluster.deadlines()
+    }
+
+    /// How this process calls the others for one kind of work: the connector bounded by
+    /// that kind's deadline.
+    pub fn connector_for(&self, deadline: std::time::Duration) -> Result<Connector, PsError> {
+        Ok(self.connector()?.with_timeout(deadline))
     }
 }
 
