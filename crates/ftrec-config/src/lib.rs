@@ -341,6 +341,52 @@ mod tests {
     }
 
     #[test]
+    fn deadlines_follow_the_failure_timeout_unless_set_and_are_checked_by_key() {
+        let ms = std::time::Duration::from_millis;
+        let c = JobConfig::load(
+            Some("tiny"),
+            None,
+            &["cluster.failure_timeout_ms=2000".into()],
+        )
+        .unwrap();
+        let d = c.cluster.deadlines();
+        assert_eq!(
+            (
+                d.heartbeat,
+                d.step,
+                d.rebuild_stall,
+                d.checkpoint_io,
+                d.control
+            ),
+            (ms(2000), ms(10_000), ms(10_000), ms(120_000), ms(20_000))
+        );
+        let c = JobConfig::load(
+            Some("tiny"),
+            None,
+            &[
+                "cluster.deadlines.step_ms=700".into(),
+                "cluster.rpc_timeout_ms=9000".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.cluster.deadlines().step, ms(700));
+        assert_eq!(c.cluster.deadlines().control, ms(9000));
+        for (key, named) in [
+            (
+                "cluster.deadlines.rebuild_stall_ms=50",
+                "cluster.deadlines.rebuild_stall_ms = 50",
+            ),
+            ("cluster.rpc_timeout_ms=0", "cluster.rpc_timeout_ms = 0"),
+            ("cluster.deadlines.stall_ms=5000", "stall_ms"),
+        ] {
+            let e = JobConfig::load(Some("tiny"), None, &[key.into()])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(named), "{key}: {e}");
+        }
+    }
+
+    #[test]
     fn errors_name_the_field() {
         let e = JobConfig::load(Some("tiny"), None, &["train.batch_sise=3".into()])
             .unwrap_err()

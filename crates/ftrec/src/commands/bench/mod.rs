@@ -15,6 +15,7 @@ pub mod ckpt;
 pub mod cluster;
 pub mod cpr;
 pub mod ec;
+pub mod faults;
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
@@ -33,6 +34,11 @@ pub enum BenchCommand {
     /// The CPR emulation study: full recovery, partial recovery and CPR (vanilla, SCAR,
     /// MFU, SSU) under injected failures; AUC, PLS, checkpoint overhead, plots.
     Cpr(cpr::BenchCprArgs),
+    /// Silent failures across network namespaces (root): a link down, a worker-server
+    /// partition, 5% loss, a frozen server and a zombie, at random moments under each
+    /// `--ft`, each against the same run without the fault: time to detect, time to
+    /// resume, slowdown, exactness (`tools/netns-harness.sh sweep`).
+    Faults(faults::BenchFaultsArgs),
 }
 
 #[derive(Args, Debug)]
