@@ -427,6 +427,7 @@ async fn follow_background(
                     .timeline
                     .event(EventKind::RebuildEnd, rebuild_end_event(server, &reply));
                 let next_step = s.steps.next_step();
+                let unsettled = s.steps.unsettled();
                 for r in s
                     .recoveries
                     .iter_mut()
@@ -436,6 +437,9 @@ async fn follow_background(
                     r.rebuild_bytes = reply.bytes;
                     r.degraded_seconds = now - r.detected_at;
                     r.steps_while_degraded = next_step.saturating_sub(r.resumed_step);
+                    let in_flight = unsettled.iter().filter(|&&u| u >= r.resumed_step).count();
+                    r.steps_committed_while_degraded =
+                        r.steps_while_degraded.saturating_sub(in_flight as u64);
                 }
                 return;
             }
@@ -611,6 +615,7 @@ pub(super) async fn recover(
             },
             background_rebuild,
             steps_while_degraded: 0,
+            steps_committed_while_degraded: 0,
             kill_to_resume_seconds: None,
             epoch,
             mode: action.mode(),

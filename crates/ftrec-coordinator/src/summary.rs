@@ -25,6 +25,10 @@ pub struct Recovery {
     pub background_rebuild: bool,
     /// Steps granted while the replacement rebuilt in the background.
     pub steps_while_degraded: u64,
+    /// Of those, the steps applied on every server by the time the rebuild ended (a
+    /// granted step may still be in flight, or be lost and granted again): what training
+    /// actually achieved while degraded.
+    pub steps_committed_while_degraded: u64,
     /// From the SIGKILL of this server (an injected `--kill`) to training resumed; filled
     /// in by `cluster run` from the timeline.
     #[serde(skip_serializing_if = "Option::is_none")]
