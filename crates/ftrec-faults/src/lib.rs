@@ -10,8 +10,10 @@
 //! A point is a name in the code (`faults.kill_at(points::PREPARE, Some(step))`). An armed
 //! spec `NAME[:STEP][=ACTION]` fires once, at the first pass through that point (at that
 //! step, if it names one), and is then disarmed. `ACTION` is `kill` (the default), `skip`,
-//! or `delay-MS`: the member stalls there for MS milliseconds, as a slow disk, a long pause
-//! or a congested link would stall it (the windows of 2PC that only a slow member opens).
+//! `flip` (the code at the point corrupts one bit of what it writes, as bad RAM would:
+//! silent corruption for the parity checks to find), or `delay-MS`: the member stalls
+//! there for MS milliseconds, as a slow disk, a long pause or a congested link would stall
+//! it (the windows of 2PC that only a slow member opens).
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -26,11 +28,17 @@ pub mod points {
     /// A replacement server, after decoding its first range of lost state.
     pub const REBUILD: &str = "rebuild";
     /// A parity holder, on folding step N's difference from a data server: `skip` drops
-    /// that difference. A planted bug for the tests that must show the checks can fail.
+    /// that difference, `flip` folds it with one bit flipped into the first parity row it
+    /// touches (a parity row silently corrupted). Planted bugs for the tests that must
+    /// show the checks can fail.
     pub const FOLD_PARITY: &str = "fold-parity";
+    /// A server, installing step N (`Core::install`, under the shard's write lock):
+    /// `flip` flips one bit of the first embedding row the step installs, after the
+    /// parity differences went out, as bad RAM would (a data row silently corrupted).
+    pub const INSTALL: &str = "install";
 
     /// Every point, for validating specs.
-    pub const ALL: [&str; 4] = [PREPARE, COMMIT, REBUILD, FOLD_PARITY];
+    pub const ALL: [&str; 5] = [PREPARE, COMMIT, REBUILD, FOLD_PARITY, INSTALL];
 }
 
 /// What an armed point does when it fires.
@@ -40,6 +48,8 @@ pub enum FaultAction {
     Kill,
     /// The code at the point skips its effect once (a planted bug).
     Skip,
+    /// The code at the point flips one bit of what it writes, once (silent corruption).
+    Flip,
     /// The member stalls at the point for this many milliseconds, then goes on.
     Delay { ms: u64 },
 }
@@ -55,6 +65,7 @@ impl fmt::Display for FaultAction {
         match self {
             Self::Kill => f.write_str("kill"),
             Self::Skip => f.write_str("skip"),
+            Self::Flip => f.write_str("flip"),
             Self::Delay { ms } => write!(f, "delay-{ms}"),
         }
     }
@@ -78,7 +89,7 @@ pub enum FaultError {
     },
     #[error("fault spec {spec:?}: step {step:?} is not a non-negative integer")]
     BadStep { spec: String, step: String },
-    #[error("fault spec {spec:?}: unknown action {action:?} (kill, skip or delay-MS)")]
+    #[error("fault spec {spec:?}: unknown action {action:?} (kill, skip, flip or delay-MS)")]
     BadAction { spec: String, action: String },
 }
 
@@ -95,6 +106,7 @@ impl FaultSpec {
         let (target, action) = match spec.split_once('=') {
             Some((target, "kill")) => (target, FaultAction::Kill),
             Some((target, "skip")) => (target, FaultAction::Skip),
+            Some((target, "flip")) => (target, FaultAction::Flip),
             Some((target, other)) if delay_ms(other).is_some() => (
                 target,
                 FaultAction::Delay {
@@ -246,6 +258,12 @@ impl Faults {
     /// True (once) if a `skip` is armed at this point: the caller leaves its effect out.
     pub fn skip_at(&self, point: &str, step: Option<u64>) -> bool {
         self.fire(point, step, FaultAction::Skip).is_some()
+    }
+
+    /// True (once) if a `flip` is armed at this point: the caller corrupts one bit of
+    /// what it writes there.
+    pub fn flip_at(&self, point: &str, step: Option<u64>) -> bool {
+        self.fire(point, step, FaultAction::Flip).is_some()
     }
 
     /// How long to stall here (once) if a `delay` is armed at this point. The caller

@@ -11,6 +11,9 @@ fn specs_round_trip_and_nonsense_is_refused_by_name() {
         "fold-parity:7=skip",
         "rebuild=skip",
         "prepare:9=delay-2500",
+        "fold-parity:12=flip",
+        "install:30=flip",
+        "install",
     ] {
         let spec = FaultSpec::parse(text).unwrap();
         assert_eq!(spec.to_string(), text);
@@ -25,6 +28,8 @@ fn specs_round_trip_and_nonsense_is_refused_by_name() {
         ("prepare:x", "step \"x\""),
         ("commit:-1", "step \"-1\""),
         ("rebuild=explode", "unknown action \"explode\""),
+        ("install:3=flop", "unknown action \"flop\""),
+        ("installs:3=flip", "unknown point \"installs\""),
         ("prepare=delay-", "unknown action \"delay-\""),
         ("prepare=delay-x", "unknown action \"delay-x\""),
     ] {
@@ -81,6 +86,30 @@ fn a_delay_fires_once_with_its_length_and_is_no_kill() {
         Some(std::time::Duration::from_millis(1500))
     );
     assert_eq!(faults.delay_at(points::PREPARE, Some(4)), None);
+}
+
+#[test]
+fn a_flip_fires_once_at_its_step_and_is_neither_a_skip_nor_a_kill() {
+    let (faults, kills) = counting();
+    faults.arm(FaultSpec::parse("install:6=flip").unwrap());
+    assert_eq!(
+        faults.armed(),
+        vec![FaultSpec::new(points::INSTALL, Some(6), FaultAction::Flip)]
+    );
+    assert!(!faults.flip_at(points::INSTALL, Some(5)));
+    assert!(!faults.flip_at(points::FOLD_PARITY, Some(6)));
+    assert!(
+        !faults.skip_at(points::INSTALL, Some(6)),
+        "a flip is not a skip"
+    );
+    faults.kill_at(points::INSTALL, Some(6));
+    assert_eq!(kills.load(Ordering::SeqCst), 0, "a flip is not a kill");
+    assert!(faults.flip_at(points::INSTALL, Some(6)));
+    assert!(!faults.flip_at(points::INSTALL, Some(6)), "fires once");
+    assert_eq!(
+        faults.fired(),
+        vec![FaultSpec::parse("install:6=flip").unwrap()]
+    );
 }
 
 #[test]

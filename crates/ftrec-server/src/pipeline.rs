@@ -132,6 +132,37 @@ impl Core {
             apply_parity_difference(shard, request, &self.faults)?;
         }
         shard.commit(staged);
+        // Bad RAM (`install:N=flip`): one bit of the first row this step installed flips
+        // after its parity differences went out, so its stripe no longer encodes. Not
+        // while a background rebuild runs (the shard is replaced whole, which would end
+        // it); the spec then stays armed.
+        if shard.pending().is_none() && self.faults.flip_at(points::INSTALL, Some(staged.step)) {
+            // The lowest bit of the first value of the first row (the model trains on).
+            // The shard has no row writer beside `Shard::commit`, so a copy of its state
+            // with the bit flipped replaces it: costly, and only ever once, for a planted
+            // fault.
+            let first = staged
+                .rows()
+                .iter()
+                .find_map(|rows| Some((rows.table, *rows.locals.first()?, *rows.globals.first()?)));
+            if let Some((table, local, row)) = first {
+                let mut state = shard.state().clone();
+                let bits = &mut state.tables_mut()[table].row_mut(local as usize)[0];
+                *bits = f32::from_bits(bits.to_bits() ^ 1);
+                shard.replace_state(state)?;
+                tracing::warn!(
+                    "fault install: flipped a bit of table {table} row {row} (server {} local \
+                     slot {local}) at step {}",
+                    shard.server(),
+                    staged.step
+                );
+            } else {
+                tracing::warn!(
+                    "fault install: step {} installed no embedding row; nothing flipped",
+                    staged.step
+                );
+            }
+        }
         Ok(self.publish(epoch, |steps| {
             steps.insert(staged.step);
         }))
@@ -205,6 +236,8 @@ pub(crate) fn apply_parity_difference(
         return Err(PsError::Config("this server holds no parity".into()));
     };
     let row_bytes = red.row_bytes;
+    // `fold-parity:N=flip`: asked once, at the first parity row this request folds.
+    let mut flip_asked = false;
     for t in &req.tables {
         let locals = bytes_to_u32s(&t.locals, "parity slots")?;
         if t.table == DENSE_TABLE {
@@ -227,9 +260,31 @@ pub(crate) fn apply_parity_difference(
             if shard.parity_pending(t.table as usize, local as usize) {
                 continue;
             }
+            let flip = !flip_asked && faults.flip_at(points::FOLD_PARITY, Some(req.step));
+            flip_asked = true;
+            let server = shard.server();
             let Some(red) = shard.redundancy_mut() else {
                 return Err(PsError::Config("this server holds no parity".into()));
             };
+            if flip {
+                // A parity row silently corrupted: the difference folds with one bit
+                // flipped (the top bit of its first byte, so that it never cancels an
+                // `install` flip of the same stripe, which flips the lowest), and the row
+                // no longer encodes its stripe.
+                let mut flipped = delta.to_vec();
+                if let Some(first) = flipped.first_mut() {
+                    *first ^= 0x80;
+                }
+                red.fold(t.table as usize, local as usize, coef, &flipped)?;
+                tracing::warn!(
+                    "fault fold-parity: flipped a bit of step {}'s difference from server {} \
+                     into table {} parity slot {local} (server {server})",
+                    req.step,
+                    req.source,
+                    t.table
+                );
+                continue;
+            }
             red.fold(t.table as usize, local as usize, coef, delta)?;
         }
     }

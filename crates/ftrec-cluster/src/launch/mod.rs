@@ -74,6 +74,10 @@ pub struct LaunchReport {
     pub parity_mismatches: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replica_mismatches: Option<u64>,
+    /// Erasure coding: each mismatch of the end-of-run check named (the first
+    /// `parity_check::MAX_DETAILS`), empty when the parity is right.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parity_mismatch_details: Option<Vec<crate::parity_check::Mismatch>>,
     pub servers: usize,
     pub workers: usize,
     /// From each SIGKILL to training resumed (detection included).

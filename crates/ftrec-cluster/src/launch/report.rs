@@ -42,10 +42,12 @@ pub(super) async fn final_report(
     let addresses = shared.server_addresses();
     let (state, shard_digests) = ftrec_proto::gather::gather_state(job, &addresses, epoch).await?;
     let (mut parity_mismatches, mut replica_mismatches) = (None, None);
+    let mut parity_mismatch_details = None;
     if job.config.cluster.ft.erasure_coded() {
         let report = crate::parity_check::verify_parity(job, &addresses, epoch, &state).await?;
         parity_mismatches = Some(report.mismatches);
         replica_mismatches = Some(report.replica_mismatches);
+        parity_mismatch_details = Some(report.details);
     }
     let digest = state.digest().to_string();
     let (mut auc, mut logloss, mut eval_samples) = (None, None, None);
@@ -62,6 +64,7 @@ pub(super) async fn final_report(
         shard_digests,
         parity_mismatches,
         replica_mismatches,
+        parity_mismatch_details,
         servers: cluster.servers,
         workers: cluster.workers,
         kill_to_resume_seconds: kill_to_resume,

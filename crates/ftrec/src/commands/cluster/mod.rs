@@ -36,6 +36,34 @@ pub enum ClusterCommand {
         /// `server:ID` or `worker:ID`.
         member: String,
     },
+    /// Scrub a running erasure-coded cluster without stopping it: every stripe's parity
+    /// re-encoded from its data rows and compared, every dense replica with its primary,
+    /// each range read at equal applied steps on every server. Exits non-zero when a
+    /// mismatch is found (each is named) or a range never settled.
+    VerifyParity(VerifyParityArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct VerifyParityArgs {
+    /// The coordinator's address (printed by `cluster run`).
+    #[arg(long)]
+    pub coordinator: String,
+    /// The job file (`RUN_DIR/job.toml`): the layout to check, and the secret that
+    /// admits the calls.
+    #[arg(long)]
+    pub job: PathBuf,
+    /// Stripes of one group read at once.
+    #[arg(long, default_value_t = 256)]
+    pub range: usize,
+    /// Reads of a range before it is reported unsettled (its servers never answered at
+    /// the same applied steps).
+    #[arg(long, default_value_t = 200)]
+    pub attempts: u32,
+    /// Print the report as JSON: stripes, parity_mismatches, replica_mismatches,
+    /// parity_mismatch_details, unsettled, unsettled_details, epoch, ranges, rereads,
+    /// unconfirmed, first_applied, last_applied, seconds.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -63,9 +91,11 @@ pub struct ClusterRunArgs {
     /// SIGKILL `ROLE:ID` this long after training starts, e.g. `server:1@10s` (repeatable).
     #[arg(long = "kill", value_name = "ROLE:ID@SECONDS")]
     pub kills: Vec<String>,
-    /// Arm a fault point in a server, `server:J@POINT[:STEP][=kill|skip]` (repeatable):
-    /// prepare, commit, rebuild or fold-parity. `server:1@fold-parity:20=skip` drops one
-    /// parity difference, a planted bug the end-of-run parity check must report.
+    /// Arm a fault point in a server, `server:J@POINT[:STEP][=kill|skip|flip|delay-MS]`
+    /// (repeatable): prepare, commit, rebuild, fold-parity or install.
+    /// `server:1@fold-parity:20=skip` drops one parity difference, `=flip` folds it with a
+    /// bit flipped; `server:2@install:20=flip` flips a bit of a row step 20 installs:
+    /// planted bugs the parity checks must report.
     #[arg(long = "fault", value_name = "server:J@SPEC")]
     pub faults: Vec<String>,
     /// Spare servers to start; a failed server's slot goes to a spare before a new process.
@@ -103,8 +133,9 @@ pub struct ServerArgs {
     /// Interface to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
-    /// Arm a fault point in this server, NAME[:STEP][=kill|skip] (prepare, commit, rebuild,
-    /// fold-parity); it fires once. `cluster run --kill server:J@commit:N` passes these.
+    /// Arm a fault point in this server, NAME[:STEP][=kill|skip|flip|delay-MS] (prepare,
+    /// commit, rebuild, fold-parity, install); it fires once. `cluster run --kill
+    /// server:J@commit:N` passes these.
     #[arg(long = "fault", value_name = "SPEC")]
     pub faults: Vec<String>,
 }
@@ -309,6 +340,13 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
     outln!("state digest {}", report.state_digest);
     if let (Some(parity), Some(replicas)) = (report.parity_mismatches, report.replica_mismatches) {
         outln!("parity check: {parity} stripe mismatches, {replicas} dense replica mismatches");
+        print_mismatches(
+            report
+                .parity_mismatch_details
+                .as_deref()
+                .unwrap_or_default(),
+            parity + replicas,
+        )?;
     }
     if report.run_dir_removed {
         outln!(
@@ -336,6 +374,82 @@ fn redundancy_damage(report: &ftrec_cluster::launch::LaunchReport) -> Option<Str
              dense replicas that differ from their primary"
         )
     })
+}
+
+/// Mismatches printed one per line; the rest are in `--json`.
+const PRINTED_MISMATCHES: usize = 20;
+
+/// Prints the first named mismatches of `total`.
+fn print_mismatches(details: &[ftrec_cluster::parity_check::Mismatch], total: u64) -> Result<()> {
+    for m in details.iter().take(PRINTED_MISMATCHES) {
+        outln!("  mismatch: {m}");
+    }
+    let shown = details.len().min(PRINTED_MISMATCHES) as u64;
+    if total > shown {
+        outln!(
+            "  ... and {} more ({} named in --json)",
+            total - shown,
+            details.len()
+        );
+    }
+    Ok(())
+}
+
+/// `cluster verify-parity`: a live scrub of a running cluster.
+pub fn verify_parity(a: VerifyParityArgs) -> Result<()> {
+    let job = Job::load(&a.job)?;
+    let options = ftrec_cluster::scrub::ScrubOptions {
+        stripes_per_range: a.range.max(1),
+        attempts: a.attempts.max(1),
+        ..Default::default()
+    };
+    let report =
+        runtime()?.block_on(ftrec_cluster::scrub::scrub(&job, &a.coordinator, &options))?;
+    let p = &report.parity;
+    let failed = if p.mismatches + p.replica_mismatches > 0 {
+        Some(format!(
+            "the scrub found {} stripes with a wrong parity row and {} dense replicas that \
+             differ from their primary",
+            p.mismatches, p.replica_mismatches
+        ))
+    } else if report.unsettled > 0 {
+        Some(format!(
+            "the scrub could not check {} ranges: their servers never answered at the same \
+             applied steps (first: {})",
+            report.unsettled,
+            report
+                .unsettled_details
+                .first()
+                .map(|u| format!("{}: {}", u.what, u.why))
+                .unwrap_or_default()
+        ))
+    } else {
+        None
+    };
+    if a.json {
+        print_json(serde_json::to_value(&report)?)?;
+    } else {
+        outln!(
+            "scrubbed {} stripes in epoch {} in {:.2}s ({} ranges, {} read again): {} stripe \
+             mismatches, {} dense replica mismatches, {} ranges unsettled",
+            p.stripes,
+            report.epoch,
+            report.seconds,
+            report.ranges,
+            report.rereads,
+            p.mismatches,
+            p.replica_mismatches,
+            report.unsettled
+        );
+        print_mismatches(&p.details, p.mismatches + p.replica_mismatches)?;
+        for u in report.unsettled_details.iter().take(PRINTED_MISMATCHES) {
+            outln!("  unsettled: {}: {}", u.what, u.why);
+        }
+    }
+    if let Some(why) = failed {
+        bail!("{why}");
+    }
+    Ok(())
 }
 
 pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
