@@ -72,12 +72,12 @@ impl std::str::FromStr for KillSpec {
 }
 
 impl KillSpec {
-    /// `server:J@POINT[:STEP][=kill|skip]`: any fault point of a server, any action
+    /// `server:J@POINT[:STEP][=kill|skip|flip|delay-MS]`: any fault point of a server, any action
     /// (`cluster run --fault`).
     pub fn fault(s: &str) -> Result<Self, String> {
-        let (who, spec) = s
-            .split_once('@')
-            .ok_or_else(|| format!("--fault {s:?}: expected server:J@POINT[:STEP][=kill|skip]"))?;
+        let (who, spec) = s.split_once('@').ok_or_else(|| {
+            format!("--fault {s:?}: expected server:J@POINT[:STEP][=kill|skip|flip|delay-MS]")
+        })?;
         let (role, id) = parse_member(who).map_err(|e| format!("--fault {e}"))?;
         if role != Role::Server {
             return Err(format!("--fault {s:?}: fault points are in servers"));
