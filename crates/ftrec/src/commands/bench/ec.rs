@@ -227,6 +227,15 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
             r.ec_no_replication.parity_mismatches,
             r.ec_kill.parity_mismatches,
         ]).collect::<Vec<_>>(),
+        // Dense replicas that differ from their primary at the end. One-round mode with
+        // asynchronous workers lets the primary and its replica apply pushes in different
+        // orders, so their floats drift: a known gap (ARCHITECTURE, failure model).
+        "replica_mismatches": rounds.iter().map(|r| [
+            r.ec.replica_mismatches,
+            r.ec_no_2pc.replica_mismatches,
+            r.ec_no_replication.replica_mismatches,
+            r.ec_kill.replica_mismatches,
+        ]).collect::<Vec<_>>(),
         "lost_samples": rounds.iter().map(|r| r.ec_kill.summary.lost_samples).collect::<Vec<_>>(),
     });
     super::write_summary(&a.out, summary, a.json)
