@@ -24,7 +24,9 @@ start=$(date +%s.%N)
     > "$WORK/out.json" 2> "$WORK/err.txt" &
 launcher=$!
 sleep "$AFTER"
-frozen=$(pgrep -f "ftrec.* server .*--id 1" | head -1)
+# Only the launcher's own child: another job's `server --id 1` on this host is not ours.
+frozen=$(pgrep -P "$launcher" -f " server .*--id 1( |$)" | head -1)
+[ -n "$frozen" ] || { echo "freeze-loopback: server 1 of launcher $launcher not found" >&2; exit 2; }
 if [ -z "${NOSTOP:-}" ]; then
     kill -STOP "$frozen"
     [ -n "${CONT:-}" ] && { sleep "$CONT"; kill -CONT "$frozen" 2>/dev/null || true; } &
