@@ -41,6 +41,10 @@ pub struct BenchFaultsArgs {
     /// Deterministic steps per run.
     #[arg(long, default_value_t = 1500)]
     pub steps: u64,
+    /// Reduce the trials of an earlier sweep (`tools/netns-harness.sh sweep --json FILE`)
+    /// instead of running one.
+    #[arg(long, value_name = "FILE")]
+    pub from_trials: Option<PathBuf>,
     /// Where trials.json and summary.json go.
     #[arg(long, default_value = "bench-faults")]
     pub out: PathBuf,
@@ -49,13 +53,38 @@ pub struct BenchFaultsArgs {
 }
 
 pub fn bench_faults(a: BenchFaultsArgs) -> Result<()> {
+    std::fs::create_dir_all(&a.out).with_context(|| a.out.display().to_string())?;
+    let trials_path = match &a.from_trials {
+        Some(path) => path.clone(),
+        None => run_sweep(&a)?,
+    };
+    let text =
+        std::fs::read_to_string(&trials_path).with_context(|| trials_path.display().to_string())?;
+    let trials: Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not JSON", trials_path.display()))?;
+    let list = trials["trials"].as_array().map_or(&[][..], Vec::as_slice);
+    let rows = summarize(list);
+    let rounds = list.iter().filter_map(|t| t["round"].as_u64()).max();
+    let summary = json!({
+        "rounds": rounds,
+        "trials": trials_path,
+        "pairs": list.len(),
+        "by_fault": rows,
+    });
+    if !a.json {
+        print_table(&rows)?;
+    }
+    super::write_summary(&a.out, summary, a.json)
+}
+
+/// Runs the harness's sweep with this binary; returns where it wrote its trials.
+fn run_sweep(a: &BenchFaultsArgs) -> Result<PathBuf> {
     if !a.harness.is_file() {
         bail!(
             "{}: the namespace harness is not there (run from the repository root, or pass --harness)",
             a.harness.display()
         );
     }
-    std::fs::create_dir_all(&a.out).with_context(|| a.out.display().to_string())?;
     let trials_path = std::path::absolute(a.out.join("trials.json"))?;
     let exe = std::env::current_exe()?;
     let status = Command::new(&a.harness)
@@ -77,23 +106,7 @@ pub fn bench_faults(a: BenchFaultsArgs) -> Result<()> {
             a.harness.display()
         );
     }
-    let text =
-        std::fs::read_to_string(&trials_path).with_context(|| trials_path.display().to_string())?;
-    let trials: Value = serde_json::from_str(&text)
-        .with_context(|| format!("{}: not JSON", trials_path.display()))?;
-    let rows = summarize(trials["trials"].as_array().map_or(&[][..], Vec::as_slice));
-    let summary = json!({
-        "rounds": a.rounds,
-        "steps": a.steps,
-        "at": a.at,
-        "seed": a.seed,
-        "trials": trials_path,
-        "by_fault": rows,
-    });
-    if !a.json {
-        print_table(&rows)?;
-    }
-    super::write_summary(&a.out, summary, a.json)
+    Ok(trials_path)
 }
 
 /// One row per (fault, ft): medians over the rounds, and counts of what every run kept.
