@@ -127,6 +127,7 @@ fn detect_failures(shared: &Shared, s: &mut State) {
         // Its background rebuild (if any) died with it; its replacement starts afresh.
         s.rebuilding.retain(|&(r, _)| r != id);
         s.epoch += 1;
+        shared.epoch_moved(s.epoch);
         shared.metrics.add("ftrec_failures_total", 1);
         shared.metrics.set("ftrec_epoch", s.epoch as f64);
         let t = s.timeline.event_about(

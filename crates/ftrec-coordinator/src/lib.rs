@@ -193,9 +193,17 @@ pub struct Shared {
     spawner: Option<Arc<dyn Spawner>>,
     metrics: Arc<Metrics>,
     done: watch::Sender<bool>,
+    /// The epoch, published on every change: a task talking to the servers of an older
+    /// epoch (a cut) gives up at once rather than wait out a deadline on a dead member.
+    epochs: watch::Sender<u64>,
 }
 
 impl Shared {
+    /// Publishes a new epoch (the caller changed `State::epoch` under the lock).
+    fn epoch_moved(&self, epoch: u64) {
+        self.epochs.send_replace(epoch);
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock is a bug; the state is still the best we have.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -571,6 +579,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         spawner: opts.spawner,
         metrics,
         done: done_tx,
+        epochs: watch::Sender::new(0),
         job,
     });
     let service = tonic::service::interceptor::InterceptedService::new(

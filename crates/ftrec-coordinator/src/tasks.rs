@@ -82,7 +82,18 @@ async fn checkpoint(
         })
         .await
     });
-    let results = futures::future::join_all(calls).await;
+    // A member declared dead meanwhile may be silent: the cut is abandoned with the epoch
+    // (its parts stay uncommitted), so the recovery never waits on a dead member's write.
+    let mut epochs = shared.epochs.subscribe();
+    let results = tokio::select! {
+        results = futures::future::join_all(calls) => results,
+        _ = epochs.wait_for(|&e| e > epoch) => {
+            clients
+                .iter()
+                .map(|_| Err(tonic::Status::aborted("the epoch moved: the cut is abandoned")))
+                .collect()
+        }
+    };
     let mut bytes = 0;
     let mut ids = Vec::with_capacity(results.len());
     let mut failed = None;
@@ -396,6 +407,7 @@ async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps:
     }
     if let Some((step, count)) = rollback {
         s.epoch += 1;
+        shared.epoch_moved(s.epoch);
         shared.metrics.set("ftrec_epoch", s.epoch as f64);
         s.phase = Phase::Recovering;
         s.pause_started = None;

@@ -111,6 +111,9 @@ pub(super) struct ParityPropagator {
     pub two_phase: bool,
     pub peers: Arc<Peers>,
     pub epoch: tokio::sync::watch::Receiver<crate::Live>,
+    /// The recovery fence (`EcState::fence_watch`): raised by a recovery's first round,
+    /// before the new epoch is published.
+    pub fence: tokio::sync::watch::Receiver<u64>,
 }
 
 impl ParityPropagator {
@@ -226,12 +229,19 @@ impl PreCommit for ParityPropagator {
             });
         // A new epoch fences this update (the servers refuse it now), and a peer that went
         // silent must not hold the commit turn, which the recovery needs, for a deadline.
+        // A recovery's fence comes first (the new epoch is published only once the
+        // survivors settled, which needs the turn this update holds), so both end it.
         let mut live = self.epoch.clone();
+        let mut fence = self.fence.clone();
         let results = tokio::select! {
             biased;
             results = futures::future::join_all(calls) => results,
             moved = live.wait_for(|l| l.epoch != epoch) => {
                 let current = moved.map(|l| l.epoch).unwrap_or(epoch);
+                return Err(PsError::StaleEpoch { got: epoch, current });
+            }
+            fenced = fence.wait_for(|&f| f > epoch) => {
+                let current = fenced.map(|f| *f).unwrap_or(epoch);
                 return Err(PsError::StaleEpoch { got: epoch, current });
             }
         };
@@ -256,7 +266,6 @@ struct StagedParity {
 }
 
 /// The erasure-coding state of a server beside its shard.
-#[derive(Default)]
 pub(super) struct EcState {
     prepared: Mutex<BTreeMap<u64, Prepared>>,
     staged_parity: Mutex<BTreeMap<u64, Vec<StagedParity>>>,
@@ -267,10 +276,22 @@ pub(super) struct EcState {
     /// prepared or committed here, even before the recovery gets the commit turn. Raised
     /// only under the shard's write lock and the `prepared` lock (`Core::raise_fence`), and
     /// read under one of them where it decides anything.
-    fence: std::sync::atomic::AtomicU64,
+    fence: tokio::sync::watch::Sender<u64>,
     /// Woken whenever a step is prepared here (a phase 1 waiting for the turn checks
     /// whether it was its own step).
     pub(crate) prepared_changed: tokio::sync::Notify,
+}
+
+impl Default for EcState {
+    fn default() -> Self {
+        Self {
+            prepared: Mutex::default(),
+            staged_parity: Mutex::default(),
+            folded: Mutex::default(),
+            fence: tokio::sync::watch::Sender::new(0),
+            prepared_changed: tokio::sync::Notify::new(),
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -278,14 +299,30 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl EcState {
+    /// Raises the fence (callers hold the shard's write lock and the `prepared` lock), and
+    /// wakes whatever waits on an older epoch's peers: a parity propagation of a fenced
+    /// step holds the commit turn the recovery needs, and its peer may be the silent one.
+    fn raise(&self, epoch: u64) {
+        self.fence.send_if_modified(|fence| {
+            let raised = epoch > *fence;
+            *fence = (*fence).max(epoch);
+            raised
+        });
+    }
+
+    /// Follows the fence (the parity propagator abandons a fenced update at once).
+    pub(crate) fn fence_watch(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.fence.subscribe()
+    }
+
     fn fenced_past(&self, epoch: u64) -> bool {
-        self.fence.load(std::sync::atomic::Ordering::SeqCst) > epoch
+        *self.fence.borrow() > epoch
     }
 
     fn fenced(&self, epoch: u64) -> PsError {
         PsError::StaleEpoch {
             got: epoch,
-            current: self.fence.load(std::sync::atomic::Ordering::SeqCst),
+            current: *self.fence.borrow(),
         }
     }
 
@@ -464,8 +501,7 @@ impl Core {
         };
         let _shard = self.shard_write()?;
         let _prepared = lock(&ec.prepared);
-        ec.fence
-            .fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
+        ec.raise(epoch);
         Ok(())
     }
 
@@ -482,8 +518,7 @@ impl Core {
         {
             let mut shard = self.shard_write()?;
             let mut prepared = lock(&ec.prepared);
-            ec.fence
-                .fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
+            ec.raise(epoch);
             let older: Vec<u64> = prepared
                 .iter()
                 .filter(|(_, p)| p.epoch < epoch)

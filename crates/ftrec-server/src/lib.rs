@@ -246,7 +246,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let (seed, host_layout) = (c.seed, layout);
     // Building a large shard takes longer than the failure timeout: heartbeat (not yet
     // ready) meanwhile, or the coordinator would declare the newcomer dead.
-    let mut beats = job.heartbeat_client(&opts.coordinator).await?;
+    let beats = job.heartbeat_client(&opts.coordinator).await?;
     let starting = tokio::spawn(ftrec_proto::client::keep_alive(
         beats.clone(),
         HeartbeatRequest {
@@ -292,6 +292,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let tracking = Arc::new(checkpoints::Tracking::new(checkpointer.clone()));
     let mut pre_commit: Vec<Arc<dyn PreCommit>> = Vec::new();
     let erasure_coded = c.cluster.ft.erasure_coded();
+    let ec_state = erasure_coded.then(ec::EcState::default);
     let mut peers = None;
     if let Some(stripes) = layout.stripes() {
         let shared_peers = Arc::new(ec::Peers::new(
@@ -308,6 +309,10 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             two_phase: c.ec.two_phase_commit,
             peers: shared_peers,
             epoch: live.subscribe(),
+            fence: ec_state
+                .as_ref()
+                .map(ec::EcState::fence_watch)
+                .unwrap_or_else(|| watch::channel(0).1),
         }));
     }
     let priority = priority::PriorityState::for_job(&job, &shard, id);
@@ -317,7 +322,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     }
     let core = Arc::new(Core {
         commit_turn: Arc::new(tokio::sync::Mutex::new(())),
-        ec: erasure_coded.then(ec::EcState::default),
+        ec: ec_state,
         pre_commit,
         post_commit,
         checkpointer,
@@ -352,7 +357,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             .serve_with_incoming_shutdown(incoming, async move { serve_stop.notified().await })
             .await
     });
-    heartbeat_loop(&mut beats, core, heartbeat, cluster.failure_timeout_ms).await?;
+    heartbeat_loop(&beats, core, heartbeat, cluster.failure_timeout_ms).await?;
     stop.notify_waiters();
     let _ = tokio::time::timeout(Duration::from_secs(2), serving).await;
     Ok(())
@@ -402,7 +407,7 @@ async fn wait_for_assignment(
 /// Heartbeats until the coordinator says stop, a Shutdown RPC arrives, or the coordinator
 /// has been unreachable for ten failure timeouts (so no server outlives its cluster).
 async fn heartbeat_loop(
-    coordinator: &mut ftrec_proto::client::CoordinatorClient,
+    beats: &ftrec_proto::client::HeartbeatClient,
     core: Arc<Core>,
     period: Duration,
     failure_timeout_ms: u64,
@@ -417,8 +422,8 @@ async fn heartbeat_loop(
             _ = tokio::time::sleep(wait) => {}
         }
         wait = period;
-        let reply = coordinator
-            .heartbeat(HeartbeatRequest {
+        let reply = beats
+            .beat(HeartbeatRequest {
                 role: Role::Server as i32,
                 id: core.id as u32,
                 epoch: core.live().epoch,

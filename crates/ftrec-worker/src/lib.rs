@@ -91,14 +91,14 @@ struct Worker {
 /// Keeps the worker alive at the coordinator while it computes, and publishes the epoch
 /// each reply carries. Losing the coordinator is the main loop's to notice.
 async fn heartbeat(
-    mut coordinator: CoordinatorClient,
+    beats: ftrec_proto::client::HeartbeatClient,
     id: usize,
     incarnation: u64,
     period: Duration,
     epochs: tokio::sync::watch::Sender<u64>,
 ) {
     loop {
-        let beat = coordinator.heartbeat(HeartbeatRequest {
+        let beat = beats.beat(HeartbeatRequest {
             role: Role::Worker as i32,
             id: id as u32,
             epoch: 0,

@@ -10,7 +10,7 @@ use ftrec_data::{Dataset, TRAIN_FILE};
 
 use crate::PsError;
 use crate::auth::{JobSecret, TlsMaterial};
-use crate::client::Connector;
+use crate::client::{Connector, HeartbeatClient};
 use crate::network::Network;
 use crate::placement::Layout;
 
@@ -153,16 +153,15 @@ impl Job {
         )
     }
 
-    /// A coordinator client for heartbeats only: a connection of its own, never queued
-    /// behind other calls, and each beat bounded by the failure timeout (a beat that takes
-    /// longer cannot keep anyone alive anyway).
-    pub async fn heartbeat_client(
-        &self,
-        coordinator: &str,
-    ) -> Result<crate::client::CoordinatorClient, PsError> {
-        self.connector_for(self.deadlines().heartbeat)?
-            .coordinator(coordinator)
-            .await
+    /// Heartbeats' own clients: two connections of their own (see [`HeartbeatClient`]),
+    /// never queued behind other calls, and each beat bounded by the failure timeout (a
+    /// beat that takes longer cannot keep anyone alive anyway).
+    pub async fn heartbeat_client(&self, coordinator: &str) -> Result<HeartbeatClient, PsError> {
+        let connector = self.connector_for(self.deadlines().heartbeat)?;
+        Ok(HeartbeatClient::new(
+            connector.coordinator(coordinator).await?,
+            connector.coordinator(coordinator).await?,
+        ))
     }
 
     /// The network this member's listeners and channels use.
