@@ -160,13 +160,20 @@ fn summarize(trials: &[Value]) -> Vec<Value> {
         .collect()
 }
 
-/// Median, min and max (null where no run had the figure).
+/// Median (the mean of the middle two for an even count), min and max; null where no
+/// run had the figure.
 fn spread(mut v: Vec<f64>) -> Value {
     if v.is_empty() {
         return Value::Null;
     }
     v.sort_by(f64::total_cmp);
-    json!({ "median": v[v.len() / 2], "min": v[0], "max": v[v.len() - 1], "n": v.len() })
+    let n = v.len();
+    let median = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    };
+    json!({ "median": median, "min": v[0], "max": v[n - 1], "n": n })
 }
 
 fn print_table(rows: &[Value]) -> Result<()> {
@@ -232,5 +239,6 @@ mod tests {
         assert_eq!(link["slowdown_seconds"]["median"], 4.0);
         assert_eq!(link["slowdown_seconds"]["max"], 20.0);
         assert_eq!(rows[1]["slowdown_seconds"]["n"], 1);
+        assert_eq!(spread(vec![4.0, 1.0])["median"], 2.5);
     }
 }
