@@ -86,6 +86,7 @@ async fn checkpoint(
     // (its parts stay uncommitted), so the recovery never waits on a dead member's write.
     let mut epochs = shared.epochs.subscribe();
     let results = tokio::select! {
+        biased;
         results = futures::future::join_all(calls) => results,
         _ = epochs.wait_for(|&e| e > epoch) => {
             clients

@@ -193,7 +193,10 @@ impl Core {
             if let Some(staged) = ec.prepared(step, epoch) {
                 return Ok(Err(staged));
             }
+            // Biased, as every select on a path the simulation drives: tokio picks among
+            // ready branches at random otherwise, and a seed would not replay.
             tokio::select! {
+                biased;
                 turn = self.commit_turn.clone().lock_owned() => return Ok(Ok(turn)),
                 _ = changed => {}
             }

@@ -188,7 +188,10 @@ impl HeartbeatClient {
         let first = a.heartbeat(request);
         let second = b.heartbeat(request);
         tokio::pin!(first, second);
+        // Biased toward the first link: tokio picks among ready branches at random
+        // otherwise, and the simulated cluster's seeds would not replay.
         tokio::select! {
+            biased;
             r = &mut first => match r {
                 Ok(reply) => Ok(reply),
                 Err(_) => second.await,
