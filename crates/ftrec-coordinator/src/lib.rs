@@ -159,6 +159,10 @@ struct State {
     fatal: Option<String>,
     /// Steps lost since one last finished (`service.rs` gives up past a bound).
     lost_in_a_row: u32,
+    /// Steps trained again after rollbacks, over the run: once per rollback, whether a
+    /// server's failure or a partly applied step caused it (a recovery record exists only
+    /// for a failed server, and several failed at once share one rollback).
+    steps_rolled_back: u64,
     /// `cluster.ft = "partial"`: PLS, interval and the full-or-partial choice.
     cpr: Option<cpr::CprState>,
 }
@@ -275,7 +279,7 @@ impl Shared {
                 .iter()
                 .fold(0.0, |acc, r| acc + (r.resumed_at - r.detected_at)),
             recoveries: s.recoveries.clone(),
-            steps_rolled_back: s.recoveries.iter().map(|r| r.steps_rolled_back).sum(),
+            steps_rolled_back: s.steps_rolled_back,
             pls: s.cpr.as_ref().map(|c| c.pls()),
             recovery_mode: s
                 .cpr
@@ -574,6 +578,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             probe_requested: false,
             fatal: None,
             lost_in_a_row: 0,
+            steps_rolled_back: 0,
             cpr: cpr::CprState::new(&job, schedule.samples_before(total_steps))?,
         }),
         spawner: opts.spawner,

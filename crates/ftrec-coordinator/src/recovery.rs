@@ -582,6 +582,7 @@ pub(super) async fn recover(
         }
     }
     let rolled_back = s.steps.next_step().saturating_sub(applied);
+    s.steps_rolled_back += rolled_back;
     if let RecoveryAction::Rollback { .. } = action {
         s.steps.rewind(applied);
         // Every server restored a cut and re-derived its parity: no rebuild goes on.

@@ -172,7 +172,7 @@ fn cluster(
 fn strategy_figures(r: &LaunchReport, every: u64) -> serde_json::Value {
     let s = &r.summary;
     let pauses: f64 = s.checkpoints.iter().map(|c| c.pause_seconds).sum();
-    let rolled_back: u64 = s.recoveries.iter().map(|x| x.steps_rolled_back).sum();
+    let rolled_back = s.steps_rolled_back;
     let per_step = s.train_seconds / (s.steps + rolled_back).max(1) as f64;
     let lost = pauses + s.recovery_seconds + rolled_back as f64 * per_step;
     json!({
