@@ -368,23 +368,7 @@ pub async fn verify_parity(
             continue;
         };
         let fetch = |server: usize, replica: bool| {
-            let mut client = clients[server].clone();
-            async move {
-                client
-                    .fetch_dense(FetchDenseRequest {
-                        epoch,
-                        replica,
-                        ..Default::default()
-                    })
-                    .await
-                    .map(tonic::Response::into_inner)
-                    .map_err(|st| {
-                        PsError::rpc(
-                            format!("verify-parity: dense range of server {server}"),
-                            &st,
-                        )
-                    })
-            }
+            fetch_dense(clients[server].clone(), server, epoch, replica, None)
         };
         let replica = fetch(s, true).await?;
         let primary = fetch(of, false).await?;
@@ -411,23 +395,7 @@ async fn check_dense_stripes(
     };
     let global = job.config.model_config()?;
     let fetch = |server: usize, stripe: Option<u32>| {
-        let mut client = clients[server].clone();
-        async move {
-            client
-                .fetch_dense(FetchDenseRequest {
-                    epoch,
-                    replica: false,
-                    dense_parity_stripe: stripe,
-                })
-                .await
-                .map(tonic::Response::into_inner)
-                .map_err(|st| {
-                    PsError::rpc(
-                        format!("verify-parity: dense stripe on server {server}"),
-                        &st,
-                    )
-                })
-        }
+        fetch_dense(clients[server].clone(), server, epoch, false, stripe)
     };
     for g in 0..stripes.params.groups {
         let (first, _) = stripes.group(g);
@@ -462,6 +430,32 @@ pub(crate) fn dense_row(reply: &FetchDenseReply, len: usize) -> Result<Vec<u8>, 
     Ok(ftrec_server::shard::dense_code::pack(
         &params, &state, reply.step, len,
     ))
+}
+
+/// A server's dense range (`replica`: the range it keeps for its primary; `stripe`: a
+/// dense parity stripe it holds), as the end-of-run check and the live scrub read it.
+pub(crate) async fn fetch_dense(
+    mut client: ftrec_proto::client::ServerClient,
+    server: usize,
+    epoch: u64,
+    replica: bool,
+    stripe: Option<u32>,
+) -> Result<FetchDenseReply, PsError> {
+    client
+        .fetch_dense(FetchDenseRequest {
+            epoch,
+            replica,
+            dense_parity_stripe: stripe,
+        })
+        .await
+        .map(tonic::Response::into_inner)
+        .map_err(|st| {
+            let what = match stripe {
+                Some(_) => format!("verify-parity: dense stripe on server {server}"),
+                None => format!("verify-parity: dense range of server {server}"),
+            };
+            PsError::rpc(what, &st)
+        })
 }
 
 #[cfg(test)]

@@ -41,7 +41,7 @@ use ftrec_proto::job::Job;
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::u32s_to_bytes;
 
-use crate::parity_check::{self, Mismatch, ParityReport};
+use crate::parity_check::{self, Mismatch, ParityReport, fetch_dense};
 
 /// How a scrub reads.
 #[derive(Clone, Debug)]
@@ -539,23 +539,10 @@ impl Scrub {
                     let fetch = |s: usize, replica: bool| {
                         let client = clients.get(s).cloned().flatten();
                         async move {
-                            let mut client = client.ok_or_else(|| {
+                            let client = client.ok_or_else(|| {
                                 PsError::Unavailable(format!("server {s} has no address yet"))
                             })?;
-                            client
-                                .fetch_dense(FetchDenseRequest {
-                                    epoch,
-                                    replica,
-                                    ..Default::default()
-                                })
-                                .await
-                                .map(tonic::Response::into_inner)
-                                .map_err(|st| {
-                                    PsError::rpc(
-                                        format!("verify-parity: dense range of server {s}"),
-                                        &st,
-                                    )
-                                })
+                            fetch_dense(client, s, epoch, replica, None).await
                         }
                     };
                     let (a, b) = (fetch(server, true), fetch(of, false));
@@ -607,23 +594,10 @@ impl Scrub {
                     let fetch = |s: usize, stripe: Option<u32>| {
                         let client = clients.get(s).cloned().flatten();
                         async move {
-                            let mut client = client.ok_or_else(|| {
+                            let client = client.ok_or_else(|| {
                                 PsError::Unavailable(format!("server {s} has no address yet"))
                             })?;
-                            client
-                                .fetch_dense(FetchDenseRequest {
-                                    epoch,
-                                    replica: false,
-                                    dense_parity_stripe: stripe,
-                                })
-                                .await
-                                .map(tonic::Response::into_inner)
-                                .map_err(|st| {
-                                    PsError::rpc(
-                                        format!("verify-parity: dense stripe on server {s}"),
-                                        &st,
-                                    )
-                                })
+                            fetch_dense(client, s, epoch, false, stripe).await
                         }
                     };
                     let member_reads: Vec<_> =
