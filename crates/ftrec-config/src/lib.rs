@@ -61,6 +61,12 @@ pub struct JobConfig {
 }
 
 impl JobConfig {
+    /// Steps commit in two phases: the rows are erasure coded and `ec.two_phase_commit`
+    /// is on (the worker drives prepare and commit; a recovery fences before it decides).
+    pub fn two_phase_commit(&self) -> bool {
+        self.cluster.ft.erasure_coded() && self.ec.two_phase_commit
+    }
+
     /// Built-in presets. `tiny`: 26 tables x 100,000 rows x 64, bottom 13-512-256-64, top
     /// 415-512-256-1, batch 2048, SGD lr 0.01 (the benchmark configuration). `demo`: tiny
     /// with Adagrad. `micro`: 26 tables x 1,000 rows x 8, batch 64, row-wise Adagrad and Adam

@@ -37,7 +37,7 @@ async fn recovery_calls(
     // before their fence are finished everywhere they are prepared.
     let finish = match action {
         RecoveryAction::KeepState { unsettled, .. } | RecoveryAction::Rebuild { unsettled, .. }
-            if two_phase(shared) =>
+            if shared.job.config.two_phase_commit() =>
         {
             let lost: &[usize] = match action {
                 RecoveryAction::Rebuild { servers, .. } => servers,
@@ -202,11 +202,6 @@ async fn recovery_calls(
         }
         RecoveryAction::Abandon { .. } => (Vec::new(), Vec::new()),
     }
-}
-
-fn two_phase(shared: &Shared) -> bool {
-    let config = &shared.job.config;
-    config.cluster.ft.erasure_coded() && config.ec.two_phase_commit
 }
 
 /// 2PC's first recovery round: every survivor (every slot not in `lost`) raises its fence

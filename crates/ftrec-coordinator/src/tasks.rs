@@ -334,9 +334,11 @@ async fn prune_cuts(
 
 /// Asks every server which orphan steps it applied, then settles, regrants or rolls back.
 async fn resolve(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, steps: Vec<u64>) {
-    let two_phase =
-        shared.job.config.cluster.ft.erasure_coded() && shared.job.config.ec.two_phase_commit;
-    let finishers = two_phase.then(|| clients.clone());
+    let finishers = shared
+        .job
+        .config
+        .two_phase_commit()
+        .then(|| clients.clone());
     let calls = clients.into_iter().map(|mut c| {
         let steps = steps.clone();
         async move {

@@ -335,6 +335,14 @@ impl EcState {
             .map(|p| p.staged.clone())
     }
 
+    /// Takes `step` out of the prepared map if it was prepared here in `epoch`; dropping
+    /// it releases the commit turn it holds.
+    fn take_prepared(&self, step: u64, epoch: u64) -> Option<Prepared> {
+        let mut all = lock(&self.prepared);
+        let mine = all.get(&step).is_some_and(|p| p.epoch == epoch);
+        if mine { all.remove(&step) } else { None }
+    }
+
     /// Takes the differences staged for `step` in `epoch`.
     fn take_staged_parity(&self, step: u64, epoch: u64) -> Vec<ParityUpdateRequest> {
         lock(&self.staged_parity)
@@ -428,11 +436,7 @@ impl Core {
     pub(super) fn abort_step(&self, epoch: u64, step: u64) -> Result<u64, PsError> {
         self.check_epoch(epoch)?;
         let ec = self.ec()?;
-        let dropped = {
-            let mut all = lock(&ec.prepared);
-            let mine = all.get(&step).is_some_and(|p| p.epoch == epoch);
-            if mine { all.remove(&step) } else { None }
-        };
+        let dropped = ec.take_prepared(step, epoch);
         ec.take_staged_parity(step, epoch);
         tracing::debug!(
             "abort step {step} in epoch {epoch}: prepared here {}",
@@ -467,11 +471,7 @@ impl Core {
             if ec.fenced_past(epoch) {
                 return Err(ec.fenced(epoch));
             }
-            let prepared = {
-                let mut all = lock(&ec.prepared);
-                let mine = all.get(&step).is_some_and(|p| p.epoch == epoch);
-                if mine { all.remove(&step) } else { None }
-            };
+            let prepared = ec.take_prepared(step, epoch);
             let Some(prepared) = prepared else {
                 if self.steps().contains(step) {
                     // A retried commit whose first attempt went through.

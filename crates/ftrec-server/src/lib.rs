@@ -156,6 +156,12 @@ impl Core {
             .map_err(|_| PsError::Internal("shard lock poisoned".into()))
     }
 
+    /// Which of `steps` this server has applied, in their order.
+    fn applied_of(&self, steps: &[u64]) -> Vec<bool> {
+        let applied = self.steps();
+        steps.iter().map(|&s| applied.contains(s)).collect()
+    }
+
     fn steps(&self) -> MutexGuard<'_, AppliedSteps> {
         self.steps.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -132,37 +132,7 @@ impl Core {
             apply_parity_difference(shard, request, &self.faults)?;
         }
         shard.commit(staged);
-        // Bad RAM (`install:N=flip`): one bit of the first row this step installed flips
-        // after its parity differences went out, so its stripe no longer encodes. Not
-        // while a background rebuild runs (the shard is replaced whole, which would end
-        // it); the spec then stays armed.
-        if shard.pending().is_none() && self.faults.flip_at(points::INSTALL, Some(staged.step)) {
-            // The lowest bit of the first value of the first row (the model trains on).
-            // The shard has no row writer beside `Shard::commit`, so a copy of its state
-            // with the bit flipped replaces it: costly, and only ever once, for a planted
-            // fault.
-            let first = staged
-                .rows()
-                .iter()
-                .find_map(|rows| Some((rows.table, *rows.locals.first()?, *rows.globals.first()?)));
-            if let Some((table, local, row)) = first {
-                let mut state = shard.state().clone();
-                let bits = &mut state.tables_mut()[table].row_mut(local as usize)[0];
-                *bits = f32::from_bits(bits.to_bits() ^ 1);
-                shard.replace_state(state)?;
-                tracing::warn!(
-                    "fault install: flipped a bit of table {table} row {row} (server {} local \
-                     slot {local}) at step {}",
-                    shard.server(),
-                    staged.step
-                );
-            } else {
-                tracing::warn!(
-                    "fault install: step {} installed no embedding row; nothing flipped",
-                    staged.step
-                );
-            }
-        }
+        flip_installed_row(shard, staged, &self.faults)?;
         Ok(self.publish(epoch, |steps| {
             steps.insert(staged.step);
         }))
@@ -217,6 +187,45 @@ impl Core {
         self.materialize_tables(&wanted, true).await?;
         Ok(())
     }
+}
+
+/// Bad RAM (`install:N=flip`, a planted fault): one bit of the first row step N installed
+/// flips after its parity differences went out, so its stripe no longer encodes. Not
+/// while a background rebuild runs (the shard is replaced whole, which would end it); the
+/// spec then stays armed.
+fn flip_installed_row(
+    shard: &mut Shard,
+    staged: &StagedUpdate,
+    faults: &ftrec_faults::Faults,
+) -> Result<(), PsError> {
+    if shard.pending().is_none() && faults.flip_at(points::INSTALL, Some(staged.step)) {
+        // The lowest bit of the first value of the first row (the model trains on).
+        // The shard has no row writer beside `Shard::commit`, so a copy of its state
+        // with the bit flipped replaces it: costly, and only ever once, for a planted
+        // fault.
+        let first = staged
+            .rows()
+            .iter()
+            .find_map(|rows| Some((rows.table, *rows.locals.first()?, *rows.globals.first()?)));
+        if let Some((table, local, row)) = first {
+            let mut state = shard.state().clone();
+            let bits = &mut state.tables_mut()[table].row_mut(local as usize)[0];
+            *bits = f32::from_bits(bits.to_bits() ^ 1);
+            shard.replace_state(state)?;
+            tracing::warn!(
+                "fault install: flipped a bit of table {table} row {row} (server {} local \
+                 slot {local}) at step {}",
+                shard.server(),
+                staged.step
+            );
+        } else {
+            tracing::warn!(
+                "fault install: step {} installed no embedding row; nothing flipped",
+                staged.step
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Folds every difference of `req` into the shard's parity slots: the one way a parity row

@@ -205,7 +205,7 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
         epochs_tx,
     ));
     let cluster = &job.config.cluster;
-    let protocol = if cluster.ft.erasure_coded() && job.config.ec.two_phase_commit {
+    let protocol = if job.config.two_phase_commit() {
         // One step at a time in deterministic mode: prepares cannot wait on each other.
         CommitProtocol::TwoPhase {
             ordered: !cluster.deterministic,
