@@ -1,0 +1,283 @@
+//! Leader election with a lease, and writes fenced by it.
+//!
+//! A coordinator leads while `PREFIX/leader` is its own: created in a transaction that
+//! succeeds only when the key is absent, attached to a lease it keeps alive. The key's
+//! create revision is the leader's *term*: etcd's revisions only grow, so every later
+//! leader's term is larger, and a deposed leader's writes (each a transaction conditioned
+//! on that revision) fail however late they arrive. A leader that cannot renew its lease
+//! stops acting as one when the lease may have expired, before etcd has even said so.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::store::to_json;
+use crate::{Etcd, EtcdError};
+
+/// What `PREFIX/leader` holds: who leads, and where its RPC service listens.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaderInfo {
+    /// The coordinator's id (`--id`, or host and pid).
+    pub id: String,
+    pub address: String,
+    pub pid: u32,
+}
+
+/// This process leads the job until [`Leadership::lost`] says otherwise.
+#[derive(Clone)]
+pub struct Leadership {
+    etcd: Etcd,
+    key: String,
+    lease: i64,
+    term: i64,
+    ttl: Duration,
+    /// Until when the lease is surely alive: the send time of the last renewal etcd
+    /// answered, plus the TTL. Past it, another coordinator may lead.
+    valid_until: Arc<Mutex<Instant>>,
+    lost: watch::Receiver<Option<String>>,
+}
+
+impl Etcd {
+    /// The coordinator that leads the job now, if any.
+    pub async fn leader(&self) -> Result<Option<(LeaderInfo, i64)>, EtcdError> {
+        let key = self.key("leader");
+        let mut client = self.client.clone();
+        let reply = self
+            .call("finding the leader", &key, client.get(key.as_str(), None))
+            .await?;
+        let Some(kv) = reply.kvs().first() else {
+            return Ok(None);
+        };
+        let info = serde_json::from_slice(kv.value()).map_err(|e| EtcdError::Corrupt {
+            key: key.clone(),
+            error: e.to_string(),
+        })?;
+        Ok(Some((info, kv.create_revision())))
+    }
+
+    /// Becomes the leader. With `standby`, waits for the current leader's key to go (its
+    /// lease expired, or it resigned) and takes over; without, a held key is an error.
+    /// `on_wait` is told who leads while this one waits (once per leader).
+    pub async fn campaign(
+        &self,
+        me: &LeaderInfo,
+        ttl: Duration,
+        standby: bool,
+        mut on_wait: impl FnMut(&LeaderInfo),
+    ) -> Result<Leadership, EtcdError> {
+        let key = self.key("leader");
+        let ttl_s = ttl.as_secs().max(1) as i64;
+        let value = to_json(me, &key)?;
+        let mut told: Option<LeaderInfo> = None;
+        loop {
+            let mut client = self.client.clone();
+            let before = Instant::now();
+            let lease = self
+                .call("granting a lease", &key, client.lease_grant(ttl_s, None))
+                .await?
+                .id();
+            let txn = Txn::new()
+                .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+                .and_then([TxnOp::put(
+                    key.as_str(),
+                    value.clone(),
+                    Some(PutOptions::new().with_lease(lease)),
+                )]);
+            let reply = self
+                .call("campaigning for leader", &key, client.txn(txn))
+                .await?;
+            if reply.succeeded() {
+                let term = reply.header().map_or(0, |h| h.revision());
+                return self.lead(key, lease, term, ttl, before).await;
+            }
+            // Not ours: give the lease back at once rather than let it linger for a TTL.
+            let _ = self
+                .call("revoking a lease", &key, client.lease_revoke(lease))
+                .await;
+            let holder = self.leader().await?;
+            match holder {
+                Some((info, _)) if !standby => {
+                    return Err(EtcdError::LeaderHeld {
+                        key,
+                        holder: format!("{} at {} (pid {})", info.id, info.address, info.pid),
+                    });
+                }
+                Some((info, _)) => {
+                    if told.as_ref() != Some(&info) {
+                        on_wait(&info);
+                        told = Some(info);
+                    }
+                }
+                None => continue,
+            }
+            // A poll every 100 ms: a takeover starts at most that long after the lease
+            // expires, for ten small reads a second from one standby.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn lead(
+        &self,
+        key: String,
+        lease: i64,
+        term: i64,
+        ttl: Duration,
+        granted: Instant,
+    ) -> Result<Leadership, EtcdError> {
+        let valid_until = Arc::new(Mutex::new(granted + ttl));
+        let (lost_tx, lost) = watch::channel(None);
+        let leadership = Leadership {
+            etcd: self.clone(),
+            key,
+            lease,
+            term,
+            ttl,
+            valid_until: valid_until.clone(),
+            lost,
+        };
+        tokio::spawn(keep_alive(leadership.clone(), lost_tx));
+        Ok(leadership)
+    }
+}
+
+/// Renews the lease every third of its TTL. Ends, saying why, when etcd says the lease is
+/// gone, or when no renewal was answered for so long that it may be.
+async fn keep_alive(l: Leadership, lost: watch::Sender<Option<String>>) {
+    let period = l.ttl / 3;
+    let mut stream = None;
+    loop {
+        if !l.valid() {
+            let why = format!(
+                "lease {:x} on {} was not renewed for {:?} (etcd unreachable, or this \
+                 process was stopped): another coordinator may lead now",
+                l.lease, l.key, l.ttl
+            );
+            lost.send_replace(Some(why));
+            return;
+        }
+        let sent = Instant::now();
+        if stream.is_none() {
+            let mut client = l.etcd.client.clone();
+            stream = l
+                .etcd
+                .call(
+                    "renewing the lease",
+                    &l.key,
+                    client.lease_keep_alive(l.lease),
+                )
+                .await
+                .ok();
+        }
+        let renewed = match stream.as_mut() {
+            Some((keeper, replies)) => {
+                let round = async {
+                    keeper.keep_alive().await?;
+                    replies.message().await
+                };
+                match tokio::time::timeout(period.max(Duration::from_millis(100)), round).await {
+                    Ok(Ok(Some(reply))) => Some(reply.ttl()),
+                    _ => None,
+                }
+            }
+            None => None,
+        };
+        match renewed {
+            Some(ttl) if ttl > 0 => {
+                if let Ok(mut v) = l.valid_until.lock() {
+                    *v = sent + l.ttl;
+                }
+            }
+            Some(_) => {
+                let why = format!(
+                    "lease {:x} on {} expired (etcd says so): another coordinator leads now",
+                    l.lease, l.key
+                );
+                lost.send_replace(Some(why));
+                return;
+            }
+            // A broken stream is opened again on the next round.
+            None => stream = None,
+        }
+        let next = sent + period;
+        tokio::time::sleep_until(next).await;
+    }
+}
+
+impl Leadership {
+    /// The leader's term: its key's create revision, larger for every later leader.
+    pub fn term(&self) -> u64 {
+        self.term as u64
+    }
+
+    pub fn lease(&self) -> i64 {
+        self.lease
+    }
+
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Whether the lease is surely alive now. A leader grants steps and decides only
+    /// while it is.
+    pub fn valid(&self) -> bool {
+        self.valid_until
+            .lock()
+            .map(|v| Instant::now() < *v)
+            .unwrap_or(false)
+    }
+
+    /// Why this process no longer leads, once it does not.
+    pub fn lost(&self) -> watch::Receiver<Option<String>> {
+        self.lost.clone()
+    }
+
+    /// Writes `PREFIX/NAME` if and only if this process still leads: a transaction
+    /// conditioned on the leader key's create revision being this term's. Returns the
+    /// write's revision.
+    pub async fn put(&self, name: &str, value: Vec<u8>) -> Result<i64, EtcdError> {
+        if let Some(why) = self.lost.borrow().clone() {
+            return Err(EtcdError::Deposed(why));
+        }
+        if !self.valid() {
+            return Err(EtcdError::Deposed(format!(
+                "lease {:x} on {} not renewed within {:?}",
+                self.lease, self.key, self.ttl
+            )));
+        }
+        let key = self.etcd.key(name);
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                self.key.as_str(),
+                CompareOp::Equal,
+                self.term,
+            )])
+            .and_then([TxnOp::put(key.as_str(), value, None)]);
+        let mut client = self.etcd.client.clone();
+        let reply = self
+            .etcd
+            .call("a fenced write", &key, client.txn(txn))
+            .await?;
+        if !reply.succeeded() {
+            return Err(EtcdError::Deposed(format!(
+                "{} is no longer this coordinator's (term {}): another coordinator leads, \
+                 and this write to {key} was refused",
+                self.key, self.term
+            )));
+        }
+        Ok(reply.header().map_or(0, |h| h.revision()))
+    }
+
+    /// Gives up leadership at once (a clean exit): a standby takes over without waiting
+    /// out the TTL.
+    pub async fn resign(&self) {
+        let mut client = self.etcd.client.clone();
+        let _ = self
+            .etcd
+            .call("resigning", &self.key, client.lease_revoke(self.lease))
+            .await;
+    }
+}

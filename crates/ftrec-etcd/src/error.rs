@@ -1,0 +1,51 @@
+use std::time::Duration;
+
+/// What went wrong with the job's etcd. Every variant names the endpoints or the key.
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    #[error("etcd at {endpoints} is unreachable: {error}")]
+    Unreachable { endpoints: String, error: String },
+    #[error("etcd at {endpoints}: {what} ({key}) failed: {error}")]
+    Request {
+        endpoints: String,
+        what: &'static str,
+        key: String,
+        error: String,
+    },
+    #[error("etcd at {endpoints}: {what} ({key}) got no answer within {limit:?}")]
+    Timeout {
+        endpoints: String,
+        what: &'static str,
+        key: String,
+        limit: Duration,
+    },
+    #[error(
+        "etcd key {key} belongs to another job (job id {stored}, this job's is {ours}): \
+         choose another cluster.etcd_prefix, or remove that job's keys if it is over"
+    )]
+    OtherJob {
+        key: String,
+        stored: String,
+        ours: String,
+    },
+    #[error(
+        "etcd key {key}: this job was started with configuration fingerprint {stored}, and \
+         this process's job file has {ours}: every process of a job needs the same job file"
+    )]
+    ConfigChanged {
+        key: String,
+        stored: String,
+        ours: String,
+    },
+    #[error(
+        "etcd key {key} is held by coordinator {holder}: a second coordinator must be \
+         started with --standby"
+    )]
+    LeaderHeld { key: String, holder: String },
+    #[error("deposed: {0}")]
+    Deposed(String),
+    #[error("etcd key {key} holds what this version cannot read: {error}")]
+    Corrupt { key: String, error: String },
+    #[error("{0}")]
+    Invalid(String),
+}
