@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::ConfigError;
+use crate::membership::{Membership, default_flush_ms, default_lease_ttl_s};
 
 /// What a cluster does when a server dies.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -102,6 +103,23 @@ pub struct ClusterSection {
     /// Deadlines per kind of RPC, derived from `failure_timeout_ms` when not set.
     #[serde(default)]
     pub deadlines: DeadlinesSection,
+    /// `embedded` (default) or `etcd`: where membership, epoch and cuts live.
+    #[serde(default)]
+    pub membership: Membership,
+    /// etcd members, `host:port` (`--etcd URL,...` overrides it per process, so it is not
+    /// part of the job's fingerprint).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub etcd_endpoints: Vec<String>,
+    /// Every key of the job starts with it. Default: `/ftrec/JOB_ID`, from the job secret.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd_prefix: Option<String>,
+    /// The leader's lease: a dead leader is replaced this long after its last renewal.
+    #[serde(default = "default_lease_ttl_s")]
+    pub etcd_lease_ttl_s: u64,
+    /// How often the leader writes its step ledger and counters to etcd (the per-step
+    /// path never waits for etcd).
+    #[serde(default = "default_flush_ms")]
+    pub etcd_flush_ms: u64,
 }
 
 /// `[cluster.deadlines]`: how long each kind of call may take before its callee counts as
@@ -235,6 +253,11 @@ impl Default for ClusterSection {
             failure_timeout_ms: default_failure_timeout_ms(),
             rpc_timeout_ms: None,
             deadlines: DeadlinesSection::default(),
+            membership: Membership::Embedded,
+            etcd_endpoints: Vec::new(),
+            etcd_prefix: None,
+            etcd_lease_ttl_s: default_lease_ttl_s(),
+            etcd_flush_ms: default_flush_ms(),
         }
     }
 }
@@ -273,7 +296,13 @@ impl ClusterSection {
                 )));
             }
         }
-        Ok(())
+        crate::membership::validate(
+            self.membership,
+            &self.etcd_endpoints,
+            self.etcd_prefix.as_deref(),
+            self.etcd_lease_ttl_s,
+            self.etcd_flush_ms,
+        )
     }
 
     /// The job's deadlines, each the configured value or its default derived from the

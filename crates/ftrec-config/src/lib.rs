@@ -8,6 +8,7 @@ mod cluster;
 mod cpr;
 mod error;
 mod layering;
+mod membership;
 mod memory;
 mod sections;
 mod security;
@@ -23,6 +24,7 @@ pub use cluster::{ClusterSection, Deadlines, DeadlinesSection, EcSection, FaultT
 pub use cpr::{CprPriority, CprSection};
 pub use error::ConfigError;
 pub use ftrec_ckpt::Strategy;
+pub use membership::{MIN_LEASE_TTL_S, Membership};
 pub use memory::{MemoryPart, available_memory, check_parts, parts_fit_in_memory};
 pub use sections::{DataSection, ModelSection, OptimizerSection, TrainSection};
 pub use security::{SECRET_ENV, SecuritySection};

@@ -55,6 +55,10 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
                     .collect();
                 tokio::spawn(probe_servers(shared.clone(), targets));
             }
+            // A coordinator that may no longer lead decides nothing (etcd membership).
+            if !shared.leading() {
+                continue;
+            }
             detect_failures(&shared, &mut s);
             if s.busy { None } else { plan(&shared, &mut s) }
         };
@@ -190,7 +194,7 @@ fn detect_failures(shared: &Shared, s: &mut State) {
     }
 }
 
-fn replace_server(shared: &Shared, s: &mut State, id: usize) {
+pub(super) fn replace_server(shared: &Shared, s: &mut State, id: usize) {
     if let Some(spare) = s
         .spares
         .iter_mut()

@@ -191,6 +191,42 @@ impl StepLedger {
         self.next >= self.total && self.quiet()
     }
 
+    /// The first step not known to be applied everywhere: every step below it is.
+    pub fn settled_through(&self) -> u64 {
+        [
+            self.outstanding.keys().next(),
+            self.orphans.keys().next(),
+            self.regrant.keys().next(),
+        ]
+        .into_iter()
+        .flatten()
+        .copied()
+        .fold(self.next, u64::min)
+    }
+
+    /// The settled steps at or above `from` (asynchronous workers settle out of order).
+    pub fn settled_from(&self, from: u64) -> Vec<u64> {
+        (from..self.next)
+            .filter(|s| {
+                !self.outstanding.contains_key(s)
+                    && !self.orphans.contains_key(s)
+                    && !self.regrant.contains_key(s)
+            })
+            .collect()
+    }
+
+    /// A new leader's ledger (etcd membership): every step below `from` settled, the
+    /// steps in `from..end` orphans of `epoch` (which servers applied them is asked, as
+    /// for a dead worker's), and none granted from `end` on.
+    pub fn taken_over(total: u64, from: u64, end: u64, epoch: u64) -> Self {
+        Self {
+            total,
+            next: end.max(from),
+            orphans: (from..end).map(|s| (s, epoch)).collect(),
+            ..Self::default()
+        }
+    }
+
     /// The steps granted but not known to be applied everywhere.
     pub fn unsettled(&self) -> Vec<u64> {
         let mut all: Vec<u64> = self

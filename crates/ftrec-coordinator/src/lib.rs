@@ -16,6 +16,7 @@
 
 mod control;
 mod cpr;
+mod durable;
 pub mod ledger;
 pub mod planner;
 mod recovery;
@@ -23,6 +24,7 @@ mod service;
 #[cfg(test)]
 mod sim_tests;
 mod summary;
+mod takeover;
 mod tasks;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -43,7 +45,7 @@ use ftrec_proto::proto::next_step_reply::Action;
 use ftrec_proto::proto::*;
 use ftrec_proto::timeline::{EventKind, Subject, Timeline, TimelineData};
 use ledger::StepLedger;
-pub use summary::{CheckpointRecord, Recovery, RunSummary};
+pub use summary::{CheckpointRecord, Failover, Recovery, RunSummary};
 
 /// Starts replacement processes. The local launcher spawns children; without one, the
 /// coordinator waits for a registered spare or a server started by hand.
@@ -165,6 +167,16 @@ struct State {
     steps_rolled_back: u64,
     /// `cluster.ft = "partial"`: PLS, interval and the full-or-partial choice.
     cpr: Option<cpr::CprState>,
+    /// etcd membership: this coordinator learned it no longer leads.
+    deposed: bool,
+    /// Seconds trained under earlier leaders (etcd membership), failovers included.
+    train_seconds_before: f64,
+    /// Takeovers by standbys over the job's life; the last one's time is filled in when
+    /// its first step settles (`failover_since_unix`: the old leader's last write).
+    failovers: Vec<Failover>,
+    failover_since_unix: Option<f64>,
+    /// Training had started under an earlier leader.
+    taken_over_started: bool,
 }
 
 impl State {
@@ -200,6 +212,8 @@ pub struct Shared {
     /// The epoch, published on every change: a task talking to the servers of an older
     /// epoch (a cut) gives up at once rather than wait out a deadline on a dead member.
     epochs: watch::Sender<u64>,
+    /// etcd membership: this coordinator's leadership and record.
+    durable: Option<durable::Durable>,
 }
 
 impl Shared {
@@ -262,7 +276,7 @@ impl Shared {
             .iter()
             .find(|e| e.kind == EventKind::TrainingEnd)
             .map_or_else(|| s.timeline.now(), |e| e.t);
-        let seconds = (end - start).max(1e-9);
+        let seconds = (end - start + s.train_seconds_before).max(1e-9);
         RunSummary {
             steps: s.steps.next_step(),
             samples: s.samples,
@@ -287,6 +301,9 @@ impl Shared {
                 .map(|c| if c.partial() { "partial" } else { "full" }),
             cpr_decision: s.cpr.as_ref().and_then(|c| c.decision().cloned()),
             cpr_priority: s.cpr.as_ref().and_then(|c| c.priority_report()),
+            lease_ttl_seconds: self.durable.as_ref().map(|d| d.ttl.as_secs_f64()),
+            coordinator_failovers: self.durable.as_ref().map(|_| s.failovers.clone()),
+            coordinator: self.durable.as_ref().map(|d| d.id.clone()),
         }
     }
 
@@ -360,7 +377,8 @@ impl Shared {
                 ..wait(epoch, version)
             };
         }
-        let granting = matches!(s.phase, Phase::Running | Phase::Checkpointing);
+        // A leader whose lease may have expired grants nothing: another may lead now.
+        let granting = matches!(s.phase, Phase::Running | Phase::Checkpointing) && self.leading();
         if !granting || s.suspect_until.is_some_and(|t| Instant::now() < t) {
             return wait(epoch, version);
         }
@@ -407,6 +425,16 @@ impl Shared {
     /// Counts a step every server applied.
     fn settled(&self, s: &mut State, step: u64) {
         let (_, n) = self.schedule.batch(step);
+        if let Some(since) = s.failover_since_unix.take()
+            && let Some(f) = s.failovers.last_mut()
+        {
+            f.failover_seconds = (durable::unix_now() - since).max(0.0);
+            let text = format!(
+                "first step settled under {} {:.3} s after {}'s last write to etcd",
+                f.to, f.failover_seconds, f.from
+            );
+            s.timeline.event(EventKind::Coordinator, text);
+        }
         s.samples += n;
         s.timeline.samples(n);
         self.metrics.add("ftrec_samples_total", n);
@@ -477,6 +505,11 @@ pub struct CoordinatorOptions {
     /// Port to listen on (0: any).
     pub port: u16,
     pub spawner: Option<Arc<dyn Spawner>>,
+    /// etcd membership: wait while another coordinator leads, and take over when its
+    /// lease expires (`--standby`); without, a held leadership is an error.
+    pub standby: bool,
+    /// This coordinator's name in etcd and the reports (default: `HOST:PORT/pid-PID`).
+    pub id: Option<String>,
 }
 
 /// A running coordinator (embedded in `cluster run`, or `ftrec coordinator`).
@@ -484,6 +517,9 @@ pub struct Handle {
     pub shared: Arc<Shared>,
     pub metrics_address: Option<String>,
     done: watch::Receiver<bool>,
+    /// etcd membership: the job had finished under an earlier leader when this one took
+    /// over (its servers may be gone: there is nothing to gather).
+    pub inherited_done: bool,
 }
 
 impl Handle {
@@ -497,6 +533,18 @@ impl Handle {
             Some(why) => Err(PsError::Fatal(why)),
             None => Ok(()),
         }
+    }
+
+    /// Ends a finished run's leadership: the record says the job is done, and the lease
+    /// is given back so a standby learns it at once (and exits) instead of waiting out
+    /// the TTL. A no-op with embedded membership.
+    pub async fn finish(&self) -> Result<(), PsError> {
+        let Some(d) = &self.shared.durable else {
+            return Ok(());
+        };
+        self.shared.sync_durable().await?;
+        d.leadership.resign().await;
+        Ok(())
     }
 }
 
@@ -515,6 +563,18 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
     };
     let network = job.network().clone();
     let (incoming, address) = network.bind(&opts.host, opts.port).await?;
+    let id = opts
+        .id
+        .clone()
+        .unwrap_or_else(|| format!("{address}/pid-{}", std::process::id()));
+    // etcd membership: leading is the first thing; a standby waits here.
+    let (durable, record) = match job.etcd_options() {
+        Some(etcd) => {
+            let (d, r) = takeover::elect(&job, &etcd, &address, opts.standby, &id).await?;
+            (Some(d), r)
+        }
+        None => (None, None),
+    };
     let metrics = Arc::new(
         Metrics::new("role=\"coordinator\"".into())
             .counter("ftrec_samples_total", "Samples trained")
@@ -580,13 +640,30 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             lost_in_a_row: 0,
             steps_rolled_back: 0,
             cpr: cpr::CprState::new(&job, schedule.samples_before(total_steps))?,
+            deposed: false,
+            train_seconds_before: 0.0,
+            failovers: Vec::new(),
+            failover_since_unix: None,
+            taken_over_started: false,
         }),
         spawner: opts.spawner,
         metrics,
         done: done_tx,
         epochs: watch::Sender::new(0),
+        durable,
         job,
     });
+    let inherited_done = record.as_ref().is_some_and(|r| r.done);
+    let takeover_from = match (&shared.durable, record) {
+        (Some(d), Some(record)) => Some(takeover::restore(&shared, d, record)?),
+        (Some(d), None) => {
+            let epoch = takeover::first_epoch(d.leadership.term());
+            shared.lock().epoch = epoch;
+            shared.epoch_moved(epoch);
+            None
+        }
+        _ => None,
+    };
     let service = tonic::service::interceptor::InterceptedService::new(
         CoordinatorServer::new(service::Service(shared.clone())),
         shared.job.secret().checker(),
@@ -602,6 +679,13 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         }
     });
     tokio::spawn(control::control_loop(shared.clone()));
+    if shared.durable.is_some() {
+        tokio::spawn(durable::flush_loop(shared.clone()));
+        tokio::spawn(durable::watch_leadership(shared.clone()));
+        if let Some(settled_through) = takeover_from.filter(|_| !inherited_done) {
+            tokio::spawn(takeover::take_over(shared.clone(), settled_through));
+        }
+    }
     shared.event(
         EventKind::Coordinator,
         format!(
@@ -613,5 +697,6 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         shared,
         metrics_address,
         done: done_rx,
+        inherited_done,
     })
 }

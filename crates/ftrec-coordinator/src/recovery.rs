@@ -614,7 +614,7 @@ pub(super) async fn recover(
             steps_committed_while_degraded: 0,
             kill_to_resume_seconds: None,
             epoch,
-            mode: action.mode(),
+            mode: action.mode().to_string(),
             shard_digests: shard_digests.clone(),
         });
     }

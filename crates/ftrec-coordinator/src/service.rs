@@ -20,6 +20,7 @@ impl Coordinator for Service {
     async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinReply>, Status> {
         let shared = &self.0;
         let req = req.into_inner();
+        shared.check_leading()?;
         if let Some(e) = shared.fence_error(req.fingerprint) {
             shared.event(
                 EventKind::JoinRefused,
@@ -29,94 +30,103 @@ impl Coordinator for Service {
         }
         let c = &shared.job.config.cluster;
         let timeout = Duration::from_millis(c.failure_timeout_ms);
-        let mut s = shared.lock();
-        let mut spare_token = 0;
-        let id = req.id as usize;
-        // Every join is a new incarnation (a spare's is its token).
-        let incarnation = s.next_token;
-        s.next_token += 1;
-        let member = Member {
-            address: req.address.clone(),
-            pid: req.pid,
-            joined: true,
-            alive: true,
-            ready: false,
-            last_seen: Some(Instant::now()),
-            refused: false,
-            incarnation: u64::from(incarnation),
-            cut_off: None,
+        let reply = {
+            let mut s = shared.lock();
+            let mut spare_token = 0;
+            let id = req.id as usize;
+            // Every join is a new incarnation (a spare's is its token).
+            let incarnation = s.next_token;
+            s.next_token += 1;
+            let member = Member {
+                address: req.address.clone(),
+                pid: req.pid,
+                joined: true,
+                alive: true,
+                ready: false,
+                last_seen: Some(Instant::now()),
+                refused: false,
+                incarnation: u64::from(incarnation),
+                cut_off: None,
+            };
+            match (req.role(), req.spare) {
+                (Role::Server, true) => {
+                    spare_token = incarnation;
+                    s.spares.push(Spare {
+                        token: spare_token,
+                        member,
+                        assigned: None,
+                    });
+                    s.timeline.event(
+                        EventKind::SpareJoined,
+                        format!("spare {spare_token} at {}", req.address),
+                    );
+                }
+                (Role::Server, false) => {
+                    let Some(slot) = s.servers.get(id) else {
+                        return Err(Status::invalid_argument(format!(
+                            "server id {id} is outside this cluster's {} servers",
+                            c.servers
+                        )));
+                    };
+                    if slot.joined && slot.alive && slot.silent_for() < timeout {
+                        return Err(Status::already_exists(format!(
+                            "server {id} is already held by a live process (pid {} at {}); \
+                             refusing a second server with that identity",
+                            slot.pid, slot.address
+                        )));
+                    }
+                    s.servers[id] = member;
+                    s.placement.assign(id, req.address.clone());
+                    s.timeline.event(
+                        EventKind::ServerJoined,
+                        format!(
+                            "server {id} at {} (pid {}, metrics http://{}/metrics)",
+                            req.address, req.pid, req.metrics_address
+                        ),
+                    );
+                }
+                (Role::Worker, _) => {
+                    let Some(slot) = s.workers.get(id) else {
+                        return Err(Status::invalid_argument(format!(
+                            "worker id {id} is outside this cluster's {} workers",
+                            c.workers
+                        )));
+                    };
+                    if slot.joined && slot.alive && slot.silent_for() < timeout {
+                        return Err(Status::already_exists(format!(
+                            "worker {id} is already held by a live process (pid {})",
+                            slot.pid
+                        )));
+                    }
+                    s.workers[id] = Member {
+                        ready: true,
+                        ..member
+                    };
+                    s.timeline.event(
+                        EventKind::WorkerJoined,
+                        format!(
+                            "worker {id} (pid {}, metrics http://{}/metrics)",
+                            req.pid, req.metrics_address
+                        ),
+                    );
+                }
+                (Role::Unspecified, _) => {
+                    return Err(Status::invalid_argument("join without a role"));
+                }
+            }
+            JoinReply {
+                epoch: s.epoch,
+                servers: c.servers as u32,
+                workers: c.workers as u32,
+                spare_token,
+                incarnation: u64::from(incarnation),
+                replacement: s.phase != crate::Phase::Starting,
+            }
         };
-        match (req.role(), req.spare) {
-            (Role::Server, true) => {
-                spare_token = incarnation;
-                s.spares.push(Spare {
-                    token: spare_token,
-                    member,
-                    assigned: None,
-                });
-                s.timeline.event(
-                    EventKind::SpareJoined,
-                    format!("spare {spare_token} at {}", req.address),
-                );
-            }
-            (Role::Server, false) => {
-                let Some(slot) = s.servers.get(id) else {
-                    return Err(Status::invalid_argument(format!(
-                        "server id {id} is outside this cluster's {} servers",
-                        c.servers
-                    )));
-                };
-                if slot.joined && slot.alive && slot.silent_for() < timeout {
-                    return Err(Status::already_exists(format!(
-                        "server {id} is already held by a live process (pid {} at {}); \
-                         refusing a second server with that identity",
-                        slot.pid, slot.address
-                    )));
-                }
-                s.servers[id] = member;
-                s.placement.assign(id, req.address.clone());
-                s.timeline.event(
-                    EventKind::ServerJoined,
-                    format!(
-                        "server {id} at {} (pid {}, metrics http://{}/metrics)",
-                        req.address, req.pid, req.metrics_address
-                    ),
-                );
-            }
-            (Role::Worker, _) => {
-                let Some(slot) = s.workers.get(id) else {
-                    return Err(Status::invalid_argument(format!(
-                        "worker id {id} is outside this cluster's {} workers",
-                        c.workers
-                    )));
-                };
-                if slot.joined && slot.alive && slot.silent_for() < timeout {
-                    return Err(Status::already_exists(format!(
-                        "worker {id} is already held by a live process (pid {})",
-                        slot.pid
-                    )));
-                }
-                s.workers[id] = Member {
-                    ready: true,
-                    ..member
-                };
-                s.timeline.event(
-                    EventKind::WorkerJoined,
-                    format!(
-                        "worker {id} (pid {}, metrics http://{}/metrics)",
-                        req.pid, req.metrics_address
-                    ),
-                );
-            }
-            (Role::Unspecified, _) => return Err(Status::invalid_argument("join without a role")),
-        }
-        Ok(Response::new(JoinReply {
-            epoch: s.epoch,
-            servers: c.servers as u32,
-            workers: c.workers as u32,
-            spare_token,
-            incarnation: u64::from(incarnation),
-        }))
+        // etcd membership: a join is recorded before it is answered, so a new leader
+        // knows the member's incarnation and does not fence it as a stranger.
+        shared.sync_durable().await?;
+        Ok(Response::new(reply))
     }
 
     async fn heartbeat(
@@ -125,6 +135,7 @@ impl Coordinator for Service {
     ) -> Result<Response<HeartbeatReply>, Status> {
         let shared = &self.0;
         let req = req.into_inner();
+        shared.check_leading()?;
         let mut s = shared.lock();
         let stop = s.stopping;
         let mut assign = None;
@@ -173,6 +184,7 @@ impl Coordinator for Service {
         let shared = &self.0;
         let req = req.into_inner();
         let worker = req.worker as usize;
+        shared.check_leading()?;
         let mut s = shared.lock();
         if let Some(m) = s.workers.get_mut(worker) {
             // A worker declared dead whose slot went to a replacement must not take steps
@@ -232,6 +244,7 @@ impl Coordinator for Service {
         &self,
         _req: Request<PlacementRequest>,
     ) -> Result<Response<PlacementReply>, Status> {
+        self.0.check_leading()?;
         let s = self.0.lock();
         Ok(Response::new(PlacementReply {
             version: s.placement.version,

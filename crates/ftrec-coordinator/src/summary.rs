@@ -1,12 +1,12 @@
 //! What a run reports: its recoveries, its cuts and the summary `cluster run --json`
 //! prints.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::cpr;
 
 /// One recovery from a server failure, in seconds since the timeline started.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Recovery {
     pub server: usize,
     pub detected_at: f64,
@@ -36,14 +36,14 @@ pub struct Recovery {
     /// The epoch this recovery began.
     pub epoch: u64,
     /// How the servers came back: `rollback`, `keep`, `rebuild` or `partial`.
-    pub mode: &'static str,
+    pub mode: String,
     /// Partial recovery: every server's shard digest once recovered, before training
     /// went on (survivors: their state at the failure; replacements: their checkpoint).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub shard_digests: Vec<String>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct CheckpointRecord {
     pub step: u64,
     pub started_at: f64,
@@ -90,4 +90,27 @@ pub struct RunSummary {
     /// CPR prioritised saves: how many, and their trackers' cost (cpr.txt Table 1).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpr_priority: Option<cpr::PriorityReport>,
+    /// Membership in etcd: the leader's lease, and every takeover by a standby.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_ttl_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub coordinator_failovers: Option<Vec<Failover>>,
+    /// The coordinator that reports (etcd: the one leading at the end).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub coordinator: Option<String>,
+}
+
+/// A standby coordinator took over from a leader that stopped renewing its lease.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Failover {
+    /// The deposed leader's id, and the new one's.
+    pub from: String,
+    pub to: String,
+    /// From the old leader's last write to etcd (it was alive then) to the first step
+    /// settled under the new leader: an upper bound on the time without a coordinator,
+    /// larger than it by at most one `cluster.etcd_flush_ms`. Wall clocks of the two
+    /// coordinators' hosts.
+    pub failover_seconds: f64,
+    /// The new leader's term (the leader key's create revision in etcd).
+    pub term: u64,
 }

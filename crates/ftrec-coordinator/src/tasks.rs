@@ -54,6 +54,14 @@ pub(super) async fn run_task(shared: &std::sync::Arc<Shared>, task: Task) {
             priority,
         } => checkpoint(shared, clients, epoch, step, priority).await,
         Task::Recover { epoch, action } => {
+            // etcd membership: the new epoch is recorded before any server adopts it, so
+            // a leader elected after this one never reuses it or forgets the recovery.
+            if let Err(e) = shared.sync_durable().await {
+                tracing::warn!("recovery of epoch {epoch} waits for etcd: {e}");
+                shared.lock().recover_after =
+                    Some(tokio::time::Instant::now() + std::time::Duration::from_millis(200));
+                return;
+            }
             crate::recovery::recover(shared, clients, epoch, action).await
         }
         Task::Resolve { epoch, steps } => resolve(shared, clients, epoch, steps).await,
@@ -294,6 +302,12 @@ async fn prune_cuts(
     epoch: u64,
     kept: &[CheckpointRecord],
 ) {
+    // etcd membership: the newer cut is recorded before an older one is deleted, so a
+    // new leader never rolls back to a cut that is gone. Pruning waits for the next cut
+    // when etcd does not answer.
+    if shared.sync_durable().await.is_err() {
+        return;
+    }
     let keep_steps: Vec<u64> = kept.iter().map(|r| r.step).collect();
     let calls = clients.into_iter().map(|mut c| {
         let keep_steps = keep_steps.clone();

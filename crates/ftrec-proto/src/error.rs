@@ -62,6 +62,11 @@ pub enum PsError {
     /// The member or the run was stopped (a signal, its launcher gone, told to stop).
     #[error("stopped: {0}")]
     Stopped(String),
+    /// The job's etcd (`cluster.membership = "etcd"`): unreachable, another job's prefix,
+    /// a changed job file, or this coordinator deposed. The message names the endpoint or
+    /// key.
+    #[error("{0}")]
+    Membership(#[from] ftrec_etcd::EtcdError),
     /// A broken invariant inside this process (a poisoned lock, a lost task).
     #[error("internal: {0}")]
     Internal(String),

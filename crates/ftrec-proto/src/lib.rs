@@ -22,5 +22,5 @@ pub mod proto {
 
 pub use error::PsError;
 pub use net::job::Job;
-pub use net::{auth, client, job, metrics, network};
+pub use net::{auth, client, job, leader, metrics, network};
 pub use state::{applied, assemble, gather, identity, placement};

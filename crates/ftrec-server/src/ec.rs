@@ -32,7 +32,8 @@ use crate::shard::dense_code::DENSE_TABLE;
 use crate::shard::{PreCommit, StagedUpdate};
 use ftrec_faults::points;
 use ftrec_proto::PsError;
-use ftrec_proto::client::{Connector, CoordinatorClient, ServerClient};
+use ftrec_proto::client::{Connector, ServerClient};
+use ftrec_proto::leader::CoordinatorLink;
 use ftrec_proto::placement::GlobalRow;
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::{bytes_to_u32s, u32s_to_bytes};
@@ -40,14 +41,14 @@ use ftrec_proto::wire::{bytes_to_u32s, u32s_to_bytes};
 /// Clients for the other servers, from the coordinator's placement map, refreshed when a
 /// slot changes hands.
 pub(super) struct Peers {
-    coordinator: CoordinatorClient,
+    coordinator: CoordinatorLink,
     connector: Connector,
     /// The placement map, and the epoch this server was in when it was fetched.
     map: tokio::sync::Mutex<(u64, Vec<(String, ServerClient)>)>,
 }
 
 impl Peers {
-    pub(super) fn new(coordinator: CoordinatorClient, connector: Connector) -> Self {
+    pub(super) fn new(coordinator: CoordinatorLink, connector: Connector) -> Self {
         Self {
             coordinator,
             connector,
@@ -71,7 +72,7 @@ impl Peers {
             *fetched_in = epoch;
             let placement = self
                 .coordinator
-                .clone()
+                .client()?
                 .placement(PlacementRequest {})
                 .await
                 .map_err(|s| PsError::rpc("placement", &s))?

@@ -27,6 +27,7 @@ use crate::shard::{PostCommit, PreCommit, Shard};
 use ftrec_proto::PsError;
 use ftrec_proto::applied::AppliedSteps;
 use ftrec_proto::job::Job;
+use ftrec_proto::leader::{CoordinatorLink, CoordinatorSource, Locator};
 use ftrec_proto::metrics::{self, Metrics};
 use ftrec_proto::placement::Layout;
 use ftrec_proto::proto::parameter_server_server::ParameterServerServer;
@@ -36,8 +37,8 @@ pub struct ServerOptions {
     pub job: Job,
     /// The server slot; `None` starts a spare that waits to be assigned one.
     pub id: Option<usize>,
-    /// Coordinator address, `host:port`.
-    pub coordinator: String,
+    /// Where the coordinator is: an address, or the job's leader in etcd.
+    pub coordinator: CoordinatorSource,
     /// Host to listen on (port chosen by the OS).
     pub host: String,
     /// This server's fault points (tests, `cluster run --kill server:J@commit:N`).
@@ -157,9 +158,16 @@ impl Core {
     }
 
     /// Which of `steps` this server has applied, in their order.
-    fn applied_of(&self, steps: &[u64]) -> Vec<bool> {
+    /// Which of `steps` are applied here, as the Applied and Fence RPCs answer it, with
+    /// the range of steps applied.
+    fn applied_of(&self, steps: &[u64]) -> AppliedReply {
         let applied = self.steps();
-        steps.iter().map(|&s| applied.contains(s)).collect()
+        AppliedReply {
+            applied: steps.iter().map(|&s| applied.contains(s)).collect(),
+            shard_digest: String::new(),
+            applied_low: applied.low(),
+            applied_end: applied.end(),
+        }
     }
 
     fn steps(&self) -> MutexGuard<'_, AppliedSteps> {
@@ -224,8 +232,10 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let metrics_address = metrics::start(&network, &opts.host, metrics.clone())
         .await
         .unwrap_or_default();
-    let mut coordinator = job.connector()?.coordinator(&opts.coordinator).await?;
+    let locator = Locator::start(&job, &opts.coordinator).await?;
+    let coordinator = locator.link(job.connector()?).await?;
     let joined = coordinator
+        .client()?
         .join(JoinRequest {
             role: Role::Server as i32,
             id: opts.id.unwrap_or(0) as u32,
@@ -236,14 +246,14 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             spare: opts.id.is_none(),
         })
         .await
-        .map_err(|s| PsError::rpc(format!("joining coordinator {}", opts.coordinator), &s))?
+        .map_err(|s| PsError::rpc(format!("joining coordinator {}", coordinator.address()), &s))?
         .into_inner();
     let heartbeat = Duration::from_millis(cluster.heartbeat_ms);
     let id = match opts.id {
         Some(id) => id,
         None => {
             tracing::info!("spare server at {address} waiting for a slot");
-            wait_for_assignment(&mut coordinator, joined.spare_token, heartbeat, &job).await?
+            wait_for_assignment(&coordinator, joined.spare_token, heartbeat, &job).await?
         }
     };
     tracing::info!("server {id} at {address}, epoch {}", joined.epoch);
@@ -252,7 +262,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     let (seed, host_layout) = (c.seed, layout);
     // Building a large shard takes longer than the failure timeout: heartbeat (not yet
     // ready) meanwhile, or the coordinator would declare the newcomer dead.
-    let beats = job.heartbeat_client(&opts.coordinator).await?;
+    let beats = job.heartbeat_client(&locator).await?;
     let starting = tokio::spawn(ftrec_proto::client::keep_alive(
         beats.clone(),
         HeartbeatRequest {
@@ -267,7 +277,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     ));
     // An erasure-coded slot taken after a failure (or by a spare) is rebuilt from the
     // survivors before it serves: generating the initial tables would be wasted time.
-    let replacement = c.cluster.ft.erasure_coded() && (joined.epoch > 1 || opts.id.is_none());
+    let replacement = c.cluster.ft.erasure_coded() && (joined.replacement || opts.id.is_none());
     let shard = network
         .blocking(move || {
             if replacement {
@@ -363,14 +373,14 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             .serve_with_incoming_shutdown(incoming, async move { serve_stop.notified().await })
             .await
     });
-    heartbeat_loop(&beats, core, heartbeat, cluster.failure_timeout_ms).await?;
+    heartbeat_loop(&beats, core, heartbeat, give_up(&job)).await?;
     stop.notify_waiters();
     let _ = tokio::time::timeout(Duration::from_secs(2), serving).await;
     Ok(())
 }
 
 async fn wait_for_assignment(
-    coordinator: &mut ftrec_proto::client::CoordinatorClient,
+    coordinator: &CoordinatorLink,
     token: u32,
     period: Duration,
     job: &Job,
@@ -381,7 +391,10 @@ async fn wait_for_assignment(
     let period = period.min(Duration::from_millis(20));
     loop {
         tokio::time::sleep(period).await;
-        match coordinator
+        let Ok(mut client) = coordinator.client() else {
+            continue;
+        };
+        match client
             .heartbeat(HeartbeatRequest {
                 role: Role::Server as i32,
                 id: token,
@@ -410,15 +423,26 @@ async fn wait_for_assignment(
     }
 }
 
+/// How long a server keeps trying a coordinator that does not answer: ten failure
+/// timeouts (at least 5 s), and with etcd three lease TTLs, so a standby has time to take
+/// over before the servers give up.
+fn give_up(job: &Job) -> Duration {
+    let c = &job.config.cluster;
+    let mut patience = Duration::from_millis(c.failure_timeout_ms * 10).max(Duration::from_secs(5));
+    if job.etcd_options().is_some() {
+        patience = patience.max(Duration::from_secs(3 * c.etcd_lease_ttl_s));
+    }
+    patience
+}
+
 /// Heartbeats until the coordinator says stop, a Shutdown RPC arrives, or the coordinator
 /// has been unreachable for ten failure timeouts (so no server outlives its cluster).
 async fn heartbeat_loop(
     beats: &ftrec_proto::client::HeartbeatClient,
     core: Arc<Core>,
     period: Duration,
-    failure_timeout_ms: u64,
+    give_up: Duration,
 ) -> Result<(), PsError> {
-    let give_up = Duration::from_millis(failure_timeout_ms * 10).max(Duration::from_secs(5));
     let mut last_ok = Instant::now();
     // The first beat goes at once: a replacement's "ready" starts the recovery.
     let mut wait = Duration::ZERO;

@@ -264,11 +264,7 @@ impl ParameterServer for Service {
         let req = req.into_inner();
         core.check_epoch_forward(req.epoch)?;
         core.raise_fence(req.epoch)?;
-        let applied = core.applied_of(&req.steps);
-        Ok(Response::new(AppliedReply {
-            applied,
-            shard_digest: String::new(),
-        }))
+        Ok(Response::new(core.applied_of(&req.steps)))
     }
 
     type FetchRowsStream =
@@ -400,7 +396,7 @@ impl ParameterServer for Service {
         let core = self.0.clone();
         let req = req.into_inner();
         core.check_epoch(req.epoch)?;
-        let applied = core.applied_of(&req.steps);
+        let reply = core.applied_of(&req.steps);
         let shard_digest = if req.digest {
             core.wait_rebuilt().await?;
             // Hashing a whole shard is CPU work: off the RPC threads.
@@ -417,8 +413,8 @@ impl ParameterServer for Service {
             String::new()
         };
         Ok(Response::new(AppliedReply {
-            applied,
             shard_digest,
+            ..reply
         }))
     }
 

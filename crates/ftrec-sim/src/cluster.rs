@@ -146,7 +146,7 @@ impl Hosts {
             .map(|(_, f)| f.clone())
             .unwrap_or_else(|| Faults::with_kill_hook(Arc::new(|_| {})));
         let job = job_on(&self.job, &host);
-        let coordinator = self.coordinator.clone();
+        let coordinator = ftrec_proto::leader::CoordinatorSource::Address(self.coordinator.clone());
         sim.host(host.as_str(), move || {
             let (job, coordinator, faults) = (job.clone(), coordinator.clone(), faults.clone());
             async move {
@@ -377,6 +377,8 @@ async fn coordinate(
         host: "0.0.0.0".into(),
         port: COORDINATOR_PORT,
         spawner: Some(spawner),
+        standby: false,
+        id: None,
     })
     .await
     .map_err(|e| format!("coordinator: {e}"))?;

@@ -4,6 +4,7 @@
 
 pub mod shard_client;
 
+use ftrec_proto::leader::{CoordinatorLink, CoordinatorSource, Locator};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,7 +16,6 @@ use rayon::ThreadPool;
 
 use crate::shard_client::{CommitProtocol, ShardClient};
 use ftrec_proto::PsError;
-use ftrec_proto::client::CoordinatorClient;
 use ftrec_proto::job::{Job, Schedule};
 use ftrec_proto::metrics::{self, Metrics};
 use ftrec_proto::proto::next_step_reply::Action;
@@ -24,7 +24,8 @@ use ftrec_proto::proto::*;
 pub struct WorkerOptions {
     pub job: Job,
     pub id: usize,
-    pub coordinator: String,
+    /// Where the coordinator is: an address, or the job's leader in etcd.
+    pub coordinator: CoordinatorSource,
 }
 
 /// What happened to one granted step.
@@ -70,7 +71,7 @@ impl Loss {
 struct Worker {
     job: Job,
     id: usize,
-    coordinator: CoordinatorClient,
+    coordinator: CoordinatorLink,
     shards: ShardClient,
     config: ModelConfig,
     data: Dataset,
@@ -181,8 +182,10 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
     let metrics_address = metrics::start(&network, "127.0.0.1", metrics.clone())
         .await
         .unwrap_or_default();
-    let mut coordinator = job.connector()?.coordinator(&opts.coordinator).await?;
+    let locator = Locator::start(&job, &opts.coordinator).await?;
+    let coordinator = locator.link(job.connector()?).await?;
     let joined = coordinator
+        .client()?
         .join(JoinRequest {
             role: Role::Worker as i32,
             id: opts.id as u32,
@@ -198,7 +201,7 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
     tracing::info!("worker {} joined in epoch {}", opts.id, joined.epoch);
     let (epochs_tx, epochs) = tokio::sync::watch::channel(joined.epoch);
     let heartbeats = tokio::spawn(heartbeat(
-        job.heartbeat_client(&opts.coordinator).await?,
+        job.heartbeat_client(&locator).await?,
         opts.id,
         joined.incarnation,
         Duration::from_millis(job.config.cluster.heartbeat_ms),
@@ -247,6 +250,19 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
 }
 
 impl Worker {
+    /// How long the coordinator may stay unreachable before this worker gives up: the
+    /// control deadline, and with etcd three lease TTLs, time for a standby to take over.
+    fn patience(&self) -> Duration {
+        let c = &self.job.config.cluster;
+        match self.job.etcd_options() {
+            Some(_) => self
+                .job
+                .timeout()
+                .max(Duration::from_secs(3 * c.etcd_lease_ttl_s)),
+            None => self.job.timeout(),
+        }
+    }
+
     async fn run(&mut self) -> Result<(), PsError> {
         let mut report: Option<Outcome> = None;
         let mut loss: Option<Loss> = None;
@@ -275,7 +291,10 @@ impl Worker {
                     .map(|s| s as u32),
             };
             let asked = Instant::now();
-            let reply = self.coordinator.clone().next_step(request).await;
+            let reply = match self.coordinator.client() {
+                Ok(mut c) => c.next_step(request).await,
+                Err(e) => Err(tonic::Status::unavailable(e.to_string())),
+            };
             self.times.coordinator += asked.elapsed().as_secs_f64();
             let reply = match reply.map_err(|s| PsError::rpc("next step", &s)) {
                 Ok(r) => r.into_inner(),
@@ -286,7 +305,7 @@ impl Worker {
                 }
                 Err(e) => {
                     let since = *unreachable_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() > self.job.timeout() {
+                    if since.elapsed() > self.patience() {
                         return Err(PsError::Unavailable(format!(
                             "coordinator unreachable: {e}"
                         )));

@@ -15,7 +15,8 @@ use futures::future::join_all;
 use tokio::time::Instant;
 
 use ftrec_proto::PsError;
-use ftrec_proto::client::{Connector, CoordinatorClient, ServerClient};
+use ftrec_proto::client::{Connector, ServerClient};
+use ftrec_proto::leader::CoordinatorLink;
 use ftrec_proto::placement::{GlobalRow, Layout};
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::{extend_f32s, f32s_to_bytes, u32s_to_bytes};
@@ -78,7 +79,7 @@ pub enum CommitProtocol {
 }
 
 pub struct ShardClient {
-    coordinator: CoordinatorClient,
+    coordinator: CoordinatorLink,
     servers: Vec<ServerClient>,
     placement_version: Option<u64>,
     layout: Layout,
@@ -92,7 +93,7 @@ pub struct ShardClient {
 
 impl ShardClient {
     pub fn new(
-        coordinator: CoordinatorClient,
+        coordinator: CoordinatorLink,
         layout: Layout,
         dim: usize,
         connector: Connector,
@@ -138,6 +139,7 @@ impl ShardClient {
     async fn refresh_placement(&mut self) -> Result<(), PsError> {
         let p = self
             .coordinator
+            .client()?
             .placement(PlacementRequest {})
             .await
             .map_err(|s| PsError::rpc("placement", &s))?

@@ -139,6 +139,8 @@ async fn run_async(
         host: "127.0.0.1".into(),
         port: 0,
         spawner: Some(spawner.clone()),
+        standby: false,
+        id: None,
     })
     .await?;
     let shared = handle.shared.clone();

@@ -43,6 +43,15 @@ impl JobSecret {
         Self(hex.into())
     }
 
+    /// The job's public name, derived from the secret: 16 hex digits of a keyed hash, the
+    /// same for every process of the job and different for every other job, from which
+    /// the secret cannot be recovered. etcd keys are claimed under it.
+    pub fn job_id(&self) -> String {
+        let mut input = b"ftrec job id\0".to_vec();
+        input.extend_from_slice(self.0.as_bytes());
+        format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&input))
+    }
+
     /// A secret given by a person; `origin` names where it came from for the error.
     pub fn parse(text: &str, origin: &str) -> Result<Self, PsError> {
         let secret = text.trim();

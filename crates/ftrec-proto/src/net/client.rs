@@ -101,6 +101,15 @@ impl Connector {
         )
     }
 
+    /// A coordinator client that connects on first use (a new leader, found in etcd).
+    pub fn coordinator_lazy(&self, address: &str) -> Result<CoordinatorClient, PsError> {
+        let channel = self.channel(&self.endpoint(address)?);
+        Ok(CoordinatorClient::new(InterceptedService::new(
+            channel,
+            self.secret.clone(),
+        )))
+    }
+
     /// Connects to the coordinator, retrying for up to the timeout (at most 10 s: it may
     /// still be starting).
     pub async fn coordinator(&self, address: &str) -> Result<CoordinatorClient, PsError> {
@@ -169,11 +178,14 @@ pub fn with_causes(error: &dyn std::error::Error) -> String {
 /// connections stall together about as often as the square of that.
 #[derive(Clone)]
 pub struct HeartbeatClient {
-    links: [CoordinatorClient; 2],
+    links: [crate::leader::CoordinatorLink; 2],
 }
 
 impl HeartbeatClient {
-    pub fn new(first: CoordinatorClient, second: CoordinatorClient) -> Self {
+    pub fn new(
+        first: crate::leader::CoordinatorLink,
+        second: crate::leader::CoordinatorLink,
+    ) -> Self {
         Self {
             links: [first, second],
         }
@@ -184,7 +196,11 @@ impl HeartbeatClient {
         &self,
         request: HeartbeatRequest,
     ) -> Result<tonic::Response<crate::proto::HeartbeatReply>, tonic::Status> {
-        let [mut a, mut b] = self.links.clone();
+        let client = |l: &crate::leader::CoordinatorLink| {
+            l.client()
+                .map_err(|e| tonic::Status::unavailable(e.to_string()))
+        };
+        let (mut a, mut b) = (client(&self.links[0])?, client(&self.links[1])?);
         let first = a.heartbeat(request);
         let second = b.heartbeat(request);
         tokio::pin!(first, second);

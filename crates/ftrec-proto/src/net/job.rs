@@ -139,8 +139,49 @@ impl Job {
         let mut c = self.config.clone();
         c.threads = 0;
         c.security = Default::default();
+        // Each process may reach etcd through endpoints of its own (`--etcd`).
+        c.cluster.etcd_endpoints.clear();
         let json = serde_json::to_vec(&c).unwrap_or_default();
         xxhash_rust::xxh3::xxh3_64(&json)
+    }
+
+    /// With `cluster.membership = "etcd"`: where the job's keys are, and how long one etcd
+    /// call may take (the control plane's deadline).
+    pub fn etcd_options(&self) -> Option<ftrec_etcd::EtcdOptions> {
+        let c = &self.config.cluster;
+        (c.membership == ftrec_config::Membership::Etcd).then(|| ftrec_etcd::EtcdOptions {
+            endpoints: c.etcd_endpoints.clone(),
+            prefix: self.etcd_prefix(),
+            request_timeout: self
+                .deadlines()
+                .control
+                .min(std::time::Duration::from_secs(c.etcd_lease_ttl_s)),
+        })
+    }
+
+    /// `cluster.etcd_prefix`, or `/ftrec/JOB_ID`.
+    pub fn etcd_prefix(&self) -> String {
+        self.config
+            .cluster
+            .etcd_prefix
+            .clone()
+            .unwrap_or_else(|| format!("/ftrec/{}", self.secret.job_id()))
+    }
+
+    /// What the job's etcd prefix must hold: this job's id and configuration.
+    pub fn etcd_claim(&self) -> ftrec_etcd::JobClaim {
+        ftrec_etcd::JobClaim {
+            job_id: self.secret.job_id(),
+            fingerprint: format!("{:016x}", self.fingerprint()),
+        }
+    }
+
+    /// The same job reaching etcd through `endpoints` (`--etcd URL,...`), which also
+    /// selects etcd membership.
+    pub fn with_etcd(mut self, endpoints: Vec<String>) -> Self {
+        self.config.cluster.membership = ftrec_config::Membership::Etcd;
+        self.config.cluster.etcd_endpoints = endpoints;
+        self
     }
 
     /// How this process calls the others: the job's timeout, secret and TLS.
@@ -156,11 +197,14 @@ impl Job {
     /// Heartbeats' own clients: two connections of their own (see [`HeartbeatClient`]),
     /// never queued behind other calls, and each beat bounded by the failure timeout (a
     /// beat that takes longer cannot keep anyone alive anyway).
-    pub async fn heartbeat_client(&self, coordinator: &str) -> Result<HeartbeatClient, PsError> {
+    pub async fn heartbeat_client(
+        &self,
+        coordinator: &crate::leader::Locator,
+    ) -> Result<HeartbeatClient, PsError> {
         let connector = self.connector_for(self.deadlines().heartbeat)?;
         Ok(HeartbeatClient::new(
-            connector.coordinator(coordinator).await?,
-            connector.coordinator(coordinator).await?,
+            coordinator.link(connector.clone()).await?,
+            coordinator.link(connector).await?,
         ))
     }
 

@@ -3,5 +3,6 @@
 pub mod auth;
 pub mod client;
 pub mod job;
+pub mod leader;
 pub mod metrics;
 pub mod network;

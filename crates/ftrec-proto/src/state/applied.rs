@@ -40,6 +40,11 @@ impl AppliedSteps {
         self.low
     }
 
+    /// One past the newest step applied (`low` when none is applied above it).
+    pub fn end(&self) -> u64 {
+        self.above.last().map_or(self.low, |&s| s + 1)
+    }
+
     /// How many steps are applied.
     pub fn count(&self) -> u64 {
         self.low + self.above.len() as u64

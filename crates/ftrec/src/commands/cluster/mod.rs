@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use ftrec_cluster::launch::{self, KillSpec, LaunchOptions};
 use ftrec_coordinator::CoordinatorOptions;
+use ftrec_proto::leader::CoordinatorSource;
 use ftrec_proto::proto::KillRequest;
 use ftrec_proto::timeline::TimelineData;
 use ftrec_proto::{Job, client};
@@ -122,8 +123,8 @@ pub struct ServerArgs {
     /// The job file `cluster run` writes (a TOML training configuration).
     #[arg(long)]
     pub job: PathBuf,
-    #[arg(long)]
-    pub coordinator: String,
+    #[command(flatten)]
+    pub coordinator: CoordinatorArg,
     /// Server slot; omit with `--spare`.
     #[arg(long, required_unless_present = "spare")]
     pub id: Option<usize>,
@@ -144,16 +145,51 @@ pub struct ServerArgs {
 pub struct WorkerArgs {
     #[arg(long)]
     pub job: PathBuf,
-    #[arg(long)]
-    pub coordinator: String,
+    #[command(flatten)]
+    pub coordinator: CoordinatorArg,
     #[arg(long)]
     pub id: usize,
+}
+
+/// How a server or worker finds its coordinator: one address, or the job's leader in etcd.
+#[derive(Args, Debug)]
+#[group(required = true, multiple = false)]
+pub struct CoordinatorArg {
+    /// The coordinator's address (embedded membership).
+    #[arg(long)]
+    pub coordinator: Option<String>,
+    /// etcd endpoints, `host:port[,host:port...]`: follow whichever coordinator leads the
+    /// job (sets cluster.membership = "etcd").
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Option<Vec<String>>,
+}
+
+impl CoordinatorArg {
+    /// The job as this process sees it (with `--etcd`, its endpoints), and where its
+    /// coordinator is.
+    fn resolve(self, job: Job) -> (Job, CoordinatorSource) {
+        match (self.coordinator, self.etcd) {
+            (Some(address), _) => (job, CoordinatorSource::Address(address)),
+            (None, Some(endpoints)) => (job.with_etcd(endpoints), CoordinatorSource::Etcd),
+            (None, None) => (job, CoordinatorSource::Etcd),
+        }
+    }
 }
 
 #[derive(Args, Debug)]
 pub struct CoordinatorArgs {
     #[arg(long)]
     pub job: PathBuf,
+    /// etcd endpoints, `host:port[,host:port...]`: keep the job's membership, epoch and
+    /// cuts in etcd, and lead only while elected (sets cluster.membership = "etcd").
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Option<Vec<String>>,
+    /// Wait while another coordinator leads, and take over when its lease expires.
+    #[arg(long, requires = "etcd")]
+    pub standby: bool,
+    /// This coordinator's name in etcd and in the reports (default: host and pid).
+    #[arg(long)]
+    pub id: Option<String>,
     #[arg(long, default_value = "0.0.0.0")]
     pub host: String,
     #[arg(long, default_value_t = 7070)]
@@ -489,14 +525,14 @@ pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
 
 pub fn server(a: ServerArgs) -> Result<()> {
     launch::die_with_launcher()?;
-    let job = Job::load(&a.job)?;
+    let (job, coordinator) = a.coordinator.resolve(Job::load(&a.job)?);
     // The job file may come from a larger host: refuse before allocating (an allocation
     // failure aborts without saying which key to change) and before joining.
     job.check_server_memory(if a.spare { None } else { a.id })?;
     runtime()?.block_on(ftrec_server::run(ServerOptions {
         job,
         id: if a.spare { None } else { a.id },
-        coordinator: a.coordinator,
+        coordinator,
         host: a.host,
         faults: ftrec_faults::Faults::parse_all(a.faults.iter().map(String::as_str))?,
     }))?;
@@ -505,32 +541,44 @@ pub fn server(a: ServerArgs) -> Result<()> {
 
 pub fn worker(a: WorkerArgs) -> Result<()> {
     launch::die_with_launcher()?;
-    let job = Job::load(&a.job)?;
+    let (job, coordinator) = a.coordinator.resolve(Job::load(&a.job)?);
     job.check_worker_memory()?;
     ftrec_worker::run(WorkerOptions {
         job,
         id: a.id,
-        coordinator: a.coordinator,
+        coordinator,
     })?;
     Ok(())
 }
 
 pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
-    let job = Job::load(&a.job)?;
+    let mut job = Job::load(&a.job)?;
+    if let Some(endpoints) = a.etcd.clone() {
+        job = job.with_etcd(endpoints);
+    }
     let rt = runtime()?;
     let report = rt.block_on(async {
+        if a.standby {
+            eprintln!("standby coordinator: waiting to lead the job");
+        }
         let mut handle = ftrec_coordinator::start(CoordinatorOptions {
             job: job.clone(),
             host: a.host.clone(),
             port: a.port,
             spawner: None,
+            standby: a.standby,
+            id: a.id.clone(),
         })
         .await?;
         eprintln!("coordinator listening on {}", handle.shared.address());
-        handle
-            .wait_done(Duration::from_secs(30 * 24 * 3600))
-            .await?;
+        let waited = handle.wait_done(Duration::from_secs(30 * 24 * 3600)).await;
         let shared = handle.shared.clone();
+        // Written on every way out: most wanted when the run did not finish.
+        shared.timeline().write(&a.out)?;
+        waited?;
+        if handle.inherited_done {
+            return Ok((shared.summary(), None));
+        }
         let epoch = shared.summary().epoch;
         let (state, _) =
             ftrec_proto::gather::gather_state(&job, &shared.server_addresses(), epoch).await?;
@@ -539,9 +587,20 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
         shared.stop();
         // Let the heartbeats carry `stop` to every server before exiting.
         tokio::time::sleep(Duration::from_millis(job.config.cluster.heartbeat_ms * 5)).await;
-        Ok::<_, ftrec_proto::PsError>((summary, state.digest().to_string()))
+        handle.finish().await?;
+        Ok::<_, ftrec_proto::PsError>((summary, Some(state.digest().to_string())))
     })?;
     let (summary, digest) = report;
+    let Some(digest) = digest else {
+        // A standby that took over a finished job: the leader before it reported.
+        if a.json {
+            let mut v = serde_json::to_value(&summary)?;
+            v["already_done"] = json!(true);
+            return print_json(v);
+        }
+        outln!("the job had finished under an earlier coordinator; nothing to do");
+        return Ok(());
+    };
     if a.json {
         let mut v = serde_json::to_value(&summary)?;
         v["state_digest"] = json!(digest);

@@ -1,0 +1,303 @@
+//! The coordinator's durable record (`cluster.membership = "etcd"`): everything a standby
+//! needs to lead the job after this coordinator, in one etcd key written in one fenced
+//! transaction. The control loop's decisions (a new epoch, a join, pruning old cuts) wait
+//! until the record that holds them is written; the per-step path never waits: a flush
+//! every `cluster.etcd_flush_ms` carries the step ledger's progress, and a new leader asks
+//! the servers for the steps after it (`takeover.rs`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use ftrec_etcd::{EtcdError, Leadership};
+use ftrec_proto::PsError;
+use ftrec_proto::placement::PlacementMap;
+use ftrec_proto::timeline::EventKind;
+
+use crate::summary::{CheckpointRecord, Failover, Recovery};
+use crate::{Member, Phase, Shared, State};
+
+/// The record's key under the job's prefix.
+pub(crate) const STATE_KEY: &str = "state";
+/// The record's format; a coordinator refuses one it does not know.
+const FORMAT: u32 = 1;
+/// Reports kept in the record (the newest): a month-long job takes thousands of cuts, and
+/// an etcd value stays far below etcd's 1.5 MiB request limit this way.
+const KEPT_REPORTS: usize = 256;
+
+/// One server's or worker's slot as the record keeps it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct MemberRecord {
+    pub address: String,
+    pub pid: u32,
+    pub incarnation: u64,
+    pub joined: bool,
+    /// False for a slot declared dead whose replacement has not joined yet.
+    pub alive: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct Record {
+    pub format: u32,
+    /// The coordinator that wrote it, and its term.
+    pub leader: String,
+    pub term: u64,
+    /// When it was written (seconds since the Unix epoch, the writer's clock).
+    pub written_at_unix: f64,
+    pub epoch: u64,
+    pub started: bool,
+    pub done: bool,
+    /// Seconds trained (under every leader so far) when it was written.
+    pub train_seconds: f64,
+    pub placement: PlacementMap,
+    pub servers: Vec<MemberRecord>,
+    pub workers: Vec<MemberRecord>,
+    pub next_token: u32,
+    /// Every step below it is applied on every server.
+    pub settled_through: u64,
+    /// The samples of the steps below `settled_through` (retrained ones counted again).
+    pub samples_settled: u64,
+    pub lost_samples: u64,
+    pub steps_rolled_back: u64,
+    pub rpc_bytes: u64,
+    pub zombies: Vec<u64>,
+    pub last_checkpoint: Option<u64>,
+    pub last_save: Option<u64>,
+    pub retained_cuts: Vec<CheckpointRecord>,
+    pub checkpoints: Vec<CheckpointRecord>,
+    /// Slots waiting for (or in) a recovery, and slots rebuilding in the background: a
+    /// new leader recovers them again.
+    pub failed: Vec<usize>,
+    pub rebuilding: Vec<usize>,
+    pub recoveries: Vec<Recovery>,
+    pub worker_respawns: Vec<u32>,
+    pub failovers: Vec<Failover>,
+}
+
+/// This coordinator's leadership, and the writes of its record.
+pub(crate) struct Durable {
+    pub leadership: Leadership,
+    pub id: String,
+    /// One write at a time, each of the view at its start: an older view never lands
+    /// after a newer one.
+    writing: tokio::sync::Mutex<()>,
+    /// The last flush failed (said once, until one succeeds).
+    failing: AtomicBool,
+    /// The lease TTL, for the report.
+    pub ttl: Duration,
+}
+
+impl Durable {
+    pub fn new(leadership: Leadership, id: String) -> Self {
+        Self {
+            ttl: leadership.ttl(),
+            leadership,
+            id,
+            writing: tokio::sync::Mutex::new(()),
+            failing: AtomicBool::new(false),
+        }
+    }
+}
+
+pub(crate) fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn member_record(m: &Member) -> MemberRecord {
+    MemberRecord {
+        address: m.address.clone(),
+        pid: m.pid,
+        incarnation: m.incarnation,
+        joined: m.joined,
+        alive: m.alive,
+    }
+}
+
+fn tail<T: Clone>(v: &[T]) -> Vec<T> {
+    v[v.len().saturating_sub(KEPT_REPORTS)..].to_vec()
+}
+
+impl Record {
+    /// The record of `s`, as `durable`'s leader writes it.
+    pub fn of(shared: &Shared, s: &State, durable: &Durable) -> Self {
+        let settled_through = s.steps.settled_through();
+        let above: u64 = s
+            .steps
+            .settled_from(settled_through)
+            .into_iter()
+            .map(|step| shared.schedule.batch(step).1)
+            .sum();
+        Self {
+            format: FORMAT,
+            leader: durable.id.clone(),
+            term: durable.leadership.term(),
+            written_at_unix: unix_now(),
+            epoch: s.epoch,
+            started: s.phase != Phase::Starting,
+            done: s.phase == Phase::Done && s.fatal.is_none(),
+            train_seconds: s.train_seconds() + s.train_seconds_before,
+            placement: s.placement.clone(),
+            servers: s.servers.iter().map(member_record).collect(),
+            workers: s.workers.iter().map(member_record).collect(),
+            next_token: s.next_token,
+            settled_through,
+            samples_settled: s.samples.saturating_sub(above),
+            lost_samples: s.lost_samples,
+            steps_rolled_back: s.steps_rolled_back,
+            rpc_bytes: s.rpc_bytes,
+            zombies: s.zombies.iter().copied().collect(),
+            last_checkpoint: s.last_checkpoint,
+            last_save: s.last_save,
+            retained_cuts: s.retained_cuts.clone(),
+            checkpoints: tail(&s.checkpoints),
+            failed: s.failed.iter().map(|&(id, _)| id).collect(),
+            rebuilding: s.rebuilding.iter().map(|&(id, _)| id).collect(),
+            recoveries: tail(&s.recoveries),
+            worker_respawns: s.worker_respawns.clone(),
+            failovers: s.failovers.clone(),
+        }
+    }
+
+    /// Checks a record read from etcd against this job before anything is taken from it.
+    pub fn check(&self, key: &str, servers: usize, workers: usize) -> Result<(), PsError> {
+        if self.format != FORMAT {
+            return Err(PsError::Config(format!(
+                "etcd key {key} holds a record of format {} and this ftrec reads format \
+                 {FORMAT}",
+                self.format
+            )));
+        }
+        if self.servers.len() != servers || self.workers.len() != workers {
+            return Err(PsError::Config(format!(
+                "etcd key {key} records {} servers and {} workers; the job has {servers} \
+                 and {workers}",
+                self.servers.len(),
+                self.workers.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// A member of the record, alive as of now: it has a failure timeout to reach the
+    /// new leader before it is declared dead.
+    pub fn member(m: &MemberRecord, server: bool) -> Member {
+        Member {
+            address: m.address.clone(),
+            pid: m.pid,
+            joined: m.joined,
+            alive: m.alive && m.joined,
+            ready: m.alive && m.joined && server,
+            last_seen: Some(Instant::now()),
+            refused: false,
+            incarnation: m.incarnation,
+            cut_off: None,
+        }
+    }
+}
+
+impl Shared {
+    /// Whether this coordinator may act: always with embedded membership; with etcd while
+    /// its lease is surely alive and it has not learned it was deposed.
+    pub(crate) fn leading(&self) -> bool {
+        self.durable
+            .as_ref()
+            .is_none_or(|d| d.leadership.valid() && d.leadership.lost().borrow().is_none())
+    }
+
+    /// The answer of a coordinator that may no longer lead: the member asks etcd who does.
+    pub(crate) fn check_leading(&self) -> Result<(), tonic::Status> {
+        if self.leading() {
+            return Ok(());
+        }
+        Err(PsError::NotLeader { leader: None }.into())
+    }
+
+    /// Writes the record now (no-op with embedded membership). A decision waits on this
+    /// before anyone acts on it.
+    pub(crate) async fn sync_durable(&self) -> Result<(), PsError> {
+        let Some(d) = &self.durable else {
+            return Ok(());
+        };
+        let _one_at_a_time = d.writing.lock().await;
+        let bytes = {
+            let s = self.lock();
+            serde_json::to_vec(&Record::of(self, &s, d))
+                .map_err(|e| PsError::Internal(format!("encoding the coordinator record: {e}")))?
+        };
+        match d.leadership.put(STATE_KEY, bytes).await {
+            Ok(_) => {
+                if d.failing.swap(false, Ordering::Relaxed) {
+                    self.event(EventKind::Coordinator, "etcd answers again");
+                }
+                Ok(())
+            }
+            Err(EtcdError::Deposed(why)) => {
+                self.deposed(&why);
+                Err(PsError::Membership(EtcdError::Deposed(why)))
+            }
+            Err(e) => {
+                if !d.failing.swap(true, Ordering::Relaxed) {
+                    tracing::warn!("writing the coordinator record: {e}; training goes on");
+                    self.event(
+                        EventKind::Coordinator,
+                        format!(
+                            "etcd does not answer ({e}): training goes on, and decisions \
+                             (recoveries, joins, pruning cuts) wait for it"
+                        ),
+                    );
+                }
+                Err(PsError::Membership(e))
+            }
+        }
+    }
+
+    /// This coordinator no longer leads: it stops without changing anything (it does not
+    /// tell the members to stop: they belong to the new leader).
+    pub(crate) fn deposed(&self, why: &str) {
+        let mut s = self.lock();
+        if s.deposed {
+            return;
+        }
+        s.deposed = true;
+        let message = format!(
+            "this coordinator no longer leads the job and exits without changing anything: {why}"
+        );
+        tracing::error!("{message}");
+        s.timeline.event(EventKind::Fatal, message.clone());
+        s.fatal = Some(message);
+        s.phase = Phase::Done;
+        self.done.send_replace(true);
+    }
+}
+
+/// Writes the record every `cluster.etcd_flush_ms` until this coordinator is deposed.
+pub(crate) async fn flush_loop(shared: Arc<Shared>) {
+    let period = Duration::from_millis(shared.job.config.cluster.etcd_flush_ms);
+    loop {
+        tokio::time::sleep(period).await;
+        if shared.lock().deposed {
+            return;
+        }
+        if let Err(PsError::Membership(EtcdError::Deposed(_))) = shared.sync_durable().await {
+            return;
+        }
+    }
+}
+
+/// Ends the coordinator's run once its lease is lost.
+pub(crate) async fn watch_leadership(shared: Arc<Shared>) {
+    let Some(d) = &shared.durable else {
+        return;
+    };
+    let mut lost = d.leadership.lost();
+    let why = match lost.wait_for(|l| l.is_some()).await {
+        Ok(why) => why.clone().unwrap_or_default(),
+        Err(_) => return,
+    };
+    shared.deposed(&why);
+}

@@ -1,0 +1,304 @@
+//! A standby that won the election leads a job another coordinator started: its view
+//! comes from the durable record, and the steps after the record's flush from the servers.
+//!
+//! The new leader's epoch is above every epoch of the old one (it starts from its term,
+//! see [`first_epoch`]), so once every server has adopted it, nothing the old leader or a
+//! worker holding its grants sends changes a shard. Under 2PC the servers first raise
+//! their fence and report what they applied, so a step some server committed is finished
+//! everywhere it is prepared (as a recovery does). Then every step from the first one some
+//! server lacks to one past the newest any server applied is an orphan of the new epoch:
+//! the ordinary orphan resolution asks the servers about each, and settles, grants again
+//! or rolls back. No step is skipped and none is applied twice, so `lost_samples` stays 0.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ftrec_proto::PsError;
+use ftrec_proto::client::ServerClient;
+use ftrec_proto::job::Job;
+use ftrec_proto::proto::*;
+use ftrec_proto::timeline::EventKind;
+
+use crate::ledger::StepLedger;
+use crate::summary::Failover;
+use crate::{Phase, Shared, control, durable};
+
+/// A term's first epoch. Epochs within a term count up from it; a later leader's term is
+/// a larger etcd revision, so its epochs are above all of this one's (for fewer than 2^20
+/// epoch changes per term).
+pub(crate) fn first_epoch(term: u64) -> u64 {
+    (term << 20) + 1
+}
+
+/// How long to wait before trying again when a server did not answer.
+const RETRY: Duration = Duration::from_millis(300);
+
+/// Brings every live server into the new leader's epoch and rebuilds the step ledger's
+/// tail; retried until it succeeds. `settled_through` is the record's.
+pub(crate) async fn take_over(shared: Arc<Shared>, settled_through: u64) {
+    loop {
+        match attempt(&shared, settled_through).await {
+            Ok(()) => return,
+            Err(e) => {
+                if !shared.leading() {
+                    return;
+                }
+                tracing::warn!("taking over: {e}; trying again");
+                tokio::time::sleep(RETRY).await;
+            }
+        }
+    }
+}
+
+/// Every live server with its slot, but those waiting for a recovery (a replacement's
+/// fresh shard says nothing of the steps; the recovery brings it into the epoch).
+fn live_servers(shared: &Shared) -> Result<(u64, Vec<(usize, ServerClient)>), PsError> {
+    let connector = shared.job.connector_for(shared.job.deadlines().control)?;
+    let s = shared.lock();
+    let clients = s
+        .servers
+        .iter()
+        .enumerate()
+        .filter(|(i, m)| m.alive && !m.address.is_empty() && !s.failed.iter().any(|(f, _)| f == i))
+        .map(|(i, m)| Ok((i, connector.server(&m.address)?)))
+        .collect::<Result<_, PsError>>()?;
+    Ok((s.epoch, clients))
+}
+
+async fn fence_all(
+    clients: &[(usize, ServerClient)],
+    epoch: u64,
+    steps: &[u64],
+) -> Result<Vec<AppliedReply>, PsError> {
+    let calls = clients.iter().cloned().map(|(i, mut c)| async move {
+        c.fence(FenceRequest {
+            epoch,
+            steps: steps.to_vec(),
+        })
+        .await
+        .map(|r| r.into_inner())
+        .map_err(|s| PsError::rpc(format!("fencing server {i}"), &s))
+    });
+    futures::future::join_all(calls).await.into_iter().collect()
+}
+
+async fn attempt(shared: &Arc<Shared>, settled_through: u64) -> Result<(), PsError> {
+    let (epoch, clients) = live_servers(shared)?;
+    // Under 2PC: the fence goes up first, so no step of an older epoch commits from here
+    // on, and the steps some server committed are finished where they are prepared.
+    let finish = if shared.job.config.two_phase_commit() {
+        let first = fence_all(&clients, epoch, &[]).await?;
+        let (from, end) = range(&first, settled_through);
+        let steps: Vec<u64> = (from..end).collect();
+        let replies = fence_all(&clients, epoch, &steps).await?;
+        let mut finish: Vec<u64> = steps
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| replies.iter().any(|r| r.applied.get(*k) == Some(&true)))
+            .map(|(_, &s)| s)
+            .collect();
+        finish.sort_unstable();
+        finish
+    } else {
+        Vec::new()
+    };
+    let calls = clients.iter().cloned().map(|(i, mut c)| {
+        let finish = finish.clone();
+        async move {
+            c.set_epoch(SetEpochRequest {
+                epoch,
+                applied: 0,
+                unsettled: Vec::new(),
+                finish,
+            })
+            .await
+            .map_err(|s| PsError::rpc(format!("moving server {i} to epoch {epoch}"), &s))
+        }
+    });
+    for r in futures::future::join_all(calls).await {
+        r?;
+    }
+    // Every server is in the new epoch now: what they applied no longer changes but
+    // through the new leader's grants.
+    let replies = fence_all(&clients, epoch, &[]).await?;
+    let (from, end) = range(&replies, settled_through);
+    let mut s = shared.lock();
+    if s.epoch != epoch {
+        // A server failed meanwhile (a new epoch): try again with the survivors.
+        return Err(PsError::Superseded(format!(
+            "epoch moved from {epoch} to {} during the takeover",
+            s.epoch
+        )));
+    }
+    let total = s.steps.total();
+    s.steps = StepLedger::taken_over(total, from, end, epoch);
+    // Steps below the record's mark that some server lacks (a rollback after the last
+    // flush) are asked about again: their samples count again when they settle.
+    let recount: u64 = (from..settled_through.max(from))
+        .map(|step| shared.schedule.batch(step).1)
+        .sum();
+    s.samples = s.samples.saturating_sub(recount);
+    s.phase = if !s.failed.is_empty() {
+        Phase::Recovering
+    } else if s.taken_over_started {
+        Phase::Running
+    } else {
+        Phase::Starting
+    };
+    s.busy = false;
+    s.timeline.event(
+        EventKind::Coordinator,
+        format!(
+            "took over in epoch {epoch}: steps {from}..{end} asked of the servers, training \
+             continues from step {end}"
+        ),
+    );
+    Ok(())
+}
+
+/// The steps to ask about: from the first step some server lacks (at most the record's
+/// mark), to one past the newest step any server applied.
+fn range(replies: &[AppliedReply], settled_through: u64) -> (u64, u64) {
+    let from = replies
+        .iter()
+        .map(|r| r.applied_low)
+        .fold(settled_through, u64::min);
+    let end = replies
+        .iter()
+        .map(|r| r.applied_end)
+        .fold(settled_through, u64::max);
+    (from, end)
+}
+
+/// Connects to the job's etcd, claims its prefix (or checks it is this job's), and leads
+/// (a standby waits for the leader's lease to expire). Returns the leadership and the
+/// record an earlier leader left, if any.
+pub(crate) async fn elect(
+    job: &Job,
+    etcd: &ftrec_etcd::EtcdOptions,
+    address: &str,
+    standby: bool,
+    id: &str,
+) -> Result<(durable::Durable, Option<durable::Record>), PsError> {
+    let client = ftrec_etcd::Etcd::connect(etcd).await?;
+    client.claim_job(&job.etcd_claim()).await?;
+    let me = ftrec_etcd::LeaderInfo {
+        id: id.to_string(),
+        address: address.to_string(),
+        pid: std::process::id(),
+    };
+    let ttl = Duration::from_secs(job.config.cluster.etcd_lease_ttl_s);
+    let leadership = client
+        .campaign(&me, ttl, standby, |leader| {
+            tracing::info!(
+                "standby: coordinator {} leads at {} (pid {}); taking over when its lease \
+                 expires",
+                leader.id,
+                leader.address,
+                leader.pid
+            );
+        })
+        .await?;
+    tracing::info!(
+        "coordinator {id} leads the job (term {}, lease TTL {ttl:?})",
+        leadership.term()
+    );
+    let record = client
+        .get_json::<durable::Record>(durable::STATE_KEY)
+        .await?
+        .map(|(r, _)| r);
+    if let Some(r) = &record {
+        let c = &job.config.cluster;
+        r.check(&client.key(durable::STATE_KEY), c.servers, c.workers)?;
+    }
+    Ok((durable::Durable::new(leadership, id.to_string()), record))
+}
+
+/// A new leader's view from the record an earlier one left: membership, layout, counters,
+/// cuts and the recovery in progress. Returns the record's settled-through mark, from
+/// which the takeover asks the servers about steps.
+pub(crate) fn restore(
+    shared: &Shared,
+    d: &durable::Durable,
+    record: durable::Record,
+) -> Result<u64, PsError> {
+    let epoch = first_epoch(d.leadership.term()).max(record.epoch + 1);
+    let mut s = shared.lock();
+    s.epoch = epoch;
+    s.placement = record.placement;
+    s.servers = record
+        .servers
+        .iter()
+        .map(|m| durable::Record::member(m, true))
+        .collect();
+    s.workers = record
+        .workers
+        .iter()
+        .map(|m| durable::Record::member(m, false))
+        .collect();
+    s.next_token = record.next_token;
+    s.samples = record.samples_settled;
+    s.lost_samples = record.lost_samples;
+    s.steps_rolled_back = record.steps_rolled_back;
+    s.rpc_bytes = record.rpc_bytes;
+    s.zombies = record.zombies.into_iter().collect();
+    s.last_checkpoint = record.last_checkpoint;
+    s.last_save = record.last_save;
+    s.retained_cuts = record.retained_cuts;
+    s.checkpoints = record.checkpoints;
+    s.recoveries = record.recoveries;
+    s.worker_respawns = record.worker_respawns;
+    s.failovers = record.failovers;
+    let total = s.steps.total();
+    s.steps = StepLedger::taken_over(total, record.settled_through, record.settled_through, epoch);
+    s.taken_over_started = record.started;
+    s.train_seconds_before =
+        record.train_seconds + (durable::unix_now() - record.written_at_unix).max(0.0);
+    let now = s.timeline.event(
+        EventKind::Coordinator,
+        format!(
+            "{} takes over from {} (term {} after {}), epoch {epoch}",
+            d.id,
+            record.leader,
+            d.leadership.term(),
+            record.term
+        ),
+    );
+    if record.done {
+        s.phase = Phase::Done;
+        shared.done.send_replace(true);
+        return Ok(record.settled_through);
+    }
+    s.failovers.push(Failover {
+        from: record.leader,
+        to: d.id.clone(),
+        failover_seconds: 0.0,
+        term: d.leadership.term(),
+    });
+    s.failover_since_unix = Some(record.written_at_unix);
+    if record.started {
+        let before = s.train_seconds_before;
+        s.timeline.event(
+            EventKind::TrainingStart,
+            format!("continued after {before:.3} s under earlier leaders"),
+        );
+    }
+    // A recovery the old leader had not finished is run again: slots it was waiting for,
+    // and slots rebuilding in the background (their rebuild restarts).
+    let mut failed: Vec<usize> = record.failed;
+    failed.extend(record.rebuilding);
+    failed.sort_unstable();
+    failed.dedup();
+    s.failed = failed.iter().map(|&id| (id, now)).collect();
+    // Until the takeover has every server in the new epoch, nothing is planned or granted.
+    s.phase = Phase::Recovering;
+    s.busy = true;
+    for id in failed {
+        if !s.servers[id].alive {
+            control::replace_server(shared, &mut s, id);
+        }
+    }
+    drop(s);
+    shared.epoch_moved(epoch);
+    Ok(record.settled_through)
+}

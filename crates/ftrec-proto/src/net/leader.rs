@@ -1,0 +1,153 @@
+//! Which coordinator a member talks to. With embedded membership, the one address it was
+//! given. With etcd, whoever leads the job: read from the leader key at start, then
+//! followed, so that a member's next call after a takeover goes to the new leader without
+//! anyone telling it.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::PsError;
+use crate::client::{Connector, CoordinatorClient};
+use crate::job::Job;
+
+/// Where a member finds its coordinator.
+#[derive(Clone, Debug)]
+pub enum CoordinatorSource {
+    /// `--coordinator HOST:PORT`.
+    Address(String),
+    /// `--etcd URL,...`: the job's leader, followed as it changes.
+    Etcd,
+}
+
+/// The current coordinator's address, kept up to date (etcd) or fixed.
+#[derive(Clone)]
+pub struct Locator {
+    address: watch::Receiver<String>,
+}
+
+/// How often a member reads the leader key. A takeover reaches a member at most this
+/// long after it happens; a failed call does not wait for it (see [`CoordinatorLink`]).
+const FOLLOW_PERIOD: Duration = Duration::from_millis(200);
+
+impl Locator {
+    /// Finds the coordinator. With etcd, checks that the job's prefix is this job's, and
+    /// waits up to the job's control deadline for a leader to be elected.
+    pub async fn start(job: &Job, source: &CoordinatorSource) -> Result<Self, PsError> {
+        let opts = match (source, job.etcd_options()) {
+            (CoordinatorSource::Address(a), _) => {
+                return Ok(Self {
+                    address: watch::channel(a.clone()).1,
+                });
+            }
+            (CoordinatorSource::Etcd, Some(opts)) => opts,
+            (CoordinatorSource::Etcd, None) => {
+                return Err(PsError::Config(
+                    "no coordinator address: pass --coordinator HOST:PORT, or --etcd URL with \
+                     cluster.membership = \"etcd\""
+                        .into(),
+                ));
+            }
+        };
+        let etcd = ftrec_etcd::Etcd::connect(&opts).await?;
+        etcd.claim_job(&job.etcd_claim()).await?;
+        let patience = job.deadlines().control;
+        let started = Instant::now();
+        let first = loop {
+            if let Some((leader, _)) = etcd.leader().await? {
+                break leader.address;
+            }
+            if started.elapsed() > patience {
+                return Err(PsError::Unavailable(format!(
+                    "no coordinator leads the job: etcd key {} at {} stayed empty for {:?}",
+                    etcd.key("leader"),
+                    etcd.endpoints(),
+                    patience
+                )));
+            }
+            tokio::time::sleep(FOLLOW_PERIOD).await;
+        };
+        let (tx, address) = watch::channel(first);
+        tokio::spawn(follow(etcd, tx));
+        Ok(Self { address })
+    }
+
+    pub fn address(&self) -> String {
+        self.address.borrow().clone()
+    }
+
+    /// A link of its own (its own connection) to whoever is the coordinator.
+    pub async fn link(&self, connector: Connector) -> Result<CoordinatorLink, PsError> {
+        let address = self.address();
+        let client = connector.coordinator(&address).await?;
+        Ok(CoordinatorLink {
+            connector,
+            locator: self.clone(),
+            current: Arc::new(Mutex::new((address, client))),
+        })
+    }
+}
+
+/// Reads the leader key until the process ends; publishes each new leader's address. An
+/// etcd that does not answer changes nothing: the member keeps its coordinator.
+async fn follow(etcd: ftrec_etcd::Etcd, tx: watch::Sender<String>) {
+    let mut failing = false;
+    loop {
+        tokio::time::sleep(FOLLOW_PERIOD).await;
+        match etcd.leader().await {
+            Ok(Some((leader, _))) => {
+                failing = false;
+                tx.send_if_modified(|a| {
+                    let moved = *a != leader.address;
+                    if moved {
+                        tracing::info!(
+                            "the job's coordinator is now {} at {}",
+                            leader.id,
+                            leader.address
+                        );
+                        *a = leader.address.clone();
+                    }
+                    moved
+                });
+            }
+            Ok(None) => failing = false,
+            Err(e) if !failing => {
+                failing = true;
+                tracing::warn!("following the job's leader: {e}; keeping the current one");
+            }
+            Err(_) => {}
+        }
+        if tx.is_closed() {
+            return;
+        }
+    }
+}
+
+/// A coordinator client that follows the leader: each call goes to the coordinator the
+/// locator names now (a new leader gets a fresh connection, made on first use).
+#[derive(Clone)]
+pub struct CoordinatorLink {
+    connector: Connector,
+    locator: Locator,
+    current: Arc<Mutex<(String, CoordinatorClient)>>,
+}
+
+impl CoordinatorLink {
+    /// The client for the current coordinator.
+    pub fn client(&self) -> Result<CoordinatorClient, PsError> {
+        let address = self.locator.address();
+        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if current.0 != address {
+            let client = self.connector.coordinator_lazy(&address)?;
+            *current = (address, client);
+        }
+        Ok(current.1.clone())
+    }
+
+    /// Where the calls go now.
+    pub fn address(&self) -> String {
+        self.locator.address()
+    }
+}
