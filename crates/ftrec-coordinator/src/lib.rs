@@ -428,7 +428,9 @@ impl Shared {
         if let Some(since) = s.failover_since_unix.take()
             && let Some(f) = s.failovers.last_mut()
         {
-            f.failover_seconds = (durable::unix_now() - since).max(0.0);
+            let now = durable::unix_now();
+            f.failover_seconds = (now - since).max(0.0);
+            f.first_step_at_unix = Some(now);
             let text = format!(
                 "first step settled under {} {:.3} s after {}'s last write to etcd",
                 f.to, f.failover_seconds, f.from

@@ -113,4 +113,8 @@ pub struct Failover {
     pub failover_seconds: f64,
     /// The new leader's term (the leader key's create revision in etcd).
     pub term: u64,
+    /// When that first step settled (seconds since the Unix epoch, the new leader's
+    /// clock): `cluster run` measures from its SIGKILL of the old leader to it.
+    #[serde(default)]
+    pub first_step_at_unix: Option<f64>,
 }

@@ -274,6 +274,7 @@ pub(crate) fn restore(
         to: d.id.clone(),
         failover_seconds: 0.0,
         term: d.leadership.term(),
+        first_step_at_unix: None,
     });
     s.failover_since_unix = Some(record.written_at_unix);
     if record.started {

@@ -71,6 +71,20 @@ impl std::str::FromStr for KillSpec {
     }
 }
 
+/// `coordinator@SECONDS` (`--kill coordinator@8s`): SIGKILL whichever coordinator leads
+/// that long after training starts (`cluster run --etcd`). `None` when `s` names another
+/// member.
+pub fn coordinator_kill(s: &str) -> Option<Result<Duration, String>> {
+    let when = s.strip_prefix("coordinator@")?;
+    let secs = when.trim_end_matches('s').parse::<f64>();
+    Some(match secs {
+        Ok(secs) if secs.is_finite() && secs >= 0.0 => Ok(Duration::from_secs_f64(secs)),
+        _ => Err(format!(
+            "--kill {s:?}: expected coordinator@SECONDS, e.g. coordinator@8s"
+        )),
+    })
+}
+
 impl KillSpec {
     /// `server:J@POINT[:STEP][=kill|skip|flip|delay-MS]`: any fault point of a server, any action
     /// (`cluster run --fault`).

@@ -3,15 +3,17 @@
 //! SIGKILLs on schedule, replaces dead servers with fresh processes, and at the end gathers
 //! the model from the servers for its digest and evaluation.
 
+pub mod etcd;
 mod kill;
 mod report;
 mod run_dir;
 mod spawner;
 
-pub use kill::{KillAt, KillSpec, parse_member};
+pub use kill::{KillAt, KillSpec, coordinator_kill, parse_member};
+pub use report::final_report;
 pub use run_dir::private_run_dir;
 use spawner::LocalSpawner;
-pub use spawner::{LAUNCHER_PID_ENV, die_with_launcher};
+pub use spawner::{LAUNCHER_PID_ENV, die_with_launcher, replacement_spawner};
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -133,6 +135,8 @@ async fn run_async(
         children: Mutex::new(Vec::new()),
         faults: Mutex::new(kill::fault_points(&kills)),
         spawned: Mutex::new(Vec::new()),
+        etcd: None,
+        tied: true,
     });
     let mut handle = coordinator::start(CoordinatorOptions {
         job: job.clone(),

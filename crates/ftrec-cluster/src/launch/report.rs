@@ -9,7 +9,9 @@ use ftrec_proto::{Job, PsError};
 
 use super::{Evaluator, LaunchReport};
 
-pub(super) async fn final_report(
+/// The report of a finished run: the summary, the gathered model's digests, the parity
+/// check (erasure coding), the evaluation. The servers must still serve.
+pub async fn final_report(
     job: &Job,
     shared: &Shared,
     mut kill_times: Vec<f64>,

@@ -52,6 +52,34 @@ pub(super) struct LocalSpawner {
     pub(super) faults: Mutex<Vec<(usize, FaultSpec)>>,
     /// Processes started per server slot so far.
     pub(super) spawned: Mutex<Vec<usize>>,
+    /// etcd membership: children find the coordinator through these endpoints
+    /// (`--etcd`), not an address.
+    pub(super) etcd: Option<String>,
+    /// Children die with this process (the launcher). A coordinator's replacements do
+    /// not: the coordinator may die and be replaced while they serve.
+    pub(super) tied: bool,
+}
+
+/// A spawner for a coordinator process of an etcd job (`ftrec coordinator --spawn`): it
+/// starts replacement servers and workers on this host, found through etcd, logging into
+/// `logs`. They outlive the coordinator (a standby leads them next) and exit when the job
+/// is over or no coordinator has answered for their patience.
+pub fn replacement_spawner(
+    exe: PathBuf,
+    job_file: PathBuf,
+    logs: PathBuf,
+    etcd: &[String],
+) -> std::sync::Arc<dyn Spawner> {
+    std::sync::Arc::new(LocalSpawner {
+        exe,
+        job_file,
+        logs,
+        children: Mutex::new(Vec::new()),
+        faults: Mutex::new(Vec::new()),
+        spawned: Mutex::new(Vec::new()),
+        etcd: Some(etcd.join(",")),
+        tied: false,
+    })
 }
 
 impl LocalSpawner {
@@ -100,10 +128,15 @@ impl LocalSpawner {
             path: log_path.display().to_string(),
             error,
         })?;
-        let child = Command::new(&self.exe)
+        let mut command = Command::new(&self.exe);
+        if self.tied {
+            command.env(LAUNCHER_PID_ENV, std::process::id().to_string());
+        } else {
+            command.env_remove(LAUNCHER_PID_ENV);
+        }
+        let child = command
             .args(args)
             .args(faults)
-            .env(LAUNCHER_PID_ENV, std::process::id().to_string())
             .env(
                 "FTREC_LOG",
                 std::env::var("FTREC_LOG").unwrap_or_else(|_| "info".into()),
@@ -123,13 +156,83 @@ impl LocalSpawner {
     }
 
     fn base_args(&self, role: &str, coordinator: &str) -> Vec<String> {
+        let (flag, value) = match &self.etcd {
+            Some(endpoints) => ("--etcd", endpoints.as_str()),
+            None => ("--coordinator", coordinator),
+        };
         vec![
             role.to_string(),
             "--job".into(),
             self.job_file.display().to_string(),
-            "--coordinator".into(),
-            coordinator.to_string(),
+            flag.into(),
+            value.to_string(),
         ]
+    }
+
+    /// A coordinator of an etcd job: its report (`--json`) goes to `report`, its log
+    /// beside the others.
+    pub(super) fn spawn_coordinator(
+        &self,
+        name: &str,
+        standby: bool,
+        out: &std::path::Path,
+        report: &std::path::Path,
+    ) -> Result<u32, PsError> {
+        let endpoints = self.etcd.clone().unwrap_or_default();
+        let mut args: Vec<String> = vec![
+            "coordinator".into(),
+            "--job".into(),
+            self.job_file.display().to_string(),
+            "--etcd".into(),
+            endpoints,
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            "0".into(),
+            "--id".into(),
+            name.into(),
+            "--spawn".into(),
+            "--out".into(),
+            out.display().to_string(),
+            "--json".into(),
+        ];
+        if standby {
+            args.push("--standby".into());
+        }
+        let io = |path: &std::path::Path| {
+            let path = path.display().to_string();
+            move |error| PsError::Io { path, error }
+        };
+        let n = self.children.lock().map_or(0, |c| c.len());
+        let log_path = self.logs.join(format!("{name}-{n}.log"));
+        let log = std::fs::File::create(&log_path).map_err(io(&log_path))?;
+        let stdout = std::fs::File::create(report).map_err(io(report))?;
+        let child = Command::new(&self.exe)
+            .args(&args)
+            .env(LAUNCHER_PID_ENV, std::process::id().to_string())
+            .env(
+                "FTREC_LOG",
+                std::env::var("FTREC_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(log)
+            .spawn()
+            .map_err(io(&self.exe))?;
+        let pid = child.id();
+        if let Ok(mut c) = self.children.lock() {
+            c.push((name.to_string(), child));
+        }
+        Ok(pid)
+    }
+
+    /// Whether the child named `name` has exited, and with which status.
+    pub(super) fn exit_status(&self, name: &str) -> Option<std::process::ExitStatus> {
+        let mut children = self.children.lock().ok()?;
+        children
+            .iter_mut()
+            .filter(|(n, _)| n == name)
+            .find_map(|(_, c)| c.try_wait().ok().flatten())
     }
 
     /// Reaps the children that have exited, so a killed one does not linger as a zombie

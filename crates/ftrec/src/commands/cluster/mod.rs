@@ -102,6 +102,13 @@ pub struct ClusterRunArgs {
     /// Spare servers to start; a failed server's slot goes to a spare before a new process.
     #[arg(long, default_value_t = 0)]
     pub spares: usize,
+    /// Keep the job's membership, epoch and cuts in etcd at these endpoints
+    /// (`host:port[,host:port...]`), with the coordinators as processes of their own.
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Option<Vec<String>>,
+    /// With --etcd: coordinator processes (one leads, the rest stand by).
+    #[arg(long, default_value_t = 2, requires = "etcd")]
+    pub coordinators: usize,
     /// Checkpoint directory for `--ft checkpoint` (default: RUN_DIR/checkpoints).
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
@@ -187,6 +194,10 @@ pub struct CoordinatorArgs {
     /// Wait while another coordinator leads, and take over when its lease expires.
     #[arg(long, requires = "etcd")]
     pub standby: bool,
+    /// Start replacement servers and workers on this host when members die (their logs
+    /// go beside `--out`).
+    #[arg(long)]
+    pub spawn: bool,
     /// This coordinator's name in etcd and in the reports (default: host and pid).
     #[arg(long)]
     pub id: Option<String>,
@@ -277,15 +288,39 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
         bail!("no dataset: pass --data DIR or set data.dir");
     };
     config.data.dir = Some(absolute(&data)?);
-    let mut kills = a
-        .kills
-        .iter()
-        .map(|k| k.parse::<KillSpec>().map_err(anyhow::Error::msg))
-        .collect::<Result<Vec<_>>>()?;
+    let mut coordinator_kills = Vec::new();
+    let mut kills = Vec::new();
+    for k in &a.kills {
+        match launch::coordinator_kill(k) {
+            Some(at) => coordinator_kills.push(at.map_err(anyhow::Error::msg)?),
+            None => kills.push(k.parse::<KillSpec>().map_err(anyhow::Error::msg)?),
+        }
+    }
+    if !coordinator_kills.is_empty() && a.etcd.is_none() {
+        bail!("--kill coordinator@T needs --etcd: an embedded coordinator has no standby");
+    }
     for fault in &a.faults {
         kills.push(KillSpec::fault(fault).map_err(anyhow::Error::msg)?);
     }
     let job = Job::new(config)?;
+    if let Some(endpoints) = a.etcd.clone() {
+        return run_with_etcd(
+            launch::etcd::EtcdRunOptions {
+                job,
+                run_dir,
+                kills,
+                exe: std::env::current_exe().context("locating the ftrec binary")?,
+                time_limit: Duration::from_secs_f64(a.time_limit),
+                etcd: launch::etcd::EtcdLaunch {
+                    endpoints,
+                    coordinators: a.coordinators,
+                    coordinator_kills,
+                },
+            },
+            a.json,
+            temporary_run_dir,
+        );
+    }
     let total = job.config.train.steps;
     let pb = bar(total, "cluster");
     if a.json {
@@ -401,6 +436,57 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
 }
 
 /// Why the end-of-run parity check fails the run, if it does.
+/// `cluster run --etcd`: coordinators as processes of their own; the report is the
+/// finishing coordinator's. No evaluation: the model stays with the servers it was
+/// gathered from.
+fn run_with_etcd(
+    opts: launch::etcd::EtcdRunOptions,
+    json: bool,
+    temporary_run_dir: bool,
+) -> Result<()> {
+    let total = opts.job.config.train.steps;
+    let pb = bar(total, "cluster");
+    if json {
+        pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let run_dir = opts.run_dir.clone();
+    let report = launch::etcd::run(opts, |p| {
+        pb.set_position(p.steps);
+        pb.set_message(format!(
+            "{} samples, epoch {}, leader {}",
+            p.samples, p.epoch, p.coordinator
+        ));
+    });
+    pb.finish_and_clear();
+    let mut report = report?;
+    if temporary_run_dir {
+        std::fs::remove_dir_all(&run_dir)
+            .with_context(|| format!("removing the run directory {}", run_dir.display()))?;
+        report["run_dir_removed"] = json!(true);
+    }
+    let mismatches = report["parity_mismatches"].as_u64().unwrap_or(0)
+        + report["replica_mismatches"].as_u64().unwrap_or(0);
+    if json {
+        print_json(report.clone())?;
+    } else {
+        outln!(
+            "{} steps, {} samples at {:.0} samples/s; state digest {}; {} coordinator \
+             failover(s)",
+            report["steps"],
+            report["samples"],
+            report["samples_per_sec"].as_f64().unwrap_or(0.0),
+            report["state_digest"].as_str().unwrap_or("-"),
+            report["coordinator_failovers"]
+                .as_array()
+                .map_or(0, |f| f.len())
+        );
+    }
+    if mismatches > 0 {
+        bail!("{mismatches} parity or replica mismatches at the end of the run");
+    }
+    Ok(())
+}
+
 fn redundancy_damage(report: &ftrec_cluster::launch::LaunchReport) -> Option<String> {
     let parity = report.parity_mismatches.unwrap_or(0);
     let replicas = report.replica_mismatches.unwrap_or(0);
@@ -552,6 +638,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
 }
 
 pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
+    launch::die_with_launcher()?;
     let mut job = Job::load(&a.job)?;
     if let Some(endpoints) = a.etcd.clone() {
         job = job.with_etcd(endpoints);
@@ -565,7 +652,14 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
             job: job.clone(),
             host: a.host.clone(),
             port: a.port,
-            spawner: None,
+            spawner: a.spawn.then(|| {
+                launch::replacement_spawner(
+                    std::env::current_exe().unwrap_or_else(|_| "ftrec".into()),
+                    a.job.clone(),
+                    a.out.join("logs"),
+                    &job.config.cluster.etcd_endpoints,
+                )
+            }),
             standby: a.standby,
             id: a.id.clone(),
         })
@@ -579,19 +673,17 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
         if handle.inherited_done {
             return Ok((shared.summary(), None));
         }
-        let epoch = shared.summary().epoch;
-        let (state, _) =
-            ftrec_proto::gather::gather_state(&job, &shared.server_addresses(), epoch).await?;
+        // Gathered, and the parity checked, while the servers still serve.
+        let report = launch::final_report(&job, &shared, Vec::new(), None, &a.out).await?;
         shared.timeline().write(&a.out)?;
-        let summary = shared.summary();
         shared.stop();
         // Let the heartbeats carry `stop` to every server before exiting.
         tokio::time::sleep(Duration::from_millis(job.config.cluster.heartbeat_ms * 5)).await;
         handle.finish().await?;
-        Ok::<_, ftrec_proto::PsError>((summary, Some(state.digest().to_string())))
+        Ok::<_, ftrec_proto::PsError>((shared.summary(), Some(report)))
     })?;
-    let (summary, digest) = report;
-    let Some(digest) = digest else {
+    let (summary, report) = report;
+    let Some(report) = report else {
         // A standby that took over a finished job: the leader before it reported.
         if a.json {
             let mut v = serde_json::to_value(&summary)?;
@@ -602,14 +694,13 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
         return Ok(());
     };
     if a.json {
-        let mut v = serde_json::to_value(&summary)?;
-        v["state_digest"] = json!(digest);
-        return print_json(v);
+        return print_json(serde_json::to_value(&report)?);
     }
     outln!(
-        "{} samples at {:.0} samples/s; state digest {digest}",
+        "{} samples at {:.0} samples/s; state digest {}",
         summary.samples,
-        summary.samples_per_sec
+        summary.samples_per_sec,
+        report.state_digest
     );
     Ok(())
 }
