@@ -50,6 +50,10 @@ pub(crate) struct Record {
     pub epoch: u64,
     pub started: bool,
     pub done: bool,
+    /// Why the job cannot go on (a loss beyond its redundancy, a crash loop): a new
+    /// leader ends with it rather than try again.
+    #[serde(default)]
+    pub fatal: Option<String>,
     /// Seconds trained (under every leader so far) when it was written.
     pub train_seconds: f64,
     pub placement: PlacementMap,
@@ -140,6 +144,9 @@ impl Record {
             epoch: s.epoch,
             started: s.phase != Phase::Starting,
             done: s.phase == Phase::Done && s.fatal.is_none(),
+            // A deposed coordinator's reason is its own, not the job's (and it cannot
+            // write anyway).
+            fatal: s.fatal.clone().filter(|_| !s.deposed),
             train_seconds: s.train_seconds() + s.train_seconds_before,
             placement: s.placement.clone(),
             servers: s.servers.iter().map(member_record).collect(),
@@ -300,4 +307,112 @@ pub(crate) async fn watch_leadership(shared: Arc<Shared>) {
         Err(_) => return,
     };
     shared.deposed(&why);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A record as a leader writes it, with every optional part present and absent.
+    fn record(reports: bool) -> Record {
+        let recovery = Recovery {
+            server: 1,
+            detected_at: 1.5,
+            resumed_at: 2.0,
+            resumed_step: 40,
+            steps_rolled_back: 0,
+            rebuild_seconds: 0.2,
+            rebuild_bytes: 1 << 20,
+            degraded_seconds: 0.5,
+            background_rebuild: true,
+            steps_while_degraded: 3,
+            steps_committed_while_degraded: 2,
+            kill_to_resume_seconds: None,
+            epoch: 7,
+            mode: "rebuild".into(),
+            // Skipped when empty: a reader must accept its absence.
+            shard_digests: Vec::new(),
+        };
+        let cut = CheckpointRecord {
+            step: 30,
+            started_at: 1.0,
+            pause_seconds: 0.01,
+            bytes: 4096,
+            ids: vec!["a".into(), "b".into()],
+            priority: false,
+        };
+        let member = MemberRecord {
+            address: "127.0.0.1:7001".into(),
+            pid: 42,
+            incarnation: 3,
+            joined: true,
+            alive: true,
+        };
+        Record {
+            format: FORMAT,
+            leader: "c1".into(),
+            term: 9,
+            written_at_unix: 1.0e9,
+            epoch: (9 << 20) + 2,
+            started: true,
+            done: false,
+            fatal: reports.then(|| "server 1 and server 2 lost at once".into()),
+            train_seconds: 3.5,
+            placement: PlacementMap {
+                scheme: "striped".into(),
+                version: 2,
+                servers: vec!["127.0.0.1:7001".into(), "127.0.0.1:7002".into()],
+            },
+            servers: vec![member.clone(), member.clone()],
+            workers: vec![member],
+            next_token: 5,
+            settled_through: 40,
+            samples_settled: 5120,
+            lost_samples: 0,
+            steps_rolled_back: 0,
+            rpc_bytes: 1 << 30,
+            zombies: vec![2],
+            last_checkpoint: reports.then_some(30),
+            last_save: reports.then_some(30),
+            retained_cuts: if reports {
+                vec![cut.clone()]
+            } else {
+                Vec::new()
+            },
+            checkpoints: if reports { vec![cut] } else { Vec::new() },
+            failed: vec![1],
+            rebuilding: Vec::new(),
+            recoveries: if reports { vec![recovery] } else { Vec::new() },
+            worker_respawns: vec![0],
+            failovers: vec![Failover {
+                from: "c0".into(),
+                to: "c1".into(),
+                failover_seconds: 2.5,
+                term: 9,
+                first_step_at_unix: None,
+            }],
+        }
+    }
+
+    #[test]
+    fn a_record_reads_back_as_written() {
+        for reports in [false, true] {
+            let r = record(reports);
+            let bytes = serde_json::to_vec(&r).unwrap();
+            let back: Record = serde_json::from_slice(&bytes).unwrap();
+            // Written again, it is the same bytes: nothing was lost on the way.
+            assert_eq!(serde_json::to_vec(&back).unwrap(), bytes);
+            back.check("/k/state", 2, 1).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_record_of_another_shape_or_format_is_refused_naming_the_key() {
+        let mut r = record(true);
+        let e = r.check("/k/state", 3, 1).unwrap_err().to_string();
+        assert!(e.contains("/k/state") && e.contains("2 servers"), "{e}");
+        r.format = FORMAT + 1;
+        let e = r.check("/k/state", 2, 1).unwrap_err().to_string();
+        assert!(e.contains("/k/state") && e.contains("format"), "{e}");
+    }
 }

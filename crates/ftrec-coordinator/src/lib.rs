@@ -655,7 +655,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         durable,
         job,
     });
-    let inherited_done = record.as_ref().is_some_and(|r| r.done);
+    let inherited_done = record.as_ref().is_some_and(|r| r.done || r.fatal.is_some());
     let takeover_from = match (&shared.durable, record) {
         (Some(d), Some(record)) => Some(takeover::restore(&shared, d, record)?),
         (Some(d), None) => {

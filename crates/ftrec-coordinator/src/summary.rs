@@ -39,7 +39,7 @@ pub struct Recovery {
     pub mode: String,
     /// Partial recovery: every server's shard digest once recovered, before training
     /// went on (survivors: their state at the failure; replacements: their checkpoint).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shard_digests: Vec<String>,
 }
 

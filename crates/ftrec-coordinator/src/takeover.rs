@@ -264,7 +264,12 @@ pub(crate) fn restore(
             record.term
         ),
     );
-    if record.done {
+    if let Some(why) = &record.fatal {
+        let why = format!("the job failed under coordinator {}: {why}", record.leader);
+        s.timeline.event(EventKind::Fatal, why.clone());
+        s.fatal = Some(why);
+    }
+    if record.done || record.fatal.is_some() {
         s.phase = Phase::Done;
         shared.done.send_replace(true);
         return Ok(record.settled_through);

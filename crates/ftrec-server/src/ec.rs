@@ -69,14 +69,9 @@ impl Peers {
         let mut guard = self.map.lock().await;
         let (fetched_in, map) = &mut *guard;
         if fresh || *fetched_in < epoch || map.get(server).is_none_or(|(a, _)| a.is_empty()) {
+            let placement = self.coordinator.placement().await?;
+            // Only a map that arrived counts as fetched in this epoch.
             *fetched_in = epoch;
-            let placement = self
-                .coordinator
-                .client()?
-                .placement(PlacementRequest {})
-                .await
-                .map_err(|s| PsError::rpc("placement", &s))?
-                .into_inner();
             *map = placement
                 .servers
                 .into_iter()

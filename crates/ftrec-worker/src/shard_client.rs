@@ -137,13 +137,7 @@ impl ShardClient {
     }
 
     async fn refresh_placement(&mut self) -> Result<(), PsError> {
-        let p = self
-            .coordinator
-            .client()?
-            .placement(PlacementRequest {})
-            .await
-            .map_err(|s| PsError::rpc("placement", &s))?
-            .into_inner();
+        let p = self.coordinator.placement().await?;
         self.servers = p
             .servers
             .iter()

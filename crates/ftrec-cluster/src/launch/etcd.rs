@@ -18,7 +18,7 @@ use ftrec_proto::job::Job;
 use ftrec_proto::proto::Role;
 
 use super::spawner::LocalSpawner;
-use super::{KillAt, KillSpec, Progress, io, kill};
+use super::{CoordinatorKill, KillAt, KillSpec, Progress, io, kill};
 
 /// What `--etcd` adds to a launch.
 #[derive(Clone, Debug)]
@@ -26,8 +26,8 @@ pub struct EtcdLaunch {
     pub endpoints: Vec<String>,
     /// Coordinator processes kept running: one leads, the rest stand by.
     pub coordinators: usize,
-    /// `--kill coordinator@T`: SIGKILL the leader this long after training starts.
-    pub coordinator_kills: Vec<Duration>,
+    /// `--kill coordinator@...`: SIGKILL the leader.
+    pub coordinator_kills: Vec<CoordinatorKill>,
 }
 
 pub struct EtcdRunOptions {
@@ -177,9 +177,17 @@ async fn supervise(
             KillAt::After(t) => Some((t, Some((k.role, k.id)))),
             _ => None,
         })
-        .chain(etcd.coordinator_kills.iter().map(|&t| (t, None)))
+        .chain(etcd.coordinator_kills.iter().filter_map(|k| match k {
+            CoordinatorKill::After(t) => Some((*t, None)),
+            CoordinatorKill::DuringRebuild => None,
+        }))
         .collect();
     timed.sort_by_key(|k| k.0);
+    let mut during_rebuild = etcd
+        .coordinator_kills
+        .iter()
+        .filter(|k| **k == CoordinatorKill::DuringRebuild)
+        .count();
     let mut coordinator_kills: Vec<Value> = Vec::new();
     let mut training_start: Option<Instant> = None;
     let mut address = leader.address;
@@ -191,6 +199,12 @@ async fn supervise(
             .ok()
             .flatten()
             .map(|(v, _)| v);
+        if let Some(why) = record.as_ref().and_then(|r| r["fatal"].as_str()) {
+            return Err(PsError::Fatal(format!(
+                "{why}; logs in {}",
+                run_dir.join("logs").display()
+            )));
+        }
         if let Some(r) = &record {
             if training_start.is_none() && r["started"].as_bool() == Some(true) {
                 training_start = Some(Instant::now());
@@ -206,6 +220,17 @@ async fn supervise(
                 epoch: r["epoch"].as_u64().unwrap_or(0),
                 seconds: started.elapsed().as_secs_f64(),
             });
+        }
+        let rebuilding = record
+            .as_ref()
+            .and_then(|r| r["rebuilding"].as_array())
+            .is_some_and(|r| !r.is_empty());
+        if rebuilding && during_rebuild > 0 {
+            during_rebuild -= 1;
+            if let Some(mut kill) = kill_leader(client).await? {
+                kill["during_rebuild"] = json!(true);
+                coordinator_kills.push(kill);
+            }
         }
         if let Some(t0) = training_start {
             while timed.first().is_some_and(|k| t0.elapsed() >= k.0) {
@@ -238,6 +263,15 @@ async fn supervise(
         }
         if let Some((report, out)) = finished {
             return finish(&report, &out, run_dir, coordinator_kills);
+        }
+        // Deaths beyond the planned kills and a few more are a crash loop: say so rather
+        // than start coordinators until the time limit.
+        if dead > coordinator_kills.len() + 2 * etcd.coordinators.max(1) {
+            return Err(PsError::Fatal(format!(
+                "{dead} coordinators died ({} of them killed on purpose); see their logs in {}",
+                coordinator_kills.len(),
+                run_dir.join("logs").display()
+            )));
         }
         let live = coordinators.len() - dead;
         for _ in live..etcd.coordinators.max(1) {

@@ -71,16 +71,30 @@ impl std::str::FromStr for KillSpec {
     }
 }
 
-/// `coordinator@SECONDS` (`--kill coordinator@8s`): SIGKILL whichever coordinator leads
-/// that long after training starts (`cluster run --etcd`). `None` when `s` names another
-/// member.
-pub fn coordinator_kill(s: &str) -> Option<Result<Duration, String>> {
+/// When `--kill coordinator@...` SIGKILLs the leading coordinator (`cluster run --etcd`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum CoordinatorKill {
+    /// This long after training starts (`coordinator@8s`).
+    After(Duration),
+    /// As soon as a server rebuilds in the background (`coordinator@rebuild`): the new
+    /// leader must finish or restart a recovery it did not start.
+    DuringRebuild,
+}
+
+/// `coordinator@SECONDS` or `coordinator@rebuild`; `None` when `s` names another member.
+pub fn coordinator_kill(s: &str) -> Option<Result<CoordinatorKill, String>> {
     let when = s.strip_prefix("coordinator@")?;
+    if when == "rebuild" {
+        return Some(Ok(CoordinatorKill::DuringRebuild));
+    }
     let secs = when.trim_end_matches('s').parse::<f64>();
     Some(match secs {
-        Ok(secs) if secs.is_finite() && secs >= 0.0 => Ok(Duration::from_secs_f64(secs)),
+        Ok(secs) if secs.is_finite() && secs >= 0.0 => {
+            Ok(CoordinatorKill::After(Duration::from_secs_f64(secs)))
+        }
         _ => Err(format!(
-            "--kill {s:?}: expected coordinator@SECONDS, e.g. coordinator@8s"
+            "--kill {s:?}: expected coordinator@SECONDS or coordinator@rebuild, e.g. \
+             coordinator@8s"
         )),
     })
 }

@@ -9,7 +9,7 @@ mod report;
 mod run_dir;
 mod spawner;
 
-pub use kill::{KillAt, KillSpec, coordinator_kill, parse_member};
+pub use kill::{CoordinatorKill, KillAt, KillSpec, coordinator_kill, parse_member};
 pub use report::final_report;
 pub use run_dir::private_run_dir;
 use spawner::LocalSpawner;

@@ -69,8 +69,12 @@ pub fn replacement_spawner(
     job_file: PathBuf,
     logs: PathBuf,
     etcd: &[String],
-) -> std::sync::Arc<dyn Spawner> {
-    std::sync::Arc::new(LocalSpawner {
+) -> Result<std::sync::Arc<dyn Spawner>, PsError> {
+    std::fs::create_dir_all(&logs).map_err(|error| PsError::Io {
+        path: logs.display().to_string(),
+        error,
+    })?;
+    Ok(std::sync::Arc::new(LocalSpawner {
         exe,
         job_file,
         logs,
@@ -79,7 +83,7 @@ pub fn replacement_spawner(
         spawned: Mutex::new(Vec::new()),
         etcd: Some(etcd.join(",")),
         tied: false,
-    })
+    }))
 }
 
 impl LocalSpawner {

@@ -26,6 +26,9 @@ pub enum CoordinatorSource {
 #[derive(Clone)]
 pub struct Locator {
     address: watch::Receiver<String>,
+    /// etcd: a call that finds no coordinator may wait this long for the next leader
+    /// (the lease TTL and a second); zero for a fixed address.
+    patience: Duration,
 }
 
 /// How often a member reads the leader key. A takeover reaches a member at most this
@@ -40,6 +43,7 @@ impl Locator {
             (CoordinatorSource::Address(a), _) => {
                 return Ok(Self {
                     address: watch::channel(a.clone()).1,
+                    patience: Duration::ZERO,
                 });
             }
             (CoordinatorSource::Etcd, Some(opts)) => opts,
@@ -71,7 +75,11 @@ impl Locator {
         };
         let (tx, address) = watch::channel(first);
         tokio::spawn(follow(etcd, tx));
-        Ok(Self { address })
+        let ttl = Duration::from_secs(job.config.cluster.etcd_lease_ttl_s);
+        Ok(Self {
+            address,
+            patience: ttl + Duration::from_secs(1),
+        })
     }
 
     pub fn address(&self) -> String {
@@ -149,5 +157,35 @@ impl CoordinatorLink {
     /// Where the calls go now.
     pub fn address(&self) -> String {
         self.locator.address()
+    }
+
+    /// The placement map. Following a leader in etcd, a call that fails for want of a
+    /// coordinator (the leader just died, or was deposed) is tried again until the next
+    /// leader answers, within the lease TTL and a second: a rebuild or a parity update
+    /// in flight across a takeover goes on instead of failing.
+    pub async fn placement(&self) -> Result<crate::proto::PlacementReply, PsError> {
+        let started = Instant::now();
+        loop {
+            let reply = self
+                .client()?
+                .placement(crate::proto::PlacementRequest {})
+                .await;
+            match reply {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(s)
+                    if started.elapsed() < self.locator.patience
+                        && matches!(
+                            s.code(),
+                            tonic::Code::Unavailable
+                                | tonic::Code::Unknown
+                                | tonic::Code::FailedPrecondition
+                                | tonic::Code::DeadlineExceeded
+                        ) =>
+                {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(s) => return Err(PsError::rpc("placement", &s)),
+            }
+        }
     }
 }

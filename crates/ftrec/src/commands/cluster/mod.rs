@@ -90,6 +90,8 @@ pub struct ClusterRunArgs {
     #[arg(long)]
     pub deterministic: bool,
     /// SIGKILL `ROLE:ID` this long after training starts, e.g. `server:1@10s` (repeatable).
+    /// With --etcd, `coordinator@T` SIGKILLs whichever coordinator leads at T, and
+    /// `coordinator@rebuild` the leader as soon as a server rebuilds in the background.
     #[arg(long = "kill", value_name = "ROLE:ID@SECONDS")]
     pub kills: Vec<String>,
     /// Arm a fault point in a server, `server:J@POINT[:STEP][=kill|skip|flip|delay-MS]`
@@ -652,14 +654,17 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
             job: job.clone(),
             host: a.host.clone(),
             port: a.port,
-            spawner: a.spawn.then(|| {
-                launch::replacement_spawner(
-                    std::env::current_exe().unwrap_or_else(|_| "ftrec".into()),
-                    a.job.clone(),
-                    a.out.join("logs"),
-                    &job.config.cluster.etcd_endpoints,
-                )
-            }),
+            spawner: a
+                .spawn
+                .then(|| {
+                    launch::replacement_spawner(
+                        std::env::current_exe().unwrap_or_else(|_| "ftrec".into()),
+                        a.job.clone(),
+                        a.out.join("logs"),
+                        &job.config.cluster.etcd_endpoints,
+                    )
+                })
+                .transpose()?,
             standby: a.standby,
             id: a.id.clone(),
         })
@@ -669,7 +674,12 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
         let shared = handle.shared.clone();
         // Written on every way out: most wanted when the run did not finish.
         shared.timeline().write(&a.out)?;
-        waited?;
+        if let Err(e) = waited {
+            // etcd: the job's failure is recorded (a standby ends with it rather than try
+            // again); a deposed coordinator's write is refused, as it should be.
+            let _ = handle.finish().await;
+            return Err(e);
+        }
         if handle.inherited_done {
             return Ok((shared.summary(), None));
         }
