@@ -92,6 +92,9 @@ pub(crate) struct Durable {
     failing: AtomicBool,
     /// The lease TTL, for the report.
     pub ttl: Duration,
+    /// This coordinator learned it no longer leads (etcd said so, or a server is in a
+    /// newer leader's epoch). An atomic, not part of `State`: asked under its lock.
+    deposed: AtomicBool,
 }
 
 impl Durable {
@@ -102,6 +105,7 @@ impl Durable {
             id,
             writing: tokio::sync::Mutex::new(()),
             failing: AtomicBool::new(false),
+            deposed: AtomicBool::new(false),
         }
     }
 }
@@ -208,12 +212,19 @@ impl Record {
 }
 
 impl Shared {
-    /// Whether this coordinator may act: always with embedded membership; with etcd while
-    /// its lease is surely alive and it has not learned it was deposed.
+    /// Whether this coordinator may act: always with embedded membership; with etcd
+    /// until it learns it was deposed. An etcd that does not answer deposes nothing:
+    /// training goes on, and whatever a newer leader (if there is one) has taken over is
+    /// refused by the servers' epoch fence; the decisions wait for etcd (`sync_durable`).
     pub(crate) fn leading(&self) -> bool {
-        self.durable
-            .as_ref()
-            .is_none_or(|d| d.leadership.valid() && d.leadership.lost().borrow().is_none())
+        self.durable.as_ref().is_none_or(|d| {
+            !d.deposed.load(Ordering::Relaxed) && d.leadership.lost().borrow().is_none()
+        })
+    }
+
+    /// `cluster.membership = "etcd"`.
+    pub(crate) fn durable_membership(&self) -> bool {
+        self.durable.is_some()
     }
 
     /// The answer of a coordinator that may no longer lead: the member asks etcd who does.
@@ -266,6 +277,9 @@ impl Shared {
     /// This coordinator no longer leads: it stops without changing anything (it does not
     /// tell the members to stop: they belong to the new leader).
     pub(crate) fn deposed(&self, why: &str) {
+        if let Some(d) = &self.durable {
+            d.deposed.store(true, Ordering::Relaxed);
+        }
         let mut s = self.lock();
         if s.deposed {
             return;

@@ -213,6 +213,18 @@ impl Coordinator for Service {
         }
         if let Some(step) = req.lost {
             s.lost_in_a_row += 1;
+            if let Some(ahead) = req.ahead_epoch.filter(|&e| e > s.epoch)
+                && shared.durable_membership()
+            {
+                // With etcd, a server ahead of this coordinator's epoch is a newer
+                // leader's: this one is deposed, not the job failed.
+                drop(s);
+                shared.deposed(&format!(
+                    "a server refused step {step} in epoch {ahead}, above this \
+                     coordinator's: a newer leader has taken over"
+                ));
+                return Err(PsError::NotLeader { leader: None }.into());
+            }
             if let Some(why) = refusal(&s, step, &req) {
                 tracing::error!("{why}");
                 s.timeline.event(EventKind::Fatal, why.clone());

@@ -4,8 +4,13 @@
 //! succeeds only when the key is absent, attached to a lease it keeps alive. The key's
 //! create revision is the leader's *term*: etcd's revisions only grow, so every later
 //! leader's term is larger, and a deposed leader's writes (each a transaction conditioned
-//! on that revision) fail however late they arrive. A leader that cannot renew its lease
-//! stops acting as one when the lease may have expired, before etcd has even said so.
+//! on that revision) fail however late they arrive.
+//!
+//! A leader that cannot reach etcd cannot tell an etcd that is down (nobody else can lead
+//! either) from one it alone is cut off from (a standby may lead now). It is deposed only
+//! when etcd says its lease is gone; until then [`Leadership::valid`] turns false once
+//! the lease may have expired, and its caller keeps to what stays safe either way: work
+//! the servers' epoch fence refuses once a newer leader has taken over.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -144,21 +149,13 @@ impl Etcd {
     }
 }
 
-/// Renews the lease every third of its TTL. Ends, saying why, when etcd says the lease is
-/// gone, or when no renewal was answered for so long that it may be.
+/// Renews the lease every third of its TTL, and ends, saying why, when etcd says the
+/// lease is gone (it expired: this process was stopped, or cut off from etcd, for longer
+/// than the TTL). An etcd that does not answer ends nothing: renewals go on.
 async fn keep_alive(l: Leadership, lost: watch::Sender<Option<String>>) {
     let period = l.ttl / 3;
     let mut stream = None;
     loop {
-        if !l.valid() {
-            let why = format!(
-                "lease {:x} on {} was not renewed for {:?} (etcd unreachable, or this \
-                 process was stopped): another coordinator may lead now",
-                l.lease, l.key, l.ttl
-            );
-            lost.send_replace(Some(why));
-            return;
-        }
         let sent = Instant::now();
         if stream.is_none() {
             let mut client = l.etcd.client.clone();
@@ -221,8 +218,7 @@ impl Leadership {
         self.ttl
     }
 
-    /// Whether the lease is surely alive now. A leader grants steps and decides only
-    /// while it is.
+    /// Whether the lease is surely alive now (a renewal answered within the TTL).
     pub fn valid(&self) -> bool {
         self.valid_until
             .lock()
@@ -230,7 +226,8 @@ impl Leadership {
             .unwrap_or(false)
     }
 
-    /// Why this process no longer leads, once it does not.
+    /// Why this process no longer leads, once etcd has said so (or a fenced write was
+    /// refused).
     pub fn lost(&self) -> watch::Receiver<Option<String>> {
         self.lost.clone()
     }
@@ -241,12 +238,6 @@ impl Leadership {
     pub async fn put(&self, name: &str, value: Vec<u8>) -> Result<i64, EtcdError> {
         if let Some(why) = self.lost.borrow().clone() {
             return Err(EtcdError::Deposed(why));
-        }
-        if !self.valid() {
-            return Err(EtcdError::Deposed(format!(
-                "lease {:x} on {} not renewed within {:?}",
-                self.lease, self.key, self.ttl
-            )));
         }
         let key = self.etcd.key(name);
         let txn = Txn::new()

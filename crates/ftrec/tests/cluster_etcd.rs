@@ -501,3 +501,120 @@ fn an_unreachable_etcd_another_jobs_prefix_and_a_changed_job_file_are_refused() 
     // The refusals wrote nothing: the claim is job a's.
     assert_eq!(claim(), claimed);
 }
+
+#[test]
+fn training_goes_on_while_etcd_is_frozen_and_nothing_is_lost_when_it_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let etcd = etcd(dir.path());
+    let expected = single_process_digest(&data, "2000");
+    let run_dir = dir.path().join("run");
+    let prefix = "/ftrec/frozen-etcd";
+    let (endpoint, data_dir, run) = (etcd.endpoint.clone(), data.clone(), run_dir.clone());
+    let cluster = std::thread::spawn(move || {
+        let prefix_set = format!("cluster.etcd_prefix=\"{prefix}\"");
+        run_with_etcd(
+            &data_dir,
+            &run,
+            &endpoint,
+            "2000",
+            &["--ft", "ec", "--set", &prefix_set],
+        )
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client = rt
+        .block_on(ftrec_etcd::Etcd::connect(&ftrec_etcd::EtcdOptions {
+            endpoints: vec![etcd.endpoint.clone()],
+            prefix: prefix.into(),
+            request_timeout: Duration::from_secs(2),
+        }))
+        .unwrap();
+    let started = Instant::now();
+    let before = loop {
+        if let Some(steps) = record(&client, &rt).and_then(|r| r["settled_through"].as_u64())
+            && steps >= 100
+        {
+            break steps;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "training never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Frozen for twice the lease: nobody can reach etcd, and nothing needs a decision.
+    let stop = |sig: &str| {
+        let ok = Command::new("kill")
+            .args([&format!("-{sig}"), &etcd.pid().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+    };
+    stop("STOP");
+    std::thread::sleep(Duration::from_secs(6));
+    stop("CONT");
+    let thawed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let started = Instant::now();
+    // The first record written after the thaw says where training got to meanwhile.
+    let after = loop {
+        if let Some(r) = record(&client, &rt)
+            && r["written_at_unix"].as_f64() > Some(thawed)
+        {
+            break r["settled_through"].as_u64().unwrap();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "etcd never answered again"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let report = cluster.join().unwrap();
+    assert!(
+        after >= before + 100,
+        "training went on while etcd was frozen: step {before} before, {after} after"
+    );
+    assert_eq!(report["state_digest"], expected, "{report}");
+    assert_eq!(report["lost_samples"], 0);
+    assert_eq!(report["parity_mismatches"], 0);
+    // The first leader's own record of its throughput: it kept granting after its lease
+    // could no longer be renewed (its first write to fail came a request timeout into
+    // the freeze, about one TTL), while etcd was still frozen.
+    let timeline: Value = serde_json::from_slice(
+        &std::fs::read(run_dir.join("coordinator-0").join("timeline.json")).unwrap(),
+    )
+    .unwrap();
+    let failed_at = timeline["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| {
+            e["detail"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with("etcd does not answer")
+        })
+        .and_then(|e| e["t"].as_f64())
+        .expect("the leader noticed etcd gone");
+    let per_second: Vec<u64> = timeline["samples_per_second"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_u64().unwrap())
+        .collect();
+    let first = failed_at.ceil() as usize;
+    let during: u64 = per_second.iter().skip(first).take(2).sum();
+    assert!(
+        during > 0,
+        "no step settled in seconds {first}..{} of {per_second:?}",
+        first + 2
+    );
+    // A single etcd member frozen past the TTL expires the lease when it returns (etcd
+    // extends leases only when its own leader changes), so a standby may take over once:
+    // at most one failover, and still nothing lost.
+    let failovers = report["coordinator_failovers"].as_array().unwrap().len();
+    assert!(failovers <= 1, "{report}");
+}
