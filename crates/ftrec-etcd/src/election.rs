@@ -32,6 +32,17 @@ pub struct LeaderInfo {
     pub pid: u32,
 }
 
+/// How one round of a campaign went.
+enum Campaign {
+    Won {
+        lease: i64,
+        term: i64,
+        since: Instant,
+    },
+    /// Someone else leads (or nobody, between an expiry and the next campaign).
+    Held(Option<(LeaderInfo, i64)>),
+}
+
 /// This process leads the job until [`Leadership::lost`] says otherwise.
 #[derive(Clone)]
 pub struct Leadership {
@@ -49,10 +60,17 @@ pub struct Leadership {
 impl Etcd {
     /// The coordinator that leads the job now, if any.
     pub async fn leader(&self) -> Result<Option<(LeaderInfo, i64)>, EtcdError> {
+        Ok(self.leader_key().await?.map(|(info, term, _)| (info, term)))
+    }
+
+    /// The leader key: who leads, the key's create revision (the term) and its lease.
+    async fn leader_key(&self) -> Result<Option<(LeaderInfo, i64, i64)>, EtcdError> {
         let key = self.key("leader");
-        let mut client = self.client.clone();
         let reply = self
-            .call("finding the leader", &key, client.get(key.as_str(), None))
+            .call("finding the leader", &key, |mut c| {
+                let key = key.clone();
+                async move { c.get(key, None).await }
+            })
             .await?;
         let Some(kv) = reply.kvs().first() else {
             return Ok(None);
@@ -61,7 +79,7 @@ impl Etcd {
             key: key.clone(),
             error: e.to_string(),
         })?;
-        Ok(Some((info, kv.create_revision())))
+        Ok(Some((info, kv.create_revision(), kv.lease())))
     }
 
     /// Becomes the leader. With `standby`, waits for the current leader's key to go (its
@@ -78,32 +96,29 @@ impl Etcd {
         let ttl_s = ttl.as_secs().max(1) as i64;
         let value = to_json(me, &key)?;
         let mut told: Option<LeaderInfo> = None;
+        let mut failing = false;
         loop {
-            let mut client = self.client.clone();
-            let before = Instant::now();
-            let lease = self
-                .call("granting a lease", &key, client.lease_grant(ttl_s, None))
-                .await?
-                .id();
-            let txn = Txn::new()
-                .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
-                .and_then([TxnOp::put(
-                    key.as_str(),
-                    value.clone(),
-                    Some(PutOptions::new().with_lease(lease)),
-                )]);
-            let reply = self
-                .call("campaigning for leader", &key, client.txn(txn))
-                .await?;
-            if reply.succeeded() {
-                let term = reply.header().map_or(0, |h| h.revision());
-                return self.lead(key, lease, term, ttl, before).await;
-            }
-            // Not ours: give the lease back at once rather than let it linger for a TTL.
-            let _ = self
-                .call("revoking a lease", &key, client.lease_revoke(lease))
-                .await;
-            let holder = self.leader().await?;
+            let round = self.campaign_round(&key, &value, ttl_s).await;
+            let holder = match round {
+                Ok(Campaign::Won { lease, term, since }) => {
+                    return self.lead(key, lease, term, ttl, since).await;
+                }
+                Ok(Campaign::Held(holder)) => {
+                    failing = false;
+                    holder
+                }
+                // A standby outlives an etcd that does not answer for a while (a member
+                // restarting, a lost quorum); a coordinator starting without one says so.
+                Err(e @ (EtcdError::Request { .. } | EtcdError::Timeout { .. })) if standby => {
+                    if !failing {
+                        tracing::warn!("standby: {e}; trying again");
+                        failing = true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             match holder {
                 Some((info, _)) if !standby => {
                     return Err(EtcdError::LeaderHeld {
@@ -123,6 +138,57 @@ impl Etcd {
             // expires, for ten small reads a second from one standby.
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// One try: a lease, then the leader key if absent. An attempt whose reply was lost
+    /// but which did create the key (its lease is this round's) is a win too.
+    async fn campaign_round(
+        &self,
+        key: &str,
+        value: &[u8],
+        ttl_s: i64,
+    ) -> Result<Campaign, EtcdError> {
+        let since = Instant::now();
+        let lease = self
+            .call("granting a lease", key, |mut c| async move {
+                c.lease_grant(ttl_s, None).await
+            })
+            .await?
+            .id();
+        let txn = Txn::new()
+            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key,
+                value.to_vec(),
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        let reply = self
+            .call("campaigning for leader", key, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
+        if reply.succeeded() {
+            let term = reply.header().map_or(0, |h| h.revision());
+            return Ok(Campaign::Won { lease, term, since });
+        }
+        let holder = self.leader_key().await?;
+        if let Some((_, term, holder_lease)) = &holder
+            && *holder_lease == lease
+        {
+            return Ok(Campaign::Won {
+                lease,
+                term: *term,
+                since,
+            });
+        }
+        // Not ours: give the lease back at once rather than let it linger for a TTL.
+        let _ = self
+            .call("revoking a lease", key, |mut c| async move {
+                c.lease_revoke(lease).await
+            })
+            .await;
+        Ok(Campaign::Held(holder.map(|(info, term, _)| (info, term))))
     }
 
     async fn lead(
@@ -158,14 +224,12 @@ async fn keep_alive(l: Leadership, lost: watch::Sender<Option<String>>) {
     loop {
         let sent = Instant::now();
         if stream.is_none() {
-            let mut client = l.etcd.client.clone();
+            let lease = l.lease;
             stream = l
                 .etcd
-                .call(
-                    "renewing the lease",
-                    &l.key,
-                    client.lease_keep_alive(l.lease),
-                )
+                .call("renewing the lease", &l.key, |mut c| async move {
+                    c.lease_keep_alive(lease).await
+                })
                 .await
                 .ok();
         }
@@ -247,10 +311,12 @@ impl Leadership {
                 self.term,
             )])
             .and_then([TxnOp::put(key.as_str(), value, None)]);
-        let mut client = self.etcd.client.clone();
         let reply = self
             .etcd
-            .call("a fenced write", &key, client.txn(txn))
+            .call("a fenced write", &key, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
             .await?;
         if !reply.succeeded() {
             return Err(EtcdError::Deposed(format!(
@@ -265,10 +331,12 @@ impl Leadership {
     /// Gives up leadership at once (a clean exit): a standby takes over without waiting
     /// out the TTL.
     pub async fn resign(&self) {
-        let mut client = self.etcd.client.clone();
+        let lease = self.lease;
         let _ = self
             .etcd
-            .call("resigning", &self.key, client.lease_revoke(self.lease))
+            .call("resigning", &self.key, |mut c| async move {
+                c.lease_revoke(lease).await
+            })
             .await;
     }
 }

@@ -81,11 +81,17 @@ impl Etcd {
             prefix: opts.prefix.clone(),
             timeout: t,
         };
-        let mut probe = etcd.client.clone();
-        tokio::time::timeout(t, probe.get(etcd.key("job"), None))
-            .await
-            .map_err(|_| unreachable(format!("no answer within {t:?}")))?
-            .map_err(|e| unreachable(e.to_string()))?;
+        let key = etcd.key("job");
+        etcd.call("probing", &key, |mut c| {
+            let key = key.clone();
+            async move { c.get(key, None).await }
+        })
+        .await
+        .map_err(|e| match e {
+            EtcdError::Timeout { .. } => unreachable(format!("no answer within {t:?}")),
+            EtcdError::Request { error, .. } => unreachable(error),
+            other => other,
+        })?;
         Ok(etcd)
     }
 
@@ -99,26 +105,47 @@ impl Etcd {
     }
 
     /// Runs one etcd call within the request timeout; errors name `what` and `key`.
-    pub(crate) async fn call<T>(
+    ///
+    /// A call that fails in transport is made again (on a fresh pick of endpoint) until
+    /// the timeout is spent: the client balances over every endpoint and does not route
+    /// around a dead member by itself, so with one member of three down a third of the
+    /// calls would fail. Every call made here may be repeated: reads, idempotent puts,
+    /// transactions whose retry finds what the first attempt did.
+    pub(crate) async fn call<T, F, Fut>(
         &self,
         what: &'static str,
         key: &str,
-        call: impl Future<Output = Result<T, etcd_client::Error>>,
-    ) -> Result<T, EtcdError> {
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(EtcdError::Request {
+        mut call: F,
+    ) -> Result<T, EtcdError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        loop {
+            let attempt = tokio::time::timeout_at(deadline, call(self.client.clone())).await;
+            let error = match attempt {
+                Ok(Ok(v)) => return Ok(v),
+                Ok(Err(e)) if transient(&e) && tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+                Ok(Err(e)) => e,
+                Err(_) => {
+                    return Err(EtcdError::Timeout {
+                        endpoints: self.endpoints.clone(),
+                        what,
+                        key: key.to_string(),
+                        limit: self.timeout,
+                    });
+                }
+            };
+            return Err(EtcdError::Request {
                 endpoints: self.endpoints.clone(),
                 what,
                 key: key.to_string(),
-                error: e.to_string(),
-            }),
-            Err(_) => Err(EtcdError::Timeout {
-                endpoints: self.endpoints.clone(),
-                what,
-                key: key.to_string(),
-                limit: self.timeout,
-            }),
+                error: error.to_string(),
+            });
         }
     }
 
@@ -132,8 +159,12 @@ impl Etcd {
             .when([Compare::version(key.as_str(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(key.as_str(), value, None)])
             .or_else([TxnOp::get(key.as_str(), None)]);
-        let mut client = self.client.clone();
-        let reply = self.call("claiming the job", &key, client.txn(txn)).await?;
+        let reply = self
+            .call("claiming the job", &key, |mut c| {
+                let txn = txn.clone();
+                async move { c.txn(txn).await }
+            })
+            .await?;
         if reply.succeeded() {
             return Ok(());
         }
@@ -165,9 +196,11 @@ impl Etcd {
         name: &str,
     ) -> Result<Option<(T, i64)>, EtcdError> {
         let key = self.key(name);
-        let mut client = self.client.clone();
         let reply = self
-            .call("reading", &key, client.get(key.as_str(), None))
+            .call("reading", &key, |mut c| {
+                let key = key.clone();
+                async move { c.get(key, None).await }
+            })
             .await?;
         let Some(kv) = reply.kvs().first() else {
             return Ok(None);
@@ -182,18 +215,32 @@ impl Etcd {
     /// How many keys the job has under its prefix (for reports and tests).
     pub async fn key_count(&self) -> Result<i64, EtcdError> {
         let prefix = format!("{}/", self.prefix);
-        let mut client = self.client.clone();
         let reply = self
-            .call(
-                "counting keys",
-                &prefix,
-                client.get(
-                    prefix.as_str(),
-                    Some(GetOptions::new().with_prefix().with_count_only()),
-                ),
-            )
+            .call("counting keys", &prefix, |mut c| {
+                let prefix = prefix.clone();
+                async move {
+                    c.get(
+                        prefix,
+                        Some(GetOptions::new().with_prefix().with_count_only()),
+                    )
+                    .await
+                }
+            })
             .await?;
         Ok(reply.count())
+    }
+}
+
+/// An error another endpoint (or a moment later) may not give.
+fn transient(e: &etcd_client::Error) -> bool {
+    use etcd_client::Error as E;
+    match e {
+        E::TransportError(_) | E::IoError(_) => true,
+        E::GRpcStatus(s) => matches!(
+            s.code(),
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::DeadlineExceeded
+        ),
+        _ => false,
     }
 }
 

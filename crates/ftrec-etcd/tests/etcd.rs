@@ -151,14 +151,17 @@ async fn three_members_survive_one_killed() {
         .unwrap();
     leader.put("state", b"1".to_vec()).await.unwrap();
     members[0].kill();
-    // The lease stays alive through the loss, and writes go on.
-    for i in 2..6u32 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    // Writes go on through the loss (a call that picks the dead member is made again on
+    // another), and the leader keeps its lease. A renewal may miss while the remaining
+    // members elect a new raft leader, so `valid` may blink; being deposed may not.
+    for i in 2..8u32 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
         leader
             .put("state", i.to_string().into_bytes())
             .await
             .unwrap();
-        assert!(leader.valid());
     }
     assert!(leader.lost().borrow().is_none());
+    let (v, _) = etcd.get_json::<u32>("state").await.unwrap().unwrap();
+    assert_eq!(v, 7);
 }

@@ -13,6 +13,7 @@ use ec::BenchEcArgs;
 
 pub mod ckpt;
 pub mod cluster;
+pub mod coordinator;
 pub mod cpr;
 pub mod ec;
 pub mod faults;
@@ -39,6 +40,11 @@ pub enum BenchCommand {
     /// `--ft`, each against the same run without the fault: time to detect, time to
     /// resume, slowdown, exactness (`tools/netns-harness.sh sweep`).
     Faults(faults::BenchFaultsArgs),
+    /// The coordinator in etcd: samples/s against embedded (interleaved rounds), SIGKILL
+    /// of the leader to the first step under the next, a leader lost mid-rebuild, and a
+    /// 3-member etcd losing a member; every faulted run checked against the same run
+    /// uninterrupted.
+    Coordinator(coordinator::BenchCoordinatorArgs),
 }
 
 #[derive(Args, Debug)]
