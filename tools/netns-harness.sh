@@ -13,6 +13,9 @@
 #        [--faults link-down,partition,loss,freeze,zombie] [--fts ec,checkpoint,partial]
 #        [--loss-steps N] [--loss-at A-B]
 #   tools/netns-harness.sh ci          # one trial per fault under --ft ec, asserting issue 21's goals
+#   tools/netns-harness.sh coordinator [--at S] [--cont S] [--steps N]
+#        # the coordinator in etcd (issue 22): the leader's host taken off the network
+#        # (tools/netns-coordinator.sh)
 #
 # Faults (J = --server, default 1; the namespaces are P-c, P-s0..P-s2, P-sp, P-w0):
 #   none       the baseline
@@ -803,7 +806,11 @@ PY
     return "$rc"
 }
 
+# tools/netns-coordinator.sh reuses the functions above.
+[ "${NETNS_HARNESS_LIB:-0}" = 1 ] && return 0
+
 case ${1:-} in
+    coordinator) shift; exec "$ROOT/tools/netns-coordinator.sh" "$@" ;;
     run) shift; cmd_run "$@" ;;
     sweep) shift; cmd_sweep "$@" ;;
     ci) shift; cmd_ci "$@" ;;
