@@ -37,10 +37,16 @@ pub(super) enum Task {
 
 pub(super) async fn control_loop(shared: Arc<Shared>) {
     let tick = Duration::from_millis(20);
+    let timeout = Duration::from_millis(shared.job.config.cluster.failure_timeout_ms);
+    let mut last_tick = tokio::time::Instant::now();
     loop {
         tokio::time::sleep(tick).await;
+        let stalled = std::mem::replace(&mut last_tick, tokio::time::Instant::now()).elapsed();
         let task = {
             let mut s = shared.lock();
+            if stalled > timeout / 2 {
+                forgive_own_stall(&mut s, stalled);
+            }
             if s.stopping && s.phase == Phase::Done {
                 // Keep answering heartbeats with `stop` until the process exits.
                 continue;
@@ -59,7 +65,12 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
             if !shared.leading() {
                 continue;
             }
-            detect_failures(&shared, &mut s);
+            // Declaring a member dead is a decision: with etcd membership, only while the
+            // lease is surely this coordinator's. One that was frozen or cut off past its
+            // lease learns it was deposed before it could fence live members.
+            if shared.may_decide() {
+                detect_failures(&shared, &mut s);
+            }
             if s.busy { None } else { plan(&shared, &mut s) }
         };
         if let Some(task) = task {
@@ -103,6 +114,30 @@ async fn probe_servers(shared: Arc<Shared>, targets: Vec<(usize, String)>) {
             );
         }
     }
+}
+
+/// This coordinator did not run for `stalled` (SIGSTOP, a host that swapped or lost its
+/// CPU): the members' silence over that time is its own, not theirs. Each gets a fresh
+/// failure timeout; one that is really gone is declared dead one timeout later.
+fn forgive_own_stall(s: &mut State, stalled: Duration) {
+    let now = tokio::time::Instant::now();
+    for m in s.servers.iter_mut().chain(s.workers.iter_mut()) {
+        if m.last_seen.is_some() {
+            m.last_seen = Some(now);
+        }
+    }
+    for spare in s.spares.iter_mut() {
+        if spare.member.last_seen.is_some() {
+            spare.member.last_seen = Some(now);
+        }
+    }
+    s.timeline.event(
+        EventKind::Coordinator,
+        format!(
+            "this coordinator did not run for {stalled:?}: the members' silence over that time \
+             is not counted against them"
+        ),
+    );
 }
 
 fn detect_failures(shared: &Shared, s: &mut State) {
@@ -294,7 +329,7 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 next_step: s.steps.next_step(),
                 ec: shared.job.layout().ok().and_then(|l| l.stripes()),
                 rebuilding: s.rebuilding.iter().map(|&(r, _)| r).collect(),
-                replicate_dense: shared.job.config.ec.replicate_dense,
+                replicate_dense: shared.job.config.dense_replicated(),
                 partial: s.cpr.as_ref().is_some_and(|cpr| cpr.partial()),
             });
             if matches!(action, planner::RecoveryAction::Rollback { .. }) {

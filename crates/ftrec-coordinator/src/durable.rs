@@ -222,6 +222,14 @@ impl Shared {
         })
     }
 
+    /// Whether this coordinator may take a decision now: with etcd membership, only while
+    /// its lease is surely alive (renewed within the TTL). A coordinator that wakes from a
+    /// freeze longer than its lease still `leading()` until etcd answers, and must not
+    /// fence members meanwhile: a newer leader may hold them.
+    pub(crate) fn may_decide(&self) -> bool {
+        self.leading() && self.durable.as_ref().is_none_or(|d| d.leadership.valid())
+    }
+
     /// `cluster.membership = "etcd"`.
     pub(crate) fn durable_membership(&self) -> bool {
         self.durable.is_some()
