@@ -165,7 +165,8 @@ pub struct EcSection {
     pub groups: usize,
     /// Replicate dense parameters and their optimizer state on a second server (ECRec
     /// §3.3). `false` codes each server's dense range as a row of a dense stripe of its
-    /// group instead, its changes sent as differences like embedding rows'.
+    /// group instead, its changes sent as differences like embedding rows'. With `r >= 2`
+    /// the dense ranges are always coded (`JobConfig::dense_replicated`).
     #[serde(default = "yes")]
     pub replicate_dense: bool,
     /// Two-phase commit per step (ECRec §3.5): a server failure mid-step leaves the step

@@ -69,6 +69,15 @@ impl JobConfig {
         self.cluster.ft.erasure_coded() && self.ec.two_phase_commit
     }
 
+    /// Dense ranges are replicated on a second server rather than coded: `ec.replicate_dense`
+    /// at `ec.r = 1` only. One replica cannot outlive two lost servers, and a user who asked
+    /// for `r >= 2` was promised any `r`, so there the dense ranges are coded in dense
+    /// stripes with the rows' `r` (exact for any `r` lost, and cheaper in memory than `r`
+    /// replicas).
+    pub fn dense_replicated(&self) -> bool {
+        self.ec.replicate_dense && self.ec.r < 2
+    }
+
     /// Built-in presets. `tiny`: 26 tables x 100,000 rows x 64, bottom 13-512-256-64, top
     /// 415-512-256-1, batch 2048, SGD lr 0.01 (the benchmark configuration). `demo`: tiny
     /// with Adagrad. `micro`: 26 tables x 1,000 rows x 8, batch 64, row-wise Adagrad and Adam

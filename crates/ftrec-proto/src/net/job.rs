@@ -234,7 +234,7 @@ impl Job {
             let stripes = ftrec_ec::StripeLayout::new(self.config.ec.params(), cluster.servers)
                 .map_err(|e| PsError::Config(e.to_string()))?;
             return Ok(
-                Layout::striped(stripes).with_replicated_dense(self.config.ec.replicate_dense)
+                Layout::striped(stripes).with_replicated_dense(self.config.dense_replicated())
             );
         }
         Layout::new(cluster.servers)
