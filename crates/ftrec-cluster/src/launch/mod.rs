@@ -6,6 +6,7 @@
 pub mod etcd;
 mod kill;
 mod report;
+mod rss;
 mod run_dir;
 mod spawner;
 
@@ -84,6 +85,9 @@ pub struct LaunchReport {
     pub workers: usize,
     /// From each SIGKILL to training resumed (detection included).
     pub kill_to_resume_seconds: Vec<f64>,
+    /// Per server slot, the largest peak resident set (`VmHWM`) of the processes that
+    /// held it, read from `/proc` while the run went on (null where none could be read).
+    pub server_peak_rss_bytes: Vec<Option<u64>>,
     pub auc: Option<f64>,
     pub logloss: Option<f64>,
     pub eval_samples: Option<usize>,
@@ -165,8 +169,16 @@ async fn run_async(
             time_limit,
             run_dir: &run_dir,
         };
-        let kill_times = supervised.run(&mut handle, &on_progress).await?;
-        report::final_report(&job, &shared, kill_times, evaluate, &run_dir).await
+        let mut peaks = rss::PeakRss::new(cluster.servers);
+        let kill_times = supervised
+            .run(&mut handle, &on_progress, &mut peaks)
+            .await?;
+        let mut report =
+            report::final_report(&job, &shared, kill_times, evaluate, &run_dir).await?;
+        // The servers still serve: gathering the model for the report is part of the run.
+        peaks.sample(|role, id| shared.pid_of(role, id));
+        report.server_peak_rss_bytes = peaks.per_server();
+        Ok(report)
     }
     .await;
     shared.stop();
@@ -203,6 +215,7 @@ impl Supervised<'_> {
         &self,
         handle: &mut coordinator::Handle,
         on_progress: &impl Fn(&Progress),
+        peaks: &mut rss::PeakRss,
     ) -> Result<Vec<f64>, PsError> {
         let shared = handle.shared.clone();
         let address = shared.address().to_string();
@@ -221,6 +234,7 @@ impl Supervised<'_> {
         let mut training_start: Option<Instant> = None;
         loop {
             self.spawner.reap_exited();
+            peaks.sample(|role, id| shared.pid_of(role, id));
             for (name, pid) in self
                 .spawner
                 .kill_superseded(|role, id| shared.pid_of(role, id))

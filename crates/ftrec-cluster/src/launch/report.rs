@@ -70,6 +70,8 @@ pub async fn final_report(
         servers: cluster.servers,
         workers: cluster.workers,
         kill_to_resume_seconds: kill_to_resume,
+        // The launcher samples `/proc` as the run goes; it fills these in.
+        server_peak_rss_bytes: Vec::new(),
         auc,
         logloss,
         eval_samples,

@@ -51,6 +51,11 @@ pub struct BenchEcArgs {
     /// after the other.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// Also run the SIGKILL under erasure coding with every table's rows multiplied by
+    /// each factor (e.g. `--scale 1,4`), one run per factor per round: resume must not grow
+    /// with the shard, and the rebuild rate should not fall.
+    #[arg(long, value_delimiter = ',')]
+    pub scale: Vec<usize>,
     #[arg(long)]
     pub json: bool,
 }
@@ -70,6 +75,8 @@ struct Round {
     ec_no_replication: LaunchReport,
     ec_kill: LaunchReport,
     ckpt_kill: LaunchReport,
+    /// `--scale`: the same SIGKILL at each factor of the rows.
+    scaled: Vec<LaunchReport>,
 }
 
 /// A figure over the rounds: its median, its spread and every value (null where a round
@@ -147,6 +154,11 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
     };
     let mut coded_dense = with(FaultTolerance::Ec, true);
     coded_dense.ec.replicate_dense = false;
+    let scaled_configs: Vec<JobConfig> = a
+        .scale
+        .iter()
+        .map(|&factor| scaled(&with(FaultTolerance::Ec, true), factor))
+        .collect::<Result<_>>()?;
     let mut rounds = Vec::new();
     for r in 1..=a.rounds {
         let name = |n: &str| format!("{n}-r{r}");
@@ -167,6 +179,12 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
                 &name("checkpoint-kill"),
                 true,
             )?,
+            scaled: a
+                .scale
+                .iter()
+                .zip(&scaled_configs)
+                .map(|(factor, c)| run_one(&a, c, &name(&format!("ec-kill-x{factor}")), true))
+                .collect::<Result<_>>()?,
         });
     }
     let figures: Vec<RoundFigures> = rounds
@@ -221,6 +239,19 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
         "resume_speedup": across(&|f| f.ckpt_recovery.zip(f.kill_to_resume).map(|(c, e)| c / e)),
         "full_redundancy_speedup": across(&|f| f.ckpt_recovery.zip(f.kill_to_full_redundancy).map(|(c, e)| c / e)),
         "memory_overhead": extra_bytes as f64 / model_bytes as f64,
+        // The same, measured: what the servers' peak resident sets (`/proc`, VmHWM,
+        // summed over the servers) grew by from `none` to `ec` in the same round, over
+        // the model's bytes. It counts what the layout leaves out (2PC's staged
+        // differences, buffers, allocator slack).
+        "memory_overhead_measured": across(&|f| f.rss_none.zip(f.rss_ec).map(|(none, ec)| {
+            (ec as f64 - none as f64) / model_bytes as f64
+        })),
+        "model_bytes": model_bytes,
+        "redundancy_bytes": extra_bytes,
+        "server_peak_rss_bytes": {
+            "none": across(&|f| f.rss_none.map(|b| b as f64)),
+            "ec": across(&|f| f.rss_ec.map(|b| b as f64)),
+        },
         "parity_mismatches": rounds.iter().map(|r| [
             r.ec.parity_mismatches,
             r.ec_no_2pc.parity_mismatches,
@@ -237,8 +268,55 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
             r.ec_kill.replica_mismatches,
         ]).collect::<Vec<_>>(),
         "lost_samples": rounds.iter().map(|r| r.ec_kill.summary.lost_samples).collect::<Vec<_>>(),
+        "scale": scale_figures(&a.scale, &rounds, &scaled_configs)?,
     });
     super::write_summary(&a.out, summary, a.json)
+}
+
+/// Every table's rows multiplied by `factor`.
+fn scaled(config: &JobConfig, factor: usize) -> Result<JobConfig> {
+    if factor == 0 {
+        anyhow::bail!("--scale factors must be at least 1");
+    }
+    let mut c = config.clone();
+    let rows = c.model_config()?.table_rows;
+    c.model.table_rows = rows.iter().map(|&r| r * factor).collect();
+    c.model.num_tables = rows.len();
+    c.fits_in_memory(0)?;
+    Ok(c)
+}
+
+/// `--scale`: per factor, the state rebuilt, the SIGKILL to resume, the rebuild's time and
+/// rate, and the throughput, each over the rounds.
+fn scale_figures(
+    factors: &[usize],
+    rounds: &[Round],
+    configs: &[JobConfig],
+) -> Result<serde_json::Value> {
+    let mut by_factor = serde_json::Map::new();
+    for (i, (factor, config)) in factors.iter().zip(configs).enumerate() {
+        let runs: Vec<&LaunchReport> = rounds.iter().map(|r| &r.scaled[i]).collect();
+        let of = |f: &dyn Fn(&LaunchReport) -> Option<f64>| {
+            over_rounds(runs.iter().map(|r| f(r)).collect())
+        };
+        let recovery = |r: &LaunchReport| r.summary.recoveries.first().cloned();
+        let (model_bytes, _) = redundancy_bytes(config)?;
+        by_factor.insert(
+            format!("x{factor}"),
+            json!({
+                "rows_per_table": config.model_config()?.table_rows.first(),
+                "model_bytes": model_bytes,
+                "kill_to_resume_seconds": of(&|r| r.kill_to_resume_seconds.first().copied()),
+                "rebuild_bytes": of(&|r| recovery(r).map(|x| x.rebuild_bytes as f64)),
+                "rebuild_seconds": of(&|r| recovery(r).map(|x| x.rebuild_seconds)),
+                "rebuild_bytes_per_sec": of(&|r| recovery(r).map(|x| x.rebuild_bytes as f64 / x.rebuild_seconds.max(1e-9))),
+                "samples_per_sec": of(&|r| Some(r.summary.samples_per_sec)),
+                "parity_mismatches": runs.iter().map(|r| r.parity_mismatches).collect::<Vec<_>>(),
+                "lost_samples": runs.iter().map(|r| r.summary.lost_samples).collect::<Vec<_>>(),
+            }),
+        );
+    }
+    Ok(serde_json::Value::Object(by_factor))
 }
 
 /// One round's figures.
@@ -259,6 +337,16 @@ struct RoundFigures {
     ckpt_resume: Option<f64>,
     ckpt_step_seconds: f64,
     ckpt_recovery: Option<f64>,
+    /// The servers' peak resident sets summed, or `None` where one could not be read.
+    rss_none: Option<u64>,
+    rss_ec: Option<u64>,
+}
+
+fn summed_peak_rss(r: &LaunchReport) -> Option<u64> {
+    if r.server_peak_rss_bytes.is_empty() {
+        return None;
+    }
+    r.server_peak_rss_bytes.iter().copied().sum()
 }
 
 fn round_figures(r: &Round, config: &JobConfig, checkpoint_every: u64) -> RoundFigures {
@@ -303,6 +391,8 @@ fn round_figures(r: &Round, config: &JobConfig, checkpoint_every: u64) -> RoundF
         ckpt_resume,
         ckpt_step_seconds,
         ckpt_recovery: ckpt_resume.map(|k| k + checkpoint_every as f64 / 2.0 * ckpt_step_seconds),
+        rss_none: summed_peak_rss(&r.none),
+        rss_ec: summed_peak_rss(&r.ec),
     }
 }
 

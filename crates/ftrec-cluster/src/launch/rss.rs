@@ -1,0 +1,79 @@
+//! Peak resident memory of each server slot, read from `/proc` while the cluster runs: the
+//! memory a redundancy scheme really takes (allocator slack, buffers, the runtime), not
+//! what its layout says it should.
+
+use std::path::Path;
+
+use ftrec_proto::proto::Role;
+
+/// The largest `VmHWM` seen per server slot, over every process that held it.
+#[derive(Debug, Default)]
+pub(super) struct PeakRss {
+    per_server: Vec<Option<u64>>,
+}
+
+impl PeakRss {
+    pub(super) fn new(servers: usize) -> Self {
+        Self {
+            per_server: vec![None; servers],
+        }
+    }
+
+    /// Reads the peak of each slot's current process (`pid_of`); a process that has
+    /// exited or a host without `/proc` leaves the slot as it was.
+    pub(super) fn sample(&mut self, pid_of: impl Fn(Role, usize) -> Option<u32>) {
+        for (id, peak) in self.per_server.iter_mut().enumerate() {
+            let Some(bytes) = pid_of(Role::Server, id).and_then(read_peak_rss) else {
+                continue;
+            };
+            *peak = Some(peak.map_or(bytes, |p| p.max(bytes)));
+        }
+    }
+
+    pub(super) fn per_server(&self) -> Vec<Option<u64>> {
+        self.per_server.clone()
+    }
+}
+
+/// A process's peak resident set (`VmHWM` in `/proc/PID/status`), in bytes.
+fn read_peak_rss(pid: u32) -> Option<u64> {
+    let status =
+        std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("status")).ok()?;
+    parse_vm_hwm(&status)
+}
+
+fn parse_vm_hwm(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let mut fields = line["VmHWM:".len()..].split_whitespace();
+    let value: u64 = fields.next()?.parse().ok()?;
+    match fields.next() {
+        Some("kB") => Some(value * 1024),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_peak_in_bytes() {
+        let status = "Name:\tftrec\nVmPeak:\t  900 kB\nVmHWM:\t   12345 kB\nVmRSS:\t 100 kB\n";
+        assert_eq!(parse_vm_hwm(status), Some(12345 * 1024));
+        assert_eq!(parse_vm_hwm("VmHWM:\t12 MB\n"), None);
+        assert_eq!(parse_vm_hwm("VmRSS:\t12 kB\n"), None);
+    }
+
+    #[test]
+    fn keeps_the_largest_peak_of_each_slot() {
+        let me = std::process::id();
+        let mut peaks = PeakRss::new(2);
+        peaks.sample(|_, id| (id == 0).then_some(me));
+        let first = peaks.per_server()[0].expect("this process has a /proc entry");
+        assert!(first > 0);
+        assert_eq!(peaks.per_server()[1], None);
+        // Held: a later sample of a process with no entry changes nothing.
+        peaks.sample(|_, _| Some(u32::MAX));
+        assert_eq!(peaks.per_server()[0], Some(first));
+    }
+}
