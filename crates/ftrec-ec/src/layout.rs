@@ -166,6 +166,16 @@ impl StripeLayout {
             .div_ceil(self.params.groups)
     }
 
+    /// Whole cycles of `server`'s slots in which every slot holds a stripe: its data slots
+    /// below `full_cycles * k` and parity slots below `full_cycles * r` are never padding.
+    /// Lets a caller treat the bulk of a shard as one range and test slot by slot only the
+    /// last, partly used cycle (a replacement marks every slot pending without a pass over
+    /// the shard, so its resume does not grow with the shard).
+    pub fn full_cycles(&self, server: usize, rows: usize) -> usize {
+        let (g, _) = self.group_of_server(server);
+        self.group_stripes(g, rows) / self.group(g).1
+    }
+
     /// Data and parity slots `server` allocates for a `rows`-row table: whole cycles, so
     /// some trailing slots may be padding.
     pub fn capacity(&self, server: usize, rows: usize) -> (usize, usize) {
@@ -274,6 +284,16 @@ mod tests {
                     .map(|&s| layout.group_of_server(s).0)
                     .collect();
                 prop_assert_eq!(groups.len(), 1);
+            }
+            // Every slot of the full cycles holds a stripe.
+            for s in 0..servers {
+                let full = layout.full_cycles(s, rows);
+                for local in 0..full * params.k {
+                    prop_assert!(layout.data_at(table, s, local, rows).is_some());
+                }
+                for local in 0..full * params.r {
+                    prop_assert!(layout.parity_at(table, s, local, rows).is_some());
+                }
             }
             // Slots that hold no stripe are reported as such.
             for s in 0..servers {

@@ -359,14 +359,22 @@ impl Core {
             .collect();
         let mut pending = Pending::new(&config.table_rows, &parity_slots);
         let mut tables = Vec::with_capacity(global.tables());
+        let (k, r) = (stripes.params.k, stripes.params.r);
         for (t, &rows) in global.table_rows.iter().enumerate() {
             let local_rows = config.table_rows[t];
-            for local in 0..local_rows {
+            // Nothing here may take time in proportion to the shard: training waits for
+            // it. The full cycles are marked a word at a time; only the last, partly
+            // padded cycle is tested slot by slot (resume was 0.38 s at 100k rows per
+            // table and 0.56 s at 400k with a test per slot).
+            let full = stripes.full_cycles(me, rows);
+            pending.mark_data_range(t, 0..full * k);
+            for local in (full * k).min(local_rows)..local_rows {
                 if stripes.data_at(t, me, local, rows).is_some() {
                     pending.mark_data(t, local);
                 }
             }
-            for local in 0..parity_slots[t] {
+            pending.mark_parity_range(t, 0..full * r);
+            for local in (full * r).min(parity_slots[t])..parity_slots[t] {
                 if stripes.parity_at(t, me, local, rows).is_some() {
                     pending.mark_parity(t, local);
                 }
