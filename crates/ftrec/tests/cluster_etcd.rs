@@ -245,6 +245,25 @@ fn spawn(args: &[&str], out: &Path) -> Child {
         .unwrap()
 }
 
+/// The 3 servers and 2 workers of a job started by hand; `find` says how they find the
+/// coordinator (`--etcd URL` or `--coordinator ADDRESS`). Logs go beside `dir`'s files.
+fn spawn_members(dir: &Path, job: &str, find: &[&str]) -> Vec<Child> {
+    [
+        ("server", "0"),
+        ("server", "1"),
+        ("server", "2"),
+        ("worker", "0"),
+        ("worker", "1"),
+    ]
+    .into_iter()
+    .map(|(role, id)| {
+        let mut args = vec![role, "--job", job, "--id", id];
+        args.extend(find);
+        spawn(&args, &dir.join(format!("{role}-{id}")))
+    })
+    .collect()
+}
+
 fn signal(child: &Child, name: &str) {
     let ok = Command::new("kill")
         .args([&format!("-{name}"), &child.id().to_string()])
@@ -332,20 +351,7 @@ fn a_frozen_leader_is_deposed_and_changes_nothing_when_it_wakes() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let mut second = coordinator("c2", true);
-    let mut members = Vec::new();
-    for (role, id) in [
-        ("server", "0"),
-        ("server", "1"),
-        ("server", "2"),
-        ("worker", "0"),
-        ("worker", "1"),
-    ] {
-        let out = dir.path().join(format!("{role}-{id}"));
-        members.push(spawn(
-            &[role, "--job", job_s, "--etcd", e, "--id", id],
-            &out,
-        ));
-    }
+    let members = spawn_members(dir.path(), job_s, &["--etcd", e]);
     // Freeze the leader once training is under way.
     let started = Instant::now();
     while record(&client, &rt).is_none_or(|r| r["settled_through"].as_u64() < Some(100)) {
@@ -698,20 +704,7 @@ fn a_coordinator_frozen_past_the_failure_timeout_fences_no_one_when_it_wakes() {
         &out,
     );
     let address = listening_address(&out.with_extension("log"));
-    let mut members = Vec::new();
-    for (role, id) in [
-        ("server", "0"),
-        ("server", "1"),
-        ("server", "2"),
-        ("worker", "0"),
-        ("worker", "1"),
-    ] {
-        let log = dir.path().join(format!("{role}-{id}"));
-        members.push(spawn(
-            &[role, "--job", job_s, "--coordinator", &address, "--id", id],
-            &log,
-        ));
-    }
+    let members = spawn_members(dir.path(), job_s, &["--coordinator", &address]);
     // Under way, then frozen for three failure timeouts (1 s each).
     std::thread::sleep(Duration::from_secs(2));
     signal(&coordinator, "STOP");
