@@ -3,18 +3,21 @@
 //! run ends exactly where `ftrec train` does; a deposed leader changes nothing; bad
 //! endpoints, another job's prefix and a changed job file are refused by name.
 
+#[path = "support/by_hand.rs"]
+mod by_hand;
 #[path = "support/cli.rs"]
 mod cli;
 #[path = "support/cluster.rs"]
 mod cluster_support;
 
 use std::io::Read;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use by_hand::{hand_job, listening_address, signal, spawn, spawn_members, wait_exit};
 use cli::{BIN, ftrec, json_of, setup};
 use cluster_support::{model, single_process_digest};
 
@@ -199,89 +202,6 @@ fn a_new_leader_rolls_back_to_a_cut_the_old_one_committed() {
         Some(resumed) >= newest_old_cut,
         "rolled back to {resumed}, behind the old leader's cut {newest_old_cut:?}: {report}"
     );
-}
-
-/// A job file for processes started by hand, `steps` long, with its etcd prefix.
-fn hand_job(dir: &Path, data: &str, name: &str, steps: u64, extra: &[&str]) -> PathBuf {
-    let run = dir.join(name);
-    let mut args = vec![
-        "cluster",
-        "run",
-        "--data",
-        data,
-        "--steps",
-        "2",
-        "--servers",
-        "3",
-        "--workers",
-        "2",
-        "--ft",
-        "ec",
-        "--deterministic",
-        "--no-eval",
-        "--run-dir",
-        run.to_str().unwrap(),
-        "--json",
-    ];
-    args.extend(model());
-    args.extend(extra);
-    json_of(&ftrec(&args));
-    let job = run.join("job.toml");
-    let text = std::fs::read_to_string(&job).unwrap();
-    std::fs::write(
-        &job,
-        text.replace("steps = 2\n", &format!("steps = {steps}\n")),
-    )
-    .unwrap();
-    job
-}
-
-fn spawn(args: &[&str], out: &Path) -> Child {
-    Command::new(BIN)
-        .args(args)
-        .stdout(std::fs::File::create(out.with_extension("json")).unwrap())
-        .stderr(std::fs::File::create(out.with_extension("log")).unwrap())
-        .spawn()
-        .unwrap()
-}
-
-/// The 3 servers and 2 workers of a job started by hand; `find` says how they find the
-/// coordinator (`--etcd URL` or `--coordinator ADDRESS`). Logs go beside `dir`'s files.
-fn spawn_members(dir: &Path, job: &str, find: &[&str]) -> Vec<Child> {
-    [
-        ("server", "0"),
-        ("server", "1"),
-        ("server", "2"),
-        ("worker", "0"),
-        ("worker", "1"),
-    ]
-    .into_iter()
-    .map(|(role, id)| {
-        let mut args = vec![role, "--job", job, "--id", id];
-        args.extend(find);
-        spawn(&args, &dir.join(format!("{role}-{id}")))
-    })
-    .collect()
-}
-
-fn signal(child: &Child, name: &str) {
-    let ok = Command::new("kill")
-        .args([&format!("-{name}"), &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -{name}");
-}
-
-fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
-    let started = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(started.elapsed() < limit, "no exit within {limit:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn record(client: &ftrec_etcd::Etcd, rt: &tokio::runtime::Runtime) -> Option<Value> {
@@ -654,25 +574,6 @@ fn training_goes_on_while_etcd_is_frozen_and_nothing_is_lost_when_it_returns() {
     // at most one failover, and still nothing lost.
     let failovers = report["coordinator_failovers"].as_array().unwrap().len();
     assert!(failovers <= 1, "{report}");
-}
-
-/// The address a coordinator started by hand prints on its standard error.
-fn listening_address(log: &Path) -> String {
-    let started = Instant::now();
-    loop {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        if let Some(address) = text
-            .lines()
-            .find_map(|l| l.strip_prefix("coordinator listening on "))
-        {
-            return address.trim().to_string();
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the coordinator never listened: {text}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// A coordinator that was itself frozen (SIGSTOP) for several failure timeouts wakes to

@@ -1,0 +1,206 @@
+//! Starting a coordinator: its service and control loop, as the leader or as a standby
+//! (etcd membership), and the handle its caller waits on.
+
+use super::*;
+
+pub struct CoordinatorOptions {
+    pub job: Job,
+    pub host: String,
+    /// Port to listen on (0: any).
+    pub port: u16,
+    pub spawner: Option<Arc<dyn Spawner>>,
+    /// etcd membership: wait while another coordinator leads, and take over when its
+    /// lease expires (`--standby`); without, a held leadership is an error.
+    pub standby: bool,
+    /// This coordinator's name in etcd and the reports (default: `HOST:PORT/pid-PID`).
+    pub id: Option<String>,
+}
+
+/// A running coordinator (embedded in `cluster run`, or `ftrec coordinator`).
+pub struct Handle {
+    pub shared: Arc<Shared>,
+    pub metrics_address: Option<String>,
+    done: watch::Receiver<bool>,
+    /// etcd membership: the job had finished under an earlier leader when this one took
+    /// over (its servers may be gone: there is nothing to gather).
+    pub inherited_done: bool,
+}
+
+impl Handle {
+    /// Waits until every step is trained (bounded by `limit`).
+    pub async fn wait_done(&mut self, limit: Duration) -> Result<(), PsError> {
+        tokio::time::timeout(limit, self.done.wait_for(|d| *d))
+            .await
+            .map_err(|_| PsError::Timeout(format!("training did not finish within {limit:?}")))?
+            .map_err(|_| PsError::Stopped("the coordinator stopped".into()))?;
+        match self.shared.lock().fatal.clone() {
+            Some(why) => Err(PsError::Fatal(why)),
+            None => Ok(()),
+        }
+    }
+
+    /// Ends a finished run's leadership: the record says the job is done, and the lease
+    /// is given back so a standby learns it at once (and exits) instead of waiting out
+    /// the TTL. A no-op with embedded membership.
+    pub async fn finish(&self) -> Result<(), PsError> {
+        let Some(d) = &self.shared.durable else {
+            return Ok(());
+        };
+        self.shared.sync_durable().await?;
+        d.leadership.resign().await;
+        Ok(())
+    }
+}
+
+pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
+    let job = opts.job;
+    let data = job.train_data()?;
+    let schedule = Schedule {
+        samples: data.len() as u64,
+        batch_size: job.config.train.batch_size as u64,
+    };
+    let c = &job.config;
+    let total_steps = if c.train.steps > 0 {
+        c.train.steps
+    } else {
+        c.train.epochs * schedule.batches_per_epoch()
+    };
+    let network = job.network().clone();
+    let (incoming, address) = network.bind(&opts.host, opts.port).await?;
+    let id = opts
+        .id
+        .clone()
+        .unwrap_or_else(|| format!("{address}/pid-{}", std::process::id()));
+    // etcd membership: leading is the first thing; a standby waits here.
+    let (durable, record) = match job.etcd_options() {
+        Some(etcd) => {
+            let (d, r) = takeover::elect(&job, &etcd, &address, opts.standby, &id).await?;
+            (Some(d), r)
+        }
+        None => (None, None),
+    };
+    let metrics = Arc::new(
+        Metrics::new("role=\"coordinator\"".into())
+            .counter("ftrec_samples_total", "Samples trained")
+            .counter("ftrec_steps_total", "Steps finished")
+            .counter(
+                "ftrec_lost_samples_total",
+                "Samples of steps lost to failures",
+            )
+            .counter("ftrec_rpc_bytes_total", "Worker RPC payload bytes")
+            .counter("ftrec_failures_total", "Server failures detected")
+            .counter("ftrec_checkpoints_total", "Cluster checkpoints")
+            .gauge("ftrec_epoch", "Cluster epoch")
+            .gauge(
+                "ftrec_pls",
+                "Portion of lost samples (partial recovery, CPR Eq. 3)",
+            ),
+    );
+    let metrics_address = metrics::start(&network, &opts.host, metrics.clone()).await;
+    let (done_tx, done_rx) = watch::channel(false);
+    let cluster = &c.cluster;
+    let shared = Arc::new(Shared {
+        schedule,
+        address: address.clone(),
+        state: Mutex::new(State {
+            phase: Phase::Starting,
+            epoch: 1,
+            placement: PlacementMap::new(&job.layout()?),
+            servers: vec![Member::default(); cluster.servers],
+            spares: Vec::new(),
+            workers: vec![Member::default(); cluster.workers],
+            steps: StepLedger::new(total_steps),
+            samples: 0,
+            lost_samples: 0,
+            zombies: Default::default(),
+            unreachable_reports: Default::default(),
+            rpc_bytes: 0,
+            last_checkpoint: None,
+            last_save: None,
+            cut_priority: false,
+            pause_started: None,
+            checkpoints: Vec::new(),
+            retained_cuts: Vec::new(),
+            checkpoint_backoff: None,
+            resolve_after: None,
+            prune_failing: false,
+            step_kills: Vec::new(),
+            pending_cut: None,
+            confirm_after: None,
+            pending_since: None,
+            recovery_failures: 0,
+            recover_after: None,
+            failed: Vec::new(),
+            recoveries: Vec::new(),
+            rebuilding: Vec::new(),
+            timeline: Timeline::new(),
+            stopping: false,
+            busy: false,
+            next_token: 1,
+            worker_respawns: vec![0; cluster.workers],
+            suspect_until: None,
+            probe_requested: false,
+            fatal: None,
+            lost_in_a_row: 0,
+            steps_rolled_back: 0,
+            cpr: cpr::CprState::new(&job, schedule.samples_before(total_steps))?,
+            deposed: false,
+            train_seconds_before: 0.0,
+            failovers: Vec::new(),
+            failover_since_unix: None,
+            taken_over_started: false,
+        }),
+        spawner: opts.spawner,
+        metrics,
+        done: done_tx,
+        epochs: watch::Sender::new(0),
+        durable,
+        job,
+    });
+    let inherited_done = record.as_ref().is_some_and(|r| r.done || r.fatal.is_some());
+    let takeover_from = match (&shared.durable, record) {
+        (Some(d), Some(record)) => Some(takeover::restore(&shared, d, record)?),
+        (Some(d), None) => {
+            let epoch = takeover::first_epoch(d.leadership.term());
+            shared.lock().epoch = epoch;
+            shared.epoch_moved(epoch);
+            None
+        }
+        _ => None,
+    };
+    let service = tonic::service::interceptor::InterceptedService::new(
+        CoordinatorServer::new(service::Service(shared.clone())),
+        shared.job.secret().checker(),
+    );
+    let mut builder = ftrec_proto::auth::server_builder(&shared.job)?;
+    tokio::spawn(async move {
+        if let Err(e) = builder
+            .add_service(service)
+            .serve_with_incoming(incoming)
+            .await
+        {
+            tracing::error!("coordinator RPC server stopped: {e}");
+        }
+    });
+    tokio::spawn(control::control_loop(shared.clone()));
+    if shared.durable.is_some() {
+        tokio::spawn(durable::flush_loop(shared.clone()));
+        tokio::spawn(durable::watch_leadership(shared.clone()));
+        if let Some(settled_through) = takeover_from.filter(|_| !inherited_done) {
+            tokio::spawn(takeover::take_over(shared.clone(), settled_through));
+        }
+    }
+    shared.event(
+        EventKind::Coordinator,
+        format!(
+            "listening on {address} (metrics http://{}/metrics)",
+            metrics_address.as_deref().unwrap_or("-")
+        ),
+    );
+    Ok(Handle {
+        shared,
+        metrics_address,
+        done: done_rx,
+        inherited_done,
+    })
+}

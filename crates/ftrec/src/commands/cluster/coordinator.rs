@@ -1,0 +1,120 @@
+//! `ftrec coordinator`: a coordinator as a process of its own (multi-host, or under etcd
+//! membership, where one leads and the rest stand by).
+
+use clap::Args;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Result;
+use ftrec_cluster::launch;
+use ftrec_coordinator::CoordinatorOptions;
+use ftrec_proto::Job;
+use serde_json::json;
+
+use super::runtime;
+use crate::output::print_json;
+
+#[derive(Args, Debug)]
+pub struct CoordinatorArgs {
+    #[arg(long)]
+    pub job: PathBuf,
+    /// etcd endpoints, `host:port[,host:port...]`: keep the job's membership, epoch and
+    /// cuts in etcd, and lead only while elected (sets cluster.membership = "etcd").
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Option<Vec<String>>,
+    /// Wait while another coordinator leads, and take over when its lease expires.
+    #[arg(long, requires = "etcd")]
+    pub standby: bool,
+    /// Start replacement servers and workers on this host when members die (their logs
+    /// go beside `--out`).
+    #[arg(long)]
+    pub spawn: bool,
+    /// This coordinator's name in etcd and in the reports (default: host and pid).
+    #[arg(long)]
+    pub id: Option<String>,
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    #[arg(long, default_value_t = 7070)]
+    pub port: u16,
+    /// Where the timeline goes.
+    #[arg(long, default_value = ".")]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
+    launch::die_with_launcher()?;
+    let mut job = Job::load(&a.job)?;
+    if let Some(endpoints) = a.etcd.clone() {
+        job = job.with_etcd(endpoints);
+    }
+    let rt = runtime()?;
+    let report = rt.block_on(async {
+        if a.standby {
+            eprintln!("standby coordinator: waiting to lead the job");
+        }
+        let mut handle = ftrec_coordinator::start(CoordinatorOptions {
+            job: job.clone(),
+            host: a.host.clone(),
+            port: a.port,
+            spawner: a
+                .spawn
+                .then(|| {
+                    launch::replacement_spawner(
+                        std::env::current_exe().unwrap_or_else(|_| "ftrec".into()),
+                        a.job.clone(),
+                        a.out.join("logs"),
+                        &job.config.cluster.etcd_endpoints,
+                    )
+                })
+                .transpose()?,
+            standby: a.standby,
+            id: a.id.clone(),
+        })
+        .await?;
+        eprintln!("coordinator listening on {}", handle.shared.address());
+        let waited = handle.wait_done(Duration::from_secs(30 * 24 * 3600)).await;
+        let shared = handle.shared.clone();
+        // Written on every way out: most wanted when the run did not finish.
+        shared.timeline().write(&a.out)?;
+        if let Err(e) = waited {
+            // etcd: the job's failure is recorded (a standby ends with it rather than try
+            // again); a deposed coordinator's write is refused, as it should be.
+            let _ = handle.finish().await;
+            return Err(e);
+        }
+        if handle.inherited_done {
+            return Ok((shared.summary(), None));
+        }
+        // Gathered, and the parity checked, while the servers still serve.
+        let report = launch::final_report(&job, &shared, Vec::new(), None, &a.out).await?;
+        shared.timeline().write(&a.out)?;
+        shared.stop();
+        // Let the heartbeats carry `stop` to every server before exiting.
+        tokio::time::sleep(Duration::from_millis(job.config.cluster.heartbeat_ms * 5)).await;
+        handle.finish().await?;
+        Ok::<_, ftrec_proto::PsError>((shared.summary(), Some(report)))
+    })?;
+    let (summary, report) = report;
+    let Some(report) = report else {
+        // A standby that took over a finished job: the leader before it reported.
+        if a.json {
+            let mut v = serde_json::to_value(&summary)?;
+            v["already_done"] = json!(true);
+            return print_json(v);
+        }
+        outln!("the job had finished under an earlier coordinator; nothing to do");
+        return Ok(());
+    };
+    if a.json {
+        return print_json(serde_json::to_value(&report)?);
+    }
+    outln!(
+        "{} samples at {:.0} samples/s; state digest {}",
+        summary.samples,
+        summary.samples_per_sec,
+        report.state_digest
+    );
+    Ok(())
+}
