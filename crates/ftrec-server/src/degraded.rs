@@ -21,6 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use tokio::time::Instant;
 
 use ftrec_ec::Codec;
@@ -48,12 +49,33 @@ const RANGE_BYTES: usize = 1 << 20;
 /// Snapshot attempts before a decode takes the commit turn to let the stripe settle.
 const SETTLE_AFTER: u32 = 8;
 
-/// What one survivor answered: its slots by (parity?, local) and its applied steps.
+/// What one survivor answered: its data and parity slots as asked, row after row, and its
+/// applied steps.
 struct Answer {
     server: usize,
-    data: BTreeMap<u32, Vec<u8>>,
-    parity: BTreeMap<u32, Vec<u8>>,
+    data: Bytes,
+    parity: Bytes,
     applied: (u64, Vec<u64>),
+}
+
+/// Where row `n` of a stripe is found in the answers: the survivor, whether it is one of
+/// its parity slots, and its position in what that survivor was asked for.
+#[derive(Clone, Copy)]
+struct Held {
+    server: usize,
+    parity: bool,
+    position: usize,
+}
+
+impl Answer {
+    fn row(&self, held: Held, row_bytes: usize) -> Option<&[u8]> {
+        let rows = if held.parity {
+            &self.parity
+        } else {
+            &self.data
+        };
+        rows.get(held.position * row_bytes..(held.position + 1) * row_bytes)
+    }
 }
 
 /// One slot of this server to decode: stripe `j`, its position `index` in the stripe
@@ -269,20 +291,34 @@ impl Core {
                 stripes.parity_slot(table, j, n - k)
             }
         };
+        // Each stripe's layout is worked out once, here: where each of its rows will be in
+        // the answers. (Working it out again per row read, with a map of the answered rows,
+        // took about 45% of a replacement's CPU during a rebuild; perf, issue 23.)
         let mut asks: BTreeMap<usize, (Vec<u32>, Vec<u32>)> = BTreeMap::new();
-        let mut seen = std::collections::BTreeSet::new();
+        let mut stripes_held: std::collections::HashMap<usize, Vec<Option<Held>>> =
+            std::collections::HashMap::with_capacity(needs.len());
         for need in &needs {
-            if !seen.insert(need.stripe) {
+            let std::collections::hash_map::Entry::Vacant(entry) = stripes_held.entry(need.stripe)
+            else {
                 continue;
-            }
-            for n in 0..k + r {
-                let s = slot(need.stripe, n);
-                if s.server == me || background.lost.contains(&s.server) {
-                    continue;
-                }
-                let entry = asks.entry(s.server).or_default();
-                if n < k { &mut entry.0 } else { &mut entry.1 }.push(s.local as u32);
-            }
+            };
+            let held = (0..k + r)
+                .map(|n| {
+                    let s = slot(need.stripe, n);
+                    if s.server == me || background.lost.contains(&s.server) {
+                        return None;
+                    }
+                    let asked = asks.entry(s.server).or_default();
+                    let list = if n < k { &mut asked.0 } else { &mut asked.1 };
+                    list.push(s.local as u32);
+                    Some(Held {
+                        server: s.server,
+                        parity: n >= k,
+                        position: list.len() - 1,
+                    })
+                })
+                .collect();
+            entry.insert(held);
         }
         let Some(peers) = self.peers.clone() else {
             return Err(PsError::Config("no peers to decode from".into()));
@@ -308,7 +344,7 @@ impl Core {
                     data: u32s_to_bytes(d),
                     parity: u32s_to_bytes(p),
                 };
-                let (d, p) = (d.clone(), p.clone());
+                let (d_len, p_len) = (d.len(), p.len());
                 async move {
                     let mut client = peers.client(server, attempt > 1, epoch).await?;
                     let reply = client
@@ -318,8 +354,8 @@ impl Core {
                         .into_inner();
                     Ok::<_, PsError>(Answer {
                         server,
-                        data: split_rows(&d, &reply.data, row_bytes)?,
-                        parity: split_rows(&p, &reply.parity, row_bytes)?,
+                        data: rows_as_asked(d_len, reply.data, row_bytes)?,
+                        parity: rows_as_asked(p_len, reply.parity, row_bytes)?,
                         applied: (reply.applied_below, reply.applied_ahead),
                     })
                 }
@@ -357,14 +393,12 @@ impl Core {
                 let mut decoded: Vec<(Need, Vec<u8>)> = Vec::with_capacity(needs.len());
                 let mut failed = None;
                 for need in &needs {
+                    let held = &stripes_held[&need.stripe];
                     let row_of = |n: usize| {
-                        let s = slot(need.stripe, n);
-                        let answer = by_server.get(&s.server)?;
-                        let held = if n < k { &answer.data } else { &answer.parity };
-                        held.get(&(s.local as u32)).map(Vec::as_slice)
+                        let held = held[n]?;
+                        by_server.get(&held.server)?.row(held, row_bytes)
                     };
-                    let len = (0..k + r).find_map(|n| row_of(n).map(<[u8]>::len));
-                    let mut out = vec![0u8; len.unwrap_or(0)];
+                    let mut out = vec![0u8; row_bytes];
                     match decode_row(&background.codec, row_of, need.index, &mut out) {
                         Ok(()) => decoded.push((*need, out)),
                         Err(e) => {
@@ -420,24 +454,15 @@ impl Core {
 /// gives up and says which: its calls have each waited out their own deadline already.
 const SURVIVOR_ATTEMPTS: u32 = 3;
 
-/// Splits `bytes` into one row per slot of `locals`.
-fn split_rows(
-    locals: &[u32],
-    bytes: &[u8],
-    row_bytes: usize,
-) -> Result<BTreeMap<u32, Vec<u8>>, PsError> {
-    if bytes.len() != locals.len() * row_bytes {
+/// `bytes` as the rows of `asked` slots, checked for length.
+fn rows_as_asked(asked: usize, bytes: Bytes, row_bytes: usize) -> Result<Bytes, PsError> {
+    if bytes.len() != asked * row_bytes {
         return Err(PsError::BadRequest(format!(
-            "{} bytes for {} slots of {row_bytes} bytes",
-            bytes.len(),
-            locals.len()
+            "{} bytes for {asked} slots of {row_bytes} bytes",
+            bytes.len()
         )));
     }
-    Ok(locals
-        .iter()
-        .zip(bytes.chunks_exact(row_bytes.max(1)))
-        .map(|(&l, b)| (l, b.to_vec()))
-        .collect())
+    Ok(bytes)
 }
 
 /// Local slots per background range for rows of `row_bytes`.
