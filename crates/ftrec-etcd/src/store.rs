@@ -122,8 +122,17 @@ impl Etcd {
         Fut: Future<Output = Result<T, etcd_client::Error>>,
     {
         let deadline = tokio::time::Instant::now() + self.timeout;
+        // An attempt gets a third of the budget: a request that reached a member just as
+        // it lost its raft leader (killed, or cut off) can hang until the member gives up,
+        // while the same request made again, perhaps to another member, is answered once
+        // the rest elect a new leader. Every call made here may be made twice: writes put
+        // whole values, a campaign that won unseen finds its own key, a lease granted twice
+        // expires unused.
+        let per_attempt = (self.timeout / 3).max(Duration::from_millis(200));
         loop {
-            let attempt = tokio::time::timeout_at(deadline, call(self.client.clone())).await;
+            let attempt_deadline = deadline.min(tokio::time::Instant::now() + per_attempt);
+            let attempt =
+                tokio::time::timeout_at(attempt_deadline, call(self.client.clone())).await;
             let error = match attempt {
                 Ok(Ok(v)) => return Ok(v),
                 Ok(Err(e)) if transient(&e) && tokio::time::Instant::now() < deadline => {
@@ -131,6 +140,7 @@ impl Etcd {
                     continue;
                 }
                 Ok(Err(e)) => e,
+                Err(_) if tokio::time::Instant::now() < deadline => continue,
                 Err(_) => {
                     return Err(EtcdError::Timeout {
                         endpoints: self.endpoints.clone(),
