@@ -43,7 +43,21 @@ fn free_port() -> std::io::Result<u16> {
 
 /// Starts an etcd cluster of `members` processes under `dir` and waits until every member
 /// serves. One member is a single-node cluster.
+/// A port found free may be taken by another process before etcd binds it (tests start
+/// many servers at once): a member that exits or does not serve gets the whole cluster
+/// started again on new ports, up to three times.
 pub fn start_cluster(dir: &Path, members: usize) -> Result<Vec<LocalEtcd>, LocalEtcdError> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match start_cluster_once(&dir.join(format!("attempt-{attempt}")), members) {
+            Err(LocalEtcdError::NotServing { .. }) if attempt < 3 => continue,
+            result => return result,
+        }
+    }
+}
+
+fn start_cluster_once(dir: &Path, members: usize) -> Result<Vec<LocalEtcd>, LocalEtcdError> {
     let binary = std::env::var("FTREC_ETCD_BIN").unwrap_or_else(|_| "etcd".into());
     let ports: Vec<(u16, u16)> = (0..members)
         .map(|_| Ok((free_port()?, free_port()?)))
@@ -93,7 +107,7 @@ pub fn start_cluster(dir: &Path, members: usize) -> Result<Vec<LocalEtcd>, Local
         });
     }
     let limit = Duration::from_secs(20);
-    for member in &started {
+    for member in &mut started {
         member.wait_serving(limit)?;
     }
     Ok(started)
@@ -107,11 +121,15 @@ pub fn start(dir: &Path) -> Result<LocalEtcd, LocalEtcdError> {
 
 impl LocalEtcd {
     /// Waits until the member answers its health endpoint (it has joined a quorum).
-    fn wait_serving(&self, limit: Duration) -> Result<(), LocalEtcdError> {
+    fn wait_serving(&mut self, limit: Duration) -> Result<(), LocalEtcdError> {
         let started = Instant::now();
         while started.elapsed() < limit {
             if self.healthy() {
                 return Ok(());
+            }
+            // Exited (its port was taken, say): no use waiting out the limit.
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                break;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
