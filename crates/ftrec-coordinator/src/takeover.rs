@@ -236,6 +236,18 @@ pub(crate) fn restore(
         .iter()
         .map(|m| durable::Record::member(m, false))
         .collect();
+    // The members learn of the new leader from etcd while their calls to the old one (which
+    // may be frozen, not gone) wait out their deadlines: their silence counts from one
+    // lease TTL after the takeover. Without it, a loaded host let a new leader declare
+    // live servers dead before they had found it, and they exited (cluster_etcd's
+    // frozen-leader test, about one run in two with its tests in parallel).
+    let grace_until = tokio::time::Instant::now() + d.leadership.ttl();
+    let state = &mut *s;
+    for m in state.servers.iter_mut().chain(state.workers.iter_mut()) {
+        if m.last_seen.is_some() {
+            m.last_seen = Some(grace_until);
+        }
+    }
     s.next_token = record.next_token;
     s.samples = record.samples_settled;
     s.lost_samples = record.lost_samples;
