@@ -439,6 +439,7 @@ impl Scrub {
                         table,
                         data: u32s_to_bytes(data),
                         parity: u32s_to_bytes(parity),
+                        ..Default::default()
                     };
                     let server = *server;
                     async move {

@@ -262,6 +262,11 @@ impl Shared {
         self.lock().pid_of(role, id)
     }
 
+    /// Seconds since the timeline began: the clock of every event and recovery.
+    pub fn now(&self) -> f64 {
+        self.lock().timeline.now()
+    }
+
     pub fn summary(&self) -> RunSummary {
         let s = self.lock();
         let start = s

@@ -70,6 +70,24 @@ pub struct StripeSlot {
     pub local: usize,
 }
 
+/// Row `n` of a stripe within a cycle: its holder, and its slot there as an offset into
+/// the holder's cycle (data slot `cycle * k + offset`, or parity slot `cycle * r + offset`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CycleRow {
+    pub server: usize,
+    pub parity: bool,
+    pub offset: usize,
+}
+
+/// One stripe of a cycle in which a given server holds row `mine` (data rows first, then
+/// parity rows), with all `k + r` rows of the stripe.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CycleStripe {
+    pub stripe_in_cycle: usize,
+    pub mine: usize,
+    pub rows: Vec<CycleRow>,
+}
+
 /// The arithmetic of `stripe-rotate-v1` for a fixed cluster.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StripeLayout {
@@ -225,6 +243,36 @@ impl StripeLayout {
         (q < self.group_stripes(g, rows)).then_some((q * self.params.groups + g, p))
     }
 
+    /// Every cycle of `server`'s slots has the same shape (the rotation of the group's
+    /// `s`-th stripe of a cycle is `(s + table) mod n`, whatever the cycle): per stripe of
+    /// a cycle in which `server` holds a row, that row and where the stripe's other rows
+    /// are, each as an offset inside its holder's cycle. A rebuild fetches whole cycle
+    /// ranges from every survivor and decodes with this, without per-row layout
+    /// arithmetic. Whether a stripe exists at all (the last cycle may be partly padding)
+    /// is not part of the shape: see [`StripeLayout::full_cycles`].
+    pub fn cycle_shape(&self, table: usize, server: usize) -> Vec<CycleStripe> {
+        let (g, m) = self.group_of_server(server);
+        let (start, n) = self.group(g);
+        let (k, r) = (self.k(), self.r());
+        (0..n)
+            .filter_map(|s| {
+                let o = (s + table) % n;
+                let mine = (m + n - o) % n;
+                (mine < k + r).then(|| CycleStripe {
+                    stripe_in_cycle: s,
+                    mine,
+                    rows: (0..k + r)
+                        .map(|y| CycleRow {
+                            server: start + (o + y) % n,
+                            parity: y >= k,
+                            offset: if y < k { y } else { y - k },
+                        })
+                        .collect(),
+                })
+            })
+            .collect()
+    }
+
     /// The server that keeps a replica of `server`'s dense parameters: the next member of
     /// its group.
     pub fn dense_replica(&self, server: usize) -> usize {
@@ -306,6 +354,59 @@ mod tests {
                 for local in 0..parity {
                     if !parity_used.contains(&(s, local)) {
                         prop_assert_eq!(layout.parity_at(table, s, local, rows), None);
+                    }
+                }
+            }
+        }
+
+        /// The shape of a cycle says what the per-slot arithmetic says, for every cycle:
+        /// a rebuild that decodes by the shape installs each row where it belongs.
+        #[test]
+        fn a_cycle_shape_places_every_row_as_the_slots_do(
+            (params, servers) in params(), rows in 1usize..200, table in 0usize..7,
+        ) {
+            let layout = StripeLayout::new(params, servers).unwrap();
+            let (k, r) = (params.k, params.r);
+            for server in 0..servers {
+                let shape = layout.cycle_shape(table, server);
+                let (data_slots, parity_slots) = layout.capacity(server, rows);
+                let (g, _) = layout.group_of_server(server);
+                let n = layout.group(g).1;
+                // Each of the server's k + r slots of a cycle comes from one stripe.
+                prop_assert_eq!(shape.len(), k + r);
+                for c in 0..data_slots / k {
+                    for stripe in &shape {
+                        let q = c * n + stripe.stripe_in_cycle;
+                        let j = q * params.groups + g;
+                        let mine = stripe.rows[stripe.mine];
+                        prop_assert_eq!(mine.server, server);
+                        let at = |row: &CycleRow| if row.parity {
+                            c * r + row.offset
+                        } else {
+                            c * k + row.offset
+                        };
+                        if mine.parity {
+                            prop_assert!(at(&mine) < parity_slots);
+                            let expect = layout.parity_at(table, server, at(&mine), rows);
+                            if let Some((jj, p)) = expect {
+                                prop_assert_eq!((jj, p + k), (j, stripe.mine));
+                            }
+                        } else {
+                            let expect = layout.data_at(table, server, at(&mine), rows);
+                            if let Some((jj, i)) = expect {
+                                prop_assert_eq!((jj, i), (j, stripe.mine));
+                            }
+                        }
+                        if j < layout.stripes(rows) {
+                            for (y, row) in stripe.rows.iter().enumerate() {
+                                let slot = if y < k {
+                                    layout.data_slot(table, j, y)
+                                } else {
+                                    layout.parity_slot(table, j, y - k)
+                                };
+                                prop_assert_eq!((slot.server, slot.local), (row.server, at(row)));
+                            }
+                        }
                     }
                 }
             }

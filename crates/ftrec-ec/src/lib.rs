@@ -16,4 +16,4 @@ mod layout;
 pub use codec::{Codec, fold_with, xor_into};
 pub use dense::DenseParitySlot;
 pub use error::EcError;
-pub use layout::{EcParams, SCHEME, StripeLayout, StripeSlot};
+pub use layout::{CycleRow, CycleStripe, EcParams, SCHEME, StripeLayout, StripeSlot};

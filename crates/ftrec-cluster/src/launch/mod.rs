@@ -4,12 +4,14 @@
 //! the model from the servers for its digest and evaluation.
 
 pub mod etcd;
+mod cpu;
 mod kill;
 mod report;
 mod rss;
 mod run_dir;
 mod spawner;
 
+pub use cpu::CpuWindow;
 pub use kill::{CoordinatorKill, KillAt, KillSpec, coordinator_kill, parse_member};
 pub use report::final_report;
 pub use run_dir::private_run_dir;
@@ -88,6 +90,12 @@ pub struct LaunchReport {
     /// Per server slot, the largest peak resident set (`VmHWM`) of the processes that
     /// held it, read from `/proc` while the run went on (null where none could be read).
     pub server_peak_rss_bytes: Vec<Option<u64>>,
+    /// The server processes' CPU time (`/proc`, summed over the servers) while training
+    /// ran, and in each recovery's background rebuild (from the resume to full
+    /// redundancy; null for a recovery with none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_cpu_training: Option<cpu::CpuWindow>,
+    pub server_cpu_rebuilds: Vec<Option<cpu::CpuWindow>>,
     pub auc: Option<f64>,
     pub logloss: Option<f64>,
     pub eval_samples: Option<usize>,
@@ -170,14 +178,47 @@ async fn run_async(
             run_dir: &run_dir,
         };
         let mut peaks = rss::PeakRss::new(cluster.servers);
+        let cpu = Arc::new(Mutex::new(cpu::CpuSeries::default()));
+        let sampler = tokio::spawn(sample_server_cpu(
+            shared.clone(),
+            cluster.servers,
+            cpu.clone(),
+        ));
         let kill_times = supervised
             .run(&mut handle, &on_progress, &mut peaks)
-            .await?;
+            .await;
+        sampler.abort();
+        // A last sample after training ended, so that the training window is covered.
+        let pids: Vec<u32> = (0..cluster.servers)
+            .filter_map(|id| shared.pid_of(Role::Server, id))
+            .collect();
+        cpu.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .sample(shared.now(), pids);
+        let kill_times = kill_times?;
         let mut report =
             report::final_report(&job, &shared, kill_times, evaluate, &run_dir).await?;
         // The servers still serve: gathering the model for the report is part of the run.
         peaks.sample(|role, id| shared.pid_of(role, id));
         report.server_peak_rss_bytes = peaks.per_server();
+        let cpu = cpu.lock().unwrap_or_else(|p| p.into_inner());
+        let training_start = shared
+            .timeline()
+            .of(EventKind::TrainingStart)
+            .next()
+            .map(|e| e.t);
+        report.server_cpu_training = training_start
+            .and_then(|t| cpu.window(t, t + report.summary.train_seconds));
+        report.server_cpu_rebuilds = report
+            .summary
+            .recoveries
+            .iter()
+            .map(|r| {
+                r.background_rebuild
+                    .then(|| cpu.window(r.resumed_at, r.detected_at + r.degraded_seconds))
+                    .flatten()
+            })
+            .collect();
         Ok(report)
     }
     .await;
@@ -197,6 +238,28 @@ async fn run_async(
             }
             Err(e)
         }
+    }
+}
+
+/// Samples the server slots' CPU time every 20 ms until aborted: a rebuild of a second
+/// or two needs finer steps than the supervisor's loop.
+async fn sample_server_cpu(
+    shared: Arc<coordinator::Shared>,
+    servers: usize,
+    series: Arc<Mutex<cpu::CpuSeries>>,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let pids: Vec<u32> = (0..servers)
+            .filter_map(|id| shared.pid_of(Role::Server, id))
+            .collect();
+        let now = shared.now();
+        series
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .sample(now, pids);
     }
 }
 

@@ -72,6 +72,8 @@ pub async fn final_report(
         kill_to_resume_seconds: kill_to_resume,
         // The launcher samples `/proc` as the run goes; it fills these in.
         server_peak_rss_bytes: Vec::new(),
+        server_cpu_training: None,
+        server_cpu_rebuilds: Vec::new(),
         auc,
         logloss,
         eval_samples,

@@ -236,7 +236,11 @@ impl TlsMaterial {
 
 /// The RPC server every member runs: TLS when the job configures it.
 pub fn server_builder(job: &crate::Job) -> Result<tonic::transport::Server, PsError> {
-    let builder = tonic::transport::Server::builder().tcp_nodelay(true);
+    let builder = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .initial_stream_window_size(crate::client::HTTP2_STREAM_WINDOW)
+        .initial_connection_window_size(crate::client::HTTP2_CONNECTION_WINDOW)
+        .max_frame_size(crate::client::HTTP2_MAX_FRAME);
     match job.tls() {
         Some(tls) => builder
             .tls_config(tls.server())

@@ -69,6 +69,65 @@ impl Bits {
         was
     }
 
+    /// Whether any bit in `range` is set, a word at a time.
+    fn any_in(&self, range: std::ops::Range<usize>) -> bool {
+        let (start, end) = (range.start, range.end.min(self.len));
+        let mut i = start;
+        while i < end {
+            let (word, bit) = (i / 64, i % 64);
+            let span = (64 - bit).min(end - i);
+            let mask = if span == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << span) - 1) << bit
+            };
+            if self.words[word] & mask != 0 {
+                return true;
+            }
+            i += span;
+        }
+        false
+    }
+
+    /// Clears every bit in `range`, returning the maximal runs that were set, ascending:
+    /// what a range install copies, one copy per run.
+    fn take_runs(&mut self, range: std::ops::Range<usize>) -> Vec<std::ops::Range<usize>> {
+        let (start, end) = (range.start, range.end.min(self.len));
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        let mut i = start;
+        while i < end {
+            let (word, bit) = (i / 64, i % 64);
+            let w = self.words[word];
+            let span = (64 - bit).min(end - i);
+            // Whole words set or clear are the common cases: skip them in one step.
+            let mask = if span == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << span) - 1) << bit
+            };
+            if w & mask == mask || w & mask == 0 {
+                if w & mask != 0 {
+                    match runs.last_mut() {
+                        Some(last) if last.end == i => last.end = i + span,
+                        _ => runs.push(i..i + span),
+                    }
+                    self.words[word] &= !mask;
+                }
+                i += span;
+                continue;
+            }
+            if w & (1 << bit) != 0 {
+                match runs.last_mut() {
+                    Some(last) if last.end == i => last.end = i + 1,
+                    _ => runs.push(i..i + 1),
+                }
+                self.words[word] &= !(1 << bit);
+            }
+            i += 1;
+        }
+        runs
+    }
+
     /// The set bits in `range`, ascending.
     fn ones_in(&self, range: std::ops::Range<usize>) -> Vec<u32> {
         range.filter(|&i| self.get(i)).map(|i| i as u32).collect()
@@ -146,6 +205,16 @@ impl Pending {
                 .map_or_else(Vec::new, |b| b.ones_in(range.clone()))
         };
         (ones(&self.data), ones(&self.parity))
+    }
+
+    /// Whether any data slot of `table` in `range` is pending.
+    pub fn any_data_in(&self, table: usize, range: std::ops::Range<usize>) -> bool {
+        self.data.get(table).is_some_and(|b| b.any_in(range))
+    }
+
+    /// Whether any parity slot of `table` in `range` is pending.
+    pub fn any_parity_in(&self, table: usize, range: std::ops::Range<usize>) -> bool {
+        self.parity.get(table).is_some_and(|b| b.any_in(range))
     }
 
     /// Slots still pending, over every table.
@@ -256,6 +325,79 @@ impl super::Shard {
         Ok(installed)
     }
 
+    /// Installs decoded contiguous slots: data slots from `data_first` (`data` holds whole
+    /// rows) and parity slots from `parity_first`, copying only into slots still pending,
+    /// one copy per run of them. Returns the bytes installed.
+    pub fn install_decoded_ranges(
+        &mut self,
+        table: usize,
+        data_first: usize,
+        data: &[u8],
+        parity_first: usize,
+        parity: &[u8],
+    ) -> Result<u64, PsError> {
+        let Some(pending) = self.pending.as_mut() else {
+            return Ok(0);
+        };
+        let stored = self
+            .state
+            .tables_mut()
+            .get_mut(table)
+            .ok_or_else(|| PsError::BadRequest(format!("table {table} does not exist")))?;
+        let row_bytes = stored.stride() * 4;
+        if row_bytes == 0 || data.len() % row_bytes != 0 || parity.len() % row_bytes != 0 {
+            return Err(PsError::BadRequest(format!(
+                "decoded ranges of {} and {} bytes for rows of {row_bytes}",
+                data.len(),
+                parity.len()
+            )));
+        }
+        let outside = |what: &str, run: &std::ops::Range<usize>| {
+            PsError::BadRequest(format!(
+                "decoded {what} slots {}..{} are outside table {table}",
+                run.start, run.end
+            ))
+        };
+        let mut installed = 0u64;
+        let data_end = data_first + data.len() / row_bytes;
+        let runs = match pending.data.get_mut(table) {
+            Some(bits) => bits.take_runs(data_first..data_end),
+            None => Vec::new(),
+        };
+        let table_bytes = bytemuck::cast_slice_mut::<f32, u8>(stored.as_mut_slice());
+        for run in runs {
+            pending.remaining -= run.len();
+            let from = (run.start - data_first) * row_bytes..(run.end - data_first) * row_bytes;
+            table_bytes
+                .get_mut(run.start * row_bytes..run.end * row_bytes)
+                .ok_or_else(|| outside("data", &run))?
+                .copy_from_slice(&data[from]);
+            installed += (run.len() * row_bytes) as u64;
+        }
+        if let Some(red) = self.redundancy.as_mut() {
+            let parity_end = parity_first + parity.len() / row_bytes;
+            let runs = match pending.parity.get_mut(table) {
+                Some(bits) => bits.take_runs(parity_first..parity_end),
+                None => Vec::new(),
+            };
+            for run in runs {
+                pending.remaining -= run.len();
+                let from =
+                    (run.start - parity_first) * row_bytes..(run.end - parity_first) * row_bytes;
+                red.parity
+                    .get_mut(table)
+                    .and_then(|p| p.get_mut(run.start * row_bytes..run.end * row_bytes))
+                    .ok_or_else(|| outside("parity", &run))?
+                    .copy_from_slice(&parity[from]);
+                installed += (run.len() * row_bytes) as u64;
+            }
+        }
+        if pending.remaining == 0 {
+            self.pending = None;
+        }
+        Ok(installed)
+    }
+
     /// Whether parity slot `local` of `table` is still being rebuilt (its differences are
     /// not folded: the rebuild encodes it from data rows that already hold them).
     pub fn parity_pending(&self, table: usize, local: usize) -> bool {
@@ -295,6 +437,40 @@ mod tests {
             for i in 0..len + 5 {
                 prop_assert_eq!(fast.data(0, i), slow.data(0, i));
                 prop_assert_eq!(fast.parity(0, i), slow.parity(0, i));
+            }
+        }
+    }
+
+    proptest! {
+        /// Taking the runs of a range clears exactly the bits a slot-by-slot pass clears,
+        /// and the runs are maximal, ascending and cover those bits; `any_in` agrees.
+        #[test]
+        fn runs_taken_are_the_set_bits_of_the_range(
+            len in 0usize..300,
+            set in proptest::collection::vec(0usize..300, 0..200),
+            start in 0usize..320,
+            span in 0usize..320,
+        ) {
+            let mut bits = Bits::with_len(len);
+            for &i in &set {
+                bits.set(i);
+            }
+            let before = bits.clone();
+            let range = start..start + span;
+            prop_assert_eq!(bits.any_in(range.clone()), !bits.ones_in(range.clone()).is_empty());
+            let runs = bits.take_runs(range.clone());
+            let mut covered = Vec::new();
+            for (n, run) in runs.iter().enumerate() {
+                prop_assert!(run.start < run.end);
+                if n > 0 {
+                    prop_assert!(runs[n - 1].end < run.start, "runs are maximal and ascending");
+                }
+                covered.extend(run.clone().map(|i| i as u32));
+            }
+            prop_assert_eq!(covered, before.ones_in(range.clone()));
+            for i in 0..len + 5 {
+                let expect = before.get(i) && !range.contains(&i);
+                prop_assert_eq!(bits.get(i), expect);
             }
         }
     }

@@ -56,6 +56,12 @@ pub struct BenchEcArgs {
     /// with the shard, and the rebuild rate should not fall.
     #[arg(long, value_delimiter = ',')]
     pub scale: Vec<usize>,
+    /// The rebuild's cap (`ec.rebuild_bytes_per_sec`) in the throttled SIGKILL run, the
+    /// one judged by throughput while rebuilding: 2 cores cannot both rebuild at full
+    /// speed and train at full speed, so the unthrottled run measures the rebuild and this
+    /// one what training keeps.
+    #[arg(long, default_value_t = 40_000_000)]
+    pub throttle: u64,
     #[arg(long)]
     pub json: bool,
 }
@@ -74,6 +80,8 @@ struct Round {
     ec_no_2pc: LaunchReport,
     ec_no_replication: LaunchReport,
     ec_kill: LaunchReport,
+    /// The same SIGKILL with the rebuild capped at `--throttle`.
+    ec_kill_throttled: LaunchReport,
     ckpt_kill: LaunchReport,
     /// `--scale`: the same SIGKILL at each factor of the rows.
     scaled: Vec<LaunchReport>,
@@ -154,6 +162,9 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
     };
     let mut coded_dense = with(FaultTolerance::Ec, true);
     coded_dense.ec.replicate_dense = false;
+    let mut throttled = with(FaultTolerance::Ec, true);
+    throttled.ec.rebuild_bytes_per_sec = a.throttle;
+    let loopback_bytes_per_sec = super::loopback::bytes_per_sec()?;
     let scaled_configs: Vec<JobConfig> = a
         .scale
         .iter()
@@ -173,6 +184,7 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
             )?,
             ec_no_replication: run_one(&a, &coded_dense, &name("ec-no-replication"), false)?,
             ec_kill: run_one(&a, &with(FaultTolerance::Ec, true), &name("ec-kill"), true)?,
+            ec_kill_throttled: run_one(&a, &throttled, &name("ec-kill-throttled"), true)?,
             ckpt_kill: run_one(
                 &a,
                 &with(FaultTolerance::Checkpoint, true),
@@ -195,7 +207,34 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
         |f: &dyn Fn(&RoundFigures) -> Option<f64>| over_rounds(figures.iter().map(f).collect());
     let (model_bytes, extra_bytes) = redundancy_bytes(&with(FaultTolerance::Ec, true))?;
     let model = config.model_config()?;
-    let summary = json!({
+    // The rebuild's figures, flat beside the others (one `json!` for all of them passes
+    // the macro's recursion limit).
+    let rebuild = json!({
+        "rebuild_seconds": across(&|f| Some(f.rebuild_seconds)),
+        "rebuild_bytes": across(&|f| Some(f.rebuild_bytes as f64)),
+        "rebuild_bytes_per_sec": across(&|f| Some(f.rebuild_bytes as f64 / f.rebuild_seconds.max(1e-9))),
+        // A raw TCP copy between two threads on this host: with k = 2 every byte
+        // installed is two bytes moved, so the rebuild's ceiling is about half of it.
+        "loopback_bytes_per_sec": loopback_bytes_per_sec,
+        "rebuild_fraction_of_loopback": across(&|f| Some(f.rebuild_bytes as f64 / f.rebuild_seconds.max(1e-9) / loopback_bytes_per_sec)),
+        // CPU the servers spent from the resume to full redundancy (`/proc`, every server
+        // process summed), less what the steps committed meanwhile cost them at the
+        // failure-free run's CPU per step, over the gigabytes rebuilt.
+        "rebuild_core_seconds_per_gb": across(&|f| f.rebuild_core_seconds_per_gb()),
+        "rebuild_server_cpu_seconds": across(&|f| f.rebuild_cpu),
+        "server_cpu_seconds_per_step": across(&|f| f.cpu_per_step),
+        // The throttled run: steps committed (not merely granted) while the replacement
+        // rebuilt, against the same run shape with no failure.
+        "rebuild_throughput_ratio": across(&|f| f.throttled.degraded_rate.map(|d| d / f.rate_ec)),
+        "rebuild_bytes_per_sec_throttled": across(&|f| f.throttled.rebuild_rate()),
+        "rebuild_throttle_bytes_per_sec": a.throttle,
+        "degraded_samples_per_sec": across(&|f| f.throttled.degraded_rate),
+        "steps_committed_while_degraded": across(&|f| f.throttled.committed_while_degraded),
+        // The unthrottled run, where the rebuild takes what it can from training.
+        "rebuild_throughput_ratio_unthrottled": across(&|f| f.degraded_rate.map(|d| d / f.rate_ec)),
+        "steps_committed_while_degraded_unthrottled": across(&|f| f.committed_while_degraded),
+    });
+    let mut summary = json!({
         "preset": a.preset,
         "overrides": overrides,
         "steps": a.steps,
@@ -212,6 +251,7 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
             "ec_no_2pc": across(&|f| Some(f.rate_ec_no_2pc)),
             "ec_no_replication": across(&|f| Some(f.rate_ec_no_replication)),
             "ec_kill": across(&|f| Some(f.rate_ec_kill)),
+            "ec_kill_throttled": across(&|f| Some(f.throttled.rate)),
             "checkpoint_kill": across(&|f| Some(f.rate_ckpt_kill)),
         },
         "overhead": across(&|f| Some(1.0 - f.rate_ec / f.rate_none)),
@@ -221,14 +261,6 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
         "kill_to_resume_seconds": across(&|f| f.kill_to_resume),
         "kill_to_full_redundancy_seconds": across(&|f| f.kill_to_full_redundancy),
         "detection_seconds": across(&|f| f.detection),
-        "rebuild_seconds": across(&|f| Some(f.rebuild_seconds)),
-        "rebuild_bytes": across(&|f| Some(f.rebuild_bytes as f64)),
-        "rebuild_bytes_per_sec": across(&|f| Some(f.rebuild_bytes as f64 / f.rebuild_seconds.max(1e-9))),
-        // Steps committed (not merely granted) while the replacement rebuilt, against the
-        // same run shape with no failure.
-        "rebuild_throughput_ratio": across(&|f| f.degraded_rate.map(|d| d / f.rate_ec)),
-        "degraded_samples_per_sec": across(&|f| f.degraded_rate),
-        "steps_committed_while_degraded": across(&|f| f.committed_while_degraded),
         "checkpoint_kill_to_resume_seconds": across(&|f| f.ckpt_resume),
         "checkpoint_step_seconds": across(&|f| Some(f.ckpt_step_seconds)),
         "checkpoint_recovery_seconds_average_case": across(&|f| f.ckpt_recovery),
@@ -257,6 +289,7 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
             r.ec_no_2pc.parity_mismatches,
             r.ec_no_replication.parity_mismatches,
             r.ec_kill.parity_mismatches,
+            r.ec_kill_throttled.parity_mismatches,
         ]).collect::<Vec<_>>(),
         // Dense replicas that differ from their primary at the end. One-round mode with
         // asynchronous workers lets the primary and its replica apply pushes in different
@@ -266,10 +299,14 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
             r.ec_no_2pc.replica_mismatches,
             r.ec_no_replication.replica_mismatches,
             r.ec_kill.replica_mismatches,
+            r.ec_kill_throttled.replica_mismatches,
         ]).collect::<Vec<_>>(),
-        "lost_samples": rounds.iter().map(|r| r.ec_kill.summary.lost_samples).collect::<Vec<_>>(),
+        "lost_samples": rounds.iter().map(|r| [r.ec_kill.summary.lost_samples, r.ec_kill_throttled.summary.lost_samples]).collect::<Vec<_>>(),
         "scale": scale_figures(&a.scale, &rounds, &scaled_configs)?,
     });
+    if let (Some(all), serde_json::Value::Object(rebuild)) = (summary.as_object_mut(), rebuild) {
+        all.extend(rebuild);
+    }
     super::write_summary(&a.out, summary, a.json)
 }
 
@@ -340,6 +377,53 @@ struct RoundFigures {
     /// The servers' peak resident sets summed, or `None` where one could not be read.
     rss_none: Option<u64>,
     rss_ec: Option<u64>,
+    /// The servers' CPU seconds over the rebuild window of the unthrottled SIGKILL run,
+    /// and per step in the failure-free `ec` run.
+    rebuild_cpu: Option<f64>,
+    cpu_per_step: Option<f64>,
+    throttled: Degraded,
+}
+
+/// The throttled SIGKILL run's rebuild and the training it kept.
+struct Degraded {
+    rate: f64,
+    rebuild_seconds: f64,
+    rebuild_bytes: u64,
+    degraded_rate: Option<f64>,
+    committed_while_degraded: Option<f64>,
+}
+
+impl Degraded {
+    fn rebuild_rate(&self) -> Option<f64> {
+        (self.rebuild_seconds > 0.0).then(|| self.rebuild_bytes as f64 / self.rebuild_seconds)
+    }
+}
+
+impl RoundFigures {
+    /// The rebuild's CPU beyond training's, per gigabyte rebuilt (unthrottled run).
+    fn rebuild_core_seconds_per_gb(&self) -> Option<f64> {
+        let training = self.committed_while_degraded? * self.cpu_per_step?;
+        let gb = self.rebuild_bytes as f64 / 1e9;
+        let cpu = self.rebuild_cpu?;
+        (gb > 0.0).then(|| (cpu - training).max(0.0) / gb)
+    }
+}
+
+/// Steps committed while the replacement rebuilt in the background, as samples per second
+/// over the window from the resume to full redundancy.
+fn rate_while_degraded(r: &LaunchReport, batch: f64) -> (Option<f64>, Option<f64>) {
+    let background = r
+        .summary
+        .recoveries
+        .first()
+        .filter(|x| x.background_rebuild);
+    (
+        background.map(|x| {
+            let window = x.detected_at + x.degraded_seconds - x.resumed_at;
+            x.steps_committed_while_degraded as f64 * batch / window.max(1e-9)
+        }),
+        background.map(|x| x.steps_committed_while_degraded as f64),
+    )
 }
 
 fn summed_peak_rss(r: &LaunchReport) -> Option<u64> {
@@ -363,11 +447,9 @@ fn round_figures(r: &Round, config: &JobConfig, checkpoint_every: u64) -> RoundF
     // Training while the replacement rebuilt in the background: the steps committed from
     // the resume to full redundancy, over that window.
     let batch = config.train.batch_size as f64;
-    let background = recovery.filter(|x| x.background_rebuild);
-    let degraded_rate = background.map(|x| {
-        let window = x.detected_at + x.degraded_seconds - x.resumed_at;
-        x.steps_committed_while_degraded as f64 * batch / window.max(1e-9)
-    });
+    let (degraded_rate, committed_while_degraded) = rate_while_degraded(&r.ec_kill, batch);
+    let throttled_recovery = r.ec_kill_throttled.summary.recoveries.first();
+    let (throttled_rate, throttled_committed) = rate_while_degraded(&r.ec_kill_throttled, batch);
     // Checkpoint recovery in the average case: the measured SIGKILL-to-resume (detection,
     // restore) plus retraining half an interval at the run's mean step time, where the
     // steps retrained after the rollback count as steps the run took.
@@ -387,12 +469,30 @@ fn round_figures(r: &Round, config: &JobConfig, checkpoint_every: u64) -> RoundF
         rebuild_seconds,
         rebuild_bytes,
         degraded_rate,
-        committed_while_degraded: background.map(|x| x.steps_committed_while_degraded as f64),
+        committed_while_degraded,
         ckpt_resume,
         ckpt_step_seconds,
         ckpt_recovery: ckpt_resume.map(|k| k + checkpoint_every as f64 / 2.0 * ckpt_step_seconds),
         rss_none: summed_peak_rss(&r.none),
         rss_ec: summed_peak_rss(&r.ec),
+        rebuild_cpu: r
+            .ec_kill
+            .server_cpu_rebuilds
+            .first()
+            .copied()
+            .flatten()
+            .map(|w| w.cpu_seconds),
+        cpu_per_step: r
+            .ec
+            .server_cpu_training
+            .map(|w| w.cpu_seconds / r.ec.summary.steps.max(1) as f64),
+        throttled: Degraded {
+            rate: rate(&r.ec_kill_throttled),
+            rebuild_seconds: throttled_recovery.map_or(0.0, |x| x.rebuild_seconds),
+            rebuild_bytes: throttled_recovery.map_or(0, |x| x.rebuild_bytes),
+            degraded_rate: throttled_rate,
+            committed_while_degraded: throttled_committed,
+        },
     }
 }
 

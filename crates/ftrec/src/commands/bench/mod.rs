@@ -17,6 +17,7 @@ pub mod coordinator;
 pub mod cpr;
 pub mod ec;
 pub mod faults;
+pub mod loopback;
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {

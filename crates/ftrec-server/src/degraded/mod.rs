@@ -26,11 +26,13 @@ use tokio::time::Instant;
 
 use ftrec_ec::Codec;
 
+mod background;
+mod fetch;
+
 use crate::Core;
-use ftrec_faults::points;
 use ftrec_proto::PsError;
 use ftrec_proto::proto::*;
-use ftrec_proto::wire::{bytes_to_u32s, u32s_to_bytes};
+use ftrec_proto::wire::u32s_to_bytes;
 
 /// A background rebuild in progress on this server.
 #[derive(Clone, Debug)]
@@ -44,10 +46,8 @@ pub(super) struct Background {
     pub codec: Arc<Codec>,
 }
 
-/// Rows of a range decoded per background attempt: about 1 MiB of rows.
-const RANGE_BYTES: usize = 1 << 20;
 /// Snapshot attempts before a decode takes the commit turn to let the stripe settle.
-const SETTLE_AFTER: u32 = 8;
+pub(super) const SETTLE_AFTER: u32 = 8;
 
 /// What one survivor answered: its data and parity slots as asked, row after row, and its
 /// applied steps.
@@ -117,76 +117,12 @@ pub(super) fn decode_row<'a>(
 }
 
 impl Core {
-    /// `FetchSlots`: slots of one table with this server's applied steps, read together.
-    pub(super) fn fetch_slots(&self, req: &FetchSlotsRequest) -> Result<FetchSlotsReply, PsError> {
-        self.check_epoch(req.epoch)?;
-        let table = req.table as usize;
-        let data = bytes_to_u32s(&req.data, "slots asked")?;
-        let parity = bytes_to_u32s(&req.parity, "parity slots asked")?;
-        let shard = self.shard_read()?;
-        let Some(rows) = shard.state().tables().get(table) else {
-            return Err(PsError::BadRequest(format!("table {table} does not exist")));
-        };
-        let recovering = |local: u32| PsError::Recovering {
-            table: table as u32,
-            first_row: local,
-            end_row: local + 1,
-        };
-        let stored = rows.as_bytes();
-        let row_bytes = rows.stride() * 4;
-        let mut out = Vec::with_capacity(data.len() * row_bytes);
-        for &local in &data {
-            if shard
-                .pending()
-                .is_some_and(|p| p.data(table, local as usize))
-            {
-                return Err(recovering(local));
-            }
-            let at = local as usize * row_bytes;
-            let row = stored.get(at..at + row_bytes).ok_or_else(|| {
-                PsError::BadRequest(format!("slot {local} is outside table {table}"))
-            })?;
-            out.extend_from_slice(row);
-        }
-        let mut parity_out = Vec::with_capacity(parity.len() * row_bytes);
-        if !parity.is_empty() {
-            let Some(red) = shard.redundancy() else {
-                return Err(PsError::BadRequest(
-                    "this server holds no parity rows".into(),
-                ));
-            };
-            for &local in &parity {
-                if shard.parity_pending(table, local as usize) {
-                    return Err(recovering(local));
-                }
-                let at = local as usize * red.row_bytes;
-                let row = red
-                    .parity
-                    .get(table)
-                    .and_then(|p| p.get(at..at + red.row_bytes))
-                    .ok_or_else(|| {
-                        PsError::BadRequest(format!("parity slot {local} is outside table {table}"))
-                    })?;
-                parity_out.extend_from_slice(row);
-            }
-        }
-        // The applied steps change only under the shard's write lock: read under the same
-        // read lock as the rows, they are the rows' steps.
-        let steps = self.steps();
-        Ok(FetchSlotsReply {
-            data: out.into(),
-            parity: parity_out.into(),
-            applied_below: steps.low(),
-            applied_ahead: steps.ahead().collect(),
-        })
-    }
-
     /// Ends any background rebuild (a restore replaced the whole shard).
     pub(super) fn cancel_background(&self) {
         *self.background.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
-    fn background(&self) -> Option<Background> {
+    pub(super) fn background(&self) -> Option<Background> {
         self.background
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -218,22 +154,6 @@ impl Core {
         futures::future::try_join_all(decodes)
             .await
             .map(|bytes| bytes.into_iter().sum())
-    }
-
-    /// Decodes and installs the pending slots of `table` with local index in `range`.
-    async fn materialize_range(
-        &self,
-        table: usize,
-        range: std::ops::Range<usize>,
-    ) -> Result<u64, PsError> {
-        let (data, parity) = match self.shard_read()?.pending() {
-            Some(p) => p.in_range(table, range),
-            None => return Ok(0),
-        };
-        if data.is_empty() && parity.is_empty() {
-            return Ok(0);
-        }
-        self.materialize(table, data, parity, false).await
     }
 
     /// Decodes pending data slots `data` and parity slots `parity` of `table` from a
@@ -343,6 +263,7 @@ impl Core {
                     table: table as u32,
                     data: u32s_to_bytes(d),
                     parity: u32s_to_bytes(p),
+                    ..Default::default()
                 };
                 let (d_len, p_len) = (d.len(), p.len());
                 async move {
@@ -452,10 +373,10 @@ impl Core {
 
 /// Reads in a row in which some survivor could not be reached before a degraded read
 /// gives up and says which: its calls have each waited out their own deadline already.
-const SURVIVOR_ATTEMPTS: u32 = 3;
+pub(super) const SURVIVOR_ATTEMPTS: u32 = 3;
 
 /// `bytes` as the rows of `asked` slots, checked for length.
-fn rows_as_asked(asked: usize, bytes: Bytes, row_bytes: usize) -> Result<Bytes, PsError> {
+pub(super) fn rows_as_asked(asked: usize, bytes: Bytes, row_bytes: usize) -> Result<Bytes, PsError> {
     if bytes.len() != asked * row_bytes {
         return Err(PsError::BadRequest(format!(
             "{} bytes for {asked} slots of {row_bytes} bytes",
@@ -465,90 +386,7 @@ fn rows_as_asked(asked: usize, bytes: Bytes, row_bytes: usize) -> Result<Bytes, 
     Ok(bytes)
 }
 
-/// Local slots per background range for rows of `row_bytes`.
-pub(super) fn range_rows(row_bytes: usize) -> usize {
-    (RANGE_BYTES / row_bytes.max(1)).max(1)
-}
-
 impl Core {
-    /// The background part of a rebuild: every pending slot, range by range, at most
-    /// `ec.rebuild_locks` ranges at once. `progress` hears of each table. Returns the
-    /// bytes and slots installed.
-    pub(super) async fn rebuild_in_background(
-        &self,
-        tables: usize,
-        started: Instant,
-        mut totals: RebuildReply,
-        progress: &tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
-    ) -> Result<RebuildReply, PsError> {
-        use futures::StreamExt;
-        let parallel = self.job.config.ec.rebuild_locks.max(1);
-        let cap = self.job.config.ec.rebuild_bytes_per_sec;
-        let mine = self.background().map(|b| b.id);
-        let superseded = || {
-            PsError::Superseded(format!(
-                "server {}: background rebuild (a restore or a newer rebuild)",
-                self.id
-            ))
-        };
-        for t in 0..tables {
-            if self.background().map(|b| b.id) != mine {
-                return Err(superseded());
-            }
-            let (slots, row_bytes) = {
-                let shard = self.shard_read()?;
-                let table = &shard.state().tables()[t];
-                let parity = shard
-                    .redundancy()
-                    .map_or(0, |red| red.parity[t].len() / red.row_bytes.max(1));
-                (table.rows().max(parity), table.stride() * 4)
-            };
-            let per = range_rows(row_bytes);
-            let ranges: Vec<std::ops::Range<usize>> = (0..slots)
-                .step_by(per)
-                .map(|first| first..(first + per).min(slots))
-                .collect();
-            let mut done = futures::stream::iter(ranges)
-                .map(|range| self.materialize_range(t, range))
-                .buffer_unordered(parallel);
-            while let Some(bytes) = done.next().await {
-                let bytes = bytes?;
-                totals.bytes += bytes;
-                totals.rows += bytes / row_bytes as u64;
-                if cap > 0 {
-                    // Ahead of the cap: wait until the bytes so far are due.
-                    let due = Duration::from_secs_f64(totals.bytes as f64 / cap as f64);
-                    if let Some(early) = due.checked_sub(started.elapsed()) {
-                        tokio::time::sleep(early).await;
-                    }
-                }
-            }
-            self.faults.kill_at(points::REBUILD, None);
-            totals.tables_done = t as u32 + 1;
-            totals.seconds = started.elapsed().as_secs_f64();
-            let _ = progress.try_send(Ok(totals));
-        }
-        // Slots decoded on demand by pulls and pushes meanwhile were installed by them:
-        // the shard holds no pending slot now.
-        if self.shard_read()?.pending().is_some() {
-            return Err(PsError::Internal(
-                "background rebuild ended with slots still pending".into(),
-            ));
-        }
-        {
-            let mut background = self.background.lock().unwrap_or_else(|p| p.into_inner());
-            if background.as_ref().map(|b| b.id) != mine {
-                return Err(superseded());
-            }
-            *background = None;
-        }
-        self.continue_history()?;
-        totals.done = true;
-        totals.serving = true;
-        totals.seconds = started.elapsed().as_secs_f64();
-        Ok(totals)
-    }
-
     /// Waits (bounded) until no slot is pending: whole-shard reads (gathering the model,
     /// verifying parity, a cut) must not see a slot's zeros.
     pub(super) async fn wait_rebuilt(&self) -> Result<(), PsError> {

@@ -1,0 +1,375 @@
+//! The background part of a rebuild: every pending slot, decoded from whole *cycle
+//! ranges*. A cycle of a group's `n` stripes fills `k` data and `r` parity slots on every
+//! member, so cycles `[c0, c1)` are one contiguous byte range of data slots and one of
+//! parity slots on each survivor: one `FetchSlots` per survivor per range, one copy out of
+//! its table, no slot list. The replacement decodes by the cycle's shape (the same for
+//! every cycle) into a buffer on a thread that may block, and installs runs of still
+//! pending slots with one copy each under its write lock, if its applied steps equal every
+//! survivor's (the snapshot rule of the module docs).
+//!
+//! With `n > k + r`, or `r >= 2` and one server lost, a survivor sends rows of stripes the
+//! replacement does not need (it sends whole cycles); `n = k + r` and `r = 1`, the default,
+//! waste nothing.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use ftrec_ec::{Codec, CycleStripe};
+use ftrec_faults::points;
+use ftrec_proto::PsError;
+use ftrec_proto::proto::*;
+
+use super::{SETTLE_AFTER, SURVIVOR_ATTEMPTS, decode_row, rows_as_asked};
+use crate::Core;
+
+/// Bytes each survivor sends per range: large enough that per-call costs vanish, small
+/// enough that the survivor's copy under its read lock (which a commit waits for) stays
+/// about a millisecond, and that a snapshot straddling a commit re-reads little.
+const RANGE_BYTES: usize = 8 << 20;
+
+/// One survivor's answer to a cycle range.
+struct CycleAnswer {
+    server: usize,
+    data: Bytes,
+    parity: Bytes,
+    applied: (u64, Vec<u64>),
+}
+
+/// A cycle range of one table, with where its slots are.
+struct CycleRange {
+    table: usize,
+    cycles: std::ops::Range<usize>,
+    data: std::ops::Range<usize>,
+    parity: std::ops::Range<usize>,
+}
+
+/// What one range took: bytes installed and snapshots read again.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct RangeCost {
+    pub bytes: u64,
+    pub rereads: u64,
+}
+
+/// Decodes every row this server holds in `range` from the answers, into `data_out` and
+/// `parity_out` (whole rows from the range's first data and parity slot). `by_server[s]`
+/// is survivor `s`'s answer.
+#[allow(clippy::too_many_arguments)]
+fn decode_cycles(
+    codec: &Codec,
+    shape: &[CycleStripe],
+    range: &CycleRange,
+    by_server: &[Option<&CycleAnswer>],
+    row_bytes: usize,
+    data_out: &mut [u8],
+    parity_out: &mut [u8],
+) -> Result<(), String> {
+    let (k, r) = (codec.k(), codec.r());
+    let mut sources: Vec<Option<&[u8]>> = Vec::with_capacity(k + r);
+    for c in range.cycles.clone() {
+        let at = c - range.cycles.start;
+        for stripe in shape {
+            sources.clear();
+            for (y, row) in stripe.rows.iter().enumerate() {
+                if y == stripe.mine {
+                    sources.push(None);
+                    continue;
+                }
+                let answer = by_server.get(row.server).copied().flatten();
+                let (bytes, slot) = match answer {
+                    Some(a) if row.parity => (&a.parity, at * r + row.offset),
+                    Some(a) => (&a.data, at * k + row.offset),
+                    None => {
+                        sources.push(None);
+                        continue;
+                    }
+                };
+                sources.push(bytes.get(slot * row_bytes..(slot + 1) * row_bytes));
+            }
+            let mine = stripe.rows[stripe.mine];
+            let (out, slot) = if mine.parity {
+                (&mut *parity_out, at * r + mine.offset)
+            } else {
+                (&mut *data_out, at * k + mine.offset)
+            };
+            // The last cycle may end inside the table's slots: nothing to decode there.
+            let Some(out) = out.get_mut(slot * row_bytes..(slot + 1) * row_bytes) else {
+                continue;
+            };
+            // The common case (XOR, only this row missing): the XOR of the others, with
+            // no allocation per row.
+            let xor_only = r == 1
+                && sources
+                    .iter()
+                    .enumerate()
+                    .all(|(y, s)| y == stripe.mine || s.is_some());
+            match xor_only {
+                true => {
+                    let mut others = sources.iter().flatten();
+                    if let Some(first) = others.next() {
+                        out.copy_from_slice(first);
+                    }
+                    for row in others {
+                        ftrec_ec::fold_with(1, row, out);
+                    }
+                }
+                false => decode_row(codec, |n| sources[n], stripe.mine, out).map_err(|e| {
+                    format!(
+                        "table {} cycle {c} stripe {} of the cycle: {e}",
+                        range.table, stripe.stripe_in_cycle
+                    )
+                })?,
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Core {
+    /// Decodes and installs the pending slots of cycles `range.cycles` of a table from
+    /// one consistent snapshot of every survivor's same cycles, reading again until one is.
+    async fn materialize_cycles(&self, range: CycleRange) -> Result<RangeCost, PsError> {
+        let Some(background) = self.background() else {
+            return Ok(RangeCost::default());
+        };
+        let Some(stripes) = self.layout.stripes() else {
+            return Err(PsError::Config("rebuild without erasure coding".into()));
+        };
+        let table = range.table;
+        {
+            let shard = self.shard_read()?;
+            let Some(pending) = shard.pending() else {
+                return Ok(RangeCost::default());
+            };
+            if !pending.any_data_in(table, range.data.clone())
+                && !pending.any_parity_in(table, range.parity.clone())
+            {
+                // Pulls and pushes decoded all of it already.
+                return Ok(RangeCost::default());
+            }
+        }
+        let me = self.id;
+        let (group, _) = stripes.group_of_server(me);
+        let (first, members) = stripes.group(group);
+        let survivors: Vec<usize> = (first..first + members)
+            .filter(|&s| s != me && !background.lost.contains(&s))
+            .collect();
+        let shape = stripes.cycle_shape(table, me);
+        let row_bytes = self.job.config.model_config()?.row_stride() * 4;
+        let Some(peers) = self.peers.clone() else {
+            return Err(PsError::Config("no peers to rebuild from".into()));
+        };
+        let mut data_out = vec![0u8; range.data.len() * row_bytes];
+        let mut parity_out = vec![0u8; range.parity.len() * row_bytes];
+        let give_up = Instant::now() + self.job.timeout() * 4;
+        let mut attempt = 0u32;
+        let mut unreachable_in_a_row = 0u32;
+        let mut turn = None;
+        loop {
+            attempt += 1;
+            // As for a degraded read: a snapshot that keeps straddling commits takes this
+            // server's commit turn, which stops every server's next step.
+            if attempt > SETTLE_AFTER && turn.is_none() {
+                turn = Some(self.commit_turn.clone().lock_owned().await);
+            }
+            let epoch = self.live().epoch;
+            let calls = survivors.iter().map(|&server| {
+                let peers = peers.clone();
+                let req = FetchSlotsRequest {
+                    epoch,
+                    table: table as u32,
+                    ranges: true,
+                    data_first: range.data.start as u64,
+                    data_end: range.data.end as u64,
+                    parity_first: range.parity.start as u64,
+                    parity_end: range.parity.end as u64,
+                    ..Default::default()
+                };
+                let (d_len, p_len) = (range.data.len(), range.parity.len());
+                async move {
+                    let mut client = peers.client(server, attempt > 1, epoch).await?;
+                    let reply = client
+                        .fetch_slots(req)
+                        .await
+                        .map_err(|s| PsError::rpc(format!("fetch cycles from server {server}"), &s))?
+                        .into_inner();
+                    Ok::<_, PsError>(CycleAnswer {
+                        server,
+                        data: rows_as_asked(d_len, reply.data, row_bytes)?,
+                        parity: rows_as_asked(p_len, reply.parity, row_bytes)?,
+                        applied: (reply.applied_below, reply.applied_ahead),
+                    })
+                }
+            });
+            let mut answers: Vec<CycleAnswer> = Vec::with_capacity(survivors.len());
+            let mut unreachable = None;
+            for answer in futures::future::join_all(calls).await {
+                match answer {
+                    Ok(a) => answers.push(a),
+                    Err(e) if !e.is_retryable() => {
+                        return Err(PsError::Degraded(format!(
+                            "server {me}: rebuild of table {table}: {e}"
+                        )));
+                    }
+                    Err(e @ PsError::Unavailable(_)) => unreachable = Some(e),
+                    Err(e) => tracing::debug!("rebuild range: {e}"),
+                }
+            }
+            match unreachable {
+                Some(e) if unreachable_in_a_row + 1 >= SURVIVOR_ATTEMPTS => {
+                    return Err(PsError::Unavailable(format!(
+                        "server {me}: rebuild of table {table}: {e}"
+                    )));
+                }
+                Some(_) => unreachable_in_a_row += 1,
+                None => unreachable_in_a_row = 0,
+            }
+            let complete = answers.len() == survivors.len();
+            let consistent = answers.windows(2).all(|w| w[0].applied == w[1].applied);
+            if complete
+                && consistent
+                && let Some(applied) = answers.first().map(|a| a.applied.clone())
+            {
+                let mut by_server: Vec<Option<&CycleAnswer>> = vec![None; self.layout.servers()];
+                for a in &answers {
+                    by_server[a.server] = Some(a);
+                }
+                let codec = &background.codec;
+                // Decoding is CPU work: off the runtime's other tasks.
+                let decoded = self.job.network().in_place(|| {
+                    decode_cycles(
+                        codec,
+                        &shape,
+                        &range,
+                        &by_server,
+                        row_bytes,
+                        &mut data_out,
+                        &mut parity_out,
+                    )
+                });
+                if let Err(e) = decoded {
+                    return Err(PsError::Degraded(format!("server {me}: cannot decode: {e}")));
+                }
+                let mut shard = self.shard_write()?;
+                let mine = {
+                    let steps = self.steps();
+                    (steps.low(), steps.ahead().collect::<Vec<_>>())
+                };
+                if mine == applied {
+                    let bytes = shard.install_decoded_ranges(
+                        table,
+                        range.data.start,
+                        &data_out,
+                        range.parity.start,
+                        &parity_out,
+                    )?;
+                    return Ok(RangeCost {
+                        bytes,
+                        rereads: u64::from(attempt - 1),
+                    });
+                }
+            }
+            if Instant::now() > give_up {
+                return Err(PsError::Recovering {
+                    table: table as u32,
+                    first_row: range.data.start as u32,
+                    end_row: range.data.end as u32,
+                });
+            }
+            // A commit landed between the reads (or a survivor was busy): read again.
+            tokio::time::sleep(Duration::from_micros(200 * u64::from(attempt.min(25)))).await;
+        }
+    }
+
+    /// The background part of a rebuild: every pending slot, cycle range by cycle range,
+    /// at most `ec.rebuild_locks` ranges at once, at most `ec.rebuild_bytes_per_sec`.
+    /// `progress` hears of each table. Returns the bytes and slots installed.
+    pub(crate) async fn rebuild_in_background(
+        &self,
+        tables: usize,
+        started: Instant,
+        mut totals: RebuildReply,
+        progress: &tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
+    ) -> Result<RebuildReply, PsError> {
+        use futures::StreamExt;
+        let parallel = self.job.config.ec.rebuild_locks.max(1);
+        let cap = self.job.config.ec.rebuild_bytes_per_sec;
+        let mine = self.background().map(|b| b.id);
+        let superseded = || {
+            PsError::Superseded(format!(
+                "server {}: background rebuild (a restore or a newer rebuild)",
+                self.id
+            ))
+        };
+        let Some(stripes) = self.layout.stripes() else {
+            return Err(PsError::Config("rebuild without erasure coding".into()));
+        };
+        let (k, r) = (stripes.params.k, stripes.params.r);
+        let global = self.job.config.model_config()?;
+        let row_bytes = global.row_stride() * 4;
+        let per = (RANGE_BYTES / ((k + r) * row_bytes).max(1)).max(1);
+        let mut rereads = 0u64;
+        for t in 0..tables {
+            if self.background().map(|b| b.id) != mine {
+                return Err(superseded());
+            }
+            let (data_slots, parity_slots) = stripes.capacity(self.id, global.table_rows[t]);
+            let cycles = data_slots / k;
+            let ranges = (0..cycles).step_by(per).map(|c0| {
+                let c1 = (c0 + per).min(cycles);
+                CycleRange {
+                    table: t,
+                    cycles: c0..c1,
+                    data: c0 * k..(c1 * k).min(data_slots),
+                    parity: c0 * r..(c1 * r).min(parity_slots),
+                }
+            });
+            let mut done = futures::stream::iter(ranges)
+                .map(|range| self.materialize_cycles(range))
+                .buffer_unordered(parallel);
+            while let Some(cost) = done.next().await {
+                let cost = cost?;
+                rereads += cost.rereads;
+                totals.bytes += cost.bytes;
+                totals.rows += cost.bytes / row_bytes as u64;
+                if cap > 0 {
+                    // Ahead of the cap: wait until the bytes so far are due.
+                    let due = Duration::from_secs_f64(totals.bytes as f64 / cap as f64);
+                    if let Some(early) = due.checked_sub(started.elapsed()) {
+                        tokio::time::sleep(early).await;
+                    }
+                }
+            }
+            self.faults.kill_at(points::REBUILD, None);
+            totals.tables_done = t as u32 + 1;
+            totals.seconds = started.elapsed().as_secs_f64();
+            let _ = progress.try_send(Ok(totals));
+        }
+        // Slots decoded on demand by pulls and pushes meanwhile were installed by them:
+        // the shard holds no pending slot now.
+        if self.shard_read()?.pending().is_some() {
+            return Err(PsError::Internal(
+                "background rebuild ended with slots still pending".into(),
+            ));
+        }
+        {
+            let mut background = self.background.lock().unwrap_or_else(|p| p.into_inner());
+            if background.as_ref().map(|b| b.id) != mine {
+                return Err(superseded());
+            }
+            *background = None;
+        }
+        self.continue_history()?;
+        totals.done = true;
+        totals.serving = true;
+        totals.seconds = started.elapsed().as_secs_f64();
+        tracing::info!(
+            "rebuilt {} bytes in the background in {:.3} s ({:.0} MB/s); snapshots read again: {rereads}",
+            totals.bytes,
+            totals.seconds,
+            totals.bytes as f64 / totals.seconds.max(1e-9) / 1e6
+        );
+        Ok(totals)
+    }
+}

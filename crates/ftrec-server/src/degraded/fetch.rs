@@ -1,0 +1,153 @@
+//! A survivor's side of a degraded read or a rebuild: `FetchSlots` answers slots of one
+//! table together with the steps this server has applied, read under one read lock, so
+//! that the reader can tell whether its answers from several servers form one snapshot.
+
+use ftrec_proto::PsError;
+use ftrec_proto::proto::*;
+use ftrec_proto::wire::bytes_to_u32s;
+
+use crate::Core;
+
+impl Core {
+    /// `FetchSlots`: slots of one table (a list, or contiguous ranges) with this server's
+    /// applied steps, read together.
+    pub(crate) fn fetch_slots(
+        &self,
+        req: &FetchSlotsRequest,
+    ) -> Result<FetchSlotsReply, PsError> {
+        self.check_epoch(req.epoch)?;
+        if req.ranges {
+            return self.fetch_slot_ranges(req);
+        }
+        let table = req.table as usize;
+        let data = bytes_to_u32s(&req.data, "slots asked")?;
+        let parity = bytes_to_u32s(&req.parity, "parity slots asked")?;
+        let shard = self.shard_read()?;
+        let Some(rows) = shard.state().tables().get(table) else {
+            return Err(PsError::BadRequest(format!("table {table} does not exist")));
+        };
+        let recovering = |local: u32| PsError::Recovering {
+            table: table as u32,
+            first_row: local,
+            end_row: local + 1,
+        };
+        let stored = rows.as_bytes();
+        let row_bytes = rows.stride() * 4;
+        let mut out = Vec::with_capacity(data.len() * row_bytes);
+        for &local in &data {
+            if shard
+                .pending()
+                .is_some_and(|p| p.data(table, local as usize))
+            {
+                return Err(recovering(local));
+            }
+            let at = local as usize * row_bytes;
+            let row = stored.get(at..at + row_bytes).ok_or_else(|| {
+                PsError::BadRequest(format!("slot {local} is outside table {table}"))
+            })?;
+            out.extend_from_slice(row);
+        }
+        let mut parity_out = Vec::with_capacity(parity.len() * row_bytes);
+        if !parity.is_empty() {
+            let Some(red) = shard.redundancy() else {
+                return Err(PsError::BadRequest(
+                    "this server holds no parity rows".into(),
+                ));
+            };
+            for &local in &parity {
+                if shard.parity_pending(table, local as usize) {
+                    return Err(recovering(local));
+                }
+                let at = local as usize * red.row_bytes;
+                let row = red
+                    .parity
+                    .get(table)
+                    .and_then(|p| p.get(at..at + red.row_bytes))
+                    .ok_or_else(|| {
+                        PsError::BadRequest(format!("parity slot {local} is outside table {table}"))
+                    })?;
+                parity_out.extend_from_slice(row);
+            }
+        }
+        // The applied steps change only under the shard's write lock: read under the same
+        // read lock as the rows, they are the rows' steps.
+        let steps = self.steps();
+        Ok(FetchSlotsReply {
+            data: out.into(),
+            parity: parity_out.into(),
+            applied_below: steps.low(),
+            applied_ahead: steps.ahead().collect(),
+        })
+    }
+
+    /// `FetchSlots` with `ranges`: data slots `[data_first, data_end)` and parity slots
+    /// `[parity_first, parity_end)`, each one copy out of the table under the read lock
+    /// (the copy is what lets the lock go before the bytes go out).
+    fn fetch_slot_ranges(&self, req: &FetchSlotsRequest) -> Result<FetchSlotsReply, PsError> {
+        if !req.data.is_empty() || !req.parity.is_empty() {
+            return Err(PsError::BadRequest(
+                "FetchSlots with ranges and a slot list at once".into(),
+            ));
+        }
+        let table = req.table as usize;
+        let span = |first: u64, end: u64, what: &str| {
+            (first <= end)
+                .then(|| first as usize..end as usize)
+                .ok_or_else(|| PsError::BadRequest(format!("{what} slots {first}..{end}")))
+        };
+        let data = span(req.data_first, req.data_end, "data")?;
+        let parity = span(req.parity_first, req.parity_end, "parity")?;
+        let shard = self.shard_read()?;
+        let Some(rows) = shard.state().tables().get(table) else {
+            return Err(PsError::BadRequest(format!("table {table} does not exist")));
+        };
+        let recovering = |range: &std::ops::Range<usize>| PsError::Recovering {
+            table: table as u32,
+            first_row: range.start as u32,
+            end_row: range.end as u32,
+        };
+        if let Some(pending) = shard.pending()
+            && (pending.any_data_in(table, data.clone())
+                || pending.any_parity_in(table, parity.clone()))
+        {
+            return Err(recovering(&data));
+        }
+        let row_bytes = rows.stride() * 4;
+        let data_bytes = rows
+            .as_bytes()
+            .get(data.start * row_bytes..data.end * row_bytes)
+            .ok_or_else(|| {
+                PsError::BadRequest(format!(
+                    "data slots {}..{} are outside table {table} ({} slots)",
+                    data.start,
+                    data.end,
+                    rows.rows()
+                ))
+            })?;
+        let parity_bytes: &[u8] = if parity.is_empty() {
+            &[]
+        } else {
+            let Some(red) = shard.redundancy() else {
+                return Err(PsError::BadRequest(
+                    "this server holds no parity rows".into(),
+                ));
+            };
+            red.parity
+                .get(table)
+                .and_then(|p| p.get(parity.start * red.row_bytes..parity.end * red.row_bytes))
+                .ok_or_else(|| {
+                    PsError::BadRequest(format!(
+                        "parity slots {}..{} are outside table {table}",
+                        parity.start, parity.end
+                    ))
+                })?
+        };
+        let steps = self.steps();
+        Ok(FetchSlotsReply {
+            data: bytes::Bytes::copy_from_slice(data_bytes),
+            parity: bytes::Bytes::copy_from_slice(parity_bytes),
+            applied_below: steps.low(),
+            applied_ahead: steps.ahead().collect(),
+        })
+    }
+}
