@@ -173,7 +173,8 @@ pub struct EcSection {
     /// either applied everywhere (rows, parity, replicas) or nowhere.
     #[serde(default = "yes")]
     pub two_phase_commit: bool,
-    /// Ranges (about 1 MiB of rows each) a background rebuild decodes at once.
+    /// Cycle ranges (about 8 MiB from each survivor) a background rebuild fetches and
+    /// decodes at once.
     #[serde(default = "default_groups")]
     pub rebuild_locks: usize,
     /// Caps a background rebuild's decoding rate (bytes of rows per second) so that it
@@ -181,6 +182,22 @@ pub struct EcSection {
     /// decoded at once whatever the cap.
     #[serde(default)]
     pub rebuild_bytes_per_sec: u64,
+    /// How a survivor's cycle ranges reach a replacement: `bulk` (a raw TCP stream from
+    /// the survivor's bulk port, claimed with a one-time ticket issued over the job's
+    /// authenticated RPC; the default, and what lets a rebuild approach the link's speed)
+    /// or `grpc` (the bytes inside the RPC reply). Jobs with TLS, and simulated networks,
+    /// use `grpc` whatever this says: the bulk stream is not encrypted.
+    #[serde(default)]
+    pub rebuild_transport: RebuildTransport,
+}
+
+/// `ec.rebuild_transport`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RebuildTransport {
+    #[default]
+    Bulk,
+    Grpc,
 }
 
 fn default_k() -> usize {
@@ -206,6 +223,7 @@ impl Default for EcSection {
             two_phase_commit: true,
             rebuild_locks: default_groups(),
             rebuild_bytes_per_sec: 0,
+            rebuild_transport: RebuildTransport::Bulk,
         }
     }
 }

@@ -20,7 +20,9 @@ use serde::{Deserialize, Serialize};
 use toml::Value;
 
 pub use checkpoint::{CheckpointSection, parse_strategy};
-pub use cluster::{ClusterSection, Deadlines, DeadlinesSection, EcSection, FaultTolerance};
+pub use cluster::{
+    ClusterSection, Deadlines, DeadlinesSection, EcSection, FaultTolerance, RebuildTransport,
+};
 pub use cpr::{CprPriority, CprSection};
 pub use error::ConfigError;
 pub use ftrec_ckpt::Strategy;

@@ -350,6 +350,8 @@ mod tests {
             steps_while_degraded: 3,
             steps_committed_while_degraded: 2,
             kill_to_resume_seconds: None,
+            first_step_at: Some(4.5),
+            kill_to_first_step_seconds: None,
             epoch: 7,
             mode: "rebuild".into(),
             // Skipped when empty: a reader must accept its absence.

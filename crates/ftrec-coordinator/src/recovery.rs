@@ -613,6 +613,8 @@ pub(super) async fn recover(
             steps_while_degraded: 0,
             steps_committed_while_degraded: 0,
             kill_to_resume_seconds: None,
+            first_step_at: None,
+            kill_to_first_step_seconds: None,
             epoch,
             mode: action.mode().to_string(),
             shard_digests: shard_digests.clone(),

@@ -210,6 +210,12 @@ impl Coordinator for Service {
             s.lost_in_a_row = 0;
             s.unreachable_reports.clear();
             shared.settled(&mut s, step);
+            let now = s.timeline.now();
+            if let Some(r) = s.recoveries.last_mut()
+                && r.first_step_at.is_none()
+            {
+                r.first_step_at = Some(now);
+            }
         }
         if let Some(step) = req.lost {
             s.lost_in_a_row += 1;
@@ -242,11 +248,19 @@ impl Coordinator for Service {
             {
                 cut_off_report(&mut s, server as usize, worker, &req.lost_reason);
             }
-            let c = &shared.job.config.cluster;
-            s.suspect_until = Some(
-                Instant::now() + Duration::from_millis(c.failure_timeout_ms + 2 * c.heartbeat_ms),
-            );
-            s.probe_requested = true;
+            // A loss in this epoch may mean a member is failing: grants wait for the
+            // failure detector. A loss from an older epoch says nothing of the members
+            // now: a recovery has already dealt with what failed then. (A worker stuck in a
+            // dead server's call reports it only after the recovery; pausing grants for
+            // it stalled training for a failure timeout after every resume, issue 23.)
+            if req.epoch == s.epoch {
+                let c = &shared.job.config.cluster;
+                s.suspect_until = Some(
+                    Instant::now()
+                        + Duration::from_millis(c.failure_timeout_ms + 2 * c.heartbeat_ms),
+                );
+                s.probe_requested = true;
+            }
         }
         let reply = shared.grant(&mut s, worker);
         Ok(Response::new(reply))

@@ -33,6 +33,13 @@ pub struct Recovery {
     /// in by `cluster run` from the timeline.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kill_to_resume_seconds: Option<f64>,
+    /// When the first step a worker finished after the resume settled: training really
+    /// going on, not only allowed to (the resume is when grants start again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_step_at: Option<f64>,
+    /// From the SIGKILL to `first_step_at`; filled in by `cluster run`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kill_to_first_step_seconds: Option<f64>,
     /// The epoch this recovery began.
     pub epoch: u64,
     /// How the servers came back: `rollback`, `keep`, `rebuild` or `partial`.

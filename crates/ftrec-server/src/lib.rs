@@ -5,6 +5,7 @@
 //! Files: this one runs the process and holds its state (`Core`); `service.rs` answers the
 //! RPCs; `checkpoints.rs` writes, restores and prunes the shard's checkpoints.
 
+mod bulk;
 mod checkpoints;
 mod degraded;
 mod dense_rebuild;
@@ -89,6 +90,11 @@ struct Core {
     faults: ftrec_faults::Faults,
     /// Erasure coding: clients for the other servers (parity differences, degraded reads).
     peers: Option<Arc<ec::Peers>>,
+    /// Erasure coding over real TCP without TLS (`ec.rebuild_transport = "bulk"`): this
+    /// server's bulk port, where it parks cycle ranges for a replacement, and its side
+    /// for claiming survivors' ranges when it is one (`bulk.rs`).
+    bulk: Option<Arc<bulk::BulkServer>>,
+    bulk_client: Option<Arc<bulk::BulkClient>>,
     /// A background rebuild in progress here (`degraded.rs`).
     background: Mutex<Option<degraded::Background>>,
     /// Numbers each background rebuild, so a superseded one can tell.
@@ -336,6 +342,20 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     if let Some(p) = &priority {
         post_commit.push(Arc::new(priority::PriorityTracking(p.clone())));
     }
+    // The bulk stream is plain TCP: not over a simulated network, not for a job with TLS.
+    let use_bulk = layout.stripes().is_some()
+        && job.config.ec.rebuild_transport == ftrec_config::RebuildTransport::Bulk
+        && !network.is_simulated()
+        && job.tls().is_none();
+    let (bulk, bulk_client) = if use_bulk {
+        let stall = job.deadlines().rebuild_stall;
+        (
+            Some(bulk::BulkServer::start(&opts.host, stall).await?),
+            Some(Arc::new(bulk::BulkClient::new(stall))),
+        )
+    } else {
+        (None, None)
+    };
     let core = Arc::new(Core {
         commit_turn: Arc::new(tokio::sync::Mutex::new(())),
         ec: ec_state,
@@ -355,6 +375,8 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         stop: stop.clone(),
         faults: opts.faults.clone(),
         peers,
+        bulk,
+        bulk_client,
         background: Mutex::new(None),
         background_ids: std::sync::atomic::AtomicU64::new(0),
         incarnation: joined.incarnation,

@@ -3,8 +3,8 @@
 //! SIGKILLs on schedule, replaces dead servers with fresh processes, and at the end gathers
 //! the model from the servers for its digest and evaluation.
 
-pub mod etcd;
 mod cpu;
+pub mod etcd;
 mod kill;
 mod report;
 mod rss;
@@ -184,9 +184,7 @@ async fn run_async(
             cluster.servers,
             cpu.clone(),
         ));
-        let kill_times = supervised
-            .run(&mut handle, &on_progress, &mut peaks)
-            .await;
+        let kill_times = supervised.run(&mut handle, &on_progress, &mut peaks).await;
         sampler.abort();
         // A last sample after training ended, so that the training window is covered.
         let pids: Vec<u32> = (0..cluster.servers)
@@ -207,8 +205,8 @@ async fn run_async(
             .of(EventKind::TrainingStart)
             .next()
             .map(|e| e.t);
-        report.server_cpu_training = training_start
-            .and_then(|t| cpu.window(t, t + report.summary.train_seconds));
+        report.server_cpu_training =
+            training_start.and_then(|t| cpu.window(t, t + report.summary.train_seconds));
         report.server_cpu_rebuilds = report
             .summary
             .recoveries

@@ -21,8 +21,9 @@ pub async fn final_report(
     let mut summary = shared.summary();
     let timeline = shared.timeline();
     for r in &mut summary.recoveries {
-        r.kill_to_resume_seconds = last_kill_before(&timeline, r.server, r.detected_at)
-            .map(|killed| r.resumed_at - killed);
+        let killed = last_kill_before(&timeline, r.server, r.detected_at);
+        r.kill_to_resume_seconds = killed.map(|killed| r.resumed_at - killed);
+        r.kill_to_first_step_seconds = killed.zip(r.first_step_at).map(|(k, f)| f - k);
     }
     // Kills at a step are fired by the coordinator; timed ones by the launcher.
     kill_times.extend(

@@ -32,9 +32,66 @@ const RANGE_BYTES: usize = 8 << 20;
 /// One survivor's answer to a cycle range.
 struct CycleAnswer {
     server: usize,
-    data: Bytes,
-    parity: Bytes,
+    rows: Rows,
     applied: (u64, Vec<u64>),
+}
+
+/// A survivor's rows of a range: inside its RPC reply, or read from its bulk port into a
+/// pooled buffer (data rows, then parity rows).
+enum Rows {
+    Rpc { data: Bytes, parity: Bytes },
+    Bulk { rows: Vec<u8>, data_len: usize },
+}
+
+impl CycleAnswer {
+    fn data(&self) -> &[u8] {
+        match &self.rows {
+            Rows::Rpc { data, .. } => data,
+            Rows::Bulk { rows, data_len } => &rows[..*data_len],
+        }
+    }
+
+    fn parity(&self) -> &[u8] {
+        match &self.rows {
+            Rows::Rpc { parity, .. } => parity,
+            Rows::Bulk { rows, data_len } => &rows[*data_len..],
+        }
+    }
+}
+
+/// Range-sized buffers a rebuild reuses: a fresh 8 MiB allocation is a fresh mapping,
+/// and zeroing and faulting its pages in cost the replacement more than decoding did
+/// (perf, issue 23).
+#[derive(Default)]
+pub(crate) struct Buffers(std::sync::Mutex<Vec<Vec<u8>>>);
+
+impl Buffers {
+    /// A buffer of `len` bytes (contents unspecified: every byte is written before read).
+    fn take(&self, len: usize) -> Vec<u8> {
+        let mut buffer = self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_default();
+        buffer.resize(len, 0);
+        buffer
+    }
+
+    fn give(&self, buffer: Vec<u8>) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(buffer);
+    }
+
+    fn give_answers(&self, answers: Vec<CycleAnswer>) {
+        for answer in answers {
+            if let Rows::Bulk { rows, .. } = answer.rows {
+                self.give(rows);
+            }
+        }
+    }
 }
 
 /// A cycle range of one table, with where its slots are.
@@ -78,8 +135,8 @@ fn decode_cycles(
                 }
                 let answer = by_server.get(row.server).copied().flatten();
                 let (bytes, slot) = match answer {
-                    Some(a) if row.parity => (&a.parity, at * r + row.offset),
-                    Some(a) => (&a.data, at * k + row.offset),
+                    Some(a) if row.parity => (a.parity(), at * r + row.offset),
+                    Some(a) => (a.data(), at * k + row.offset),
                     None => {
                         sources.push(None);
                         continue;
@@ -106,9 +163,13 @@ fn decode_cycles(
                     .all(|(y, s)| y == stripe.mine || s.is_some());
             match xor_only {
                 true => {
+                    // One pass for the first two (k >= 1, so r = 1 gives at least two
+                    // others unless k = 1, a copy).
                     let mut others = sources.iter().flatten();
-                    if let Some(first) = others.next() {
-                        out.copy_from_slice(first);
+                    match (others.next(), others.next()) {
+                        (Some(a), Some(b)) => ftrec_ec::xor_into(a, b, out),
+                        (Some(a), None) => out.copy_from_slice(a),
+                        _ => {}
                     }
                     for row in others {
                         ftrec_ec::fold_with(1, row, out);
@@ -127,9 +188,121 @@ fn decode_cycles(
 }
 
 impl Core {
+    /// A survivor's rows of a range: inside its reply, or parked at its bulk port.
+    async fn cycle_rows(
+        &self,
+        buffers: &Buffers,
+        server: usize,
+        reply: FetchSlotsReply,
+        data_slots: usize,
+        parity_slots: usize,
+        row_bytes: usize,
+    ) -> Result<CycleAnswer, PsError> {
+        let applied = (reply.applied_below, reply.applied_ahead);
+        if reply.bulk_ticket.is_empty() {
+            return Ok(CycleAnswer {
+                server,
+                rows: Rows::Rpc {
+                    data: rows_as_asked(data_slots, reply.data, row_bytes)?,
+                    parity: rows_as_asked(parity_slots, reply.parity, row_bytes)?,
+                },
+                applied,
+            });
+        }
+        let Some(bulk) = &self.bulk_client else {
+            return Err(PsError::BadRequest(format!(
+                "server {server} answered with a bulk ticket that was not asked for"
+            )));
+        };
+        let (data_len, parity_len) = (data_slots * row_bytes, parity_slots * row_bytes);
+        if reply.bulk_data_len != data_len as u64 || reply.bulk_parity_len != parity_len as u64 {
+            return Err(PsError::BadRequest(format!(
+                "server {server} parked {} + {} bytes for {data_len} + {parity_len} asked",
+                reply.bulk_data_len, reply.bulk_parity_len
+            )));
+        }
+        let ticket = crate::bulk::ticket_of(&reply.bulk_ticket)?;
+        let rows = bulk
+            .claim(
+                &reply.bulk_address,
+                ticket,
+                data_len + parity_len,
+                buffers.take(0),
+            )
+            .await?;
+        Ok(CycleAnswer {
+            server,
+            rows: Rows::Bulk { rows, data_len },
+            applied,
+        })
+    }
+
+    /// Decodes a consistent snapshot's range and installs it if this server holds the
+    /// snapshot's steps too; `None` if it does not (a commit landed here meanwhile).
+    #[allow(clippy::too_many_arguments)]
+    fn decode_and_install(
+        &self,
+        codec: &Codec,
+        shape: &[CycleStripe],
+        range: &CycleRange,
+        answers: &[CycleAnswer],
+        applied: &(u64, Vec<u64>),
+        row_bytes: usize,
+        (data_out, parity_out): (&mut [u8], &mut [u8]),
+    ) -> Result<Option<u64>, PsError> {
+        let me = self.id;
+        let mut by_server: Vec<Option<&CycleAnswer>> = vec![None; self.layout.servers()];
+        for a in answers {
+            by_server[a.server] = Some(a);
+        }
+        // Decoding is CPU work: off the runtime's other tasks.
+        self.job
+            .network()
+            .in_place(|| {
+                decode_cycles(
+                    codec, shape, range, &by_server, row_bytes, data_out, parity_out,
+                )
+            })
+            .map_err(|e| PsError::Degraded(format!("server {me}: cannot decode: {e}")))?;
+        let mut shard = self.shard_write()?;
+        let mine = {
+            let steps = self.steps();
+            (steps.low(), steps.ahead().collect::<Vec<_>>())
+        };
+        if mine != *applied {
+            return Ok(None);
+        }
+        shard
+            .install_decoded_ranges(
+                range.table,
+                range.data.start,
+                data_out,
+                range.parity.start,
+                parity_out,
+            )
+            .map(Some)
+    }
+
+    /// Lets the parked rows of an inconsistent snapshot go, in the background.
+    fn drop_parked(&self, replies: Vec<(usize, FetchSlotsReply)>) {
+        let Some(bulk) = self.bulk_client.clone() else {
+            return;
+        };
+        for (_, reply) in replies {
+            if let Ok(ticket) = crate::bulk::ticket_of(&reply.bulk_ticket) {
+                let bulk = bulk.clone();
+                tokio::spawn(async move { bulk.drop_ticket(&reply.bulk_address, ticket).await });
+            }
+        }
+    }
+
     /// Decodes and installs the pending slots of cycles `range.cycles` of a table from
     /// one consistent snapshot of every survivor's same cycles, reading again until one is.
-    async fn materialize_cycles(&self, range: CycleRange) -> Result<RangeCost, PsError> {
+    async fn materialize_cycles(
+        &self,
+        range: CycleRange,
+        buffers: &Buffers,
+    ) -> Result<RangeCost, PsError> {
         let Some(background) = self.background() else {
             return Ok(RangeCost::default());
         };
@@ -160,8 +333,8 @@ impl Core {
         let Some(peers) = self.peers.clone() else {
             return Err(PsError::Config("no peers to rebuild from".into()));
         };
-        let mut data_out = vec![0u8; range.data.len() * row_bytes];
-        let mut parity_out = vec![0u8; range.parity.len() * row_bytes];
+        let mut data_out = buffers.take(range.data.len() * row_bytes);
+        let mut parity_out = buffers.take(range.parity.len() * row_bytes);
         let give_up = Instant::now() + self.job.timeout() * 4;
         let mut attempt = 0u32;
         let mut unreachable_in_a_row = 0u32;
@@ -184,29 +357,26 @@ impl Core {
                     data_end: range.data.end as u64,
                     parity_first: range.parity.start as u64,
                     parity_end: range.parity.end as u64,
+                    bulk: self.bulk_client.is_some(),
                     ..Default::default()
                 };
-                let (d_len, p_len) = (range.data.len(), range.parity.len());
                 async move {
                     let mut client = peers.client(server, attempt > 1, epoch).await?;
                     let reply = client
                         .fetch_slots(req)
                         .await
-                        .map_err(|s| PsError::rpc(format!("fetch cycles from server {server}"), &s))?
+                        .map_err(|s| {
+                            PsError::rpc(format!("fetch cycles from server {server}"), &s)
+                        })?
                         .into_inner();
-                    Ok::<_, PsError>(CycleAnswer {
-                        server,
-                        data: rows_as_asked(d_len, reply.data, row_bytes)?,
-                        parity: rows_as_asked(p_len, reply.parity, row_bytes)?,
-                        applied: (reply.applied_below, reply.applied_ahead),
-                    })
+                    Ok::<_, PsError>((server, reply))
                 }
             });
-            let mut answers: Vec<CycleAnswer> = Vec::with_capacity(survivors.len());
+            let mut replies: Vec<(usize, FetchSlotsReply)> = Vec::with_capacity(survivors.len());
             let mut unreachable = None;
-            for answer in futures::future::join_all(calls).await {
-                match answer {
-                    Ok(a) => answers.push(a),
+            for reply in futures::future::join_all(calls).await {
+                match reply {
+                    Ok(r) => replies.push(r),
                     Err(e) if !e.is_retryable() => {
                         return Err(PsError::Degraded(format!(
                             "server {me}: rebuild of table {table}: {e}"
@@ -215,6 +385,34 @@ impl Core {
                     Err(e @ PsError::Unavailable(_)) => unreachable = Some(e),
                     Err(e) => tracing::debug!("rebuild range: {e}"),
                 }
+            }
+            let applied_of = |r: &FetchSlotsReply| (r.applied_below, r.applied_ahead.clone());
+            let snapshot = replies.len() == survivors.len()
+                && replies
+                    .windows(2)
+                    .all(|w| applied_of(&w[0].1) == applied_of(&w[1].1));
+            // Only a consistent snapshot's bytes are worth moving: the others are dropped
+            // where they are parked.
+            let mut answers: Vec<CycleAnswer> = Vec::with_capacity(survivors.len());
+            if snapshot {
+                let (d_len, p_len) = (range.data.len(), range.parity.len());
+                let rows = replies.into_iter().map(|(server, reply)| {
+                    self.cycle_rows(buffers, server, reply, d_len, p_len, row_bytes)
+                });
+                for answer in futures::future::join_all(rows).await {
+                    match answer {
+                        Ok(a) => answers.push(a),
+                        Err(e) if !e.is_retryable() => {
+                            return Err(PsError::Degraded(format!(
+                                "server {me}: rebuild of table {table}: {e}"
+                            )));
+                        }
+                        Err(e @ PsError::Unavailable(_)) => unreachable = Some(e),
+                        Err(e) => tracing::debug!("rebuild range: {e}"),
+                    }
+                }
+            } else {
+                self.drop_parked(replies);
             }
             match unreachable {
                 Some(e) if unreachable_in_a_row + 1 >= SURVIVOR_ATTEMPTS => {
@@ -231,44 +429,26 @@ impl Core {
                 && consistent
                 && let Some(applied) = answers.first().map(|a| a.applied.clone())
             {
-                let mut by_server: Vec<Option<&CycleAnswer>> = vec![None; self.layout.servers()];
-                for a in &answers {
-                    by_server[a.server] = Some(a);
-                }
-                let codec = &background.codec;
-                // Decoding is CPU work: off the runtime's other tasks.
-                let decoded = self.job.network().in_place(|| {
-                    decode_cycles(
-                        codec,
-                        &shape,
-                        &range,
-                        &by_server,
-                        row_bytes,
-                        &mut data_out,
-                        &mut parity_out,
-                    )
-                });
-                if let Err(e) = decoded {
-                    return Err(PsError::Degraded(format!("server {me}: cannot decode: {e}")));
-                }
-                let mut shard = self.shard_write()?;
-                let mine = {
-                    let steps = self.steps();
-                    (steps.low(), steps.ahead().collect::<Vec<_>>())
-                };
-                if mine == applied {
-                    let bytes = shard.install_decoded_ranges(
-                        table,
-                        range.data.start,
-                        &data_out,
-                        range.parity.start,
-                        &parity_out,
-                    )?;
+                let installed = self.decode_and_install(
+                    &background.codec,
+                    &shape,
+                    &range,
+                    &answers,
+                    &applied,
+                    row_bytes,
+                    (&mut data_out, &mut parity_out),
+                );
+                buffers.give_answers(answers);
+                if let Some(bytes) = installed? {
+                    buffers.give(data_out);
+                    buffers.give(parity_out);
                     return Ok(RangeCost {
                         bytes,
                         rereads: u64::from(attempt - 1),
                     });
                 }
+            } else {
+                buffers.give_answers(answers);
             }
             if Instant::now() > give_up {
                 return Err(PsError::Recovering {
@@ -310,6 +490,7 @@ impl Core {
         let row_bytes = global.row_stride() * 4;
         let per = (RANGE_BYTES / ((k + r) * row_bytes).max(1)).max(1);
         let mut rereads = 0u64;
+        let buffers = Buffers::default();
         for t in 0..tables {
             if self.background().map(|b| b.id) != mine {
                 return Err(superseded());
@@ -326,7 +507,7 @@ impl Core {
                 }
             });
             let mut done = futures::stream::iter(ranges)
-                .map(|range| self.materialize_cycles(range))
+                .map(|range| self.materialize_cycles(range, &buffers))
                 .buffer_unordered(parallel);
             while let Some(cost) = done.next().await {
                 let cost = cost?;

@@ -11,10 +11,7 @@ use crate::Core;
 impl Core {
     /// `FetchSlots`: slots of one table (a list, or contiguous ranges) with this server's
     /// applied steps, read together.
-    pub(crate) fn fetch_slots(
-        &self,
-        req: &FetchSlotsRequest,
-    ) -> Result<FetchSlotsReply, PsError> {
+    pub(crate) fn fetch_slots(&self, req: &FetchSlotsRequest) -> Result<FetchSlotsReply, PsError> {
         self.check_epoch(req.epoch)?;
         if req.ranges {
             return self.fetch_slot_ranges(req);
@@ -77,6 +74,7 @@ impl Core {
             parity: parity_out.into(),
             applied_below: steps.low(),
             applied_ahead: steps.ahead().collect(),
+            ..Default::default()
         })
     }
 
@@ -143,11 +141,34 @@ impl Core {
                 })?
         };
         let steps = self.steps();
+        let (data, parity) = (
+            bytes::Bytes::copy_from_slice(data_bytes),
+            bytes::Bytes::copy_from_slice(parity_bytes),
+        );
+        let (applied_below, applied_ahead) = (steps.low(), steps.ahead().collect());
+        drop(steps);
+        drop(shard);
+        if req.bulk
+            && let Some(bulk) = &self.bulk
+        {
+            let (data_len, parity_len) = (data.len() as u64, parity.len() as u64);
+            let ticket = bulk.park(data, parity);
+            return Ok(FetchSlotsReply {
+                applied_below,
+                applied_ahead,
+                bulk_address: bulk.address().to_string(),
+                bulk_ticket: crate::bulk::ticket_bytes(ticket),
+                bulk_data_len: data_len,
+                bulk_parity_len: parity_len,
+                ..Default::default()
+            });
+        }
         Ok(FetchSlotsReply {
-            data: bytes::Bytes::copy_from_slice(data_bytes),
-            parity: bytes::Bytes::copy_from_slice(parity_bytes),
-            applied_below: steps.low(),
-            applied_ahead: steps.ahead().collect(),
+            data,
+            parity,
+            applied_below,
+            applied_ahead,
+            ..Default::default()
         })
     }
 }

@@ -376,7 +376,11 @@ impl Core {
 pub(super) const SURVIVOR_ATTEMPTS: u32 = 3;
 
 /// `bytes` as the rows of `asked` slots, checked for length.
-pub(super) fn rows_as_asked(asked: usize, bytes: Bytes, row_bytes: usize) -> Result<Bytes, PsError> {
+pub(super) fn rows_as_asked(
+    asked: usize,
+    bytes: Bytes,
+    row_bytes: usize,
+) -> Result<Bytes, PsError> {
     if bytes.len() != asked * row_bytes {
         return Err(PsError::BadRequest(format!(
             "{} bytes for {asked} slots of {row_bytes} bytes",

@@ -259,6 +259,8 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
         // Dense ranges coded in dense stripes, their changes sent as differences.
         "overhead_no_replication": across(&|f| Some(1.0 - f.rate_ec_no_replication / f.rate_none)),
         "kill_to_resume_seconds": across(&|f| f.kill_to_resume),
+        // To the first step a worker finished after the resume: what a user sees.
+        "kill_to_first_step_seconds": across(&|f| f.kill_to_first_step),
         "kill_to_full_redundancy_seconds": across(&|f| f.kill_to_full_redundancy),
         "detection_seconds": across(&|f| f.detection),
         "checkpoint_kill_to_resume_seconds": across(&|f| f.ckpt_resume),
@@ -344,6 +346,7 @@ fn scale_figures(
                 "rows_per_table": config.model_config()?.table_rows.first(),
                 "model_bytes": model_bytes,
                 "kill_to_resume_seconds": of(&|r| r.kill_to_resume_seconds.first().copied()),
+                "kill_to_first_step_seconds": of(&|r| recovery(r).and_then(|x| x.kill_to_first_step_seconds)),
                 "rebuild_bytes": of(&|r| recovery(r).map(|x| x.rebuild_bytes as f64)),
                 "rebuild_seconds": of(&|r| recovery(r).map(|x| x.rebuild_seconds)),
                 "rebuild_bytes_per_sec": of(&|r| recovery(r).map(|x| x.rebuild_bytes as f64 / x.rebuild_seconds.max(1e-9))),
@@ -365,6 +368,7 @@ struct RoundFigures {
     rate_ec_kill: f64,
     rate_ckpt_kill: f64,
     kill_to_resume: Option<f64>,
+    kill_to_first_step: Option<f64>,
     kill_to_full_redundancy: Option<f64>,
     detection: Option<f64>,
     rebuild_seconds: f64,
@@ -464,6 +468,7 @@ fn round_figures(r: &Round, config: &JobConfig, checkpoint_every: u64) -> RoundF
         rate_ec_kill: rate(&r.ec_kill),
         rate_ckpt_kill: rate(&r.ckpt_kill),
         kill_to_resume,
+        kill_to_first_step: recovery.and_then(|x| x.kill_to_first_step_seconds),
         kill_to_full_redundancy,
         detection: recovery.map(|x| kill_to_resume.unwrap_or(0.0) - (x.resumed_at - x.detected_at)),
         rebuild_seconds,
