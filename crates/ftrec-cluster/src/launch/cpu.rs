@@ -102,8 +102,10 @@ mod tests {
 
     #[test]
     fn a_window_is_the_growth_between_its_ends_interpolated() {
-        let mut series = CpuSeries::default();
-        series.points = vec![(0.0, 0.0), (1.0, 2.0), (2.0, 2.0), (3.0, 5.0)];
+        let series = CpuSeries {
+            points: vec![(0.0, 0.0), (1.0, 2.0), (2.0, 2.0), (3.0, 5.0)],
+            ..Default::default()
+        };
         let w = series.window(0.5, 2.5).unwrap();
         assert!((w.cpu_seconds - (3.5 - 1.0)).abs() < 1e-12, "{w:?}");
         assert!(series.window(-1.0, 1.0).is_none());

@@ -161,26 +161,25 @@ fn decode_cycles(
                     .iter()
                     .enumerate()
                     .all(|(y, s)| y == stripe.mine || s.is_some());
-            match xor_only {
-                true => {
-                    // One pass for the first two (k >= 1, so r = 1 gives at least two
-                    // others unless k = 1, a copy).
-                    let mut others = sources.iter().flatten();
-                    match (others.next(), others.next()) {
-                        (Some(a), Some(b)) => ftrec_ec::xor_into(a, b, out),
-                        (Some(a), None) => out.copy_from_slice(a),
-                        _ => {}
-                    }
-                    for row in others {
-                        ftrec_ec::fold_with(1, row, out);
-                    }
+            if xor_only {
+                // One pass for the first two (k >= 1, so r = 1 gives at least two
+                // others unless k = 1, a copy).
+                let mut others = sources.iter().flatten();
+                match (others.next(), others.next()) {
+                    (Some(a), Some(b)) => ftrec_ec::xor_into(a, b, out),
+                    (Some(a), None) => out.copy_from_slice(a),
+                    _ => {}
                 }
-                false => decode_row(codec, |n| sources[n], stripe.mine, out).map_err(|e| {
+                for row in others {
+                    ftrec_ec::fold_with(1, row, out);
+                }
+            } else {
+                decode_row(codec, |n| sources[n], stripe.mine, out).map_err(|e| {
                     format!(
                         "table {} cycle {c} stripe {} of the cycle: {e}",
                         range.table, stripe.stripe_in_cycle
                     )
-                })?,
+                })?;
             }
         }
     }

@@ -90,7 +90,7 @@ impl Core {
         let table = req.table as usize;
         let span = |first: u64, end: u64, what: &str| {
             (first <= end)
-                .then(|| first as usize..end as usize)
+                .then_some(first as usize..end as usize)
                 .ok_or_else(|| PsError::BadRequest(format!("{what} slots {first}..{end}")))
         };
         let data = span(req.data_first, req.data_end, "data")?;

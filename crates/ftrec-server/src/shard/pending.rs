@@ -345,7 +345,10 @@ impl super::Shard {
             .get_mut(table)
             .ok_or_else(|| PsError::BadRequest(format!("table {table} does not exist")))?;
         let row_bytes = stored.stride() * 4;
-        if row_bytes == 0 || data.len() % row_bytes != 0 || parity.len() % row_bytes != 0 {
+        if row_bytes == 0
+            || !data.len().is_multiple_of(row_bytes)
+            || !parity.len().is_multiple_of(row_bytes)
+        {
             return Err(PsError::BadRequest(format!(
                 "decoded ranges of {} and {} bytes for rows of {row_bytes}",
                 data.len(),
