@@ -267,7 +267,7 @@ fn a_thawed_server_is_refused_as_a_zombie() {
                 at: Duration::from_millis(300),
                 fault: Fault::Freeze {
                     member: Member::Server(1),
-                    lasting: Some(Duration::from_millis(900)),
+                    lasting: Some(Duration::from_millis(600)),
                 },
             }],
         };

@@ -398,6 +398,30 @@ fn training_goes_on_degraded_while_the_replacement_rebuilds_in_the_background() 
             > r["resumed_at"].as_f64().unwrap() - r["detected_at"].as_f64().unwrap(),
         "training resumed before full redundancy was back: {out}"
     );
+    // Not only allowed to: a worker finished a step before the rebuild ended.
+    let first_step = r["first_step_at"].as_f64().unwrap();
+    assert!(
+        first_step >= r["resumed_at"].as_f64().unwrap()
+            && first_step
+                < r["detected_at"].as_f64().unwrap() + r["degraded_seconds"].as_f64().unwrap(),
+        "a step settled during the background rebuild: {out}"
+    );
+    assert!(
+        r["kill_to_first_step_seconds"].as_f64().unwrap() >= kill_to_resume,
+        "{out}"
+    );
+
+    // The same with the survivors' ranges inside the RPC replies (what TLS jobs use)
+    // rather than over their bulk ports.
+    let mut extra = SLOW_REBUILD.to_vec();
+    extra.extend([
+        "--set",
+        "ec.rebuild_transport=\"grpc\"",
+        "--kill",
+        "server:1@step:10",
+    ]);
+    let out = ec_run(&data, &dir.path().join("grpc"), "3", &extra);
+    assert_exact(&out, &expected, &[1], "background rebuild over gRPC");
 
     // The replacement dies part-way through its background rebuild; the survivors kept
     // training meanwhile, and the next replacement rebuilds from scratch.

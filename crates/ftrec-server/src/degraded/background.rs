@@ -21,7 +21,7 @@ use ftrec_faults::points;
 use ftrec_proto::PsError;
 use ftrec_proto::proto::*;
 
-use super::{SETTLE_AFTER, SURVIVOR_ATTEMPTS, decode_row, rows_as_asked};
+use super::{SETTLE_AFTER, Sorted, Unreachable, decode_row, rows_as_asked};
 use crate::Core;
 
 /// Bytes each survivor sends per range: large enough that per-call costs vanish, small
@@ -336,7 +336,7 @@ impl Core {
         let mut parity_out = buffers.take(range.parity.len() * row_bytes);
         let give_up = Instant::now() + self.job.timeout() * 4;
         let mut attempt = 0u32;
-        let mut unreachable_in_a_row = 0u32;
+        let mut unreachable_in_a_row = Unreachable::default();
         let mut turn = None;
         loop {
             attempt += 1;
@@ -371,20 +371,10 @@ impl Core {
                     Ok::<_, PsError>((server, reply))
                 }
             });
-            let mut replies: Vec<(usize, FetchSlotsReply)> = Vec::with_capacity(survivors.len());
-            let mut unreachable = None;
-            for reply in futures::future::join_all(calls).await {
-                match reply {
-                    Ok(r) => replies.push(r),
-                    Err(e) if !e.is_retryable() => {
-                        return Err(PsError::Degraded(format!(
-                            "server {me}: rebuild of table {table}: {e}"
-                        )));
-                    }
-                    Err(e @ PsError::Unavailable(_)) => unreachable = Some(e),
-                    Err(e) => tracing::debug!("rebuild range: {e}"),
-                }
-            }
+            let what = || format!("server {me}: rebuild of table {table}");
+            let sorted = Sorted::of(futures::future::join_all(calls).await, what)?;
+            let mut unreachable = sorted.unreachable;
+            let replies: Vec<(usize, FetchSlotsReply)> = sorted.ok;
             let applied_of = |r: &FetchSlotsReply| (r.applied_below, r.applied_ahead.clone());
             let snapshot = replies.len() == survivors.len()
                 && replies
@@ -392,36 +382,19 @@ impl Core {
                     .all(|w| applied_of(&w[0].1) == applied_of(&w[1].1));
             // Only a consistent snapshot's bytes are worth moving: the others are dropped
             // where they are parked.
-            let mut answers: Vec<CycleAnswer> = Vec::with_capacity(survivors.len());
+            let mut answers: Vec<CycleAnswer> = Vec::new();
             if snapshot {
                 let (d_len, p_len) = (range.data.len(), range.parity.len());
                 let rows = replies.into_iter().map(|(server, reply)| {
                     self.cycle_rows(buffers, server, reply, d_len, p_len, row_bytes)
                 });
-                for answer in futures::future::join_all(rows).await {
-                    match answer {
-                        Ok(a) => answers.push(a),
-                        Err(e) if !e.is_retryable() => {
-                            return Err(PsError::Degraded(format!(
-                                "server {me}: rebuild of table {table}: {e}"
-                            )));
-                        }
-                        Err(e @ PsError::Unavailable(_)) => unreachable = Some(e),
-                        Err(e) => tracing::debug!("rebuild range: {e}"),
-                    }
-                }
+                let sorted = Sorted::of(futures::future::join_all(rows).await, what)?;
+                answers = sorted.ok;
+                unreachable = unreachable.or(sorted.unreachable);
             } else {
                 self.drop_parked(replies);
             }
-            match unreachable {
-                Some(e) if unreachable_in_a_row + 1 >= SURVIVOR_ATTEMPTS => {
-                    return Err(PsError::Unavailable(format!(
-                        "server {me}: rebuild of table {table}: {e}"
-                    )));
-                }
-                Some(_) => unreachable_in_a_row += 1,
-                None => unreachable_in_a_row = 0,
-            }
+            unreachable_in_a_row.count(unreachable, what)?;
             let complete = answers.len() == survivors.len();
             let consistent = answers.windows(2).all(|w| w[0].applied == w[1].applied);
             if complete

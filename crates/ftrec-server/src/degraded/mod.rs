@@ -245,7 +245,7 @@ impl Core {
         };
         let give_up = Instant::now() + self.job.timeout() * 4;
         let mut attempt = 0u32;
-        let mut unreachable_in_a_row = 0u32;
+        let mut unreachable_in_a_row = Unreachable::default();
         // Under steady commits a snapshot may keep straddling one; after a few tries this
         // server's commit turn is taken, which stops new steps here and so (each step
         // needs every server) everywhere: the survivors then settle on this server's steps.
@@ -281,32 +281,10 @@ impl Core {
                     })
                 }
             });
-            let mut answers: Vec<Answer> = Vec::new();
-            let mut unreachable = None;
-            for answer in futures::future::join_all(calls).await {
-                match answer {
-                    Ok(a) => answers.push(a),
-                    // A survivor that refuses for good: the caller learns it now, with the
-                    // survivor named in the error, not after the read's whole deadline.
-                    Err(e) if !e.is_retryable() => {
-                        return Err(PsError::Degraded(format!(
-                            "server {me}: degraded read of table {table}: {e}"
-                        )));
-                    }
-                    Err(e @ PsError::Unavailable(_)) => unreachable = Some(e),
-                    // Busy (rebuilding itself, overloaded): ask again.
-                    Err(e) => tracing::debug!("degraded read: {e}"),
-                }
-            }
-            match unreachable {
-                Some(e) if unreachable_in_a_row + 1 >= SURVIVOR_ATTEMPTS => {
-                    return Err(PsError::Unavailable(format!(
-                        "server {me}: degraded read of table {table}: {e}"
-                    )));
-                }
-                Some(_) => unreachable_in_a_row += 1,
-                None => unreachable_in_a_row = 0,
-            }
+            let what = || format!("server {me}: degraded read of table {table}");
+            let sorted = Sorted::of(futures::future::join_all(calls).await, what)?;
+            unreachable_in_a_row.count(sorted.unreachable, what)?;
+            let answers: Vec<Answer> = sorted.ok;
             let consistent = answers.windows(2).all(|w| w[0].applied == w[1].applied);
             if consistent && let Some(applied) = answers.first().map(|a| a.applied.clone()) {
                 let by_server: BTreeMap<usize, &Answer> =
@@ -373,7 +351,67 @@ impl Core {
 
 /// Reads in a row in which some survivor could not be reached before a degraded read
 /// gives up and says which: its calls have each waited out their own deadline already.
-pub(super) const SURVIVOR_ATTEMPTS: u32 = 3;
+const SURVIVOR_ATTEMPTS: u32 = 3;
+
+/// One round of calls to the survivors, sorted: the answers, and a survivor that could
+/// not be reached (if any).
+pub(super) struct Sorted<T> {
+    pub ok: Vec<T>,
+    pub unreachable: Option<PsError>,
+}
+
+impl<T> Sorted<T> {
+    /// A survivor that refuses for good ends the read now, named in the error (`what`
+    /// says whose read), not after the read's whole deadline; a busy one (rebuilding
+    /// itself, overloaded) is asked again.
+    pub(super) fn of(
+        results: Vec<Result<T, PsError>>,
+        what: impl Fn() -> String,
+    ) -> Result<Self, PsError> {
+        let mut sorted = Self {
+            ok: Vec::with_capacity(results.len()),
+            unreachable: None,
+        };
+        for result in results {
+            match result {
+                Ok(a) => sorted.ok.push(a),
+                Err(e) if !e.is_retryable() => {
+                    return Err(PsError::Degraded(format!("{}: {e}", what())));
+                }
+                Err(e @ PsError::Unavailable(_)) => sorted.unreachable = Some(e),
+                Err(e) => tracing::debug!("{}: {e}", what()),
+            }
+        }
+        Ok(sorted)
+    }
+}
+
+/// Rounds in a row in which a survivor could not be reached.
+#[derive(Default)]
+pub(super) struct Unreachable(u32);
+
+impl Unreachable {
+    /// Counts a round; the error once [`SURVIVOR_ATTEMPTS`] rounds in a row had one.
+    pub(super) fn count(
+        &mut self,
+        unreachable: Option<PsError>,
+        what: impl Fn() -> String,
+    ) -> Result<(), PsError> {
+        match unreachable {
+            Some(e) if self.0 + 1 >= SURVIVOR_ATTEMPTS => {
+                Err(PsError::Unavailable(format!("{}: {e}", what())))
+            }
+            Some(_) => {
+                self.0 += 1;
+                Ok(())
+            }
+            None => {
+                self.0 = 0;
+                Ok(())
+            }
+        }
+    }
+}
 
 /// `bytes` as the rows of `asked` slots, checked for length.
 pub(super) fn rows_as_asked(
