@@ -157,6 +157,9 @@ struct State {
     /// A worker lost a step to a server error: no new grants until the failure detector
     /// confirms a failure (or this passes), so the schedule is not burnt on a dead server.
     suspect_until: Option<Instant>,
+    /// Per server process (incarnation): the RPCs it served and their payload bytes, as
+    /// its latest heartbeat said.
+    served: std::collections::HashMap<u64, (u64, u64)>,
     /// A worker's call to a server failed: probe the servers' ports (`control.rs`).
     probe_requested: bool,
     /// Why the run cannot go on (a crash loop); ends it with this error.
@@ -293,6 +296,8 @@ impl Shared {
             samples_per_sec: s.samples as f64 / seconds,
             rpc_bytes: s.rpc_bytes,
             rpc_bytes_per_sample: s.rpc_bytes as f64 / s.samples.max(1) as f64,
+            server_rpcs: s.served.values().map(|v| v.0).sum(),
+            server_rpc_bytes: s.served.values().map(|v| v.1).sum(),
             epoch: s.epoch,
             checkpoints: s.checkpoints.clone(),
             recovery_seconds: s

@@ -170,6 +170,10 @@ impl Coordinator for Service {
         }
         member.last_seen = Some(Instant::now());
         member.ready |= req.ready;
+        if req.role() == Role::Server && !req.spare && req.rpcs_served > 0 {
+            s.served
+                .insert(req.incarnation, (req.rpcs_served, req.rpc_bytes_served));
+        }
         Ok(Response::new(HeartbeatReply {
             epoch: s.epoch,
             stop,

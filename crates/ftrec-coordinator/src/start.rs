@@ -139,6 +139,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             next_token: 1,
             worker_respawns: vec![0; cluster.workers],
             suspect_until: None,
+            served: std::collections::HashMap::new(),
             probe_requested: false,
             fatal: None,
             lost_in_a_row: 0,

@@ -77,8 +77,14 @@ pub struct RunSummary {
     pub zombies_refused: u64,
     pub train_seconds: f64,
     pub samples_per_sec: f64,
+    /// Pull and push payload bytes the workers moved (what `rpc_bytes_per_sample` counts).
     pub rpc_bytes: u64,
     pub rpc_bytes_per_sample: f64,
+    /// Every data-plane RPC the servers served (workers' and their peers': parity
+    /// updates, 2PC, degraded reads and rebuild fetches too) and the payload bytes in and
+    /// out of them, from the servers' heartbeats (the last beat's worth may be missing).
+    pub server_rpcs: u64,
+    pub server_rpc_bytes: u64,
     pub epoch: u64,
     pub checkpoints: Vec<CheckpointRecord>,
     pub recoveries: Vec<Recovery>,

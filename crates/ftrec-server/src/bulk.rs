@@ -88,10 +88,11 @@ impl BulkServer {
     }
 
     fn take(&self, ticket: u128) -> Option<Parked> {
-        self.parked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&ticket)
+        let now = Instant::now();
+        let mut parked = self.parked.lock().unwrap_or_else(|p| p.into_inner());
+        // Expired ranges go here too: a replacement that died leaves none behind for long.
+        parked.retain(|_, p| now.duration_since(p.parked_at) < self.expiry);
+        parked.remove(&ticket)
     }
 }
 
@@ -108,30 +109,42 @@ async fn accept(listener: TcpListener, server: std::sync::Weak<BulkServer>) {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let Some(server) = server.upgrade() else {
+        if server.strong_count() == 0 {
             return;
-        };
+        }
         let _ = stream.set_nodelay(true);
+        let server = server.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve(stream, &server).await {
+            if let Err(e) = serve(stream, server).await {
                 tracing::debug!("bulk connection ended: {e}");
             }
         });
     }
 }
 
-/// Answers claims on one connection until the claimant closes it.
-async fn serve(mut stream: TcpStream, server: &BulkServer) -> std::io::Result<()> {
+/// Answers claims on one connection until the claimant closes it, goes quiet for an
+/// expiry, or names a ticket that is not parked. The port is open to anyone who can reach
+/// it, so a connection that claims nothing real is not kept: a stranger gets one answer,
+/// "no such ticket", and the connection closes.
+async fn serve(mut stream: TcpStream, server: std::sync::Weak<BulkServer>) -> std::io::Result<()> {
     let mut request = [0u8; 17];
     loop {
-        match stream.read_exact(&mut request).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
+        let expiry = match server.upgrade() {
+            Some(s) => s.expiry,
+            None => return Ok(()),
+        };
+        match tokio::time::timeout(expiry, stream.read_exact(&mut request)).await {
+            Err(_) => return Ok(()),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Ok(Err(e)) => return Err(e),
         }
         let mut ticket = [0u8; 16];
         ticket.copy_from_slice(&request[1..]);
-        let parked = server.take(u128::from_le_bytes(ticket));
+        // Held only for the lookup: a connection keeps the port's parked ranges no longer.
+        let parked = server
+            .upgrade()
+            .and_then(|s| s.take(u128::from_le_bytes(ticket)));
         match (request[0], parked) {
             (CLAIM, Some(p)) => {
                 let n = (p.data.len() + p.parity.len()) as u64;
@@ -140,7 +153,10 @@ async fn serve(mut stream: TcpStream, server: &BulkServer) -> std::io::Result<()
                 stream.write_all(&p.parity).await?;
             }
             (DROP, _) => stream.write_all(&0u64.to_le_bytes()).await?,
-            _ => stream.write_all(&NO_SUCH_TICKET.to_le_bytes()).await?,
+            _ => {
+                stream.write_all(&NO_SUCH_TICKET.to_le_bytes()).await?;
+                return Ok(());
+            }
         }
     }
 }
@@ -194,6 +210,7 @@ impl BulkClient {
         op: u8,
         ticket: u128,
         into: &mut Vec<u8>,
+        expect: u64,
     ) -> std::io::Result<u64> {
         let mut stream = self.connection(address).await?;
         let mut request = [0u8; 17];
@@ -201,7 +218,15 @@ impl BulkClient {
         request[1..].copy_from_slice(&ticket.to_le_bytes());
         stream.write_all(&request).await?;
         let n = stream.read_u64_le().await?;
-        if n != NO_SUCH_TICKET && op == CLAIM {
+        if n == NO_SUCH_TICKET {
+            // The survivor closes the connection after a miss.
+            return Ok(n);
+        }
+        if op == CLAIM && n != expect {
+            // Not read: the connection is out of step with what was asked, so it closes.
+            return Ok(n);
+        }
+        if op == CLAIM {
             // Into the buffer's spare capacity: no zeroing of what the socket overwrites,
             // and never past this answer (the connection serves the next claim).
             into.clear();
@@ -229,7 +254,7 @@ impl BulkClient {
         let what = || format!("bulk claim at {address}");
         let n = tokio::time::timeout(
             self.deadline,
-            self.exchange(address, CLAIM, ticket, &mut bytes),
+            self.exchange(address, CLAIM, ticket, &mut bytes, expect as u64),
         )
         .await
         .map_err(|_| PsError::Unavailable(format!("{}: no answer in {:?}", what(), self.deadline)))?
@@ -256,7 +281,7 @@ impl BulkClient {
         let mut none = Vec::new();
         let _ = tokio::time::timeout(
             self.deadline,
-            self.exchange(address, DROP, ticket, &mut none),
+            self.exchange(address, DROP, ticket, &mut none, 0),
         )
         .await;
     }

@@ -104,6 +104,22 @@ struct Core {
     incarnation: u64,
 }
 
+/// The job's secret check, counting every request it lets through: what `cluster run`
+/// reports as `server_rpcs` (RPCs per step, side by side across `--ft` modes).
+#[derive(Clone)]
+struct CountServed {
+    check: ftrec_proto::auth::CheckSecret,
+    metrics: Arc<Metrics>,
+}
+
+impl tonic::service::Interceptor for CountServed {
+    fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        let request = self.check.call(request)?;
+        self.metrics.add("ftrec_rpcs_served_total", 1);
+        Ok(request)
+    }
+}
+
 fn server_metrics(id: &str) -> Metrics {
     Metrics::new(format!("role=\"server\",id=\"{id}\""))
         .counter("ftrec_pulls_total", "Pull requests served")
@@ -112,6 +128,10 @@ fn server_metrics(id: &str) -> Metrics {
         .counter("ftrec_rows_updated_total", "Embedding rows updated")
         .counter("ftrec_rpc_bytes_in_total", "Payload bytes received")
         .counter("ftrec_rpc_bytes_out_total", "Payload bytes sent")
+        .counter(
+            "ftrec_rpcs_served_total",
+            "RPCs served (every data-plane call: workers' and peers')",
+        )
         .counter("ftrec_checkpoints_total", "Shard checkpoints written")
         .counter("ftrec_restores_total", "Shard restores")
         .counter(
@@ -278,6 +298,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
             spare: false,
             ready: false,
             incarnation: joined.incarnation,
+            ..Default::default()
         },
         heartbeat,
     ));
@@ -385,7 +406,10 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         ParameterServerServer::new(service::Service(core.clone()))
             .max_decoding_message_size(usize::MAX)
             .max_encoding_message_size(usize::MAX),
-        job.secret().checker(),
+        CountServed {
+            check: job.secret().checker(),
+            metrics: core.metrics.clone(),
+        },
     );
     let serve_stop = stop.clone();
     let mut builder = ftrec_proto::auth::server_builder(&job)?;
@@ -424,6 +448,7 @@ async fn wait_for_assignment(
                 spare: true,
                 ready: false,
                 incarnation: u64::from(token),
+                ..Default::default()
             })
             .await
         {
@@ -482,6 +507,9 @@ async fn heartbeat_loop(
                 spare: false,
                 ready: true,
                 incarnation: core.incarnation,
+                rpcs_served: core.metrics.get("ftrec_rpcs_served_total"),
+                rpc_bytes_served: core.metrics.get("ftrec_rpc_bytes_in_total")
+                    + core.metrics.get("ftrec_rpc_bytes_out_total"),
             })
             .await;
         match reply.map_err(|s| PsError::rpc("heartbeat", &s)) {

@@ -291,6 +291,47 @@ fn a_thawed_server_is_refused_as_a_zombie() {
     }
 }
 
+/// After a recovery, training goes on at once: the first step after the resume settles
+/// within a failure timeout. A worker whose step was caught in the dead server's calls
+/// reports the loss only after the resume; that report must not pause grants for a
+/// failure timeout (the recovery dealt with its cause already).
+#[test]
+fn training_goes_on_right_after_the_resume() {
+    use ftrec_sim::{Event, Fault, Member};
+    logs();
+    for mode in [FaultTolerance::Ec, FaultTolerance::Checkpoint] {
+        let ck = checkpoint_dir();
+        let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
+        let reference = reference_digest(&config).unwrap();
+        let schedule = Schedule {
+            events: vec![Event {
+                at: Duration::from_millis(300),
+                fault: Fault::Crash(Member::Server(1)),
+            }],
+        };
+        let outcome = run(RunOptions {
+            config: config.clone(),
+            seed: 5,
+            schedule,
+            armed: Vec::new(),
+            time_limit: Duration::from_secs(60),
+            replace_on_new_host: false,
+        })
+        .unwrap();
+        assert_eq!(check(&config, &outcome, &reference), vec![], "{mode:?}");
+        let o = outcome.unwrap();
+        let timeout = config.cluster.failure_timeout_ms as f64 / 1e3;
+        let r = o.summary.recoveries.first().expect("a recovery");
+        let first = r.first_step_at.expect("a step settled after the resume");
+        assert!(
+            first - r.resumed_at < timeout,
+            "{mode:?}: first step {:.3} s after the resume (failure timeout {timeout} s)\n{}",
+            first - r.resumed_at,
+            o.trace.join("\n")
+        );
+    }
+}
+
 /// The nasty partition: the worker cannot reach a server that the coordinator still
 /// sees. The worker names the server in its loss reports; after two lost steps in a row
 /// the coordinator declares the server dead, fences it and recovers, and the old process

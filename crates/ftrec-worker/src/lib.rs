@@ -106,6 +106,7 @@ async fn heartbeat(
             spare: false,
             ready: true,
             incarnation,
+            ..Default::default()
         });
         if let Ok(reply) = beat.await {
             epochs.send_if_modified(|e| {

@@ -21,7 +21,7 @@ use ftrec_faults::points;
 use ftrec_proto::PsError;
 use ftrec_proto::proto::*;
 
-use super::{SETTLE_AFTER, Sorted, Unreachable, decode_row, rows_as_asked};
+use super::{Background, SETTLE_AFTER, Sorted, Unreachable, decode_row, rows_as_asked};
 use crate::Core;
 
 /// Bytes each survivor sends per range: large enough that per-call costs vanish, small
@@ -241,7 +241,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     fn decode_and_install(
         &self,
-        codec: &Codec,
+        background: &Background,
         shape: &[CycleStripe],
         range: &CycleRange,
         answers: &[CycleAnswer],
@@ -259,11 +259,23 @@ impl Core {
             .network()
             .in_place(|| {
                 decode_cycles(
-                    codec, shape, range, &by_server, row_bytes, data_out, parity_out,
+                    &background.codec,
+                    shape,
+                    range,
+                    &by_server,
+                    row_bytes,
+                    data_out,
+                    parity_out,
                 )
             })
             .map_err(|e| PsError::Degraded(format!("server {me}: cannot decode: {e}")))?;
         let mut shard = self.shard_write()?;
+        // A restore or a newer rebuild replaced the pending set this range was read for.
+        if self.background().map(|b| b.id) != Some(background.id) {
+            return Err(PsError::Superseded(format!(
+                "server {me}: background rebuild (a restore or a newer rebuild)"
+            )));
+        }
         let mine = {
             let steps = self.steps();
             (steps.low(), steps.ahead().collect::<Vec<_>>())
@@ -402,7 +414,7 @@ impl Core {
                 && let Some(applied) = answers.first().map(|a| a.applied.clone())
             {
                 let installed = self.decode_and_install(
-                    &background.codec,
+                    &background,
                     &shape,
                     &range,
                     &answers,

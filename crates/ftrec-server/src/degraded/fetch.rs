@@ -111,9 +111,12 @@ impl Core {
             return Err(recovering(&data));
         }
         let row_bytes = rows.stride() * 4;
-        let data_bytes = rows
-            .as_bytes()
-            .get(data.start * row_bytes..data.end * row_bytes)
+        // Slot numbers come from the request: a product that overflows is out of range.
+        let bytes_of = |range: &std::ops::Range<usize>| {
+            Some(range.start.checked_mul(row_bytes)?..range.end.checked_mul(row_bytes)?)
+        };
+        let data_bytes = bytes_of(&data)
+            .and_then(|at| rows.as_bytes().get(at))
             .ok_or_else(|| {
                 PsError::BadRequest(format!(
                     "data slots {}..{} are outside table {table} ({} slots)",
@@ -132,7 +135,8 @@ impl Core {
             };
             red.parity
                 .get(table)
-                .and_then(|p| p.get(parity.start * red.row_bytes..parity.end * red.row_bytes))
+                .zip(bytes_of(&parity))
+                .and_then(|(p, at)| p.get(at))
                 .ok_or_else(|| {
                     PsError::BadRequest(format!(
                         "parity slots {}..{} are outside table {table}",

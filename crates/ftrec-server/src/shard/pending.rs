@@ -361,8 +361,18 @@ impl super::Shard {
                 run.start, run.end
             ))
         };
-        let mut installed = 0u64;
+        // Bounds first: a run's bits are cleared before its copy, so nothing may fail after.
         let data_end = data_first + data.len() / row_bytes;
+        let parity_end = parity_first + parity.len() / row_bytes;
+        if data_end * row_bytes > stored.as_bytes().len() {
+            return Err(outside("data", &(data_first..data_end)));
+        }
+        if let Some(red) = self.redundancy.as_ref()
+            && red.parity.get(table).map_or(0, Vec::len) < parity_end * row_bytes
+        {
+            return Err(outside("parity", &(parity_first..parity_end)));
+        }
+        let mut installed = 0u64;
         let runs = match pending.data.get_mut(table) {
             Some(bits) => bits.take_runs(data_first..data_end),
             None => Vec::new(),
@@ -378,7 +388,6 @@ impl super::Shard {
             installed += (run.len() * row_bytes) as u64;
         }
         if let Some(red) = self.redundancy.as_mut() {
-            let parity_end = parity_first + parity.len() / row_bytes;
             let runs = match pending.parity.get_mut(table) {
                 Some(bits) => bits.take_runs(parity_first..parity_end),
                 None => Vec::new(),

@@ -205,6 +205,9 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
         .collect();
     let across =
         |f: &dyn Fn(&RoundFigures) -> Option<f64>| over_rounds(figures.iter().map(f).collect());
+    let per_run = |run: &dyn Fn(&Round) -> &LaunchReport, f: &dyn Fn(&LaunchReport) -> f64| {
+        over_rounds(rounds.iter().map(|r| Some(f(run(r)))).collect())
+    };
     let (model_bytes, extra_bytes) = redundancy_bytes(&with(FaultTolerance::Ec, true))?;
     let model = config.model_config()?;
     // The rebuild's figures, flat beside the others (one `json!` for all of them passes
@@ -286,6 +289,20 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
             "none": across(&|f| f.rss_none.map(|b| b as f64)),
             "ec": across(&|f| f.rss_ec.map(|b| b as f64)),
         },
+        // Every data-plane RPC the servers served (workers' and peers': 2PC, parity
+        // updates) per step, and their payload bytes per sample, side by side.
+        "rpcs_per_step": {
+            "none": per_run(&|r| &r.none, &rpcs_per_step),
+            "ec": per_run(&|r| &r.ec, &rpcs_per_step),
+            "ec_no_2pc": per_run(&|r| &r.ec_no_2pc, &rpcs_per_step),
+            "ec_no_replication": per_run(&|r| &r.ec_no_replication, &rpcs_per_step),
+        },
+        "server_rpc_bytes_per_sample": {
+            "none": per_run(&|r| &r.none, &server_bytes_per_sample),
+            "ec": per_run(&|r| &r.ec, &server_bytes_per_sample),
+            "ec_no_2pc": per_run(&|r| &r.ec_no_2pc, &server_bytes_per_sample),
+            "ec_no_replication": per_run(&|r| &r.ec_no_replication, &server_bytes_per_sample),
+        },
         "parity_mismatches": rounds.iter().map(|r| [
             r.ec.parity_mismatches,
             r.ec_no_2pc.parity_mismatches,
@@ -310,6 +327,14 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
         all.extend(rebuild);
     }
     super::write_summary(&a.out, summary, a.json)
+}
+
+fn rpcs_per_step(r: &LaunchReport) -> f64 {
+    r.summary.server_rpcs as f64 / r.summary.steps.max(1) as f64
+}
+
+fn server_bytes_per_sample(r: &LaunchReport) -> f64 {
+    r.summary.server_rpc_bytes as f64 / r.summary.samples.max(1) as f64
 }
 
 /// Every table's rows multiplied by `factor`.
