@@ -251,37 +251,49 @@ fn frozen_none() {
     schedules_keep_their_promises(FaultTolerance::None, Kind::Freeze, FREEZES_PER_MODE);
 }
 
+/// One fault on server 1 at 300 ms under `mode`; the run must end exact. Returns the
+/// job's configuration and what happened.
+fn one_fault_on_server_1(
+    mode: FaultTolerance,
+    fault: ftrec_sim::Fault,
+    seed: u64,
+    replace_on_new_host: bool,
+) -> (ftrec_config::JobConfig, ftrec_sim::Outcome) {
+    let ck = checkpoint_dir();
+    let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
+    let reference = reference_digest(&config).unwrap();
+    let schedule = Schedule {
+        events: vec![ftrec_sim::Event {
+            at: Duration::from_millis(300),
+            fault,
+        }],
+    };
+    let outcome = run(RunOptions {
+        config: config.clone(),
+        seed,
+        schedule,
+        armed: Vec::new(),
+        time_limit: Duration::from_secs(60),
+        replace_on_new_host,
+    })
+    .unwrap();
+    assert_eq!(check(&config, &outcome, &reference), vec![], "{mode:?}");
+    (config, outcome.unwrap())
+}
+
 /// A server frozen past the failure timeout, then thawed while training goes on (SIGCONT,
 /// link-up): its slot has a new process, so it is refused, counted once, and the run ends
 /// exact.
 #[test]
 fn a_thawed_server_is_refused_as_a_zombie() {
-    use ftrec_sim::{Event, Fault, Member};
+    use ftrec_sim::{Fault, Member};
     logs();
     for mode in [FaultTolerance::Ec, FaultTolerance::Checkpoint] {
-        let ck = checkpoint_dir();
-        let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
-        let reference = reference_digest(&config).unwrap();
-        let schedule = Schedule {
-            events: vec![Event {
-                at: Duration::from_millis(300),
-                fault: Fault::Freeze {
-                    member: Member::Server(1),
-                    lasting: Some(Duration::from_millis(600)),
-                },
-            }],
+        let freeze = Fault::Freeze {
+            member: Member::Server(1),
+            lasting: Some(Duration::from_millis(600)),
         };
-        let outcome = run(RunOptions {
-            config: config.clone(),
-            seed: 3,
-            schedule,
-            armed: Vec::new(),
-            time_limit: Duration::from_secs(60),
-            replace_on_new_host: true,
-        })
-        .unwrap();
-        assert_eq!(check(&config, &outcome, &reference), vec![], "{mode:?}");
-        let o = outcome.unwrap();
+        let (_, o) = one_fault_on_server_1(mode, freeze, 3, true);
         assert_eq!(
             o.summary.zombies_refused,
             1,
@@ -297,29 +309,10 @@ fn a_thawed_server_is_refused_as_a_zombie() {
 /// failure timeout (the recovery dealt with its cause already).
 #[test]
 fn training_goes_on_right_after_the_resume() {
-    use ftrec_sim::{Event, Fault, Member};
+    use ftrec_sim::{Fault, Member};
     logs();
     for mode in [FaultTolerance::Ec, FaultTolerance::Checkpoint] {
-        let ck = checkpoint_dir();
-        let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
-        let reference = reference_digest(&config).unwrap();
-        let schedule = Schedule {
-            events: vec![Event {
-                at: Duration::from_millis(300),
-                fault: Fault::Crash(Member::Server(1)),
-            }],
-        };
-        let outcome = run(RunOptions {
-            config: config.clone(),
-            seed: 5,
-            schedule,
-            armed: Vec::new(),
-            time_limit: Duration::from_secs(60),
-            replace_on_new_host: false,
-        })
-        .unwrap();
-        assert_eq!(check(&config, &outcome, &reference), vec![], "{mode:?}");
-        let o = outcome.unwrap();
+        let (config, o) = one_fault_on_server_1(mode, Fault::Crash(Member::Server(1)), 5, false);
         let timeout = config.cluster.failure_timeout_ms as f64 / 1e3;
         let r = o.summary.recoveries.first().expect("a recovery");
         let first = r.first_step_at.expect("a step settled after the resume");
