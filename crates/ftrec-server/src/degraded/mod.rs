@@ -391,6 +391,11 @@ impl<T> Sorted<T> {
 pub(super) struct Unreachable(u32);
 
 impl Unreachable {
+    /// Whether the last round had a survivor that could not be reached.
+    pub(super) fn any(&self) -> bool {
+        self.0 > 0
+    }
+
     /// Counts a round; the error once [`SURVIVOR_ATTEMPTS`] rounds in a row had one.
     pub(super) fn count(
         &mut self,
