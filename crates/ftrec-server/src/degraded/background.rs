@@ -21,7 +21,7 @@ use ftrec_faults::points;
 use ftrec_proto::PsError;
 use ftrec_proto::proto::*;
 
-use super::{Background, SETTLE_AFTER, Sorted, Unreachable, decode_row, rows_as_asked};
+use super::{Background, Rounds, Sorted, decode_row, rows_as_asked};
 use crate::Core;
 
 /// Bytes each survivor sends per range: large enough that per-call costs vanish, small
@@ -346,22 +346,14 @@ impl Core {
         };
         let mut data_out = buffers.take(range.data.len() * row_bytes);
         let mut parity_out = buffers.take(range.parity.len() * row_bytes);
-        let give_up = Instant::now() + self.job.timeout() * 4;
-        let mut attempt = 0u32;
-        let mut unreachable_in_a_row = Unreachable::default();
-        let mut turn = None;
+        let mut rounds = Rounds::new(self, false);
         loop {
-            attempt += 1;
-            // As for a degraded read: a snapshot that keeps straddling commits takes this
-            // server's commit turn, which stops every server's next step.
-            if attempt > SETTLE_AFTER && turn.is_none() {
-                turn = Some(self.commit_turn.clone().lock_owned().await);
-            }
+            let attempt = rounds.next(self).await;
             let epoch = self.live().epoch;
             // The placement map is fetched again only after a survivor could not be
             // reached (a new epoch refreshes it anyway): a snapshot read again because a
             // commit straddled it must not reconnect to every peer.
-            let fresh = unreachable_in_a_row.any();
+            let fresh = rounds.unreachable.any();
             let calls = survivors.iter().map(|&server| {
                 let peers = peers.clone();
                 let req = FetchSlotsRequest {
@@ -410,7 +402,7 @@ impl Core {
             } else {
                 self.drop_parked(replies);
             }
-            unreachable_in_a_row.count(unreachable, what)?;
+            rounds.unreachable.count(unreachable, what)?;
             // Every survivor's rows, of one snapshot (`snapshot` held: their steps agree).
             if answers.len() == survivors.len()
                 && let Some(applied) = answers.first().map(|a| a.applied.clone())
@@ -436,15 +428,14 @@ impl Core {
             } else {
                 buffers.give_answers(answers);
             }
-            if Instant::now() > give_up {
+            if rounds.expired() {
                 return Err(PsError::Recovering {
                     table: table as u32,
                     first_row: range.data.start as u32,
                     end_row: range.data.end as u32,
                 });
             }
-            // A commit landed between the reads (or a survivor was busy): read again.
-            tokio::time::sleep(Duration::from_micros(200 * u64::from(attempt.min(25)))).await;
+            rounds.pause().await;
         }
     }
 

@@ -47,7 +47,7 @@ pub(super) struct Background {
 }
 
 /// Snapshot attempts before a decode takes the commit turn to let the stripe settle.
-pub(super) const SETTLE_AFTER: u32 = 8;
+const SETTLE_AFTER: u32 = 8;
 
 /// What one survivor answered: its data and parity slots as asked, row after row, and its
 /// applied steps.
@@ -243,18 +243,9 @@ impl Core {
         let Some(peers) = self.peers.clone() else {
             return Err(PsError::Config("no peers to decode from".into()));
         };
-        let give_up = Instant::now() + self.job.timeout() * 4;
-        let mut attempt = 0u32;
-        let mut unreachable_in_a_row = Unreachable::default();
-        // Under steady commits a snapshot may keep straddling one; after a few tries this
-        // server's commit turn is taken, which stops new steps here and so (each step
-        // needs every server) everywhere: the survivors then settle on this server's steps.
-        let mut turn = None;
+        let mut rounds = Rounds::new(self, holds_turn);
         loop {
-            attempt += 1;
-            if attempt > SETTLE_AFTER && !holds_turn && turn.is_none() {
-                turn = Some(self.commit_turn.clone().lock_owned().await);
-            }
+            let attempt = rounds.next(self).await;
             let epoch = self.live().epoch;
             let calls = asks.iter().map(|(&server, (d, p))| {
                 let peers = peers.clone();
@@ -283,7 +274,7 @@ impl Core {
             });
             let what = || format!("server {me}: degraded read of table {table}");
             let sorted = Sorted::of(futures::future::join_all(calls).await, what)?;
-            unreachable_in_a_row.count(sorted.unreachable, what)?;
+            rounds.unreachable.count(sorted.unreachable, what)?;
             let answers: Vec<Answer> = sorted.ok;
             let consistent = answers.windows(2).all(|w| w[0].applied == w[1].applied);
             if consistent && let Some(applied) = answers.first().map(|a| a.applied.clone()) {
@@ -329,14 +320,14 @@ impl Core {
                             .collect();
                         return shard.install_decoded(table, &data, &parity);
                     }
-                } else if Instant::now() > give_up {
+                } else if rounds.expired() {
                     return Err(PsError::Degraded(format!(
                         "server {me}: cannot decode: {}",
                         failed.unwrap_or_default()
                     )));
                 }
             }
-            if Instant::now() > give_up {
+            if rounds.expired() {
                 return Err(PsError::Recovering {
                     table: table as u32,
                     first_row: data.first().or(parity.first()).copied().unwrap_or(0),
@@ -344,7 +335,7 @@ impl Core {
                 });
             }
             // A commit landed between the reads: read again shortly.
-            tokio::time::sleep(Duration::from_micros(200 * u64::from(attempt.min(25)))).await;
+            rounds.pause().await;
         }
     }
 }
@@ -383,6 +374,52 @@ impl<T> Sorted<T> {
             }
         }
         Ok(sorted)
+    }
+}
+
+/// The rounds of a read that must see one consistent snapshot of its stripes, degraded
+/// read or rebuild range alike: a deadline, and the commit turn taken once the snapshot
+/// kept straddling commits. Under steady commits a snapshot may keep straddling one; after
+/// [`SETTLE_AFTER`] rounds this server's commit turn is taken, which stops new steps here
+/// and so (each step needs every server) everywhere: the survivors then settle on this
+/// server's steps.
+pub(super) struct Rounds {
+    give_up: Instant,
+    attempt: u32,
+    /// The caller holds the commit turn already (a prepare).
+    holds_turn: bool,
+    turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+    pub unreachable: Unreachable,
+}
+
+impl Rounds {
+    pub(super) fn new(core: &Core, holds_turn: bool) -> Self {
+        Self {
+            give_up: Instant::now() + core.job.timeout() * 4,
+            attempt: 0,
+            holds_turn,
+            turn: None,
+            unreachable: Unreachable::default(),
+        }
+    }
+
+    /// Starts the next round; returns its number, from 1.
+    pub(super) async fn next(&mut self, core: &Core) -> u32 {
+        self.attempt += 1;
+        if self.attempt > SETTLE_AFTER && !self.holds_turn && self.turn.is_none() {
+            self.turn = Some(core.commit_turn.clone().lock_owned().await);
+        }
+        self.attempt
+    }
+
+    pub(super) fn expired(&self) -> bool {
+        Instant::now() > self.give_up
+    }
+
+    /// Waits before the next round: a commit landed between the reads (or a survivor
+    /// was busy).
+    pub(super) async fn pause(&self) {
+        tokio::time::sleep(Duration::from_micros(200 * u64::from(self.attempt.min(25)))).await;
     }
 }
 

@@ -7,18 +7,13 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use crate::cli::{BIN, ftrec, json_of};
-use crate::cluster_support::model;
+use crate::cluster_support::cluster_args;
 
 /// A job file for processes started by hand, `steps` long, with its etcd prefix.
 pub fn hand_job(dir: &Path, data: &str, name: &str, steps: u64, extra: &[&str]) -> PathBuf {
     let run = dir.join(name);
-    let mut args = vec![
-        "cluster",
-        "run",
-        "--data",
-        data,
-        "--steps",
-        "2",
+    let mut args = cluster_args(data, &run, "2");
+    args.extend([
         "--servers",
         "3",
         "--workers",
@@ -27,11 +22,7 @@ pub fn hand_job(dir: &Path, data: &str, name: &str, steps: u64, extra: &[&str]) 
         "ec",
         "--deterministic",
         "--no-eval",
-        "--run-dir",
-        run.to_str().unwrap(),
-        "--json",
-    ];
-    args.extend(model());
+    ]);
     args.extend(extra);
     json_of(&ftrec(&args));
     let job = run.join("job.toml");
