@@ -29,8 +29,11 @@ pub fn bytes_to_u32s(b: &[u8], what: &str) -> Result<Vec<u32>, PsError> {
 }
 
 pub fn bytes_to_f32s(b: &[u8], what: &str) -> Result<Vec<f32>, PsError> {
-    check_len(b, what)?;
-    Ok(bytemuck::pod_collect_to_vec(b))
+    // Not `pod_collect_to_vec`: it zeroes the vector before copying into it, a second
+    // pass over every pushed gradient.
+    let mut out = Vec::with_capacity(b.len() / 4);
+    extend_f32s(&mut out, b, what)?;
+    Ok(out)
 }
 
 /// Appends f32 LE bytes to `out` without an intermediate vector.

@@ -74,7 +74,7 @@ impl Core {
         // A replacement rebuilding in the background decodes the rows this update needs
         // first (it holds the commit turn, so its own steps stand still meanwhile).
         self.materialize_update(&update).await?;
-        let staged = self.shard_read()?.stage(&update)?;
+        let staged = self.shard_read()?.stage_owned(update)?;
         for observer in &self.pre_commit {
             // A veto aborts the update: the staged rows are dropped, nothing is installed.
             observer.pre_commit(&staged).await?;
@@ -128,6 +128,14 @@ impl Core {
         staged: &StagedUpdate,
         parity: &[ParityUpdateRequest],
     ) -> Result<u64, PsError> {
+        // The commit turn keeps the dense ranges as staged; a change between would make
+        // the staged gradient apply to other values than the step's.
+        if !shard.dense_unchanged_since(staged) {
+            return Err(PsError::Internal(format!(
+                "step {}: the dense range changed between stage and commit",
+                staged.step
+            )));
+        }
         for request in parity {
             apply_parity_difference(shard, request, &self.faults)?;
         }

@@ -147,6 +147,21 @@ impl Layout {
         self.stripes
     }
 
+    /// The server holding the primary copy of `row`, and the row's index there: one
+    /// placement computation where a caller needs both.
+    pub fn primary(&self, table: usize, row: GlobalRow) -> (usize, LocalRow) {
+        match &self.stripes {
+            Some(s) => {
+                let slot = s.row_slot(table, row.0 as usize);
+                (slot.server, LocalRow(slot.local as u32))
+            }
+            None => (
+                (row.0 as usize + table) % self.servers,
+                LocalRow(row.0 / self.servers as u32),
+            ),
+        }
+    }
+
     /// The server holding the primary copy of `row`.
     pub fn server_of(&self, table: usize, row: GlobalRow) -> usize {
         match &self.stripes {
@@ -166,10 +181,11 @@ impl Layout {
     /// Every holder of `row`; the primary first, then (erasure coded) the holders of its
     /// stripe's parity rows, at their parity-slot indices.
     pub fn holders(&self, table: usize, row: GlobalRow) -> Vec<Holder> {
+        let (server, local) = self.primary(table, row);
         let mut holders = vec![Holder {
-            server: self.server_of(table, row),
+            server,
             role: Role::Primary,
-            local: self.local_index(table, row),
+            local,
         }];
         if let Some(s) = &self.stripes {
             let (stripe, _) = s.stripe_of(row.0 as usize);

@@ -90,15 +90,38 @@ impl Update {
     }
 }
 
-/// New values computed by [`Shard::stage`], not yet visible.
+/// How [`Shard::commit`] changes a dense range (the server's own, or the replica it keeps).
+#[derive(Debug)]
+enum StagedDense {
+    /// The optimizer runs at commit, in place, on this gradient. Nothing needs the new
+    /// values before then (no parity difference of the range goes out), and the commit
+    /// turn, held from stage to commit, keeps the range as staged meanwhile: the result is
+    /// bit for bit what staging it would give, without copying the range and its
+    /// optimizer state (Adam: three times the parameters) out and back on every step.
+    /// `step` is the range's dense step at stage, checked at install.
+    Gradient { grad: Vec<f32>, step: u64 },
+    /// The new values, computed at stage: the dense range is coded, and its difference
+    /// goes to the parity holders before the commit.
+    Values { params: Vec<f32>, state: Vec<f32> },
+}
+
+impl Default for StagedDense {
+    fn default() -> Self {
+        Self::Gradient {
+            grad: Vec::new(),
+            step: 0,
+        }
+    }
+}
+
+/// What [`Shard::stage`] decided, not yet visible.
 #[derive(Debug, Default)]
 pub struct StagedUpdate {
     pub step: u64,
     rows: Vec<StagedRows>,
-    dense_params: Vec<f32>,
-    dense_state: Vec<f32>,
-    /// The dense replica's parameters and state after the update.
-    replica: Option<(Vec<f32>, Vec<f32>)>,
+    dense: StagedDense,
+    /// The dense replica's update.
+    replica: Option<StagedDense>,
     /// Dense ranges coded (`ec.replicate_dense = false`): the dense row's `old XOR new`.
     dense_delta: Option<Vec<u8>>,
 }
@@ -111,11 +134,6 @@ impl StagedUpdate {
     /// The changed rows, per table.
     pub fn rows(&self) -> &[StagedRows] {
         &self.rows
-    }
-
-    /// The server's dense range and its optimizer state after the update.
-    pub fn dense(&self) -> (&[f32], &[f32]) {
-        (&self.dense_params, &self.dense_state)
     }
 
     /// Dense ranges coded: the difference of this server's dense row.
@@ -205,8 +223,9 @@ impl Shard {
             let mut data = vec![0.0f32; local_rows * stride];
             redundancy::for_each_initial_row(global, seed, t, |r, row| {
                 let g = GlobalRow(r as u32);
-                if layout.server_of(t, g) == server {
-                    let local = layout.local_index(t, g).index();
+                let (owner, local) = layout.primary(t, g);
+                if owner == server {
+                    let local = local.index();
                     data[local * stride..(local + 1) * stride].copy_from_slice(row);
                 }
                 if let (Some(red), Some(stripes)) = (&mut redundancy, &stripes) {
@@ -342,7 +361,7 @@ impl Shard {
                 "row {row} is outside table {table} ({rows} rows)"
             )));
         }
-        let owner = self.layout.server_of(table, GlobalRow(row));
+        let (owner, local) = self.layout.primary(table, GlobalRow(row));
         if owner != self.server {
             return Err(PsError::NotOwner {
                 table: table as u32,
@@ -350,7 +369,7 @@ impl Shard {
                 owner: owner as u32,
             });
         }
-        Ok(self.layout.local_index(table, GlobalRow(row)).index())
+        Ok(local.index())
     }
 
     /// Appends the embeddings (not the optimizer state) of `rows` of `table`, as f32 LE.
@@ -366,8 +385,29 @@ impl Shard {
         Ok(())
     }
 
-    /// Computes the update's new rows and dense range without changing the shard.
+    /// Computes the update's new rows (and, dense ranges coded, the new dense range)
+    /// without changing the shard.
     pub fn stage(&self, update: &Update) -> Result<StagedUpdate, PsError> {
+        let dense = (update.dense.clone(), update.replica_dense.clone());
+        self.stage_with(update, dense)
+    }
+
+    /// [`Shard::stage`], keeping the update's dense gradients rather than copying them
+    /// (the pipeline's path: it has no further use for the update).
+    pub fn stage_owned(&self, mut update: Update) -> Result<StagedUpdate, PsError> {
+        let dense = (
+            std::mem::take(&mut update.dense),
+            std::mem::take(&mut update.replica_dense),
+        );
+        self.stage_with(&update, dense)
+    }
+
+    /// `dense` is the update's own and replica dense gradients, taken out of `update`.
+    fn stage_with(
+        &self,
+        update: &Update,
+        (dense, replica_dense): (Vec<f32>, Vec<f32>),
+    ) -> Result<StagedUpdate, PsError> {
         let dim = self.global.dim;
         let optimizer: Optimizer = self.global.sparse_optimizer;
         let mut staged = StagedUpdate {
@@ -415,23 +455,20 @@ impl Shard {
             staged.rows.push(out);
         }
         let len = self.dense_range.len();
-        if update.dense.len() != len {
+        if dense.len() != len {
             return Err(PsError::BadRequest(format!(
                 "dense gradient has {} values, server {} holds {len} parameters",
-                update.dense.len(),
+                dense.len(),
                 self.server
             )));
         }
-        staged.dense_params = self.dense_params().to_vec();
-        staged.dense_state = self.dense_optimizer_state().to_vec();
-        let mut step = self.state.dense.step;
-        self.global.dense_optimizer.apply_dense(
-            &mut staged.dense_params,
-            &mut staged.dense_state,
-            &update.dense,
-            &mut step,
-        );
-        if self.layout.dense_coded() {
+        staged.dense = if self.layout.dense_coded() {
+            let mut params = self.dense_params().to_vec();
+            let mut state = self.dense_optimizer_state().to_vec();
+            let mut step = self.state.dense.step;
+            self.global
+                .dense_optimizer
+                .apply_dense(&mut params, &mut state, &dense, &mut step);
             let len = dense_code::row_len(&self.global, self.layout, self.server)?;
             let old = dense_code::pack(
                 self.dense_params(),
@@ -440,35 +477,31 @@ impl Shard {
                 len,
             );
             // `commit` advances the dense step by one.
-            let new = dense_code::pack(
-                &staged.dense_params,
-                &staged.dense_state,
-                self.state.dense.step + 1,
-                len,
-            );
+            let new = dense_code::pack(&params, &state, self.state.dense.step + 1, len);
             let mut delta = vec![0u8; len];
             ftrec_ec::xor_into(&old, &new, &mut delta);
             staged.dense_delta = Some(delta);
-        }
+            StagedDense::Values { params, state }
+        } else {
+            StagedDense::Gradient {
+                grad: dense,
+                step: self.state.dense.step,
+            }
+        };
         if let Some(replica) = self.redundancy.as_ref().and_then(|r| r.replica.as_ref()) {
-            if update.replica_dense.len() != replica.range.len() {
+            if replica_dense.len() != replica.range.len() {
                 return Err(PsError::BadRequest(format!(
                     "replica dense gradient has {} values, server {} replicates {} parameters of server {}",
-                    update.replica_dense.len(),
+                    replica_dense.len(),
                     self.server,
                     replica.range.len(),
                     replica.of
                 )));
             }
-            let (mut params, mut state) = (replica.params.clone(), replica.state.clone());
-            let mut step = replica.step;
-            self.global.dense_optimizer.apply_dense(
-                &mut params,
-                &mut state,
-                &update.replica_dense,
-                &mut step,
-            );
-            staged.replica = Some((params, state));
+            staged.replica = Some(StagedDense::Gradient {
+                grad: replica_dense,
+                step: replica.step,
+            });
         }
         Ok(staged)
     }
@@ -483,18 +516,44 @@ impl Shard {
             }
         }
         let len = self.dense_range.len();
-        let state_len = staged.dense_state.len();
-        self.state.dense.params[..len].copy_from_slice(&staged.dense_params);
-        self.state.dense.optimizer_state[..state_len].copy_from_slice(&staged.dense_state);
-        self.state.dense.step += 1;
-        if let (Some((params, state)), Some(replica)) = (
+        let state_len = self.dense_state_len();
+        let dense = &mut self.state.dense;
+        apply_staged_dense(
+            &self.global.dense_optimizer,
+            &staged.dense,
+            &mut dense.params[..len],
+            &mut dense.optimizer_state[..state_len],
+            &mut dense.step,
+        );
+        if let (Some(update), Some(replica)) = (
             &staged.replica,
             self.redundancy.as_mut().and_then(|r| r.replica.as_mut()),
         ) {
-            replica.params.copy_from_slice(params);
-            replica.state.copy_from_slice(state);
-            replica.step += 1;
+            apply_staged_dense(
+                &self.global.dense_optimizer,
+                update,
+                &mut replica.params,
+                &mut replica.state,
+                &mut replica.step,
+            );
         }
+    }
+
+    /// Whether the dense ranges are as `staged` found them (a staged gradient applies only
+    /// to the values it was staged against).
+    pub fn dense_unchanged_since(&self, staged: &StagedUpdate) -> bool {
+        let own = match staged.dense {
+            StagedDense::Gradient { step, .. } => step == self.state.dense.step,
+            StagedDense::Values { .. } => true,
+        };
+        let replica = match (
+            &staged.replica,
+            self.redundancy.as_ref().and_then(|r| r.replica.as_ref()),
+        ) {
+            (Some(StagedDense::Gradient { step, .. }), Some(replica)) => *step == replica.step,
+            _ => true,
+        };
+        own && replica
     }
 
     /// Parity rows and dense replica (erasure coding only).
@@ -542,6 +601,28 @@ impl Shard {
         self.state = state;
         self.pending = None;
         Ok(())
+    }
+}
+
+/// Installs one staged dense change: runs the optimizer in place, or copies the values
+/// staged. Advances `step` by one either way.
+fn apply_staged_dense(
+    optimizer: &Optimizer,
+    staged: &StagedDense,
+    params: &mut [f32],
+    state: &mut [f32],
+    step: &mut u64,
+) {
+    match staged {
+        StagedDense::Gradient { grad, .. } => optimizer.apply_dense(params, state, grad, step),
+        StagedDense::Values {
+            params: new_params,
+            state: new_state,
+        } => {
+            params.copy_from_slice(new_params);
+            state.copy_from_slice(new_state);
+            *step += 1;
+        }
     }
 }
 
