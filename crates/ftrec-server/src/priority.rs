@@ -98,6 +98,22 @@ impl PostCommit for PriorityTracking {
 }
 
 impl Core {
+    /// A restore replaced the shard: every row equals its checkpoint, and what the
+    /// trackers hold (counts, sampled rows, SCAR's copy) belongs to steps that are gone.
+    /// The caller holds the shard's write lock and the commit turn, so no update records
+    /// between the restore and this.
+    pub(super) fn reset_priority(&self, shard: &Shard) {
+        let Some(priority) = &self.priority else {
+            return;
+        };
+        let mut state = lock(priority);
+        for (table, tracker) in shard.state().tables().iter().zip(state.trackers.iter_mut()) {
+            if let Some(tracker) = tracker {
+                tracker.reset(table);
+            }
+        }
+    }
+
     /// Writes this shard's prioritised save at `step`: the selected rows of each tracked
     /// table and every row of the others, as a delta whose parent is the shard's newest
     /// checkpoint on its branch (the last full cut or the previous save).

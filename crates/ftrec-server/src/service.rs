@@ -219,6 +219,7 @@ impl ParameterServer for Service {
                     .write()
                     .map_err(|_| PsError::Internal("shard lock poisoned".into()))?;
                 shard.replace_state(state)?;
+                core.reset_priority(&shard);
                 core.publish(req.epoch, |steps| {
                     *steps = AppliedSteps::up_to(req.step.unwrap_or(0))
                 });

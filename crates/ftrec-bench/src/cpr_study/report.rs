@@ -16,11 +16,23 @@ pub struct OverheadSeconds {
     pub reschedule: f64,
     /// Re-training the steps full recovery rolled back.
     pub lost: f64,
+    /// Recording row accesses for the priority trackers (MFU counters, SSU samples, SCAR's
+    /// nothing): measured wall time, scaled into the frame.
+    pub tracking: f64,
+    /// Choosing and copying the prioritised rows at each save: measured, scaled likewise.
+    pub selection: f64,
 }
 
 impl OverheadSeconds {
+    /// Eq. 1 / Eq. 2's terms: saves, loads, reschedules and lost work, without what
+    /// prioritising rows costs (the paper's accounting).
     pub fn total(&self) -> f64 {
         self.save + self.load + self.reschedule + self.lost
+    }
+
+    /// Every cost, tracking and selection included.
+    pub fn total_all(&self) -> f64 {
+        self.total() + self.tracking + self.selection
     }
 }
 
@@ -33,8 +45,12 @@ pub struct RunResult {
     pub pls: f64,
     /// Eq. 1 (full) or Eq. 2 (partial) evaluated on the run's own events: its checkpoints
     /// at their byte-proportional cost, its failures' reloads and reschedules, and the
-    /// steps it re-trained, over T_total.
+    /// steps it re-trained, over T_total. Excludes tracking and selection (the paper's
+    /// accounting); [`RunResult::overhead_fraction_all_costs`] includes them.
     pub overhead_fraction: f64,
+    /// The same with every cost: plus the measured time spent recording accesses and
+    /// choosing and copying prioritised rows.
+    pub overhead_fraction_all_costs: f64,
     /// Eq. 1 / Eq. 2 in expectation at the run's interval (failures at the MTBF rate).
     pub overhead_fraction_expected: f64,
     pub overhead_seconds: OverheadSeconds,
@@ -63,7 +79,10 @@ pub struct RunSummary {
     pub auc: f64,
     pub logloss: f64,
     pub pls: f64,
+    /// Without tracking and selection (the paper's accounting).
     pub overhead_fraction: f64,
+    /// Every cost included.
+    pub overhead_fraction_all_costs: f64,
     pub checkpoints: u64,
     pub bytes: u64,
 }
@@ -113,9 +132,11 @@ pub struct StudyReport {
 /// The targets, each as measured; `None` when a strategy did not run.
 #[derive(Clone, Debug, Serialize)]
 pub struct Targets {
-    /// Smallest `1 − overhead / full's overhead` of CPR-MFU and CPR-SSU over the fractions
-    /// (target ≥ 0.9).
+    /// Smallest `1 − overhead / full's overhead` of CPR-MFU and CPR-SSU over the fractions,
+    /// every cost included (target ≥ 0.5).
     pub mfu_ssu_overhead_reduction_min: Option<f64>,
+    /// The same without tracking and selection, the paper's accounting (its claim: ≥ 0.9).
+    pub mfu_ssu_overhead_reduction_min_excluding_tracking: Option<f64>,
     /// Largest `|AUC − full's AUC|` over the CPR-MFU and CPR-SSU runs (target ≤ 0.001).
     pub mfu_ssu_auc_gap_max: Option<f64>,
     /// Largest `|AUC − full's AUC|` over all CPR runs.
@@ -184,6 +205,7 @@ impl StudyReport {
                         logloss: r.logloss,
                         pls: r.pls,
                         overhead_fraction: r.overhead_fraction,
+                        overhead_fraction_all_costs: r.overhead_fraction_all_costs,
                         checkpoints: r.checkpoints,
                         bytes: r.bytes,
                     },
@@ -237,6 +259,7 @@ impl Targets {
                 .find(|r| r.strategy == Strategy::Full.name() && r.fraction == f)
         };
         let mut reduction: Option<f64> = None;
+        let mut reduction_excluding: Option<f64> = None;
         let mut gap: Option<f64> = None;
         let mut cpr_gap: Option<f64> = None;
         for r in runs {
@@ -248,16 +271,19 @@ impl Targets {
                 cpr_gap = Some(cpr_gap.map_or(d, |g| g.max(d)));
             }
             if r.strategy == Strategy::CprMfu.name() || r.strategy == Strategy::CprSsu.name() {
-                let red = 1.0 - r.overhead_fraction / full.overhead_fraction;
+                let red = 1.0 - r.overhead_fraction_all_costs / full.overhead_fraction_all_costs;
                 reduction = Some(reduction.map_or(red, |x| x.min(red)));
+                let red = 1.0 - r.overhead_fraction / full.overhead_fraction;
+                reduction_excluding = Some(reduction_excluding.map_or(red, |x| x.min(red)));
                 gap = Some(gap.map_or(d, |g| g.max(d)));
             }
         }
         Self {
             mfu_ssu_overhead_reduction_min: reduction,
+            mfu_ssu_overhead_reduction_min_excluding_tracking: reduction_excluding,
             mfu_ssu_auc_gap_max: gap,
             cpr_auc_gap_max: cpr_gap,
-            overhead_met: reduction.map(|r| r >= 0.9),
+            overhead_met: reduction.map(|r| r >= 0.5),
             auc_met: gap.map(|g| g <= 0.001),
             correlation_met: correlation.abs() >= 0.9,
         }

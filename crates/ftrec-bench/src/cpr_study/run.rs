@@ -174,9 +174,9 @@ impl<'a> Run<'a> {
                 let reset = reset_servers(&mut state, &saved, servers, lost);
                 let rows: usize = reset.iter().map(Vec::len).sum();
                 cost.load += frame.load_cost(rows as u64 * row_bytes);
-                for (sel, rows) in selectors.iter_mut().zip(&reset) {
+                for (t, (sel, rows)) in selectors.iter_mut().zip(&reset).enumerate() {
                     if let Some(sel) = sel {
-                        sel.forget(rows);
+                        sel.forget(&state.tables()[t], rows);
                     }
                 }
             }
@@ -209,6 +209,8 @@ impl<'a> Run<'a> {
         }
         if let Some(frame) = self.frame {
             cost.lost = rolled_back as f64 * frame.step_seconds;
+            cost.tracking = tracking_seconds * frame.scale;
+            cost.selection = select_seconds * frame.scale;
         }
         let digest = state.digest().to_string();
         let tracker_memory_bytes: usize =
@@ -243,6 +245,7 @@ impl<'a> Run<'a> {
                 logloss: metrics.logloss,
                 pls: pls.value,
                 overhead_fraction: cost.total() / t_total,
+                overhead_fraction_all_costs: cost.total_all() / t_total,
                 overhead_fraction_expected: expected,
                 overhead_seconds: cost,
                 checkpoints,

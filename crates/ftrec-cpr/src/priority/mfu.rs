@@ -37,7 +37,7 @@ impl Prioritizer for Mfu {
         }
     }
 
-    fn select(&mut self, _table: &EmbeddingTable) -> Vec<u32> {
+    fn select(&mut self, table: &EmbeddingTable) -> Vec<u32> {
         let scored: Vec<(u32, u32)> = self
             .counts
             .iter()
@@ -46,14 +46,18 @@ impl Prioritizer for Mfu {
             .map(|(r, &c)| (c, r as u32))
             .collect();
         let rows = top_k(scored, self.budget, |a, b| a.cmp(b));
-        self.forget(&rows);
+        self.forget(table, &rows);
         rows
     }
 
-    fn forget(&mut self, rows: &[u32]) {
+    fn forget(&mut self, _table: &EmbeddingTable, rows: &[u32]) {
         for &r in rows {
             self.counts[r as usize] = 0;
         }
+    }
+
+    fn reset(&mut self, _table: &EmbeddingTable) {
+        self.counts.fill(0);
     }
 
     fn memory_bytes(&self) -> usize {

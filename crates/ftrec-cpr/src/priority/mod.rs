@@ -34,8 +34,19 @@ pub trait Prioritizer: Send {
     /// The rows to save now, ascending, at most the budget; they count as saved from here
     /// on (their counters, list entries or baselines are reset).
     fn select(&mut self, table: &EmbeddingTable) -> Vec<u32>;
-    /// These rows were just restored to their saved values: nothing of theirs is unsaved.
-    fn forget(&mut self, rows: &[u32]);
+    /// These rows of `table` were just restored (the table holds the restored values):
+    /// nothing of theirs is unsaved. SCAR re-bases them on the restored values rather than
+    /// assume those equal its copy: a restore to another checkpoint than its last
+    /// selection (a rollback past prioritised saves, a replacement's first restore) breaks
+    /// that.
+    fn forget(&mut self, table: &EmbeddingTable, rows: &[u32]);
+    /// The whole table was just restored (a rollback, a replacement's restore, the
+    /// initial model): every row equals its saved value, nothing is unsaved, and accesses
+    /// recorded before belong to steps that no longer exist.
+    fn reset(&mut self, table: &EmbeddingTable) {
+        let all: Vec<u32> = (0..table.rows() as u32).collect();
+        self.forget(table, &all);
+    }
     /// Bytes of tracking state held beside the table.
     fn memory_bytes(&self) -> usize;
 }
@@ -75,7 +86,8 @@ impl Prioritizer for NoPriority {
     fn select(&mut self, table: &EmbeddingTable) -> Vec<u32> {
         (0..table.rows() as u32).collect()
     }
-    fn forget(&mut self, _rows: &[u32]) {}
+    fn forget(&mut self, _table: &EmbeddingTable, _rows: &[u32]) {}
+    fn reset(&mut self, _table: &EmbeddingTable) {}
     fn memory_bytes(&self) -> usize {
         0
     }

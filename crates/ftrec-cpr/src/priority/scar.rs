@@ -61,9 +61,12 @@ impl Prioritizer for Scar {
         rows
     }
 
-    /// A restored row equals its saved value again, so its change is zero without
-    /// touching the baseline.
-    fn forget(&mut self, _rows: &[u32]) {}
+    fn forget(&mut self, table: &EmbeddingTable, rows: &[u32]) {
+        for &r in rows {
+            let r = r as usize;
+            self.saved[r * self.dim..(r + 1) * self.dim].copy_from_slice(table.embedding(r));
+        }
+    }
 
     fn memory_bytes(&self) -> usize {
         self.saved.len() * std::mem::size_of::<f32>()

@@ -91,7 +91,14 @@ impl Prioritizer for Ssu {
         rows
     }
 
-    fn forget(&mut self, rows: &[u32]) {
+    fn reset(&mut self, _table: &EmbeddingTable) {
+        for r in std::mem::take(&mut self.list) {
+            self.mark(r, false);
+        }
+        self.list.reserve(self.budget);
+    }
+
+    fn forget(&mut self, _table: &EmbeddingTable, rows: &[u32]) {
         let before = self.list.len();
         for &r in rows {
             self.mark(r, false);

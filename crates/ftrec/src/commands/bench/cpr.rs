@@ -270,14 +270,14 @@ fn plot_overhead(report: &StudyReport, path: &Path) -> Result<()> {
     let y_max = report
         .runs
         .iter()
-        .map(|r| 100.0 * r.overhead_fraction)
+        .map(|r| 100.0 * r.overhead_fraction_all_costs)
         .fold(0.0, f64::max)
         .max(1e-6)
         * 1.15;
     let groups = fractions.len().max(1) as f64;
     let mut chart = ChartBuilder::on(&root)
         .caption(
-            "Checkpoint-related overhead (% of the job) by failure fraction",
+            "Overhead, every cost included (% of the job), by failure fraction",
             ("sans-serif", 22),
         )
         .margin(12)
@@ -309,7 +309,10 @@ fn plot_overhead(report: &StudyReport, path: &Path) -> Result<()> {
                 let run = report.by_fraction.get(*f)?.get(*name)?;
                 let x0 = fi as f64 + 0.1 + si as f64 * width;
                 Some(Rectangle::new(
-                    [(x0, 0.0), (x0 + width * 0.9, 100.0 * run.overhead_fraction)],
+                    [
+                        (x0, 0.0),
+                        (x0 + width * 0.9, 100.0 * run.overhead_fraction_all_costs),
+                    ],
                     color.filled(),
                 ))
             })
