@@ -44,6 +44,7 @@ fn setup(dir: &std::path::Path) -> (StudyConfig, Dataset, Dataset) {
             o_load: Some(0.5),
             o_res: 0.1,
             job_seconds: Some(100.0),
+            storage_dir: None,
         },
         min_benefit: 0.1,
         pls_sweep: vec![0.5],

@@ -4,16 +4,22 @@
 //! §5.1 projects production overheads onto the emulation by scaling them linearly with
 //! the job length. Here every time is in seconds of one frame whose job length `T_total`
 //! is `--job-seconds` when given, else this process's measured failure-free epoch. When
-//! `O_save`/`O_load` are not given, they are measured as the time of an in-memory copy
-//! of the whole model (tables, optimizer state, dense) into a preallocated snapshot, and
-//! scaled by `T_total / measured epoch` into the frame. That is the cheapest checkpoint
-//! there is (no serialisation, no disk, no network), so the measured frame gives full
-//! recovery its best case; pass `--o-save` to emulate a slower store. A checkpoint of `B`
-//! bytes costs `O_save · B / model bytes` (the store's bandwidth is the limit), and so
-//! does a reload.
+//! `O_save`/`O_load` are not given, they are measured and scaled by `T_total / measured
+//! epoch` into the frame:
+//! - with a storage directory (`bench cpr`'s default): a real full checkpoint of the whole
+//!   model written through the checkpoint engine (chunk files fsynced, manifest renamed
+//!   into place), and its restore from a cold page cache, medians of 3;
+//! - without one: an in-memory copy of the whole model into a preallocated snapshot, the
+//!   cheapest checkpoint there is (no serialisation, no disk), which flatters every
+//!   strategy that saves often.
+//!
+//! A checkpoint of `B` bytes costs `O_save · B / model bytes` (the store's bandwidth is
+//! the limit), and so does a reload.
 
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use ftrec_ckpt::{Checkpoints, LocalStore};
 use ftrec_cpr::{CostInputs, Decision};
 use ftrec_model::ModelState;
 use serde::Serialize;
@@ -29,6 +35,9 @@ pub struct CostOverrides {
     pub o_res: f64,
     /// Length of the emulated job; unset: the measured failure-free epoch.
     pub job_seconds: Option<f64>,
+    /// Where real checkpoints are written to time `O_save` and `O_load` (removed after);
+    /// unset: the in-memory copy stands in for both.
+    pub storage_dir: Option<PathBuf>,
 }
 
 impl CostOverrides {
@@ -59,6 +68,13 @@ pub struct CostFrame {
     pub o_res: f64,
     pub o_save_measured: bool,
     pub o_load_measured: bool,
+    /// What the measured `O_save`/`O_load` time: `"local-disk checkpoint"` or
+    /// `"in-memory copy"`.
+    pub measured_by: String,
+    /// Median real full-checkpoint write and cold restore, seconds of wall time (with a
+    /// storage directory).
+    pub measured_save_seconds: Option<f64>,
+    pub measured_load_seconds: Option<f64>,
     pub model_bytes: u64,
     /// Embedding rows with their optimizer state (what partial recovery saves).
     pub table_bytes: u64,
@@ -91,6 +107,13 @@ impl CostFrame {
         times.sort_by(f64::total_cmp);
         let copy = times[times.len() / 2];
         let o = &config.costs;
+        let real = match &o.storage_dir {
+            Some(dir) if o.o_save.is_none() || o.o_load.is_none() => {
+                Some(time_real_checkpoints(&src, dir)?)
+            }
+            _ => None,
+        };
+        let (save, load) = real.unwrap_or((copy, copy));
         let t_total = o.job_seconds.unwrap_or(measured_train_seconds).max(1e-9);
         let scale = t_total / measured_train_seconds.max(1e-9);
         let model_bytes = src.bytes() as u64;
@@ -102,11 +125,18 @@ impl CostFrame {
                 .cpr
                 .mtbf_seconds
                 .unwrap_or(t_total / config.failures.max(1) as f64),
-            o_save: o.o_save.unwrap_or(copy * scale),
-            o_load: o.o_load.unwrap_or(copy * scale),
+            o_save: o.o_save.unwrap_or(save * scale),
+            o_load: o.o_load.unwrap_or(load * scale),
             o_res: o.o_res,
             o_save_measured: o.o_save.is_none(),
             o_load_measured: o.o_load.is_none(),
+            measured_by: match real {
+                Some(_) => "local-disk checkpoint",
+                None => "in-memory copy",
+            }
+            .into(),
+            measured_save_seconds: real.map(|r| r.0),
+            measured_load_seconds: real.map(|r| r.1),
             model_bytes,
             table_bytes,
             total_steps,
@@ -156,6 +186,45 @@ impl CostFrame {
     }
 }
 
+/// Median seconds of a real full checkpoint of `state` (write, then cold restore) through
+/// the checkpoint engine in a fresh directory under `dir`, three times; the directory is
+/// removed after.
+fn time_real_checkpoints(state: &ModelState, dir: &Path) -> Result<(f64, f64), TrainError> {
+    let root = dir.join(format!("cpr-cost-timing-{}", std::process::id()));
+    let result = (|| {
+        let (mut saves, mut loads) = (Vec::new(), Vec::new());
+        for attempt in 0..3u64 {
+            let at = root.join(attempt.to_string());
+            std::fs::create_dir_all(&at).map_err(|e| TrainError::Io {
+                path: at.clone(),
+                error: e,
+            })?;
+            let checkpoints = Checkpoints::new(Box::new(LocalStore::open(&at)?));
+            let started = Instant::now();
+            let manifest = checkpoints.write_full(state, attempt, serde_json::Value::Null)?;
+            saves.push(started.elapsed().as_secs_f64());
+            crate::ckpt::evict_from_cache(&at);
+            let started = Instant::now();
+            let (restored, _) = checkpoints.restore(&manifest.id)?;
+            loads.push(started.elapsed().as_secs_f64());
+            if restored.digest() != state.digest() {
+                return Err(TrainError::Config(format!(
+                    "the timing checkpoint in {} did not restore what was written",
+                    at.display()
+                )));
+            }
+        }
+        Ok((median(saves), median(loads)))
+    })();
+    let _ = std::fs::remove_dir_all(&root);
+    result
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// Copies every table (and, with `dense`, the dense parameters, their optimizer state and
 /// step) of `src` into `dst` without allocating.
 pub fn copy_state(dst: &mut ModelState, src: &ModelState, dense: bool) {
@@ -168,5 +237,33 @@ pub fn copy_state(dst: &mut ModelState, src: &ModelState, dense: bool) {
             .optimizer_state
             .copy_from_slice(&src.dense.optimizer_state);
         dst.dense.step = src.dense.step;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ftrec_config::JobConfig;
+
+    /// The timing writes a real checkpoint, reads it back intact, and leaves nothing
+    /// behind in the directory it was given.
+    #[test]
+    fn real_checkpoint_timing_writes_restores_and_cleans_up() {
+        let job = JobConfig::load(
+            Some("demo"),
+            None,
+            &[
+                format!("model.table_rows=[{}]", ["40"; 26].join(",")),
+                "model.dim=4".into(),
+                "model.bottom=[8, 4]".into(),
+                "model.top=[8, 1]".into(),
+            ],
+        )
+        .unwrap();
+        let state = ModelState::new(&job.model_config().unwrap(), 3).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (save, load) = time_real_checkpoints(&state, dir.path()).unwrap();
+        assert!(save > 0.0 && load > 0.0, "{save} {load}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 }

@@ -53,11 +53,12 @@ pub struct BenchCprArgs {
     /// Target PLS (sets `cpr.target_pls`).
     #[arg(long)]
     pub target_pls: Option<f64>,
-    /// Seconds to save the whole model, in the job frame (default: measured in-memory
-    /// copy, scaled to the frame).
+    /// Seconds to save the whole model, in the job frame (default: a real full checkpoint
+    /// written to `--storage-dir`, measured and scaled to the frame).
     #[arg(long)]
     pub o_save: Option<f64>,
-    /// Seconds to load the whole model (default: as O_save, measured).
+    /// Seconds to load the whole model (default: the real checkpoint's cold restore,
+    /// measured).
     #[arg(long)]
     pub o_load: Option<f64>,
     /// Seconds to reschedule a failed node.
@@ -78,6 +79,13 @@ pub struct BenchCprArgs {
     pub pls_sweep: Vec<f64>,
     #[arg(long, default_value = "bench-results/cpr")]
     pub out: PathBuf,
+    /// Where the checkpoints that time `O_save` and `O_load` are written (removed after):
+    /// the local disk a server would checkpoint to. Default: `--out`. `--memory-costs`
+    /// times an in-memory copy instead (no disk: the cheapest save there is).
+    #[arg(long)]
+    pub storage_dir: Option<PathBuf>,
+    #[arg(long)]
+    pub memory_costs: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -132,6 +140,8 @@ pub fn run(a: BenchCprArgs) -> Result<()> {
             o_load: a.o_load,
             o_res: a.o_res,
             job_seconds: a.job_seconds,
+            storage_dir: (!a.memory_costs)
+                .then(|| a.storage_dir.clone().unwrap_or_else(|| a.out.clone())),
         },
         min_benefit: a.min_benefit,
         pls_sweep: a.pls_sweep.clone(),
