@@ -161,8 +161,27 @@ impl StripeLayout {
         }
     }
 
-    /// Where parity row `p` of stripe `stripe` lives.
+    /// Where parity row `p` of stripe `stripe` lives. Asked for every changed row of every
+    /// step (the parity propagator), so one group, the common case, takes the
+    /// subtraction-reduced path of [`StripeLayout::row_slot`].
     pub fn parity_slot(&self, table: usize, stripe: usize, p: usize) -> StripeSlot {
+        if self.params.groups == 1 {
+            let n = self.servers;
+            let (cycle, in_cycle) = (stripe / n, stripe % n);
+            let mut rotation = in_cycle + table % n;
+            if rotation >= n {
+                rotation -= n;
+            }
+            // k + p < k + r <= n.
+            let mut server = rotation + self.k() + p;
+            if server >= n {
+                server -= n;
+            }
+            return StripeSlot {
+                server,
+                local: cycle * self.r() + p,
+            };
+        }
         let (g, q, o) = self.place(table, stripe);
         let (start, n) = self.group(g);
         StripeSlot {
@@ -329,6 +348,15 @@ mod tests {
             let layout = StripeLayout::new(params, servers).unwrap();
             let (j, i) = layout.stripe_of(row);
             prop_assert_eq!(layout.row_slot(table, row), layout.data_slot(table, j, i));
+            // The general arithmetic, as `place` gives it, for every parity row.
+            let (g, q, o) = layout.place(table, j);
+            let (start, n) = layout.group(g);
+            for p in 0..params.r {
+                prop_assert_eq!(layout.parity_slot(table, j, p), StripeSlot {
+                    server: start + (o + params.k + p) % n,
+                    local: (q / n) * params.r + p,
+                });
+            }
         }
 
         #[test]
