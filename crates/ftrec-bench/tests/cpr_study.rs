@@ -3,7 +3,9 @@
 //! and determinism under a fixed seed.
 
 use ftrec_bench::cpr_study::failures::Schedule;
-use ftrec_bench::cpr_study::{CostOverrides, Strategy, StudyConfig, StudyReport, run_study};
+use ftrec_bench::cpr_study::{
+    CorrelationConfig, CostOverrides, Strategy, StudyConfig, StudyReport, run_study,
+};
 use ftrec_config::JobConfig;
 use ftrec_data::generate::{GenConfig, OutputFormat, generate};
 use ftrec_data::{Dataset, TEST_FILE, TRAIN_FILE};
@@ -48,6 +50,11 @@ fn setup(dir: &std::path::Path) -> (StudyConfig, Dataset, Dataset) {
         },
         min_benefit: 0.1,
         pls_sweep: vec![0.5],
+        correlation: Some(CorrelationConfig {
+            seeds: 2,
+            schedules: 2,
+            targets: vec![0.1, 0.5],
+        }),
     };
     let train = Dataset::open(&dir.join(TRAIN_FILE)).unwrap();
     let test = Dataset::open(&dir.join(TEST_FILE)).unwrap();
@@ -118,6 +125,21 @@ fn tiny_study_end_to_end() {
         }
     }
     assert!(json["auc_pls_correlation"].is_number());
+    // The correlation counts independent runs: 2 seeds x 2 Poisson schedules, each once,
+    // each scored against its own seed's failure-free AUC.
+    assert_eq!(json["correlation_runs"], 4);
+    let c = report.correlation.as_ref().unwrap();
+    assert_eq!(c.runs.len(), 4);
+    assert_eq!(c.fraction, 0.5);
+    let seeds: std::collections::BTreeSet<u64> = c.runs.iter().map(|r| r.seed).collect();
+    assert_eq!(seeds.len(), 2);
+    for r in &c.runs {
+        assert_eq!(r.auc_loss, r.auc - r.failure_free_auc);
+    }
+    // Same seed, same failure-free AUC; different seeds, different models.
+    assert_eq!(c.runs[0].failure_free_auc, c.runs[1].failure_free_auc);
+    assert_ne!(c.runs[0].failure_free_auc, c.runs[2].failure_free_auc);
+    assert_eq!(report.auc_pls_correlation, c.r);
     // The sweep adds one CPR-vanilla run per fraction at its target; a higher target
     // means a longer interval, so no less PLS than the main runs' target of 0.1 gives.
     let sweep = json["pls_sweep"].as_array().unwrap();

@@ -76,6 +76,50 @@ impl Schedule {
     }
 }
 
+impl Schedule {
+    /// Failures of a Poisson process with `mean` failures over `total_steps` (exponential
+    /// gaps, so the count itself varies from schedule to schedule, as in production),
+    /// each losing a uniformly random set of servers per fraction. Deterministic in `seed`.
+    pub fn poisson(
+        seed: u64,
+        total_steps: u64,
+        mean: f64,
+        servers: usize,
+        fractions: &[f64],
+    ) -> Result<Self, TrainError> {
+        if total_steps == 0 || !(mean > 0.0 && mean.is_finite()) {
+            return Err(TrainError::Config(format!(
+                "a Poisson failure schedule needs steps and a positive mean, got {total_steps} steps and {mean}"
+            )));
+        }
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed ^ 0x9015_5011_F417_0002);
+        let rate = mean / total_steps as f64;
+        let mut at = 0.0f64;
+        let mut failures = Vec::new();
+        loop {
+            // Inverse-CDF exponential gap; `1 - u` keeps the logarithm finite.
+            let u: f64 = rng.r#gen();
+            at += -(1.0 - u).ln() / rate;
+            if at >= total_steps as f64 {
+                break;
+            }
+            let lost = fractions
+                .iter()
+                .map(|&f| {
+                    let mut s = sample(&mut rng, servers, servers_lost(f, servers)).into_vec();
+                    s.sort_unstable();
+                    s
+                })
+                .collect();
+            failures.push(Failure {
+                at_step: (at as u64).max(1),
+                lost,
+            });
+        }
+        Ok(Self { failures })
+    }
+}
+
 /// Partial recovery of the `lost` servers: their rows of every table go back to the
 /// values in `saved`; nothing else changes. Returns the reset rows per table, ascending.
 pub fn reset_servers(
@@ -171,6 +215,23 @@ mod tests {
             assert_eq!(sizes, vec![1, 2, 4]);
             assert!(f.lost.iter().flatten().all(|&s| s < 8));
         }
+        // A Poisson schedule: seeded, inside the job, and its count varies around the
+        // mean over many draws.
+        let counts: Vec<usize> = (0..400)
+            .map(|s| {
+                let p = Schedule::poisson(s, 1000, 3.0, 8, &[0.5]).unwrap();
+                assert!(p.failures.windows(2).all(|w| w[0].at_step <= w[1].at_step));
+                assert!(p.failures.iter().all(|f| (1..1000).contains(&f.at_step)));
+                p.failures.len()
+            })
+            .collect();
+        let mean = counts.iter().sum::<usize>() as f64 / counts.len() as f64;
+        assert!((2.7..3.3).contains(&mean), "{mean}");
+        assert!(counts.iter().any(|&c| c != 3));
+        assert_eq!(
+            Schedule::poisson(5, 1000, 3.0, 8, &[0.5]).unwrap(),
+            Schedule::poisson(5, 1000, 3.0, 8, &[0.5]).unwrap()
+        );
         assert_eq!(servers_lost(0.3, 8), 0);
         assert_eq!(servers_lost(0.5, 8), 4);
     }

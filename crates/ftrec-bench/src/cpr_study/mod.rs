@@ -12,6 +12,7 @@
 //! memcpy's but the one the cost frame ([`costs`]) gives them, so the overheads are those
 //! of the emulated job (§5.1 scales production overheads to the emulation's length).
 
+pub mod correlation;
 pub mod costs;
 pub mod failures;
 pub mod report;
@@ -21,6 +22,7 @@ use ftrec_config::{CprPriority, JobConfig};
 use ftrec_data::Dataset;
 use serde::Serialize;
 
+pub use correlation::{Correlation, CorrelationConfig};
 pub use costs::{CostFrame, CostOverrides};
 use ftrec_train::TrainError;
 pub use report::{RunResult, StudyReport};
@@ -109,6 +111,9 @@ pub struct StudyConfig {
     /// correlation of §6.5 is measured over a PLS range like the paper's, not only the
     /// one target of the main runs.
     pub pls_sweep: Vec<f64>,
+    /// Independent runs (seeds x Poisson schedules) for the AUC-PLS correlation; `None`
+    /// skips them and the correlation falls back to the single-schedule population.
+    pub correlation: Option<CorrelationConfig>,
 }
 
 impl StudyConfig {
@@ -228,6 +233,18 @@ pub fn run_study(
             });
         }
     }
+    let independent = match &config.correlation {
+        Some(c) => Some(correlation::run_correlation(
+            config,
+            c,
+            &frame,
+            total_steps,
+            train,
+            test,
+            progress,
+        )?),
+        None => None,
+    };
     let failure_steps = schedule.failures.iter().map(|f| f.at_step).collect();
     Ok(StudyReport::new(
         config,
@@ -237,5 +254,6 @@ pub fn run_study(
         failure_steps,
         runs,
         sweep,
+        independent,
     ))
 }

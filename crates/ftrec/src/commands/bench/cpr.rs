@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::Args;
-use ftrec_bench::cpr_study::{CostOverrides, Strategy, StudyConfig, StudyReport, run_study};
+use ftrec_bench::cpr_study::{
+    CorrelationConfig, CostOverrides, Strategy, StudyConfig, StudyReport, run_study,
+};
 use ftrec_config::JobConfig;
 use ftrec_data::generate::{GenConfig, OutputFormat, read_meta};
 use ftrec_data::{Dataset, TEST_FILE, TRAIN_FILE};
@@ -77,6 +79,16 @@ pub struct BenchCprArgs {
     /// skips them.
     #[arg(long, value_delimiter = ',', default_value = "0.2,0.4,0.8")]
     pub pls_sweep: Vec<f64>,
+    /// Independent runs for the AUC-PLS correlation: this many model seeds ...
+    /// (0 skips them: the correlation then rests on the one schedule's runs).
+    #[arg(long, default_value_t = 5)]
+    pub correlation_seeds: u64,
+    /// ... times this many Poisson failure schedules (mean `--failures` per epoch), each
+    /// run CPR-vanilla at the largest fraction, at the next of `--correlation-targets`.
+    #[arg(long, default_value_t = 3)]
+    pub correlation_schedules: u64,
+    #[arg(long, value_delimiter = ',', default_value = "0.02,0.1,0.2,0.4,0.8")]
+    pub correlation_targets: Vec<f64>,
     #[arg(long, default_value = "bench-results/cpr")]
     pub out: PathBuf,
     /// Where the checkpoints that time `O_save` and `O_load` are written (removed after):
@@ -145,6 +157,13 @@ pub fn run(a: BenchCprArgs) -> Result<()> {
         },
         min_benefit: a.min_benefit,
         pls_sweep: a.pls_sweep.clone(),
+        correlation: (a.correlation_seeds > 0 && a.correlation_schedules > 0).then(|| {
+            CorrelationConfig {
+                seeds: a.correlation_seeds,
+                schedules: a.correlation_schedules,
+                targets: a.correlation_targets.clone(),
+            }
+        }),
     };
     let bar = indicatif::ProgressBar::new_spinner();
     if a.json {
@@ -167,8 +186,11 @@ pub fn run(a: BenchCprArgs) -> Result<()> {
     }
     outln!("{}", serde_json::to_string_pretty(&value["by_fraction"])?);
     outln!(
-        "auc_pls_correlation {:.4}; targets {}",
+        "auc_pls_correlation {:.4} over {} runs (95% interval {:.3}..{:.3}); targets {}",
         report.auc_pls_correlation,
+        report.correlation_runs,
+        report.auc_pls_correlation_interval[0],
+        report.auc_pls_correlation_interval[1],
         serde_json::to_string(&report.targets)?
     );
     outln!("wrote {}", a.out.display());
