@@ -252,8 +252,10 @@ pub fn run_study(
         baseline,
         decisions,
         failure_steps,
-        runs,
-        sweep,
-        independent,
+        report::StudyRuns {
+            runs,
+            sweep,
+            correlation: independent,
+        },
     ))
 }

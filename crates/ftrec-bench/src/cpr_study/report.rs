@@ -158,6 +158,13 @@ pub struct Targets {
     pub correlation_met: bool,
 }
 
+/// Every run of a study: the main runs, the PLS sweep, and the independent correlation runs.
+pub(super) struct StudyRuns {
+    pub runs: Vec<RunResult>,
+    pub sweep: Vec<SweepRun>,
+    pub correlation: Option<Correlation>,
+}
+
 /// Whether `full`'s one run (the same PLS and AUC under every fraction) is counted already.
 fn distinct_full_seen(counted: &[(f64, f64)], run: &RunResult) -> bool {
     counted
@@ -208,9 +215,11 @@ impl StudyReport {
         baseline: super::run::Outcome,
         decisions: Vec<(f64, Decision)>,
         failure_steps: Vec<u64>,
-        runs: Vec<RunResult>,
-        sweep: Vec<SweepRun>,
-        independent: Option<Correlation>,
+        StudyRuns {
+            runs,
+            sweep,
+            correlation: independent,
+        }: StudyRuns,
     ) -> Self {
         let mut by_fraction: BTreeMap<String, BTreeMap<String, RunSummary>> = BTreeMap::new();
         for r in &runs {
