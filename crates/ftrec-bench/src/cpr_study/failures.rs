@@ -60,14 +60,7 @@ impl Schedule {
         let mut failures: Vec<Failure> = (0..count)
             .map(|_| {
                 let at_step = rng.gen_range(1..=total_steps);
-                let lost = fractions
-                    .iter()
-                    .map(|&f| {
-                        let mut s = sample(&mut rng, servers, servers_lost(f, servers)).into_vec();
-                        s.sort_unstable();
-                        s
-                    })
-                    .collect();
+                let lost = lose_servers(&mut rng, servers, fractions);
                 Failure { at_step, lost }
             })
             .collect();
@@ -103,14 +96,7 @@ impl Schedule {
             if at >= total_steps as f64 {
                 break;
             }
-            let lost = fractions
-                .iter()
-                .map(|&f| {
-                    let mut s = sample(&mut rng, servers, servers_lost(f, servers)).into_vec();
-                    s.sort_unstable();
-                    s
-                })
-                .collect();
+            let lost = lose_servers(&mut rng, servers, fractions);
             failures.push(Failure {
                 at_step: (at as u64).max(1),
                 lost,
@@ -118,6 +104,22 @@ impl Schedule {
         }
         Ok(Self { failures })
     }
+}
+
+/// One failure's lost servers for each fraction: a uniformly random set, ascending.
+fn lose_servers(
+    rng: &mut Xoshiro256PlusPlus,
+    servers: usize,
+    fractions: &[f64],
+) -> Vec<Vec<usize>> {
+    fractions
+        .iter()
+        .map(|&f| {
+            let mut s = sample(rng, servers, servers_lost(f, servers)).into_vec();
+            s.sort_unstable();
+            s
+        })
+        .collect()
 }
 
 /// Partial recovery of the `lost` servers: their rows of every table go back to the
