@@ -161,7 +161,7 @@ impl Core {
             .iter()
             .zip(state.trackers.iter_mut())
             .map(|(table, tracker)| match tracker {
-                Some(tracker) => tracker.select(table),
+                Some(tracker) => tracker.choose(table),
                 None => (0..table.rows() as u32).collect(),
             })
             .collect();
@@ -179,6 +179,22 @@ impl Core {
             vec![parent.id],
             identity.to_json(),
         )?;
+        // Durable now: the chosen rows count as saved. Not before: a failed write must
+        // leave them unsaved, to be chosen again (the shard read lock held since the
+        // choice keeps every update that could have moved them out).
+        let mut state = lock(priority);
+        for ((table, tracker), rows) in shard
+            .state()
+            .tables()
+            .iter()
+            .zip(state.trackers.iter_mut())
+            .zip(&rows)
+        {
+            if let Some(tracker) = tracker {
+                tracker.forget(table, rows);
+            }
+        }
+        drop(state);
         Ok(PrioritySave {
             manifest,
             tracker_bytes,

@@ -37,7 +37,7 @@ impl Prioritizer for Mfu {
         }
     }
 
-    fn select(&mut self, table: &EmbeddingTable) -> Vec<u32> {
+    fn choose(&self, _table: &EmbeddingTable) -> Vec<u32> {
         let scored: Vec<(u32, u32)> = self
             .counts
             .iter()
@@ -45,9 +45,7 @@ impl Prioritizer for Mfu {
             .filter(|&(_, &c)| c > 0)
             .map(|(r, &c)| (c, r as u32))
             .collect();
-        let rows = top_k(scored, self.budget, |a, b| a.cmp(b));
-        self.forget(table, &rows);
-        rows
+        top_k(scored, self.budget, |a, b| a.cmp(b))
     }
 
     fn forget(&mut self, _table: &EmbeddingTable, rows: &[u32]) {

@@ -31,9 +31,17 @@ pub trait Prioritizer: Send {
     fn kind(&self) -> CprPriority;
     /// Rows of the table a training step accessed, one entry per access, in sample order.
     fn record(&mut self, rows: &[u32]);
-    /// The rows to save now, ascending, at most the budget; they count as saved from here
-    /// on (their counters, list entries or baselines are reset).
-    fn select(&mut self, table: &EmbeddingTable) -> Vec<u32>;
+    /// The rows to save now, ascending, at most the budget, without marking them saved:
+    /// a caller whose save can fail marks them with [`Prioritizer::forget`] once it is
+    /// durable, so a failed write leaves them unsaved and chosen again.
+    fn choose(&self, table: &EmbeddingTable) -> Vec<u32>;
+    /// [`Prioritizer::choose`], the rows counting as saved from here on (their counters,
+    /// list entries or baselines are reset): for a save that cannot fail.
+    fn select(&mut self, table: &EmbeddingTable) -> Vec<u32> {
+        let rows = self.choose(table);
+        self.forget(table, &rows);
+        rows
+    }
     /// These rows of `table` were just restored (the table holds the restored values):
     /// nothing of theirs is unsaved. SCAR re-bases them on the restored values rather than
     /// assume those equal its copy: a restore to another checkpoint than its last
@@ -83,7 +91,7 @@ impl Prioritizer for NoPriority {
         CprPriority::None
     }
     fn record(&mut self, _rows: &[u32]) {}
-    fn select(&mut self, table: &EmbeddingTable) -> Vec<u32> {
+    fn choose(&self, table: &EmbeddingTable) -> Vec<u32> {
         (0..table.rows() as u32).collect()
     }
     fn forget(&mut self, _table: &EmbeddingTable, _rows: &[u32]) {}

@@ -48,17 +48,12 @@ impl Prioritizer for Scar {
 
     fn record(&mut self, _rows: &[u32]) {}
 
-    fn select(&mut self, table: &EmbeddingTable) -> Vec<u32> {
+    fn choose(&self, table: &EmbeddingTable) -> Vec<u32> {
         let scored: Vec<(f32, u32)> = (0..table.rows())
             .map(|r| (self.change(table, r), r as u32))
             .filter(|&(c, _)| c > 0.0)
             .collect();
-        let rows = top_k(scored, self.budget, f32::total_cmp);
-        for &r in &rows {
-            let r = r as usize;
-            self.saved[r * self.dim..(r + 1) * self.dim].copy_from_slice(table.embedding(r));
-        }
-        rows
+        top_k(scored, self.budget, f32::total_cmp)
     }
 
     fn forget(&mut self, table: &EmbeddingTable, rows: &[u32]) {

@@ -81,13 +81,9 @@ impl Prioritizer for Ssu {
         }
     }
 
-    fn select(&mut self, _table: &EmbeddingTable) -> Vec<u32> {
-        let mut rows = std::mem::take(&mut self.list);
-        for &r in &rows {
-            self.mark(r, false);
-        }
+    fn choose(&self, _table: &EmbeddingTable) -> Vec<u32> {
+        let mut rows = self.list.clone();
         rows.sort_unstable();
-        self.list.reserve(self.budget);
         rows
     }
 

@@ -84,6 +84,29 @@ fn scar_after_a_restore_ranks_only_changes_since_the_restored_values() {
     assert_eq!(s.select(&t), Vec::<u32>::new());
 }
 
+/// `choose` marks nothing saved: a save whose write fails chooses the same rows again,
+/// and only `forget` (the write durable) or `select` clears them.
+#[test]
+fn choosing_marks_nothing_saved_until_forget() {
+    let t = table(16, 2);
+    let mut moved = t.clone();
+    moved.row_mut(4)[0] += 1.0;
+    moved.row_mut(9)[1] -= 2.0;
+    for kind in [CprPriority::Mfu, CprPriority::Ssu, CprPriority::Scar] {
+        let mut p = build_prioritizer(kind, &t, 0.5, 1, 7);
+        p.record(&[4, 9, 9]);
+        let first = p.choose(&moved);
+        assert!(!first.is_empty(), "{kind:?}");
+        assert_eq!(
+            p.choose(&moved),
+            first,
+            "{kind:?}: a failed save changes nothing"
+        );
+        p.forget(&moved, &first);
+        assert_eq!(p.choose(&moved), Vec::<u32>::new(), "{kind:?}");
+    }
+}
+
 /// After a whole-table restore no tracker keeps anything of the steps before it.
 #[test]
 fn every_tracker_resets_to_nothing_unsaved() {
