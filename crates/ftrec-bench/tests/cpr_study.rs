@@ -55,6 +55,7 @@ fn setup(dir: &std::path::Path) -> (StudyConfig, Dataset, Dataset) {
             schedules: 2,
             targets: vec![0.1, 0.5],
         }),
+        sensitivity: true,
     };
     let train = Dataset::open(&dir.join(TRAIN_FILE)).unwrap();
     let test = Dataset::open(&dir.join(TEST_FILE)).unwrap();
@@ -140,6 +141,30 @@ fn tiny_study_end_to_end() {
     assert_eq!(c.runs[0].failure_free_auc, c.runs[1].failure_free_auc);
     assert_ne!(c.runs[0].failure_free_auc, c.runs[2].failure_free_auc);
     assert_eq!(report.auc_pls_correlation, c.r);
+    // §6.3: two strategies at three targets; §6.4: three failure counts at both fractions,
+    // each with CPR's decision judged against what the runs cost.
+    let s = report.sensitivity.as_ref().unwrap();
+    assert_eq!(s.pls.len(), 6);
+    assert_eq!(s.failures.len(), 6);
+    assert_eq!(
+        s.wrong_decisions,
+        s.failures.iter().filter(|f| !f.decision_right).count()
+    );
+    for f in &s.failures {
+        assert!(
+            f.full_overhead > 0.0 && f.vanilla_overhead > 0.0 && f.ssu_overhead > 0.0,
+            "{f:?}"
+        );
+    }
+    // More failures: full recovery's overhead grows.
+    let full_at = |n: usize| {
+        s.failures
+            .iter()
+            .find(|f| f.failures == n && f.fraction == 0.5)
+            .unwrap()
+            .full_overhead
+    };
+    assert!(full_at(40) > full_at(2));
     // The sweep adds one CPR-vanilla run per fraction at its target; a higher target
     // means a longer interval, so no less PLS than the main runs' target of 0.1 gives.
     let sweep = json["pls_sweep"].as_array().unwrap();

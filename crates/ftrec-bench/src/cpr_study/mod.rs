@@ -17,6 +17,7 @@ pub mod costs;
 pub mod failures;
 pub mod report;
 mod run;
+pub mod sensitivity;
 
 use ftrec_config::{CprPriority, JobConfig};
 use ftrec_data::Dataset;
@@ -114,6 +115,8 @@ pub struct StudyConfig {
     /// Independent runs (seeds x Poisson schedules) for the AUC-PLS correlation; `None`
     /// skips them and the correlation falls back to the single-schedule population.
     pub correlation: Option<CorrelationConfig>,
+    /// Also run the sensitivity studies of §6.3 (target PLS) and §6.4 (failures).
+    pub sensitivity: bool,
 }
 
 impl StudyConfig {
@@ -245,6 +248,13 @@ pub fn run_study(
         )?),
         None => None,
     };
+    let sensitivity = if config.sensitivity {
+        Some(sensitivity::run_sensitivity(
+            config, &frame, train, test, progress,
+        )?)
+    } else {
+        None
+    };
     let failure_steps = schedule.failures.iter().map(|f| f.at_step).collect();
     Ok(StudyReport::new(
         config,
@@ -256,6 +266,7 @@ pub fn run_study(
             runs,
             sweep,
             correlation: independent,
+            sensitivity,
         },
     ))
 }

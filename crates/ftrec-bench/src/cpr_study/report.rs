@@ -7,6 +7,7 @@ use ftrec_cpr::Decision;
 use serde::Serialize;
 
 use super::correlation::{Correlation, fisher_interval};
+use super::sensitivity::Sensitivity;
 use super::{CostFrame, Strategy, StudyConfig};
 
 /// Checkpoint-related overhead of one run, seconds of the job frame.
@@ -117,6 +118,8 @@ pub struct StudyReport {
     /// Its 95% interval (Fisher z).
     pub auc_pls_correlation_interval: [f64; 2],
     pub correlation: Option<Correlation>,
+    /// §6.3 and §6.4, when asked for (`--sensitivity`).
+    pub sensitivity: Option<Sensitivity>,
     /// Pearson r over the one schedule's runs: every main run (`full` once per fraction)
     /// and the PLS sweep. Not independent: one seed, one schedule.
     pub auc_pls_correlation_single_schedule: f64,
@@ -163,6 +166,7 @@ pub(super) struct StudyRuns {
     pub runs: Vec<RunResult>,
     pub sweep: Vec<SweepRun>,
     pub correlation: Option<Correlation>,
+    pub sensitivity: Option<Sensitivity>,
 }
 
 /// Whether `full`'s one run (the same PLS and AUC under every fraction) is counted already.
@@ -219,6 +223,7 @@ impl StudyReport {
             runs,
             sweep,
             correlation: independent,
+            sensitivity,
         }: StudyRuns,
     ) -> Self {
         let mut by_fraction: BTreeMap<String, BTreeMap<String, RunSummary>> = BTreeMap::new();
@@ -280,6 +285,7 @@ impl StudyReport {
             correlation_runs: n,
             auc_pls_correlation_interval: [low, high],
             correlation: independent,
+            sensitivity,
             auc_pls_correlation_single_schedule: single,
             auc_pls_correlation_main_runs: pearson(&main_points),
             pls_sweep: sweep,

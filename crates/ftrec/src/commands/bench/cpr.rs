@@ -89,6 +89,11 @@ pub struct BenchCprArgs {
     pub correlation_schedules: u64,
     #[arg(long, value_delimiter = ',', default_value = "0.02,0.1,0.2,0.4,0.8")]
     pub correlation_targets: Vec<f64>,
+    /// Also run the sensitivity studies: target PLS 0.02/0.1/0.2 (CPR-vanilla, CPR-SSU)
+    /// and 2/20/40 failures at every fraction (full against CPR-SSU, with CPR's decision
+    /// checked against the runs), all in the main study's cost frame.
+    #[arg(long)]
+    pub sensitivity: bool,
     #[arg(long, default_value = "bench-results/cpr")]
     pub out: PathBuf,
     /// Where the checkpoints that time `O_save` and `O_load` are written (removed after):
@@ -164,6 +169,7 @@ pub fn run(a: BenchCprArgs) -> Result<()> {
                 targets: a.correlation_targets.clone(),
             }
         }),
+        sensitivity: a.sensitivity,
     };
     let bar = indicatif::ProgressBar::new_spinner();
     if a.json {
