@@ -134,6 +134,7 @@ impl ParityPropagator {
     fn requests(&self, staged: &StagedUpdate, epoch: u64) -> BTreeMap<usize, ParityUpdateRequest> {
         let mut out: BTreeMap<usize, ParityUpdateRequest> = BTreeMap::new();
         let r = self.stripes.params.r;
+        let mut delta = Vec::new();
         for rows in staged.rows() {
             let stride = rows.old.len() / rows.globals.len().max(1);
             let row_bytes = stride * 4;
@@ -145,34 +146,15 @@ impl ParityPropagator {
                 if old[span.clone()] == new[span.clone()] {
                     continue;
                 }
+                delta.resize(row_bytes, 0);
+                ftrec_ec::xor_into(&old[span.clone()], &new[span], &mut delta);
                 let (stripe, position) = self.stripes.stripe_of(GlobalRow(g).0 as usize);
-                // The difference is computed into the first holder's request and copied
-                // to the others (r > 1), not into a scratch row first.
-                let mut first: Option<(usize, usize)> = None;
                 for p in 0..r {
                     let slot = self.stripes.parity_slot(rows.table, stripe, p);
-                    let coef = self.codec.coefficient(p, position);
                     let entry = per_holder.entry(slot.server).or_default();
                     entry.locals.push(slot.local as u32);
-                    entry.coefs.push(coef);
-                    let at = entry.deltas.len();
-                    entry.deltas.resize(at + row_bytes, 0);
-                    match first {
-                        None => {
-                            ftrec_ec::xor_into(
-                                &old[span.clone()],
-                                &new[span.clone()],
-                                &mut entry.deltas[at..],
-                            );
-                            first = Some((slot.server, at));
-                        }
-                        Some((server, from)) => {
-                            let delta = per_holder[&server].deltas[from..from + row_bytes].to_vec();
-                            if let Some(entry) = per_holder.get_mut(&slot.server) {
-                                entry.deltas[at..].copy_from_slice(&delta);
-                            }
-                        }
-                    }
+                    entry.coefs.push(self.codec.coefficient(p, position));
+                    entry.deltas.extend_from_slice(&delta);
                 }
             }
             for (
