@@ -302,12 +302,18 @@ impl ShardClient {
             (0..servers).map(|_| StepDecision { epoch, step }).collect();
         if let Err(e) = prepared {
             // Best effort: a server that misses the abort drops its part when the step's
-            // decision times out, or at the next epoch.
+            // decision times out, or at the next epoch. The server the prepare found
+            // unreachable is not asked: its call would wait out another step deadline
+            // before this worker can report it (a partition took 5 s longer to detect).
+            let unreachable = self.unreachable;
             let _ = self
-                .each_server("abort", decision, |mut c, d| async move {
+                .each_server_except("abort", decision, unreachable, |mut c, d| async move {
                     c.abort_step(d).await
                 })
                 .await;
+            if unreachable.is_some() {
+                self.unreachable = unreachable;
+            }
             return Err(e);
         }
         self.each_server("commit", decision, |mut c, d| async move {
@@ -360,11 +366,27 @@ impl ShardClient {
         F: Fn(ServerClient, Req) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<Rep>, tonic::Status>>,
     {
+        self.each_server_except(what, requests, None, call).await
+    }
+
+    /// [`ShardClient::each_server`] without server `skip` (its reply is left out).
+    async fn each_server_except<Req, Rep, F, Fut>(
+        &mut self,
+        what: &str,
+        requests: Vec<Req>,
+        skip: Option<usize>,
+        call: F,
+    ) -> Result<Vec<Rep>, PsError>
+    where
+        Req: Clone,
+        F: Fn(ServerClient, Req) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<Rep>, tonic::Status>>,
+    {
         let mut replies: Vec<Option<Rep>> = requests.iter().map(|_| None).collect();
         let give_up = Instant::now() + self.connector.timeout();
         for attempt in 1..=ATTEMPTS {
             let pending: Vec<usize> = (0..replies.len())
-                .filter(|&s| replies[s].is_none())
+                .filter(|&s| replies[s].is_none() && Some(s) != skip)
                 .collect();
             let calls = pending.iter().map(|&s| {
                 let client = self.servers[s].clone();
