@@ -342,7 +342,8 @@ fn median_of(pairs: &[DdPair], f: impl Fn(&DdPair) -> f64) -> f64 {
     median(&pairs.iter().map(f).collect::<Vec<_>>())
 }
 
-fn median(values: &[f64]) -> f64 {
+/// The middle value (the upper of the two middle ones for an even count); NaN when empty.
+pub(crate) fn median(values: &[f64]) -> f64 {
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)

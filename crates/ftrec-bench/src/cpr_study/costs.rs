@@ -25,6 +25,7 @@ use ftrec_model::ModelState;
 use serde::Serialize;
 
 use super::{StudyConfig, failures};
+use crate::ckpt::median;
 use ftrec_train::TrainError;
 
 /// Times the user gives instead of measured ones, in seconds of the job frame.
@@ -97,15 +98,14 @@ impl CostFrame {
         let mc = config.job.model_config()?;
         let src = ModelState::new(&mc, config.job.seed)?;
         let mut dst = ModelState::zeroed(&mc)?;
-        let mut times: Vec<f64> = (0..5)
+        let times: Vec<f64> = (0..5)
             .map(|_| {
                 let t = Instant::now();
                 copy_state(&mut dst, &src, true);
                 t.elapsed().as_secs_f64()
             })
             .collect();
-        times.sort_by(f64::total_cmp);
-        let copy = times[times.len() / 2];
+        let copy = median(&times);
         let o = &config.costs;
         let real = match &o.storage_dir {
             Some(dir) if o.o_save.is_none() || o.o_load.is_none() => {
@@ -214,15 +214,10 @@ fn time_real_checkpoints(state: &ModelState, dir: &Path) -> Result<(f64, f64), T
                 )));
             }
         }
-        Ok((median(saves), median(loads)))
+        Ok((median(&saves), median(&loads)))
     })();
     let _ = std::fs::remove_dir_all(&root);
     result
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// Copies every table (and, with `dense`, the dense parameters, their optimizer state and
