@@ -14,6 +14,7 @@ use tokio::time::Instant;
 
 use ftrec_ckpt::{CheckpointKind, Checkpoints, Manifest};
 use ftrec_cpr::Prioritizer;
+use ftrec_model::EmbeddingTable;
 
 use crate::Core;
 use crate::shard::{PostCommit, Shard, StagedRows};
@@ -74,6 +75,25 @@ impl PriorityState {
         Some(Arc::new(Mutex::new(Self { trackers })))
     }
 
+    /// Runs `f` on each local table's tracker (tables saved in full have none).
+    fn each_tracker(
+        &mut self,
+        shard: &Shard,
+        mut f: impl FnMut(usize, &EmbeddingTable, &mut dyn Prioritizer),
+    ) {
+        for (t, (table, tracker)) in shard
+            .state()
+            .tables()
+            .iter()
+            .zip(self.trackers.iter_mut())
+            .enumerate()
+        {
+            if let Some(tracker) = tracker {
+                f(t, table, tracker.as_mut());
+            }
+        }
+    }
+
     fn memory_bytes(&self) -> u64 {
         self.trackers
             .iter()
@@ -106,12 +126,7 @@ impl Core {
         let Some(priority) = &self.priority else {
             return;
         };
-        let mut state = lock(priority);
-        for (table, tracker) in shard.state().tables().iter().zip(state.trackers.iter_mut()) {
-            if let Some(tracker) = tracker {
-                tracker.reset(table);
-            }
-        }
+        lock(priority).each_tracker(shard, |_, table, tracker| tracker.reset(table));
     }
 
     /// Writes this shard's prioritised save at `step`: the selected rows of each tracked
@@ -182,19 +197,9 @@ impl Core {
         // Durable now: the chosen rows count as saved. Not before: a failed write must
         // leave them unsaved, to be chosen again (the shard read lock held since the
         // choice keeps every update that could have moved them out).
-        let mut state = lock(priority);
-        for ((table, tracker), rows) in shard
-            .state()
-            .tables()
-            .iter()
-            .zip(state.trackers.iter_mut())
-            .zip(&rows)
-        {
-            if let Some(tracker) = tracker {
-                tracker.forget(table, rows);
-            }
-        }
-        drop(state);
+        lock(priority).each_tracker(&shard, |t, table, tracker| {
+            tracker.forget(table, &rows[t]);
+        });
         Ok(PrioritySave {
             manifest,
             tracker_bytes,
