@@ -203,35 +203,7 @@ pub fn dir_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
-fn files_under(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                out.push(p);
-            }
-        }
-    }
-    out
-}
-
-/// Drops `dir`'s files from the page cache (they are fsynced, so nothing is lost), so
-/// the next read comes from the disk.
-pub fn evict_from_cache(dir: &Path) {
-    for p in files_under(dir) {
-        if let Ok(f) = std::fs::File::open(&p) {
-            let _ = f.sync_data();
-            let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
-        }
-    }
-}
+pub use ftrec_ckpt::timing::{evict_from_cache, files_under};
 
 struct Rig {
     pool: rayon::ThreadPool,
@@ -342,12 +314,7 @@ fn median_of(pairs: &[DdPair], f: impl Fn(&DdPair) -> f64) -> f64 {
     median(&pairs.iter().map(f).collect::<Vec<_>>())
 }
 
-/// The middle value (the upper of the two middle ones for an even count); NaN when empty.
-pub(crate) fn median(values: &[f64]) -> f64 {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
+pub(crate) use ftrec_ckpt::timing::median;
 
 /// One strategy of the IncrCP experiment.
 fn run_strategy(

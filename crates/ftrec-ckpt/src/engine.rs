@@ -2,6 +2,7 @@
 
 mod lineage;
 mod listing;
+pub mod timing;
 mod verify;
 
 use std::sync::Arc;

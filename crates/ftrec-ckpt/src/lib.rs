@@ -25,6 +25,7 @@ pub(crate) use storage::{object, store};
 pub use strategies::{deck, incrcp, merge, tracker};
 pub(crate) use strategies::{incrcp_worker, policy};
 
+pub use engine::timing;
 pub use engine::{CHUNK_BYTES, Checkpoints};
 pub use error::CkptError;
 pub use export::export_safetensors;

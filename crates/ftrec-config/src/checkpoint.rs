@@ -22,6 +22,11 @@ pub struct CheckpointSection {
     /// Take a checkpoint every this many steps (0 = only at the end of training).
     #[serde(default)]
     pub every_steps: u64,
+    /// Cluster: take a consistent cut this many seconds of wall time after the last one
+    /// committed (or training started), instead of every `every_steps` steps. A failure
+    /// costs wall time, so a Young/Daly interval is a time (`cluster run --ft auto` sets it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub every_seconds: Option<f64>,
     /// Directory (local path) to write checkpoints to.
     #[serde(default)]
     pub dir: Option<PathBuf>,
@@ -60,6 +65,7 @@ impl Default for CheckpointSection {
         Self {
             strategy: None,
             every_steps: 0,
+            every_seconds: None,
             dir: None,
             full_every: None,
             incrcp_threshold: default_incrcp_threshold(),
@@ -134,6 +140,13 @@ impl CheckpointSection {
         if !(0.0..=1.0).contains(&r) {
             return Err(ConfigError::Invalid(format!(
                 "checkpoint.incrcp_threshold = {r}: must be within 0..=1"
+            )));
+        }
+        if let Some(seconds) = self.every_seconds
+            && !(seconds > 0.0 && seconds.is_finite())
+        {
+            return Err(ConfigError::Invalid(format!(
+                "checkpoint.every_seconds = {seconds}: must be a positive number of seconds"
             )));
         }
         self.strategy_config()?;

@@ -282,6 +282,7 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 let total = s.steps.total();
                 s.timeline
                     .event(EventKind::TrainingStart, format!("{total} steps"));
+                s.last_cut_at = Instant::now();
                 if let Some(cpr) = s.cpr.as_mut() {
                     cpr.start(Instant::now());
                     if let Some(interval) = cpr.interval() {

@@ -127,6 +127,9 @@ struct State {
     /// failure (doubling, bounded), so a full disk is neither hammered nor logged 45 times a
     /// second.
     checkpoint_backoff: Option<(Instant, Duration)>,
+    /// When the last consistent cut committed (or training started): the clock of
+    /// `checkpoint.every_seconds`.
+    last_cut_at: Instant,
     /// A cut every server has copied, committing in the background (DECK, IncrCP): it
     /// becomes the rollback target once every server confirms. No new cut starts before.
     pending_cut: Option<CheckpointRecord>,
@@ -462,10 +465,14 @@ impl Shared {
         let every = c.checkpoint.every_steps;
         let next = s.steps.next_step();
         let now = Instant::now();
-        // CPR with a target PLS sets the interval in seconds (Eq. 4); else every N steps.
+        // CPR with a target PLS sets the interval in seconds (Eq. 4); else
+        // `checkpoint.every_seconds` of wall time; else every N steps.
         let cut = match s.cpr.as_ref().filter(|cpr| cpr.interval().is_some()) {
             Some(cpr) => cpr.cut_due(now),
-            None => every > 0 && next.is_multiple_of(every),
+            None => match c.checkpoint.every_seconds {
+                Some(seconds) => now.duration_since(s.last_cut_at).as_secs_f64() >= seconds,
+                None => every > 0 && next.is_multiple_of(every),
+            },
         };
         // Prioritised saves go between cuts, once a cut exists to save against.
         let priority = !cut
@@ -508,6 +515,14 @@ pub fn sigkill(pid: u32) -> Result<(), std::io::Error> {
     let pid =
         rustix::process::Pid::from_raw(pid as i32).ok_or_else(|| std::io::Error::other("pid 0"))?;
     rustix::process::kill_process(pid, rustix::process::Signal::KILL).map_err(Into::into)
+}
+
+/// Freezes `pid` (SIGSTOP): the process keeps its sockets but answers nothing, as a
+/// host that went silent.
+pub fn sigstop(pid: u32) -> Result<(), std::io::Error> {
+    let pid =
+        rustix::process::Pid::from_raw(pid as i32).ok_or_else(|| std::io::Error::other("pid 0"))?;
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).map_err(Into::into)
 }
 
 /// Replacements of one worker slot before the run is declared failed (a crash loop).

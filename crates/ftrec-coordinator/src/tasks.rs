@@ -202,6 +202,7 @@ fn commit_cut(
     // rollback never goes to it, and it decides nothing.
     if !priority {
         s.last_checkpoint = Some(step);
+        s.last_cut_at = Instant::now();
         s.checkpoint_backoff = None;
         let train_seconds = s.train_seconds();
         let total = s.steps.total();

@@ -35,6 +35,7 @@ event_kinds! {
     TrainingStart => "training-start",
     TrainingEnd => "training-end",
     Killed => "killed",
+    Frozen => "frozen",
     KillSkipped => "kill-skipped",
     Interrupted => "interrupted",
     SuspicionConfirmed => "suspicion-confirmed",
@@ -187,6 +188,13 @@ impl TimelineData {
     /// The events of one kind, in order.
     pub fn of(&self, kind: EventKind) -> impl Iterator<Item = &Event> {
         self.events.iter().filter(move |e| e.kind == kind)
+    }
+
+    /// The failures injected into the run: SIGKILLs and freezes, in time order.
+    pub fn injected_failures(&self) -> impl Iterator<Item = &Event> {
+        self.events
+            .iter()
+            .filter(|e| matches!(e.kind, EventKind::Killed | EventKind::Frozen))
     }
 
     /// Writes `throughput.csv`, `events.csv` and `timeline.json` into `dir`.

@@ -19,7 +19,6 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use ftrec_ckpt::{Checkpoints, LocalStore};
 use ftrec_cpr::{CostInputs, Decision};
 use ftrec_model::ModelState;
 use serde::Serialize;
@@ -186,38 +185,11 @@ impl CostFrame {
     }
 }
 
-/// Median seconds of a real full checkpoint of `state` (write, then cold restore) through
-/// the checkpoint engine in a fresh directory under `dir`, three times; the directory is
-/// removed after.
+/// Median seconds of a real full checkpoint of `state` (write, then cold restore),
+/// three times, in scratch under `dir`.
 fn time_real_checkpoints(state: &ModelState, dir: &Path) -> Result<(f64, f64), TrainError> {
-    let root = dir.join(format!("cpr-cost-timing-{}", std::process::id()));
-    let result = (|| {
-        let (mut saves, mut loads) = (Vec::new(), Vec::new());
-        for attempt in 0..3u64 {
-            let at = root.join(attempt.to_string());
-            std::fs::create_dir_all(&at).map_err(|e| TrainError::Io {
-                path: at.clone(),
-                error: e,
-            })?;
-            let checkpoints = Checkpoints::new(Box::new(LocalStore::open(&at)?));
-            let started = Instant::now();
-            let manifest = checkpoints.write_full(state, attempt, serde_json::Value::Null)?;
-            saves.push(started.elapsed().as_secs_f64());
-            crate::ckpt::evict_from_cache(&at);
-            let started = Instant::now();
-            let (restored, _) = checkpoints.restore(&manifest.id)?;
-            loads.push(started.elapsed().as_secs_f64());
-            if restored.digest() != state.digest() {
-                return Err(TrainError::Config(format!(
-                    "the timing checkpoint in {} did not restore what was written",
-                    at.display()
-                )));
-            }
-        }
-        Ok((median(&saves), median(&loads)))
-    })();
-    let _ = std::fs::remove_dir_all(&root);
-    result
+    let t = ftrec_ckpt::timing::time_full_checkpoint(state, dir, 3)?;
+    Ok((t.save_seconds, t.load_seconds))
 }
 
 /// Copies every table (and, with `dense`, the dense parameters, their optimizer state and
@@ -232,33 +204,5 @@ pub fn copy_state(dst: &mut ModelState, src: &ModelState, dense: bool) {
             .optimizer_state
             .copy_from_slice(&src.dense.optimizer_state);
         dst.dense.step = src.dense.step;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use ftrec_config::JobConfig;
-
-    /// The timing writes a real checkpoint, reads it back intact, and leaves nothing
-    /// behind in the directory it was given.
-    #[test]
-    fn real_checkpoint_timing_writes_restores_and_cleans_up() {
-        let job = JobConfig::load(
-            Some("demo"),
-            None,
-            &[
-                format!("model.table_rows=[{}]", ["40"; 26].join(",")),
-                "model.dim=4".into(),
-                "model.bottom=[8, 4]".into(),
-                "model.top=[8, 1]".into(),
-            ],
-        )
-        .unwrap();
-        let state = ModelState::new(&job.model_config().unwrap(), 3).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let (save, load) = time_real_checkpoints(&state, dir.path()).unwrap();
-        assert!(save > 0.0 && load > 0.0, "{save} {load}");
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 }

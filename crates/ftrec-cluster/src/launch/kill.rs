@@ -11,6 +11,10 @@ use ftrec_proto::proto::Role;
 pub enum KillAt {
     /// This long after training starts.
     After(Duration),
+    /// SIGSTOP this long after training starts: the process is frozen for good, silent
+    /// rather than gone (its connections stay open), until the cluster fences it and the
+    /// launcher SIGKILLs the superseded process.
+    FreezeAfter(Duration),
     /// As soon as the coordinator grants this global step (exact, for tests).
     Step(u64),
     /// The server kills itself at this fault point (armed in its registry, `ftrec-faults`).
@@ -19,6 +23,7 @@ pub enum KillAt {
 
 /// `role:id@seconds` (`server:1@10s`) or `role:id@step:N` (`server:1@step:8`): SIGKILL
 /// that process that long after training starts, or as soon as step N is granted.
+/// `role:id@seconds=freeze` (`server:1@10s=freeze`) SIGSTOPs it instead.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KillSpec {
     pub role: Role,
@@ -44,13 +49,20 @@ impl std::str::FromStr for KillSpec {
     fn from_str(s: &str) -> Result<Self, String> {
         let bad = || {
             format!(
-                "--kill {s:?}: expected ROLE:ID@SECONDS, ROLE:ID@step:N or (servers of an \
-                 erasure-coded run) ROLE:ID@prepare:N, @commit:N or @rebuild, e.g. server:1@10s, \
-                 server:1@step:8 or server:1@commit:8"
+                "--kill {s:?}: expected ROLE:ID@SECONDS, ROLE:ID@SECONDS=freeze, ROLE:ID@step:N \
+                 or (servers of an erasure-coded run) ROLE:ID@prepare:N, @commit:N or @rebuild, \
+                 e.g. server:1@10s, server:1@10s=freeze, server:1@step:8 or server:1@commit:8"
             )
         };
         let (who, when) = s.split_once('@').ok_or_else(bad)?;
         let (role, id) = parse_member(who).map_err(|_| bad())?;
+        if let Some(secs) = when.strip_suffix("=freeze") {
+            return Ok(Self {
+                role,
+                id,
+                at: KillAt::FreezeAfter(parse_seconds(secs).ok_or_else(bad)?),
+            });
+        }
         let at = match when.strip_prefix("step:") {
             Some(step) => KillAt::Step(step.parse().map_err(|_| bad())?),
             None if is_kill_point(when) => {
@@ -59,15 +71,31 @@ impl std::str::FromStr for KillSpec {
                 }
                 KillAt::Point(FaultSpec::parse(when).map_err(|_| bad())?)
             }
-            None => {
-                let secs: f64 = when.trim_end_matches('s').parse().map_err(|_| bad())?;
-                if !(secs.is_finite() && secs >= 0.0) {
-                    return Err(bad());
-                }
-                KillAt::After(Duration::from_secs_f64(secs))
-            }
+            None => KillAt::After(parse_seconds(when).ok_or_else(bad)?),
         };
         Ok(Self { role, id, at })
+    }
+}
+
+/// `10s` or `10`: a finite, non-negative number of seconds.
+fn parse_seconds(s: &str) -> Option<Duration> {
+    let secs: f64 = s.trim_end_matches('s').parse().ok()?;
+    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs))
+}
+
+impl std::fmt::Display for KillSpec {
+    /// The `--kill` spelling that parses back to this spec.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let who = match self.role {
+            Role::Server => "server",
+            _ => "worker",
+        };
+        match &self.at {
+            KillAt::After(t) => write!(f, "{who}:{}@{}s", self.id, t.as_secs_f64()),
+            KillAt::FreezeAfter(t) => write!(f, "{who}:{}@{}s=freeze", self.id, t.as_secs_f64()),
+            KillAt::Step(step) => write!(f, "{who}:{}@step:{step}", self.id),
+            KillAt::Point(p) => write!(f, "{who}:{}@{p}", self.id),
+        }
     }
 }
 
@@ -166,4 +194,34 @@ pub(super) fn fault_points(kills: &[KillSpec]) -> Vec<(usize, FaultSpec)> {
             _ => None,
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timed_freeze_parses_and_prints_back() {
+        let spec: KillSpec = "server:2@1.5s=freeze".parse().unwrap();
+        assert_eq!(spec.role, Role::Server);
+        assert_eq!(spec.id, 2);
+        assert_eq!(spec.at, KillAt::FreezeAfter(Duration::from_millis(1500)));
+        for s in ["server:2@1.5s=freeze", "worker:0@3s", "server:1@step:8"] {
+            let spec: KillSpec = s.parse().unwrap();
+            assert_eq!(spec.to_string().parse::<KillSpec>().unwrap(), spec, "{s}");
+        }
+    }
+
+    #[test]
+    fn a_freeze_needs_a_time() {
+        for bad in [
+            "server:1@step:8=freeze",
+            "server:1@-1s=freeze",
+            "server:1@=freeze",
+            "server:1@nans=freeze",
+        ] {
+            let err = bad.parse::<KillSpec>().unwrap_err();
+            assert!(err.contains("=freeze"), "{bad}: {err}");
+        }
+    }
 }

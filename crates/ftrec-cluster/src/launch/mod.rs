@@ -104,7 +104,7 @@ pub struct LaunchReport {
     pub run_dir_removed: bool,
 }
 
-pub(super) fn io(path: &Path) -> impl Fn(std::io::Error) -> PsError + '_ {
+pub(crate) fn io(path: &Path) -> impl Fn(std::io::Error) -> PsError + '_ {
     move |error| PsError::Io {
         path: path.display().to_string(),
         error,
@@ -285,7 +285,8 @@ impl Supervised<'_> {
         let mut timed = Vec::new();
         for k in self.kills {
             match k.at {
-                KillAt::After(after) => timed.push((after, k.role, k.id)),
+                KillAt::After(after) => timed.push((after, k.role, k.id, Injected::Kill)),
+                KillAt::FreezeAfter(after) => timed.push((after, k.role, k.id, Injected::Freeze)),
                 KillAt::Step(step) => shared.kill_at_step(k.role, k.id, step),
                 KillAt::Point(_) => {}
             }
@@ -329,8 +330,8 @@ impl Supervised<'_> {
             });
             if let Some(t0) = training_start {
                 while timed.first().is_some_and(|k| t0.elapsed() >= k.0) {
-                    let (_, role, id) = timed.remove(0);
-                    kill_times.extend(kill_now(&shared, role, id)?);
+                    let (_, role, id, how) = timed.remove(0);
+                    kill_times.extend(fail_now(&shared, role, id, how)?);
                 }
             }
             let waited = tokio::select! {
@@ -364,8 +365,21 @@ impl Supervised<'_> {
     }
 }
 
-/// SIGKILLs `role` `id` now; its timeline time, or `None` if it has no process.
-fn kill_now(shared: &coordinator::Shared, role: Role, id: usize) -> Result<Option<f64>, PsError> {
+/// How a timed failure is injected.
+#[derive(Clone, Copy, Debug)]
+enum Injected {
+    Kill,
+    Freeze,
+}
+
+/// SIGKILLs (or SIGSTOPs) `role` `id` now; its timeline time, or `None` if it has no
+/// process.
+fn fail_now(
+    shared: &coordinator::Shared,
+    role: Role,
+    id: usize,
+    how: Injected,
+) -> Result<Option<f64>, PsError> {
     let who = coordinator::role_name(role);
     let Some(pid) = shared.pid_of(role, id) else {
         shared.event(
@@ -374,12 +388,21 @@ fn kill_now(shared: &coordinator::Shared, role: Role, id: usize) -> Result<Optio
         );
         return Ok(None);
     };
-    sigkill(pid).map_err(io(Path::new("kill")))?;
+    let (kind, text) = match how {
+        Injected::Kill => {
+            sigkill(pid).map_err(io(Path::new("kill")))?;
+            (EventKind::Killed, "SIGKILL")
+        }
+        Injected::Freeze => {
+            coordinator::sigstop(pid).map_err(io(Path::new("kill -STOP")))?;
+            (EventKind::Frozen, "SIGSTOP: frozen, silent but not gone")
+        }
+    };
     Ok(Some(shared.event_about(
-        EventKind::Killed,
+        kind,
         coordinator::subject(role, id),
         None,
-        format!("{who} {id} (pid {pid}) by SIGKILL"),
+        format!("{who} {id} (pid {pid}) by {text}"),
     )))
 }
 

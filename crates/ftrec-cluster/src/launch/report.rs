@@ -28,7 +28,7 @@ pub async fn final_report(
     // Kills at a step are fired by the coordinator; timed ones by the launcher.
     kill_times.extend(
         timeline
-            .of(EventKind::Killed)
+            .injected_failures()
             .filter(|e| e.step.is_some())
             .map(|e| e.t),
     );
@@ -83,11 +83,12 @@ pub async fn final_report(
     })
 }
 
-/// A recovery's own SIGKILL: the last kill of its server before the failure was detected.
+/// A recovery's own failure: the last SIGKILL or freeze of its server before the failure
+/// was detected.
 fn last_kill_before(timeline: &TimelineData, server: usize, detected_at: f64) -> Option<f64> {
     let subject = Some(Subject::Server(server as u32));
     timeline
-        .of(EventKind::Killed)
+        .injected_failures()
         .filter(|e| e.subject == subject && e.t <= detected_at)
         .map(|e| e.t)
         .reduce(f64::max)

@@ -73,6 +73,8 @@ pub(crate) struct BenchRun<'a> {
     pub kills: &'a [String],
     pub spares: usize,
     pub quiet: bool,
+    /// Evaluate the final model on the test split (AUC, logloss).
+    pub evaluate: bool,
 }
 
 impl BenchRun<'_> {
@@ -102,7 +104,7 @@ impl BenchRun<'_> {
                 spares: self.spares,
                 exe: std::env::current_exe()?,
                 time_limit: Duration::from_secs(1800),
-                evaluate: None,
+                evaluate: self.evaluate.then(crate::commands::cluster::evaluator),
             },
             |_| {},
         )?;
@@ -162,6 +164,7 @@ fn cluster(
         kills: &kills,
         spares: 0,
         quiet: a.json,
+        evaluate: false,
     }
     .launch(&c, every)
 }

@@ -89,7 +89,7 @@ struct Round {
 
 /// A figure over the rounds: its median, its spread and every value (null where a round
 /// had none).
-fn over_rounds(values: Vec<Option<f64>>) -> serde_json::Value {
+pub(crate) fn over_rounds(values: Vec<Option<f64>>) -> serde_json::Value {
     let mut present: Vec<f64> = values.iter().flatten().copied().collect();
     present.sort_by(f64::total_cmp);
     let median = (!present.is_empty()).then(|| present[present.len() / 2]);
@@ -113,6 +113,7 @@ fn run_one(a: &BenchEcArgs, config: &JobConfig, name: &str, kill: bool) -> Resul
         kills: &kills,
         spares: a.spares,
         quiet: a.json,
+        evaluate: false,
     }
     .launch(config, a.checkpoint_every)
 }

@@ -18,6 +18,7 @@ pub mod cpr;
 pub mod ec;
 pub mod faults;
 pub mod loopback;
+pub mod shootout;
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
@@ -46,6 +47,11 @@ pub enum BenchCommand {
     /// 3-member etcd losing a member; every faulted run checked against the same run
     /// uninterrupted.
     Coordinator(coordinator::BenchCoordinatorArgs),
+    /// Every fault tolerance strategy on one job under one Poisson schedule of server
+    /// failures (SIGKILLs and freezes), at a rare and a frequent rate, rounds interleaved:
+    /// ETT, AUC, lost samples, bytes written, peak RSS, time to resume and to full
+    /// redundancy; `auto` runs what `cluster run --ft auto` chooses. shootout.json, PNGs.
+    Shootout(shootout::BenchShootoutArgs),
 }
 
 #[derive(Args, Debug)]

@@ -85,9 +85,18 @@ pub struct ClusterRunArgs {
     /// Workers (overrides cluster.workers).
     #[arg(long)]
     pub workers: Option<usize>,
-    /// Fault tolerance: none, checkpoint, ec, ec+checkpoint or partial (overrides cluster.ft).
-    #[arg(long, value_parser = str::parse::<ftrec_config::FaultTolerance>)]
-    pub ft: Option<ftrec_config::FaultTolerance>,
+    /// Fault tolerance: none, checkpoint, ec, ec+checkpoint, partial (overrides cluster.ft),
+    /// or auto: chosen with its interval from costs measured before the start and --mtbf.
+    #[arg(long, value_parser = str::parse::<FtArg>)]
+    pub ft: Option<FtArg>,
+    /// With --ft auto: the cluster's mean time between failures, seconds (default: one
+    /// failure per server per week).
+    #[arg(long, requires = "ft")]
+    pub mtbf: Option<f64>,
+    /// With --ft auto: erasure coding's costs from a `bench ec --json` summary.json
+    /// (default: the figures BENCHMARKS.md records).
+    #[arg(long, value_name = "FILE", requires = "ft")]
+    pub ec_costs: Option<PathBuf>,
     /// Steps in strict order: bit-reproducible (overrides cluster.deterministic).
     #[arg(long)]
     pub deterministic: bool,
@@ -127,6 +136,25 @@ pub struct ClusterRunArgs {
     pub no_eval: bool,
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--ft`: a fault tolerance, or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum FtArg {
+    Fixed(ftrec_config::FaultTolerance),
+    Auto,
+}
+
+impl std::str::FromStr for FtArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(Self::Auto);
+        }
+        s.parse()
+            .map(Self::Fixed)
+            .map_err(|e: String| format!("{e}, or auto"))
+    }
 }
 
 #[derive(Args, Debug)]
@@ -240,13 +268,29 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
     if let Some(n) = a.workers {
         extra.push(format!("cluster.workers={n}"));
     }
-    if let Some(ft) = a.ft {
+    if let Some(FtArg::Fixed(ft)) = a.ft {
         extra.push(format!("cluster.ft=\"{}\"", ft.name()));
+    }
+    if a.ft != Some(FtArg::Auto) && (a.mtbf.is_some() || a.ec_costs.is_some()) {
+        bail!("--mtbf and --ec-costs are the inputs of --ft auto");
     }
     if a.deterministic {
         extra.push("cluster.deterministic=true".into());
     }
     let mut config = load_config(&a.config, extra)?;
+    if let Some(data) = config.data.dir.clone() {
+        config.data.dir = Some(absolute(&data)?);
+    }
+    let auto = match a.ft {
+        Some(FtArg::Auto) => Some(choose_ft(
+            &mut config,
+            &run_dir,
+            a.mtbf,
+            a.ec_costs.as_deref(),
+            a.json,
+        )?),
+        _ => None,
+    };
     if config.cluster.ft.checkpoints() {
         if config.checkpoint.dir.is_none() {
             config.checkpoint.dir = Some(run_dir.join("checkpoints"));
@@ -294,6 +338,7 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
             },
             a.json,
             temporary_run_dir,
+            auto.as_ref(),
         );
     }
     let total = job.config.train.steps;
@@ -339,7 +384,11 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
     // would rebuild from the wrong bytes.
     let damaged = redundancy_damage(&report);
     if a.json {
-        print_json(serde_json::to_value(&report)?)?;
+        let mut value = serde_json::to_value(&report)?;
+        if let Some(choice) = &auto {
+            value["auto"] = serde_json::to_value(choice)?;
+        }
+        print_json(value)?;
         if let Some(why) = damaged {
             bail!("{why}");
         }
@@ -418,6 +467,7 @@ fn run_with_etcd(
     opts: launch::etcd::EtcdRunOptions,
     json: bool,
     temporary_run_dir: bool,
+    auto: Option<&ftrec_cluster::auto::Choice>,
 ) -> Result<()> {
     let total = opts.job.config.train.steps;
     let pb = bar(total, "cluster");
@@ -438,6 +488,9 @@ fn run_with_etcd(
         std::fs::remove_dir_all(&run_dir)
             .with_context(|| format!("removing the run directory {}", run_dir.display()))?;
         report["run_dir_removed"] = json!(true);
+    }
+    if let Some(choice) = auto {
+        report["auto"] = serde_json::to_value(choice)?;
     }
     let mismatches = report["parity_mismatches"].as_u64().unwrap_or(0)
         + report["replica_mismatches"].as_u64().unwrap_or(0);
@@ -460,6 +513,37 @@ fn run_with_etcd(
         bail!("{mismatches} parity or replica mismatches at the end of the run");
     }
     Ok(())
+}
+
+/// `--ft auto`: measures the costs, chooses, applies the choice to `config` and says so.
+fn choose_ft(
+    config: &mut ftrec_config::JobConfig,
+    run_dir: &Path,
+    mtbf: Option<f64>,
+    ec_costs: Option<&Path>,
+    json: bool,
+) -> Result<ftrec_cluster::auto::Choice> {
+    use ftrec_cluster::auto;
+    if config.data.dir.is_none() {
+        bail!("no dataset: pass --data DIR or set data.dir (--ft auto times the model on it)");
+    }
+    let scratch = auto::calibrate::scratch_dir(config, run_dir);
+    let costs = auto::calibrate(
+        config,
+        &auto::CalibrateOptions {
+            mtbf_seconds: mtbf,
+            ec_summary: ec_costs,
+            scratch: &scratch,
+            probe_steps: 20,
+        },
+    )?;
+    let choice = auto::choose(costs);
+    auto::apply(config, &choice);
+    if !json {
+        outln!("--ft auto: {}", choice.why);
+    }
+    tracing::info!("--ft auto: {}", choice.why);
+    Ok(choice)
 }
 
 fn redundancy_damage(report: &ftrec_cluster::launch::LaunchReport) -> Option<String> {

@@ -48,6 +48,7 @@ pub fn plot_timeline(timeline: &TimelineData, out: &Path, title: &str) -> anyhow
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
     for (kind, color) in [
         (EventKind::Killed, RED),
+        (EventKind::Frozen, RGBColor(200, 0, 120)),
         (EventKind::FailureDetected, MAGENTA),
         (EventKind::RebuildStart, RGBColor(230, 140, 0)),
         (EventKind::RebuildEnd, RGBColor(120, 60, 0)),

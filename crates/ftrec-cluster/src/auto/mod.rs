@@ -1,0 +1,23 @@
+//! `--ft auto`: the system picks the fault tolerance and its interval from measured costs
+//! and a mean time between failures (`model` for the arithmetic, `calibrate` for the
+//! measurements), and says what it chose and why.
+
+pub mod calibrate;
+pub mod model;
+
+pub use calibrate::{CalibrateOptions, calibrate};
+pub use model::{Choice, Costs, Measured, Prediction, choose};
+
+use ftrec_config::{FaultTolerance, JobConfig};
+
+/// `config` with the choice applied: erasure coding, or checkpoints every
+/// `every_seconds` (with the configured strategy, full by default).
+pub fn apply(config: &mut JobConfig, choice: &Choice) {
+    match choice.strategy {
+        "ec" => config.cluster.ft = FaultTolerance::Ec,
+        _ => {
+            config.cluster.ft = FaultTolerance::Checkpoint;
+            config.checkpoint.every_seconds = choice.every_seconds;
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! The model behind `--ft auto` and the shoot-out's predictions: the expected effective
+//! training time ratio (ETT, DECK's metric: wall time spent on steps whose updates survive
+//! into the final model, at failure-free speed, over the wall time) of each strategy, from
+//! measured costs and a mean time between failures.
+//!
+//! With failures arriving as a Poisson process of mean `M` seconds:
+//! - **checkpoint**, a cut every `T` s costing `S` s of pause: a failure throws away on
+//!   average half a cut period `(T + S) / 2` and costs the recovery `R` (detection, a
+//!   new process, every server reloading its shard); ETT = `T / (T + S) · (1 − ((T + S) / 2
+//!   + R) / M)`, maximised over `T` (Young's `T ≈ √(2 S M)` for `S ≪ M`);
+//! - **ec**: every step slower by the normal-mode overhead `o`, nothing rolls back, a
+//!   failure costs detection plus the resume, plus the rebuild's time at the throughput it
+//!   takes from training; ETT = `(1 − o) · (1 − (D + resume + rebuild · slowdown) / M)`;
+//!   possible only when the parity and replicas fit in memory;
+//! - **none** keeps only what was trained after the last failure: over a job of `L` s,
+//!   ETT = `M (1 − e^(−L/M)) / L`. Reported, never chosen: it does not recover.
+//!
+//! Only strategies that end with the failure-free model's state are chosen: partial
+//! recovery's ETT is close to checkpoint's, but it loses updates, which this model cannot
+//! price in AUC.
+
+use serde::Serialize;
+
+/// A cost, where it came from.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Measured {
+    pub value: f64,
+    /// How it was obtained: "measured: ...", "config: KEY", or "bench ec (BENCHMARKS.md)".
+    pub source: String,
+}
+
+impl Measured {
+    pub fn new(value: f64, source: impl Into<String>) -> Self {
+        Self {
+            value,
+            source: source.into(),
+        }
+    }
+}
+
+/// The costs the choice is made from, in seconds unless named otherwise.
+#[derive(Clone, Debug, Serialize)]
+pub struct Costs {
+    pub mtbf_seconds: Measured,
+    /// The job's expected failure-free wall time.
+    pub job_seconds: Measured,
+    /// A consistent cut's pause.
+    pub checkpoint_save_seconds: Measured,
+    /// Reloading the cut after a failure.
+    pub checkpoint_load_seconds: Measured,
+    /// Silence to declared dead.
+    pub detection_seconds: Measured,
+    /// A replacement process started and joined.
+    pub restart_seconds: Measured,
+    /// Erasure coding: detection to training going on in degraded mode, less detection.
+    pub ec_resume_seconds: Measured,
+    /// Erasure coding: the share of normal-mode throughput it costs.
+    pub ec_overhead: Measured,
+    /// Erasure coding: bytes of one server's state to rebuild, and the rebuild's rate.
+    pub ec_shard_bytes: Measured,
+    pub ec_rebuild_bytes_per_sec: Measured,
+    /// Erasure coding: the share of throughput training loses while a rebuild runs.
+    pub ec_rebuild_slowdown: Measured,
+    /// Why erasure coding cannot run this job, if it cannot (memory, too few servers).
+    pub ec_refused: Option<String>,
+}
+
+/// One strategy's predicted ETT (and, for checkpoints, the interval it assumes).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Prediction {
+    pub strategy: &'static str,
+    pub ett: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub every_seconds: Option<f64>,
+    /// Why the strategy is not a candidate, if it is not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub excluded: Option<String>,
+}
+
+/// What `--ft auto` chose, and why.
+#[derive(Clone, Debug, Serialize)]
+pub struct Choice {
+    /// `checkpoint` or `ec`.
+    pub strategy: &'static str,
+    /// The cut interval, for `checkpoint`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub every_seconds: Option<f64>,
+    pub predicted_ett: f64,
+    pub predictions: Vec<Prediction>,
+    pub costs: Costs,
+    pub why: String,
+}
+
+/// Checkpoint ETT with a cut every `every` seconds.
+pub fn checkpoint_ett(c: &Costs, every: f64) -> f64 {
+    let (s, m) = (c.checkpoint_save_seconds.value, c.mtbf_seconds.value);
+    let recovery =
+        c.detection_seconds.value + c.restart_seconds.value + c.checkpoint_load_seconds.value;
+    (every / (every + s) * (1.0 - ((every + s) / 2.0 + recovery) / m)).max(0.0)
+}
+
+/// The cut interval that maximises [`checkpoint_ett`], within `[S, job length]`: a
+/// golden-section search (the ETT is unimodal in the interval), started at Young's value.
+pub fn best_checkpoint_interval(c: &Costs) -> f64 {
+    let s = c.checkpoint_save_seconds.value.max(1e-3);
+    let (mut lo, mut hi) = (s, c.job_seconds.value.max(2.0 * s));
+    let phi = (5f64.sqrt() - 1.0) / 2.0;
+    for _ in 0..200 {
+        let a = hi - phi * (hi - lo);
+        let b = lo + phi * (hi - lo);
+        if checkpoint_ett(c, a) < checkpoint_ett(c, b) {
+            lo = a;
+        } else {
+            hi = b;
+        }
+    }
+    (lo + hi) / 2.0
+}
+
+pub fn ec_ett(c: &Costs) -> f64 {
+    let rebuild = c.ec_shard_bytes.value / c.ec_rebuild_bytes_per_sec.value.max(1.0);
+    let per_failure = c.detection_seconds.value
+        + c.ec_resume_seconds.value
+        + rebuild * c.ec_rebuild_slowdown.value;
+    ((1.0 - c.ec_overhead.value) * (1.0 - per_failure / c.mtbf_seconds.value)).max(0.0)
+}
+
+pub fn none_ett(c: &Costs) -> f64 {
+    let (m, l) = (c.mtbf_seconds.value, c.job_seconds.value.max(1e-9));
+    m * (1.0 - (-l / m).exp()) / l
+}
+
+/// Every strategy's prediction, and the best of the candidates (checkpoint or ec).
+pub fn choose(costs: Costs) -> Choice {
+    let every = best_checkpoint_interval(&costs);
+    let checkpoint = Prediction {
+        strategy: "checkpoint",
+        ett: checkpoint_ett(&costs, every),
+        every_seconds: Some(every),
+        excluded: None,
+    };
+    let ec = Prediction {
+        strategy: "ec",
+        ett: ec_ett(&costs),
+        every_seconds: None,
+        excluded: costs.ec_refused.clone(),
+    };
+    let none = Prediction {
+        strategy: "none",
+        ett: none_ett(&costs),
+        every_seconds: None,
+        excluded: Some("does not recover a lost shard".into()),
+    };
+    let best = if ec.excluded.is_none() && ec.ett > checkpoint.ett {
+        ec.clone()
+    } else {
+        checkpoint.clone()
+    };
+    let why = match (&best.every_seconds, &ec.excluded) {
+        (Some(every), Some(refused)) => format!(
+            "checkpoints every {every:.1} s (predicted ETT {:.3}); erasure coding is out: \
+             {refused}",
+            checkpoint.ett
+        ),
+        (Some(every), None) => format!(
+            "checkpoints every {every:.1} s: predicted ETT {:.3} against {:.3} for erasure \
+             coding, whose {:.1}% normal-mode overhead costs more than the rollbacks of one \
+             failure per {:.0} s",
+            checkpoint.ett,
+            ec.ett,
+            100.0 * costs.ec_overhead.value,
+            costs.mtbf_seconds.value
+        ),
+        (None, _) => format!(
+            "erasure coding: predicted ETT {:.3} against {:.3} for the best checkpoint \
+             interval ({every:.1} s): one failure per {:.0} s rolls back more than its \
+             {:.1}% normal-mode overhead costs",
+            ec.ett,
+            checkpoint.ett,
+            costs.mtbf_seconds.value,
+            100.0 * costs.ec_overhead.value
+        ),
+    };
+    Choice {
+        strategy: best.strategy,
+        every_seconds: best.every_seconds,
+        predicted_ett: best.ett,
+        predictions: vec![checkpoint, ec, none],
+        costs,
+        why,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The tiny job's measured costs (BENCHMARKS.md) at a given MTBF.
+    fn costs(mtbf: f64) -> Costs {
+        let m = |v: f64| Measured::new(v, "test");
+        Costs {
+            mtbf_seconds: m(mtbf),
+            job_seconds: m(600.0),
+            checkpoint_save_seconds: m(0.07),
+            checkpoint_load_seconds: m(0.02),
+            detection_seconds: m(1.0),
+            restart_seconds: m(0.5),
+            ec_resume_seconds: m(0.35),
+            ec_overhead: m(0.08),
+            ec_shard_bytes: m(8e6),
+            ec_rebuild_bytes_per_sec: m(3.5e8),
+            ec_rebuild_slowdown: m(0.1),
+            ec_refused: None,
+        }
+    }
+
+    #[test]
+    fn frequent_failures_choose_erasure_coding() {
+        let c = choose(costs(8.0));
+        assert_eq!(c.strategy, "ec", "{}", c.why);
+        assert!(c.why.contains("erasure coding"), "{}", c.why);
+    }
+
+    #[test]
+    fn rare_failures_choose_checkpoints_with_a_long_interval() {
+        let frequent = best_checkpoint_interval(&costs(60.0));
+        let c = choose(costs(3600.0));
+        assert_eq!(c.strategy, "checkpoint", "{}", c.why);
+        let every = c.every_seconds.unwrap();
+        assert!(every > 5.0 * frequent, "{every} vs {frequent}");
+        // Young's interval, √(2 S M), for S ≪ M.
+        let young = (2.0 * 0.07 * 3600.0f64).sqrt();
+        assert!((every / young - 1.0).abs() < 0.1, "{every} vs {young}");
+    }
+
+    #[test]
+    fn erasure_coding_that_does_not_fit_is_never_chosen() {
+        let mut c = costs(8.0);
+        c.ec_refused = Some("the parity rows need 3 GB more than this host has".into());
+        let choice = choose(c);
+        assert_eq!(choice.strategy, "checkpoint");
+        assert!(choice.why.contains("3 GB more"), "{}", choice.why);
+    }
+
+    #[test]
+    fn none_keeps_only_what_follows_the_last_failure() {
+        // No failures expected: everything is kept; one per job length: 1 - 1/e.
+        assert!((none_ett(&costs(1e12)) - 1.0).abs() < 1e-6);
+        let e = none_ett(&costs(600.0));
+        assert!((e - (1.0 - (-1f64).exp())).abs() < 1e-9, "{e}");
+    }
+
+    proptest! {
+        /// The chosen interval beats its neighbours, and grows with the MTBF.
+        #[test]
+        fn the_interval_is_a_maximum_and_grows_with_the_mtbf(mtbf in 5.0f64..10_000.0) {
+            let c = costs(mtbf);
+            let t = best_checkpoint_interval(&c);
+            let e = checkpoint_ett(&c, t);
+            prop_assert!(e + 1e-9 >= checkpoint_ett(&c, t * 0.8));
+            prop_assert!(e + 1e-9 >= checkpoint_ett(&c, (t * 1.25).min(600.0)));
+            let longer = best_checkpoint_interval(&costs(mtbf * 2.0));
+            prop_assert!(longer + 1e-6 >= t, "{} then {}", t, longer);
+            let choice = choose(c);
+            let best = choice.predictions.iter()
+                .filter(|p| p.excluded.is_none())
+                .map(|p| p.ett)
+                .fold(0.0, f64::max);
+            prop_assert_eq!(choice.predicted_ett, best);
+        }
+    }
+}

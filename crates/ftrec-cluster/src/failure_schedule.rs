@@ -1,0 +1,215 @@
+//! A Poisson schedule of server failures, drawn once from a seed and a mean time between
+//! failures, so that every strategy of a comparison (`bench shootout`) meets the same
+//! failures at the same moments of wall time.
+
+use rand::{Rng, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use serde::Serialize;
+
+use crate::launch::{KillAt, KillSpec};
+use ftrec_proto::proto::Role;
+
+/// One failure: a server SIGKILLed, or frozen for good (SIGSTOP: silent, not gone).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ScheduledFailure {
+    /// Seconds after training starts.
+    pub at_seconds: f64,
+    pub server: usize,
+    pub freeze: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct FailureSchedule {
+    pub seed: u64,
+    pub mtbf_seconds: f64,
+    pub failures: Vec<ScheduledFailure>,
+}
+
+/// What a schedule is drawn over.
+#[derive(Clone, Copy, Debug)]
+pub struct ScheduleShape {
+    pub servers: usize,
+    /// Failures fall in `[start_seconds, horizon_seconds)` after training starts.
+    pub start_seconds: f64,
+    pub horizon_seconds: f64,
+    /// Consecutive failures are at least this far apart: a failure while the last one is
+    /// still being recovered from is a second-failure study of its own (ECRec with r = 1
+    /// cannot survive it by design), not the strategies' steady-state cost.
+    pub min_gap_seconds: f64,
+    /// Share of the failures that freeze their server rather than kill it.
+    pub freeze_share: f64,
+}
+
+/// Draws of a schedule with no failure in the horizon before one is placed by hand.
+const MAX_DRAWS: u32 = 1000;
+
+impl FailureSchedule {
+    /// Exponential gaps of mean `mtbf_seconds` (stretched to `min_gap_seconds` where
+    /// shorter), a uniformly drawn server each, at least one failure, and at least one
+    /// freeze among them (the last, if the draw gave none).
+    pub fn poisson(seed: u64, mtbf_seconds: f64, shape: ScheduleShape) -> Result<Self, String> {
+        if !(mtbf_seconds > 0.0 && mtbf_seconds.is_finite()) {
+            return Err(format!("mtbf {mtbf_seconds} s: must be a positive number"));
+        }
+        if shape.servers == 0 || !(shape.horizon_seconds > shape.start_seconds) {
+            return Err(format!(
+                "a failure schedule needs servers and a horizon after its start ({} servers, \
+                 {}..{} s)",
+                shape.servers, shape.start_seconds, shape.horizon_seconds
+            ));
+        }
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+        let mut failures = Vec::new();
+        for _ in 0..MAX_DRAWS {
+            failures = draw(&mut rng, mtbf_seconds, &shape);
+            if !failures.is_empty() {
+                break;
+            }
+        }
+        if failures.is_empty() {
+            failures.push(ScheduledFailure {
+                at_seconds: (shape.start_seconds + shape.horizon_seconds) / 2.0,
+                server: rng.gen_range(0..shape.servers),
+                freeze: false,
+            });
+        }
+        if shape.freeze_share > 0.0
+            && !failures.iter().any(|f| f.freeze)
+            && let Some(last) = failures.last_mut()
+        {
+            last.freeze = true;
+        }
+        Ok(Self {
+            seed,
+            mtbf_seconds,
+            failures,
+        })
+    }
+
+    /// The `--kill` specs of this schedule.
+    pub fn kills(&self) -> Vec<KillSpec> {
+        self.failures
+            .iter()
+            .map(|f| {
+                let after = std::time::Duration::from_secs_f64(f.at_seconds);
+                KillSpec {
+                    role: Role::Server,
+                    id: f.server,
+                    at: if f.freeze {
+                        KillAt::FreezeAfter(after)
+                    } else {
+                        KillAt::After(after)
+                    },
+                }
+            })
+            .collect()
+    }
+}
+
+fn draw(
+    rng: &mut Xoshiro256PlusPlus,
+    mtbf_seconds: f64,
+    shape: &ScheduleShape,
+) -> Vec<ScheduledFailure> {
+    let mut failures = Vec::new();
+    let mut t = shape.start_seconds;
+    loop {
+        // Inverse transform of U in (0, 1]: never ln(0).
+        let u: f64 = 1.0 - rng.r#gen::<f64>();
+        let gap = -mtbf_seconds * u.ln();
+        let gap = if failures.is_empty() {
+            gap
+        } else {
+            gap.max(shape.min_gap_seconds)
+        };
+        t += gap;
+        if t >= shape.horizon_seconds {
+            return failures;
+        }
+        failures.push(ScheduledFailure {
+            at_seconds: t,
+            server: rng.gen_range(0..shape.servers),
+            freeze: rng.r#gen::<f64>() < shape.freeze_share,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn shape(horizon: f64) -> ScheduleShape {
+        ScheduleShape {
+            servers: 3,
+            start_seconds: 2.0,
+            horizon_seconds: horizon,
+            min_gap_seconds: 3.0,
+            freeze_share: 0.3,
+        }
+    }
+
+    #[test]
+    fn the_same_seed_draws_the_same_schedule() {
+        let a = FailureSchedule::poisson(7, 10.0, shape(60.0)).unwrap();
+        let b = FailureSchedule::poisson(7, 10.0, shape(60.0)).unwrap();
+        assert_eq!(a, b);
+        let c = FailureSchedule::poisson(8, 10.0, shape(60.0)).unwrap();
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn the_mean_gap_follows_the_mtbf() {
+        // Over a long horizon, the count is about horizon / mtbf (the minimum gap of 0.5 s
+        // barely stretches gaps of mean 20 s).
+        let s = FailureSchedule::poisson(
+            3,
+            20.0,
+            ScheduleShape {
+                min_gap_seconds: 0.5,
+                ..shape(20_000.0)
+            },
+        )
+        .unwrap();
+        let n = s.failures.len() as f64;
+        assert!((900.0..1100.0).contains(&n), "{n} failures");
+        let freezes = s.failures.iter().filter(|f| f.freeze).count() as f64;
+        assert!((0.25..0.35).contains(&(freezes / n)), "{freezes} freezes");
+        for server in 0..3 {
+            let k = s.failures.iter().filter(|f| f.server == server).count() as f64;
+            assert!(k / n > 0.28, "server {server}: {k} of {n}");
+        }
+    }
+
+    #[test]
+    fn bad_inputs_are_refused() {
+        assert!(FailureSchedule::poisson(1, 0.0, shape(10.0)).is_err());
+        assert!(FailureSchedule::poisson(1, f64::NAN, shape(10.0)).is_err());
+        assert!(FailureSchedule::poisson(1, 5.0, shape(1.0)).is_err());
+    }
+
+    proptest! {
+        /// Every schedule has a failure and a freeze, inside the window, in order, with
+        /// the minimum gap, and its kill specs say the same.
+        #[test]
+        fn every_schedule_keeps_its_promises(seed in 0u64..10_000, mtbf in 0.5f64..500.0) {
+            let s = FailureSchedule::poisson(seed, mtbf, shape(40.0)).unwrap();
+            prop_assert!(!s.failures.is_empty());
+            prop_assert!(s.failures.iter().any(|f| f.freeze));
+            for f in &s.failures {
+                prop_assert!((2.0..40.0).contains(&f.at_seconds));
+                prop_assert!(f.server < 3);
+            }
+            for w in s.failures.windows(2) {
+                prop_assert!(w[1].at_seconds - w[0].at_seconds >= 3.0 - 1e-9);
+            }
+            let kills = s.kills();
+            prop_assert_eq!(kills.len(), s.failures.len());
+            for (k, f) in kills.iter().zip(&s.failures) {
+                let spelled = k.to_string();
+                prop_assert_eq!(spelled.ends_with("=freeze"), f.freeze);
+                prop_assert_eq!(&spelled.parse::<KillSpec>().unwrap(), k);
+            }
+        }
+    }
+}
