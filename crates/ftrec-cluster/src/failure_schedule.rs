@@ -51,7 +51,8 @@ impl FailureSchedule {
         if !(mtbf_seconds > 0.0 && mtbf_seconds.is_finite()) {
             return Err(format!("mtbf {mtbf_seconds} s: must be a positive number"));
         }
-        if shape.servers == 0 || !(shape.horizon_seconds > shape.start_seconds) {
+        let window = shape.horizon_seconds - shape.start_seconds;
+        if shape.servers == 0 || window.is_nan() || window <= 0.0 {
             return Err(format!(
                 "a failure schedule needs servers and a horizon after its start ({} servers, \
                  {}..{} s)",

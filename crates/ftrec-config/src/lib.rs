@@ -423,6 +423,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("key=value"), "{e}");
+        for bad in ["0", "-2", "nan"] {
+            let e = JobConfig::load(
+                Some("tiny"),
+                None,
+                &[format!("checkpoint.every_seconds={bad}")],
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("checkpoint.every_seconds"), "{bad}: {e}");
+        }
+        let c =
+            JobConfig::load(Some("tiny"), None, &["checkpoint.every_seconds=2.5".into()]).unwrap();
+        assert_eq!(c.checkpoint.every_seconds, Some(2.5));
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("bad.toml");
         std::fs::write(&f, "[train]\nbatch_size = \"big\"\n").unwrap();

@@ -142,6 +142,9 @@ impl Core {
             )));
         }
         drop(steps);
+        if let Some(done) = self.committed_part(checkpoints, step)? {
+            return Ok((done, true));
+        }
         let identity = self.identity(&shard, step);
         let mut guard = lock(&self.checkpointer);
         if guard.is_none() {
@@ -174,6 +177,27 @@ impl Core {
         drop(guard);
         let committed = self.cut_committed(checkpoints, step)?;
         Ok((manifest, committed))
+    }
+
+    /// This shard's part of the cut at `step`, if an earlier attempt at this very cut
+    /// committed it on the branch being written: that attempt was abandoned by another
+    /// server's failure, and recovery went on without rolling this shard back (partial
+    /// recovery, erasure coding), so the cut is asked for again at the same step. The
+    /// shard has applied exactly the same steps since (a cut's steps are every step below
+    /// it, and only a restore, which writes on another branch, takes steps back), so those
+    /// bytes are this cut's; writing them again would collide with committed history.
+    fn committed_part(
+        &self,
+        checkpoints: &Checkpoints,
+        step: u64,
+    ) -> Result<Option<Manifest>, PsError> {
+        let writer = self.writer(checkpoints)?;
+        let branch = writer.branch();
+        Ok(writer
+            .list_readable()?
+            .into_iter()
+            .filter(|m| m.step == step && m.branch == branch)
+            .max_by_key(|m| m.created_unix_ms))
     }
 
     /// Whether this shard's part of the cut at `step` is committed: a manifest at that

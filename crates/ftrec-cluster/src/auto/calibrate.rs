@@ -1,12 +1,12 @@
 //! The costs `--ft auto` chooses from, measured on this host for this job before it
 //! starts: a real full checkpoint of the model written to the checkpoint directory's file
-//! system and restored cold, a few steps of the model's pace, and the memory erasure
-//! coding would take against what the host has. Erasure coding's own costs (normal-mode
+//! system and restored cold, and the memory erasure coding would take against what the
+//! host has. The model's pace is the caller's to measure (the CLI times the single-process
+//! trainer: the cluster crates do not depend on it). Erasure coding's own costs (normal-mode
 //! overhead, resume, rebuild rate) need a cluster to measure: they come from a `bench ec`
 //! summary when one is given, else from the figures BENCHMARKS.md records.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use ftrec_config::{FaultTolerance, JobConfig};
 use ftrec_model::ModelState;
@@ -34,8 +34,8 @@ pub struct CalibrateOptions<'a> {
     pub ec_summary: Option<&'a Path>,
     /// Scratch for the timing checkpoint (the job's checkpoint directory, or the run's).
     pub scratch: &'a Path,
-    /// Steps of the model timed for its pace.
-    pub probe_steps: u64,
+    /// Seconds per step of the model (measured by the caller), and how.
+    pub step_seconds: Measured,
 }
 
 /// With no MTBF given: a server fails once a week, so a cluster of `n` once per week / n.
@@ -66,7 +66,7 @@ pub fn calibrate(config: &JobConfig, opts: &CalibrateOptions<'_>) -> Result<Cost
         timing.bytes as f64 / 1e6,
         opts.scratch.display()
     );
-    let step_seconds = time_steps(config, opts.probe_steps)?;
+    let step_seconds = opts.step_seconds.value;
     let ec = ec_figures(opts.ec_summary)?;
     let (ec_shard_bytes, ec_refused) = ec_memory(config);
     Ok(Costs {
@@ -74,8 +74,8 @@ pub fn calibrate(config: &JobConfig, opts: &CalibrateOptions<'_>) -> Result<Cost
         job_seconds: Measured::new(
             step_seconds * config.train.steps as f64,
             format!(
-                "measured: {} single-process steps at {:.2} ms, times train.steps = {}",
-                opts.probe_steps.max(1),
+                "{} ({:.2} ms), times train.steps = {}",
+                opts.step_seconds.source,
                 step_seconds * 1e3,
                 config.train.steps
             ),
@@ -103,25 +103,6 @@ pub fn calibrate(config: &JobConfig, opts: &CalibrateOptions<'_>) -> Result<Cost
         ec_rebuild_slowdown: ec.slowdown,
         ec_refused,
     })
-}
-
-/// Seconds per step of the model, single process, one thread.
-fn time_steps(config: &JobConfig, steps: u64) -> Result<f64, PsError> {
-    let mut c = config.clone();
-    c.threads = 1;
-    c.checkpoint.dir = None;
-    c.checkpoint.strategy = None;
-    let fail =
-        |e: ftrec_train::TrainError| PsError::Fatal(format!("timing the model's steps: {e}"));
-    let data = Job::new(c.clone())?.train_data()?;
-    let mut trainer = ftrec_train::Trainer::new(&c).map_err(fail)?;
-    // The first step pays for allocation and page faults: timed apart.
-    trainer.train(&data, 1, |_| {}).map_err(fail)?;
-    let started = Instant::now();
-    let report = trainer
-        .train(&data, 1 + steps.max(1), |_| {})
-        .map_err(fail)?;
-    Ok(started.elapsed().as_secs_f64() / report.steps.max(1) as f64)
 }
 
 struct EcFigures {

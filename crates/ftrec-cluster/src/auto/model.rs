@@ -91,19 +91,35 @@ pub struct Choice {
     pub why: String,
 }
 
-/// Checkpoint ETT with a cut every `every` seconds.
+/// Checkpoint ETT with a cut every `every` seconds. An interval as long as the job takes
+/// no cut before the end: no pauses, and a failure loses what was trained since the start,
+/// half the job on average.
 pub fn checkpoint_ett(c: &Costs, every: f64) -> f64 {
-    let (s, m) = (c.checkpoint_save_seconds.value, c.mtbf_seconds.value);
+    let (s, m, job) = (
+        c.checkpoint_save_seconds.value,
+        c.mtbf_seconds.value,
+        c.job_seconds.value,
+    );
     let recovery =
         c.detection_seconds.value + c.restart_seconds.value + c.checkpoint_load_seconds.value;
-    (every / (every + s) * (1.0 - ((every + s) / 2.0 + recovery) / m)).max(0.0)
+    let ett = if every >= job {
+        1.0 - (job / 2.0 + recovery) / m
+    } else {
+        every / (every + s) * (1.0 - ((every + s) / 2.0 + recovery) / m)
+    };
+    ett.max(0.0)
 }
 
-/// The cut interval that maximises [`checkpoint_ett`], within `[S, job length]`: a
-/// golden-section search (the ETT is unimodal in the interval), started at Young's value.
+/// The cut interval that maximises [`checkpoint_ett`]: a golden-section search over
+/// `[S, job length)` (the ETT is unimodal there, with Young's `√(2 S M)` near its top for
+/// `S ≪ M`), or the whole job (no cut before the end) when that is better.
 pub fn best_checkpoint_interval(c: &Costs) -> f64 {
     let s = c.checkpoint_save_seconds.value.max(1e-3);
-    let (mut lo, mut hi) = (s, c.job_seconds.value.max(2.0 * s));
+    let job = c.job_seconds.value;
+    if job <= s {
+        return job.max(s);
+    }
+    let (mut lo, mut hi) = (s, job * (1.0 - 1e-9));
     let phi = (5f64.sqrt() - 1.0) / 2.0;
     for _ in 0..200 {
         let a = hi - phi * (hi - lo);
@@ -114,7 +130,12 @@ pub fn best_checkpoint_interval(c: &Costs) -> f64 {
             hi = b;
         }
     }
-    (lo + hi) / 2.0
+    let inside = (lo + hi) / 2.0;
+    if checkpoint_ett(c, job) > checkpoint_ett(c, inside) {
+        job
+    } else {
+        inside
+    }
 }
 
 pub fn ec_ett(c: &Costs) -> f64 {
@@ -156,14 +177,21 @@ pub fn choose(costs: Costs) -> Choice {
     } else {
         checkpoint.clone()
     };
+    let cuts = if every >= costs.job_seconds.value {
+        format!(
+            "checkpoints, no cut before the end of the {:.0} s job",
+            costs.job_seconds.value
+        )
+    } else {
+        format!("checkpoints every {every:.1} s")
+    };
     let why = match (&best.every_seconds, &ec.excluded) {
-        (Some(every), Some(refused)) => format!(
-            "checkpoints every {every:.1} s (predicted ETT {:.3}); erasure coding is out: \
-             {refused}",
+        (Some(_), Some(refused)) => format!(
+            "{cuts} (predicted ETT {:.3}); erasure coding is out: {refused}",
             checkpoint.ett
         ),
-        (Some(every), None) => format!(
-            "checkpoints every {every:.1} s: predicted ETT {:.3} against {:.3} for erasure \
+        (Some(_), None) => format!(
+            "{cuts}: predicted ETT {:.3} against {:.3} for erasure \
              coding, whose {:.1}% normal-mode overhead costs more than the rollbacks of one \
              failure per {:.0} s",
             checkpoint.ett,
@@ -235,6 +263,18 @@ mod tests {
     }
 
     #[test]
+    fn a_short_job_with_rare_failures_takes_no_cut_before_its_end() {
+        let mut c = costs(1e6);
+        c.job_seconds = Measured::new(0.5, "test");
+        let choice = choose(c);
+        assert_eq!(choice.strategy, "checkpoint", "{}", choice.why);
+        assert_eq!(choice.every_seconds, Some(0.5));
+        // Its ETT is what one failure from the start would cost, and beats erasure coding's
+        // overhead.
+        assert!(choice.predicted_ett > 0.99, "{}", choice.predicted_ett);
+    }
+
+    #[test]
     fn erasure_coding_that_does_not_fit_is_never_chosen() {
         let mut c = costs(8.0);
         c.ec_refused = Some("the parity rows need 3 GB more than this host has".into());
@@ -259,7 +299,8 @@ mod tests {
             let t = best_checkpoint_interval(&c);
             let e = checkpoint_ett(&c, t);
             prop_assert!(e + 1e-9 >= checkpoint_ett(&c, t * 0.8));
-            prop_assert!(e + 1e-9 >= checkpoint_ett(&c, (t * 1.25).min(600.0)));
+            prop_assert!(e + 1e-9 >= checkpoint_ett(&c, t * 1.25));
+            prop_assert!(e + 1e-9 >= checkpoint_ett(&c, 600.0));
             let longer = best_checkpoint_interval(&costs(mtbf * 2.0));
             prop_assert!(longer + 1e-6 >= t, "{} then {}", t, longer);
             let choice = choose(c);

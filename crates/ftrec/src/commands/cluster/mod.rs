@@ -14,6 +14,7 @@ use ftrec_server::ServerOptions;
 use ftrec_worker::WorkerOptions;
 use serde_json::json;
 
+pub mod auto;
 mod coordinator;
 pub mod plot;
 
@@ -523,22 +524,8 @@ fn choose_ft(
     ec_costs: Option<&Path>,
     json: bool,
 ) -> Result<ftrec_cluster::auto::Choice> {
-    use ftrec_cluster::auto;
-    if config.data.dir.is_none() {
-        bail!("no dataset: pass --data DIR or set data.dir (--ft auto times the model on it)");
-    }
-    let scratch = auto::calibrate::scratch_dir(config, run_dir);
-    let costs = auto::calibrate(
-        config,
-        &auto::CalibrateOptions {
-            mtbf_seconds: mtbf,
-            ec_summary: ec_costs,
-            scratch: &scratch,
-            probe_steps: 20,
-        },
-    )?;
-    let choice = auto::choose(costs);
-    auto::apply(config, &choice);
+    let scratch = ftrec_cluster::auto::calibrate::scratch_dir(config, run_dir);
+    let choice = auto::choose_and_apply(config, &scratch, mtbf, ec_costs)?;
     if !json {
         outln!("--ft auto: {}", choice.why);
     }

@@ -45,7 +45,7 @@ pub struct BenchShootoutArgs {
     /// a minute, so lost updates show in the AUC) with its row state (row-wise Adagrad).
     #[arg(long, default_value = "demo")]
     pub preset: String,
-    /// Steps per run (default 600; --quick 240).
+    /// Steps per run (default 300; --quick 240).
     #[arg(long)]
     pub steps: Option<u64>,
     #[arg(long, default_value_t = 3)]
@@ -73,9 +73,18 @@ pub struct BenchShootoutArgs {
     /// every schedule has at least one.
     #[arg(long, default_value_t = 0.3)]
     pub freeze_share: f64,
-    /// Consecutive failures at least this far apart, seconds.
-    #[arg(long, default_value_t = 4.0)]
+    /// Consecutive failures at least this far apart, seconds: more than detection plus a
+    /// rebuild, so that erasure coding with r = 1 is not asked to survive a second failure
+    /// of a group mid-rebuild (a study of its own).
+    #[arg(long, default_value_t = 2.5)]
     pub min_gap: f64,
+    /// Let steps run asynchronously instead of in strict order. By default the runs are
+    /// deterministic, so an exact strategy ends with the failure-free model bit for bit and
+    /// AUC differences are the strategies', not the noise of async training (about ±0.01
+    /// AUC between two async runs of this job, five times the 0.002 that decides which
+    /// strategies count).
+    #[arg(long = "async")]
+    pub asynchronous: bool,
     /// Cut interval of the checkpoint strategies and of partial recovery, steps;
     /// ec+checkpoint cuts 4x less often (ECRec's second layer).
     #[arg(long, default_value_t = 40)]
@@ -165,7 +174,7 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
     if rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    let steps = a.steps.unwrap_or(if a.quick { 240 } else { 600 });
+    let steps = a.steps.unwrap_or(if a.quick { 240 } else { 300 });
     let mut overrides: Vec<String> = Vec::new();
     if a.quick {
         overrides.push("model.rows_per_table=20000".into());
@@ -177,6 +186,7 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
     base.threads = 1;
     base.cluster.servers = a.servers;
     base.cluster.workers = a.workers;
+    base.cluster.deterministic = !a.asynchronous;
     // AUC on a fixed share of the test split, the same for every run.
     if base.train.eval_samples == 0 {
         base.train.eval_samples = 200_000;
@@ -235,18 +245,12 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
                 let name = format!("{}-{}-r{round}", rate.name, strategy.replace('+', "-"));
                 let (config, every, ft) = if *strategy == "auto" {
                     let mut c = base.clone();
-                    let scratch = a.out.join("auto-calibration");
-                    let costs = auto::calibrate(
-                        &c,
-                        &auto::CalibrateOptions {
-                            mtbf_seconds: Some(rate.schedule.mtbf_seconds),
-                            ec_summary: None,
-                            scratch: &scratch,
-                            probe_steps: 20,
-                        },
+                    let choice = crate::commands::cluster::auto::choose_and_apply(
+                        &mut c,
+                        &a.out.join("auto-calibration"),
+                        Some(rate.schedule.mtbf_seconds),
+                        None,
                     )?;
-                    let choice = auto::choose(costs);
-                    auto::apply(&mut c, &choice);
                     let ft = c.cluster.ft;
                     choices[ri].push(choice);
                     (c, a.checkpoint_every, ft)
@@ -310,6 +314,8 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
         "workers": a.workers,
         "spares": a.spares,
         "checkpoint_every": a.checkpoint_every,
+        "deterministic": !a.asynchronous,
+        "min_gap_seconds": a.min_gap,
         "ett_definition": "steps whose updates survive into the final model (steps less \
             those lost with a shard, as samples lost / samples per step), costed at the \
             failure-free run's seconds per step of the same round, over the run's wall time \

@@ -56,17 +56,17 @@ pub fn plot_bars(summary: &Value, out: &Path) -> Result<()> {
                 .iter()
                 .map(|s| strategies[s][key].as_f64().unwrap_or(0.0) * scale)
                 .collect();
-            let top = values.iter().copied().fold(0.0, f64::max).max(1e-9) * 1.15;
-            let bottom = if *key == "auc" {
-                values
+            let highest = values.iter().copied().fold(0.0, f64::max).max(1e-9);
+            // AUC differences are in the third decimal: the axis spans the values, not 0..1.
+            let (bottom, top) = if *key == "auc" {
+                let lowest = values
                     .iter()
                     .copied()
                     .filter(|v| *v > 0.0)
-                    .fold(f64::INFINITY, f64::min)
-                    .min(top)
-                    - 0.01
+                    .fold(highest, f64::min);
+                (lowest - 0.003, highest + 0.003)
             } else {
-                0.0
+                (0.0, highest * 1.15)
             };
             let area = &rows[r * BARS.len() + m];
             let mut chart = ChartBuilder::on(area)
