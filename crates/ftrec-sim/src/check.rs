@@ -32,6 +32,10 @@ pub enum Violation {
     },
     /// A mode that restarts lost shards (`none`) lost one and did not say so.
     LossUnreported,
+    /// A cut failed because a server would have written over a committed checkpoint: the
+    /// cut was asked for again after an abandoned attempt, and the survivor's committed
+    /// part was not recognised.
+    CutCollided(String),
 }
 
 impl fmt::Display for Violation {
@@ -52,6 +56,7 @@ impl fmt::Display for Violation {
             Self::LossUnreported => {
                 f.write_str("a server's shard restarted from scratch, and no loss was reported")
             }
+            Self::CutCollided(event) => write!(f, "a cut collided with committed history: {event}"),
         }
     }
 }
@@ -88,6 +93,13 @@ pub fn check(
         if parity.replica_mismatches > 0 {
             violations.push(Violation::ReplicaMismatches(parity.replica_mismatches));
         }
+    }
+    if let Some(event) = o
+        .trace
+        .iter()
+        .find(|line| line.contains(" checkpoint-failed ") && line.contains("already exists"))
+    {
+        violations.push(Violation::CutCollided(event.clone()));
     }
     match mode {
         FaultTolerance::Ec | FaultTolerance::EcCheckpoint | FaultTolerance::Checkpoint => {

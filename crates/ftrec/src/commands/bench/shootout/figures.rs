@@ -32,6 +32,9 @@ pub struct RunFigures {
     pub steps_rolled_back: u64,
     pub failures_injected: usize,
     pub recoveries: usize,
+    /// Partial recovery: the run's portion of lost samples (CPR Eq. 3), the key the CPR
+    /// emulation (`bench cpr`) reports, from real processes and real checkpoint writes.
+    pub pls: Option<f64>,
 }
 
 /// Figures of `r`, with `ref_step_seconds` the failure-free run's wall time per step.
@@ -79,6 +82,7 @@ pub fn figures(r: &LaunchReport, ft: FaultTolerance, ref_step_seconds: f64) -> R
         steps_rolled_back: s.steps_rolled_back,
         failures_injected: r.kill_to_resume_seconds.len(),
         recoveries: s.recoveries.len(),
+        pls: s.pls,
     }
 }
 
@@ -145,6 +149,7 @@ mod tests {
             steps_rolled_back: 0,
             failures_injected: 1,
             recoveries: 1,
+            pls: None,
         };
         let v = over_rounds(&[run(0.5), run(0.9), run(0.7)]);
         assert_eq!(v["ett"].as_f64(), Some(0.7));
