@@ -6,7 +6,9 @@ mod cli;
 #[path = "support/cluster.rs"]
 mod cluster_support;
 use cli::{BIN, ftrec, json_of, setup};
-use cluster_support::{cluster_args, event_kinds as events, model, single_process_digest};
+use cluster_support::{
+    cluster_json as cluster, event_kinds as events, model, single_process_digest,
+};
 
 use std::io::Read;
 use std::path::Path;
@@ -14,12 +16,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-
-fn cluster(data: &str, run_dir: &Path, steps: &str, extra: &[&str]) -> Value {
-    let mut args = cluster_args(data, run_dir, steps);
-    args.extend(extra);
-    json_of(&ftrec(&args))
-}
 
 #[test]
 fn one_deterministic_worker_equals_the_single_process_trainer() {

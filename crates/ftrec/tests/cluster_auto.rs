@@ -5,16 +5,8 @@
 mod cli;
 #[path = "support/cluster.rs"]
 mod cluster_support;
-use cli::{ftrec, json_of, setup};
-use cluster_support::{cluster_args, event_kinds, single_process_digest};
-
-use serde_json::Value;
-
-fn cluster(data: &str, run_dir: &std::path::Path, steps: &str, extra: &[&str]) -> Value {
-    let mut args = cluster_args(data, run_dir, steps);
-    args.extend(extra);
-    json_of(&ftrec(&args))
-}
+use cli::setup;
+use cluster_support::{cluster_json as cluster, event_kinds, single_process_digest};
 
 #[test]
 fn auto_chooses_by_the_failure_rate_and_says_why() {

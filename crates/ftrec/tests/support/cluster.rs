@@ -23,6 +23,13 @@ pub fn single_process_digest(data: &str, steps: &str) -> Value {
     json_of(&ftrec(&args))["state_digest"].clone()
 }
 
+/// `cluster run` of the small model into `run_dir` with `extra` flags: its JSON report.
+pub fn cluster_json(data: &str, run_dir: &Path, steps: &str, extra: &[&str]) -> Value {
+    let mut args = cluster_args(data, run_dir, steps);
+    args.extend(extra);
+    json_of(&ftrec(&args))
+}
+
 /// `cluster run` of the small model into `run_dir`, with JSON output and a time limit.
 pub fn cluster_args<'a>(data: &'a str, run_dir: &'a Path, steps: &'a str) -> Vec<&'a str> {
     let mut args = vec![
