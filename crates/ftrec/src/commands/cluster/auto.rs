@@ -53,3 +53,39 @@ pub fn choose_and_apply(
     auto::apply(config, &choice);
     Ok(choice)
 }
+
+/// `--ft`: a fault tolerance, or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum FtArg {
+    Fixed(ftrec_config::FaultTolerance),
+    Auto,
+}
+
+impl std::str::FromStr for FtArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(Self::Auto);
+        }
+        s.parse()
+            .map(Self::Fixed)
+            .map_err(|e: String| format!("{e}, or auto"))
+    }
+}
+
+/// `--ft auto`: measures the costs, chooses, applies the choice to `config` and says so.
+pub(super) fn choose_ft(
+    config: &mut ftrec_config::JobConfig,
+    run_dir: &Path,
+    mtbf: Option<f64>,
+    ec_costs: Option<&Path>,
+    json: bool,
+) -> Result<ftrec_cluster::auto::Choice> {
+    let scratch = ftrec_cluster::auto::calibrate::scratch_dir(config, run_dir);
+    let choice = choose_and_apply(config, &scratch, mtbf, ec_costs)?;
+    if !json {
+        outln!("--ft auto: {}", choice.why);
+    }
+    tracing::info!("--ft auto: {}", choice.why);
+    Ok(choice)
+}

@@ -17,8 +17,13 @@ use serde_json::json;
 pub mod auto;
 mod coordinator;
 pub mod plot;
+mod verify;
 
+pub use auto::FtArg;
+use auto::choose_ft;
 pub use coordinator::{CoordinatorArgs, coordinator};
+use verify::print_mismatches;
+pub use verify::verify_parity;
 
 use crate::commands::config::{ConfigArgs, load_config, run_overrides};
 use crate::output::print_json;
@@ -137,25 +142,6 @@ pub struct ClusterRunArgs {
     pub no_eval: bool,
     #[arg(long)]
     pub json: bool,
-}
-
-/// `--ft`: a fault tolerance, or `auto`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum FtArg {
-    Fixed(ftrec_config::FaultTolerance),
-    Auto,
-}
-
-impl std::str::FromStr for FtArg {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        if s == "auto" {
-            return Ok(Self::Auto);
-        }
-        s.parse()
-            .map(Self::Fixed)
-            .map_err(|e: String| format!("{e}, or auto"))
-    }
 }
 
 #[derive(Args, Debug)]
@@ -516,23 +502,6 @@ fn run_with_etcd(
     Ok(())
 }
 
-/// `--ft auto`: measures the costs, chooses, applies the choice to `config` and says so.
-fn choose_ft(
-    config: &mut ftrec_config::JobConfig,
-    run_dir: &Path,
-    mtbf: Option<f64>,
-    ec_costs: Option<&Path>,
-    json: bool,
-) -> Result<ftrec_cluster::auto::Choice> {
-    let scratch = ftrec_cluster::auto::calibrate::scratch_dir(config, run_dir);
-    let choice = auto::choose_and_apply(config, &scratch, mtbf, ec_costs)?;
-    if !json {
-        outln!("--ft auto: {}", choice.why);
-    }
-    tracing::info!("--ft auto: {}", choice.why);
-    Ok(choice)
-}
-
 fn redundancy_damage(report: &ftrec_cluster::launch::LaunchReport) -> Option<String> {
     let parity = report.parity_mismatches.unwrap_or(0);
     let replicas = report.replica_mismatches.unwrap_or(0);
@@ -542,82 +511,6 @@ fn redundancy_damage(report: &ftrec_cluster::launch::LaunchReport) -> Option<Str
              dense replicas that differ from their primary"
         )
     })
-}
-
-/// Mismatches printed one per line; the rest are in `--json`.
-const PRINTED_MISMATCHES: usize = 20;
-
-/// Prints the first named mismatches of `total`.
-fn print_mismatches(details: &[ftrec_cluster::parity_check::Mismatch], total: u64) -> Result<()> {
-    for m in details.iter().take(PRINTED_MISMATCHES) {
-        outln!("  mismatch: {m}");
-    }
-    let shown = details.len().min(PRINTED_MISMATCHES) as u64;
-    if total > shown {
-        outln!(
-            "  ... and {} more ({} named in --json)",
-            total - shown,
-            details.len()
-        );
-    }
-    Ok(())
-}
-
-/// `cluster verify-parity`: a live scrub of a running cluster.
-pub fn verify_parity(a: VerifyParityArgs) -> Result<()> {
-    let job = Job::load(&a.job)?;
-    let options = ftrec_cluster::scrub::ScrubOptions {
-        stripes_per_range: a.range.max(1),
-        attempts: a.attempts.max(1),
-        ..Default::default()
-    };
-    let report =
-        runtime()?.block_on(ftrec_cluster::scrub::scrub(&job, &a.coordinator, &options))?;
-    let p = &report.parity;
-    let failed = if p.mismatches + p.replica_mismatches > 0 {
-        Some(format!(
-            "the scrub found {} stripes with a wrong parity row and {} dense replicas that \
-             differ from their primary",
-            p.mismatches, p.replica_mismatches
-        ))
-    } else if report.unsettled > 0 {
-        Some(format!(
-            "the scrub could not check {} ranges: their servers never answered at the same \
-             applied steps (first: {})",
-            report.unsettled,
-            report
-                .unsettled_details
-                .first()
-                .map(|u| format!("{}: {}", u.what, u.why))
-                .unwrap_or_default()
-        ))
-    } else {
-        None
-    };
-    if a.json {
-        print_json(serde_json::to_value(&report)?)?;
-    } else {
-        outln!(
-            "scrubbed {} stripes in epoch {} in {:.2}s ({} ranges, {} read again): {} stripe \
-             mismatches, {} dense replica mismatches, {} ranges unsettled",
-            p.stripes,
-            report.epoch,
-            report.seconds,
-            report.ranges,
-            report.rereads,
-            p.mismatches,
-            p.replica_mismatches,
-            report.unsettled
-        );
-        print_mismatches(&p.details, p.mismatches + p.replica_mismatches)?;
-        for u in report.unsettled_details.iter().take(PRINTED_MISMATCHES) {
-            outln!("  unsettled: {}: {}", u.what, u.why);
-        }
-    }
-    if let Some(why) = failed {
-        bail!("{why}");
-    }
-    Ok(())
 }
 
 pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
