@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::Args;
+use ftrec_bench::cpr_study::sensitivity::{PlsPoint, Sensitivity};
 use ftrec_bench::cpr_study::{
     CorrelationConfig, CostOverrides, Strategy, StudyConfig, StudyReport, run_study,
 };
@@ -187,6 +188,9 @@ pub fn run(a: BenchCprArgs) -> Result<()> {
         .with_context(|| path.display().to_string())?;
     plot_auc_pls(&report, &a.out.join("auc_vs_pls.png"))?;
     plot_overhead(&report, &a.out.join("overhead.png"))?;
+    if let Some(sensitivity) = &report.sensitivity {
+        plot_sensitivity(sensitivity, &a.out.join("sensitivity.png"))?;
+    }
     if a.json {
         return print_json(value);
     }
@@ -366,6 +370,117 @@ fn plot_overhead(report: &StudyReport, path: &Path) -> Result<()> {
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()?;
+    root.present()
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// The sensitivity studies (`--sensitivity`), as the paper draws them: §6.3, the PLS
+/// reached and the overhead paid at each target PLS; §6.4, CPR-SSU's overhead over full
+/// recovery's at each failure count and fraction, each bar marked with Eq. 1-2's decision.
+fn plot_sensitivity(s: &Sensitivity, path: &Path) -> Result<()> {
+    let root = BitMapBackend::new(path, (1300, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (left, right) = root.split_horizontally(620);
+    let strategies: Vec<&str> = {
+        let mut v: Vec<&str> = s.pls.iter().map(|p| p.strategy.as_str()).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let top = s
+        .pls
+        .iter()
+        .map(|p| p.pls.max(p.target_pls).max(p.overhead_fraction_all_costs))
+        .fold(0.0, f64::max)
+        * 1.15;
+    let right_x = s.pls.iter().map(|p| p.target_pls).fold(0.0, f64::max) * 1.1;
+    let mut chart = ChartBuilder::on(&left)
+        .caption(
+            "§6.3: PLS reached (solid) and overhead (dashed) by target",
+            ("sans-serif", 18),
+        )
+        .margin(10)
+        .x_label_area_size(36)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0f64..right_x.max(1e-3), 0f64..top.max(1e-3))?;
+    chart
+        .configure_mesh()
+        .x_desc("target PLS")
+        .y_desc("fraction")
+        .draw()?;
+    for name in &strategies {
+        let color = strategy_color(name);
+        let points: Vec<&PlsPoint> = s.pls.iter().filter(|p| p.strategy == *name).collect();
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().map(|p| (p.target_pls, p.pls)),
+                color.stroke_width(2),
+            ))?
+            .label(*name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color));
+        chart.draw_series(DashedLineSeries::new(
+            points
+                .iter()
+                .map(|p| (p.target_pls, p.overhead_fraction_all_costs)),
+            6,
+            4,
+            color.stroke_width(1),
+        ))?;
+    }
+    chart.draw_series(LineSeries::new(
+        [(0.0, 0.0), (right_x, right_x)],
+        BLACK.mix(0.3),
+    ))?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+
+    let bars = s.failures.len().max(1);
+    let highest = s.failures.iter().map(|f| f.normalized).fold(1.0, f64::max) * 1.15;
+    let labels: Vec<String> = s
+        .failures
+        .iter()
+        .map(|f| format!("{}x{:.0}%", f.failures, 100.0 * f.fraction))
+        .collect();
+    let mut chart = ChartBuilder::on(&right)
+        .caption(
+            "§6.4: CPR-SSU overhead / full (green: Eq. 1-2 chose right)",
+            ("sans-serif", 18),
+        )
+        .margin(10)
+        .x_label_area_size(36)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0f64..bars as f64, 0f64..highest)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(bars * 2 + 1)
+        .x_label_formatter(&|x| {
+            let i = x.floor() as usize;
+            if (x - i as f64 - 0.5).abs() < 1e-6 {
+                labels.get(i).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .x_desc("failures x fraction lost")
+        .y_desc("normalized overhead")
+        .draw()?;
+    chart.draw_series(s.failures.iter().enumerate().map(|(i, f)| {
+        let color = if f.decision_right_for_ssu { GREEN } else { RED };
+        Rectangle::new(
+            [(i as f64 + 0.15, 0.0), (i as f64 + 0.85, f.normalized)],
+            color.mix(0.7).filled(),
+        )
+    }))?;
+    chart.draw_series(LineSeries::new(
+        [(0.0, 1.0), (bars as f64, 1.0)],
+        BLACK.stroke_width(1),
+    ))?;
     root.present()
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
