@@ -194,16 +194,7 @@ impl BatchSource {
     }
 }
 
-/// Bytes of all files under `dir`.
-pub fn dir_bytes(dir: &Path) -> u64 {
-    files_under(dir)
-        .iter()
-        .filter_map(|p| std::fs::metadata(p).ok())
-        .map(|m| m.len())
-        .sum()
-}
-
-pub use ftrec_ckpt::timing::{evict_from_cache, files_under};
+pub use ftrec_ckpt::timing::{dir_bytes, evict_from_cache, files_under};
 
 struct Rig {
     pool: rayon::ThreadPool,

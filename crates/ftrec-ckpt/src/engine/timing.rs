@@ -40,11 +40,7 @@ pub fn time_full_checkpoint(
             let started = Instant::now();
             let manifest = checkpoints.write_full(state, attempt, serde_json::Value::Null)?;
             saves.push(started.elapsed().as_secs_f64());
-            bytes = files_under(&at)
-                .iter()
-                .filter_map(|p| std::fs::metadata(p).ok())
-                .map(|m| m.len())
-                .sum();
+            bytes = dir_bytes(&at);
             evict_from_cache(&at);
             let started = Instant::now();
             let (restored, _) = checkpoints.restore(&manifest.id)?;
@@ -91,6 +87,15 @@ pub fn files_under(dir: &Path) -> Vec<PathBuf> {
         }
     }
     out
+}
+
+/// Bytes of all files under `dir`.
+pub fn dir_bytes(dir: &Path) -> u64 {
+    files_under(dir)
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.len())
+        .sum()
 }
 
 /// Drops `dir`'s files from the page cache (they are fsynced, so nothing is lost), so

@@ -215,6 +215,17 @@ fn strategy_color(name: &str) -> RGBAColor {
     Palette99::pick(i).to_rgba()
 }
 
+/// The label of bar group `i` at the group's centre (`i + 0.5`), none elsewhere: the axis
+/// asks for ticks at every half unit.
+fn group_label(labels: &[String], x: f64) -> String {
+    let i = x.floor() as usize;
+    if (x - i as f64 - 0.5).abs() < 1e-6 {
+        labels.get(i).cloned().unwrap_or_default()
+    } else {
+        String::new()
+    }
+}
+
 fn plot_auc_pls(report: &StudyReport, path: &Path) -> Result<()> {
     let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -331,14 +342,7 @@ fn plot_overhead(report: &StudyReport, path: &Path) -> Result<()> {
         .configure_mesh()
         .disable_x_mesh()
         .x_labels(fractions.len() * 2 + 1)
-        .x_label_formatter(&|x| {
-            let i = x.floor() as usize;
-            if (x - i as f64 - 0.5).abs() < 1e-6 {
-                labels.get(i).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        })
+        .x_label_formatter(&|x| group_label(&labels, *x))
         .y_desc("overhead %")
         .draw()?;
     let width = 0.8 / strategies.len().max(1) as f64;
@@ -459,14 +463,7 @@ fn plot_sensitivity(s: &Sensitivity, path: &Path) -> Result<()> {
         .configure_mesh()
         .disable_x_mesh()
         .x_labels(bars * 2 + 1)
-        .x_label_formatter(&|x| {
-            let i = x.floor() as usize;
-            if (x - i as f64 - 0.5).abs() < 1e-6 {
-                labels.get(i).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        })
+        .x_label_formatter(&|x| group_label(&labels, *x))
         .x_desc("failures x fraction lost")
         .y_desc("normalized overhead")
         .draw()?;
