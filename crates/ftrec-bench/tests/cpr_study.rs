@@ -56,6 +56,7 @@ fn setup(dir: &std::path::Path) -> (StudyConfig, Dataset, Dataset) {
             targets: vec![0.1, 0.5],
         }),
         sensitivity: true,
+        many_failures: 3,
     };
     let train = Dataset::open(&dir.join(TRAIN_FILE)).unwrap();
     let test = Dataset::open(&dir.join(TEST_FILE)).unwrap();
@@ -156,6 +157,51 @@ fn tiny_study_end_to_end() {
             "{f:?}"
         );
     }
+    // Each prioritised strategy has its own decision, Eq. 2 priced with probed saves that
+    // write less than whole tables, and SSU is judged by it.
+    for f in ["0.25", "0.5"] {
+        for s in [Strategy::CprMfu, Strategy::CprSsu, Strategy::CprScar] {
+            let d = &report.prioritized_decisions[f][s.name()];
+            let p = d
+                .decision
+                .prioritized
+                .expect("priced with prioritised saves");
+            assert!(p.o_save > 0.0 && p.tracking_share > 0.0, "{d:?}");
+            assert!(
+                d.probe.save_bytes < report.costs.table_bytes as f64,
+                "{d:?}"
+            );
+            assert!(d.overhead_fraction_expected > 0.0);
+            assert_eq!(
+                d.decision.t_save_partial,
+                report.decisions[f].t_save_partial
+            );
+        }
+    }
+    assert_eq!(
+        s.wrong_decisions_for_ssu,
+        s.failures
+            .iter()
+            .filter(|f| !f.decision_right_for_ssu)
+            .count()
+    );
+    for f in &s.failures {
+        let chose_partial = f.ssu_decision == ftrec_cpr::Recovery::Partial;
+        assert_eq!(
+            f.decision_right_for_ssu,
+            chose_partial == (f.ssu_overhead < f.full_overhead)
+        );
+    }
+    // §6.5: the many-failure runs, 1-32 failures of 1-8 of 16 servers each, CPR-vanilla.
+    let m = report.many_failures.as_ref().unwrap();
+    assert_eq!(m.runs.len(), 3);
+    assert_eq!(m.failure_free_auc, report.no_failure.auc);
+    for r in &m.runs {
+        assert!((1..=32).contains(&r.failures), "{r:?}");
+        assert!((1..=8).any(|k| r.fraction == k as f64 / 16.0), "{r:?}");
+        assert!(r.pls > 0.0, "every run loses something: {r:?}");
+        assert_eq!(r.auc_loss, r.auc - report.no_failure.auc);
+    }
     // More failures: full recovery's overhead grows.
     let full_at = |n: usize| {
         s.failures
@@ -220,6 +266,43 @@ fn tiny_study_end_to_end() {
         assert!(mfu.checkpoints > vanilla.checkpoints);
         assert!(mfu.bytes / mfu.checkpoints < report.costs.table_bytes);
         assert!(mfu.tracker_memory_bytes > 0);
+        // Uncoordinated saves: each server its own rows at its own offset, so N times the
+        // saves of CPR-vanilla at the same interval, and the same bytes per interval.
+        let unco = find(&report, Strategy::CprUncoordinated, f);
+        assert_eq!(unco.interval_steps, vanilla.interval_steps);
+        let every = vanilla.interval_steps.unwrap();
+        let servers = config.servers as u64;
+        let want: u64 = (0..servers)
+            .map(|s| {
+                let offset = s * every / servers;
+                (1..total_steps)
+                    .filter(|e| (e + offset).is_multiple_of(every))
+                    .count() as u64
+            })
+            .sum();
+        assert_eq!(unco.checkpoints, want, "{unco:?}");
+        let per_interval =
+            |r: &ftrec_bench::cpr_study::RunResult, n: u64| r.bytes as f64 / n as f64;
+        if vanilla.checkpoints > 0 {
+            let ratio = per_interval(unco, want) * servers as f64
+                / per_interval(vanilla, vanilla.checkpoints);
+            assert!((ratio - 1.0).abs() < 0.05, "{ratio}");
+        }
+        // Eq. 3 per server: each lost server loses the samples since its own last save.
+        let mut want = 0.0;
+        for failure in &schedule.failures {
+            let e = failure.at_step;
+            for &s in &failure.lost[fi] {
+                let offset = s as u64 * every / servers;
+                let last = (1..e)
+                    .rev()
+                    .find(|x| (x + offset).is_multiple_of(every))
+                    .unwrap_or(0);
+                let lost_samples = ((e * BATCH).min(train.len() as u64) - last * BATCH) as f64;
+                want += lost_samples / (samples * 4.0);
+            }
+        }
+        assert!((unco.pls - want).abs() < 1e-12, "{} vs {want}", unco.pls);
         let scar = find(&report, Strategy::CprScar, f);
         assert!(scar.tracker_memory_share > mfu.tracker_memory_share);
     }
@@ -267,4 +350,61 @@ fn tiny_study_end_to_end() {
         v
     };
     assert_eq!(modelled(&report), modelled(&again));
+}
+
+/// The probe that prices a prioritised save counts what a save between two windows of
+/// ids would write: MFU saves the distinct rows touched, up to the budget, plus every row
+/// of the tables not prioritised. Recomputed here from the data directly.
+#[test]
+fn mfu_probe_counts_the_rows_each_window_touches() {
+    use ftrec_bench::cpr_study::{CostFrame, probe::probe};
+    use std::collections::BTreeSet;
+    let dir = tempfile::tempdir().unwrap();
+    let (config, train, _) = setup(dir.path());
+    let total_steps = (train.len() as u64).div_ceil(BATCH);
+    let frame = CostFrame::measure(&config, total_steps, 1.0).unwrap();
+    let mc = config.job.model_config().unwrap();
+    let prioritized =
+        ftrec_cpr::tables::prioritized_tables(config.job.cpr.tables.as_deref(), &mc.table_rows);
+    let table_rows: Vec<u32> = mc.table_rows.iter().map(|&r| r as u32).collect();
+    let row_bytes = (mc.row_stride() * 4) as f64;
+    for window in [1u64, 4, 16] {
+        let p = probe(&config, &frame, Strategy::CprMfu, window, &train).unwrap();
+        assert_eq!(p.window_steps, window);
+        let stride = total_steps / p.windows;
+        let mut want = 0.0;
+        for w in 0..p.windows {
+            let mut touched = vec![BTreeSet::new(); mc.tables()];
+            let mut sample = w * stride * BATCH % train.len() as u64;
+            let mut batch = ftrec_model::Batch::with_tables(mc.tables());
+            for _ in 0..window {
+                let n = (train.len() as u64 - sample).min(BATCH);
+                train
+                    .fill_batch(sample as usize, n as usize, &table_rows, &mut batch)
+                    .unwrap();
+                sample = (sample + n) % train.len() as u64;
+                for (t, bags) in batch.sparse.iter().enumerate() {
+                    touched[t].extend(bags.rows.iter().copied());
+                }
+            }
+            for (t, rows) in touched.iter().enumerate() {
+                want += if prioritized.contains(&t) {
+                    let budget = ftrec_cpr::priority::budget(mc.table_rows[t], config.job.cpr.r);
+                    rows.len().min(budget) as f64 * row_bytes
+                } else {
+                    mc.table_rows[t] as f64 * row_bytes
+                };
+            }
+        }
+        want /= p.windows as f64;
+        assert!(
+            (p.save_bytes - want).abs() < 1e-6,
+            "window {window}: {} vs {want}",
+            p.save_bytes
+        );
+        // Its save, in the frame, costs O_save times its share of the model's bytes, plus
+        // the choosing.
+        let share = frame.save_cost(p.save_bytes.round() as u64);
+        assert!(p.costs.o_save >= share, "{p:?}");
+    }
 }

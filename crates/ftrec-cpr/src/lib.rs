@@ -11,5 +11,5 @@ pub mod priority;
 pub mod tables;
 
 pub use error::CprError;
-pub use formulas::{CostInputs, Decision, Pls, Recovery};
+pub use formulas::{CostInputs, Decision, Pls, PrioritizedCosts, Recovery};
 pub use priority::{CprPriority, Prioritizer, build_prioritizer};

@@ -15,6 +15,8 @@
 pub mod correlation;
 pub mod costs;
 pub mod failures;
+pub mod many_failures;
+pub mod probe;
 pub mod report;
 mod run;
 pub mod sensitivity;
@@ -28,7 +30,7 @@ pub use costs::{CostFrame, CostOverrides};
 use ftrec_train::TrainError;
 pub use report::{RunResult, StudyReport};
 
-/// The six strategies of §5.1.
+/// The six strategies of §5.1, and CPR-vanilla with uncoordinated per-server saves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Strategy {
@@ -38,6 +40,11 @@ pub enum Strategy {
     Partial,
     /// Partial recovery at the interval of the target PLS (Eq. 4).
     CprVanilla,
+    /// CPR-vanilla with uncoordinated per-server checkpoints: each server saves its own
+    /// rows every `T_save`, server `s` offset by `s/N` of the interval, with no cut
+    /// across servers (partial recovery needs no consistent global state). A failure
+    /// loses what each lost server trained since its own last save.
+    CprUncoordinated,
     /// CPR with `r·N` rows of the prioritised tables every `r·T_save`, by L2 change.
     CprScar,
     /// ... by access counts.
@@ -47,10 +54,11 @@ pub enum Strategy {
 }
 
 impl Strategy {
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::Full,
         Self::Partial,
         Self::CprVanilla,
+        Self::CprUncoordinated,
         Self::CprScar,
         Self::CprMfu,
         Self::CprSsu,
@@ -61,6 +69,7 @@ impl Strategy {
             Self::Full => "full",
             Self::Partial => "partial",
             Self::CprVanilla => "cpr_vanilla",
+            Self::CprUncoordinated => "cpr_uncoordinated",
             Self::CprScar => "cpr_scar",
             Self::CprMfu => "cpr_mfu",
             Self::CprSsu => "cpr_ssu",
@@ -117,6 +126,8 @@ pub struct StudyConfig {
     pub correlation: Option<CorrelationConfig>,
     /// Also run the sensitivity studies of §6.3 (target PLS) and §6.4 (failures).
     pub sensitivity: bool,
+    /// The many-failure runs of §6.5 (1-32 failures of 6.25-50%); 0 skips them.
+    pub many_failures: usize,
 }
 
 impl StudyConfig {
@@ -184,11 +195,19 @@ pub fn run_study(
     tracing::info!(?frame, "cost frame");
     let mut runs = Vec::new();
     let mut decisions = Vec::new();
+    let mut prioritized_decisions = Vec::new();
     let mut full: Option<RunResult> = None;
     for (fi, &fraction) in config.fractions.iter().enumerate() {
         let decision = frame.decision(config, fraction)?;
         tracing::info!("fraction {fraction}: {decision}");
         decisions.push((fraction, decision));
+        for &strategy in &config.strategies {
+            if strategy.priority().is_some() {
+                let d = probe::prioritized_decision(config, &frame, fraction, strategy, train)?;
+                tracing::info!("fraction {fraction}, {}: {}", strategy.name(), d.decision);
+                prioritized_decisions.push((fraction, strategy, d));
+            }
+        }
         for &strategy in &config.strategies {
             if strategy == Strategy::Full
                 && let Some(done) = &full
@@ -248,6 +267,19 @@ pub fn run_study(
         )?),
         None => None,
     };
+    let many_failures = if config.many_failures > 0 {
+        Some(many_failures::run_many_failures(
+            config,
+            &frame,
+            config.many_failures,
+            baseline.result.auc,
+            train,
+            test,
+            progress,
+        )?)
+    } else {
+        None
+    };
     let sensitivity = if config.sensitivity {
         Some(sensitivity::run_sensitivity(
             config, &frame, train, test, progress,
@@ -261,12 +293,14 @@ pub fn run_study(
         frame,
         baseline,
         decisions,
+        prioritized_decisions,
         failure_steps,
         report::StudyRuns {
             runs,
             sweep,
             correlation: independent,
             sensitivity,
+            many_failures,
         },
     ))
 }

@@ -4,6 +4,9 @@
 use std::collections::BTreeMap;
 
 use ftrec_cpr::Decision;
+
+use super::many_failures::ManyFailures;
+use super::probe::PrioritizedDecision;
 use serde::Serialize;
 
 use super::correlation::{Correlation, fisher_interval};
@@ -120,6 +123,8 @@ pub struct StudyReport {
     pub correlation: Option<Correlation>,
     /// §6.3 and §6.4, when asked for (`--sensitivity`).
     pub sensitivity: Option<Sensitivity>,
+    /// §6.5's many-failure runs, when asked for (`--many-failures`).
+    pub many_failures: Option<ManyFailures>,
     /// Pearson r over the one schedule's runs: every main run (`full` once per fraction)
     /// and the PLS sweep. Not independent: one seed, one schedule.
     pub auc_pls_correlation_single_schedule: f64,
@@ -133,6 +138,9 @@ pub struct StudyReport {
     pub no_failure: RunResult,
     pub costs: CostFrame,
     pub decisions: BTreeMap<String, Decision>,
+    /// CPR's decision for each prioritised strategy, by fraction: Eq. 2 priced with that
+    /// strategy's probed saves rather than whole-table ones.
+    pub prioritized_decisions: BTreeMap<String, BTreeMap<String, PrioritizedDecision>>,
     pub targets: Targets,
     pub failures: usize,
     /// Executed steps after which the failures struck (the same in every run).
@@ -167,6 +175,7 @@ pub(super) struct StudyRuns {
     pub sweep: Vec<SweepRun>,
     pub correlation: Option<Correlation>,
     pub sensitivity: Option<Sensitivity>,
+    pub many_failures: Option<ManyFailures>,
 }
 
 /// Whether `full`'s one run (the same PLS and AUC under every fraction) is counted already.
@@ -218,12 +227,14 @@ impl StudyReport {
         costs: CostFrame,
         baseline: super::run::Outcome,
         decisions: Vec<(f64, Decision)>,
+        prioritized: Vec<(f64, Strategy, PrioritizedDecision)>,
         failure_steps: Vec<u64>,
         StudyRuns {
             runs,
             sweep,
             correlation: independent,
             sensitivity,
+            many_failures,
         }: StudyRuns,
     ) -> Self {
         let mut by_fraction: BTreeMap<String, BTreeMap<String, RunSummary>> = BTreeMap::new();
@@ -253,9 +264,14 @@ impl StudyReport {
         let unprioritised: Vec<(f64, f64)> = runs
             .iter()
             .filter(|r| {
-                [Strategy::Full, Strategy::Partial, Strategy::CprVanilla]
-                    .iter()
-                    .any(|s| s.name() == r.strategy)
+                [
+                    Strategy::Full,
+                    Strategy::Partial,
+                    Strategy::CprVanilla,
+                    Strategy::CprUncoordinated,
+                ]
+                .iter()
+                .any(|s| s.name() == r.strategy)
             })
             .map(|r| (r.pls, r.auc))
             .chain(sweep.iter().map(|r| (r.pls, r.auc)))
@@ -286,6 +302,7 @@ impl StudyReport {
             auc_pls_correlation_interval: [low, high],
             correlation: independent,
             sensitivity,
+            many_failures,
             auc_pls_correlation_single_schedule: single,
             auc_pls_correlation_main_runs: pearson(&main_points),
             pls_sweep: sweep,
@@ -297,6 +314,15 @@ impl StudyReport {
                 .into_iter()
                 .map(|(f, d)| (fraction_key(f), d))
                 .collect(),
+            prioritized_decisions: prioritized.into_iter().fold(
+                BTreeMap::new(),
+                |mut m: BTreeMap<String, BTreeMap<String, PrioritizedDecision>>, (f, s, d)| {
+                    m.entry(fraction_key(f))
+                        .or_default()
+                        .insert(s.name().to_string(), d);
+                    m
+                },
+            ),
             failures: config.failures,
             failure_steps,
             servers: config.servers,

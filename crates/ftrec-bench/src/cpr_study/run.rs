@@ -130,7 +130,10 @@ impl<'a> Run<'a> {
         let mut pls = Pls::new(s_total.max(1), servers).map_err(cpr_err)?;
         let mut batch = Batch::with_tables(mc.tables());
         let mut at = Position::default();
-        let (mut executed, mut next_failure, mut last_save_samples) = (0u64, 0usize, 0u64);
+        let (mut executed, mut next_failure) = (0u64, 0usize);
+        // S_last_ckpt of Eq. 3, per server: uncoordinated saves give each its own.
+        let mut last_save_samples = vec![0u64; servers];
+        let uncoordinated = self.strategy == Some(Strategy::CprUncoordinated);
         let (mut checkpoints, mut bytes, mut rolled_back) = (0u64, 0u64, 0u64);
         let mut cost = OverheadSeconds::default();
         let (mut train_seconds, mut tracking_seconds, mut select_seconds) = (0.0, 0.0, 0.0);
@@ -167,8 +170,8 @@ impl<'a> Run<'a> {
                     cost.load += frame.o_load;
                     continue;
                 }
-                for _ in lost {
-                    pls.on_server_failure(at.samples, last_save_samples)
+                for &s in lost {
+                    pls.on_server_failure(at.samples, last_save_samples[s])
                         .map_err(cpr_err)?;
                 }
                 let reset = reset_servers(&mut state, &saved, servers, lost);
@@ -181,6 +184,27 @@ impl<'a> Run<'a> {
                 }
             }
 
+            if uncoordinated && let Some(frame) = self.frame {
+                // Server `s` saves when `executed + s·interval/N` is a multiple of the
+                // interval: the servers' saves spread evenly over each interval.
+                for (s, last_save) in last_save_samples.iter_mut().enumerate() {
+                    let offset = s as u64 * self.interval / servers as u64;
+                    if (executed + offset).is_multiple_of(self.interval)
+                        && at.step < self.total_steps
+                    {
+                        let rows: usize = reset_servers(&mut saved, &state, servers, &[s])
+                            .iter()
+                            .map(Vec::len)
+                            .sum();
+                        let written = rows as u64 * row_bytes;
+                        checkpoints += 1;
+                        bytes += written;
+                        cost.save += frame.save_cost(written);
+                        *last_save = at.samples;
+                    }
+                }
+                continue;
+            }
             let due = executed.is_multiple_of(self.interval) && at.step < self.total_steps;
             let (Some(frame), Some(strategy), true) = (self.frame, self.strategy, due) else {
                 continue;
@@ -191,7 +215,7 @@ impl<'a> Run<'a> {
                     saved_at = at;
                     frame.model_bytes
                 }
-                Strategy::Partial | Strategy::CprVanilla => {
+                Strategy::Partial | Strategy::CprVanilla | Strategy::CprUncoordinated => {
                     copy_state(&mut saved, &state, false);
                     table_bytes
                 }
@@ -205,7 +229,7 @@ impl<'a> Run<'a> {
             checkpoints += 1;
             bytes += written;
             cost.save += frame.save_cost(written);
-            last_save_samples = at.samples;
+            last_save_samples.fill(at.samples);
         }
         if let Some(frame) = self.frame {
             cost.lost = rolled_back as f64 * frame.step_seconds;
@@ -280,7 +304,7 @@ impl<'a> Run<'a> {
         let load = frame.load_cost(table_bytes * k as u64 / self.config.servers as u64);
         let per_save_bytes = match strategy {
             Strategy::Full => frame.model_bytes,
-            Strategy::Partial | Strategy::CprVanilla => table_bytes,
+            Strategy::Partial | Strategy::CprVanilla | Strategy::CprUncoordinated => table_bytes,
             _ => table_rows
                 .iter()
                 .enumerate()

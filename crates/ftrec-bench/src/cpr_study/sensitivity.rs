@@ -6,8 +6,9 @@
 //!   full recovery against CPR-vanilla and CPR-SSU. CPR's decision (Eq. 1 against Eq. 2)
 //!   says whether partial recovery pays; the runs say whether it did. Eq. 2 models
 //!   CPR-vanilla (whole tables at every save), so the decision is judged against that run,
-//!   and separately against CPR-SSU, which saves `r` of the rows per save and which the
-//!   paper plots. The paper's claim: every setup judged not worth it was indeed worse than
+//!   and CPR-SSU (which saves at most `r` of the rows per save, and which the paper plots)
+//!   is judged against its own decision, Eq. 2 priced with its probed saves
+//!   ([`super::probe`]), and against the plain Eq. 2 decision for comparison. The paper's claim: every setup judged not worth it was indeed worse than
 //!   full recovery, and CPR gains less as failures grow more frequent.
 //!
 //! Every run shares the main study's frame (its `O_save`, `O_load` and `T_total` given as
@@ -50,8 +51,14 @@ pub struct FailurePoint {
     /// The decision agrees with the CPR-vanilla run (what Eq. 2 models): partial chosen and
     /// cheaper, or full chosen and partial no cheaper.
     pub decision_right: bool,
-    /// The same against the CPR-SSU run.
+    /// CPR-SSU's own decision: Eq. 2 priced with its probed saves.
+    pub ssu_decision: Recovery,
+    /// ... and the overhead it expected for the run, every cost included.
+    pub ssu_overhead_expected: f64,
+    /// `ssu_decision` agrees with the CPR-SSU run.
     pub decision_right_for_ssu: bool,
+    /// The plain Eq. 2 decision (`decision`) against the CPR-SSU run, as the paper decides.
+    pub eq2_decision_right_for_ssu: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -60,8 +67,10 @@ pub struct Sensitivity {
     pub failures: Vec<FailurePoint>,
     /// Failure setups whose decision the CPR-vanilla run contradicts.
     pub wrong_decisions: usize,
-    /// ... and the CPR-SSU run.
+    /// CPR-SSU's own decisions the CPR-SSU run contradicts.
     pub wrong_decisions_for_ssu: usize,
+    /// The plain Eq. 2 decisions the CPR-SSU run contradicts.
+    pub wrong_decisions_for_ssu_by_eq2: usize,
 }
 
 /// The main study's config, with the frame fixed to `frame` and nothing extra run.
@@ -77,6 +86,7 @@ fn in_frame(config: &StudyConfig, frame: &CostFrame) -> StudyConfig {
     c.pls_sweep = Vec::new();
     c.correlation = None;
     c.sensitivity = false;
+    c.many_failures = 0;
     c
 }
 
@@ -125,17 +135,22 @@ pub(super) fn run_sensitivity(
                 runs.and_then(|r| r.get(s.name()))
                     .map(|r| r.overhead_fraction_all_costs)
             };
-            let (Some(full), Some(vanilla), Some(ssu), Some(decision)) = (
+            let ssu_decision = report
+                .prioritized_decisions
+                .get(&key)
+                .and_then(|d| d.get(Strategy::CprSsu.name()));
+            let (Some(full), Some(vanilla), Some(ssu), Some(decision), Some(ssu_decision)) = (
                 overhead(Strategy::Full),
                 overhead(Strategy::CprVanilla),
                 overhead(Strategy::CprSsu),
                 report.decisions.get(&key),
+                ssu_decision,
             ) else {
                 return Err(TrainError::Config(format!(
                     "sensitivity: {count} failures at {fraction}: a run is missing"
                 )));
             };
-            let right = |partial: f64| match decision.recovery {
+            let right = |chosen: Recovery, partial: f64| match chosen {
                 Recovery::Partial => partial < full,
                 Recovery::Full => partial >= full,
             };
@@ -147,8 +162,11 @@ pub(super) fn run_sensitivity(
                 vanilla_overhead: vanilla,
                 ssu_overhead: ssu,
                 normalized: ssu / full.max(f64::MIN_POSITIVE),
-                decision_right: right(vanilla),
-                decision_right_for_ssu: right(ssu),
+                decision_right: right(decision.recovery, vanilla),
+                ssu_decision: ssu_decision.decision.recovery,
+                ssu_overhead_expected: ssu_decision.overhead_fraction_expected,
+                decision_right_for_ssu: right(ssu_decision.decision.recovery, ssu),
+                eq2_decision_right_for_ssu: right(decision.recovery, ssu),
             });
         }
     }
@@ -157,10 +175,15 @@ pub(super) fn run_sensitivity(
         .iter()
         .filter(|f| !f.decision_right_for_ssu)
         .count();
+    let wrong_decisions_for_ssu_by_eq2 = failures
+        .iter()
+        .filter(|f| !f.eq2_decision_right_for_ssu)
+        .count();
     Ok(Sensitivity {
         pls,
         failures,
         wrong_decisions,
         wrong_decisions_for_ssu,
+        wrong_decisions_for_ssu_by_eq2,
     })
 }

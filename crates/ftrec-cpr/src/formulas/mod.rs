@@ -20,6 +20,9 @@ use serde::Serialize;
 
 use crate::CprError;
 
+pub mod prioritized;
+pub use prioritized::{PrioritizedCosts, decide_prioritized};
+
 fn positive(name: &str, v: f64) -> Result<f64, CprError> {
     if v > 0.0 && v.is_finite() {
         Ok(v)
@@ -170,6 +173,10 @@ pub enum Recovery {
 /// The full-or-partial choice of §4.2 with every input it was made from, for the log.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Decision {
+    /// Set when partial recovery saves prioritised rows: what those saves cost, and Eq. 2
+    /// was priced with them ([`prioritized::decide_prioritized`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prioritized: Option<PrioritizedCosts>,
     pub recovery: Recovery,
     pub inputs: CostInputs,
     pub target_pls: f64,
@@ -219,7 +226,11 @@ impl std::fmt::Display for Decision {
             self.target_pls,
             self.servers_per_failure,
             self.n_emb
-        )
+        )?;
+        if let Some(p) = &self.prioritized {
+            write!(f, "; {p}")?;
+        }
+        Ok(())
     }
 }
 
@@ -234,21 +245,12 @@ pub fn decide(
     min_benefit: f64,
 ) -> Result<Decision, CprError> {
     inputs.validate()?;
-    if !(0.0..1.0).contains(&min_benefit) {
-        return Err(CprError::Invalid(format!(
-            "min_benefit = {min_benefit} must be in [0, 1)"
-        )));
-    }
-    let t_save_full = inputs.full_optimal_interval()?;
+    check_min_benefit(min_benefit)?;
+    let (t_save_full, overhead_full) = full_overhead_at_optimum(&inputs)?;
     let t_save_partial = partial_interval(target_pls, n_emb, servers_per_failure, inputs.t_fail)?;
-    // O_save = 0 makes the optimal full interval 0: checkpoint continuously, nothing lost.
-    let overhead_full = if t_save_full > 0.0 {
-        inputs.full_overhead(t_save_full)?
-    } else {
-        (inputs.o_load + inputs.o_res) * inputs.t_total / inputs.t_fail
-    };
     let overhead_partial = inputs.partial_overhead(t_save_partial)?;
-    let mut d = Decision {
+    Ok(choose(Decision {
+        prioritized: None,
         recovery: Recovery::Full,
         inputs,
         target_pls,
@@ -259,11 +261,38 @@ pub fn decide(
         t_save_partial,
         overhead_full,
         overhead_partial,
+    }))
+}
+
+/// Partial recovery when it is cheaper and saves at least `min_benefit` of Eq. 1.
+fn choose(mut d: Decision) -> Decision {
+    d.recovery = if d.overhead_partial < d.overhead_full && d.benefit() >= d.min_benefit {
+        Recovery::Partial
+    } else {
+        Recovery::Full
     };
-    if overhead_partial < overhead_full && d.benefit() >= min_benefit {
-        d.recovery = Recovery::Partial;
+    d
+}
+
+/// Eq. 1 at its optimal interval (continuous checkpointing when `O_save` is 0).
+fn full_overhead_at_optimum(inputs: &CostInputs) -> Result<(f64, f64), CprError> {
+    let t_save_full = inputs.full_optimal_interval()?;
+    let overhead = if t_save_full > 0.0 {
+        inputs.full_overhead(t_save_full)?
+    } else {
+        (inputs.o_load + inputs.o_res) * inputs.t_total / inputs.t_fail
+    };
+    Ok((t_save_full, overhead))
+}
+
+fn check_min_benefit(min_benefit: f64) -> Result<(), CprError> {
+    if (0.0..1.0).contains(&min_benefit) {
+        Ok(())
+    } else {
+        Err(CprError::Invalid(format!(
+            "min_benefit = {min_benefit} must be in [0, 1)"
+        )))
     }
-    Ok(d)
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::Args;
+use ftrec_bench::cpr_study::many_failures::ManyFailures;
 use ftrec_bench::cpr_study::sensitivity::{PlsPoint, Sensitivity};
 use ftrec_bench::cpr_study::{
     CorrelationConfig, CostOverrides, Strategy, StudyConfig, StudyReport, run_study,
@@ -95,6 +96,10 @@ pub struct BenchCprArgs {
     /// checked against the runs), all in the main study's cost frame.
     #[arg(long)]
     pub sensitivity: bool,
+    /// §6.5's many-failure runs: this many CPR-vanilla runs, each with 1-32 failures of
+    /// 6.25-50% of 16 emulated servers and a random target PLS in 0.01-1; 0 skips them.
+    #[arg(long, default_value_t = 16)]
+    pub many_failures: usize,
     #[arg(long, default_value = "bench-results/cpr")]
     pub out: PathBuf,
     /// Where the checkpoints that time `O_save` and `O_load` are written (removed after):
@@ -171,6 +176,7 @@ pub fn run(a: BenchCprArgs) -> Result<()> {
             }
         }),
         sensitivity: a.sensitivity,
+        many_failures: a.many_failures,
     };
     let bar = indicatif::ProgressBar::new_spinner();
     if a.json {
@@ -190,6 +196,9 @@ pub fn run(a: BenchCprArgs) -> Result<()> {
     plot_overhead(&report, &a.out.join("overhead.png"))?;
     if let Some(sensitivity) = &report.sensitivity {
         plot_sensitivity(sensitivity, &a.out.join("sensitivity.png"))?;
+    }
+    if let Some(many) = &report.many_failures {
+        plot_many_failures(many, &a.out.join("many_failures.png"))?;
     }
     if a.json {
         return print_json(value);
@@ -452,7 +461,7 @@ fn plot_sensitivity(s: &Sensitivity, path: &Path) -> Result<()> {
         .collect();
     let mut chart = ChartBuilder::on(&right)
         .caption(
-            "§6.4: CPR-SSU overhead / full (green: Eq. 1-2 chose right)",
+            "§6.4: CPR-SSU overhead / full (green: its decision, Eq. 2 priced by probed saves, was right)",
             ("sans-serif", 18),
         )
         .margin(10)
@@ -478,6 +487,67 @@ fn plot_sensitivity(s: &Sensitivity, path: &Path) -> Result<()> {
         [(0.0, 1.0), (bars as f64, 1.0)],
         BLACK.stroke_width(1),
     ))?;
+    root.present()
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// §6.5's Figure 11: AUC loss against PLS over the many-failure runs, coloured by the
+/// number of failures, with the fit on PLS.
+fn plot_many_failures(m: &ManyFailures, path: &Path) -> Result<()> {
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let x_max = m.runs.iter().map(|r| r.pls).fold(1e-6, f64::max) * 1.1;
+    let (lo, hi) = m
+        .runs
+        .iter()
+        .map(|r| r.auc_loss)
+        .fold((0.0f64, 0.0f64), |(l, h), a| (l.min(a), h.max(a)));
+    let pad = ((hi - lo) * 0.15).max(1e-4);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!(
+                "§6.5: AUC loss against PLS, {} runs of 1-32 failures (r = {:.3})",
+                m.runs.len(),
+                m.r
+            ),
+            ("sans-serif", 20),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..x_max, (lo - pad)..(hi + pad))?;
+    chart
+        .configure_mesh()
+        .x_desc("final PLS")
+        .y_desc("AUC - failure-free AUC")
+        .draw()?;
+    chart.draw_series(LineSeries::new(
+        [0.0, x_max].map(|x| (x, m.slope * x + m.intercept)),
+        BLACK.stroke_width(1),
+    ))?;
+    for (label, range, color) in [
+        ("1-4 failures", 1..=4, BLUE),
+        ("5-16 failures", 5..=16, GREEN),
+        ("17-32 failures", 17..=32, RED),
+    ] {
+        let pts: Vec<(f64, f64)> = m
+            .runs
+            .iter()
+            .filter(|r| range.contains(&r.failures))
+            .map(|r| (r.pls, r.auc_loss))
+            .collect();
+        chart
+            .draw_series(pts.into_iter().map(|p| Circle::new(p, 5, color.filled())))?
+            .label(label)
+            .legend(move |(x, y)| Circle::new((x + 9, y), 5, color.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
     root.present()
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(())

@@ -1,0 +1,201 @@
+//! Eq. 2 for prioritised partial checkpoints (CPR-MFU, -SSU, -SCAR, cpr.txt §4.2).
+//!
+//! The paper decides full against partial recovery with Eq. 2 alone, which prices every
+//! save as a whole-table save every `T_save`. A prioritised strategy saves differently: at
+//! most `r·N` rows of the prioritised tables every `r·T_save`, and only rows touched since
+//! their last save, so with frequent saves a save writes far less than `r` of a table. It
+//! also pays on every step to record accesses, and at every save to choose the rows. Our
+//! `bench cpr --sensitivity` runs showed the gap: CPR-SSU was 2-6x cheaper than full
+//! recovery in 8 of 9 setups where Eq. 2 chose full. So the prioritised decision prices a
+//! save as measured for that strategy:
+//!
+//! `O_prio = O_save,prio · T/max(r·T_save, T_step) + s_track · T + (O_load + O_res) · T/T_fail`
+//!
+//! where `O_save,prio` is one prioritised save's pause (writing the chosen rows and every
+//! row of unprioritised tables, plus choosing them) and `s_track` the share of training
+//! time spent recording accesses. `T_step` is the shortest interval saves can have (one
+//! step): with many failures, Eq. 4 asks for saves more often than that.
+
+use serde::Serialize;
+
+use super::{
+    CostInputs, Decision, check_min_benefit, choose, full_overhead_at_optimum, non_negative,
+    partial_interval, positive,
+};
+use crate::CprError;
+
+/// What one prioritised strategy's saves cost, measured by its caller.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PrioritizedCosts {
+    /// Saves come every `r·T_save`, each at most `r` of a prioritised table.
+    pub r: f64,
+    /// Pause of one save every `r·T_save`: writing what it saves and choosing it, seconds.
+    pub o_save: f64,
+    /// Time recording accesses, as a share of the training time (0 = free).
+    pub tracking_share: f64,
+    /// Saves come no closer than this, seconds: a system saves between steps, so at most
+    /// once a step however short `r·T_save` is (0 = no limit).
+    pub min_save_interval: f64,
+}
+
+impl PrioritizedCosts {
+    pub fn validate(&self) -> Result<(), CprError> {
+        if !(self.r > 0.0 && self.r <= 1.0) {
+            return Err(CprError::Invalid(format!(
+                "r = {} must be in (0, 1]",
+                self.r
+            )));
+        }
+        non_negative("prioritised O_save", self.o_save)?;
+        non_negative("tracking share", self.tracking_share)?;
+        non_negative("minimum save interval", self.min_save_interval)?;
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for PrioritizedCosts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "prioritised saves of {:.4}s every r = {} of T_save,part, tracking {:.2}% of training",
+            self.o_save,
+            self.r,
+            100.0 * self.tracking_share
+        )
+    }
+}
+
+impl CostInputs {
+    /// Eq. 2 with prioritised saves, seconds, at the partial interval `t_save` (saves come
+    /// every `r·t_save`).
+    pub fn prioritized_overhead(
+        &self,
+        t_save: f64,
+        costs: &PrioritizedCosts,
+    ) -> Result<f64, CprError> {
+        self.validate()?;
+        costs.validate()?;
+        positive("T_save", t_save)?;
+        let every = (costs.r * t_save).max(costs.min_save_interval);
+        Ok(costs.o_save * self.t_total / every
+            + costs.tracking_share * self.t_total
+            + (self.o_load + self.o_res) * self.t_total / self.t_fail)
+    }
+}
+
+/// [`super::decide`] for a prioritised strategy: Eq. 1 at its optimum against the
+/// prioritised Eq. 2 at the interval of the target PLS.
+pub fn decide_prioritized(
+    inputs: CostInputs,
+    target_pls: f64,
+    n_emb: usize,
+    servers_per_failure: usize,
+    min_benefit: f64,
+    costs: PrioritizedCosts,
+) -> Result<Decision, CprError> {
+    inputs.validate()?;
+    check_min_benefit(min_benefit)?;
+    let (t_save_full, overhead_full) = full_overhead_at_optimum(&inputs)?;
+    let t_save_partial = partial_interval(target_pls, n_emb, servers_per_failure, inputs.t_fail)?;
+    let overhead_partial = inputs.prioritized_overhead(t_save_partial, &costs)?;
+    Ok(choose(Decision {
+        prioritized: Some(costs),
+        recovery: super::Recovery::Full,
+        inputs,
+        target_pls,
+        n_emb,
+        servers_per_failure,
+        min_benefit,
+        t_save_full,
+        t_save_partial,
+        overhead_full,
+        overhead_partial,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Recovery, decide};
+    use super::*;
+
+    fn inputs() -> CostInputs {
+        CostInputs {
+            o_save: 2.0,
+            o_load: 3.0,
+            o_res: 1.0,
+            t_fail: 100.0,
+            t_total: 1000.0,
+        }
+    }
+
+    #[test]
+    fn hand_computed_prioritized_overhead() {
+        let p = PrioritizedCosts {
+            r: 0.125,
+            o_save: 0.1,
+            tracking_share: 0.01,
+            min_save_interval: 0.0,
+        };
+        // 0.1 * 1000 / (0.125 * 160) + 0.01 * 1000 + (3 + 1) * 1000 / 100 = 5 + 10 + 40.
+        let o = inputs().prioritized_overhead(160.0, &p).unwrap();
+        assert!((o - 55.0).abs() < 1e-9, "{o}");
+        // Saves no closer than 40 s: 0.1 * 1000 / 40 + 10 + 40.
+        let spaced = PrioritizedCosts {
+            min_save_interval: 40.0,
+            ..p
+        };
+        let o = inputs().prioritized_overhead(160.0, &spaced).unwrap();
+        assert!((o - 52.5).abs() < 1e-9, "{o}");
+    }
+
+    #[test]
+    fn whole_table_saves_give_eq2_back() {
+        // r = 1 and a save as dear as Eq. 2's, nothing tracked: the same as `decide`.
+        let p = PrioritizedCosts {
+            r: 1.0,
+            o_save: 2.0,
+            tracking_share: 0.0,
+            min_save_interval: 0.0,
+        };
+        let plain = decide(inputs(), 0.02, 8, 1, 0.1).unwrap();
+        let prio = decide_prioritized(inputs(), 0.02, 8, 1, 0.1, p).unwrap();
+        assert_eq!(plain.overhead_partial, prio.overhead_partial);
+        assert_eq!(plain.recovery, prio.recovery);
+    }
+
+    #[test]
+    fn cheap_prioritized_saves_turn_the_decision() {
+        // At a low target PLS Eq. 2's interval is short and whole-table saves cost more
+        // than full recovery; saves of a few touched rows do not.
+        let plain = decide(inputs(), 0.002, 8, 1, 0.1).unwrap();
+        assert_eq!(plain.recovery, Recovery::Full, "{plain}");
+        let p = PrioritizedCosts {
+            r: 0.125,
+            o_save: 0.01,
+            tracking_share: 0.005,
+            min_save_interval: 0.0,
+        };
+        let prio = decide_prioritized(inputs(), 0.002, 8, 1, 0.1, p).unwrap();
+        assert_eq!(prio.recovery, Recovery::Partial, "{prio}");
+        assert!(prio.to_string().contains("prioritised saves"));
+        // Tracking that costs as much as full recovery turns it back.
+        let dear = PrioritizedCosts {
+            tracking_share: 0.5,
+            ..p
+        };
+        let prio = decide_prioritized(inputs(), 0.002, 8, 1, 0.1, dear).unwrap();
+        assert_eq!(prio.recovery, Recovery::Full, "{prio}");
+    }
+
+    #[test]
+    fn bad_costs_are_named() {
+        let p = PrioritizedCosts {
+            r: 0.0,
+            o_save: 0.1,
+            tracking_share: 0.0,
+            min_save_interval: 0.0,
+        };
+        let e = decide_prioritized(inputs(), 0.1, 8, 1, 0.1, p).unwrap_err();
+        assert!(e.to_string().contains("r = 0"), "{e}");
+    }
+}
