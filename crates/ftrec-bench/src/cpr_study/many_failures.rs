@@ -128,7 +128,13 @@ fn summarise(runs: Vec<ManyFailureRun>, failure_free_auc: f64) -> ManyFailures {
     let (r_low, r_high) = fisher_interval(r, points.len());
     let fit = linear_fit(&points);
     let residual = |run: &ManyFailureRun| run.auc_loss - (fit.slope * run.pls + fit.intercept);
+    let unexplained: f64 = runs.iter().map(|run| residual(run).powi(2)).sum();
     let against = |x: &dyn Fn(&ManyFailureRun) -> f64| {
+        // Nothing left once PLS is fitted: nothing for anything else to explain (r of
+        // rounding noise would be a number without meaning).
+        if unexplained < 1e-24 {
+            return 0.0;
+        }
         let pts: Vec<(f64, f64)> = runs.iter().map(|run| (x(run), residual(run))).collect();
         pearson(&pts)
     };
@@ -166,8 +172,7 @@ mod tests {
 
     #[test]
     fn a_loss_explained_by_pls_leaves_no_residual_to_the_failure_count() {
-        // loss = -0.01 * PLS exactly, failure counts scattered: r = -1, residuals 0
-        // (their correlation is undefined, NaN, not a spurious value).
+        // loss = -0.01 * PLS exactly, failure counts scattered: r = -1, residuals 0.
         let runs = vec![
             run(1, 0.5, 0.1, -0.001),
             run(30, 0.0625, 0.2, -0.002),
@@ -177,16 +182,20 @@ mod tests {
         let s = summarise(runs, 0.8);
         assert!((s.r + 1.0).abs() < 1e-9, "{}", s.r);
         assert!((s.slope + 0.01).abs() < 1e-12, "{}", s.slope);
-        assert!(s.residual_r_failures.is_nan() || s.residual_r_failures.abs() < 1e-6);
+        assert_eq!(s.residual_r_failures, 0.0);
 
         // A loss that also grows with the failure count shows in the residual.
-        let runs = vec![
-            run(1, 0.5, 0.1, -0.001),
-            run(30, 0.0625, 0.2, -0.012),
-            run(5, 0.25, 0.4, -0.004),
-            run(12, 0.125, 0.8, -0.010),
-            run(25, 0.25, 0.5, -0.012),
-        ];
+        let runs: Vec<ManyFailureRun> = [
+            (1, 0.1),
+            (30, 0.2),
+            (5, 0.4),
+            (12, 0.8),
+            (25, 0.5),
+            (8, 0.3),
+        ]
+        .into_iter()
+        .map(|(n, pls)| run(n, 0.25, pls, -0.01 * pls - 0.0003 * n as f64))
+        .collect();
         let s = summarise(runs, 0.8);
         assert!(s.residual_r_failures < -0.5, "{}", s.residual_r_failures);
     }
