@@ -30,6 +30,12 @@ pub struct CprSection {
     /// the rows. The others are saved in full.
     #[serde(default)]
     pub tables: Option<Vec<usize>>,
+    /// Uncoordinated per-server saves (`cluster.ft = "partial"`): each server saves its
+    /// own shard on its own schedule, server `j` offset by `j/N` of the interval, and no
+    /// cut spans the servers. Partial recovery needs no consistent global state, and a
+    /// save then stops training for one shard's write instead of all of them at once.
+    #[serde(default)]
+    pub uncoordinated: bool,
 }
 
 fn default_target_pls() -> f64 {
@@ -51,6 +57,7 @@ impl Default for CprSection {
             r: default_r(),
             ssu_period: default_ssu_period(),
             tables: None,
+            uncoordinated: false,
         }
     }
 }

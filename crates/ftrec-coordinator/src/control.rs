@@ -18,6 +18,8 @@ pub(super) enum Task {
         step: u64,
         /// CPR: a prioritised save rather than a cut.
         priority: bool,
+        /// `cpr.uncoordinated`: only these servers save, each its own shard; empty: a cut.
+        servers: Vec<usize>,
     },
     Recover {
         epoch: u64,
@@ -283,6 +285,30 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 s.timeline
                     .event(EventKind::TrainingStart, format!("{total} steps"));
                 s.last_cut_at = Instant::now();
+                if let Some(own) = s.own_saves.as_mut() {
+                    // Eq. 4's interval in seconds when CPR has one, else
+                    // `checkpoint.every_seconds`, else `checkpoint.every_steps`.
+                    let seconds = shared
+                        .job
+                        .config
+                        .checkpoint
+                        .every_seconds
+                        .and_then(|x| std::time::Duration::try_from_secs_f64(x).ok());
+                    let interval = s.cpr.as_ref().and_then(|c| c.interval()).or(seconds);
+                    own.start(Instant::now(), interval);
+                    s.timeline.event(
+                        EventKind::CprInterval,
+                        format!(
+                            "uncoordinated saves: each of {} servers saves its own shard, \
+                             staggered over {}",
+                            s.servers.len(),
+                            interval.map_or(
+                                format!("every {} steps", shared.job.config.checkpoint.every_steps),
+                                |i| format!("every {:.2} s", i.as_secs_f64())
+                            )
+                        ),
+                    );
+                }
                 if let Some(cpr) = s.cpr.as_mut() {
                     cpr.start(Instant::now());
                     if let Some(interval) = cpr.interval() {
@@ -305,6 +331,7 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 epoch: s.epoch,
                 step: s.steps.next_step(),
                 priority: s.cut_priority,
+                servers: s.cut_servers.clone(),
             })
         }
         Phase::Recovering => {
@@ -332,6 +359,7 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 rebuilding: s.rebuilding.iter().map(|&(r, _)| r).collect(),
                 replicate_dense: shared.job.config.dense_replicated(),
                 partial: s.cpr.as_ref().is_some_and(|cpr| cpr.partial()),
+                own_saves: s.own_saves.as_ref().map(|o| o.newest_all()),
             });
             if matches!(action, planner::RecoveryAction::Rollback { .. }) {
                 // Every server restores a cut and re-derives its parity: background

@@ -71,6 +71,9 @@ pub(crate) struct Record {
     pub last_checkpoint: Option<u64>,
     pub last_save: Option<u64>,
     pub retained_cuts: Vec<CheckpointRecord>,
+    /// `cpr.uncoordinated`: each server's own saves on disk, by slot, oldest first.
+    #[serde(default)]
+    pub own_saves: Vec<Vec<u64>>,
     pub checkpoints: Vec<CheckpointRecord>,
     /// Slots waiting for (or in) a recovery, and slots rebuilding in the background: a
     /// new leader recovers them again.
@@ -165,6 +168,11 @@ impl Record {
             last_checkpoint: s.last_checkpoint,
             last_save: s.last_save,
             retained_cuts: s.retained_cuts.clone(),
+            own_saves: s
+                .own_saves
+                .as_ref()
+                .map(|o| o.retained().to_vec())
+                .unwrap_or_default(),
             checkpoints: tail(&s.checkpoints),
             failed: s.failed.iter().map(|&(id, _)| id).collect(),
             rebuilding: s.rebuilding.iter().map(|&(id, _)| id).collect(),
@@ -403,6 +411,7 @@ mod tests {
             } else {
                 Vec::new()
             },
+            own_saves: Vec::new(),
             checkpoints: if reports { vec![cut] } else { Vec::new() },
             failed: vec![1],
             rebuilding: Vec::new(),

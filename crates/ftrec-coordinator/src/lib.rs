@@ -18,6 +18,7 @@ mod control;
 mod cpr;
 mod durable;
 pub mod ledger;
+mod own_saves;
 pub mod planner;
 mod recovery;
 mod service;
@@ -119,6 +120,11 @@ struct State {
     last_save: Option<u64>,
     /// The cut being taken is a CPR prioritised save.
     cut_priority: bool,
+    /// The save being taken is these servers' own (`cpr.uncoordinated`); empty: a cut of
+    /// every server.
+    cut_servers: Vec<usize>,
+    /// `cpr.uncoordinated`: every server's own saves and schedule.
+    own_saves: Option<own_saves::OwnSaves>,
     pause_started: Option<Instant>,
     checkpoints: Vec<CheckpointRecord>,
     /// The committed cuts still on disk, oldest first (`checkpoint.keep` of them at most).
@@ -398,9 +404,10 @@ impl Shared {
             return wait(epoch, version);
         }
         if s.phase == Phase::Running
-            && let Some(priority) = self.cut_due(s)
+            && let Some((priority, servers)) = self.cut_due(s)
         {
             s.cut_priority = priority;
+            s.cut_servers = servers;
             s.phase = Phase::Checkpointing;
             s.pause_started = Some(Instant::now());
         }
@@ -458,13 +465,27 @@ impl Shared {
         self.metrics.add("ftrec_steps_total", 1);
     }
 
-    /// Whether a checkpoint is due at the next fresh step: `Some(false)` a consistent
-    /// cut, `Some(true)` a CPR prioritised save.
-    fn cut_due(&self, s: &State) -> Option<bool> {
+    /// Whether a checkpoint is due at the next fresh step: `Some((false, []))` a
+    /// consistent cut, `Some((true, []))` a CPR prioritised save, `Some((false, servers))`
+    /// these servers' own saves (`cpr.uncoordinated`).
+    fn cut_due(&self, s: &State) -> Option<(bool, Vec<usize>)> {
         let c = &self.job.config;
         let every = c.checkpoint.every_steps;
         let next = s.steps.next_step();
         let now = Instant::now();
+        let may_save = c.cluster.ft.checkpoints()
+            && next > 0
+            && s.last_save != Some(next)
+            && s.pending_cut.is_none()
+            // A slot rebuilding in the background has no complete shard to cut yet.
+            && s.rebuilding.is_empty()
+            && next < s.steps.total()
+            && s.checkpoint_backoff
+                .is_none_or(|(until, _)| Instant::now() >= until);
+        if let Some(own) = &s.own_saves {
+            let servers = own.due(next, every, now);
+            return (may_save && !servers.is_empty()).then_some((false, servers));
+        }
         // CPR with a target PLS sets the interval in seconds (Eq. 4); else
         // `checkpoint.every_seconds` of wall time; else every N steps.
         let cut = match s.cpr.as_ref().filter(|cpr| cpr.interval().is_some()) {
@@ -480,17 +501,7 @@ impl Shared {
             && s.cpr
                 .as_ref()
                 .is_some_and(|cpr| cpr.priority_due(now, next, every));
-        let due = c.cluster.ft.checkpoints()
-            && (cut || priority)
-            && next > 0
-            && s.last_save != Some(next)
-            && s.pending_cut.is_none()
-            // A slot rebuilding in the background has no complete shard to cut yet.
-            && s.rebuilding.is_empty()
-            && next < s.steps.total()
-            && s.checkpoint_backoff
-                .is_none_or(|(until, _)| Instant::now() >= until);
-        due.then_some(priority)
+        (may_save && (cut || priority)).then_some((priority, Vec::new()))
     }
 }
 

@@ -43,6 +43,9 @@ pub struct Situation {
     /// `cluster.ft = "partial"` and the full-or-partial comparison (CPR Eq. 1 against
     /// Eq. 2) chose partial recovery; `false` falls back to a full rollback.
     pub partial: bool,
+    /// `cpr.uncoordinated`: each server's newest own save, by slot, which its
+    /// replacement reloads instead of `last_save`.
+    pub own_saves: Option<Vec<Option<u64>>>,
 }
 
 /// How the servers come back.
@@ -65,13 +68,15 @@ pub enum RecoveryAction {
         /// Servers still rebuilding from an earlier failure: not to be read from.
         unreadable: Vec<usize>,
     },
-    /// CPR: each of the `servers` (replacements) reloads its own shard from the cut of
-    /// step `cut` (`None`: no cut yet, its initial shard), then, like the survivors,
-    /// counts every step below `next_step` but the `unsettled` ones as applied. Nobody
-    /// rolls back; the lost shards' updates since the cut are lost (PLS).
+    /// CPR: each of the `servers` (replacements) reloads its own shard from its save of
+    /// the step in `cuts` (same order; the last cut or prioritised save, or with
+    /// uncoordinated saves the server's own newest; `None`: no save yet, its initial
+    /// shard), then, like the survivors, counts every step below `next_step` but the
+    /// `unsettled` ones as applied. Nobody rolls back; the lost shards' updates since
+    /// their saves are lost (PLS).
     PartialRestore {
         servers: Vec<usize>,
-        cut: Option<u64>,
+        cuts: Vec<Option<u64>>,
         next_step: u64,
         unsettled: Vec<u64>,
     },
@@ -195,9 +200,16 @@ pub fn plan(s: &Situation) -> RecoveryAction {
             let mut servers = lost.clone();
             servers.sort_unstable();
             servers.dedup();
+            let cuts = servers
+                .iter()
+                .map(|&j| match &s.own_saves {
+                    Some(own) => own.get(j).copied().flatten(),
+                    None => s.last_save,
+                })
+                .collect();
             RecoveryAction::PartialRestore {
                 servers,
-                cut: s.last_save,
+                cuts,
                 next_step: s.next_step,
                 unsettled: s.unsettled.clone(),
             }
@@ -251,6 +263,7 @@ mod tests {
             rebuilding: Vec::new(),
             replicate_dense: true,
             partial: true,
+            own_saves: None,
         }
     }
 
@@ -265,7 +278,7 @@ mod tests {
             plan(&s),
             RecoveryAction::PartialRestore {
                 servers: vec![1, 2],
-                cut: Some(30),
+                cuts: vec![Some(30), Some(30)],
                 next_step: 41,
                 unsettled: vec![37, 39],
             }
@@ -276,8 +289,15 @@ mod tests {
         s.last_save = Some(35);
         assert!(matches!(
             plan(&s),
-            RecoveryAction::PartialRestore { cut: Some(35), .. }
+            RecoveryAction::PartialRestore { cuts, .. } if cuts == vec![Some(35), Some(35)]
         ));
+        // Uncoordinated saves: each replacement reloads its own newest save.
+        s.own_saves = Some(vec![Some(36), None, Some(33)]);
+        assert!(matches!(
+            plan(&s),
+            RecoveryAction::PartialRestore { cuts, .. } if cuts == vec![None, Some(33)]
+        ));
+        s.own_saves = None;
         s.partial = false;
         assert_eq!(plan(&s), RecoveryAction::Rollback { cut: Some(30) });
         s.cause = Cause::StepPartlyApplied;

@@ -174,15 +174,18 @@ async fn recovery_calls(
         }
         RecoveryAction::PartialRestore {
             servers,
-            cut,
+            cuts,
             next_step,
             unsettled,
         } => {
-            // Each replacement reloads its own shard from its checkpoint of the cut; then
+            // Each replacement reloads its own shard from its checkpoint of its cut; then
             // every server, survivors and replacements alike, adopts the epoch and counts
             // the steps below `next_step` as applied: nobody rolls back.
             let calls = clients.into_iter().enumerate().map(|(i, mut c)| {
-                let reload = servers.contains(&i).then_some(*cut).flatten();
+                let reload = servers
+                    .iter()
+                    .position(|&j| j == i)
+                    .and_then(|k| cuts.get(k).copied().flatten());
                 let unsettled = unsettled.clone();
                 async move {
                     if let Some(step) = reload
@@ -262,7 +265,7 @@ async fn fence_survivors(
 fn account_partial_restore(shared: &Shared, s: &mut State, action: &RecoveryAction) {
     let RecoveryAction::PartialRestore {
         servers,
-        cut,
+        cuts,
         next_step,
         unsettled,
     } = action
@@ -276,19 +279,22 @@ fn account_partial_restore(shared: &Shared, s: &mut State, action: &RecoveryActi
     let s_i = schedule
         .samples_before(*next_step)
         .saturating_sub(in_flight);
-    let s_ckpt = schedule.samples_before(cut.unwrap_or(0));
+    let own = s.own_saves.is_some();
     let Some(cpr) = s.cpr.as_mut() else {
         return;
     };
     let mut lines = Vec::new();
-    for &server in servers {
+    for (&server, &cut) in servers.iter().zip(cuts) {
+        let s_ckpt = schedule.samples_before(cut.unwrap_or(0));
         let increment = cpr.on_partial_restore(s_i, s_ckpt);
         lines.push(format!(
             "server {server} reloads its shard from {} (S_last_ckpt {s_ckpt} samples); \
              lost at S_i {s_i} samples; PLS += {increment:.6} -> {:.6}",
-            cut.map_or("its initial state".to_string(), |c| format!(
-                "the cut of step {c}"
-            )),
+            match (cut, own) {
+                (None, _) => "its initial state".to_string(),
+                (Some(c), true) => format!("its own save of step {c}"),
+                (Some(c), false) => format!("the cut of step {c}"),
+            },
             cpr.pls()
         ));
     }
@@ -320,15 +326,18 @@ fn account_lost_samples(shared: &Shared, s: &mut State, action: &RecoveryAction)
             (settled_before(*next_step, unsettled), lost.len() as u64)
         }
         RecoveryAction::PartialRestore {
-            servers,
-            cut,
+            cuts,
             next_step,
             unsettled,
-        } => (
-            settled_before(*next_step, unsettled)
-                .saturating_sub(schedule.samples_before(cut.unwrap_or(0))),
-            servers.len() as u64,
-        ),
+            ..
+        } => {
+            let settled = settled_before(*next_step, unsettled);
+            let lost: u64 = cuts
+                .iter()
+                .map(|cut| settled.saturating_sub(schedule.samples_before(cut.unwrap_or(0))))
+                .sum();
+            (lost, 1)
+        }
         _ => return,
     };
     let lost = per_shard * shards;

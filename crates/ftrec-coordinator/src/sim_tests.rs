@@ -191,6 +191,7 @@ impl Sim {
                 rebuilding: Vec::new(),
                 replicate_dense: true,
                 partial: false,
+                own_saves: None,
             });
             let RecoveryAction::Rollback { cut } = action else {
                 panic!("a partly applied step that may not be regranted must roll back");

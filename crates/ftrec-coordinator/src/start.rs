@@ -118,6 +118,11 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             last_checkpoint: None,
             last_save: None,
             cut_priority: false,
+            cut_servers: Vec::new(),
+            own_saves: c
+                .cpr
+                .uncoordinated
+                .then(|| crate::own_saves::OwnSaves::new(cluster.servers, c.checkpoint.keep)),
             pause_started: None,
             checkpoints: Vec::new(),
             retained_cuts: Vec::new(),

@@ -257,6 +257,9 @@ pub(crate) fn restore(
     s.last_checkpoint = record.last_checkpoint;
     s.last_save = record.last_save;
     s.retained_cuts = record.retained_cuts;
+    if let Some(own) = s.own_saves.as_mut() {
+        own.restore_retained(record.own_saves);
+    }
     s.checkpoints = record.checkpoints;
     s.recoveries = record.recoveries;
     s.worker_respawns = record.worker_respawns;

@@ -51,7 +51,14 @@ pub(super) async fn run_task(shared: &std::sync::Arc<Shared>, task: Task) {
         Task::Checkpoint {
             epoch,
             step,
+            servers,
+            ..
+        } if !servers.is_empty() => own_saves(shared, clients, epoch, step, servers).await,
+        Task::Checkpoint {
+            epoch,
+            step,
             priority,
+            ..
         } => checkpoint(shared, clients, epoch, step, priority).await,
         Task::Recover { epoch, action } => {
             // etcd membership: the new epoch is recorded before any server adopts it, so
@@ -169,6 +176,106 @@ async fn checkpoint(
     };
     if let Some(kept) = prune {
         prune_cuts(shared, clients, epoch, &kept).await;
+    }
+}
+
+/// `cpr.uncoordinated`: only `servers` save, each its own shard at `step`, and each save
+/// counts on its own as soon as it is committed; no cut spans the servers. A server whose
+/// save fails is tried again at its next turn, after the usual backoff.
+async fn own_saves(
+    shared: &Shared,
+    clients: Vec<ServerClient>,
+    epoch: u64,
+    step: u64,
+    servers: Vec<usize>,
+) {
+    let what = format!("step {step}, own saves of servers {servers:?} (uncoordinated)");
+    let started_at = shared.event(EventKind::CheckpointStart, what);
+    let calls = servers.iter().filter_map(|&j| {
+        let mut c = clients.get(j)?.clone();
+        Some(async move {
+            let r = c
+                .checkpoint(CheckpointRequest {
+                    epoch,
+                    step,
+                    priority: false,
+                })
+                .await;
+            (j, r)
+        })
+    });
+    let mut epochs = shared.epochs.subscribe();
+    let results = tokio::select! {
+        biased;
+        results = futures::future::join_all(calls) => results,
+        _ = epochs.wait_for(|&e| e > epoch) => Vec::new(),
+    };
+    let mut prunes = Vec::new();
+    {
+        let mut s = shared.lock();
+        let pause = s
+            .pause_started
+            .take()
+            .map_or(0.0, |t| t.elapsed().as_secs_f64());
+        if s.epoch == epoch && s.phase == Phase::Checkpointing {
+            s.phase = Phase::Running;
+        }
+        if s.epoch != epoch || results.is_empty() {
+            s.timeline.event(
+                EventKind::CheckpointAbandoned,
+                format!("step {step}: epoch changed"),
+            );
+            return;
+        }
+        s.last_save = Some(step);
+        let mut failed = Vec::new();
+        for (j, r) in results {
+            let reply = match r {
+                Ok(r) if r.get_ref().committed => r.into_inner(),
+                Ok(_) => {
+                    failed.push(format!("server {j}: its save is not committed"));
+                    continue;
+                }
+                Err(e) => {
+                    failed.push(format!("server {j}: {}", e.message()));
+                    continue;
+                }
+            };
+            let mut ids = vec![String::new(); s.servers.len()];
+            if let Some(id) = ids.get_mut(j) {
+                id.clone_from(&reply.id);
+            }
+            s.checkpoints.push(CheckpointRecord {
+                step,
+                started_at,
+                pause_seconds: pause,
+                bytes: reply.bytes,
+                ids,
+                priority: false,
+            });
+            shared.metrics.add("ftrec_checkpoints_total", 1);
+            s.timeline.event(
+                EventKind::CheckpointEnd,
+                format!(
+                    "step {step}, server {j}'s own save, {} bytes, paused {pause:.3}s",
+                    reply.bytes
+                ),
+            );
+            let now = Instant::now();
+            if let Some(kept) = s.own_saves.as_mut().and_then(|o| o.saved(j, step, now)) {
+                prunes.push((j, kept));
+            }
+        }
+        if failed.is_empty() {
+            s.checkpoint_backoff = None;
+        } else {
+            cut_failed(&mut s, step, &failed.join("; "));
+        }
+    }
+    for (j, kept) in prunes {
+        if let Some(client) = clients.get(j) {
+            prune_servers(shared, vec![(j, client.clone())], epoch, kept).await;
+        }
     }
 }
 
@@ -303,24 +410,36 @@ async fn prune_cuts(
     epoch: u64,
     kept: &[CheckpointRecord],
 ) {
+    let keep_steps: Vec<u64> = kept.iter().map(|r| r.step).collect();
+    prune_servers(
+        shared,
+        clients.into_iter().enumerate().collect(),
+        epoch,
+        keep_steps,
+    )
+    .await;
+}
+
+/// Asks each of `clients` (by slot) to delete every checkpoint but those of `keep_steps`.
+async fn prune_servers(
+    shared: &Shared,
+    clients: Vec<(usize, ServerClient)>,
+    epoch: u64,
+    keep_steps: Vec<u64>,
+) {
     // etcd membership: the newer cut is recorded before an older one is deleted, so a
     // new leader never rolls back to a cut that is gone. Pruning waits for the next cut
     // when etcd does not answer.
     if shared.sync_durable().await.is_err() {
         return;
     }
-    let keep_steps: Vec<u64> = kept.iter().map(|r| r.step).collect();
-    let calls = clients.into_iter().map(|mut c| {
+    let calls = clients.into_iter().map(|(i, mut c)| {
         let keep_steps = keep_steps.clone();
-        async move { c.prune(PruneRequest { epoch, keep_steps }).await }
+        async move { (i, c.prune(PruneRequest { epoch, keep_steps }).await) }
     });
     let mut deleted = 0;
     let mut failed = Vec::new();
-    for (i, r) in futures::future::join_all(calls)
-        .await
-        .into_iter()
-        .enumerate()
-    {
+    for (i, r) in futures::future::join_all(calls).await {
         match r {
             Ok(r) => deleted += r.into_inner().deleted,
             Err(e) => failed.push(format!("server {i}: {}", e.message())),
@@ -339,10 +458,9 @@ async fn prune_cuts(
     }
     s.prune_failing = false;
     if deleted > 0 {
-        let steps: Vec<u64> = kept.iter().map(|r| r.step).collect();
         s.timeline.event(
             EventKind::CheckpointsPruned,
-            format!("{deleted} shard checkpoints deleted; cuts kept: {steps:?}"),
+            format!("{deleted} shard checkpoints deleted; steps kept: {keep_steps:?}"),
         );
     }
 }

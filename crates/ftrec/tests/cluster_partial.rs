@@ -49,7 +49,8 @@ fn digests(report: &Value) -> Vec<String> {
 /// The number after `key` in an event's text (`S_i 6400 samples`).
 fn number_after(text: &str, key: &str) -> u64 {
     let rest = &text[text.find(key).unwrap_or_else(|| panic!("{key} in {text}")) + key.len()..];
-    rest.split_whitespace().next().unwrap().parse().unwrap()
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().unwrap_or_else(|e| panic!("{key} in {text}: {e}"))
 }
 
 #[test]
@@ -213,4 +214,81 @@ fn prioritised_saves_between_cuts_are_what_a_partial_restore_reloads_for_mfu_ssu
     };
     assert!(mfu > 0 && mfu <= 4 * 26 * 2000 && mfu % 4 == 0, "{mfu}");
     assert!(ssu < mfu && scar > mfu, "{tracker_bytes:?}");
+}
+
+/// `cpr.uncoordinated`: each server saves its own shard on its own schedule, server `j`
+/// offset by `j/N` of the 20-step interval (steps 0, 6 and 13 mod 20 for 3 servers), and
+/// no cut spans the servers. The replacement of server 0, killed at step 50, reloads its
+/// own newest save (step 40), not the newest save of any server (server 1's, step 46),
+/// and the PLS counts from there.
+#[test]
+fn uncoordinated_saves_are_staggered_and_a_replacement_reloads_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let own = ["--set", "cpr.uncoordinated=true"];
+    let at_save = digests(&partial_run(&data, &dir.path().join("r40"), "40", &own));
+    let at_kill = digests(&partial_run(&data, &dir.path().join("r50"), "50", &own));
+    let run = dir.path().join("run");
+    let mut args = own.to_vec();
+    args.extend(["--kill", "server:0@step:50"]);
+    let report = partial_run(&data, &run, "56", &args);
+    assert_eq!(report["steps"], 56);
+    assert_eq!(report["steps_rolled_back"], 0);
+    let r = &report["recoveries"][0];
+    assert_eq!(r["mode"], "partial", "{report}");
+    let recovered = digests(r);
+    assert_eq!(recovered[1], at_kill[1]);
+    assert_eq!(recovered[2], at_kill[2]);
+    // Server 1 saved at step 46 since: a cut-based restore would have used that step.
+    assert_eq!(
+        recovered[0], at_save[0],
+        "server 0 holds its own save of step 40"
+    );
+
+    // Each save is one server's, at its own offset in the interval.
+    let mut saves: Vec<(u64, u64)> = events(&run)
+        .into_iter()
+        .filter(|(k, d)| k == "checkpoint-end" && d.contains("own save"))
+        .map(|(_, d)| (number_after(&d, "step "), number_after(&d, "server ")))
+        .collect();
+    saves.sort_unstable();
+    let mut want: Vec<(u64, u64)> = [(0u64, 0u64), (1, 6), (2, 13)]
+        .into_iter()
+        .flat_map(|(j, offset)| {
+            (1..56u64)
+                .filter(move |s| s % 20 == offset)
+                .map(move |s| (s, j))
+        })
+        .collect();
+    want.sort_unstable();
+    assert_eq!(saves, want);
+
+    let restores: Vec<String> = events(&run)
+        .into_iter()
+        .filter(|(k, _)| k == "partial-restore")
+        .map(|(_, d)| d)
+        .collect();
+    assert_eq!(restores.len(), 1, "{restores:?}");
+    assert!(
+        restores[0].contains("its own save of step 40"),
+        "{}",
+        restores[0]
+    );
+    let s_ckpt = number_after(&restores[0], "S_last_ckpt ");
+    assert_eq!(s_ckpt, samples_before(40));
+    let expected = (samples_before(50) - s_ckpt) as f64 / (samples_before(56) as f64 * 3.0);
+    let pls = report["pls"].as_f64().unwrap();
+    assert!((pls - expected).abs() < 1e-12, "{pls} vs {expected}");
+
+    // Asked of another mode, the option is refused with the fields named.
+    let bad = dir.path().join("bad");
+    let mut args = cluster_args(&data, &bad, "10");
+    args.extend(["--ft", "checkpoint", "--set", "cpr.uncoordinated=true"]);
+    let out = ftrec(&args);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cpr.uncoordinated") && err.contains("cluster.ft"),
+        "{err}"
+    );
 }

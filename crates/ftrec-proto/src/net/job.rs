@@ -92,6 +92,23 @@ impl Job {
                     config.cpr.priority.name()
                 )));
             }
+            // Each server's saves stand alone: no cut for a full-recovery fallback, no
+            // deltas layered across servers' saves, no background commit to confirm.
+            if config.cpr.uncoordinated
+                && (config.cpr.priority != ftrec_config::CprPriority::None
+                    || ck.effective_strategy() != Some(ftrec_config::Strategy::Full))
+            {
+                return Err(PsError::Config(
+                    "cpr.uncoordinated saves each shard on its own as a full checkpoint: it                      needs checkpoint.strategy = \"full\" and cpr.priority = \"none\""
+                        .into(),
+                ));
+            }
+        } else if config.cpr.uncoordinated {
+            return Err(PsError::Config(format!(
+                "cpr.uncoordinated is partial recovery's (each shard restores from its own \
+                 save): it needs cluster.ft = \"partial\", not \"{}\"",
+                config.cluster.ft.name()
+            )));
         }
         Ok(())
     }
