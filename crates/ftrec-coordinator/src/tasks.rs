@@ -127,13 +127,7 @@ async fn checkpoint(
     }
     let prune = {
         let mut s = shared.lock();
-        let pause = s
-            .pause_started
-            .take()
-            .map_or(0.0, |t| t.elapsed().as_secs_f64());
-        if s.epoch == epoch && s.phase == Phase::Checkpointing {
-            s.phase = Phase::Running;
-        }
+        let pause = end_pause(&mut s, epoch);
         match failed {
             None if s.epoch == epoch => {
                 let record = CheckpointRecord {
@@ -213,13 +207,7 @@ async fn own_saves(
     let mut prunes = Vec::new();
     {
         let mut s = shared.lock();
-        let pause = s
-            .pause_started
-            .take()
-            .map_or(0.0, |t| t.elapsed().as_secs_f64());
-        if s.epoch == epoch && s.phase == Phase::Checkpointing {
-            s.phase = Phase::Running;
-        }
+        let pause = end_pause(&mut s, epoch);
         if s.epoch != epoch || results.is_empty() {
             s.timeline.event(
                 EventKind::CheckpointAbandoned,
@@ -277,6 +265,19 @@ async fn own_saves(
             prune_servers(shared, vec![(j, client.clone())], epoch, kept).await;
         }
     }
+}
+
+/// A checkpoint of `epoch` is over: training goes on (unless a recovery took over), and
+/// the pause it caused is returned, seconds.
+fn end_pause(s: &mut State, epoch: u64) -> f64 {
+    let pause = s
+        .pause_started
+        .take()
+        .map_or(0.0, |t| t.elapsed().as_secs_f64());
+    if s.epoch == epoch && s.phase == Phase::Checkpointing {
+        s.phase = Phase::Running;
+    }
+    pause
 }
 
 /// Counts a cut every server committed: it becomes the rollback target. Returns the cuts

@@ -46,11 +46,22 @@ fn digests(report: &Value) -> Vec<String> {
         .collect()
 }
 
+/// The `partial-restore` events of a run, in order.
+fn partial_restores(run: &Path) -> Vec<String> {
+    events(run)
+        .into_iter()
+        .filter(|(k, _)| k == "partial-restore")
+        .map(|(_, d)| d)
+        .collect()
+}
+
 /// The number after `key` in an event's text (`S_i 6400 samples`).
 fn number_after(text: &str, key: &str) -> u64 {
     let rest = &text[text.find(key).unwrap_or_else(|| panic!("{key} in {text}")) + key.len()..];
     let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-    digits.parse().unwrap_or_else(|e| panic!("{key} in {text}: {e}"))
+    digits
+        .parse()
+        .unwrap_or_else(|e| panic!("{key} in {text}: {e}"))
 }
 
 #[test]
@@ -80,11 +91,7 @@ fn a_lost_server_reloads_only_its_shard_and_nobody_rolls_back() {
     assert_ne!(recovered[1], at_kill[1], "server 1 lost steps 40..49");
 
     // PLS is Eq. 3 of what the event log says: (S_i − S_last_ckpt) / (S_total · N_emb).
-    let restores: Vec<String> = events(&run)
-        .into_iter()
-        .filter(|(k, _)| k == "partial-restore")
-        .map(|(_, d)| d)
-        .collect();
+    let restores = partial_restores(&run);
     assert_eq!(restores.len(), 1, "{restores:?}");
     let s_i = number_after(&restores[0], "S_i ");
     let s_ckpt = number_after(&restores[0], "S_last_ckpt ");
@@ -263,11 +270,7 @@ fn uncoordinated_saves_are_staggered_and_a_replacement_reloads_its_own() {
     want.sort_unstable();
     assert_eq!(saves, want);
 
-    let restores: Vec<String> = events(&run)
-        .into_iter()
-        .filter(|(k, _)| k == "partial-restore")
-        .map(|(_, d)| d)
-        .collect();
+    let restores = partial_restores(&run);
     assert_eq!(restores.len(), 1, "{restores:?}");
     assert!(
         restores[0].contains("its own save of step 40"),

@@ -244,13 +244,36 @@ pub fn decide(
     servers_per_failure: usize,
     min_benefit: f64,
 ) -> Result<Decision, CprError> {
+    decide_with(
+        inputs,
+        target_pls,
+        n_emb,
+        servers_per_failure,
+        min_benefit,
+        None,
+    )
+}
+
+/// Eq. 1 at its optimum against Eq. 2 at the interval of the target PLS, plain or (with
+/// `prioritized`) priced with prioritised saves.
+fn decide_with(
+    inputs: CostInputs,
+    target_pls: f64,
+    n_emb: usize,
+    servers_per_failure: usize,
+    min_benefit: f64,
+    prioritized: Option<PrioritizedCosts>,
+) -> Result<Decision, CprError> {
     inputs.validate()?;
     check_min_benefit(min_benefit)?;
     let (t_save_full, overhead_full) = full_overhead_at_optimum(&inputs)?;
     let t_save_partial = partial_interval(target_pls, n_emb, servers_per_failure, inputs.t_fail)?;
-    let overhead_partial = inputs.partial_overhead(t_save_partial)?;
+    let overhead_partial = match &prioritized {
+        Some(costs) => inputs.prioritized_overhead(t_save_partial, costs)?,
+        None => inputs.partial_overhead(t_save_partial)?,
+    };
     Ok(choose(Decision {
-        prioritized: None,
+        prioritized,
         recovery: Recovery::Full,
         inputs,
         target_pls,

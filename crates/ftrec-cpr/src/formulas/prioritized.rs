@@ -18,10 +18,7 @@
 
 use serde::Serialize;
 
-use super::{
-    CostInputs, Decision, check_min_benefit, choose, full_overhead_at_optimum, non_negative,
-    partial_interval, positive,
-};
+use super::{CostInputs, Decision, non_negative, positive};
 use crate::CprError;
 
 /// What one prioritised strategy's saves cost, measured by its caller.
@@ -93,109 +90,12 @@ pub fn decide_prioritized(
     min_benefit: f64,
     costs: PrioritizedCosts,
 ) -> Result<Decision, CprError> {
-    inputs.validate()?;
-    check_min_benefit(min_benefit)?;
-    let (t_save_full, overhead_full) = full_overhead_at_optimum(&inputs)?;
-    let t_save_partial = partial_interval(target_pls, n_emb, servers_per_failure, inputs.t_fail)?;
-    let overhead_partial = inputs.prioritized_overhead(t_save_partial, &costs)?;
-    Ok(choose(Decision {
-        prioritized: Some(costs),
-        recovery: super::Recovery::Full,
+    super::decide_with(
         inputs,
         target_pls,
         n_emb,
         servers_per_failure,
         min_benefit,
-        t_save_full,
-        t_save_partial,
-        overhead_full,
-        overhead_partial,
-    }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::{Recovery, decide};
-    use super::*;
-
-    fn inputs() -> CostInputs {
-        CostInputs {
-            o_save: 2.0,
-            o_load: 3.0,
-            o_res: 1.0,
-            t_fail: 100.0,
-            t_total: 1000.0,
-        }
-    }
-
-    #[test]
-    fn hand_computed_prioritized_overhead() {
-        let p = PrioritizedCosts {
-            r: 0.125,
-            o_save: 0.1,
-            tracking_share: 0.01,
-            min_save_interval: 0.0,
-        };
-        // 0.1 * 1000 / (0.125 * 160) + 0.01 * 1000 + (3 + 1) * 1000 / 100 = 5 + 10 + 40.
-        let o = inputs().prioritized_overhead(160.0, &p).unwrap();
-        assert!((o - 55.0).abs() < 1e-9, "{o}");
-        // Saves no closer than 40 s: 0.1 * 1000 / 40 + 10 + 40.
-        let spaced = PrioritizedCosts {
-            min_save_interval: 40.0,
-            ..p
-        };
-        let o = inputs().prioritized_overhead(160.0, &spaced).unwrap();
-        assert!((o - 52.5).abs() < 1e-9, "{o}");
-    }
-
-    #[test]
-    fn whole_table_saves_give_eq2_back() {
-        // r = 1 and a save as dear as Eq. 2's, nothing tracked: the same as `decide`.
-        let p = PrioritizedCosts {
-            r: 1.0,
-            o_save: 2.0,
-            tracking_share: 0.0,
-            min_save_interval: 0.0,
-        };
-        let plain = decide(inputs(), 0.02, 8, 1, 0.1).unwrap();
-        let prio = decide_prioritized(inputs(), 0.02, 8, 1, 0.1, p).unwrap();
-        assert_eq!(plain.overhead_partial, prio.overhead_partial);
-        assert_eq!(plain.recovery, prio.recovery);
-    }
-
-    #[test]
-    fn cheap_prioritized_saves_turn_the_decision() {
-        // At a low target PLS Eq. 2's interval is short and whole-table saves cost more
-        // than full recovery; saves of a few touched rows do not.
-        let plain = decide(inputs(), 0.002, 8, 1, 0.1).unwrap();
-        assert_eq!(plain.recovery, Recovery::Full, "{plain}");
-        let p = PrioritizedCosts {
-            r: 0.125,
-            o_save: 0.01,
-            tracking_share: 0.005,
-            min_save_interval: 0.0,
-        };
-        let prio = decide_prioritized(inputs(), 0.002, 8, 1, 0.1, p).unwrap();
-        assert_eq!(prio.recovery, Recovery::Partial, "{prio}");
-        assert!(prio.to_string().contains("prioritised saves"));
-        // Tracking that costs as much as full recovery turns it back.
-        let dear = PrioritizedCosts {
-            tracking_share: 0.5,
-            ..p
-        };
-        let prio = decide_prioritized(inputs(), 0.002, 8, 1, 0.1, dear).unwrap();
-        assert_eq!(prio.recovery, Recovery::Full, "{prio}");
-    }
-
-    #[test]
-    fn bad_costs_are_named() {
-        let p = PrioritizedCosts {
-            r: 0.0,
-            o_save: 0.1,
-            tracking_share: 0.0,
-            min_save_interval: 0.0,
-        };
-        let e = decide_prioritized(inputs(), 0.1, 8, 1, 0.1, p).unwrap_err();
-        assert!(e.to_string().contains("r = 0"), "{e}");
-    }
+        Some(costs),
+    )
 }

@@ -137,3 +137,75 @@ proptest! {
         prop_assert!((p.value - sum).abs() < 1e-12);
     }
 }
+
+// Eq. 2 priced with prioritised saves (`prioritized.rs`).
+#[test]
+fn hand_computed_prioritized_overhead() {
+    let p = PrioritizedCosts {
+        r: 0.125,
+        o_save: 0.1,
+        tracking_share: 0.01,
+        min_save_interval: 0.0,
+    };
+    // 0.1 * 1000 / (0.125 * 160) + 0.01 * 1000 + (3 + 1) * 1000 / 100 = 5 + 10 + 40.
+    let o = inputs().prioritized_overhead(160.0, &p).unwrap();
+    assert!((o - 55.0).abs() < 1e-9, "{o}");
+    // Saves no closer than 40 s: 0.1 * 1000 / 40 + 10 + 40.
+    let spaced = PrioritizedCosts {
+        min_save_interval: 40.0,
+        ..p
+    };
+    let o = inputs().prioritized_overhead(160.0, &spaced).unwrap();
+    assert!((o - 52.5).abs() < 1e-9, "{o}");
+}
+
+#[test]
+fn whole_table_saves_give_eq2_back() {
+    // r = 1 and a save as dear as Eq. 2's, nothing tracked: the same as `decide`.
+    let p = PrioritizedCosts {
+        r: 1.0,
+        o_save: 2.0,
+        tracking_share: 0.0,
+        min_save_interval: 0.0,
+    };
+    let plain = decide(inputs(), 0.02, 8, 1, 0.1).unwrap();
+    let prio = decide_prioritized(inputs(), 0.02, 8, 1, 0.1, p).unwrap();
+    assert_eq!(plain.overhead_partial, prio.overhead_partial);
+    assert_eq!(plain.recovery, prio.recovery);
+}
+
+#[test]
+fn cheap_prioritized_saves_turn_the_decision() {
+    // At a low target PLS Eq. 2's interval is short and whole-table saves cost more
+    // than full recovery; saves of a few touched rows do not.
+    let plain = decide(inputs(), 0.002, 8, 1, 0.1).unwrap();
+    assert_eq!(plain.recovery, Recovery::Full, "{plain}");
+    let p = PrioritizedCosts {
+        r: 0.125,
+        o_save: 0.01,
+        tracking_share: 0.005,
+        min_save_interval: 0.0,
+    };
+    let prio = decide_prioritized(inputs(), 0.002, 8, 1, 0.1, p).unwrap();
+    assert_eq!(prio.recovery, Recovery::Partial, "{prio}");
+    assert!(prio.to_string().contains("prioritised saves"));
+    // Tracking that costs as much as full recovery turns it back.
+    let dear = PrioritizedCosts {
+        tracking_share: 0.5,
+        ..p
+    };
+    let prio = decide_prioritized(inputs(), 0.002, 8, 1, 0.1, dear).unwrap();
+    assert_eq!(prio.recovery, Recovery::Full, "{prio}");
+}
+
+#[test]
+fn bad_costs_are_named() {
+    let p = PrioritizedCosts {
+        r: 0.0,
+        o_save: 0.1,
+        tracking_share: 0.0,
+        min_save_interval: 0.0,
+    };
+    let e = decide_prioritized(inputs(), 0.1, 8, 1, 0.1, p).unwrap_err();
+    assert!(e.to_string().contains("r = 0"), "{e}");
+}

@@ -49,7 +49,7 @@ pub struct BenchCprArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "full,partial,cpr_vanilla,cpr_scar,cpr_mfu,cpr_ssu"
+        default_value = "full,partial,cpr_vanilla,cpr_uncoordinated,cpr_scar,cpr_mfu,cpr_ssu"
     )]
     pub strategies: Vec<Strategy>,
     #[arg(long, default_value_t = 1)]

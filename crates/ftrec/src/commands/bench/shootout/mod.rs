@@ -23,12 +23,13 @@ use super::cluster::{BenchRun, bench_setup};
 use figures::RunFigures;
 
 /// The strategies, in the order every round runs them.
-pub const STRATEGIES: [&str; 8] = [
+pub const STRATEGIES: [&str; 9] = [
     "none",
     "checkpoint-full",
     "checkpoint-deck",
     "checkpoint-incrcp",
     "partial",
+    "partial-uncoordinated",
     "ec",
     "ec+checkpoint",
     "auto",
@@ -134,6 +135,12 @@ fn configure(base: &JobConfig, strategy: &str, every: u64) -> Result<(JobConfig,
         }
         "partial" => {
             c.cluster.ft = FaultTolerance::Partial;
+            every
+        }
+        // Each server saves its own shard, staggered over the same interval.
+        "partial-uncoordinated" => {
+            c.cluster.ft = FaultTolerance::Partial;
+            c.cpr.uncoordinated = true;
             every
         }
         "ec" => {

@@ -22,12 +22,13 @@ const BARS: [(&str, &str, f64); 6] = [
     ("resume_seconds", "failure to resume (s)", 1.0),
 ];
 
-const COLORS: [RGBColor; 8] = [
+const COLORS: [RGBColor; 9] = [
     RGBColor(120, 120, 120),
     RGBColor(31, 119, 180),
     RGBColor(44, 160, 44),
     RGBColor(23, 190, 207),
     RGBColor(255, 127, 14),
+    RGBColor(140, 86, 75),
     RGBColor(214, 39, 40),
     RGBColor(148, 103, 189),
     RGBColor(0, 0, 0),
@@ -40,7 +41,7 @@ pub fn plot_bars(summary: &Value, out: &Path) -> Result<()> {
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let (legend, body) = root.split_vertically(40);
     for (i, (name, color)) in STRATEGIES.iter().zip(COLORS).enumerate() {
-        let x = 20 + i as i32 * 200;
+        let x = 20 + i as i32 * 195;
         legend
             .draw(&Rectangle::new([(x, 12), (x + 18, 30)], color.filled()))
             .map_err(|e| err(e.to_string()))?;
@@ -151,7 +152,7 @@ pub fn plot_throughput(
         .draw()
         .map_err(|e| err(e.to_string()))?;
     for (i, (name, points)) in lines.into_iter().enumerate() {
-        let color = COLORS[STRATEGIES.iter().position(|s| *s == name).unwrap_or(i) % 8];
+        let color = COLORS[STRATEGIES.iter().position(|s| *s == name).unwrap_or(i) % COLORS.len()];
         chart
             .draw_series(LineSeries::new(points, color.stroke_width(2)))
             .map_err(|e| err(e.to_string()))?
