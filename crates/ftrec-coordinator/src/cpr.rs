@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use ftrec_cpr::{CostInputs, Decision, Pls, Recovery};
+use ftrec_cpr::{CostInputs, Decision, Pls, PrioritizedCosts, Recovery};
 
 use ftrec_proto::Job;
 use ftrec_proto::PsError;
@@ -43,6 +43,9 @@ pub(super) struct CprState {
     /// replacement ready (`O_res`), seconds. Estimated until then.
     measured_load: Option<f64>,
     measured_res: Option<f64>,
+    /// The pause of the last prioritised save, seconds: with prioritised saves, the
+    /// decision waits for it and prices Eq. 2 with it.
+    measured_priority_save: Option<f64>,
     /// Eq. 4's interval, when `cpr.mtbf_seconds` is set; else cuts follow
     /// `checkpoint.every_steps`.
     interval: Option<Duration>,
@@ -91,6 +94,7 @@ impl CprState {
             decided: false,
             measured_load: None,
             measured_res: None,
+            measured_priority_save: None,
             interval,
             last_cut_at: None,
             target_pls: c.cpr.target_pls,
@@ -137,8 +141,19 @@ impl CprState {
         }
     }
 
-    pub(super) fn on_priority_save(&mut self, now: Instant, tracker_bytes: u64, seconds: f64) {
+    /// A prioritised save committed after `pause` seconds of pause. The first one lets
+    /// the deferred decision be made at the next cut.
+    pub(super) fn on_priority_save(
+        &mut self,
+        now: Instant,
+        tracker_bytes: u64,
+        seconds: f64,
+        pause: f64,
+    ) {
         self.last_save_at = Some(now);
+        if self.measured_priority_save.replace(pause).is_none() {
+            self.decided = false;
+        }
         if let Some(p) = self.priority.as_mut() {
             p.saves += 1;
             p.tracker_bytes = tracker_bytes;
@@ -195,7 +210,39 @@ impl CprState {
             t_fail,
             t_total: (train_seconds / steps_done.max(1) as f64 * total_steps as f64).max(1e-3),
         };
-        match ftrec_cpr::formulas::decide(inputs, self.target_pls, self.servers, 1, MIN_BENEFIT) {
+        // Prioritised saves cost far less than the whole-table saves plain Eq. 2 prices
+        // (BENCHMARKS: Eq. 2 chose full recovery where CPR-SSU was 2-6x cheaper), so with
+        // them the decision waits for one to be timed.
+        let decided = match (&self.priority, self.measured_priority_save) {
+            (Some(_), None) => {
+                self.partial = true;
+                self.decided = false;
+                return Some(
+                    "partial recovery; the full-or-partial comparison waits until a \
+                     prioritised save has been timed"
+                        .into(),
+                );
+            }
+            (Some(_), Some(pause)) => ftrec_cpr::formulas::decide_prioritized(
+                inputs,
+                self.target_pls,
+                self.servers,
+                1,
+                MIN_BENEFIT,
+                PrioritizedCosts {
+                    r: self.r,
+                    o_save: pause,
+                    // The servers record accesses inside the apply step; its time is not
+                    // measured apart from the step's.
+                    tracking_share: 0.0,
+                    min_save_interval: train_seconds / steps_done.max(1) as f64,
+                },
+            ),
+            (None, _) => {
+                ftrec_cpr::formulas::decide(inputs, self.target_pls, self.servers, 1, MIN_BENEFIT)
+            }
+        };
+        match decided {
             Ok(d) => {
                 self.partial = d.recovery == Recovery::Partial;
                 // Full recovery's own optimum from now on (`T_save,full`), partial keeps
@@ -298,6 +345,37 @@ mod tests {
         cpr.on_measured(0.25, 3.5);
         let again = cpr.on_cut(t0, 2.0, 10.0, 10, 1000).unwrap();
         assert!(again.contains("O_load 0.2500s O_res 3.5000s"), "{again}");
+    }
+
+    #[test]
+    fn with_prioritised_saves_the_decision_waits_for_one_and_prices_it() {
+        let mut c = job(Some(100.0)).config;
+        c.cpr.priority = ftrec_config::CprPriority::Ssu;
+        // Eq. 4 at this target asks for a whole-table save every 1.6 s, far dearer than
+        // full recovery: plain Eq. 2 would fall back to full recovery.
+        c.cpr.target_pls = 0.002;
+        let job = Job::new(c).unwrap();
+        let mut cpr = CprState::new(&job, 10_000).unwrap().unwrap();
+        let t0 = Instant::now();
+        cpr.start(t0);
+        let text = cpr.on_cut(t0, 2.0, 10.0, 10, 1000).unwrap();
+        assert!(cpr.partial() && text.contains("waits"), "{text}");
+        assert!(cpr.decision().is_none());
+        // A prioritised save pauses 10 ms: at most one a step (1 s here), 10 s over the
+        // job, against full recovery's 220 s and more.
+        cpr.on_priority_save(t0, 0, 0.001, 0.01);
+        let text = cpr.on_cut(t0, 2.0, 10.0, 10, 1000).unwrap();
+        assert!(cpr.partial(), "{text}");
+        assert!(text.contains("prioritised saves of 0.0100s"), "{text}");
+        let d = cpr.decision().unwrap();
+        assert_eq!(d.prioritized.unwrap().min_save_interval, 1.0);
+        // Plain Eq. 2 on the same inputs chooses full recovery.
+        let plain = ftrec_cpr::formulas::decide(d.inputs, 0.002, 4, 1, MIN_BENEFIT).unwrap();
+        assert_eq!(plain.recovery, Recovery::Full, "{plain}");
+        assert!(
+            cpr.on_cut(t0, 2.0, 10.0, 10, 1000).is_none(),
+            "decided once"
+        );
     }
 
     #[test]

@@ -139,7 +139,7 @@ async fn checkpoint(
                     priority,
                 };
                 if priority && let Some(cpr) = s.cpr.as_mut() {
-                    cpr.on_priority_save(Instant::now(), tracker_bytes, select_seconds);
+                    cpr.on_priority_save(Instant::now(), tracker_bytes, select_seconds, pause);
                 }
                 if committed {
                     commit_cut(shared, &mut s, record)
