@@ -27,6 +27,11 @@ pub struct CheckpointSection {
     /// costs wall time, so a Young/Daly interval is a time (`cluster run --ft auto` sets it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub every_seconds: Option<f64>,
+    /// Cluster: the MTBF `every_seconds` was planned for. Set, the coordinator re-plans the
+    /// interval at each failure from the MTBF it measures and the cut pause it measured
+    /// (`cluster run --ft auto` sets it when it chooses checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planned_mtbf_seconds: Option<f64>,
     /// Directory (local path) to write checkpoints to.
     #[serde(default)]
     pub dir: Option<PathBuf>,
@@ -66,6 +71,7 @@ impl Default for CheckpointSection {
             strategy: None,
             every_steps: 0,
             every_seconds: None,
+            planned_mtbf_seconds: None,
             dir: None,
             full_every: None,
             incrcp_threshold: default_incrcp_threshold(),
@@ -148,6 +154,19 @@ impl CheckpointSection {
             return Err(ConfigError::Invalid(format!(
                 "checkpoint.every_seconds = {seconds}: must be a positive number of seconds"
             )));
+        }
+        if let Some(mtbf) = self.planned_mtbf_seconds {
+            if !(mtbf > 0.0 && mtbf.is_finite()) {
+                return Err(ConfigError::Invalid(format!(
+                    "checkpoint.planned_mtbf_seconds = {mtbf}: must be a positive number of seconds"
+                )));
+            }
+            if self.every_seconds.is_none() {
+                return Err(ConfigError::Invalid(
+                    "checkpoint.planned_mtbf_seconds re-plans checkpoint.every_seconds: set that too"
+                        .into(),
+                ));
+            }
         }
         self.strategy_config()?;
         Ok(())

@@ -21,6 +21,7 @@ pub mod ledger;
 mod own_saves;
 pub mod planner;
 mod recovery;
+pub mod replan;
 mod service;
 #[cfg(test)]
 mod sim_tests;
@@ -125,6 +126,8 @@ struct State {
     cut_servers: Vec<usize>,
     /// `cpr.uncoordinated`: every server's own saves and schedule.
     own_saves: Option<own_saves::OwnSaves>,
+    /// `checkpoint.planned_mtbf_seconds`: the cut interval re-planned at each failure.
+    replan: Option<replan::Replan>,
     pause_started: Option<Instant>,
     checkpoints: Vec<CheckpointRecord>,
     /// The committed cuts still on disk, oldest first (`checkpoint.keep` of them at most).
@@ -321,6 +324,7 @@ impl Shared {
                 .as_ref()
                 .map(|c| if c.partial() { "partial" } else { "full" }),
             cpr_decision: s.cpr.as_ref().and_then(|c| c.decision().cloned()),
+            replan: s.replan.clone(),
             cpr_priority: s.cpr.as_ref().and_then(|c| c.priority_report()),
             lease_ttl_seconds: self.durable.as_ref().map(|d| d.ttl.as_secs_f64()),
             coordinator_failovers: self.durable.as_ref().map(|_| s.failovers.clone()),
@@ -491,7 +495,10 @@ impl Shared {
         let cut = match s.cpr.as_ref().filter(|cpr| cpr.interval().is_some()) {
             Some(cpr) => cpr.cut_due(now),
             None => match c.checkpoint.every_seconds {
-                Some(seconds) => now.duration_since(s.last_cut_at).as_secs_f64() >= seconds,
+                Some(planned) => {
+                    let seconds = s.replan.as_ref().map_or(planned, |r| r.every_seconds);
+                    now.duration_since(s.last_cut_at).as_secs_f64() >= seconds
+                }
                 None => every > 0 && next.is_multiple_of(every),
             },
         };

@@ -542,6 +542,15 @@ pub(super) async fn recover(
     s.recovery_failures = 0;
     s.recover_after = None;
     s.lost_in_a_row = 0;
+    // One failure of the cluster (whatever number of servers it took): the MTBF the cut
+    // interval was planned for is measured again.
+    if !s.failed.is_empty() {
+        let train = s.train_seconds();
+        if let Some(line) = s.replan.as_mut().map(|r| r.on_failure(train)) {
+            tracing::info!("{line}");
+            s.timeline.event(EventKind::CheckpointReplanned, line);
+        }
+    }
     account_partial_restore(shared, &mut s, &action);
     account_lost_samples(shared, &mut s, &action);
     if matches!(action, RecoveryAction::PartialRestore { .. }) {

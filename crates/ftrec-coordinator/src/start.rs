@@ -119,6 +119,15 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             last_save: None,
             cut_priority: false,
             cut_servers: Vec::new(),
+            replan: match (
+                c.checkpoint.every_seconds,
+                c.checkpoint.planned_mtbf_seconds,
+            ) {
+                (Some(every), Some(mtbf)) if c.cluster.ft.checkpoints() => {
+                    Some(crate::replan::Replan::new(mtbf, every))
+                }
+                _ => None,
+            },
             own_saves: c
                 .cpr
                 .uncoordinated

@@ -100,6 +100,9 @@ pub struct RunSummary {
     pub recovery_mode: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpr_decision: Option<ftrec_cpr::Decision>,
+    /// `checkpoint.planned_mtbf_seconds`: the MTBF measured and the interval in force.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replan: Option<crate::replan::Replan>,
     /// CPR prioritised saves: how many, and their trackers' cost (cpr.txt Table 1).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpr_priority: Option<cpr::PriorityReport>,

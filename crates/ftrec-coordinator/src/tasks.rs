@@ -309,6 +309,9 @@ fn commit_cut(
     // A prioritised save is not a consistent state: a partial restore reloads it, a
     // rollback never goes to it, and it decides nothing.
     if !priority {
+        if let Some(r) = s.replan.as_mut() {
+            r.on_cut(pause);
+        }
         s.last_checkpoint = Some(step);
         s.last_cut_at = Instant::now();
         s.checkpoint_backoff = None;

@@ -63,6 +63,7 @@ event_kinds! {
     PruneFailed => "prune-failed",
     CprDecision => "cpr-decision",
     CprInterval => "cpr-interval",
+    CheckpointReplanned => "checkpoint-replanned",
     StepRegranted => "step-regranted",
     StepSettled => "step-settled",
     ServerJoined => "server-joined",

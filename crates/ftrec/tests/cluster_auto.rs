@@ -76,6 +76,10 @@ fn a_frozen_server_is_fenced_and_time_based_cuts_roll_back_exactly() {
             "checkpoint",
             "--set",
             "checkpoint.every_seconds=0.25",
+            // Planned for one failure in 600 s: the freeze makes the coordinator measure
+            // the MTBF again and re-plan the interval from it and the cuts' pause.
+            "--set",
+            "checkpoint.planned_mtbf_seconds=600",
             "--kill",
             "server:1@1s=freeze",
         ],
@@ -97,8 +101,21 @@ fn a_frozen_server_is_fenced_and_time_based_cuts_roll_back_exactly() {
     for w in starts.windows(2) {
         assert!(w[1] - w[0] >= 0.25, "cuts at {starts:?}");
     }
+    // One failure after t s of training: MTBF (600 + t) / 2, and Young's interval from
+    // the last cut's measured pause.
+    let replan = &out["replan"];
+    assert_eq!(replan["failures"], 1, "{out}");
+    let mtbf = replan["mtbf_seconds"].as_f64().unwrap();
+    assert!(mtbf > 300.0 && mtbf < 310.0, "{replan}");
+    let save = replan["measured_save_seconds"].as_f64().unwrap();
+    let every = replan["every_seconds"].as_f64().unwrap();
+    assert!(
+        (every - (2.0 * save * mtbf).sqrt()).abs() < 1e-9,
+        "{replan}"
+    );
     let kinds = event_kinds(&run);
     for kind in [
+        "checkpoint-replanned",
         "frozen",
         "failure-detected",
         "superseded-killed",

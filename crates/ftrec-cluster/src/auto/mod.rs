@@ -18,6 +18,10 @@ pub fn apply(config: &mut JobConfig, choice: &Choice) {
         _ => {
             config.cluster.ft = FaultTolerance::Checkpoint;
             config.checkpoint.every_seconds = choice.every_seconds;
+            // The coordinator re-plans the interval as it measures failures.
+            config.checkpoint.planned_mtbf_seconds = choice
+                .every_seconds
+                .map(|_| choice.costs.mtbf_seconds.value);
         }
     }
 }
