@@ -309,12 +309,7 @@ fn plot_auc_pls(report: &StudyReport, path: &Path) -> Result<()> {
             .label("cpr_vanilla, PLS sweep")
             .legend(move |(x, y)| Circle::new((x + 9, y), 5, color.stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerLeft)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    draw_legend(&mut chart, SeriesLabelPosition::LowerLeft)?;
     root.present()
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
@@ -377,12 +372,7 @@ fn plot_overhead(report: &StudyReport, path: &Path) -> Result<()> {
             .label(*name)
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled()));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    draw_legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     root.present()
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
@@ -445,12 +435,7 @@ fn plot_sensitivity(s: &Sensitivity, path: &Path) -> Result<()> {
         [(0.0, 0.0), (right_x, right_x)],
         BLACK.mix(0.3),
     ))?;
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    draw_legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
 
     let bars = s.failures.len().max(1);
     let highest = s.failures.iter().map(|f| f.normalized).fold(1.0, f64::max) * 1.15;
@@ -542,13 +527,22 @@ fn plot_many_failures(m: &ManyFailures, path: &Path) -> Result<()> {
             .label(label)
             .legend(move |(x, y)| Circle::new((x + 9, y), 5, color.filled()));
     }
+    draw_legend(&mut chart, SeriesLabelPosition::UpperRight)?;
+    root.present()
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// The legend of a chart's labelled series, boxed on white, at `position`.
+fn draw_legend<'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, BitMapBackend<'a>, CT>,
+    position: SeriesLabelPosition,
+) -> Result<()> {
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+        .position(position)
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()?;
-    root.present()
-        .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
