@@ -21,8 +21,8 @@ use serde::Serialize;
 use super::{CostFrame, Strategy, StudyConfig};
 use ftrec_train::TrainError;
 
-/// A prioritised table's own tracker, and (for SCAR) an MFU counting the rows it would save.
-type Trackers = Vec<Option<(Box<dyn Prioritizer>, Box<dyn Prioritizer>)>>;
+/// A prioritised table's own tracker, and (SCAR only) an MFU counting the rows it would save.
+type Trackers = Vec<Option<(Box<dyn Prioritizer>, Option<Box<dyn Prioritizer>>)>>;
 
 /// At most this many windows are probed (spread over the epoch).
 const WINDOWS: u64 = 3;
@@ -84,7 +84,8 @@ pub fn probe(
                     let seed = job.seed ^ (t as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                     let own = build_prioritizer(kind, table, job.cpr.r, job.cpr.ssu_period, seed);
                     // SCAR's rows are counted by an MFU of the same budget (see above).
-                    let counter = build_prioritizer(CprPriority::Mfu, table, job.cpr.r, 1, seed);
+                    let counter = (kind == CprPriority::Scar)
+                        .then(|| build_prioritizer(CprPriority::Mfu, table, job.cpr.r, 1, seed));
                     (own, counter)
                 })
             })
@@ -102,11 +103,9 @@ pub fn probe(
             }
             tracking += t.elapsed().as_secs_f64();
             steps += 1;
-            if kind == CprPriority::Scar {
-                for (tr, bags) in trackers.iter_mut().zip(&batch.sparse) {
-                    if let Some((_, counter)) = tr {
-                        counter.record(&bags.rows);
-                    }
+            for (tr, bags) in trackers.iter_mut().zip(&batch.sparse) {
+                if let Some((_, Some(counter))) = tr {
+                    counter.record(&bags.rows);
                 }
             }
         }
@@ -117,10 +116,7 @@ pub fn probe(
             let start = Instant::now();
             let chosen = own.select(table).len();
             select += start.elapsed().as_secs_f64();
-            rows += match kind {
-                CprPriority::Scar => counter.choose(table).len(),
-                _ => chosen,
-            } as u64;
+            rows += counter.as_ref().map_or(chosen, |c| c.choose(table).len()) as u64;
         }
         bytes += rows * row_bytes + unprioritized_bytes;
     }

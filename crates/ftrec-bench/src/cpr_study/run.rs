@@ -192,6 +192,7 @@ impl<'a> Run<'a> {
                     if (executed + offset).is_multiple_of(self.interval)
                         && at.step < self.total_steps
                     {
+                        // The reset in reverse: server `s`'s rows of `state` into `saved`.
                         let rows: usize = reset_servers(&mut saved, &state, servers, &[s])
                             .iter()
                             .map(Vec::len)
