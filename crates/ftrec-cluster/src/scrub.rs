@@ -235,7 +235,10 @@ impl View {
                     self.refresh().await?;
                 }
             }
-            PsError::Unavailable(_) | PsError::Fenced(_) | PsError::NotOwner { .. } => {
+            PsError::Unavailable(_)
+            | PsError::PeerUnavailable { .. }
+            | PsError::Fenced(_)
+            | PsError::NotOwner { .. } => {
                 self.refresh().await?;
             }
             PsError::Recovering { .. } | PsError::Overloaded(_) | PsError::Timeout(_) => {}

@@ -148,6 +148,17 @@ fn detect_failures(shared: &Shared, s: &mut State) {
     if s.phase == Phase::Done {
         return;
     }
+    // A server that went silent or refused connections explains the steps lost meanwhile:
+    // "cut off" evidence gathered then against another server is void (a call relayed
+    // through the dying one failed, say), and if the partition is real the new epoch's
+    // reports show it again. Declaring both lost two servers of a group at once.
+    let dying = |m: &crate::Member| m.joined && m.alive && (m.silent_for() > timeout || m.refused);
+    if s.servers.iter().any(dying) {
+        for m in s.servers.iter_mut().filter(|m| !dying(m)) {
+            m.cut_off = None;
+        }
+        s.unreachable_reports.clear();
+    }
     for id in 0..s.servers.len() {
         let m = &s.servers[id];
         let silent = m.silent_for();

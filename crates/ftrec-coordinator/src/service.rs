@@ -349,8 +349,9 @@ fn cut_off_report(s: &mut crate::State, server: usize, worker: usize, reason: &s
         && m.cut_off.is_none()
     {
         m.cut_off = Some(format!(
-            "is cut off from the workers: {count} steps in a row lost because worker {worker} \
-             could not reach it ({reason}), though it answers the coordinator"
+            "is cut off from the workers: {count} steps in a row lost because worker {worker}'s \
+             calls could not reach it, directly or through another server ({reason}), though \
+             it answers the coordinator"
         ));
         s.unreachable_reports.remove(&server);
     }

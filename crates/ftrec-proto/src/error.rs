@@ -39,6 +39,13 @@ pub enum PsError {
     /// The server (or the connection to it) cannot serve now: it may be dead.
     #[error("unavailable: {0}")]
     Unavailable(String),
+    /// The server answered, but what it needed could not be reached (a peer holding parity,
+    /// a survivor): a fault elsewhere, in `peer` when known. Kept apart from
+    /// [`PsError::Unavailable`] so that a caller does not blame the server that answered: a
+    /// worker that reports a step lost names `peer`, not it (blaming it got a healthy
+    /// server fenced beside a SIGKILLed neighbour, two of a group lost at once).
+    #[error("unavailable: {message}")]
+    PeerUnavailable { peer: Option<u32>, message: String },
     /// Deterministic mode: the step was applied here already, so the state it was computed
     /// from is gone.
     #[error("server {server} applied step {step} already: the state it was computed from is gone")]
@@ -101,6 +108,30 @@ impl From<ftrec_ec::EcError> for PsError {
 }
 
 impl PsError {
+    /// This process could not reach `server` (transport): as its callers must hear it, a
+    /// fault of that server and not of this one. Anything else is kept as it is (a
+    /// relayed [`PsError::PeerUnavailable`] already names its server).
+    pub fn blaming(self, server: usize) -> Self {
+        match self {
+            Self::Unavailable(message) => Self::PeerUnavailable {
+                peer: Some(server as u32),
+                message,
+            },
+            other => other,
+        }
+    }
+
+    /// The server a failed call could not reach: `called` itself when its transport
+    /// failed, the peer it names when it answered that a peer was unreachable, none
+    /// otherwise (an answer is not an unreachable server).
+    pub fn unreachable_server(&self, called: usize) -> Option<usize> {
+        match self {
+            Self::Unavailable(_) => Some(called),
+            Self::PeerUnavailable { peer, .. } => peer.map(|p| p as usize),
+            _ => None,
+        }
+    }
+
     /// An erasure-coding error with what was being coded.
     pub fn ec(what: impl Into<String>, error: ftrec_ec::EcError) -> Self {
         Self::Ec {
@@ -148,8 +179,12 @@ impl PsError {
                         current: e.current,
                     };
                 }
-                Some(Kind::Unavailable(_)) => {
-                    return Self::Unavailable(format!("{what}: {}", status.message()));
+                Some(Kind::Unavailable(u)) => {
+                    // The other side answered: what it could not reach is elsewhere.
+                    return Self::PeerUnavailable {
+                        peer: u.peer,
+                        message: format!("{what}: {}", status.message()),
+                    };
                 }
                 Some(Kind::AlreadyApplied(a)) => {
                     return Self::AlreadyApplied {
@@ -205,6 +240,7 @@ impl PsError {
             Self::NotOwner { .. }
                 | Self::Recovering { .. }
                 | Self::Unavailable(_)
+                | Self::PeerUnavailable { .. }
                 | Self::Overloaded(_)
         )
     }
@@ -227,7 +263,8 @@ impl PsError {
                 end_row,
             }),
             Self::StaleEpoch { got, current } => Kind::StaleEpoch(StaleEpoch { got, current }),
-            Self::Unavailable(_) => Kind::Unavailable(Unavailable {}),
+            Self::Unavailable(_) => Kind::Unavailable(Unavailable { peer: None }),
+            Self::PeerUnavailable { peer, .. } => Kind::Unavailable(Unavailable { peer }),
             Self::AlreadyApplied { server, step } => {
                 Kind::AlreadyApplied(AlreadyApplied { server, step })
             }
@@ -262,9 +299,10 @@ impl From<PsError> for tonic::Status {
             | PsError::NotLeader { .. }
             | PsError::NotPrepared { .. } => tonic::Code::FailedPrecondition,
             PsError::NotOwner { .. } => tonic::Code::InvalidArgument,
-            PsError::Recovering { .. } | PsError::Unavailable(_) | PsError::Degraded(_) => {
-                tonic::Code::Unavailable
-            }
+            PsError::Recovering { .. }
+            | PsError::Unavailable(_)
+            | PsError::PeerUnavailable { .. }
+            | PsError::Degraded(_) => tonic::Code::Unavailable,
             PsError::Fenced(_) => tonic::Code::PermissionDenied,
             PsError::Unauthenticated(_) => tonic::Code::Unauthenticated,
             PsError::Overloaded(_) => tonic::Code::ResourceExhausted,
@@ -317,8 +355,22 @@ mod tests {
             let back = PsError::rpc("pull", &status);
             assert_eq!(back.to_string(), shown);
         }
+        // A server that answers "unavailable" relays a fault elsewhere (a peer it needed):
+        // it is not itself unreachable, and the caller must be able to tell.
         let back = PsError::rpc("push", &PsError::Unavailable("down".into()).into());
-        assert!(matches!(back, PsError::Unavailable(_)) && back.is_retryable());
+        assert!(
+            matches!(back, PsError::PeerUnavailable { peer: None, .. }) && back.is_retryable()
+        );
+        let named = PsError::PeerUnavailable {
+            peer: Some(1),
+            message: "parity update to server 1: tcp connect error".into(),
+        };
+        let relayed = PsError::rpc("prepare to server 0", &named.into());
+        assert!(
+            matches!(relayed, PsError::PeerUnavailable { peer: Some(1), ref message }
+                if message.contains("parity update to server 1")),
+            "{relayed:?}"
+        );
         let fenced = PsError::rpc("heartbeat", &PsError::Fenced("declared dead".into()).into());
         assert!(matches!(fenced, PsError::Fenced(ref m) if m.contains("declared dead")));
         assert!(!fenced.is_retryable());

@@ -209,7 +209,10 @@ impl PreCommit for ParityPropagator {
                     let mut last = None;
                     // A replacement took the slot: its new address is one map refresh away.
                     for fresh in [false, true] {
-                        let mut client = peers.client(server, fresh, epoch).await?;
+                        let mut client = peers
+                            .client(server, fresh, epoch)
+                            .await
+                            .map_err(|e| e.blaming(server))?;
                         match client.parity_update(req.clone()).await {
                             Ok(_) => return Ok(()),
                             Err(s) => {
@@ -220,7 +223,9 @@ impl PreCommit for ParityPropagator {
                             }
                         }
                     }
-                    Err(last.unwrap_or_else(|| PsError::Unavailable(format!("server {server}"))))
+                    Err(last
+                        .unwrap_or_else(|| PsError::Unavailable(format!("server {server}")))
+                        .blaming(server))
                 }
             });
         // A new epoch fences this update (the servers refuse it now), and a peer that went

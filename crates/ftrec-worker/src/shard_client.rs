@@ -117,9 +117,11 @@ impl ShardClient {
     }
 
     /// Payload bytes moved since the last call.
-    /// The server whose calls last failed for good in transport (timed out, unreachable),
-    /// taken once: the worker names it when it reports the step lost, so the coordinator
-    /// can tell a server cut off from the workers from one that is merely slow.
+    /// The server that calls last could not reach for good: the one called, when its
+    /// transport failed, or the peer that the server answering named
+    /// ([`PsError::unreachable_server`]); taken once. The worker names it when it reports
+    /// the step lost, so the coordinator can tell a server cut off from the workers from one
+    /// that is merely slow.
     pub fn take_unreachable(&mut self) -> Option<usize> {
         self.unreachable.take()
     }
@@ -335,8 +337,8 @@ impl ShardClient {
                     Ok(_) => break,
                     Err(e) => {
                         if !e.is_retryable() || attempt == ATTEMPTS || Instant::now() >= give_up {
-                            if matches!(e, PsError::Unavailable(_)) {
-                                self.unreachable = Some(s);
+                            if let Some(blamed) = e.unreachable_server(s) {
+                                self.unreachable = Some(blamed);
                             }
                             return Err(e);
                         }
@@ -415,8 +417,8 @@ impl ShardClient {
                 Some(e)
                     if !e.is_retryable() || attempt == ATTEMPTS || Instant::now() >= give_up =>
                 {
-                    if matches!(e, PsError::Unavailable(_)) {
-                        self.unreachable = failed_server;
+                    if let Some(blamed) = failed_server.and_then(|s| e.unreachable_server(s)) {
+                        self.unreachable = Some(blamed);
                     }
                     return Err(e);
                 }
