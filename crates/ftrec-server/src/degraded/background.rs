@@ -2,10 +2,10 @@
 //! ranges*. A cycle of a group's `n` stripes fills `k` data and `r` parity slots on every
 //! member, so cycles `[c0, c1)` are one contiguous byte range of data slots and one of
 //! parity slots on each survivor: one `FetchSlots` per survivor per range, one copy out of
-//! its table, no slot list. The replacement decodes by the cycle's shape (the same for
-//! every cycle) into a buffer on a thread that may block, and installs runs of still
-//! pending slots with one copy each under its write lock, if its applied steps equal every
-//! survivor's (the snapshot rule of the module docs).
+//! its table, no slot list. If the replacement's applied steps equal every survivor's (the
+//! snapshot rule of the module docs), it decodes by the cycle's shape (the same for every
+//! cycle) straight into its table's still pending slots, under its write lock, on a thread
+//! that may block: no buffer, no install copy.
 //!
 //! With `n > k + r`, or `r >= 2` and one server lost, a survivor sends rows of stripes the
 //! replacement does not need (it sends whole cycles); `n = k + r` and `r = 1`, the default,
@@ -109,9 +109,10 @@ pub(crate) struct RangeCost {
     pub rereads: u64,
 }
 
-/// Decodes every row this server holds in `range` from the answers, into `data_out` and
-/// `parity_out` (whole rows from the range's first data and parity slot). `by_server[s]`
-/// is survivor `s`'s answer.
+/// Decodes every row this server holds in `range` and `pending` names (`true`: a parity
+/// slot; slots counted from the range's first) from the answers, into `data_out` and
+/// `parity_out` (whole rows from the range's first data and parity slot: the table's own
+/// bytes). `by_server[s]` is survivor `s`'s answer.
 #[allow(clippy::too_many_arguments)]
 fn decode_cycles(
     codec: &Codec,
@@ -121,12 +122,28 @@ fn decode_cycles(
     row_bytes: usize,
     data_out: &mut [u8],
     parity_out: &mut [u8],
+    pending: &dyn Fn(bool, usize) -> bool,
 ) -> Result<(), String> {
     let (k, r) = (codec.k(), codec.r());
     let mut sources: Vec<Option<&[u8]>> = Vec::with_capacity(k + r);
     for c in range.cycles.clone() {
         let at = c - range.cycles.start;
         for stripe in shape {
+            let mine = stripe.rows[stripe.mine];
+            let (out, slot) = if mine.parity {
+                (&mut *parity_out, at * r + mine.offset)
+            } else {
+                (&mut *data_out, at * k + mine.offset)
+            };
+            // Installed already (a pull or push decoded it on demand): newer than this
+            // snapshot, perhaps, and not to be written over.
+            if !pending(mine.parity, slot) {
+                continue;
+            }
+            // The last cycle may end inside the table's slots: nothing to decode there.
+            let Some(out) = out.get_mut(slot * row_bytes..(slot + 1) * row_bytes) else {
+                continue;
+            };
             sources.clear();
             for (y, row) in stripe.rows.iter().enumerate() {
                 if y == stripe.mine {
@@ -144,16 +161,6 @@ fn decode_cycles(
                 };
                 sources.push(bytes.get(slot * row_bytes..(slot + 1) * row_bytes));
             }
-            let mine = stripe.rows[stripe.mine];
-            let (out, slot) = if mine.parity {
-                (&mut *parity_out, at * r + mine.offset)
-            } else {
-                (&mut *data_out, at * k + mine.offset)
-            };
-            // The last cycle may end inside the table's slots: nothing to decode there.
-            let Some(out) = out.get_mut(slot * row_bytes..(slot + 1) * row_bytes) else {
-                continue;
-            };
             // The common case (XOR, only this row missing): the XOR of the others, with
             // no allocation per row.
             let xor_only = r == 1
@@ -236,9 +243,8 @@ impl Core {
         })
     }
 
-    /// Decodes a consistent snapshot's range and installs it if this server holds the
-    /// snapshot's steps too; `None` if it does not (a commit landed here meanwhile).
-    #[allow(clippy::too_many_arguments)]
+    /// Decodes a consistent snapshot's range straight into the table if this server holds
+    /// the snapshot's steps too; `None` if it does not (a commit landed here meanwhile).
     fn decode_and_install(
         &self,
         background: &Background,
@@ -247,28 +253,12 @@ impl Core {
         answers: &[CycleAnswer],
         applied: &(u64, Vec<u64>),
         row_bytes: usize,
-        (data_out, parity_out): (&mut [u8], &mut [u8]),
     ) -> Result<Option<u64>, PsError> {
         let me = self.id;
         let mut by_server: Vec<Option<&CycleAnswer>> = vec![None; self.layout.servers()];
         for a in answers {
             by_server[a.server] = Some(a);
         }
-        // Decoding is CPU work: off the runtime's other tasks.
-        self.job
-            .network()
-            .in_place(|| {
-                decode_cycles(
-                    &background.codec,
-                    shape,
-                    range,
-                    &by_server,
-                    row_bytes,
-                    data_out,
-                    parity_out,
-                )
-            })
-            .map_err(|e| PsError::Degraded(format!("server {me}: cannot decode: {e}")))?;
         let mut shard = self.shard_write()?;
         // A restore or a newer rebuild replaced the pending set this range was read for.
         if self.background().map(|b| b.id) != Some(background.id) {
@@ -283,14 +273,31 @@ impl Core {
         if mine != *applied {
             return Ok(None);
         }
-        shard
-            .install_decoded_ranges(
-                range.table,
-                range.data.start,
-                data_out,
-                range.parity.start,
-                parity_out,
-            )
+        // Under the write lock, which a commit waits for: an XOR of the range into the
+        // table takes about as long as the copy of a decoded buffer it replaces (1-2 ms
+        // per 8 MiB here). CPU work, so off the runtime's other tasks.
+        self.job
+            .network()
+            .in_place(|| {
+                shard.install_decoding_ranges(
+                    range.table,
+                    range.data.clone(),
+                    range.parity.clone(),
+                    |data_out, parity_out, pending| {
+                        decode_cycles(
+                            &background.codec,
+                            shape,
+                            range,
+                            &by_server,
+                            row_bytes,
+                            data_out,
+                            parity_out,
+                            pending,
+                        )
+                        .map_err(|e| PsError::Degraded(format!("server {me}: cannot decode: {e}")))
+                    },
+                )
+            })
             .map(Some)
     }
 
@@ -344,8 +351,6 @@ impl Core {
         let Some(peers) = self.peers.clone() else {
             return Err(PsError::Config("no peers to rebuild from".into()));
         };
-        let mut data_out = buffers.take(range.data.len() * row_bytes);
-        let mut parity_out = buffers.take(range.parity.len() * row_bytes);
         let mut rounds = Rounds::new(self, false);
         loop {
             let attempt = rounds.next(self).await;
@@ -414,12 +419,9 @@ impl Core {
                     &answers,
                     &applied,
                     row_bytes,
-                    (&mut data_out, &mut parity_out),
                 );
                 buffers.give_answers(answers);
                 if let Some(bytes) = installed? {
-                    buffers.give(data_out);
-                    buffers.give(parity_out);
                     return Ok(RangeCost {
                         bytes,
                         rereads: u64::from(attempt - 1),
