@@ -358,9 +358,7 @@ mod tests {
         // A server that answers "unavailable" relays a fault elsewhere (a peer it needed):
         // it is not itself unreachable, and the caller must be able to tell.
         let back = PsError::rpc("push", &PsError::Unavailable("down".into()).into());
-        assert!(
-            matches!(back, PsError::PeerUnavailable { peer: None, .. }) && back.is_retryable()
-        );
+        assert!(matches!(back, PsError::PeerUnavailable { peer: None, .. }) && back.is_retryable());
         let named = PsError::PeerUnavailable {
             peer: Some(1),
             message: "parity update to server 1: tcp connect error".into(),

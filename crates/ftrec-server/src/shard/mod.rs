@@ -267,8 +267,13 @@ impl Shard {
             .table_rows
             .iter()
             .map(|&rows| {
-                EmbeddingTable::from_data(rows, global.dim, stride, huge_pages::zeroed(rows * stride))
-                    .ok_or_else(|| PsError::Config("shard table shape".into()))
+                EmbeddingTable::from_data(
+                    rows,
+                    global.dim,
+                    stride,
+                    huge_pages::zeroed(rows * stride),
+                )
+                .ok_or_else(|| PsError::Config("shard table shape".into()))
             })
             .collect::<Result<Vec<_>, _>>()?;
         let dense = DenseState::initial(&config, seed)?;
