@@ -384,7 +384,7 @@ impl Core {
                     local_rows,
                     global.dim,
                     stride,
-                    ftrec_model::params::huge_pages::zeroed(local_rows * stride),
+                    vec![0.0; local_rows * stride],
                 )
                 .ok_or_else(|| PsError::Config("shard table shape".into()))?,
             );

@@ -1,7 +1,6 @@
 //! What a model holds: embedding tables, the dense state, the optimizers that update
 //! them, and memory estimates.
 
-pub mod huge_pages;
 pub(crate) mod memory;
 pub(crate) mod optim;
 pub(crate) mod state;

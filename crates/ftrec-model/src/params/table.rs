@@ -26,7 +26,7 @@ impl EmbeddingTable {
         table: usize,
     ) -> Self {
         let stride = dim + optimizer.row_state_len(dim);
-        let mut data = crate::params::huge_pages::zeroed(rows * stride);
+        let mut data = vec![0.0f32; rows * stride];
         Self::initial_rows(rows, dim, optimizer, seed, table, |r, row| {
             data[r * stride..(r + 1) * stride].copy_from_slice(row)
         });
@@ -81,7 +81,7 @@ impl EmbeddingTable {
             rows,
             dim,
             stride,
-            data: crate::params::huge_pages::zeroed(rows * stride),
+            data: vec![0.0; rows * stride],
         }
     }
 

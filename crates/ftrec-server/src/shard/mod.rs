@@ -18,7 +18,6 @@
 
 use std::ops::Range;
 
-use ftrec_model::params::huge_pages;
 use ftrec_model::{DenseState, EmbeddingTable, ModelConfig, ModelState, Optimizer};
 
 pub mod dense_code;
@@ -221,7 +220,7 @@ impl Shard {
         let mut tables = Vec::with_capacity(global.tables());
         for t in 0..global.tables() {
             let local_rows = config.table_rows[t];
-            let mut data = huge_pages::zeroed(local_rows * stride);
+            let mut data = vec![0.0f32; local_rows * stride];
             redundancy::for_each_initial_row(global, seed, t, |r, row| {
                 let g = GlobalRow(r as u32);
                 let (owner, local) = layout.primary(t, g);
@@ -267,13 +266,8 @@ impl Shard {
             .table_rows
             .iter()
             .map(|&rows| {
-                EmbeddingTable::from_data(
-                    rows,
-                    global.dim,
-                    stride,
-                    huge_pages::zeroed(rows * stride),
-                )
-                .ok_or_else(|| PsError::Config("shard table shape".into()))
+                EmbeddingTable::from_data(rows, global.dim, stride, vec![0.0; rows * stride])
+                    .ok_or_else(|| PsError::Config("shard table shape".into()))
             })
             .collect::<Result<Vec<_>, _>>()?;
         let dense = DenseState::initial(&config, seed)?;

@@ -9,7 +9,6 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use ftrec_ec::{Codec, StripeLayout};
-use ftrec_model::params::huge_pages;
 use ftrec_model::{DenseState, EmbeddingTable, ModelConfig};
 
 use ftrec_proto::PsError;
@@ -50,7 +49,7 @@ impl Redundancy {
         let parity = global
             .table_rows
             .iter()
-            .map(|&rows| huge_pages::zeroed(layout.parity_rows(server, rows) * row_bytes))
+            .map(|&rows| vec![0u8; layout.parity_rows(server, rows) * row_bytes])
             .collect();
         let dense_len = if layout.dense_coded() {
             super::dense_code::row_len(global, layout, server)?
