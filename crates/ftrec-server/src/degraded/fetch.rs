@@ -7,6 +7,7 @@ use ftrec_proto::proto::*;
 use ftrec_proto::wire::bytes_to_u32s;
 
 use crate::Core;
+use crate::shard::Shard;
 
 impl Core {
     /// `FetchSlots`: slots of one table (a list, or contiguous ranges) with this server's
@@ -16,64 +17,28 @@ impl Core {
         if req.ranges {
             return self.fetch_slot_ranges(req);
         }
-        let table = req.table as usize;
-        let data = bytes_to_u32s(&req.data, "slots asked")?;
-        let parity = bytes_to_u32s(&req.parity, "parity slots asked")?;
         let shard = self.shard_read()?;
-        let Some(rows) = shard.state().tables().get(table) else {
-            return Err(PsError::BadRequest(format!("table {table} does not exist")));
-        };
-        let recovering = |local: u32| PsError::Recovering {
-            table: table as u32,
-            first_row: local,
-            end_row: local + 1,
-        };
-        let stored = rows.as_bytes();
-        let row_bytes = rows.stride() * 4;
-        let mut out = Vec::with_capacity(data.len() * row_bytes);
-        for &local in &data {
-            if shard
-                .pending()
-                .is_some_and(|p| p.data(table, local as usize))
-            {
-                return Err(recovering(local));
-            }
-            let at = local as usize * row_bytes;
-            let row = stored.get(at..at + row_bytes).ok_or_else(|| {
-                PsError::BadRequest(format!("slot {local} is outside table {table}"))
-            })?;
-            out.extend_from_slice(row);
-        }
-        let mut parity_out = Vec::with_capacity(parity.len() * row_bytes);
-        if !parity.is_empty() {
-            let Some(red) = shard.redundancy() else {
-                return Err(PsError::BadRequest(
-                    "this server holds no parity rows".into(),
-                ));
-            };
-            for &local in &parity {
-                if shard.parity_pending(table, local as usize) {
-                    return Err(recovering(local));
-                }
-                let at = local as usize * red.row_bytes;
-                let row = red
-                    .parity
-                    .get(table)
-                    .and_then(|p| p.get(at..at + red.row_bytes))
-                    .ok_or_else(|| {
-                        PsError::BadRequest(format!("parity slot {local} is outside table {table}"))
-                    })?;
-                parity_out.extend_from_slice(row);
-            }
-        }
+        let (data, parity) = slot_lists(&shard, req.table as usize, &req.data, &req.parity)?;
+        let more_tables = req
+            .more_tables
+            .iter()
+            .map(|t| {
+                let (data, parity) = slot_lists(&shard, t.table as usize, &t.data, &t.parity)?;
+                Ok(FetchedSlots {
+                    data: data.into(),
+                    parity: parity.into(),
+                })
+            })
+            .collect::<Result<_, PsError>>()?;
         // The applied steps change only under the shard's write lock: read under the same
         // read lock as the rows, they are the rows' steps.
         let steps = self.steps();
         Ok(FetchSlotsReply {
-            data: out.into(),
-            parity: parity_out.into(),
+            data: data.into(),
+            parity: parity.into(),
             applied_below: steps.low(),
             applied_ahead: steps.ahead().collect(),
+            more_tables,
             ..Default::default()
         })
     }
@@ -82,9 +47,9 @@ impl Core {
     /// `[parity_first, parity_end)`, each one copy out of the table under the read lock
     /// (the copy is what lets the lock go before the bytes go out).
     fn fetch_slot_ranges(&self, req: &FetchSlotsRequest) -> Result<FetchSlotsReply, PsError> {
-        if !req.data.is_empty() || !req.parity.is_empty() {
+        if !req.data.is_empty() || !req.parity.is_empty() || !req.more_tables.is_empty() {
             return Err(PsError::BadRequest(
-                "FetchSlots with ranges and a slot list at once".into(),
+                "FetchSlots with ranges and slot lists at once".into(),
             ));
         }
         let table = req.table as usize;
@@ -175,4 +140,63 @@ impl Core {
             ..Default::default()
         })
     }
+}
+
+/// Data slots `data` and parity slots `parity` (u32 LE lists) of `table`, row after row,
+/// copied out of `shard` (held under the caller's read lock).
+fn slot_lists(
+    shard: &Shard,
+    table: usize,
+    data: &[u8],
+    parity: &[u8],
+) -> Result<(Vec<u8>, Vec<u8>), PsError> {
+    let data = bytes_to_u32s(data, "slots asked")?;
+    let parity = bytes_to_u32s(parity, "parity slots asked")?;
+    let Some(rows) = shard.state().tables().get(table) else {
+        return Err(PsError::BadRequest(format!("table {table} does not exist")));
+    };
+    let recovering = |local: u32| PsError::Recovering {
+        table: table as u32,
+        first_row: local,
+        end_row: local + 1,
+    };
+    let stored = rows.as_bytes();
+    let row_bytes = rows.stride() * 4;
+    let mut out = Vec::with_capacity(data.len() * row_bytes);
+    for &local in &data {
+        if shard
+            .pending()
+            .is_some_and(|p| p.data(table, local as usize))
+        {
+            return Err(recovering(local));
+        }
+        let at = local as usize * row_bytes;
+        let row = stored
+            .get(at..at + row_bytes)
+            .ok_or_else(|| PsError::BadRequest(format!("slot {local} is outside table {table}")))?;
+        out.extend_from_slice(row);
+    }
+    let mut parity_out = Vec::with_capacity(parity.len() * row_bytes);
+    if !parity.is_empty() {
+        let Some(red) = shard.redundancy() else {
+            return Err(PsError::BadRequest(
+                "this server holds no parity rows".into(),
+            ));
+        };
+        for &local in &parity {
+            if shard.parity_pending(table, local as usize) {
+                return Err(recovering(local));
+            }
+            let at = local as usize * red.row_bytes;
+            let row = red
+                .parity
+                .get(table)
+                .and_then(|p| p.get(at..at + red.row_bytes))
+                .ok_or_else(|| {
+                    PsError::BadRequest(format!("parity slot {local} is outside table {table}"))
+                })?;
+            parity_out.extend_from_slice(row);
+        }
+    }
+    Ok((out, parity_out))
 }

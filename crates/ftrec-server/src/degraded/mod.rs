@@ -49,43 +49,73 @@ pub(super) struct Background {
 /// Snapshot attempts before a decode takes the commit turn to let the stripe settle.
 const SETTLE_AFTER: u32 = 8;
 
-/// What one survivor answered: its data and parity slots as asked, row after row, and its
-/// applied steps.
+/// What one survivor answered: per table asked, in the order asked, its data and parity
+/// slots row after row; and its applied steps.
 struct Answer {
     server: usize,
-    data: Bytes,
-    parity: Bytes,
+    tables: Vec<(Bytes, Bytes)>,
     applied: (u64, Vec<u64>),
 }
 
-/// Where row `n` of a stripe is found in the answers: the survivor, whether it is one of
-/// its parity slots, and its position in what that survivor was asked for.
+/// Where row `n` of a stripe is found in the answers: the survivor, the table's index in
+/// what it was asked, whether it is one of its parity slots, and its position there.
 #[derive(Clone, Copy)]
 struct Held {
     server: usize,
+    table: usize,
     parity: bool,
     position: usize,
 }
 
 impl Answer {
+    /// A reply checked against the slot counts asked, per table (`lens`).
+    fn of(
+        server: usize,
+        reply: FetchSlotsReply,
+        lens: &[(usize, usize)],
+        row_bytes: usize,
+    ) -> Result<Self, PsError> {
+        if reply.more_tables.len() + 1 != lens.len() {
+            return Err(PsError::BadRequest(format!(
+                "server {server} answered {} tables of {}",
+                reply.more_tables.len() + 1,
+                lens.len()
+            )));
+        }
+        let applied = (reply.applied_below, reply.applied_ahead);
+        let answered = std::iter::once((reply.data, reply.parity))
+            .chain(reply.more_tables.into_iter().map(|t| (t.data, t.parity)));
+        let tables = answered
+            .zip(lens)
+            .map(|((data, parity), &(d, p))| {
+                Ok((
+                    rows_as_asked(d, data, row_bytes)?,
+                    rows_as_asked(p, parity, row_bytes)?,
+                ))
+            })
+            .collect::<Result<_, PsError>>()?;
+        Ok(Self {
+            server,
+            tables,
+            applied,
+        })
+    }
+
     fn row(&self, held: Held, row_bytes: usize) -> Option<&[u8]> {
-        let rows = if held.parity {
-            &self.parity
-        } else {
-            &self.data
-        };
+        let (data, parity) = self.tables.get(held.table)?;
+        let rows = if held.parity { parity } else { data };
         rows.get(held.position * row_bytes..(held.position + 1) * row_bytes)
     }
 }
 
-/// One slot of this server to decode: stripe `j`, its position `index` in the stripe
-/// (data rows first, then parity rows), and its local slot.
+/// One data slot of this server to decode: of `table`, stripe `j`, its position `index`
+/// in the stripe, and its local slot.
 #[derive(Clone, Copy)]
 struct Need {
+    table: usize,
     stripe: usize,
     index: usize,
     local: u32,
-    parity: bool,
 }
 
 /// Decodes row `index` of a stripe of `k + r` rows from the present ones into `out`.
@@ -130,8 +160,11 @@ impl Core {
     }
 
     /// Decodes and installs the pending rows among the global rows of each table (a pull
-    /// or a push needs them now), every table at once. Returns the bytes installed.
-    /// `holds_turn`: the caller holds this server's commit turn already (a prepare).
+    /// or a push needs them now), every table from one snapshot: one `FetchSlots` per
+    /// survivor carries every table's slots (26 calls per survivor per pull on `tiny`,
+    /// one per table, were what a step paid while the rebuild ran; issue 23). Returns the
+    /// bytes installed. `holds_turn`: the caller holds this server's commit turn already
+    /// (a prepare).
     pub(super) async fn materialize_tables(
         &self,
         wanted: &[(usize, Vec<u32>)],
@@ -148,21 +181,17 @@ impl Core {
                 .filter(|(_, locals)| !locals.is_empty())
                 .collect()
         };
-        let decodes = pending
-            .into_iter()
-            .map(|(table, locals)| self.materialize(table, locals, Vec::new(), holds_turn));
-        futures::future::try_join_all(decodes)
-            .await
-            .map(|bytes| bytes.into_iter().sum())
+        if pending.is_empty() {
+            return Ok(0);
+        }
+        self.materialize(pending, holds_turn).await
     }
 
-    /// Decodes pending data slots `data` and parity slots `parity` of `table` from a
-    /// consistent snapshot of their stripes (module docs), reading again until one is.
+    /// Decodes pending data slots of several tables (`(table, locals)`) from one consistent
+    /// snapshot of their stripes (module docs), reading again until one is.
     async fn materialize(
         &self,
-        table: usize,
-        data: Vec<u32>,
-        parity: Vec<u32>,
+        wanted: Vec<(usize, Vec<u32>)>,
         holds_turn: bool,
     ) -> Result<u64, PsError> {
         let Some(background) = self.background() else {
@@ -175,36 +204,27 @@ impl Core {
         };
         let (k, r) = (stripes.params.k, stripes.params.r);
         let global = self.job.config.model_config()?;
-        let rows = global
-            .table_rows
-            .get(table)
-            .copied()
-            .ok_or_else(|| PsError::BadRequest(format!("table {table} does not exist")))?;
         let row_bytes = global.row_stride() * 4;
         let me = self.id;
-        let needs: Vec<Need> = data
-            .iter()
-            .filter_map(|&local| {
-                let (stripe, index) = stripes.data_at(table, me, local as usize, rows)?;
+        let mut needs: Vec<Need> = Vec::new();
+        for (table, locals) in &wanted {
+            let rows = global
+                .table_rows
+                .get(*table)
+                .copied()
+                .ok_or_else(|| PsError::BadRequest(format!("table {table} does not exist")))?;
+            needs.extend(locals.iter().filter_map(|&local| {
+                let (stripe, index) = stripes.data_at(*table, me, local as usize, rows)?;
                 Some(Need {
+                    table: *table,
                     stripe,
                     index,
                     local,
-                    parity: false,
                 })
-            })
-            .chain(parity.iter().filter_map(|&local| {
-                let (stripe, p) = stripes.parity_at(table, me, local as usize, rows)?;
-                Some(Need {
-                    stripe,
-                    index: k + p,
-                    local,
-                    parity: true,
-                })
-            }))
-            .collect();
-        // Every other slot of those stripes, by holder.
-        let slot = |j: usize, n: usize| {
+            }));
+        }
+        // Every other slot of those stripes, by holder and table.
+        let slot = |table: usize, j: usize, n: usize| {
             if n < k {
                 stripes.data_slot(table, j, n)
             } else {
@@ -214,25 +234,27 @@ impl Core {
         // Each stripe's layout is worked out once, here: where each of its rows will be in
         // the answers. (Working it out again per row read, with a map of the answered rows,
         // took about 45% of a replacement's CPU during a rebuild; perf, issue 23.)
-        let mut asks: BTreeMap<usize, (Vec<u32>, Vec<u32>)> = BTreeMap::new();
-        let mut stripes_held: std::collections::HashMap<usize, Vec<Option<Held>>> =
+        let mut asks: BTreeMap<usize, Asked> = BTreeMap::new();
+        let mut stripes_held: std::collections::HashMap<(usize, usize), Vec<Option<Held>>> =
             std::collections::HashMap::with_capacity(needs.len());
         for need in &needs {
-            let std::collections::hash_map::Entry::Vacant(entry) = stripes_held.entry(need.stripe)
+            let std::collections::hash_map::Entry::Vacant(entry) =
+                stripes_held.entry((need.table, need.stripe))
             else {
                 continue;
             };
             let held = (0..k + r)
                 .map(|n| {
-                    let s = slot(need.stripe, n);
+                    let s = slot(need.table, need.stripe, n);
                     if s.server == me || background.lost.contains(&s.server) {
                         return None;
                     }
-                    let asked = asks.entry(s.server).or_default();
-                    let list = if n < k { &mut asked.0 } else { &mut asked.1 };
+                    let asked = asks.entry(s.server).or_default().table(need.table);
+                    let list = if n < k { asked.1 } else { asked.2 };
                     list.push(s.local as u32);
                     Some(Held {
                         server: s.server,
+                        table: asked.0,
                         parity: n >= k,
                         position: list.len() - 1,
                     })
@@ -243,20 +265,22 @@ impl Core {
         let Some(peers) = self.peers.clone() else {
             return Err(PsError::Config("no peers to decode from".into()));
         };
+        let tables_named = || {
+            wanted
+                .iter()
+                .map(|(t, _)| t.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         let mut rounds = Rounds::new(self, holds_turn);
         loop {
             let attempt = rounds.next(self).await;
             let epoch = self.live().epoch;
-            let calls = asks.iter().map(|(&server, (d, p))| {
+            let calls = asks.iter().map(|(&server, asked)| {
                 let peers = peers.clone();
-                let req = FetchSlotsRequest {
-                    epoch,
-                    table: table as u32,
-                    data: u32s_to_bytes(d),
-                    parity: u32s_to_bytes(p),
-                    ..Default::default()
-                };
-                let (d_len, p_len) = (d.len(), p.len());
+                let req = asked.request(epoch);
+                let lens: Vec<(usize, usize)> =
+                    asked.0.iter().map(|(_, d, p)| (d.len(), p.len())).collect();
                 async move {
                     let mut client = peers.client(server, attempt > 1, epoch).await?;
                     let reply = client
@@ -264,15 +288,10 @@ impl Core {
                         .await
                         .map_err(|s| PsError::rpc(format!("fetch slots from server {server}"), &s))?
                         .into_inner();
-                    Ok::<_, PsError>(Answer {
-                        server,
-                        data: rows_as_asked(d_len, reply.data, row_bytes)?,
-                        parity: rows_as_asked(p_len, reply.parity, row_bytes)?,
-                        applied: (reply.applied_below, reply.applied_ahead),
-                    })
+                    Answer::of(server, reply, &lens, row_bytes)
                 }
             });
-            let what = || format!("server {me}: degraded read of table {table}");
+            let what = || format!("server {me}: degraded read of tables {}", tables_named());
             let sorted = Sorted::of(futures::future::join_all(calls).await, what)?;
             rounds.unreachable.count(sorted.unreachable, what)?;
             let answers: Vec<Answer> = sorted.ok;
@@ -283,7 +302,7 @@ impl Core {
                 let mut decoded: Vec<(Need, Vec<u8>)> = Vec::with_capacity(needs.len());
                 let mut failed = None;
                 for need in &needs {
-                    let held = &stripes_held[&need.stripe];
+                    let held = &stripes_held[&(need.table, need.stripe)];
                     let row_of = |n: usize| {
                         let held = held[n]?;
                         by_server.get(&held.server)?.row(held, row_bytes)
@@ -293,7 +312,8 @@ impl Core {
                         Ok(()) => decoded.push((*need, out)),
                         Err(e) => {
                             failed = Some(format!(
-                                "table {table} stripe {}: {e} (answered: {:?})",
+                                "table {} stripe {}: {e} (answered: {:?})",
+                                need.table,
                                 need.stripe,
                                 by_server.keys().collect::<Vec<_>>()
                             ));
@@ -308,17 +328,16 @@ impl Core {
                         (steps.low(), steps.ahead().collect::<Vec<_>>())
                     };
                     if mine == applied {
-                        let data: Vec<(u32, &[u8])> = decoded
-                            .iter()
-                            .filter(|(n, _)| !n.parity)
-                            .map(|(n, b)| (n.local, b.as_slice()))
-                            .collect();
-                        let parity: Vec<(u32, &[u8])> = decoded
-                            .iter()
-                            .filter(|(n, _)| n.parity)
-                            .map(|(n, b)| (n.local, b.as_slice()))
-                            .collect();
-                        return shard.install_decoded(table, &data, &parity);
+                        let mut installed = 0;
+                        for (table, _) in &wanted {
+                            let rows: Vec<(u32, &[u8])> = decoded
+                                .iter()
+                                .filter(|(n, _)| n.table == *table)
+                                .map(|(n, b)| (n.local, b.as_slice()))
+                                .collect();
+                            installed += shard.install_decoded(*table, &rows, &[])?;
+                        }
+                        return Ok(installed);
                     }
                 } else if rounds.expired() {
                     return Err(PsError::Degraded(format!(
@@ -328,14 +347,52 @@ impl Core {
                 }
             }
             if rounds.expired() {
+                let (table, locals) = &wanted[0];
                 return Err(PsError::Recovering {
-                    table: table as u32,
-                    first_row: data.first().or(parity.first()).copied().unwrap_or(0),
-                    end_row: data.last().or(parity.last()).map_or(0, |l| l + 1),
+                    table: *table as u32,
+                    first_row: locals.first().copied().unwrap_or(0),
+                    end_row: locals.last().map_or(0, |l| l + 1),
                 });
             }
             // A commit landed between the reads: read again shortly.
             rounds.pause().await;
+        }
+    }
+}
+
+/// What one survivor is asked for: per table, `(table, data slots, parity slots)`.
+#[derive(Default)]
+struct Asked(Vec<(usize, Vec<u32>, Vec<u32>)>);
+
+impl Asked {
+    /// The lists of `table`, and their index among the tables asked.
+    fn table(&mut self, table: usize) -> (usize, &mut Vec<u32>, &mut Vec<u32>) {
+        let at = match self.0.iter().position(|(t, _, _)| *t == table) {
+            Some(at) => at,
+            None => {
+                self.0.push((table, Vec::new(), Vec::new()));
+                self.0.len() - 1
+            }
+        };
+        let (_, data, parity) = &mut self.0[at];
+        (at, data, parity)
+    }
+
+    /// The first table in the request's own fields, the others in `more_tables`.
+    fn request(&self, epoch: u64) -> FetchSlotsRequest {
+        let mut tables = self.0.iter().map(|(t, d, p)| FetchTableSlots {
+            table: *t as u32,
+            data: u32s_to_bytes(d),
+            parity: u32s_to_bytes(p),
+        });
+        let first = tables.next().unwrap_or_default();
+        FetchSlotsRequest {
+            epoch,
+            table: first.table,
+            data: first.data,
+            parity: first.parity,
+            more_tables: tables.collect(),
+            ..Default::default()
         }
     }
 }
