@@ -331,38 +331,14 @@ fn training_goes_on_right_after_the_resume() {
 /// (still talking to the coordinator) is refused as a zombie.
 #[test]
 fn a_worker_cut_off_from_one_server_gets_it_replaced() {
-    use ftrec_sim::{Event, Fault, Member};
+    use ftrec_sim::Member;
     logs();
     for mode in [
         FaultTolerance::Ec,
         FaultTolerance::EcCheckpoint,
         FaultTolerance::Checkpoint,
     ] {
-        let ck = checkpoint_dir();
-        let mut config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
-        config.cluster.workers = 1;
-        let reference = reference_digest(&config).unwrap();
-        let schedule = Schedule {
-            events: vec![Event {
-                at: Duration::from_millis(300),
-                fault: Fault::Partition {
-                    a: Member::Worker(0),
-                    b: Member::Server(1),
-                    lasting: None,
-                },
-            }],
-        };
-        let outcome = run(RunOptions {
-            config: config.clone(),
-            seed: 1,
-            schedule,
-            armed: Vec::new(),
-            time_limit: Duration::from_secs(60),
-            replace_on_new_host: true,
-        })
-        .unwrap();
-        assert_eq!(check(&config, &outcome, &reference), vec![], "{mode:?}");
-        let o = outcome.unwrap();
+        let o = partitioned(mode, Some(1), Member::Worker(0), Member::Server(1));
         if std::env::var("FTREC_SIM_TRACE").is_ok() {
             eprintln!("{mode:?}\n{}", o.trace.join("\n"));
         }
@@ -389,33 +365,10 @@ fn a_worker_cut_off_from_one_server_gets_it_replaced() {
 /// exact.
 #[test]
 fn a_server_cut_off_from_a_peer_gets_the_peer_replaced() {
-    use ftrec_sim::{Event, Fault, Member};
+    use ftrec_sim::Member;
     logs();
     for mode in [FaultTolerance::Ec, FaultTolerance::EcCheckpoint] {
-        let ck = checkpoint_dir();
-        let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
-        let reference = reference_digest(&config).unwrap();
-        let schedule = Schedule {
-            events: vec![Event {
-                at: Duration::from_millis(300),
-                fault: Fault::Partition {
-                    a: Member::Server(0),
-                    b: Member::Server(1),
-                    lasting: None,
-                },
-            }],
-        };
-        let outcome = run(RunOptions {
-            config: config.clone(),
-            seed: 1,
-            schedule,
-            armed: Vec::new(),
-            time_limit: Duration::from_secs(60),
-            replace_on_new_host: true,
-        })
-        .unwrap();
-        assert_eq!(check(&config, &outcome, &reference), vec![], "{mode:?}");
-        let o = outcome.unwrap();
+        let o = partitioned(mode, None, Member::Server(0), Member::Server(1));
         let trace = o.trace.join("\n");
         let replaced: Vec<usize> = o.summary.recoveries.iter().map(|r| r.server).collect();
         assert_eq!(replaced.len(), 1, "{mode:?}: {trace}");
@@ -433,4 +386,42 @@ fn a_server_cut_off_from_a_peer_gets_the_peer_replaced() {
             replaced[0]
         );
     }
+}
+
+/// `a` and `b` cut off from each other for good from 300 ms, under `mode` (with `workers`
+/// workers where given), each replacement on a new host; the run must end exact.
+fn partitioned(
+    mode: FaultTolerance,
+    workers: Option<usize>,
+    a: ftrec_sim::Member,
+    b: ftrec_sim::Member,
+) -> ftrec_sim::Outcome {
+    use ftrec_sim::{Event, Fault};
+    let ck = checkpoint_dir();
+    let mut config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
+    if let Some(workers) = workers {
+        config.cluster.workers = workers;
+    }
+    let reference = reference_digest(&config).unwrap();
+    let schedule = Schedule {
+        events: vec![Event {
+            at: Duration::from_millis(300),
+            fault: Fault::Partition {
+                a,
+                b,
+                lasting: None,
+            },
+        }],
+    };
+    let outcome = run(RunOptions {
+        config: config.clone(),
+        seed: 1,
+        schedule,
+        armed: Vec::new(),
+        time_limit: Duration::from_secs(60),
+        replace_on_new_host: true,
+    })
+    .unwrap();
+    assert_eq!(check(&config, &outcome, &reference), vec![], "{mode:?}");
+    outcome.unwrap()
 }
