@@ -116,7 +116,6 @@ impl ShardClient {
         self
     }
 
-    /// Payload bytes moved since the last call.
     /// The server that calls last could not reach for good: the one called, when its
     /// transport failed, or the peer that the server answering named
     /// ([`PsError::unreachable_server`]); taken once. The worker names it when it reports
@@ -126,6 +125,7 @@ impl ShardClient {
         self.unreachable.take()
     }
 
+    /// Payload bytes moved since the last call.
     pub fn take_bytes(&mut self) -> u64 {
         std::mem::take(&mut self.bytes)
     }
