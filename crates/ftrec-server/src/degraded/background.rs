@@ -66,29 +66,21 @@ impl CycleAnswer {
 pub(crate) struct Buffers(std::sync::Mutex<Vec<Vec<u8>>>);
 
 impl Buffers {
-    /// A buffer of `len` bytes (contents unspecified: every byte is written before read).
-    fn take(&self, len: usize) -> Vec<u8> {
-        let mut buffer = self
-            .0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .unwrap_or_default();
-        buffer.resize(len, 0);
-        buffer
-    }
-
-    fn give(&self, buffer: Vec<u8>) {
+    /// A pooled buffer, its contents unspecified (a bulk claim clears it and reads into its
+    /// spare capacity, so its pages are mapped already).
+    fn take(&self) -> Vec<u8> {
         self.0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push(buffer);
+            .pop()
+            .unwrap_or_default()
     }
 
     fn give_answers(&self, answers: Vec<CycleAnswer>) {
+        let mut pool = self.0.lock().unwrap_or_else(|p| p.into_inner());
         for answer in answers {
             if let Rows::Bulk { rows, .. } = answer.rows {
-                self.give(rows);
+                pool.push(rows);
             }
         }
     }
@@ -233,7 +225,7 @@ impl Core {
                 &reply.bulk_address,
                 ticket,
                 data_len + parity_len,
-                buffers.take(0),
+                buffers.take(),
             )
             .await?;
         Ok(CycleAnswer {

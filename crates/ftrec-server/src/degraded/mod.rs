@@ -335,7 +335,7 @@ impl Core {
                                 .filter(|(n, _)| n.table == *table)
                                 .map(|(n, b)| (n.local, b.as_slice()))
                                 .collect();
-                            installed += shard.install_decoded(*table, &rows, &[])?;
+                            installed += shard.install_decoded(*table, &rows)?;
                         }
                         return Ok(installed);
                     }

@@ -265,14 +265,10 @@ impl super::Shard {
         self.pending = (pending.remaining() > 0).then_some(pending);
     }
 
-    /// Installs decoded bytes into pending slots of `table` (data rows, then parity rows),
-    /// skipping slots that are pending no more. Returns the bytes installed.
-    pub fn install_decoded(
-        &mut self,
-        table: usize,
-        data: &[(u32, &[u8])],
-        parity: &[(u32, &[u8])],
-    ) -> Result<u64, PsError> {
+    /// Installs decoded data rows into pending slots of `table`, skipping slots that are
+    /// pending no more. Returns the bytes installed. (A pending parity slot is never
+    /// needed on demand: it folds no difference until the background rebuild installs it.)
+    pub fn install_decoded(&mut self, table: usize, data: &[(u32, &[u8])]) -> Result<u64, PsError> {
         let Some(pending) = self.pending.as_mut() else {
             return Ok(0);
         };
@@ -298,26 +294,6 @@ impl super::Shard {
             bytemuck::cast_slice_mut::<f32, u8>(row).copy_from_slice(bytes);
             pending.clear_data(table, local);
             installed += bytes.len() as u64;
-        }
-        if let Some(red) = self.redundancy.as_mut() {
-            let row_bytes = red.row_bytes;
-            for &(local, bytes) in parity {
-                let local = local as usize;
-                if !pending.parity(table, local) {
-                    continue;
-                }
-                let slot = red
-                    .parity
-                    .get_mut(table)
-                    .and_then(|p| p.get_mut(local * row_bytes..(local + 1) * row_bytes))
-                    .filter(|slot| slot.len() == bytes.len())
-                    .ok_or_else(|| {
-                        PsError::BadRequest(format!("parity slot {local} of table {table}"))
-                    })?;
-                slot.copy_from_slice(bytes);
-                pending.clear_parity(table, local);
-                installed += bytes.len() as u64;
-            }
         }
         if pending.remaining() == 0 {
             self.pending = None;
