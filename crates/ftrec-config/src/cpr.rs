@@ -32,8 +32,9 @@ pub struct CprSection {
     pub tables: Option<Vec<usize>>,
     /// Uncoordinated per-server saves (`cluster.ft = "partial"`): each server saves its
     /// own shard on its own schedule, server `j` offset by `j/N` of the interval, and no
-    /// cut spans the servers. Partial recovery needs no consistent global state, and a
-    /// save then stops training for one shard's write instead of all of them at once.
+    /// cut spans the servers. Partial recovery needs no consistent global state, so a save
+    /// is taken as the shard stands while training goes on: it holds up only the pushes
+    /// to that shard, for the copy, where a cut drains every server's pipeline.
     #[serde(default)]
     pub uncoordinated: bool,
 }

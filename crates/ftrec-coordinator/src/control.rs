@@ -18,7 +18,12 @@ pub(super) enum Task {
         step: u64,
         /// CPR: a prioritised save rather than a cut.
         priority: bool,
-        /// `cpr.uncoordinated`: only these servers save, each its own shard; empty: a cut.
+    },
+    /// `cpr.uncoordinated`: these servers save their own shards while training goes on;
+    /// `step` is the first step not granted when they became due.
+    OwnSaves {
+        epoch: u64,
+        step: u64,
         servers: Vec<usize>,
     },
     Recover {
@@ -342,7 +347,6 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 epoch: s.epoch,
                 step: s.steps.next_step(),
                 priority: s.cut_priority,
-                servers: s.cut_servers.clone(),
             })
         }
         Phase::Recovering => {
@@ -402,7 +406,15 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 .flatten()
                 .any(|t| now < t);
             if orphans.is_empty() || waiting {
-                return None;
+                let epoch = s.epoch;
+                let step = s.steps.next_step();
+                let servers = s.own_saves.as_mut().and_then(|o| o.start_round())?;
+                s.busy = true;
+                return Some(Task::OwnSaves {
+                    epoch,
+                    step,
+                    servers,
+                });
             }
             s.busy = true;
             Some(Task::Resolve {

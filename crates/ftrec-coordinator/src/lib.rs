@@ -121,9 +121,6 @@ struct State {
     last_save: Option<u64>,
     /// The cut being taken is a CPR prioritised save.
     cut_priority: bool,
-    /// The save being taken is these servers' own (`cpr.uncoordinated`); empty: a cut of
-    /// every server.
-    cut_servers: Vec<usize>,
     /// `cpr.uncoordinated`: every server's own saves and schedule.
     own_saves: Option<own_saves::OwnSaves>,
     /// `checkpoint.planned_mtbf_seconds`: the cut interval re-planned at each failure.
@@ -408,12 +405,24 @@ impl Shared {
             return wait(epoch, version);
         }
         if s.phase == Phase::Running
-            && let Some((priority, servers)) = self.cut_due(s)
+            && let Some(due) = self.cut_due(s)
         {
-            s.cut_priority = priority;
-            s.cut_servers = servers;
-            s.phase = Phase::Checkpointing;
-            s.pause_started = Some(Instant::now());
+            match due {
+                // Own saves pause nothing: the control loop asks the servers now, and
+                // granting goes on.
+                SaveDue::Own(servers) => {
+                    let next = s.steps.next_step();
+                    s.last_save = Some(next);
+                    if let Some(own) = s.own_saves.as_mut() {
+                        own.request(servers, next);
+                    }
+                }
+                SaveDue::Cut { priority } => {
+                    s.cut_priority = priority;
+                    s.phase = Phase::Checkpointing;
+                    s.pause_started = Some(Instant::now());
+                }
+            }
         }
         // Regrants go out even while a cut waits: the cut needs them settled.
         // In deterministic mode steps apply strictly in order: a fresh step granted while
@@ -469,10 +478,8 @@ impl Shared {
         self.metrics.add("ftrec_steps_total", 1);
     }
 
-    /// Whether a checkpoint is due at the next fresh step: `Some((false, []))` a
-    /// consistent cut, `Some((true, []))` a CPR prioritised save, `Some((false, servers))`
-    /// these servers' own saves (`cpr.uncoordinated`).
-    fn cut_due(&self, s: &State) -> Option<(bool, Vec<usize>)> {
+    /// Which checkpoint, if any, is due at the next fresh step.
+    fn cut_due(&self, s: &State) -> Option<SaveDue> {
         let c = &self.job.config;
         let every = c.checkpoint.every_steps;
         let next = s.steps.next_step();
@@ -487,8 +494,11 @@ impl Shared {
             && s.checkpoint_backoff
                 .is_none_or(|(until, _)| Instant::now() >= until);
         if let Some(own) = &s.own_saves {
+            if own.in_progress() {
+                return None;
+            }
             let servers = own.due(next, every, now);
-            return (may_save && !servers.is_empty()).then_some((false, servers));
+            return (may_save && !servers.is_empty()).then_some(SaveDue::Own(servers));
         }
         // CPR with a target PLS sets the interval in seconds (Eq. 4); else
         // `checkpoint.every_seconds` of wall time; else every N steps.
@@ -508,8 +518,16 @@ impl Shared {
             && s.cpr
                 .as_ref()
                 .is_some_and(|cpr| cpr.priority_due(now, next, every));
-        (may_save && (cut || priority)).then_some((priority, Vec::new()))
+        (may_save && (cut || priority)).then_some(SaveDue::Cut { priority })
     }
+}
+
+/// What [`Shared::cut_due`] found due.
+enum SaveDue {
+    /// A cut of every server (or CPR's prioritised save): granting pauses for it.
+    Cut { priority: bool },
+    /// `cpr.uncoordinated`: these servers' own saves, taken while training goes on.
+    Own(Vec<usize>),
 }
 
 /// The timeline's name for a member.

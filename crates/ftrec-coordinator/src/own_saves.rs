@@ -3,12 +3,16 @@
 //! Partial recovery reloads a lost shard from its own checkpoint and keeps everyone else's
 //! progress, so it needs no consistent global state: each server may save its shard when
 //! it likes. Here server `j` saves every interval, offset by `j/N` of it, so the saves
-//! spread evenly and each stops training for one shard's write, not all of them at once.
+//! spread evenly over the interval.
 //! A replacement reloads its slot's newest own save, and the PLS (Eq. 3) counts the
 //! samples since that save. Each server keeps its own `checkpoint.keep` newest saves.
 //!
 //! The schedule is in steps (`checkpoint.every_steps`), or in seconds when CPR's Eq. 4
 //! (`cpr.mtbf_seconds`) or `checkpoint.every_seconds` sets the interval.
+//!
+//! A save pauses nothing: the coordinator asks while it goes on granting steps, and each
+//! server saves its shard as it stands (`ftrec-server`'s `own_save.rs`), at its applied
+//! floor, which its reply names. Its cost is the time its copy held the shard's lock.
 
 use std::time::Duration;
 
@@ -24,6 +28,15 @@ pub(crate) struct OwnSaves {
     due_at: Vec<Option<Instant>>,
     interval: Option<Duration>,
     keep: usize,
+    /// Per server, with a schedule in steps: the first step not granted when its last
+    /// save was asked for (0: none yet). Its next save is due at the first step of its
+    /// turn after that, so one that comes while another round runs is taken late, not
+    /// skipped.
+    asked_at: Vec<u64>,
+    /// Servers whose save is due and not yet asked for.
+    requested: Vec<usize>,
+    /// A round of saves is being taken (no other starts meanwhile).
+    running: bool,
 }
 
 impl OwnSaves {
@@ -33,7 +46,40 @@ impl OwnSaves {
             due_at: vec![None; servers],
             interval: None,
             keep,
+            asked_at: vec![0; servers],
+            requested: Vec::new(),
+            running: false,
         }
+    }
+
+    /// `servers`' saves are due before step `next`: the control loop asks them at its
+    /// next turn.
+    pub(crate) fn request(&mut self, servers: Vec<usize>, next: u64) {
+        for &j in &servers {
+            if let Some(at) = self.asked_at.get_mut(j) {
+                *at = next;
+            }
+        }
+        self.requested = servers;
+    }
+
+    /// The servers to ask now, if any; the round counts as running until
+    /// [`OwnSaves::finished`].
+    pub(crate) fn start_round(&mut self) -> Option<Vec<usize>> {
+        if self.running || self.requested.is_empty() {
+            return None;
+        }
+        self.running = true;
+        Some(std::mem::take(&mut self.requested))
+    }
+
+    pub(crate) fn finished(&mut self) {
+        self.running = false;
+    }
+
+    /// A round is requested or running: no other is due until it ends.
+    pub(crate) fn in_progress(&self) -> bool {
+        self.running || !self.requested.is_empty()
     }
 
     /// Training starts: with an interval in seconds, server `j`'s first save is due
@@ -47,7 +93,8 @@ impl OwnSaves {
     }
 
     /// The servers whose save is due before step `next` (none at step 0). In steps:
-    /// server `j` saves when `next ≡ j·every/N (mod every)`.
+    /// server `j`'s turns are the steps `≡ j·every/N (mod every)`, and its save is due from
+    /// its first turn after the last one it was asked for.
     pub(crate) fn due(&self, next: u64, every_steps: u64, now: Instant) -> Vec<usize> {
         if next == 0 {
             return Vec::new();
@@ -56,7 +103,13 @@ impl OwnSaves {
         (0..self.due_at.len())
             .filter(|&j| match (self.interval, self.due_at[j]) {
                 (Some(_), Some(at)) => now >= at,
-                _ => every_steps > 0 && next % every_steps == j as u64 * every_steps / n.max(1),
+                _ if every_steps == 0 => false,
+                _ => {
+                    let turn = j as u64 * every_steps / n.max(1);
+                    let after = self.asked_at[j] + 1;
+                    let first = after + (turn + every_steps - after % every_steps) % every_steps;
+                    next >= first
+                }
             })
             .collect()
     }
@@ -68,6 +121,10 @@ impl OwnSaves {
             *due = Some(now + interval);
         }
         let kept = self.retained.get_mut(server)?;
+        // A server that applied nothing since its last save names that save again.
+        if kept.last() == Some(&step) {
+            return None;
+        }
         kept.push(step);
         let excess = kept.len().saturating_sub(self.keep);
         (self.keep > 0 && excess > 0).then(|| {
@@ -90,9 +147,14 @@ impl OwnSaves {
         &self.retained
     }
 
-    /// A new leader takes over the record its predecessor kept.
+    /// A new leader takes over the record its predecessor kept; each server's next turn
+    /// is its first after its newest save, so the takeover does not ask every server at
+    /// once.
     pub(crate) fn restore_retained(&mut self, retained: Vec<Vec<u64>>) {
         if retained.len() == self.retained.len() {
+            for (at, kept) in self.asked_at.iter_mut().zip(&retained) {
+                *at = kept.last().copied().unwrap_or(0);
+            }
             self.retained = retained;
         }
     }
@@ -102,15 +164,37 @@ impl OwnSaves {
 mod tests {
     use super::*;
 
+    /// Grants steps `steps`, asking for each save as it falls due (a round at a time, as
+    /// the coordinator does), with the rounds asked at `busy` steps still running.
+    fn rounds(
+        own: &mut OwnSaves,
+        steps: std::ops::Range<u64>,
+        every: u64,
+        busy: &[u64],
+    ) -> Vec<(u64, Vec<usize>)> {
+        let now = Instant::now();
+        let mut asked = Vec::new();
+        for s in steps {
+            if !busy.contains(&s) {
+                own.finished();
+            }
+            if own.in_progress() {
+                continue;
+            }
+            let due = own.due(s, every, now);
+            if !due.is_empty() {
+                own.request(due, s);
+                asked.push((s, own.start_round().unwrap()));
+            }
+        }
+        asked
+    }
+
     #[test]
     fn step_schedule_staggers_the_servers_over_the_interval() {
-        let own = OwnSaves::new(4, 2);
-        let now = Instant::now();
+        let mut own = OwnSaves::new(4, 2);
         // Every 8 steps, offsets 0, 2, 4, 6.
-        let due: Vec<(u64, Vec<usize>)> = (0..17)
-            .map(|s| (s, own.due(s, 8, now)))
-            .filter(|(_, d)| !d.is_empty())
-            .collect();
+        let due = rounds(&mut own, 0..17, 8, &[]);
         assert_eq!(
             due,
             vec![
@@ -125,9 +209,33 @@ mod tests {
             ]
         );
         // More servers than steps in the interval: some share a step, none is skipped.
-        let own = OwnSaves::new(4, 2);
-        let due: Vec<usize> = (1..=2).flat_map(|s| own.due(s, 2, now)).collect();
-        assert_eq!(due, vec![2, 3, 0, 1]);
+        let mut own = OwnSaves::new(4, 2);
+        let due = rounds(&mut own, 1..3, 2, &[]);
+        assert_eq!(due, vec![(1, vec![2, 3]), (2, vec![0, 1])]);
+    }
+
+    #[test]
+    fn a_turn_that_comes_during_another_save_is_taken_late_not_skipped() {
+        let mut own = OwnSaves::new(4, 2);
+        // Server 1's save (asked at step 2) runs through steps 3 and 4, over server 2's
+        // turn at step 4: server 2 saves at step 5, and its next turn is still step 12.
+        let due = rounds(&mut own, 0..14, 8, &[3, 4]);
+        assert_eq!(
+            due,
+            vec![
+                (2, vec![1]),
+                (5, vec![2]),
+                (6, vec![3]),
+                (8, vec![0]),
+                (10, vec![1]),
+                (12, vec![2]),
+            ]
+        );
+        // A new leader takes over: each server's turn comes after its newest save.
+        let mut own = OwnSaves::new(2, 0);
+        own.restore_retained(vec![vec![8], vec![12]]);
+        let due = rounds(&mut own, 13..24, 8, &[]);
+        assert_eq!(due, vec![(16, vec![0]), (20, vec![1])]);
     }
 
     #[test]

@@ -118,7 +118,6 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             last_checkpoint: None,
             last_save: None,
             cut_priority: false,
-            cut_servers: Vec::new(),
             replan: match (
                 c.checkpoint.every_seconds,
                 c.checkpoint.planned_mtbf_seconds,

@@ -48,17 +48,20 @@ pub(super) async fn run_task(shared: &std::sync::Arc<Shared>, task: Task) {
         }
     };
     match task {
-        Task::Checkpoint {
+        Task::OwnSaves {
             epoch,
             step,
             servers,
-            ..
-        } if !servers.is_empty() => own_saves(shared, clients, epoch, step, servers).await,
+        } => {
+            own_saves(shared, clients, epoch, step, servers).await;
+            if let Some(own) = shared.lock().own_saves.as_mut() {
+                own.finished();
+            }
+        }
         Task::Checkpoint {
             epoch,
             step,
             priority,
-            ..
         } => checkpoint(shared, clients, epoch, step, priority).await,
         Task::Recover { epoch, action } => {
             // etcd membership: the new epoch is recorded before any server adopts it, so
@@ -94,6 +97,7 @@ async fn checkpoint(
             epoch,
             step,
             priority,
+            as_applied: false,
         })
         .await
     });
@@ -173,9 +177,11 @@ async fn checkpoint(
     }
 }
 
-/// `cpr.uncoordinated`: only `servers` save, each its own shard at `step`, and each save
-/// counts on its own as soon as it is committed; no cut spans the servers. A server whose
-/// save fails is tried again at its next turn, after the usual backoff.
+/// `cpr.uncoordinated`: `servers` save their own shards while training goes on, each at
+/// the step its shard has applied (named in its reply), and each save counts on its own as
+/// soon as it is committed; no cut spans the servers. `step` is the first step not granted
+/// when they became due. A server whose save fails is tried again at its next turn, after
+/// the usual backoff.
 async fn own_saves(
     shared: &Shared,
     clients: Vec<ServerClient>,
@@ -183,7 +189,10 @@ async fn own_saves(
     step: u64,
     servers: Vec<usize>,
 ) {
-    let what = format!("step {step}, own saves of servers {servers:?} (uncoordinated)");
+    let what = format!(
+        "own saves of servers {servers:?} as they stand, at step {step} granted \
+         (uncoordinated; training goes on)"
+    );
     let started_at = shared.event(EventKind::CheckpointStart, what);
     let calls = servers.iter().filter_map(|&j| {
         let mut c = clients.get(j)?.clone();
@@ -193,6 +202,7 @@ async fn own_saves(
                     epoch,
                     step,
                     priority: false,
+                    as_applied: true,
                 })
                 .await;
             (j, r)
@@ -207,15 +217,13 @@ async fn own_saves(
     let mut prunes = Vec::new();
     {
         let mut s = shared.lock();
-        let pause = end_pause(&mut s, epoch);
         if s.epoch != epoch || results.is_empty() {
             s.timeline.event(
                 EventKind::CheckpointAbandoned,
-                format!("step {step}: epoch changed"),
+                format!("own saves at step {step} granted: epoch changed"),
             );
             return;
         }
-        s.last_save = Some(step);
         let mut failed = Vec::new();
         for (j, r) in results {
             let reply = match r {
@@ -233,10 +241,12 @@ async fn own_saves(
             if let Some(id) = ids.get_mut(j) {
                 id.clone_from(&reply.id);
             }
+            // Nothing paused: what the save cost training is the time its copy held the
+            // shard's lock, when pushes to that shard waited.
             s.checkpoints.push(CheckpointRecord {
-                step,
+                step: reply.step,
                 started_at,
-                pause_seconds: pause,
+                pause_seconds: reply.stall_seconds,
                 bytes: reply.bytes,
                 ids,
                 priority: false,
@@ -245,12 +255,17 @@ async fn own_saves(
             s.timeline.event(
                 EventKind::CheckpointEnd,
                 format!(
-                    "step {step}, server {j}'s own save, {} bytes, paused {pause:.3}s",
-                    reply.bytes
+                    "step {}, server {j}'s own save, {} bytes in {:.3}s; its copy held the \
+                     shard {:.3}s",
+                    reply.step, reply.bytes, reply.seconds, reply.stall_seconds
                 ),
             );
             let now = Instant::now();
-            if let Some(kept) = s.own_saves.as_mut().and_then(|o| o.saved(j, step, now)) {
+            if let Some(kept) = s
+                .own_saves
+                .as_mut()
+                .and_then(|o| o.saved(j, reply.step, now))
+            {
                 prunes.push((j, kept));
             }
         }

@@ -75,6 +75,7 @@ impl Core {
                 groups: stripes.params.groups,
             }),
             cpr_priority: None,
+            applied_ahead: Vec::new(),
         }
     }
 
@@ -186,7 +187,7 @@ impl Core {
     /// shard has applied exactly the same steps since (a cut's steps are every step below
     /// it, and only a restore, which writes on another branch, takes steps back), so those
     /// bytes are this cut's; writing them again would collide with committed history.
-    fn committed_part(
+    pub(super) fn committed_part(
         &self,
         checkpoints: &Checkpoints,
         step: u64,
@@ -230,6 +231,9 @@ impl Core {
     /// so new checkpoints go to a branch of their own, with a new checkpointer (the old
     /// one's tracked rows and in-flight writes belong to the history left behind).
     pub(super) fn restart_history(&self) -> Result<(), PsError> {
+        // Held to the end, so no own save writes on the history being left.
+        let mut own_save = crate::own_save::lock(&self.own_save);
+        own_save.forget_history();
         *lock(&self.checkpointer) = None;
         if let Some(checkpoints) = &self.checkpoints {
             let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
@@ -247,6 +251,8 @@ impl Core {
         let Some(checkpoints) = &self.checkpoints else {
             return Ok(());
         };
+        let mut own_save = crate::own_save::lock(&self.own_save);
+        own_save.forget_history();
         *lock(&self.checkpointer) = None;
         let newest = checkpoints
             .list_readable()?
@@ -264,12 +270,17 @@ impl Core {
         Ok(())
     }
 
-    /// Restores the shard checkpoint of cut `step`, then writes on from there.
+    /// Restores the shard checkpoint of cut `step` (or this server's own save of that
+    /// step), then writes on from there. Returns the state, the checkpoint's id, and the
+    /// steps above `step` the state also holds (an own save's).
     pub(super) fn restore_cut(
         &self,
         checkpoints: &Checkpoints,
         step: u64,
-    ) -> Result<(ftrec_model::ModelState, String), PsError> {
+    ) -> Result<(ftrec_model::ModelState, String, Vec<u64>), PsError> {
+        // An own save still writing finishes first, on the history it belongs to.
+        let mut own_save = crate::own_save::lock(&self.own_save);
+        own_save.forget_history();
         let all = checkpoints.list_readable()?;
         let id = self.cut_checkpoint(&all, step).ok_or_else(|| {
             PsError::Config(format!(
@@ -280,7 +291,8 @@ impl Core {
         })?;
         let (state, manifest) = checkpoints.restore(&id)?;
         let what = checkpoints.store().describe(&id);
-        ShardIdentity::from_json(&manifest.trainer, &what)?.check_owner(self.id, &what)?;
+        let identity = ShardIdentity::from_json(&manifest.trainer, &what)?;
+        identity.check_owner(self.id, &what)?;
         // The tracked history is gone with the state it described.
         *lock(&self.checkpointer) = None;
         let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
@@ -298,7 +310,8 @@ impl Core {
             );
         }
         *writer = Some(w);
-        Ok((state, id))
+        drop(own_save);
+        Ok((state, id, identity.applied_ahead))
     }
 
     /// Deletes every checkpoint of this shard except its part of the kept cuts (at
@@ -309,6 +322,8 @@ impl Core {
         let Some(checkpoints) = &self.checkpoints else {
             return Ok(0);
         };
+        // Not beside an own save in progress: its data is not committed yet.
+        let _own_save = crate::own_save::lock(&self.own_save);
         let writer = self.writer(checkpoints)?;
         let all = writer.list_readable()?;
         let keep: Vec<String> = keep_steps

@@ -3,13 +3,15 @@
 //! over gRPC and heartbeats until told to stop.
 //!
 //! Files: this one runs the process and holds its state (`Core`); `service.rs` answers the
-//! RPCs; `checkpoints.rs` writes, restores and prunes the shard's checkpoints.
+//! RPCs; `checkpoints.rs` writes, restores and prunes the shard's checkpoints, and
+//! `own_save.rs` takes `cpr.uncoordinated`'s saves while training goes on.
 
 mod bulk;
 mod checkpoints;
 mod degraded;
 mod dense_rebuild;
 mod ec;
+mod own_save;
 mod pipeline;
 mod priority;
 mod rebuild;
@@ -75,6 +77,8 @@ struct Core {
     post_commit: Vec<Arc<dyn PostCommit>>,
     /// The job's checkpoint strategy over this shard.
     checkpointer: checkpoints::SharedCheckpointer,
+    /// `cpr.uncoordinated`: the own saves' snapshot and checkpointer (`own_save.rs`).
+    own_save: Mutex<own_save::OwnSaveSlot>,
     /// CPR's row trackers for prioritised saves (`priority.rs`).
     priority: Option<priority::SharedPriority>,
     /// The shard's checkpoint location (for reads).
@@ -383,6 +387,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         pre_commit,
         post_commit,
         checkpointer,
+        own_save: Mutex::default(),
         priority,
         job: job.clone(),
         layout,

@@ -124,6 +124,24 @@ impl ParameterServer for Service {
         };
         core.wait_rebuilt().await?;
         let started = Instant::now();
+        if req.as_applied {
+            // No commit turn: pushes go on but for the copy (`own_save.rs`).
+            let save = core
+                .job
+                .network()
+                .clone()
+                .blocking(move || core.write_own_save(&checkpoints))
+                .await??;
+            return Ok(Response::new(CheckpointReply {
+                id: save.manifest.id.clone(),
+                bytes: save.manifest.bytes(),
+                seconds: started.elapsed().as_secs_f64(),
+                committed: true,
+                step: save.step,
+                stall_seconds: save.stall_seconds,
+                ..CheckpointReply::default()
+            }));
+        }
         let turn = core.commit_turn.clone().lock_owned().await;
         let reply = core
             .job
@@ -140,6 +158,8 @@ impl ParameterServer for Service {
                         committed: true,
                         tracker_bytes: save.tracker_bytes,
                         select_seconds: save.select_seconds,
+                        step: req.step,
+                        stall_seconds: 0.0,
                     }
                 } else {
                     let (manifest, committed) = core.write_cut(&checkpoints, req.step)?;
@@ -150,6 +170,8 @@ impl ParameterServer for Service {
                         committed,
                         tracker_bytes: 0,
                         select_seconds: 0.0,
+                        step: req.step,
+                        stall_seconds: 0.0,
                     }
                 };
                 core.metrics.add("ftrec_checkpoints_total", 1);
@@ -198,7 +220,7 @@ impl ParameterServer for Service {
             .blocking(move || -> Result<String, PsError> {
                 let _turn = turn;
                 core.check_epoch_forward(req.epoch)?;
-                let (state, id) = match req.step {
+                let (state, id, ahead) = match req.step {
                     Some(step) => {
                         let Some(checkpoints) = &core.checkpoints else {
                             return Err(PsError::Config("checkpoint.dir is not set".into()));
@@ -210,7 +232,7 @@ impl ParameterServer for Service {
                         let c = &core.job.config;
                         let shard =
                             Shard::initial(&c.model_config()?, c.seed, core.layout, core.id)?;
-                        (shard.state().clone(), "initial".to_string())
+                        (shard.state().clone(), "initial".to_string(), Vec::new())
                     }
                 };
                 core.cancel_background();
@@ -221,7 +243,7 @@ impl ParameterServer for Service {
                 shard.replace_state(state)?;
                 core.reset_priority(&shard);
                 core.publish(req.epoch, |steps| {
-                    *steps = AppliedSteps::up_to(req.step.unwrap_or(0))
+                    *steps = AppliedSteps::from_parts(req.step.unwrap_or(0), ahead)
                 });
                 core.metrics.add("ftrec_restores_total", 1);
                 core.metrics.set("ftrec_epoch", req.epoch as f64);

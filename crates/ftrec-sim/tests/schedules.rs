@@ -65,6 +65,22 @@ enum Kind {
 /// Runs `count` seeds' schedules of `kind` under `mode` and fails with each broken
 /// promise, naming the seed that replays it.
 fn schedules_keep_their_promises(mode: FaultTolerance, kind: Kind, count: u64) {
+    let test = match kind {
+        Kind::Random => mode.name().replace('+', "_"),
+        Kind::Freeze => format!("frozen_{}", mode.name().replace('+', "_")),
+    };
+    schedules_of_a_variant_keep_their_promises(mode, kind, count, &test, |_| {});
+}
+
+/// [`schedules_keep_their_promises`] for the job `variant` makes of `mode`'s, which the
+/// test `test` runs.
+fn schedules_of_a_variant_keep_their_promises(
+    mode: FaultTolerance,
+    kind: Kind,
+    count: u64,
+    test: &str,
+    variant: fn(&mut ftrec_config::JobConfig),
+) {
     logs();
     let started = std::time::Instant::now();
     let mut failures = Vec::new();
@@ -74,7 +90,8 @@ fn schedules_keep_their_promises(mode: FaultTolerance, kind: Kind, count: u64) {
         reference_digest(&job_config(mode, data_dir(), data_dir(), STEPS).unwrap()).unwrap();
     for seed in seeds(count) {
         let ck = checkpoint_dir();
-        let config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
+        let mut config = job_config(mode, data_dir(), ck.path(), STEPS).unwrap();
+        variant(&mut config);
         let (schedule, replace_on_new_host) = match kind {
             Kind::Random => (Schedule::random(seed, SERVERS, WORKERS), false),
             Kind::Freeze => (Schedule::freeze(seed, SERVERS), true),
@@ -101,10 +118,6 @@ fn schedules_keep_their_promises(mode: FaultTolerance, kind: Kind, count: u64) {
         let violations = check(&config, &outcome, &reference);
         if !violations.is_empty() {
             let list: Vec<String> = violations.iter().map(|v| v.to_string()).collect();
-            let test = match kind {
-                Kind::Random => mode.name().replace('+', "_"),
-                Kind::Freeze => format!("frozen_{}", mode.name().replace('+', "_")),
-            };
             failures.push(format!(
                 "seed {seed} ({schedule}): {}\n  replay: FTREC_SIM_SEED={seed} cargo test -p ftrec-sim --test schedules {test}",
                 list.join("; ")
@@ -112,8 +125,7 @@ fn schedules_keep_their_promises(mode: FaultTolerance, kind: Kind, count: u64) {
         }
     }
     eprintln!(
-        "{}: {} schedules, {recoveries} recoveries, {:.1} s",
-        mode.name(),
+        "{test}: {} schedules, {recoveries} recoveries, {:.1} s",
         seeds(count).len(),
         started.elapsed().as_secs_f64()
     );
@@ -138,6 +150,34 @@ fn checkpoint() {
 #[test]
 fn partial() {
     schedules_keep_their_promises(FaultTolerance::Partial, Kind::Random, RANDOM_PER_MODE);
+}
+
+/// `cpr.uncoordinated`: each server saves its shard while training goes on. Steps in
+/// order, and asynchronous, where a save catches pushes applied ahead of its floor (which
+/// a restore must count applied).
+#[test]
+fn partial_uncoordinated() {
+    let own_saves = |c: &mut ftrec_config::JobConfig| {
+        c.cpr.uncoordinated = true;
+    };
+    let count = RANDOM_PER_MODE / 4;
+    schedules_of_a_variant_keep_their_promises(
+        FaultTolerance::Partial,
+        Kind::Random,
+        count,
+        "partial_uncoordinated",
+        own_saves,
+    );
+    schedules_of_a_variant_keep_their_promises(
+        FaultTolerance::Partial,
+        Kind::Random,
+        count,
+        "partial_uncoordinated",
+        |c| {
+            c.cpr.uncoordinated = true;
+            c.cluster.deterministic = false;
+        },
+    );
 }
 
 #[test]

@@ -8,7 +8,7 @@ use crate::{EmbeddingTable, MlpSpec, ModelConfig, ModelError};
 
 /// Dense MLP parameters (bottom then top, each layer `W [out x in]` then `b [out]`), their
 /// optimizer state, and the number of dense updates applied (Adam's step).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub struct DenseState {
     pub params: Vec<f32>,
     pub optimizer_state: Vec<f32>,
@@ -16,11 +16,48 @@ pub struct DenseState {
 }
 
 /// The whole trainable state of a DLRM.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub struct ModelState {
     config: ModelConfig,
     tables: Vec<EmbeddingTable>,
     pub dense: DenseState,
+}
+
+// `clone_from` copies into the buffers already there: a server's snapshot of its shard,
+// taken again at every save, then costs a copy and no fresh pages (a first touch of
+// hundreds of MB of new pages takes longer than the copy, and the shard's pushes wait on
+// it). The derive's `clone_from` would allocate anew.
+impl Clone for DenseState {
+    fn clone(&self) -> Self {
+        Self {
+            params: self.params.clone(),
+            optimizer_state: self.optimizer_state.clone(),
+            step: self.step,
+        }
+    }
+
+    fn clone_from(&mut self, source: &Self) {
+        self.params.clone_from(&source.params);
+        self.optimizer_state.clone_from(&source.optimizer_state);
+        self.step = source.step;
+    }
+}
+
+impl Clone for ModelState {
+    fn clone(&self) -> Self {
+        Self {
+            config: self.config.clone(),
+            tables: self.tables.clone(),
+            dense: self.dense.clone(),
+        }
+    }
+
+    fn clone_from(&mut self, source: &Self) {
+        self.config.clone_from(&source.config);
+        // Vec's `clone_from` calls each kept table's `clone_from`.
+        self.tables.clone_from(&source.tables);
+        self.dense.clone_from(&source.dense);
+    }
 }
 
 /// A 64-bit xxh3 digest of every byte of model state, for equality checks in tests and tools.
@@ -295,6 +332,40 @@ mod tests {
             Err(ModelError::RowLength { .. })
         ));
         assert_eq!(s.iter_rows().count(), 17);
+    }
+
+    #[test]
+    fn clone_from_copies_into_the_buffers_already_there() {
+        let c = config(Optimizer::Adagrad {
+            lr: 0.1,
+            eps: 1e-8,
+            initial_accumulator: 0.0,
+        });
+        let source = ModelState::new(&c, 1).unwrap();
+        let mut snapshot = ModelState::new(&c, 2).unwrap();
+        let buffers: Vec<*const u8> = snapshot
+            .tables()
+            .iter()
+            .map(|t| t.as_bytes().as_ptr())
+            .chain([snapshot.dense.params.as_ptr().cast()])
+            .collect();
+        snapshot.clone_from(&source);
+        assert_eq!(snapshot, source);
+        assert_eq!(snapshot.digest(), source.digest());
+        let after: Vec<*const u8> = snapshot
+            .tables()
+            .iter()
+            .map(|t| t.as_bytes().as_ptr())
+            .chain([snapshot.dense.params.as_ptr().cast()])
+            .collect();
+        assert_eq!(
+            after, buffers,
+            "clone_from must reuse the snapshot's buffers"
+        );
+        // Into a state of another shape it still yields an equal copy.
+        let mut other = ModelState::new(&config(Optimizer::Sgd { lr: 0.1 }), 3).unwrap();
+        other.clone_from(&source);
+        assert_eq!(other, source);
     }
 
     #[test]

@@ -6,12 +6,31 @@ use crate::Optimizer;
 /// A fixed-size arena of rows, each `[embedding (dim) | optimizer state]` stored
 /// contiguously, so the row is the unit of checkpointing, coding and restore. No per-row
 /// allocation: row `r` lives at `data[r * stride..(r + 1) * stride]`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub struct EmbeddingTable {
     rows: usize,
     dim: usize,
     stride: usize,
     data: Vec<f32>,
+}
+
+/// `clone_from` reuses the rows' buffer (see `ModelState`'s `Clone`).
+impl Clone for EmbeddingTable {
+    fn clone(&self) -> Self {
+        Self {
+            rows: self.rows,
+            dim: self.dim,
+            stride: self.stride,
+            data: self.data.clone(),
+        }
+    }
+
+    fn clone_from(&mut self, source: &Self) {
+        self.rows = source.rows;
+        self.dim = source.dim;
+        self.stride = source.stride;
+        self.data.clone_from(&source.data);
+    }
 }
 
 impl EmbeddingTable {

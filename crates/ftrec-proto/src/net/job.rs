@@ -99,7 +99,8 @@ impl Job {
                     || ck.effective_strategy() != Some(ftrec_config::Strategy::Full))
             {
                 return Err(PsError::Config(
-                    "cpr.uncoordinated saves each shard on its own as a full checkpoint: it                      needs checkpoint.strategy = \"full\" and cpr.priority = \"none\""
+                    "cpr.uncoordinated saves each shard on its own as a full checkpoint: it \
+                     needs checkpoint.strategy = \"full\" and cpr.priority = \"none\""
                         .into(),
                 ));
             }

@@ -39,6 +39,11 @@ pub struct ShardIdentity {
     /// A CPR prioritised save: the tracker that chose its rows.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpr_priority: Option<String>,
+    /// Steps above `step` whose updates the shard also holds: a save taken while training
+    /// went on (`cpr.uncoordinated`) catches asynchronous pushes applied ahead of a gap. A
+    /// restore counts them applied, so a re-sent push of one is not applied twice.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub applied_ahead: Vec<u64>,
 }
 
 impl ShardIdentity {
@@ -100,6 +105,7 @@ mod tests {
                 groups: 1,
             }),
             cpr_priority: None,
+            applied_ahead: Vec::new(),
         }
     }
 
@@ -108,6 +114,15 @@ mod tests {
         let id = identity();
         let back = ShardIdentity::from_json(&id.to_json(), "ck").unwrap();
         assert_eq!(back, id);
+        assert!(id.to_json().get("applied_ahead").is_none());
+        let ahead = ShardIdentity {
+            applied_ahead: vec![42, 44],
+            ..identity()
+        };
+        assert_eq!(
+            ShardIdentity::from_json(&ahead.to_json(), "ck").unwrap(),
+            ahead
+        );
         assert!(back.check_owner(1, "ck").is_ok());
         let e = back.check_owner(0, "ck").unwrap_err().to_string();
         assert!(
