@@ -26,6 +26,23 @@ pub struct PriorityReport {
     pub tracker_bytes: u64,
     /// Choosing the rows: the slowest server's time, summed over the saves.
     pub select_seconds: f64,
+    /// Recording accesses, all the run to the last save: the most any one server spent
+    /// (each records on its own pushes' path, side by side with the others).
+    pub tracking_seconds: f64,
+}
+
+/// What one prioritised save measured, for [`CprState::on_priority_save`].
+pub(super) struct PrioritySaveCosts {
+    /// The trackers' memory, all servers.
+    pub tracker_bytes: u64,
+    /// Choosing the rows, the slowest server.
+    pub select_seconds: f64,
+    /// The pause it caused.
+    pub pause: f64,
+    /// Recording accesses, the most any server spent, all the run so far.
+    pub tracking_seconds: f64,
+    /// Training time so far, seconds.
+    pub train_seconds: f64,
 }
 
 pub(super) struct CprState {
@@ -46,6 +63,9 @@ pub(super) struct CprState {
     /// The pause of the last prioritised save, seconds: with prioritised saves, the
     /// decision waits for it and prices Eq. 2 with it.
     measured_priority_save: Option<f64>,
+    /// Recording accesses as a share of the training time, measured at the last
+    /// prioritised save: Eq. 2's tracking term.
+    tracking_share: f64,
     /// Eq. 4's interval, when `cpr.mtbf_seconds` is set; else cuts follow
     /// `checkpoint.every_steps`.
     interval: Option<Duration>,
@@ -95,6 +115,7 @@ impl CprState {
             measured_load: None,
             measured_res: None,
             measured_priority_save: None,
+            tracking_share: 0.0,
             interval,
             last_cut_at: None,
             target_pls: c.cpr.target_pls,
@@ -141,23 +162,21 @@ impl CprState {
         }
     }
 
-    /// A prioritised save committed after `pause` seconds of pause. The first one lets
-    /// the deferred decision be made at the next cut.
-    pub(super) fn on_priority_save(
-        &mut self,
-        now: Instant,
-        tracker_bytes: u64,
-        seconds: f64,
-        pause: f64,
-    ) {
+    /// A prioritised save committed. The first one lets the deferred decision be made at
+    /// the next cut, with its pause and the tracking share measured so far.
+    pub(super) fn on_priority_save(&mut self, now: Instant, costs: PrioritySaveCosts) {
         self.last_save_at = Some(now);
-        if self.measured_priority_save.replace(pause).is_none() {
+        if self.measured_priority_save.replace(costs.pause).is_none() {
             self.decided = false;
+        }
+        if costs.train_seconds > 0.0 {
+            self.tracking_share = costs.tracking_seconds / costs.train_seconds;
         }
         if let Some(p) = self.priority.as_mut() {
             p.saves += 1;
-            p.tracker_bytes = tracker_bytes;
-            p.select_seconds += seconds;
+            p.tracker_bytes = costs.tracker_bytes;
+            p.select_seconds += costs.select_seconds;
+            p.tracking_seconds = costs.tracking_seconds;
         }
     }
 
@@ -232,9 +251,9 @@ impl CprState {
                 PrioritizedCosts {
                     r: self.r,
                     o_save: pause,
-                    // The servers record accesses inside the apply step; its time is not
-                    // measured apart from the step's.
-                    tracking_share: 0.0,
+                    // Each server times its recording on its pushes' path; the slowest
+                    // one's share of the training time is what tracking cost the steps.
+                    tracking_share: self.tracking_share,
                     min_save_interval: train_seconds / steps_done.max(1) as f64,
                 },
             ),
@@ -363,12 +382,20 @@ mod tests {
         assert!(cpr.decision().is_none());
         // A prioritised save pauses 10 ms: at most one a step (1 s here), 10 s over the
         // job, against full recovery's 220 s and more.
-        cpr.on_priority_save(t0, 0, 0.001, 0.01);
+        let save = |tracking_seconds| PrioritySaveCosts {
+            tracker_bytes: 0,
+            select_seconds: 0.001,
+            pause: 0.01,
+            tracking_seconds,
+            train_seconds: 10.0,
+        };
+        cpr.on_priority_save(t0, save(0.05));
         let text = cpr.on_cut(t0, 2.0, 10.0, 10, 1000).unwrap();
         assert!(cpr.partial(), "{text}");
         assert!(text.contains("prioritised saves of 0.0100s"), "{text}");
         let d = cpr.decision().unwrap();
         assert_eq!(d.prioritized.unwrap().min_save_interval, 1.0);
+        assert_eq!(d.prioritized.unwrap().tracking_share, 0.005);
         // Plain Eq. 2 on the same inputs chooses full recovery.
         let plain = ftrec_cpr::formulas::decide(d.inputs, 0.002, 4, 1, MIN_BENEFIT).unwrap();
         assert_eq!(plain.recovery, Recovery::Full, "{plain}");
@@ -376,6 +403,16 @@ mod tests {
             cpr.on_cut(t0, 2.0, 10.0, 10, 1000).is_none(),
             "decided once"
         );
+        assert_eq!(cpr.priority_report().unwrap().tracking_seconds, 0.05);
+
+        // Tracking that takes a third of every step costs more than full recovery's
+        // cuts and rollbacks: the same job then recovers in full.
+        let mut cpr = CprState::new(&job, 10_000).unwrap().unwrap();
+        cpr.start(t0);
+        cpr.on_cut(t0, 2.0, 10.0, 10, 1000);
+        cpr.on_priority_save(t0, save(3.3));
+        let text = cpr.on_cut(t0, 2.0, 10.0, 10, 1000).unwrap();
+        assert!(!cpr.partial(), "{text}");
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::control::Task;
+use crate::cpr::PrioritySaveCosts;
 use crate::ledger::{Applied, Resolution};
 use crate::planner;
 use crate::{CheckpointRecord, Phase, Shared, State};
@@ -115,7 +116,7 @@ async fn checkpoint(
     let mut ids = Vec::with_capacity(results.len());
     let mut failed = None;
     let mut committed = true;
-    let (mut tracker_bytes, mut select_seconds) = (0u64, 0f64);
+    let (mut tracker_bytes, mut select_seconds, mut tracking_seconds) = (0u64, 0f64, 0f64);
     for (i, r) in results.into_iter().enumerate() {
         match r {
             Ok(r) => {
@@ -123,6 +124,7 @@ async fn checkpoint(
                 bytes += r.bytes;
                 tracker_bytes += r.tracker_bytes;
                 select_seconds = select_seconds.max(r.select_seconds);
+                tracking_seconds = tracking_seconds.max(r.tracking_seconds);
                 committed &= r.committed;
                 ids.push(r.id);
             }
@@ -142,8 +144,18 @@ async fn checkpoint(
                     ids,
                     priority,
                 };
+                let train_seconds = s.train_seconds();
                 if priority && let Some(cpr) = s.cpr.as_mut() {
-                    cpr.on_priority_save(Instant::now(), tracker_bytes, select_seconds, pause);
+                    cpr.on_priority_save(
+                        Instant::now(),
+                        PrioritySaveCosts {
+                            tracker_bytes,
+                            select_seconds,
+                            pause,
+                            tracking_seconds,
+                            train_seconds,
+                        },
+                    );
                 }
                 if committed {
                     commit_cut(shared, &mut s, record)

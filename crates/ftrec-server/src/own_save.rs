@@ -58,6 +58,12 @@ pub(super) struct OwnSave {
 impl Core {
     pub(super) fn write_own_save(&self, checkpoints: &Checkpoints) -> Result<OwnSave, PsError> {
         let mut slot = lock(&self.own_save);
+        if slot.snapshot.is_none() {
+            // The first save's room, allocated outside the shard lock: faulting in a
+            // shard's worth of fresh pages takes several times as long as the copy.
+            let config = self.shard_read()?.state().config().clone();
+            slot.snapshot = Some(ModelState::zeroed_resident(&config)?);
+        }
         let copying = Instant::now();
         let (step, identity) = {
             let shard = self.shard_read()?;

@@ -10,6 +10,7 @@
 //! rows (workers aggregate a row's gradient over the batch before pushing).
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 use tokio::time::Instant;
 
 use ftrec_ckpt::{CheckpointKind, Checkpoints, Manifest};
@@ -23,6 +24,9 @@ use ftrec_proto::PsError;
 /// One tracker per local table; `None` for tables saved in full at every save.
 pub(super) struct PriorityState {
     trackers: Vec<Option<Box<dyn Prioritizer>>>,
+    /// Time spent recording accesses, all the run: on each push's path, so it is what
+    /// tracking costs training. Kept across restores.
+    tracking: Duration,
 }
 
 pub(super) type SharedPriority = Arc<Mutex<PriorityState>>;
@@ -36,6 +40,8 @@ pub(super) struct PrioritySave {
     pub(super) manifest: Manifest,
     pub(super) tracker_bytes: u64,
     pub(super) select_seconds: f64,
+    /// [`PriorityState::tracking`] so far, seconds.
+    pub(super) tracking_seconds: f64,
 }
 
 impl PriorityState {
@@ -72,7 +78,10 @@ impl PriorityState {
                 })
             })
             .collect();
-        Some(Arc::new(Mutex::new(Self { trackers })))
+        Some(Arc::new(Mutex::new(Self {
+            trackers,
+            tracking: Duration::ZERO,
+        })))
     }
 
     /// Runs `f` on each local table's tracker (tables saved in full have none).
@@ -109,11 +118,13 @@ pub(super) struct PriorityTracking(pub(super) SharedPriority);
 impl PostCommit for PriorityTracking {
     fn post_commit(&self, rows: &[StagedRows]) {
         let mut state = lock(&self.0);
+        let started = Instant::now();
         for r in rows {
             if let Some(Some(tracker)) = state.trackers.get_mut(r.table) {
                 tracker.record(&r.locals);
             }
         }
+        state.tracking += started.elapsed();
     }
 }
 
@@ -182,6 +193,7 @@ impl Core {
             .collect();
         let select_seconds = started.elapsed().as_secs_f64();
         let tracker_bytes = state.memory_bytes();
+        let tracking_seconds = state.tracking.as_secs_f64();
         drop(state);
         let mut identity = self.identity(&shard, step);
         identity.cpr_priority = Some(self.job.config.cpr.priority.name().into());
@@ -204,6 +216,7 @@ impl Core {
             manifest,
             tracker_bytes,
             select_seconds,
+            tracking_seconds,
         })
     }
 }

@@ -160,6 +160,7 @@ impl ParameterServer for Service {
                         select_seconds: save.select_seconds,
                         step: req.step,
                         stall_seconds: 0.0,
+                        tracking_seconds: save.tracking_seconds,
                     }
                 } else {
                     let (manifest, committed) = core.write_cut(&checkpoints, req.step)?;
@@ -172,6 +173,7 @@ impl ParameterServer for Service {
                         select_seconds: 0.0,
                         step: req.step,
                         stall_seconds: 0.0,
+                        tracking_seconds: 0.0,
                     }
                 };
                 core.metrics.add("ftrec_checkpoints_total", 1);

@@ -212,6 +212,13 @@ fn prioritised_saves_between_cuts_are_what_a_partial_restore_reloads_for_mfu_ssu
         let priority = &report["cpr_priority"];
         assert_eq!(priority["priority"], kind);
         assert_eq!(priority["saves"], 2);
+        // Recording accesses is timed on the servers, a small share of the training.
+        let tracking = priority["tracking_seconds"].as_f64().unwrap();
+        let train = report["train_seconds"].as_f64().unwrap();
+        assert!(
+            tracking > 0.0 && tracking < train / 2.0,
+            "{tracking} of {train}"
+        );
         tracker_bytes.push(priority["tracker_bytes"].as_u64().unwrap());
     }
     // Table 1's memory order: SSU's bounded list < MFU's 4-byte counter per row of the

@@ -151,6 +151,28 @@ impl ModelState {
         })
     }
 
+    /// An all-zero state like [`ModelState::zeroed`], with every page written: a
+    /// `clone_from` into it then copies and faults no page in. (Zeroed memory from the
+    /// allocator is mapped lazily, so the first copy into it would fault each page, under
+    /// whatever lock the copy holds.)
+    pub fn zeroed_resident(config: &ModelConfig) -> Result<Self, ModelError> {
+        fn resident(len: usize) -> Vec<f32> {
+            // `with_capacity` + `resize` writes every element; `vec![0.0; n]` may not.
+            let mut v = Vec::with_capacity(len);
+            v.resize(len, 0.0);
+            v
+        }
+        let mut state = Self::zeroed(config)?;
+        for t in &mut state.tables {
+            let (rows, dim, stride) = (t.rows(), t.dim(), t.stride());
+            *t = EmbeddingTable::from_data(rows, dim, stride, resident(rows * stride))
+                .ok_or_else(|| ModelError::Config("table shape".into()))?;
+        }
+        state.dense.params = resident(state.dense.params.len());
+        state.dense.optimizer_state = resident(state.dense.optimizer_state.len());
+        Ok(state)
+    }
+
     /// An all-zero state with the right shapes, to be filled by a restore.
     pub fn zeroed(config: &ModelConfig) -> Result<Self, ModelError> {
         config.validate()?;
@@ -362,6 +384,10 @@ mod tests {
             after, buffers,
             "clone_from must reuse the snapshot's buffers"
         );
+        let mut resident = ModelState::zeroed_resident(&c).unwrap();
+        assert_eq!(resident, ModelState::zeroed(&c).unwrap());
+        resident.clone_from(&source);
+        assert_eq!(resident, source);
         // Into a state of another shape it still yields an equal copy.
         let mut other = ModelState::new(&config(Optimizer::Sgd { lr: 0.1 }), 3).unwrap();
         other.clone_from(&source);
