@@ -83,8 +83,14 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
         if let Some(task) = task {
             let shared = shared.clone();
             tokio::spawn(async move {
+                let own_saves = matches!(task, Task::OwnSaves { .. });
                 run_task(&shared, task).await;
-                shared.lock().busy = false;
+                let mut s = shared.lock();
+                s.busy = false;
+                // However the round ended (done, abandoned, never sent), the next may come.
+                if own_saves && let Some(own) = s.own_saves.as_mut() {
+                    own.finished();
+                }
             });
         }
     }

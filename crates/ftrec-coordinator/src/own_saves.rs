@@ -156,6 +156,8 @@ impl OwnSaves {
                 *at = kept.last().copied().unwrap_or(0);
             }
             self.retained = retained;
+            self.requested.clear();
+            self.running = false;
         }
     }
 }

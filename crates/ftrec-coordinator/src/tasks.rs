@@ -53,12 +53,7 @@ pub(super) async fn run_task(shared: &std::sync::Arc<Shared>, task: Task) {
             epoch,
             step,
             servers,
-        } => {
-            own_saves(shared, clients, epoch, step, servers).await;
-            if let Some(own) = shared.lock().own_saves.as_mut() {
-                own.finished();
-            }
-        }
+        } => own_saves(shared, clients, epoch, step, servers).await,
         Task::Checkpoint {
             epoch,
             step,

@@ -130,7 +130,11 @@ impl ParameterServer for Service {
                 .job
                 .network()
                 .clone()
-                .blocking(move || core.write_own_save(&checkpoints))
+                .blocking(move || {
+                    let save = core.write_own_save(&checkpoints)?;
+                    core.metrics.add("ftrec_checkpoints_total", 1);
+                    Ok::<_, PsError>(save)
+                })
                 .await??;
             return Ok(Response::new(CheckpointReply {
                 id: save.manifest.id.clone(),
