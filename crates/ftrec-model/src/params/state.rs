@@ -365,23 +365,20 @@ mod tests {
         });
         let source = ModelState::new(&c, 1).unwrap();
         let mut snapshot = ModelState::new(&c, 2).unwrap();
-        let buffers: Vec<*const u8> = snapshot
-            .tables()
-            .iter()
-            .map(|t| t.as_bytes().as_ptr())
-            .chain([snapshot.dense.params.as_ptr().cast()])
-            .collect();
+        let buffers_of = |s: &ModelState| -> Vec<*const u8> {
+            s.tables()
+                .iter()
+                .map(|t| t.as_bytes().as_ptr())
+                .chain([s.dense.params.as_ptr().cast()])
+                .collect()
+        };
+        let buffers = buffers_of(&snapshot);
         snapshot.clone_from(&source);
         assert_eq!(snapshot, source);
         assert_eq!(snapshot.digest(), source.digest());
-        let after: Vec<*const u8> = snapshot
-            .tables()
-            .iter()
-            .map(|t| t.as_bytes().as_ptr())
-            .chain([snapshot.dense.params.as_ptr().cast()])
-            .collect();
         assert_eq!(
-            after, buffers,
+            buffers_of(&snapshot),
+            buffers,
             "clone_from must reuse the snapshot's buffers"
         );
         let mut resident = ModelState::zeroed_resident(&c).unwrap();
