@@ -83,7 +83,9 @@ impl Core {
             (step, identity)
         };
         let stall_seconds = copying.elapsed().as_secs_f64();
-        // Nothing applied since this server's last save: that save is this one.
+        // A save at this floor is committed already: the floor has not moved since, so it
+        // stands for this one (asynchronous pushes applied ahead of the floor since then
+        // wait for the next save; the PLS counts from the floor either way).
         if let Some(manifest) = self.committed_part(checkpoints, step)? {
             return Ok(OwnSave {
                 manifest,
