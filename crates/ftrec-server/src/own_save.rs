@@ -58,12 +58,19 @@ pub(super) struct OwnSave {
 impl Core {
     pub(super) fn write_own_save(&self, checkpoints: &Checkpoints) -> Result<OwnSave, PsError> {
         let mut slot = lock(&self.own_save);
-        if slot.snapshot.is_none() {
+        let OwnSaveSlot {
+            snapshot,
+            checkpointer,
+        } = &mut *slot;
+        let snapshot = match snapshot {
+            Some(snapshot) => snapshot,
             // The first save's room, allocated outside the shard lock: faulting in a
             // shard's worth of fresh pages takes several times as long as the copy.
-            let config = self.shard_read()?.state().config().clone();
-            slot.snapshot = Some(ModelState::zeroed_resident(&config)?);
-        }
+            None => {
+                let config = self.shard_read()?.state().config().clone();
+                snapshot.insert(ModelState::zeroed_resident(&config)?)
+            }
+        };
         let copying = Instant::now();
         let (step, identity) = {
             let shard = self.shard_read()?;
@@ -76,10 +83,7 @@ impl Core {
                 applied_ahead: ahead,
                 ..self.identity(&shard, step)
             };
-            match slot.snapshot.as_mut() {
-                Some(snapshot) => snapshot.clone_from(shard.state()),
-                None => slot.snapshot = Some(shard.state().clone()),
-            }
+            snapshot.clone_from(shard.state());
             (step, identity)
         };
         let stall_seconds = copying.elapsed().as_secs_f64();
@@ -93,13 +97,6 @@ impl Core {
                 stall_seconds,
             });
         }
-        let OwnSaveSlot {
-            snapshot,
-            checkpointer,
-        } = &mut *slot;
-        let Some(snapshot) = snapshot.as_ref() else {
-            return Err(PsError::Internal("own save: no snapshot taken".into()));
-        };
         if checkpointer.is_none() {
             let tables = snapshot.tables().len();
             *checkpointer = self
@@ -116,7 +113,7 @@ impl Core {
         let written = ck
             .checkpoints()
             .pin_step(step)
-            .and_then(|()| ck.checkpoint(snapshot, step, identity.to_json()));
+            .and_then(|()| ck.checkpoint(&*snapshot, step, identity.to_json()));
         let manifest = match written {
             Ok(m) => m,
             Err(e) => {
