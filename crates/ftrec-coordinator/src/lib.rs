@@ -274,6 +274,16 @@ impl Shared {
         self.lock().pid_of(role, id)
     }
 
+    /// The pids of the spares that wait for a slot (not yet given one).
+    pub fn waiting_spare_pids(&self) -> Vec<u32> {
+        self.lock()
+            .spares
+            .iter()
+            .filter(|s| s.assigned.is_none() && s.member.pid != 0)
+            .map(|s| s.member.pid)
+            .collect()
+    }
+
     /// Seconds since the timeline began: the clock of every event and recovery.
     pub fn now(&self) -> f64 {
         self.lock().timeline.now()

@@ -15,6 +15,7 @@ mod own_save;
 mod pipeline;
 mod priority;
 mod rebuild;
+mod reserve;
 mod service;
 pub mod shard;
 
@@ -106,6 +107,9 @@ struct Core {
     /// This process's incarnation of its slot (`JoinReply.incarnation`), sent with every
     /// heartbeat so the coordinator refuses it once a newer process holds the slot.
     incarnation: u64,
+    /// A promoted spare's memory, written while it waited (`reserve.rs`); the rebuild
+    /// takes it.
+    reserve: Mutex<reserve::Reserve>,
 }
 
 /// The job's secret check, counting every request it lets through: what `cluster run`
@@ -279,11 +283,18 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         .map_err(|s| PsError::rpc(format!("joining coordinator {}", coordinator.address()), &s))?
         .into_inner();
     let heartbeat = Duration::from_millis(cluster.heartbeat_ms);
-    let id = match opts.id {
-        Some(id) => id,
+    let (id, reserve) = match opts.id {
+        Some(id) => (id, reserve::Reserve::default()),
         None => {
             tracing::info!("spare server at {address} waiting for a slot");
-            wait_for_assignment(&coordinator, joined.spare_token, heartbeat, &job).await?
+            let c = &job.config;
+            let building = (c.cluster.ft.erasure_coded()
+                && c.ec.spare_reserve
+                && !network.is_simulated())
+            .then(|| Ok::<_, PsError>(reserve::SpareReserve::start(c.model_config()?, layout)))
+            .transpose()?;
+            let id = wait_for_assignment(&coordinator, joined.spare_token, heartbeat, &job).await?;
+            (id, building.map(|b| b.take()).unwrap_or_default())
         }
     };
     tracing::info!("server {id} at {address}, epoch {}", joined.epoch);
@@ -406,6 +417,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         background: Mutex::new(None),
         background_ids: std::sync::atomic::AtomicU64::new(0),
         incarnation: joined.incarnation,
+        reserve: Mutex::new(reserve),
     });
     let service = tonic::service::interceptor::InterceptedService::new(
         ParameterServerServer::new(service::Service(core.clone()))

@@ -347,6 +347,13 @@ impl Core {
             .dense
             .ok_or_else(|| PsError::Internal("rebuild: no dense range".into()))?;
         let mut redundancy = Redundancy::empty(global, layout, me)?;
+        // A promoted spare's rows and parity are written already (`reserve.rs`); elsewhere
+        // these are lazily mapped allocations, as `Redundancy::empty`'s are.
+        let mut reserve =
+            std::mem::take(&mut *self.reserve.lock().unwrap_or_else(|p| p.into_inner()));
+        for (t, parity) in redundancy.parity.iter_mut().enumerate() {
+            *parity = reserve.parity(t, parity.len());
+        }
         redundancy.replica = parts.replica;
         if layout.dense_coded() {
             redundancy.dense_parity = parts.dense_parity;
@@ -384,7 +391,7 @@ impl Core {
                     local_rows,
                     global.dim,
                     stride,
-                    vec![0.0; local_rows * stride],
+                    reserve.table(t, local_rows * stride),
                 )
                 .ok_or_else(|| PsError::Config("shard table shape".into()))?,
             );

@@ -429,6 +429,32 @@ fn training_goes_on_degraded_while_the_replacement_rebuilds_in_the_background() 
     extra.extend(["--kill", "server:1@step:10", "--kill", "server:1@rebuild"]);
     let out = ec_run(&data, &dir.path().join("mid"), "3", &extra);
     assert_exact(&out, &expected, &[1, 1], "killed mid background rebuild");
+
+    // A spare takes the slot and rebuilds into the rows and parity it wrote while it
+    // waited (`ec.spare_reserve`): reserved for the largest slot and cut to this one's
+    // size, zero where the rebuild writes nothing. Its memory while waiting is reported.
+    let mut extra = SLOW_REBUILD.to_vec();
+    extra.extend(["--spares", "1", "--kill", "server:1@step:10"]);
+    let run = dir.path().join("spare");
+    let out = ec_run(&data, &run, "3", &extra);
+    assert_exact(&out, &expected, &[1], "a spare rebuilt into its reserve");
+    assert!(
+        out["waiting_spare_peak_rss_bytes"].as_u64().unwrap() > 0,
+        "{out}"
+    );
+    let spare_log = std::fs::read_dir(run.join("logs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("spare-")
+        })
+        .expect("the spare's log");
+    let log = std::fs::read_to_string(&spare_log).unwrap();
+    assert!(log.contains("memory reserve written"), "{log}");
+    assert!(log.contains("server 1 at"), "the spare took slot 1: {log}");
 }
 
 #[test]

@@ -90,6 +90,10 @@ pub struct LaunchReport {
     /// Per server slot, the largest peak resident set (`VmHWM`) of the processes that
     /// held it, read from `/proc` while the run went on (null where none could be read).
     pub server_peak_rss_bytes: Vec<Option<u64>>,
+    /// The largest peak resident set of a spare while it waited for a slot (null without
+    /// spares): a spare's memory reserve (`ec.spare_reserve`) is paid here, before any
+    /// failure.
+    pub waiting_spare_peak_rss_bytes: Option<u64>,
     /// The server processes' CPU time (`/proc`, summed over the servers) while training
     /// ran, and in each recovery's background rebuild (from the resume to full
     /// redundancy; null for a recovery with none).
@@ -198,7 +202,9 @@ async fn run_async(
             report::final_report(&job, &shared, kill_times, evaluate, &run_dir).await?;
         // The servers still serve: gathering the model for the report is part of the run.
         peaks.sample(|role, id| shared.pid_of(role, id));
+        peaks.sample_spares(&shared.waiting_spare_pids());
         report.server_peak_rss_bytes = peaks.per_server();
+        report.waiting_spare_peak_rss_bytes = peaks.waiting_spare();
         let cpu = cpu.lock().unwrap_or_else(|p| p.into_inner());
         let training_start = shared
             .timeline()
@@ -297,6 +303,7 @@ impl Supervised<'_> {
         loop {
             self.spawner.reap_exited();
             peaks.sample(|role, id| shared.pid_of(role, id));
+            peaks.sample_spares(&shared.waiting_spare_pids());
             for (name, pid) in self
                 .spawner
                 .kill_superseded(|role, id| shared.pid_of(role, id))

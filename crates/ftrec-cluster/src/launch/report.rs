@@ -73,6 +73,7 @@ pub async fn final_report(
         kill_to_resume_seconds: kill_to_resume,
         // The launcher samples `/proc` as the run goes; it fills these in.
         server_peak_rss_bytes: Vec::new(),
+        waiting_spare_peak_rss_bytes: None,
         server_cpu_training: None,
         server_cpu_rebuilds: Vec::new(),
         auc,

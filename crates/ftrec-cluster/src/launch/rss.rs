@@ -10,12 +10,16 @@ use ftrec_proto::proto::Role;
 #[derive(Debug, Default)]
 pub(super) struct PeakRss {
     per_server: Vec<Option<u64>>,
+    /// The largest peak of a spare while it waited for a slot (its memory reserve,
+    /// `ec.spare_reserve`): what standing by costs, beside what serving costs.
+    waiting_spare: Option<u64>,
 }
 
 impl PeakRss {
     pub(super) fn new(servers: usize) -> Self {
         Self {
             per_server: vec![None; servers],
+            waiting_spare: None,
         }
     }
 
@@ -32,6 +36,19 @@ impl PeakRss {
 
     pub(super) fn per_server(&self) -> Vec<Option<u64>> {
         self.per_server.clone()
+    }
+
+    /// Reads the peak of each waiting spare in `pids`.
+    pub(super) fn sample_spares(&mut self, pids: &[u32]) {
+        for &pid in pids {
+            if let Some(bytes) = read_peak_rss(pid) {
+                self.waiting_spare = Some(self.waiting_spare.map_or(bytes, |p| p.max(bytes)));
+            }
+        }
+    }
+
+    pub(super) fn waiting_spare(&self) -> Option<u64> {
+        self.waiting_spare
     }
 }
 
