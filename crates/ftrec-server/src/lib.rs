@@ -96,8 +96,8 @@ struct Core {
     /// Erasure coding: clients for the other servers (parity differences, degraded reads).
     peers: Option<Arc<ec::Peers>>,
     /// Erasure coding over real TCP without TLS (`ec.rebuild_transport = "bulk"`): this
-    /// server's bulk port, where it parks cycle ranges for a replacement, and its side
-    /// for claiming survivors' ranges when it is one (`bulk.rs`).
+    /// server's bulk port, where it sends cycle ranges to a replacement straight from its
+    /// tables, and its side for asking survivors' ranges when it is one (`bulk.rs`).
     bulk: Option<Arc<bulk::BulkServer>>,
     bulk_client: Option<Arc<bulk::BulkClient>>,
     /// A background rebuild in progress here (`degraded.rs`).
@@ -419,6 +419,10 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         incarnation: joined.incarnation,
         reserve: Mutex::new(reserve),
     });
+    if let Some(bulk) = &core.bulk {
+        let source: std::sync::Weak<dyn bulk::RangeSource> = Arc::downgrade(&core) as _;
+        bulk.serve_from(source);
+    }
     let service = tonic::service::interceptor::InterceptedService::new(
         ParameterServerServer::new(service::Service(core.clone()))
             .max_decoding_message_size(usize::MAX)

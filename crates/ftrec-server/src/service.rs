@@ -515,12 +515,10 @@ impl ParameterServer for Service {
         req: Request<FetchSlotsRequest>,
     ) -> Result<Response<FetchSlotsReply>, Status> {
         let reply = self.0.fetch_slots(req.get_ref())?;
-        // Bytes parked for the bulk stream count too: they leave through the bulk port.
+        // Bytes sent through the bulk port are counted there (`RangeSource for Core`).
         self.0.metrics.add(
             "ftrec_rpc_bytes_out_total",
-            (reply.data.len() + reply.parity.len()) as u64
-                + reply.bulk_data_len
-                + reply.bulk_parity_len,
+            (reply.data.len() + reply.parity.len()) as u64,
         );
         Ok(Response::new(reply))
     }

@@ -1,8 +1,9 @@
 //! The background part of a rebuild: every pending slot, decoded from whole *cycle
 //! ranges*. A cycle of a group's `n` stripes fills `k` data and `r` parity slots on every
 //! member, so cycles `[c0, c1)` are one contiguous byte range of data slots and one of
-//! parity slots on each survivor: one `FetchSlots` per survivor per range, one copy out of
-//! its table, no slot list. If the replacement's applied steps equal every survivor's (the
+//! parity slots on each survivor: one request per survivor per range, no slot list, sent
+//! from the survivor's table with its applied steps (over its bulk port, `bulk.rs`; or
+//! copied into an RPC reply). If the replacement's applied steps equal every survivor's (the
 //! snapshot rule of the module docs), it decodes by the cycle's shape (the same for every
 //! cycle) straight into its table's still pending slots, under its write lock, on a thread
 //! that may block: no buffer, no install copy.
@@ -23,6 +24,7 @@ use ftrec_proto::proto::*;
 
 use super::{Background, Rounds, Sorted, decode_row, rows_as_asked};
 use crate::Core;
+use crate::bulk::RangeAsk;
 
 /// Bytes each survivor sends per range: large enough that per-call costs vanish, small
 /// enough that the survivor's copy under its read lock (which a commit waits for) stays
@@ -74,6 +76,10 @@ impl Buffers {
             .unwrap_or_else(|p| p.into_inner())
             .pop()
             .unwrap_or_default()
+    }
+
+    fn give(&self, rows: Vec<u8>) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(rows);
     }
 
     fn give_answers(&self, answers: Vec<CycleAnswer>) {
@@ -186,52 +192,95 @@ fn decode_cycles(
 }
 
 impl Core {
-    /// A survivor's rows of a range: inside its reply, or parked at its bulk port.
-    async fn cycle_rows(
+    /// A survivor's rows of a range, with its steps: over its bulk port (a pooled
+    /// connection, or one opened with a ticket asked over RPC), or inside an RPC reply.
+    #[allow(clippy::too_many_arguments)]
+    async fn survivor_rows(
         &self,
         buffers: &Buffers,
+        peers: &crate::ec::Peers,
         server: usize,
-        reply: FetchSlotsReply,
-        data_slots: usize,
-        parity_slots: usize,
+        epoch: u64,
+        fresh: bool,
+        range: &CycleRange,
         row_bytes: usize,
     ) -> Result<CycleAnswer, PsError> {
-        let applied = (reply.applied_below, reply.applied_ahead);
-        if reply.bulk_ticket.is_empty() {
-            return Ok(CycleAnswer {
-                server,
-                rows: Rows::Rpc {
-                    data: rows_as_asked(data_slots, reply.data, row_bytes)?,
-                    parity: rows_as_asked(parity_slots, reply.parity, row_bytes)?,
-                },
-                applied,
-            });
-        }
-        let Some(bulk) = &self.bulk_client else {
-            return Err(PsError::BadRequest(format!(
-                "server {server} answered with a bulk ticket that was not asked for"
-            )));
+        let ask = RangeAsk {
+            epoch,
+            table: range.table as u32,
+            data: range.data.start as u64..range.data.end as u64,
+            parity: range.parity.start as u64..range.parity.end as u64,
         };
-        let (data_len, parity_len) = (data_slots * row_bytes, parity_slots * row_bytes);
-        if reply.bulk_data_len != data_len as u64 || reply.bulk_parity_len != parity_len as u64 {
-            return Err(PsError::BadRequest(format!(
-                "server {server} parked {} + {} bytes for {data_len} + {parity_len} asked",
-                reply.bulk_data_len, reply.bulk_parity_len
-            )));
+        let rpc =
+            |e: tonic::Status, what: &str| PsError::rpc(format!("{what} server {server}"), &e);
+        if let Some(bulk) = &self.bulk_client {
+            let stream = match bulk.pooled(server) {
+                Some(stream) => Some(stream),
+                None => {
+                    let mut client = peers.client(server, fresh, epoch).await?;
+                    let reply = client
+                        .fetch_slots(FetchSlotsRequest {
+                            epoch,
+                            bulk_session: true,
+                            ..Default::default()
+                        })
+                        .await
+                        .map_err(|s| rpc(s, "open a bulk session with"))?
+                        .into_inner();
+                    // A survivor without a bulk port answers inside its RPC replies.
+                    match reply.bulk_ticket.is_empty() {
+                        true => None,
+                        false => {
+                            let ticket = crate::bulk::ticket_of(&reply.bulk_ticket)?;
+                            Some(bulk.open(&reply.bulk_address, ticket).await?)
+                        }
+                    }
+                }
+            };
+            if let Some(mut stream) = stream {
+                let mut rows = buffers.take();
+                return match bulk.range(&mut stream, &ask, row_bytes, &mut rows).await {
+                    Ok(answer) => {
+                        bulk.keep(server, stream);
+                        Ok(CycleAnswer {
+                            server,
+                            rows: Rows::Bulk {
+                                rows,
+                                data_len: answer.data_len,
+                            },
+                            applied: answer.applied,
+                        })
+                    }
+                    // The connection goes with the error: the next range opens another.
+                    Err(e) => {
+                        buffers.give(rows);
+                        Err(e)
+                    }
+                };
+            }
         }
-        let ticket = crate::bulk::ticket_of(&reply.bulk_ticket)?;
-        let rows = bulk
-            .claim(
-                &reply.bulk_address,
-                ticket,
-                data_len + parity_len,
-                buffers.take(),
-            )
-            .await?;
+        let mut client = peers.client(server, fresh, epoch).await?;
+        let reply = client
+            .fetch_slots(FetchSlotsRequest {
+                epoch,
+                table: ask.table,
+                ranges: true,
+                data_first: ask.data.start,
+                data_end: ask.data.end,
+                parity_first: ask.parity.start,
+                parity_end: ask.parity.end,
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| rpc(s, "fetch cycles from"))?
+            .into_inner();
         Ok(CycleAnswer {
             server,
-            rows: Rows::Bulk { rows, data_len },
-            applied,
+            rows: Rows::Rpc {
+                data: rows_as_asked(range.data.len(), reply.data, row_bytes)?,
+                parity: rows_as_asked(range.parity.len(), reply.parity, row_bytes)?,
+            },
+            applied: (reply.applied_below, reply.applied_ahead),
         })
     }
 
@@ -293,19 +342,6 @@ impl Core {
             .map(Some)
     }
 
-    /// Lets the parked rows of an inconsistent snapshot go, in the background.
-    fn drop_parked(&self, replies: Vec<(usize, FetchSlotsReply)>) {
-        let Some(bulk) = self.bulk_client.clone() else {
-            return;
-        };
-        for (_, reply) in replies {
-            if let Ok(ticket) = crate::bulk::ticket_of(&reply.bulk_ticket) {
-                let bulk = bulk.clone();
-                tokio::spawn(async move { bulk.drop_ticket(&reply.bulk_address, ticket).await });
-            }
-        }
-    }
-
     /// Decodes and installs the pending slots of cycles `range.cycles` of a table from
     /// one consistent snapshot of every survivor's same cycles, reading again until one is.
     async fn materialize_cycles(
@@ -352,58 +388,19 @@ impl Core {
             // commit straddled it must not reconnect to every peer.
             let fresh = rounds.unreachable.any();
             let calls = survivors.iter().map(|&server| {
-                let peers = peers.clone();
-                let req = FetchSlotsRequest {
-                    epoch,
-                    table: table as u32,
-                    ranges: true,
-                    data_first: range.data.start as u64,
-                    data_end: range.data.end as u64,
-                    parity_first: range.parity.start as u64,
-                    parity_end: range.parity.end as u64,
-                    bulk: self.bulk_client.is_some(),
-                    ..Default::default()
-                };
-                async move {
-                    let mut client = peers.client(server, fresh, epoch).await?;
-                    let reply = client
-                        .fetch_slots(req)
-                        .await
-                        .map_err(|s| {
-                            PsError::rpc(format!("fetch cycles from server {server}"), &s)
-                        })?
-                        .into_inner();
-                    Ok::<_, PsError>((server, reply))
-                }
+                self.survivor_rows(buffers, &peers, server, epoch, fresh, &range, row_bytes)
             });
             let what = || format!("server {me}: rebuild of table {table}");
             let sorted = Sorted::of(futures::future::join_all(calls).await, what)?;
-            let mut unreachable = sorted.unreachable;
-            let replies: Vec<(usize, FetchSlotsReply)> = sorted.ok;
-            let applied_of = |r: &FetchSlotsReply| (r.applied_below, r.applied_ahead.clone());
-            let snapshot = replies.len() == survivors.len()
-                && replies
-                    .windows(2)
-                    .all(|w| applied_of(&w[0].1) == applied_of(&w[1].1));
-            // Only a consistent snapshot's bytes are worth moving: the others are dropped
-            // where they are parked.
-            let mut answers: Vec<CycleAnswer> = Vec::new();
-            if snapshot {
-                let (d_len, p_len) = (range.data.len(), range.parity.len());
-                let rows = replies.into_iter().map(|(server, reply)| {
-                    self.cycle_rows(buffers, server, reply, d_len, p_len, row_bytes)
-                });
-                let sorted = Sorted::of(futures::future::join_all(rows).await, what)?;
-                answers = sorted.ok;
-                unreachable = unreachable.or(sorted.unreachable);
-            } else {
-                self.drop_parked(replies);
-            }
+            let unreachable = sorted.unreachable;
+            let answers: Vec<CycleAnswer> = sorted.ok;
             rounds.unreachable.count(unreachable, what)?;
-            // Every survivor's rows, of one snapshot (`snapshot` held: their steps agree).
-            if answers.len() == survivors.len()
-                && let Some(applied) = answers.first().map(|a| a.applied.clone())
-            {
+            // Every survivor's rows, of one snapshot: their steps agree. (A snapshot that
+            // straddled a commit moved its bytes for nothing: with the rows sent straight
+            // from the survivors' tables, the steps come with them.)
+            let snapshot = answers.len() == survivors.len()
+                && answers.windows(2).all(|w| w[0].applied == w[1].applied);
+            if snapshot && let Some(applied) = answers.first().map(|a| a.applied.clone()) {
                 let installed = self.decode_and_install(
                     &background,
                     &shape,

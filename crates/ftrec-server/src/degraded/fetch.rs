@@ -1,21 +1,56 @@
 //! A survivor's side of a degraded read or a rebuild: `FetchSlots` answers slots of one
 //! table together with the steps this server has applied, read under one read lock, so
 //! that the reader can tell whether its answers from several servers form one snapshot.
+//! The bulk port (`bulk.rs`) reads a rebuild's cycle ranges through the same function.
 
 use ftrec_proto::PsError;
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::bytes_to_u32s;
 
 use crate::Core;
+use crate::bulk::{RangeAsk, RangeRows, RangeSource};
 use crate::shard::Shard;
 
 impl Core {
     /// `FetchSlots`: slots of one table (a list, or contiguous ranges) with this server's
-    /// applied steps, read together.
+    /// applied steps, read together; or a ticket for this server's bulk port.
     pub(crate) fn fetch_slots(&self, req: &FetchSlotsRequest) -> Result<FetchSlotsReply, PsError> {
         self.check_epoch(req.epoch)?;
+        if req.bulk_session {
+            return Ok(match &self.bulk {
+                Some(bulk) => FetchSlotsReply {
+                    bulk_address: bulk.address().to_string(),
+                    bulk_ticket: crate::bulk::ticket_bytes(bulk.issue()),
+                    ..Default::default()
+                },
+                None => FetchSlotsReply::default(),
+            });
+        }
         if req.ranges {
-            return self.fetch_slot_ranges(req);
+            if !req.data.is_empty() || !req.parity.is_empty() || !req.more_tables.is_empty() {
+                return Err(PsError::BadRequest(
+                    "FetchSlots with ranges and slot lists at once".into(),
+                ));
+            }
+            let ask = RangeAsk {
+                epoch: req.epoch,
+                table: req.table,
+                data: req.data_first..req.data_end,
+                parity: req.parity_first..req.parity_end,
+            };
+            // One copy out of the table under the read lock: what lets the lock go before
+            // the bytes go out.
+            let mut reply = None;
+            self.with_slot_ranges(&ask, &mut |rows| {
+                reply = Some(FetchSlotsReply {
+                    data: bytes::Bytes::copy_from_slice(rows.data),
+                    parity: bytes::Bytes::copy_from_slice(rows.parity),
+                    applied_below: rows.applied_below,
+                    applied_ahead: rows.applied_ahead,
+                    ..Default::default()
+                });
+            })?;
+            return reply.ok_or_else(|| PsError::Internal("a range read nothing".into()));
         }
         let shard = self.shard_read()?;
         let (data, parity) = slot_lists(&shard, req.table as usize, &req.data, &req.parity)?;
@@ -43,23 +78,22 @@ impl Core {
         })
     }
 
-    /// `FetchSlots` with `ranges`: data slots `[data_first, data_end)` and parity slots
-    /// `[parity_first, parity_end)`, each one copy out of the table under the read lock
-    /// (the copy is what lets the lock go before the bytes go out).
-    fn fetch_slot_ranges(&self, req: &FetchSlotsRequest) -> Result<FetchSlotsReply, PsError> {
-        if !req.data.is_empty() || !req.parity.is_empty() || !req.more_tables.is_empty() {
-            return Err(PsError::BadRequest(
-                "FetchSlots with ranges and slot lists at once".into(),
-            ));
-        }
-        let table = req.table as usize;
-        let span = |first: u64, end: u64, what: &str| {
-            (first <= end)
-                .then_some(first as usize..end as usize)
-                .ok_or_else(|| PsError::BadRequest(format!("{what} slots {first}..{end}")))
+    /// Data slots `ask.data` and parity slots `ask.parity` of a table, handed to `send`
+    /// as the table's own bytes with this server's applied steps, all under one read lock.
+    fn with_slot_ranges(
+        &self,
+        ask: &RangeAsk,
+        send: &mut dyn FnMut(RangeRows<'_>),
+    ) -> Result<(), PsError> {
+        self.check_epoch(ask.epoch)?;
+        let table = ask.table as usize;
+        let span = |r: &std::ops::Range<u64>, what: &str| {
+            (r.start <= r.end)
+                .then_some(r.start as usize..r.end as usize)
+                .ok_or_else(|| PsError::BadRequest(format!("{what} slots {}..{}", r.start, r.end)))
         };
-        let data = span(req.data_first, req.data_end, "data")?;
-        let parity = span(req.parity_first, req.parity_end, "parity")?;
+        let data = span(&ask.data, "data")?;
+        let parity = span(&ask.parity, "parity")?;
         let shard = self.shard_read()?;
         let Some(rows) = shard.state().tables().get(table) else {
             return Err(PsError::BadRequest(format!("table {table} does not exist")));
@@ -109,36 +143,39 @@ impl Core {
                     ))
                 })?
         };
-        let steps = self.steps();
-        let (data, parity) = (
-            bytes::Bytes::copy_from_slice(data_bytes),
-            bytes::Bytes::copy_from_slice(parity_bytes),
-        );
-        let (applied_below, applied_ahead) = (steps.low(), steps.ahead().collect());
-        drop(steps);
-        drop(shard);
-        if req.bulk
-            && let Some(bulk) = &self.bulk
-        {
-            let (data_len, parity_len) = (data.len() as u64, parity.len() as u64);
-            let ticket = bulk.park(data, parity);
-            return Ok(FetchSlotsReply {
-                applied_below,
-                applied_ahead,
-                bulk_address: bulk.address().to_string(),
-                bulk_ticket: crate::bulk::ticket_bytes(ticket),
-                bulk_data_len: data_len,
-                bulk_parity_len: parity_len,
-                ..Default::default()
-            });
-        }
-        Ok(FetchSlotsReply {
-            data,
-            parity,
+        // The applied steps change only under the shard's write lock: read under the same
+        // read lock as the rows, they are the rows' steps. Their own mutex is let go before
+        // `send`, which may write to a socket.
+        let (applied_below, applied_ahead) = {
+            let steps = self.steps();
+            (steps.low(), steps.ahead().collect())
+        };
+        send(RangeRows {
             applied_below,
             applied_ahead,
-            ..Default::default()
-        })
+            data: data_bytes,
+            parity: parity_bytes,
+        });
+        drop(shard);
+        Ok(())
+    }
+}
+
+/// A survivor's bulk port reads ranges from the shard; its bytes count as sent, like an
+/// RPC reply's.
+impl RangeSource for Core {
+    fn with_range(
+        &self,
+        ask: &RangeAsk,
+        send: &mut dyn FnMut(RangeRows<'_>),
+    ) -> Result<(), PsError> {
+        let mut bytes = 0;
+        self.with_slot_ranges(ask, &mut |rows| {
+            bytes = (rows.data.len() + rows.parity.len()) as u64;
+            send(rows)
+        })?;
+        self.metrics.add("ftrec_rpc_bytes_out_total", bytes);
+        Ok(())
     }
 }
 
