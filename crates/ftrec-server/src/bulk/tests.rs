@@ -172,6 +172,29 @@ async fn a_connection_needs_a_ticket_issued_over_rpc_used_once_in_time() {
     );
 }
 
+#[tokio::test]
+async fn a_claimant_that_stops_reading_is_let_go_after_the_expiry() {
+    let big = 64 << 20;
+    let table = Arc::new(Table {
+        rows: RwLock::new((vec![9; big], 1)),
+        parity: Vec::new(),
+    });
+    let server = port(&table, Duration::from_millis(300)).await;
+    let client = BulkClient::new(Duration::from_secs(5));
+    let mut stream = client.open(server.address(), server.issue()).await.unwrap();
+    stream
+        .write_all(&ask(1, 0..big as u64, 0..0).encode())
+        .await
+        .unwrap();
+    // Frozen: nothing read for longer than the expiry. More than the socket buffers hold
+    // is owed, so the survivor's write of the rest waits, and gives up.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut got = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut got)).await;
+    assert!(ended.is_ok(), "the survivor closed the connection");
+    assert!(got.len() < big, "{} bytes of {big} came", got.len());
+}
+
 #[test]
 fn a_ticket_of_the_wrong_length_is_refused() {
     assert!(ticket_of(&[0u8; 15]).is_err());
