@@ -59,8 +59,10 @@ pub struct BenchEcArgs {
     /// The rebuild's cap (`ec.rebuild_bytes_per_sec`) in the throttled SIGKILL run, the
     /// one judged by throughput while rebuilding: 2 cores cannot both rebuild at full
     /// speed and train at full speed, so the unthrottled run measures the rebuild and this
-    /// one what training keeps.
-    #[arg(long, default_value_t = 40_000_000)]
+    /// one what training keeps. 100 MB/s kept the most training in a sweep of 40-300 MB/s
+    /// (`bench/ec-throttle/sweep.sh`, BENCHMARKS.md): slower leaves rows to be decoded on
+    /// demand for longer, faster takes the cores.
+    #[arg(long, default_value_t = 100_000_000)]
     pub throttle: u64,
     #[arg(long)]
     pub json: bool,
