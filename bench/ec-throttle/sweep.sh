@@ -2,7 +2,8 @@
 # The throttled rebuild's rate against the training it keeps (issue 23): one `--ft ec` run
 # without a failure, then one SIGKILL run per cap, on `bench ec`'s job (tiny preset, Adagrad
 # rows, Adam dense, 3 servers, 2 workers, a spare, 300 steps). Prints, per cap, the steps
-# committed per second from the resume to full redundancy over the failure-free run's.
+# committed per second from the resume to full redundancy (or to the last step, if the
+# rebuild outlasted the steps) over the failure-free run's.
 #
 # usage: bench/ec-throttle/sweep.sh FTREC DATA OUT [CAP ...]   (caps in bytes/s; 0 = none)
 set -euo pipefail
@@ -24,12 +25,14 @@ python3 - "$OUT" "${CAPS[@]}" <<'PY'
 import json, sys
 out, caps = sys.argv[1], sys.argv[2:]
 none = json.load(open(f"{out}/none.json"))
-normal = none["steps"] / none["train_seconds"]
+normal = none["steps"] / none["train_seconds"]  # no rebuild to wait for
 print(f"failure-free: {normal:.2f} steps/s")
 for cap in caps:
     r = json.load(open(f"{out}/cap-{cap}.json"))
     x = r["recoveries"][0]
-    window = x["detected_at"] + x["degraded_seconds"] - x["resumed_at"]
+    # To full redundancy, or to the last step if the rebuild outlasted the steps.
+    end = min(x["detected_at"] + x["degraded_seconds"], r.get("last_step_at") or 1e18)
+    window = end - x["resumed_at"]
     degraded = x["steps_committed_while_degraded"] / window
     rate = x["rebuild_bytes"] / x["rebuild_seconds"] / 1e6
     print(f"cap {int(cap) / 1e6:6.0f} MB/s: rebuild {rate:5.0f} MB/s over {window:5.2f} s, "

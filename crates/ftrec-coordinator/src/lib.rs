@@ -185,6 +185,8 @@ struct State {
     deposed: bool,
     /// Seconds trained under earlier leaders (etcd membership), failovers included.
     train_seconds_before: f64,
+    /// When the last step so far was counted, on the timeline's clock.
+    last_step_at: Option<f64>,
     /// Takeovers by standbys over the job's life; the last one's time is filled in when
     /// its first step settles (`failover_since_unix`: the old leader's last write).
     failovers: Vec<Failover>,
@@ -319,6 +321,7 @@ impl Shared {
             server_rpc_bytes: s.served.values().map(|v| v.1).sum(),
             epoch: s.epoch,
             checkpoints: s.checkpoints.clone(),
+            last_step_at: s.last_step_at,
             recovery_seconds: s
                 .recoveries
                 .iter()
@@ -484,6 +487,7 @@ impl Shared {
         }
         s.samples += n;
         s.timeline.samples(n);
+        s.last_step_at = Some(s.timeline.now());
         self.metrics.add("ftrec_samples_total", n);
         self.metrics.add("ftrec_steps_total", 1);
     }

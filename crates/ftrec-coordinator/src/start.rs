@@ -161,6 +161,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             cpr: cpr::CprState::new(&job, schedule.samples_before(total_steps))?,
             deposed: false,
             train_seconds_before: 0.0,
+            last_step_at: None,
             failovers: Vec::new(),
             failover_since_unix: None,
             taken_over_started: false,

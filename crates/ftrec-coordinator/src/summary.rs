@@ -88,6 +88,10 @@ pub struct RunSummary {
     pub epoch: u64,
     pub checkpoints: Vec<CheckpointRecord>,
     pub recoveries: Vec<Recovery>,
+    /// When the last step was counted, on the timeline's clock (the recoveries' clock).
+    /// Training ends later when a background rebuild outlasts the steps: the run waits for
+    /// full redundancy, and `train_seconds` counts that wait.
+    pub last_step_at: Option<f64>,
     pub recovery_seconds: f64,
     /// Steps trained again because of rollbacks, over every recovery (0 under partial
     /// recovery and erasure coding).
