@@ -173,7 +173,7 @@ pub struct EcSection {
     /// either applied everywhere (rows, parity, replicas) or nowhere.
     #[serde(default = "yes")]
     pub two_phase_commit: bool,
-    /// Cycle ranges (about 8 MiB from each survivor) a background rebuild fetches and
+    /// Cycle ranges (about 2 MiB from each survivor) a background rebuild fetches and
     /// decodes at once.
     #[serde(default = "default_groups")]
     pub rebuild_locks: usize,

@@ -202,9 +202,9 @@ async fn accept(listener: TcpListener, server: Weak<BulkServer>) {
     }
 }
 
-/// The send buffer a bulk connection asks for: 4 MiB, which Linux doubles to 8 MiB, about
-/// a whole range, so that most of a range goes from the table straight to the kernel and
-/// little is copied out (at 4x rows, 0.88-0.91 core-seconds per GB rebuilt against
+/// The send buffer a bulk connection asks for: 4 MiB, which Linux doubles to 8 MiB, room
+/// for several ranges, so that a range goes from the table straight to the kernel and
+/// little or nothing is copied out (at 4x rows, 0.88-0.91 core-seconds per GB rebuilt against
 /// 0.98-1.03 with the kernel's own sizing, two runs each, issue 23). Only where the host
 /// allows that much (`net.core.wmem_max`): a fixed size turns off the kernel's own
 /// sizing, which reaches 4 MiB by default, so a smaller one would cost more than it saves.

@@ -26,10 +26,13 @@ use super::{Background, Rounds, Sorted, decode_row, rows_as_asked};
 use crate::Core;
 use crate::bulk::RangeAsk;
 
-/// Bytes each survivor sends per range: large enough that per-call costs vanish, small
-/// enough that the survivor's copy under its read lock (which a commit waits for) stays
-/// about a millisecond, and that a snapshot straddling a commit re-reads little.
-const RANGE_BYTES: usize = 8 << 20;
+/// Bytes each survivor sends per range: small enough that a range fits the bulk
+/// connection's send buffer, so the survivor hands it all to the kernel under its read
+/// lock and copies none of it out; large enough that per-range costs stay small. Measured
+/// at 4x rows, two runs each (issue 23): 8 MiB 783-827 MB/s and 0.87-0.91 core-seconds per
+/// GB rebuilt, 4 MiB 882-899 and 0.81-0.83, 2 MiB 934-1009 and 0.70-0.71, 1 MiB 777-811 and
+/// 0.78-0.79.
+const RANGE_BYTES: usize = 2 << 20;
 
 /// One survivor's answer to a cycle range.
 struct CycleAnswer {
@@ -61,7 +64,7 @@ impl CycleAnswer {
     }
 }
 
-/// Range-sized buffers a rebuild reuses: a fresh 8 MiB allocation is a fresh mapping,
+/// Range-sized buffers a rebuild reuses: a fresh range-sized allocation can be a fresh mapping,
 /// and zeroing and faulting its pages in cost the replacement more than decoding did
 /// (perf, issue 23).
 #[derive(Default)]
@@ -316,7 +319,7 @@ impl Core {
         }
         // Under the write lock, which a commit waits for: an XOR of the range into the
         // table takes about as long as the copy of a decoded buffer it replaces (1-2 ms
-        // per 8 MiB here). CPU work, so off the runtime's other tasks.
+        // per 8 MiB here, measured with 8 MiB ranges). CPU work, so off the runtime's other tasks.
         self.job
             .network()
             .in_place(|| {
