@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 use ftrec_proto::PsError;
 
@@ -23,7 +24,8 @@ pub(crate) struct RangeAnswer {
 /// A replacement's side: opened connections to survivors' bulk ports, kept for the next
 /// range.
 pub(crate) struct BulkClient {
-    idle: Mutex<HashMap<usize, Vec<TcpStream>>>,
+    /// Per survivor, opened connections and when each was kept.
+    idle: Mutex<HashMap<usize, Vec<(TcpStream, Instant)>>>,
     /// Bounds each exchange: a silent survivor must not hold the rebuild.
     deadline: Duration,
 }
@@ -36,13 +38,15 @@ impl BulkClient {
         }
     }
 
-    /// An opened connection to `server` kept from an earlier range, if any.
+    /// An opened connection to `server` kept from an earlier range, if any. Connections
+    /// idle for half the deadline or more are dropped instead: the survivor closes a
+    /// connection idle for its own deadline (the same setting), and a rebuild that found
+    /// only closed ones would count the survivor unreachable.
     pub(crate) fn pooled(&self, server: usize) -> Option<TcpStream> {
-        self.idle
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_mut(&server)
-            .and_then(Vec::pop)
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = idle.get_mut(&server)?;
+        kept.retain(|(_, since)| since.elapsed() < self.deadline / 2);
+        kept.pop().map(|(stream, _)| stream)
     }
 
     /// Keeps an opened connection to `server` whose last exchange ended cleanly.
@@ -52,7 +56,7 @@ impl BulkClient {
             .unwrap_or_else(|p| p.into_inner())
             .entry(server)
             .or_default()
-            .push(stream);
+            .push((stream, Instant::now()));
     }
 
     /// Connects to `address` and opens the connection with `ticket`.

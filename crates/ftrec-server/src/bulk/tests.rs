@@ -195,6 +195,27 @@ async fn a_claimant_that_stops_reading_is_let_go_after_the_expiry() {
     assert!(got.len() < big, "{} bytes of {big} came", got.len());
 }
 
+#[tokio::test]
+async fn a_connection_idle_for_half_the_deadline_is_not_reused() {
+    let table = Arc::new(Table {
+        rows: RwLock::new((vec![3; 16], 1)),
+        parity: Vec::new(),
+    });
+    let server = port(&table, Duration::from_secs(10)).await;
+    let client = BulkClient::new(Duration::from_millis(200));
+    let stream = client.open(server.address(), server.issue()).await.unwrap();
+    client.keep(4, stream);
+    assert!(client.pooled(4).is_some(), "kept just now: reused");
+    assert!(client.pooled(4).is_none(), "taken: the pool is empty");
+    let stream = client.open(server.address(), server.issue()).await.unwrap();
+    client.keep(4, stream);
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert!(
+        client.pooled(4).is_none(),
+        "idle past half the deadline: dropped"
+    );
+}
+
 #[test]
 fn a_ticket_of_the_wrong_length_is_refused() {
     assert!(ticket_of(&[0u8; 15]).is_err());
