@@ -94,33 +94,34 @@ fn take_or_allocate<T: Clone + Default>(slot: Option<&mut Option<Vec<T>>>, len: 
 /// cancel is checked under `into`'s lock, which [`SpareReserve::take`] sets it under: a
 /// table finished after the take is dropped, never added to what was taken.
 fn fill(needs: &[(usize, usize)], into: &Mutex<Reserve>, cancel: &AtomicBool) {
-    let lock = || into.lock().unwrap_or_else(|p| p.into_inner());
     {
-        let mut reserve = lock();
+        let mut reserve = into.lock().unwrap_or_else(|p| p.into_inner());
         reserve.tables.resize_with(needs.len(), || None);
         reserve.parity.resize_with(needs.len(), || None);
     }
+    // Writes `len` zeroes and stores them where `slot` says; false once cancelled.
+    fn deliver<T: Clone + Default>(
+        len: usize,
+        into: &Mutex<Reserve>,
+        cancel: &AtomicBool,
+        slot: impl FnOnce(&mut Reserve) -> &mut Option<Vec<T>>,
+    ) -> bool {
+        let Some(written) = resident(len, cancel) else {
+            return false;
+        };
+        let mut reserve = into.lock().unwrap_or_else(|p| p.into_inner());
+        if cancel.load(Ordering::Relaxed) {
+            return false;
+        }
+        *slot(&mut reserve) = Some(written);
+        true
+    }
     for (t, &(table, parity)) in needs.iter().enumerate() {
-        if cancel.load(Ordering::Relaxed) {
+        if !deliver(table, into, cancel, |r| &mut r.tables[t])
+            || !deliver(parity, into, cancel, |r| &mut r.parity[t])
+        {
             return;
         }
-        let Some(rows) = resident(table, cancel) else {
-            return;
-        };
-        let mut reserve = lock();
-        if cancel.load(Ordering::Relaxed) {
-            return;
-        }
-        reserve.tables[t] = Some(rows);
-        drop(reserve);
-        let Some(bytes) = resident(parity, cancel) else {
-            return;
-        };
-        let mut reserve = lock();
-        if cancel.load(Ordering::Relaxed) {
-            return;
-        }
-        reserve.parity[t] = Some(bytes);
     }
 }
 
