@@ -1,13 +1,21 @@
 //! Fully connected layers over the [`MatMul`] trait. Weights are stored PyTorch-style as
 //! `W [out x in]`, so `y = x W^T + b`; activations are kept (post-ReLU) for backward.
 
+use rayon::prelude::*;
+
 use crate::ModelConfig;
 use crate::matmul::{MatMul, MatMut, MatRef};
 
+/// `row + bias`, then the ReLU where `relu`: the layer's epilogue, one pass over rows the
+/// product wrote. `bias + product` is the same IEEE sum as the product accumulated onto a
+/// copy of the bias, so the bits are those of that older two-pass form.
 #[multiversion::multiversion(targets = "simd")]
-fn relu(values: &mut [f32]) {
-    for v in values {
-        *v = v.max(0.0);
+fn add_bias(rows: &mut [f32], bias: &[f32], relu: bool) {
+    for row in rows.chunks_exact_mut(bias.len()) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            let sum = *v + b;
+            *v = if relu { sum.max(0.0) } else { sum };
+        }
     }
 }
 
@@ -21,15 +29,36 @@ fn relu_mask(grads: &mut [f32], outputs: &[f32]) {
     }
 }
 
-/// `sums[j] = sum_i rows[i][j]`, rows added in order: a fixed reduction order.
+/// `sums[j] = sum_i rows[i][j]` over columns `first..first + sums.len()` of rows `width`
+/// wide, rows added in order: a fixed reduction order, whatever the column split.
 #[multiversion::multiversion(targets = "simd")]
-fn column_sums(rows: &[f32], sums: &mut [f32]) {
+fn column_sums(rows: &[f32], width: usize, first: usize, sums: &mut [f32]) {
     sums.fill(0.0);
-    for row in rows.chunks_exact(sums.len()) {
-        for (d, g) in sums.iter_mut().zip(row) {
+    for row in rows.chunks_exact(width) {
+        for (d, g) in sums.iter_mut().zip(&row[first..]) {
             *d += g;
         }
     }
+}
+
+/// Rows per task of an element-wise pass over `rows` rows: the pool's threads share them,
+/// so these passes (memory-bound, a few MB each) do not run on one core while the other
+/// waits. Element-wise, so the split cannot change a bit.
+fn rows_per_task(rows: usize) -> usize {
+    rows.div_ceil(rayon::current_num_threads().max(1)).max(1)
+}
+
+/// Bias gradients, one column block per thread; each column still sums its rows in order.
+fn bias_gradients(dz: &[f32], width: usize, db: &mut [f32]) {
+    // Whole 8-lane vectors per block, and no split of a narrow layer.
+    let block = width
+        .div_ceil(rayon::current_num_threads().max(1))
+        .div_ceil(8)
+        .max(1)
+        * 8;
+    db.par_chunks_mut(block)
+        .enumerate()
+        .for_each(|(b, sums)| column_sums(dz, width, b * block, sums));
 }
 
 /// One linear layer's place in the flat dense parameter buffer.
@@ -114,19 +143,15 @@ impl MlpSpec {
             let x = if l == 0 { input } else { &before[l - 1][..] };
             let out = &mut after[0][..batch * layer.outputs];
             let bias = &params[layer.bias..layer.bias + layer.outputs];
-            for row in out.chunks_exact_mut(layer.outputs) {
-                row.copy_from_slice(bias);
-            }
             let w = MatRef::row_major(&params[layer.weight..], layer.outputs, layer.inputs);
             mm.matmul(
                 &mut MatMut::row_major(out, batch, layer.outputs),
                 MatRef::row_major(x, batch, layer.inputs),
                 w.t(),
-                true,
+                false,
             );
-            if layer.relu {
-                relu(out);
-            }
+            out.par_chunks_mut(rows_per_task(batch) * layer.outputs)
+                .for_each(|rows| add_bias(rows, bias, layer.relu));
         }
     }
 
@@ -152,7 +177,10 @@ impl MlpSpec {
             let (before, after) = dacts.split_at_mut(l);
             let dz = &mut after[0][..batch * layer.outputs];
             if layer.relu {
-                relu_mask(dz, &acts[l][..batch * layer.outputs]);
+                let chunk = rows_per_task(batch) * layer.outputs;
+                dz.par_chunks_mut(chunk)
+                    .zip(acts[l][..batch * layer.outputs].par_chunks(chunk))
+                    .for_each(|(dz, act)| relu_mask(dz, act));
             }
             let x = if l == 0 { input } else { &acts[l - 1][..] };
             let dz_ref = MatRef::row_major(dz, batch, layer.outputs);
@@ -168,7 +196,7 @@ impl MlpSpec {
             );
             // Column sums in sample order: a fixed reduction order, independent of threads.
             let db = &mut grads[layer.bias..layer.bias + layer.outputs];
-            column_sums(dz, db);
+            bias_gradients(dz, layer.outputs, db);
             let w = MatRef::row_major(&params[layer.weight..], layer.outputs, layer.inputs);
             let dx: Option<&mut [f32]> = if l > 0 {
                 Some(&mut before[l - 1][..])
@@ -182,6 +210,99 @@ impl MlpSpec {
                     w,
                     false,
                 );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matmul::GemmMatMul;
+
+    fn values(n: usize, seed: f32) -> Vec<f32> {
+        (0..n).map(|i| (i as f32 * seed).sin() * 2.0).collect()
+    }
+
+    fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(f)
+    }
+
+    /// The one-pass epilogue against the form it replaced (the bias copied into the
+    /// output, the product accumulated onto it, then the ReLU): equal bits, in pools of
+    /// any size.
+    #[test]
+    fn forward_gives_the_bits_of_the_bias_accumulated_form() {
+        let spec = MlpSpec::new(13, &[48, 24, 1], 0, false);
+        let batch = 70;
+        let params = values(spec.end(), 0.731);
+        let input = values(batch * 13, 0.377);
+        let mm = GemmMatMul::new(2);
+        let mut want = spec.activation_buffers(batch);
+        in_pool(2, || {
+            for (l, layer) in spec.layers().iter().enumerate() {
+                let (before, after) = want.split_at_mut(l);
+                let x = if l == 0 {
+                    &input[..]
+                } else {
+                    &before[l - 1][..]
+                };
+                let out = &mut after[0][..];
+                for row in out.chunks_exact_mut(layer.outputs) {
+                    row.copy_from_slice(&params[layer.bias..layer.bias + layer.outputs]);
+                }
+                let w = MatRef::row_major(&params[layer.weight..], layer.outputs, layer.inputs);
+                mm.matmul(
+                    &mut MatMut::row_major(out, batch, layer.outputs),
+                    MatRef::row_major(x, batch, layer.inputs),
+                    w.t(),
+                    true,
+                );
+                if layer.relu {
+                    out.iter_mut().for_each(|v| *v = v.max(0.0));
+                }
+            }
+        });
+        for threads in [1, 2, 3] {
+            let mut acts = spec.activation_buffers(batch);
+            in_pool(threads, || {
+                spec.forward(&mm, &params, &input, &mut acts, batch)
+            });
+            for (l, (got, want)) in acts.iter().zip(&want).enumerate() {
+                let same = got
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "layer {l}, a pool of {threads}");
+            }
+        }
+    }
+
+    /// Bias gradients split by columns over the pool: each column's rows still add in
+    /// order, so the bits match one thread's sums.
+    #[test]
+    fn bias_gradients_do_not_depend_on_the_pool() {
+        for width in [1usize, 7, 64, 100, 512] {
+            let rows = 33;
+            let dz = values(rows * width, 0.913);
+            let mut serial = vec![0.0; width];
+            for row in dz.chunks_exact(width) {
+                for (s, g) in serial.iter_mut().zip(row) {
+                    *s += g;
+                }
+            }
+            for threads in [1, 2, 3] {
+                let mut db = vec![f32::NAN; width];
+                in_pool(threads, || bias_gradients(&dz, width, &mut db));
+                let same = db
+                    .iter()
+                    .zip(&serial)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "width {width}, a pool of {threads}");
             }
         }
     }
