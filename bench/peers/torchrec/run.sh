@@ -6,7 +6,9 @@
 # Builds ftrec (release) unless FTREC_BIN names a binary, runs `ftrec bench train --json`
 # and dlrm.py alternately R times (so a noisy neighbour hits both alike), writes every JSON
 # line to ${OUT:-bench-peers-torchrec}/, and prints each side's median samples/s and the
-# ratio ftrec / TorchRec. Needs the venv from setup.sh.
+# ratio ftrec / TorchRec. With FTREC_BASE naming another ftrec binary (a baseline build),
+# each round runs it too, and the summary adds its median and ratio: before and after a
+# change, against the same TorchRec runs. Needs the venv from setup.sh.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -37,8 +39,14 @@ out="${OUT:-bench-peers-torchrec}"
 mkdir -p "$out"
 : > "$out/ftrec.jsonl"
 : > "$out/torchrec.jsonl"
+: > "$out/base.jsonl"
 
 for r in $(seq 1 "$rounds"); do
+    if [ -n "${FTREC_BASE:-}" ]; then
+        echo "round $r/$rounds: baseline ftrec bench train ($FTREC_BASE)" >&2
+        "$FTREC_BASE" bench train --preset tiny --threads "$threads" --warmup "$warmup" \
+            --steps "$steps" --json >> "$out/base.jsonl"
+    fi
     echo "round $r/$rounds: ftrec bench train" >&2
     "$FTREC_BIN" bench train --preset tiny --threads "$threads" --warmup "$warmup" \
         --steps "$steps" --json >> "$out/ftrec.jsonl"
@@ -69,6 +77,12 @@ summary = {
     "torchrec_versions": t[0]["versions"],
     "ratio": fs / ts,
 }
+b = runs("base")
+if b:
+    bs = statistics.median(r["samples_per_sec"] for r in b)
+    summary["base_samples_per_sec"] = bs
+    summary["base_runs"] = [round(r["samples_per_sec"]) for r in b]
+    summary["base_ratio"] = bs / ts
 with open(f"{out}/summary.json", "w") as fh:
     json.dump(summary, fh, indent=2)
 print(json.dumps(summary))

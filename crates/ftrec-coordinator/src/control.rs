@@ -47,7 +47,11 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
     let timeout = Duration::from_millis(shared.job.config.cluster.failure_timeout_ms);
     let mut last_tick = tokio::time::Instant::now();
     loop {
-        tokio::time::sleep(tick).await;
+        // A wake-up stored while the loop was busy ends the next wait at once.
+        tokio::select! {
+            _ = tokio::time::sleep(tick) => {}
+            _ = shared.wake.notified() => {}
+        }
         let stalled = std::mem::replace(&mut last_tick, tokio::time::Instant::now()).elapsed();
         let task = {
             let mut s = shared.lock();

@@ -171,6 +171,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         done: done_tx,
         epochs: watch::Sender::new(0),
         durable,
+        wake: tokio::sync::Notify::new(),
         job,
     });
     let inherited_done = record.as_ref().is_some_and(|r| r.done || r.fatal.is_some());

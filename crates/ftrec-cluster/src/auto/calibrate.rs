@@ -14,13 +14,18 @@ use ftrec_proto::{Job, PsError};
 
 use super::model::{Costs, Measured};
 
-/// `bench ec`'s medians on this 2-core host (BENCHMARKS.md, issue 23): used when no
-/// summary is given.
-pub const EC_OVERHEAD: f64 = 0.081;
-pub const EC_RESUME_SECONDS: f64 = 0.34;
-pub const EC_REBUILD_BYTES_PER_SEC: f64 = 359e6;
-/// 1 − `rebuild_throughput_ratio` (0.876).
-pub const EC_REBUILD_SLOWDOWN: f64 = 0.124;
+/// `bench ec`'s medians on this 2-core host (BENCHMARKS.md, issue 23; the run of
+/// `bench-results/ec/summary-issue23-s36-zen2.json`): used when no summary is given.
+pub const EC_OVERHEAD: f64 = 0.054;
+pub const EC_RESUME_SECONDS: f64 = 0.24;
+/// The unthrottled rebuild's rate, and the share of training it takes meanwhile
+/// (1 − `rebuild_throughput_ratio_unthrottled`, 0.347).
+pub const EC_REBUILD_BYTES_PER_SEC: f64 = 859e6;
+pub const EC_REBUILD_SLOWDOWN: f64 = 0.653;
+/// The throttled run: its cap, and the share of training the rebuild takes at that cap
+/// (1 − `rebuild_throughput_ratio`, 0.984).
+pub const EC_REBUILD_THROTTLE_BYTES_PER_SEC: f64 = 60e6;
+pub const EC_REBUILD_SLOWDOWN_THROTTLED: f64 = 0.016;
 /// A replacement server process started and joined: `bench cluster`'s SIGKILL to resume
 /// less its detection, on loopback.
 pub const RESTART_SECONDS: f64 = 0.5;
@@ -68,6 +73,7 @@ pub fn calibrate(config: &JobConfig, opts: &CalibrateOptions<'_>) -> Result<Cost
     );
     let step_seconds = opts.step_seconds.value;
     let ec = ec_figures(opts.ec_summary)?;
+    let ec_rebuild_slowdown = ec.slowdown_at(config.ec.rebuild_bytes_per_sec);
     let (ec_shard_bytes, ec_refused) = ec_memory(config);
     Ok(Costs {
         mtbf_seconds: mtbf,
@@ -100,7 +106,7 @@ pub fn calibrate(config: &JobConfig, opts: &CalibrateOptions<'_>) -> Result<Cost
                 "config: ec.rebuild_bytes_per_sec",
             ),
         },
-        ec_rebuild_slowdown: ec.slowdown,
+        ec_rebuild_slowdown,
         ec_refused,
     })
 }
@@ -108,8 +114,35 @@ pub fn calibrate(config: &JobConfig, opts: &CalibrateOptions<'_>) -> Result<Cost
 struct EcFigures {
     overhead: Measured,
     resume: Measured,
+    /// The unthrottled rebuild's rate, and the share of training it took meanwhile.
     rebuild_rate: Measured,
     slowdown: Measured,
+    /// The throttled run's cap, and the share of training the rebuild took at it.
+    throttle: f64,
+    slowdown_throttled: Measured,
+}
+
+impl EcFigures {
+    /// The share of training a rebuild takes at the job's cap (0: none). Unthrottled, as
+    /// measured unthrottled; capped, the throttled run's share scaled by the cap over the
+    /// bench's (the rebuild's CPU grows with its rate), never above the unthrottled share.
+    /// The rate and the slowdown must come from the same run: an unthrottled rate priced
+    /// with a throttled slowdown leaves out what a fast rebuild costs training.
+    fn slowdown_at(&self, cap: u64) -> Measured {
+        if cap == 0 || self.throttle <= 0.0 {
+            return self.slowdown.clone();
+        }
+        let scaled = self.slowdown_throttled.value * cap as f64 / self.throttle;
+        Measured::new(
+            scaled.min(self.slowdown.value),
+            format!(
+                "{}, scaled from its cap of {:.0} MB/s to ec.rebuild_bytes_per_sec = {:.0} MB/s",
+                self.slowdown_throttled.source,
+                self.throttle / 1e6,
+                cap as f64 / 1e6
+            ),
+        )
+    }
 }
 
 /// From `bench ec`'s summary.json (its medians), or the recorded figures.
@@ -119,7 +152,12 @@ fn ec_figures(summary: Option<&Path>) -> Result<EcFigures, PsError> {
             overhead: Measured::new(EC_OVERHEAD, BENCH),
             resume: Measured::new(EC_RESUME_SECONDS, BENCH),
             rebuild_rate: Measured::new(EC_REBUILD_BYTES_PER_SEC, BENCH),
-            slowdown: Measured::new(EC_REBUILD_SLOWDOWN, BENCH),
+            slowdown: Measured::new(EC_REBUILD_SLOWDOWN, format!("{BENCH}, unthrottled")),
+            throttle: EC_REBUILD_THROTTLE_BYTES_PER_SEC,
+            slowdown_throttled: Measured::new(
+                EC_REBUILD_SLOWDOWN_THROTTLED,
+                format!("{BENCH}, throttled"),
+            ),
         });
     };
     let text = std::fs::read_to_string(path).map_err(crate::launch::io(path))?;
@@ -138,13 +176,19 @@ fn ec_figures(summary: Option<&Path>) -> Result<EcFigures, PsError> {
             })
     };
     let source = format!("measured: {} (bench ec)", path.display());
+    let share = |ratio: f64| (1.0 - ratio).clamp(0.0, 1.0);
     Ok(EcFigures {
         overhead: Measured::new(key("overhead")?.max(0.0), source.clone()),
         resume: Measured::new(key("kill_to_resume_seconds")?, source.clone()),
         rebuild_rate: Measured::new(key("rebuild_bytes_per_sec")?, source.clone()),
         slowdown: Measured::new(
-            (1.0 - key("rebuild_throughput_ratio")?).clamp(0.0, 1.0),
-            source,
+            share(key("rebuild_throughput_ratio_unthrottled")?),
+            format!("{source}, unthrottled"),
+        ),
+        throttle: key("rebuild_throttle_bytes_per_sec")?,
+        slowdown_throttled: Measured::new(
+            share(key("rebuild_throughput_ratio")?),
+            format!("{source}, throttled"),
         ),
     })
 }
@@ -193,4 +237,58 @@ pub fn scratch_dir(config: &JobConfig, run_dir: &Path) -> PathBuf {
         .dir
         .clone()
         .unwrap_or_else(|| run_dir.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(dir: &Path, unthrottled: Option<f64>) -> PathBuf {
+        let mut v = serde_json::json!({
+            "overhead": {"median": 0.05},
+            "kill_to_resume_seconds": {"median": 0.25},
+            "rebuild_bytes_per_sec": {"median": 8e8},
+            "rebuild_throughput_ratio": {"median": 0.98},
+            "rebuild_throttle_bytes_per_sec": 6e7,
+        });
+        if let Some(ratio) = unthrottled {
+            v["rebuild_throughput_ratio_unthrottled"] = serde_json::json!({"median": ratio});
+        }
+        let path = dir.join("summary.json");
+        std::fs::write(&path, v.to_string()).unwrap();
+        path
+    }
+
+    /// An unthrottled rebuild is priced with what it took unthrottled, a capped one with
+    /// the throttled run's share scaled to the cap, never more than unthrottled.
+    #[test]
+    fn the_slowdown_comes_from_the_run_whose_rate_is_used() {
+        let dir = tempfile::tempdir().unwrap();
+        let ec = ec_figures(Some(&summary(dir.path(), Some(0.35)))).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(close(ec.slowdown_at(0).value, 0.65));
+        assert!(close(ec.slowdown_at(60_000_000).value, 0.02));
+        assert!(close(ec.slowdown_at(120_000_000).value, 0.04));
+        assert!(close(ec.slowdown_at(10_000_000_000).value, 0.65));
+        assert!(ec.slowdown_at(120_000_000).source.contains("scaled"));
+        let recorded = ec_figures(None).unwrap();
+        assert!(close(recorded.slowdown_at(0).value, EC_REBUILD_SLOWDOWN));
+        assert!(close(
+            recorded.slowdown_at(60_000_000).value,
+            EC_REBUILD_SLOWDOWN_THROTTLED
+        ));
+    }
+
+    #[test]
+    fn a_summary_without_the_unthrottled_ratio_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = ec_figures(Some(&summary(dir.path(), None)))
+            .err()
+            .expect("refused");
+        assert!(
+            err.to_string()
+                .contains("rebuild_throughput_ratio_unthrottled"),
+            "{err}"
+        );
+    }
 }
