@@ -87,13 +87,23 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
         if let Some(task) = task {
             let shared = shared.clone();
             tokio::spawn(async move {
-                let own_saves = matches!(task, Task::OwnSaves { .. });
+                // Own saves run beside other tasks (they never set `busy`: a recovery may
+                // start meanwhile, and a new epoch abandons them).
+                let own_saves = match &task {
+                    Task::OwnSaves { servers, .. } => Some(servers.clone()),
+                    _ => None,
+                };
                 run_task(&shared, task).await;
                 let mut s = shared.lock();
-                s.busy = false;
-                // However the round ended (done, abandoned, never sent), the next may come.
-                if own_saves && let Some(own) = s.own_saves.as_mut() {
-                    own.finished();
+                match own_saves {
+                    // However they ended (done, abandoned, never sent), these servers'
+                    // next saves may come.
+                    Some(servers) => {
+                        if let Some(own) = s.own_saves.as_mut() {
+                            own.finished(&servers);
+                        }
+                    }
+                    None => s.busy = false,
                 }
             });
         }
@@ -419,7 +429,6 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
                 let epoch = s.epoch;
                 let step = s.steps.next_step();
                 let servers = s.own_saves.as_mut().and_then(|o| o.start_round())?;
-                s.busy = true;
                 return Some(Task::OwnSaves {
                     epoch,
                     step,

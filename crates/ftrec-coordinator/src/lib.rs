@@ -513,9 +513,7 @@ impl Shared {
             && s.checkpoint_backoff
                 .is_none_or(|(until, _)| Instant::now() >= until);
         if let Some(own) = &s.own_saves {
-            if own.in_progress() {
-                return None;
-            }
+            // Servers whose save is asked for or running are not due again (`due`).
             let servers = own.due(next, every, now);
             return (may_save && !servers.is_empty()).then_some(SaveDue::Own(servers));
         }
