@@ -286,6 +286,20 @@ fn frozen_partial() {
     schedules_keep_their_promises(FaultTolerance::Partial, Kind::Freeze, FREEZES_PER_MODE);
 }
 
+/// `cpr.uncoordinated` with a frozen server: own saves run beside the coordinator's other
+/// tasks (a recovery starts while one is being written, and a new epoch abandons it), so a
+/// frozen server's hanging save must neither hold up its fencing nor leave the run inexact.
+#[test]
+fn frozen_partial_uncoordinated() {
+    schedules_of_a_variant_keep_their_promises(
+        FaultTolerance::Partial,
+        Kind::Freeze,
+        FREEZES_PER_MODE / 2,
+        "frozen_partial_uncoordinated",
+        |c| c.cpr.uncoordinated = true,
+    );
+}
+
 #[test]
 fn frozen_none() {
     schedules_keep_their_promises(FaultTolerance::None, Kind::Freeze, FREEZES_PER_MODE);
