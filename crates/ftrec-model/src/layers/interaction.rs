@@ -75,42 +75,14 @@ pub(crate) fn backward(
         let (zc, _) = z[..vectors * dim].as_chunks::<LANES>();
         let (dzc, _) = dz[..vectors * dim].as_chunks_mut::<LANES>();
         let (doc, _) = dout[..dim].as_chunks::<LANES>();
-        // Four rows of dz at a time share each load of z_j (S is symmetric, so their
-        // four S values are contiguous in row j); each lane still adds over j in
-        // ascending order, so the bits are those of one row at a time.
+        // Four rows of dz at a time share each load of z_j; the last `vectors % 4` rows
+        // go one at a time through the same kernel.
         let blocks = vectors / 4 * 4;
         for i0 in (0..blocks).step_by(4) {
-            for c in 0..per_row {
-                let mut acc = [[0.0f32; LANES]; 4];
-                if i0 == 0 {
-                    acc[0] = doc[c];
-                }
-                for j in 0..vectors {
-                    let zj = &zc[j * per_row + c];
-                    let sj = &s[j * vectors + i0..j * vectors + i0 + 4];
-                    for (acc, &sij) in acc.iter_mut().zip(sj) {
-                        for l in 0..LANES {
-                            acc[l] += sij * zj[l];
-                        }
-                    }
-                }
-                for (r, acc) in acc.into_iter().enumerate() {
-                    dzc[(i0 + r) * per_row + c] = acc;
-                }
-            }
+            rows_of_dz::<4>(i0, vectors, per_row, zc, doc, s, dzc);
         }
         for i in blocks..vectors {
-            let srow = &s[i * vectors..(i + 1) * vectors];
-            for c in 0..per_row {
-                let mut acc = if i == 0 { doc[c] } else { [0.0f32; LANES] };
-                for (j, &sij) in srow.iter().enumerate() {
-                    let zj = &zc[j * per_row + c];
-                    for l in 0..LANES {
-                        acc[l] += sij * zj[l];
-                    }
-                }
-                dzc[i * per_row + c] = acc;
-            }
+            rows_of_dz::<1>(i, vectors, per_row, zc, doc, s, dzc);
         }
     } else {
         for i in 0..vectors {
@@ -122,6 +94,40 @@ pub(crate) fn backward(
                 }
                 dz[i * dim + d] = acc;
             }
+        }
+    }
+}
+
+/// Rows `i0..i0 + R` of dZ, 16 lanes at a time: `sum_j S_ij z_j` (plus the pass-through
+/// gradient for row 0). S is symmetric, so the R values of S each `z_j` is scaled by are
+/// contiguous in S's row `j`, and one load of `z_j` feeds R rows; each lane still adds
+/// over `j` in ascending order, so the bits do not depend on R.
+#[inline(always)]
+fn rows_of_dz<const R: usize>(
+    i0: usize,
+    vectors: usize,
+    per_row: usize,
+    zc: &[[f32; 16]],
+    doc: &[[f32; 16]],
+    s: &[f32],
+    dzc: &mut [[f32; 16]],
+) {
+    for c in 0..per_row {
+        let mut acc = [[0.0f32; 16]; R];
+        if i0 == 0 {
+            acc[0] = doc[c];
+        }
+        for j in 0..vectors {
+            let zj = &zc[j * per_row + c];
+            let sj = &s[j * vectors + i0..j * vectors + i0 + R];
+            for (acc, &sij) in acc.iter_mut().zip(sj) {
+                for l in 0..16 {
+                    acc[l] += sij * zj[l];
+                }
+            }
+        }
+        for (r, acc) in acc.into_iter().enumerate() {
+            dzc[(i0 + r) * per_row + c] = acc;
         }
     }
 }
