@@ -182,6 +182,14 @@ pub struct EcSection {
     /// decoded at once whatever the cap.
     #[serde(default)]
     pub rebuild_bytes_per_sec: u64,
+    /// Rebuild first: the nice value (-20 to 19) that the replacement and the survivors
+    /// sending to it run at while an uncapped rebuild lasts (`rebuild_bytes_per_sec = 0`,
+    /// over the bulk stream), then put back. The rebuild's core-seconds come out of
+    /// training whenever they are spent; spent first, the window without redundancy ends
+    /// sooner. 0 leaves priorities alone. A negative value needs `CAP_SYS_NICE`; without
+    /// it the servers log a warning and rebuild at the normal priority.
+    #[serde(default = "default_rebuild_nice")]
+    pub rebuild_nice: i32,
     /// How a survivor's cycle ranges reach a replacement: `bulk` (a raw TCP stream from
     /// the survivor's bulk port, claimed with a one-time ticket issued over the job's
     /// authenticated RPC; the default, and what lets a rebuild approach the link's speed)
@@ -218,6 +226,9 @@ fn default_groups() -> usize {
 fn yes() -> bool {
     true
 }
+fn default_rebuild_nice() -> i32 {
+    -10
+}
 
 impl Default for EcSection {
     fn default() -> Self {
@@ -229,6 +240,7 @@ impl Default for EcSection {
             two_phase_commit: true,
             rebuild_locks: default_groups(),
             rebuild_bytes_per_sec: 0,
+            rebuild_nice: default_rebuild_nice(),
             rebuild_transport: RebuildTransport::Bulk,
             spare_reserve: true,
         }
@@ -256,6 +268,12 @@ impl EcSection {
             return Err(ConfigError::Invalid(
                 "ec.rebuild_locks must be at least 1".into(),
             ));
+        }
+        if !(-20..=19).contains(&self.rebuild_nice) {
+            return Err(ConfigError::Invalid(format!(
+                "ec.rebuild_nice = {}: a nice value is from -20 to 19",
+                self.rebuild_nice
+            )));
         }
         Ok(())
     }

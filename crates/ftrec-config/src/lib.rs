@@ -556,6 +556,19 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("ec.groups = 2"), "{e}");
+        assert_eq!(c.ec.rebuild_nice, -10);
+        let e = JobConfig::load(
+            Some("tiny"),
+            None,
+            &[
+                base[0].clone(),
+                "cluster.servers=3".into(),
+                "ec.rebuild_nice=-21".into(),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("ec.rebuild_nice = -21"), "{e}");
         // Without erasure coding the section is not checked.
         JobConfig::load(Some("tiny"), None, &["ec.k=9".into()]).unwrap();
         let e = JobConfig::load(Some("tiny"), None, &["threads=100000".into()])

@@ -43,6 +43,8 @@ use tokio::time::Instant;
 
 use ftrec_proto::PsError;
 
+use crate::rebuild::boost::RebuildBoost;
+
 const OPEN: u8 = 0;
 const RANGE: u8 = 1;
 const OPENED: u64 = 0;
@@ -125,12 +127,19 @@ pub(crate) struct BulkServer {
     source: OnceLock<Weak<dyn RangeSource>>,
     /// How long an issued ticket, or an opened connection between ranges, waits.
     expiry: Duration,
+    /// Held while a connection is open (`rebuild/boost.rs`): the survivor's copies are half the
+    /// rebuild's CPU.
+    boost: Option<Arc<RebuildBoost>>,
     accepting: tokio::task::JoinHandle<()>,
 }
 
 impl BulkServer {
     /// Listens on `host` (a port the OS picks) and serves until dropped.
-    pub(crate) async fn start(host: &str, expiry: Duration) -> Result<Arc<Self>, PsError> {
+    pub(crate) async fn start(
+        host: &str,
+        expiry: Duration,
+        boost: Option<Arc<RebuildBoost>>,
+    ) -> Result<Arc<Self>, PsError> {
         let (listener, address) = ftrec_proto::client::bind(host, 0).await?;
         Ok(Arc::new_cyclic(|me: &Weak<Self>| {
             let accepting = tokio::spawn(accept(listener, me.clone()));
@@ -139,6 +148,7 @@ impl BulkServer {
                 issued: Mutex::new(HashMap::new()),
                 source: OnceLock::new(),
                 expiry,
+                boost,
                 accepting,
             }
         }))
@@ -223,6 +233,7 @@ fn send_buffer_bytes() -> Option<usize> {
 /// answer, "no such ticket".
 async fn serve(mut stream: TcpStream, server: Weak<BulkServer>) -> std::io::Result<()> {
     let mut opened = false;
+    let mut _boosted = None;
     loop {
         let Some(expiry) = server.upgrade().map(|s| s.expiry) else {
             return Ok(());
@@ -247,6 +258,9 @@ async fn serve(mut stream: TcpStream, server: Weak<BulkServer>) -> std::io::Resu
                     return Ok(());
                 }
                 opened = true;
+                _boosted = server
+                    .upgrade()
+                    .and_then(|s| s.boost.as_ref().map(|b| b.hold()));
             }
             RANGE if opened => {
                 let mut raw = [0u8; RANGE_ASK_BYTES];

@@ -9,13 +9,11 @@
 mod bulk;
 mod checkpoints;
 mod degraded;
-mod dense_rebuild;
 mod ec;
 mod own_save;
 mod pipeline;
 mod priority;
 mod rebuild;
-mod reserve;
 mod service;
 pub mod shard;
 
@@ -100,6 +98,9 @@ struct Core {
     /// tables, and its side for asking survivors' ranges when it is one (`bulk.rs`).
     bulk: Option<Arc<bulk::BulkServer>>,
     bulk_client: Option<Arc<bulk::BulkClient>>,
+    /// Rebuild first (`rebuild/boost.rs`): raised while this server rebuilds uncapped into itself,
+    /// and (through `bulk`) while it sends a replacement ranges.
+    boost: Option<Arc<rebuild::boost::RebuildBoost>>,
     /// A background rebuild in progress here (`degraded.rs`).
     background: Mutex<Option<degraded::Background>>,
     /// Numbers each background rebuild, so a superseded one can tell.
@@ -107,9 +108,9 @@ struct Core {
     /// This process's incarnation of its slot (`JoinReply.incarnation`), sent with every
     /// heartbeat so the coordinator refuses it once a newer process holds the slot.
     incarnation: u64,
-    /// A promoted spare's memory, written while it waited (`reserve.rs`); the rebuild
+    /// A promoted spare's memory, written while it waited (`rebuild/reserve.rs`); the rebuild
     /// takes it.
-    reserve: Mutex<reserve::Reserve>,
+    reserve: Mutex<rebuild::reserve::Reserve>,
 }
 
 /// The job's secret check, counting every request it lets through: what `cluster run`
@@ -284,15 +285,19 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         .into_inner();
     let heartbeat = Duration::from_millis(cluster.heartbeat_ms);
     let (id, reserve) = match opts.id {
-        Some(id) => (id, reserve::Reserve::default()),
+        Some(id) => (id, rebuild::reserve::Reserve::default()),
         None => {
             tracing::info!("spare server at {address} waiting for a slot");
             let c = &job.config;
-            let building = (c.cluster.ft.erasure_coded()
-                && c.ec.spare_reserve
-                && !network.is_simulated())
-            .then(|| Ok::<_, PsError>(reserve::SpareReserve::start(c.model_config()?, layout)))
-            .transpose()?;
+            let building =
+                (c.cluster.ft.erasure_coded() && c.ec.spare_reserve && !network.is_simulated())
+                    .then(|| {
+                        Ok::<_, PsError>(rebuild::reserve::SpareReserve::start(
+                            c.model_config()?,
+                            layout,
+                        ))
+                    })
+                    .transpose()?;
             let id = wait_for_assignment(&coordinator, joined.spare_token, heartbeat, &job).await?;
             (id, building.map(|b| b.take()).unwrap_or_default())
         }
@@ -383,10 +388,14 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         && job.config.ec.rebuild_transport == ftrec_config::RebuildTransport::Bulk
         && !network.is_simulated()
         && job.tls().is_none();
+    // Only an uncapped rebuild goes first; a capped one is meant to be spread out.
+    let boost = (use_bulk && job.config.ec.rebuild_bytes_per_sec == 0)
+        .then(|| rebuild::boost::RebuildBoost::new(job.config.ec.rebuild_nice))
+        .flatten();
     let (bulk, bulk_client) = if use_bulk {
         let stall = job.deadlines().rebuild_stall;
         (
-            Some(bulk::BulkServer::start(&opts.host, stall).await?),
+            Some(bulk::BulkServer::start(&opts.host, stall, boost.clone()).await?),
             Some(Arc::new(bulk::BulkClient::new(stall))),
         )
     } else {
@@ -414,6 +423,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         peers,
         bulk,
         bulk_client,
+        boost,
         background: Mutex::new(None),
         background_ids: std::sync::atomic::AtomicU64::new(0),
         incarnation: joined.incarnation,

@@ -15,17 +15,18 @@ use ftrec_proto::{Job, PsError};
 use super::model::{Costs, Measured};
 
 /// `bench ec`'s medians on this 2-core host (BENCHMARKS.md, issue 23; the run of
-/// `bench-results/ec/summary-issue23-s36-zen2.json`): used when no summary is given.
-pub const EC_OVERHEAD: f64 = 0.054;
+/// `bench-results/ec/summary-issue23-s37-rebuild-first.json`): used when no summary is given.
+pub const EC_OVERHEAD: f64 = 0.047;
 pub const EC_RESUME_SECONDS: f64 = 0.24;
 /// The unthrottled rebuild's rate, and the share of training it takes meanwhile
-/// (1 − `rebuild_throughput_ratio_unthrottled`, 0.347).
-pub const EC_REBUILD_BYTES_PER_SEC: f64 = 859e6;
-pub const EC_REBUILD_SLOWDOWN: f64 = 0.653;
+/// (1 − `rebuild_throughput_ratio_unthrottled`, 0.132). An uncapped rebuild goes first
+/// (`ec.rebuild_nice`), so it takes most of training for a short time.
+pub const EC_REBUILD_BYTES_PER_SEC: f64 = 1416e6;
+pub const EC_REBUILD_SLOWDOWN: f64 = 0.868;
 /// The throttled run: its cap, and the share of training the rebuild takes at that cap
-/// (1 − `rebuild_throughput_ratio`, 0.984).
+/// (1 − `rebuild_throughput_ratio`, 0.954).
 pub const EC_REBUILD_THROTTLE_BYTES_PER_SEC: f64 = 60e6;
-pub const EC_REBUILD_SLOWDOWN_THROTTLED: f64 = 0.016;
+pub const EC_REBUILD_SLOWDOWN_THROTTLED: f64 = 0.046;
 /// A replacement server process started and joined: `bench cluster`'s SIGKILL to resume
 /// less its detection, on loopback.
 pub const RESTART_SECONDS: f64 = 0.5;

@@ -59,6 +59,13 @@ impl BulkClient {
             .push((stream, Instant::now()));
     }
 
+    /// Closes every kept connection: a survivor holds its rebuild-first priority while
+    /// one is open (`rebuild/boost.rs`), so a rebuild that ended lets them go at once rather than
+    /// after the survivor's idle deadline.
+    pub(crate) fn close_all(&self) {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
     /// Connects to `address` and opens the connection with `ticket`.
     pub(crate) async fn open(&self, address: &str, ticket: u128) -> Result<TcpStream, PsError> {
         let what = || format!("bulk port {address}");

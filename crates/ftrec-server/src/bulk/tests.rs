@@ -46,7 +46,7 @@ impl RangeSource for Table {
 }
 
 async fn port(table: &Arc<Table>, expiry: Duration) -> Arc<BulkServer> {
-    let server = BulkServer::start("127.0.0.1", expiry).await.unwrap();
+    let server = BulkServer::start("127.0.0.1", expiry, None).await.unwrap();
     let source: Weak<dyn RangeSource> = Arc::downgrade(table) as _;
     server.serve_from(source);
     server

@@ -440,6 +440,23 @@ impl Core {
         &self,
         tables: usize,
         started: Instant,
+        totals: RebuildReply,
+        progress: &tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
+    ) -> Result<RebuildReply, PsError> {
+        // Rebuild first (`rebuild/boost.rs`), for as long as the rebuild runs, whatever its end.
+        let boosted = self.boost.as_ref().map(|b| b.hold());
+        let result = self.rebuild_ranges(tables, started, totals, progress).await;
+        if let Some(bulk) = &self.bulk_client {
+            bulk.close_all();
+        }
+        drop(boosted);
+        result
+    }
+
+    async fn rebuild_ranges(
+        &self,
+        tables: usize,
+        started: Instant,
         mut totals: RebuildReply,
         progress: &tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
     ) -> Result<RebuildReply, PsError> {

@@ -4,6 +4,10 @@
 //! that range's primary). Training is held by the coordinator meanwhile; the rebuilt
 //! state is bit-identical to the lost one because the code works on the rows' bytes.
 
+pub(crate) mod boost;
+mod dense;
+pub(crate) mod reserve;
+
 use std::collections::BTreeMap;
 use tokio::time::Instant;
 
@@ -347,7 +351,7 @@ impl Core {
             .dense
             .ok_or_else(|| PsError::Internal("rebuild: no dense range".into()))?;
         let mut redundancy = Redundancy::empty(global, layout, me)?;
-        // A promoted spare's rows and parity are written already (`reserve.rs`); elsewhere
+        // A promoted spare's rows and parity are written already (`reserve.rs` here); elsewhere
         // these are lazily mapped allocations, as `Redundancy::empty`'s are.
         let mut reserve =
             std::mem::take(&mut *self.reserve.lock().unwrap_or_else(|p| p.into_inner()));
