@@ -252,15 +252,17 @@ async fn serve(mut stream: TcpStream, server: Weak<BulkServer>) -> std::io::Resu
                 let good = server
                     .upgrade()
                     .is_some_and(|s| s.redeem(u128::from_le_bytes(ticket)));
+                if good {
+                    _boosted = server
+                        .upgrade()
+                        .and_then(|s| s.boost.as_ref().map(|b| b.hold()));
+                }
                 let answer = if good { OPENED } else { NO_SUCH_TICKET };
                 stream.write_all(&answer.to_le_bytes()).await?;
                 if !good {
                     return Ok(());
                 }
                 opened = true;
-                _boosted = server
-                    .upgrade()
-                    .and_then(|s| s.boost.as_ref().map(|b| b.hold()));
             }
             RANGE if opened => {
                 let mut raw = [0u8; RANGE_ASK_BYTES];

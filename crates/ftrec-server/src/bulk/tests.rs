@@ -250,3 +250,53 @@ proptest! {
         prop_assert_eq!(remaining, whole[skip..].to_vec());
     }
 }
+
+/// A survivor goes first while a replacement's connection is open, and lets go once the
+/// replacement closes it (`BulkClient::close_all`, at the end of a rebuild). As root (CI)
+/// it raises priority as a rebuild does; otherwise it lowers it, and checks the let-go only
+/// where the host allows going back.
+#[tokio::test]
+// The guard only keeps the other nice-changing test out; no task here takes it.
+#[allow(clippy::await_holding_lock)]
+async fn a_survivor_goes_first_while_a_connection_is_open() {
+    use rustix::process::getpriority_process;
+    let _serial = crate::rebuild::boost::NICE_TESTS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    // This runtime's one thread runs the port's tasks too.
+    let nice = || getpriority_process(None).unwrap_or(i32::MIN);
+    let before = nice();
+    let root = rustix::process::geteuid().is_root();
+    let target = if root { before - 5 } else { before + 3 }.clamp(-20, 19);
+    if target == before {
+        return;
+    }
+    let table = Arc::new(Table {
+        rows: RwLock::new(((0..64).collect(), 5)),
+        parity: vec![0; 8],
+    });
+    let boost = crate::rebuild::boost::RebuildBoost::new(target);
+    let server = BulkServer::start("127.0.0.1", Duration::from_secs(10), boost)
+        .await
+        .unwrap();
+    let source: Weak<dyn RangeSource> = Arc::downgrade(&table) as _;
+    server.serve_from(source);
+    let client = BulkClient::new(Duration::from_secs(10));
+    let mut stream = client.open(server.address(), server.issue()).await.unwrap();
+    let mut into = Vec::new();
+    client
+        .range(&mut stream, &ask(1, 0..4, 0..0), 1, &mut into)
+        .await
+        .unwrap();
+    assert_eq!(nice(), target, "raised while the connection is open");
+    client.keep(0, stream);
+    client.close_all();
+    let mut waited = 0;
+    while nice() == target && waited < 200 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        waited += 1;
+    }
+    if root {
+        assert_eq!(nice(), before, "put back once the connection closed");
+    }
+}

@@ -116,6 +116,10 @@ fn set_every_thread(nice: i32) -> std::io::Result<usize> {
     Ok(threads)
 }
 
+/// Tests that change this process's nice values take this, so that none sees another's.
+#[cfg(test)]
+pub(crate) static NICE_TESTS: Mutex<()> = Mutex::new(());
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +135,7 @@ mod tests {
     /// only checks the restore where the host allows going back.
     #[test]
     fn holders_nest_and_the_last_restores_every_thread() {
+        let _serial = NICE_TESTS.lock().unwrap_or_else(|p| p.into_inner());
         let before = nice_of_this_thread();
         let root = rustix::process::geteuid().is_root();
         let target = if root { before - 5 } else { before + 3 }.clamp(-20, 19);
