@@ -133,6 +133,14 @@ struct State {
     /// failure (doubling, bounded), so a full disk is neither hammered nor logged 45 times a
     /// second.
     checkpoint_backoff: Option<(Instant, Duration)>,
+    /// The step of a cut that did not count (abandoned by a new epoch, failed, or dropped
+    /// while committing) when training did not roll back past it: with
+    /// `checkpoint.every_steps` the cut is due again at the first fresh step at or past it
+    /// ([`step_cut_due`]), not a whole interval later. A job with erasure coding under its
+    /// cuts (`ec+checkpoint`) loses no steps to a failure, so otherwise a failure during a
+    /// cut left it without a new one for twice the interval. Cleared by a committed cut at or
+    /// past it.
+    cut_owed: Option<u64>,
     /// When the last consistent cut committed (or training started): the clock of
     /// `checkpoint.every_seconds`.
     last_cut_at: Instant,
@@ -526,7 +534,7 @@ impl Shared {
                     let seconds = s.replan.as_ref().map_or(planned, |r| r.every_seconds);
                     now.duration_since(s.last_cut_at).as_secs_f64() >= seconds
                 }
-                None => every > 0 && next.is_multiple_of(every),
+                None => step_cut_due(next, every, s.cut_owed),
             },
         };
         // Prioritised saves go between cuts, once a cut exists to save against.
@@ -536,6 +544,20 @@ impl Shared {
                 .as_ref()
                 .is_some_and(|cpr| cpr.priority_due(now, next, every));
         (may_save && (cut || priority)).then_some(SaveDue::Cut { priority })
+    }
+}
+
+/// With `checkpoint.every_steps = every`: a cut is due at every multiple of it, and at
+/// the first fresh step at or past `owed`, the step of a cut that did not count.
+fn step_cut_due(next: u64, every: u64, owed: Option<u64>) -> bool {
+    every > 0 && (next.is_multiple_of(every) || owed.is_some_and(|o| next >= o))
+}
+
+/// Notes that the coordinated cut of `step` did not count: it is owed (see
+/// [`State::cut_owed`]). Prioritised saves owe nothing: the next one comes on its own.
+fn owe_cut(s: &mut State, step: u64, priority: bool) {
+    if !priority {
+        s.cut_owed = Some(s.cut_owed.map_or(step, |o| o.min(step)));
     }
 }
 
@@ -580,3 +602,24 @@ pub fn sigstop(pid: u32) -> Result<(), std::io::Error> {
 
 /// Replacements of one worker slot before the run is declared failed (a crash loop).
 const MAX_RESPAWNS: u32 = 3;
+
+#[cfg(test)]
+mod cut_schedule_tests {
+    use super::step_cut_due;
+
+    #[test]
+    fn an_owed_cut_is_due_at_the_first_fresh_step_at_or_past_it() {
+        // Every 40 steps, nothing owed: the multiples only.
+        assert!(step_cut_due(40, 40, None));
+        assert!(!step_cut_due(41, 40, None));
+        // The cut of step 40 did not count and training went on (no rollback): due at
+        // once, not at 80.
+        assert!(step_cut_due(41, 40, Some(40)));
+        assert!(step_cut_due(57, 40, Some(40)));
+        // Rolled back to an older cut: not due before the owed step comes round again.
+        assert!(!step_cut_due(21, 40, Some(40)));
+        assert!(step_cut_due(40, 40, Some(40)));
+        // No interval in steps: never.
+        assert!(!step_cut_due(50, 0, Some(40)));
+    }
+}

@@ -604,8 +604,13 @@ pub(super) async fn recover(
     // A cut that failed just before was most likely the dead server's doing: try the next
     // one on time. A full disk fails it again and backs off again.
     s.checkpoint_backoff = None;
-    // A cut still committing never counted; the restored state is older anyway.
-    s.pending_cut = None;
+    // A cut still committing never counted. After a rollback the restored state is older
+    // and the cut comes round again; after a rebuild nothing rolled back, so it is owed.
+    if let Some(cut) = s.pending_cut.take()
+        && !matches!(action, RecoveryAction::Rollback { .. })
+    {
+        crate::owe_cut(&mut s, cut.step, cut.priority);
+    }
     s.phase = Phase::Running;
     let resumed_at = s.timeline.event(
         EventKind::RecoveryEnd,

@@ -135,6 +135,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
             checkpoints: Vec::new(),
             retained_cuts: Vec::new(),
             checkpoint_backoff: None,
+            cut_owed: None,
             last_cut_at: Instant::now(),
             resolve_after: None,
             prune_failing: false,

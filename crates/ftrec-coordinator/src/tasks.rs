@@ -171,10 +171,12 @@ async fn checkpoint(
                     EventKind::CheckpointAbandoned,
                     format!("step {step}: epoch changed"),
                 );
+                crate::owe_cut(&mut s, step, priority);
                 None
             }
             Some(e) => {
                 cut_failed(&mut s, step, &e);
+                crate::owe_cut(&mut s, step, priority);
                 None
             }
         }
@@ -316,6 +318,9 @@ fn commit_cut(
         record.priority,
     );
     s.last_save = Some(step);
+    if !priority && s.cut_owed.is_some_and(|owed| step >= owed) {
+        s.cut_owed = None;
+    }
     s.checkpoints.push(record.clone());
     s.retained_cuts.push(record);
     shared.metrics.add("ftrec_checkpoints_total", 1);
@@ -400,14 +405,16 @@ async fn confirm_cut(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, st
             return;
         }
         if let Some(e) = failed {
-            s.pending_cut = None;
+            let priority = s.pending_cut.take().is_some_and(|c| c.priority);
             cut_failed(&mut s, step, &e);
+            crate::owe_cut(&mut s, step, priority);
             return;
         }
         if !all {
             let limit = shared.job.timeout();
             if s.pending_since.is_some_and(|t| t.elapsed() > limit) {
-                s.pending_cut = None;
+                let priority = s.pending_cut.take().is_some_and(|c| c.priority);
+                crate::owe_cut(&mut s, step, priority);
                 cut_failed(
                     &mut s,
                     step,
