@@ -36,9 +36,12 @@ pub mod points {
     /// `flip` flips one bit of the first embedding row the step installs, after the
     /// parity differences went out, as bad RAM would (a data row silently corrupted).
     pub const INSTALL: &str = "install";
+    /// A server, asked for its part of the coordinated cut of step N, before it writes
+    /// anything (a cut that another server's death leaves abandoned).
+    pub const CUT: &str = "cut";
 
     /// Every point, for validating specs.
-    pub const ALL: [&str; 5] = [PREPARE, COMMIT, REBUILD, FOLD_PARITY, INSTALL];
+    pub const ALL: [&str; 6] = [PREPARE, COMMIT, REBUILD, FOLD_PARITY, INSTALL, CUT];
 }
 
 /// What an armed point does when it fires.

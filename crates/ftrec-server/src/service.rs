@@ -167,6 +167,8 @@ impl ParameterServer for Service {
                         tracking_seconds: save.tracking_seconds,
                     }
                 } else {
+                    core.faults
+                        .kill_at(ftrec_faults::points::CUT, Some(req.step));
                     let (manifest, committed) = core.write_cut(&checkpoints, req.step)?;
                     CheckpointReply {
                         id: manifest.id.clone(),

@@ -309,6 +309,49 @@ fn checkpoints_as_a_second_layer_take_over_when_the_code_cannot() {
     );
 }
 
+/// A cut that a server's death leaves without counting is owed: erasure coding rolls
+/// nothing back, so training goes past the cut's step while the slot rebuilds, and the cut
+/// is taken at the first step after it rather than a whole interval later.
+#[test]
+fn a_cut_lost_with_a_server_is_taken_after_the_rebuild_not_an_interval_later() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = setup(dir.path());
+    let expected = train_digest(&data, &[]);
+    let out = ec_run_with(
+        &data,
+        dir.path(),
+        "3",
+        "ec+checkpoint",
+        &[
+            "--set",
+            "checkpoint.every_steps=20",
+            // Server 1 dies when asked for its part of the cut of step 20.
+            "--fault",
+            "server:1@cut:20",
+        ],
+    );
+    assert_eq!(out["state_digest"], expected, "{out}");
+    assert_eq!(out["parity_mismatches"], 0, "{out}");
+    let recoveries = out["recoveries"].as_array().unwrap();
+    assert_eq!(recoveries.len(), 1, "{out}");
+    assert_eq!(recoveries[0]["steps_rolled_back"], 0, "{out}");
+    let cuts: Vec<u64> = out["checkpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["step"].as_u64().unwrap())
+        .collect();
+    assert!(
+        !cuts.contains(&20),
+        "the cut of step 20 cannot count: {cuts:?}"
+    );
+    assert!(
+        cuts.iter().any(|&c| c > 20 && c < 40),
+        "the owed cut comes before step 40: {cuts:?}"
+    );
+    assert!(cuts.contains(&40), "{cuts:?}");
+}
+
 #[test]
 fn asynchronous_workers_keep_parity_exact_through_a_kill() {
     let dir = tempfile::tempdir().unwrap();
