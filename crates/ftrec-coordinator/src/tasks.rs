@@ -175,8 +175,7 @@ async fn checkpoint(
                 None
             }
             Some(e) => {
-                cut_failed(&mut s, step, &e);
-                crate::owe_cut(&mut s, step, priority);
+                coordinated_cut_failed(&mut s, step, priority, &e);
                 None
             }
         }
@@ -359,6 +358,13 @@ fn commit_cut(
     })
 }
 
+/// A coordinated cut (or prioritised save) that failed: [`cut_failed`], and the cut is
+/// owed ([`crate::owe_cut`]). Own saves keep their own schedule and owe nothing.
+fn coordinated_cut_failed(s: &mut State, step: u64, priority: bool, why: &str) {
+    cut_failed(s, step, why);
+    crate::owe_cut(s, step, priority);
+}
+
 /// A cut that will not count: said once on stderr and in the event log, and the next one
 /// waits (doubling, bounded), so a full disk is neither hammered nor logged in a loop.
 fn cut_failed(s: &mut State, step: u64, why: &str) {
@@ -406,18 +412,17 @@ async fn confirm_cut(shared: &Shared, clients: Vec<ServerClient>, epoch: u64, st
         }
         if let Some(e) = failed {
             let priority = s.pending_cut.take().is_some_and(|c| c.priority);
-            cut_failed(&mut s, step, &e);
-            crate::owe_cut(&mut s, step, priority);
+            coordinated_cut_failed(&mut s, step, priority, &e);
             return;
         }
         if !all {
             let limit = shared.job.timeout();
             if s.pending_since.is_some_and(|t| t.elapsed() > limit) {
                 let priority = s.pending_cut.take().is_some_and(|c| c.priority);
-                crate::owe_cut(&mut s, step, priority);
-                cut_failed(
+                coordinated_cut_failed(
                     &mut s,
                     step,
+                    priority,
                     &format!("its background commit did not finish within {limit:?}"),
                 );
                 return;
