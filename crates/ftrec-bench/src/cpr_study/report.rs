@@ -24,7 +24,8 @@ pub struct OverheadSeconds {
     /// Recording row accesses for the priority trackers (MFU counters, SSU samples, SCAR's
     /// nothing): measured wall time, scaled into the frame.
     pub tracking: f64,
-    /// Choosing and copying the prioritised rows at each save: measured, scaled likewise.
+    /// Choosing the prioritised rows at each save: measured, scaled likewise. (Copying them
+    /// is the save, priced by `O_save` as for every strategy.)
     pub selection: f64,
 }
 
@@ -54,7 +55,7 @@ pub struct RunResult {
     /// accounting); [`RunResult::overhead_fraction_all_costs`] includes them.
     pub overhead_fraction: f64,
     /// The same with every cost: plus the measured time spent recording accesses and
-    /// choosing and copying prioritised rows.
+    /// choosing prioritised rows.
     pub overhead_fraction_all_costs: f64,
     /// Eq. 1 / Eq. 2 in expectation at the run's interval (failures at the MTBF rate).
     pub overhead_fraction_expected: f64,
@@ -70,7 +71,7 @@ pub struct RunResult {
     pub tracker_memory_bytes: u64,
     /// The same over the bytes of the prioritised tables (rows with optimizer state).
     pub tracker_memory_share: f64,
-    /// Wall seconds recording accesses, and choosing and copying prioritised rows.
+    /// Wall seconds recording accesses, and choosing prioritised rows.
     pub tracking_seconds: f64,
     pub select_seconds: f64,
     pub train_seconds: f64,
