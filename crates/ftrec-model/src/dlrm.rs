@@ -10,7 +10,9 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use crate::sparse::{TableDedup, aggregate_gradients, pool_into};
-use crate::{Batch, MatMul, MlpSpec, ModelConfig, ModelError, ModelState, interaction};
+use crate::{
+    Batch, MatMul, MlpSpec, MlpWorkspace, ModelConfig, ModelError, ModelState, interaction,
+};
 
 /// Gradients of the last `forward_backward`: the dense buffer (same layout as the dense
 /// parameters) and, per table, one gradient per unique row (`[unique x dim]`, rows in the
@@ -60,11 +62,16 @@ pub struct Dlrm {
     bottom_dacts: Vec<Vec<f32>>,
     top_acts: Vec<Vec<f32>>,
     top_dacts: Vec<Vec<f32>>,
+    bottom_workspace: MlpWorkspace,
+    top_workspace: MlpWorkspace,
     /// Per sample `[vectors x dim]`: bottom output, then one pooled embedding per table.
     z: Vec<f32>,
     dz: Vec<f32>,
+    /// The interaction's output, the top MLP's input: rows of `inter_stride` values, the
+    /// interaction's width padded with zeros to what the top layer's products tile well.
     inter: Vec<f32>,
     dinter: Vec<f32>,
+    inter_stride: usize,
     /// Per-thread `vectors x vectors` scratch for the interaction backward.
     pair_scratch: Vec<Vec<f32>>,
     dedup: Vec<TableDedup>,
@@ -96,8 +103,9 @@ impl Dlrm {
             return Err(ModelError::Config("batch size must be positive".into()));
         }
         let (bottom, top) = MlpSpec::dlrm_pair(config);
+        let top = top.with_padded_input();
         let vectors = config.tables() + 1;
-        let width = config.interaction_width();
+        let inter_stride = top.input_stride();
         let dense_len = top.end();
         Ok(Self {
             times: PhaseTimes::default(),
@@ -107,8 +115,11 @@ impl Dlrm {
             top_dacts: top.activation_buffers(max_batch),
             z: vec![0.0; max_batch * vectors * config.dim],
             dz: vec![0.0; max_batch * vectors * config.dim],
-            inter: vec![0.0; max_batch * width],
-            dinter: vec![0.0; max_batch * width],
+            bottom_workspace: bottom.workspace(),
+            top_workspace: top.workspace(),
+            inter: vec![0.0; max_batch * inter_stride],
+            dinter: vec![0.0; max_batch * inter_stride],
+            inter_stride,
             pair_scratch: vec![vec![0.0; vectors * vectors]; threads.max(1)],
             dedup: vec![TableDedup::default(); config.tables()],
             pulled: vec![Vec::new(); config.tables()],
@@ -226,13 +237,14 @@ impl Dlrm {
         let n = self.batch;
         let dim = self.config.dim;
         let vectors = self.config.tables() + 1;
-        let width = self.config.interaction_width();
+        let width = self.inter_stride;
         let mut mark = Instant::now();
         self.bottom.forward(
             &*self.mm,
             dense_params,
             &batch.dense,
             &mut self.bottom_acts,
+            &mut self.bottom_workspace,
             n,
         );
         lap(&mut mark, &mut self.times.bottom_forward);
@@ -264,8 +276,14 @@ impl Dlrm {
                 interaction::forward_samples(z, vectors, dim, inter);
             });
         lap(&mut mark, &mut self.times.pool_interact_forward);
-        self.top
-            .forward(&*self.mm, dense_params, &self.inter, &mut self.top_acts, n);
+        self.top.forward(
+            &*self.mm,
+            dense_params,
+            &self.inter,
+            &mut self.top_acts,
+            &mut self.top_workspace,
+            n,
+        );
         lap(&mut mark, &mut self.times.top_forward);
     }
 
@@ -276,7 +294,7 @@ impl Dlrm {
         let n = self.batch;
         let dim = self.config.dim;
         let vectors = self.config.tables() + 1;
-        let width = self.config.interaction_width();
+        let width = self.inter_stride;
         self.forward(dense_params, batch);
         let mut mark = Instant::now();
         let logits = &self.top_acts[self.top_acts.len() - 1][..n];
@@ -301,6 +319,7 @@ impl Dlrm {
             &mut self.top_dacts,
             &mut self.grads.dense,
             Some(&mut self.dinter[..n * width]),
+            &mut self.top_workspace,
             n,
         );
         lap(&mut mark, &mut self.times.top_backward);
@@ -329,6 +348,7 @@ impl Dlrm {
             &mut self.bottom_dacts,
             &mut self.grads.dense,
             None,
+            &mut self.bottom_workspace,
             n,
         );
         lap(&mut mark, &mut self.times.bottom_backward);

@@ -26,7 +26,7 @@ pub use dlrm::{Dlrm, Gradients, PhaseTimes};
 pub use error::ModelError;
 pub use matmul::{GemmMatMul, MatMul, NaiveMatMul};
 pub use memory::{MemoryEstimate, human_bytes};
-pub use mlp::{LayerSpec, MlpSpec};
+pub use mlp::{LayerSpec, MlpSpec, MlpWorkspace};
 pub use optim::Optimizer;
 pub use state::{DenseState, ModelState, StateDigest};
 pub use table::EmbeddingTable;

@@ -73,10 +73,26 @@ pub struct LayerSpec {
     pub relu: bool,
 }
 
+/// The gemm kernels tile a product whose inner or output width is a whole number of
+/// 16-lane vectors well, and one that is not badly: on the Zen 4 host the top layer's
+/// three products at width 415 take 14.7 ms and at width 416 13.4 ms (BENCHMARKS.md).
+const KERNEL_WIDTH: usize = 16;
+
 /// An MLP: consecutive layers laid out back to back in the dense buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MlpSpec {
     layers: Vec<LayerSpec>,
+    /// Row stride of the input the caller passes: `inputs`, or `inputs` rounded up to
+    /// [`KERNEL_WIDTH`] with zero padding when the caller lays out its input that way.
+    input_stride: usize,
+}
+
+/// Scratch for an MLP whose input is padded: the first layer's weights and weight
+/// gradient, widened to the input stride with a zero column block. Empty otherwise.
+#[derive(Clone, Debug, Default)]
+pub struct MlpWorkspace {
+    weight: Vec<f32>,
+    grad: Vec<f32>,
 }
 
 impl MlpSpec {
@@ -96,7 +112,62 @@ impl MlpSpec {
             at += out * fan_in + out;
             fan_in = out;
         }
-        Self { layers }
+        Self {
+            layers,
+            input_stride: inputs,
+        }
+    }
+
+    /// The same MLP, taking its input in rows padded to a whole number of kernel vectors
+    /// ([`MlpSpec::input_stride`]); the padding columns must hold zeros. The parameters
+    /// keep their layout: only the products see the padded width, through the workspace.
+    pub fn with_padded_input(mut self) -> Self {
+        self.input_stride = self.inputs().next_multiple_of(KERNEL_WIDTH);
+        self
+    }
+
+    /// The input's width: the first layer's fan-in.
+    pub fn inputs(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.inputs)
+    }
+
+    /// The row stride of the input (and of the input gradient) this MLP takes.
+    pub fn input_stride(&self) -> usize {
+        self.input_stride
+    }
+
+    fn padded(&self) -> bool {
+        self.input_stride != self.inputs()
+    }
+
+    /// Scratch for [`MlpSpec::forward`] and [`MlpSpec::backward`].
+    pub fn workspace(&self) -> MlpWorkspace {
+        match self.layers.first() {
+            Some(first) if self.padded() => MlpWorkspace {
+                weight: vec![0.0; first.outputs * self.input_stride],
+                grad: vec![0.0; first.outputs * self.input_stride],
+            },
+            _ => MlpWorkspace::default(),
+        }
+    }
+
+    /// The first layer's weights widened to the input stride (padding columns stay zero,
+    /// as the workspace was built), so that its products run at the padded width. Adding
+    /// the padding's `0 * 0` terms leaves every sum as it was.
+    fn widen_first_weight<'w>(
+        &self,
+        params: &[f32],
+        wide_weight: &'w mut [f32],
+    ) -> Option<&'w [f32]> {
+        let first = self.layers.first().filter(|_| self.padded())?;
+        let weight = &params[first.weight..first.weight + first.outputs * first.inputs];
+        for (wide, row) in wide_weight
+            .chunks_exact_mut(self.input_stride)
+            .zip(weight.chunks_exact(first.inputs))
+        {
+            wide[..first.inputs].copy_from_slice(row);
+        }
+        Some(wide_weight)
     }
 
     /// The DLRM bottom (ReLU on every layer, as in the reference) and top (last layer is
@@ -128,25 +199,39 @@ impl MlpSpec {
             .collect()
     }
 
-    /// Forward over `batch` samples of `input [batch x inputs]`; `acts[l]` receives layer
-    /// `l`'s output.
+    /// Forward over `batch` samples of `input [batch x input_stride]`; `acts[l]` receives
+    /// layer `l`'s output.
     pub fn forward(
         &self,
         mm: &dyn MatMul,
         params: &[f32],
         input: &[f32],
         acts: &mut [Vec<f32>],
+        workspace: &mut MlpWorkspace,
         batch: usize,
     ) {
+        let wide_first = self.widen_first_weight(params, &mut workspace.weight);
         for (l, layer) in self.layers.iter().enumerate() {
             let (before, after) = acts.split_at_mut(l);
-            let x = if l == 0 { input } else { &before[l - 1][..] };
             let out = &mut after[0][..batch * layer.outputs];
             let bias = &params[layer.bias..layer.bias + layer.outputs];
-            let w = MatRef::row_major(&params[layer.weight..], layer.outputs, layer.inputs);
+            let (x, w) = match (l, wide_first) {
+                (0, Some(wide)) => (
+                    MatRef::row_major(input, batch, self.input_stride),
+                    MatRef::row_major(wide, layer.outputs, self.input_stride),
+                ),
+                _ => (
+                    MatRef::row_major(
+                        if l == 0 { input } else { &before[l - 1] },
+                        batch,
+                        layer.inputs,
+                    ),
+                    MatRef::row_major(&params[layer.weight..], layer.outputs, layer.inputs),
+                ),
+            };
             mm.matmul(
                 &mut MatMut::row_major(out, batch, layer.outputs),
-                MatRef::row_major(x, batch, layer.inputs),
+                x,
                 w.t(),
                 false,
             );
@@ -158,7 +243,8 @@ impl MlpSpec {
     /// Backward. On entry the last buffer of `dacts` holds dLoss/d(output) `[batch x
     /// outputs]`; the others are scratch shaped like the activations. Parameter gradients are
     /// written (not accumulated) to `grads` at the same offsets as `params`; the input
-    /// gradient is written to `grad_input` when given.
+    /// gradient `[batch x input_stride]` is written to `grad_input` when given (its padding
+    /// columns get zeros).
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
@@ -169,8 +255,14 @@ impl MlpSpec {
         dacts: &mut [Vec<f32>],
         grads: &mut [f32],
         grad_input: Option<&mut [f32]>,
+        workspace: &mut MlpWorkspace,
         batch: usize,
     ) {
+        let MlpWorkspace {
+            weight: wide_weight,
+            grad: wide_grad,
+        } = workspace;
+        let wide_first = self.widen_first_weight(params, wide_weight);
         let mut grad_input = grad_input;
         for l in (0..self.layers.len()).rev() {
             let layer = self.layers[l];
@@ -182,22 +274,39 @@ impl MlpSpec {
                     .zip(acts[l][..batch * layer.outputs].par_chunks(chunk))
                     .for_each(|(dz, act)| relu_mask(dz, act));
             }
-            let x = if l == 0 { input } else { &acts[l - 1][..] };
             let dz_ref = MatRef::row_major(dz, batch, layer.outputs);
-            mm.matmul(
-                &mut MatMut::row_major(
-                    &mut grads[layer.weight..layer.weight + layer.outputs * layer.inputs],
-                    layer.outputs,
-                    layer.inputs,
-                ),
-                dz_ref.t(),
-                MatRef::row_major(x, batch, layer.inputs),
-                false,
-            );
+            let weight_grad = &mut grads[layer.weight..layer.weight + layer.outputs * layer.inputs];
+            let w = match (l, wide_first) {
+                (0, Some(wide)) => {
+                    let stride = self.input_stride;
+                    mm.matmul(
+                        &mut MatMut::row_major(wide_grad, layer.outputs, stride),
+                        dz_ref.t(),
+                        MatRef::row_major(input, batch, stride),
+                        false,
+                    );
+                    for (dst, wide) in weight_grad
+                        .chunks_exact_mut(layer.inputs)
+                        .zip(wide_grad.chunks_exact(stride))
+                    {
+                        dst.copy_from_slice(&wide[..layer.inputs]);
+                    }
+                    MatRef::row_major(wide, layer.outputs, stride)
+                }
+                _ => {
+                    let x = if l == 0 { input } else { &acts[l - 1][..] };
+                    mm.matmul(
+                        &mut MatMut::row_major(weight_grad, layer.outputs, layer.inputs),
+                        dz_ref.t(),
+                        MatRef::row_major(x, batch, layer.inputs),
+                        false,
+                    );
+                    MatRef::row_major(&params[layer.weight..], layer.outputs, layer.inputs)
+                }
+            };
             // Column sums in sample order: a fixed reduction order, independent of threads.
             let db = &mut grads[layer.bias..layer.bias + layer.outputs];
             bias_gradients(dz, layer.outputs, db);
-            let w = MatRef::row_major(&params[layer.weight..], layer.outputs, layer.inputs);
             let dx: Option<&mut [f32]> = if l > 0 {
                 Some(&mut before[l - 1][..])
             } else {
@@ -205,7 +314,7 @@ impl MlpSpec {
             };
             if let Some(dx) = dx {
                 mm.matmul(
-                    &mut MatMut::row_major(dx, batch, layer.inputs),
+                    &mut MatMut::row_major(dx, batch, w.cols()),
                     dz_ref,
                     w,
                     false,
@@ -269,8 +378,9 @@ mod tests {
         });
         for threads in [1, 2, 3] {
             let mut acts = spec.activation_buffers(batch);
+            let mut workspace = spec.workspace();
             in_pool(threads, || {
-                spec.forward(&mm, &params, &input, &mut acts, batch)
+                spec.forward(&mm, &params, &input, &mut acts, &mut workspace, batch)
             });
             for (l, (got, want)) in acts.iter().zip(&want).enumerate() {
                 let same = got
@@ -278,6 +388,84 @@ mod tests {
                     .zip(want)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "layer {l}, a pool of {threads}");
+            }
+        }
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    /// An MLP fed rows padded to whole kernel vectors computes what it computes on the
+    /// unpadded rows, bit for bit: activations, every parameter gradient and the input
+    /// gradient (whose padding comes back zero). Widths around a multiple of 16, in pools
+    /// of one and two threads.
+    #[test]
+    fn padded_input_gives_the_bits_of_the_unpadded_one() {
+        for inputs in [13usize, 31, 32, 33, 415] {
+            let plain = MlpSpec::new(inputs, &[48, 24, 1], 0, false);
+            let padded = plain.clone().with_padded_input();
+            let stride = padded.input_stride();
+            assert_eq!(stride, inputs.next_multiple_of(16));
+            assert_eq!(padded.workspace().weight.is_empty(), stride == inputs);
+            let batch = 37;
+            let params = values(plain.end(), 0.731);
+            let input = values(batch * inputs, 0.377);
+            let mut wide_input = vec![0.0; batch * stride];
+            for (wide, row) in wide_input
+                .chunks_exact_mut(stride)
+                .zip(input.chunks_exact(inputs))
+            {
+                wide[..inputs].copy_from_slice(row);
+            }
+            let dout = values(batch, 0.29);
+            for threads in [1, 2] {
+                let mm = GemmMatMul::new(threads);
+                let run = |spec: &MlpSpec, input: &[f32]| {
+                    let mut acts = spec.activation_buffers(batch);
+                    let mut dacts = spec.activation_buffers(batch);
+                    let mut workspace = spec.workspace();
+                    let mut grads = vec![f32::NAN; spec.end()];
+                    let mut grad_input = vec![f32::NAN; batch * spec.input_stride()];
+                    in_pool(threads, || {
+                        spec.forward(&mm, &params, input, &mut acts, &mut workspace, batch);
+                        dacts[2].copy_from_slice(&dout);
+                        spec.backward(
+                            &mm,
+                            &params,
+                            input,
+                            &acts,
+                            &mut dacts,
+                            &mut grads,
+                            Some(&mut grad_input),
+                            &mut workspace,
+                            batch,
+                        );
+                    });
+                    (acts, grads, grad_input)
+                };
+                let (acts, grads, grad_input) = run(&plain, &input);
+                let (wide_acts, wide_grads, wide_grad_input) = run(&padded, &wide_input);
+                for (l, (a, b)) in acts.iter().zip(&wide_acts).enumerate() {
+                    assert!(same_bits(a, b), "inputs {inputs}, layer {l} output");
+                }
+                assert!(
+                    same_bits(&grads, &wide_grads),
+                    "inputs {inputs}, parameter gradients"
+                );
+                for (row, wide) in grad_input
+                    .chunks_exact(inputs)
+                    .zip(wide_grad_input.chunks_exact(stride))
+                {
+                    assert!(
+                        same_bits(row, &wide[..inputs]),
+                        "inputs {inputs}, input gradient"
+                    );
+                    assert!(
+                        wide[inputs..].iter().all(|&g| g == 0.0),
+                        "inputs {inputs}, padding"
+                    );
+                }
             }
         }
     }
