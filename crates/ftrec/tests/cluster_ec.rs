@@ -69,11 +69,21 @@ fn refused(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-/// The run ended exact and fully redundant, after one recovery per listed slot.
-fn assert_exact(out: &Value, expected: &Value, rebuilt: &[u64], what: &str) {
-    assert_eq!(&out["state_digest"], expected, "{what}: {out}");
+/// Every stripe's parity matches its rows and every dense replica its primary.
+fn assert_copies_agree(out: &Value, what: &str) {
     assert_eq!(out["parity_mismatches"], 0, "{what}: {out}");
     assert_eq!(out["replica_mismatches"], 0, "{what}: {out}");
+}
+
+/// The run ended in the uninterrupted run's state, bit for bit, with its copies agreeing.
+fn assert_same_state(out: &Value, expected: &Value, what: &str) {
+    assert_eq!(&out["state_digest"], expected, "{what}: {out}");
+    assert_copies_agree(out, what);
+}
+
+/// The run ended exact and fully redundant, after one recovery per listed slot.
+fn assert_exact(out: &Value, expected: &Value, rebuilt: &[u64], what: &str) {
+    assert_same_state(out, expected, what);
     let recoveries = out["recoveries"].as_array().unwrap();
     let servers: Vec<u64> = recoveries
         .iter()
@@ -269,9 +279,7 @@ fn checkpoints_as_a_second_layer_take_over_when_the_code_cannot() {
             "server:1@step:45",
         ],
     );
-    assert_eq!(out["state_digest"], expected, "{out}");
-    assert_eq!(out["parity_mismatches"], 0, "{out}");
-    assert_eq!(out["replica_mismatches"], 0, "{out}");
+    assert_same_state(&out, &expected, "ec+checkpoint");
     let recoveries = out["recoveries"].as_array().unwrap();
     let seen: Vec<(u64, u64)> = recoveries
         .iter()
@@ -330,8 +338,7 @@ fn a_cut_lost_with_a_server_is_taken_after_the_rebuild_not_an_interval_later() {
             "server:1@cut:20",
         ],
     );
-    assert_eq!(out["state_digest"], expected, "{out}");
-    assert_eq!(out["parity_mismatches"], 0, "{out}");
+    assert_same_state(&out, &expected, "owed cut");
     let recoveries = out["recoveries"].as_array().unwrap();
     assert_eq!(recoveries.len(), 1, "{out}");
     assert_eq!(recoveries[0]["steps_rolled_back"], 0, "{out}");
@@ -372,8 +379,7 @@ fn asynchronous_workers_keep_parity_exact_through_a_kill() {
     // Two workers prepare one server at a time in slot order; whatever the interleaving,
     // every stripe's parity matches its rows, every replica its primary, and every step's
     // samples count once.
-    assert_eq!(out["parity_mismatches"], 0, "{out}");
-    assert_eq!(out["replica_mismatches"], 0, "{out}");
+    assert_copies_agree(&out, "async workers");
     assert_eq!(out["lost_samples"], 0, "{out}");
     assert_eq!(out["steps"], 120, "{out}");
     assert_eq!(out["recoveries"].as_array().unwrap().len(), 1, "{out}");
@@ -395,8 +401,7 @@ fn asynchronous_workers_keep_parity_exact_through_a_kill() {
     ]);
     args.extend(SLOW_REBUILD);
     let out = json_of(&ftrec(&args));
-    assert_eq!(out["parity_mismatches"], 0, "{out}");
-    assert_eq!(out["replica_mismatches"], 0, "{out}");
+    assert_copies_agree(&out, "async workers, slow rebuild");
     assert_eq!(out["lost_samples"], 0, "{out}");
     assert_eq!(out["steps"], 120, "{out}");
     assert!(
@@ -523,9 +528,7 @@ fn a_second_loss_while_a_slot_still_rebuilds_falls_back_to_the_last_cut() {
             "server:2@step:25",
         ],
     );
-    assert_eq!(out["state_digest"], expected, "{out}");
-    assert_eq!(out["parity_mismatches"], 0, "{out}");
-    assert_eq!(out["replica_mismatches"], 0, "{out}");
+    assert_same_state(&out, &expected, "second loss mid-rebuild");
     let recoveries = out["recoveries"].as_array().unwrap();
     let seen: Vec<(u64, &str, u64)> = recoveries
         .iter()
