@@ -152,8 +152,9 @@ impl MlpSpec {
     }
 
     /// The first layer's weights widened to the input stride (padding columns stay zero,
-    /// as the workspace was built), so that its products run at the padded width. Adding
-    /// the padding's `0 * 0` terms leaves every sum as it was.
+    /// as the workspace was built), so that its products run at the padded width. The
+    /// padding only adds `0 * 0 = +0` terms, which change no sum's value (at most, in
+    /// principle, the sign of an exact zero).
     fn widen_first_weight<'w>(
         &self,
         params: &[f32],
