@@ -12,13 +12,14 @@
 //!
 //! Files: `service.rs` answers the RPCs; `control.rs` detects failures and decides what
 //! to do next; `planner.rs` is the pure recovery planner (a situation in, a plan out);
-//! `ledger.rs` grants steps; `tasks.rs` executes plans against the servers.
+//! `ledger.rs` grants steps; `tasks.rs` executes plans against the servers. Folders:
+//! `cpr/` holds partial recovery's accounting and its uncoordinated saves, `leader/` the
+//! durable record and the takeover of a standby.
 
 mod control;
 mod cpr;
-mod durable;
+mod leader;
 pub mod ledger;
-mod own_saves;
 pub mod planner;
 mod recovery;
 pub mod replan;
@@ -27,8 +28,10 @@ mod service;
 mod sim_tests;
 mod start;
 mod summary;
-mod takeover;
 mod tasks;
+
+use cpr::own_saves;
+use leader::{durable, takeover};
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;

@@ -3,6 +3,8 @@
 //! choice (Eq. 1 against Eq. 2), made once the first checkpoint has measured `O_save`.
 //! The arithmetic lives in `ftrec-cpr`; this file feeds it what the cluster measured.
 
+pub(crate) mod own_saves;
+
 use std::time::Duration;
 
 use tokio::time::Instant;
