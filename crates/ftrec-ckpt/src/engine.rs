@@ -6,7 +6,7 @@ mod restore;
 pub mod timing;
 mod verify;
 
-pub(crate) use restore::check_named_chunk;
+pub(crate) use restore::{check_named_chunk, store_row};
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};

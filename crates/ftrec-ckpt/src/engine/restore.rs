@@ -334,7 +334,7 @@ pub(crate) fn check_named_chunk(
 }
 
 /// Writes one row's little-endian payload into table `t`.
-fn store_row(
+pub(crate) fn store_row(
     table: &mut EmbeddingTable,
     t: usize,
     where_: &str,

@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use ftrec_model::EmbeddingTable;
 
-use crate::engine::check_named_chunk;
+use crate::engine::{check_named_chunk, store_row};
 use crate::manifest::{CheckpointKind, Manifest};
 use crate::{Checkpoints, CkptError, chunk};
 
@@ -63,16 +63,7 @@ impl Checkpoints {
             if !rows.contains(&row) {
                 return Ok(());
             }
-            let r = row as usize;
-            if r >= into.rows() || payload.len() != into.stride() * 4 {
-                return Err(CkptError::corrupt(
-                    where_,
-                    format!("row {r} does not fit table {table}"),
-                ));
-            }
-            // Bytes into the row's byte view: the payload need not be aligned for f32.
-            bytemuck::cast_slice_mut::<f32, u8>(into.row_mut(r)).copy_from_slice(payload);
-            Ok(())
+            store_row(into, table, where_, row, payload)
         };
         let mut read = 0;
         if manifest.kind == CheckpointKind::Incrcp {
