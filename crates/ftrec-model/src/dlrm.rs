@@ -237,7 +237,7 @@ impl Dlrm {
         let n = self.batch;
         let dim = self.config.dim;
         let vectors = self.config.tables() + 1;
-        let width = self.inter_stride;
+        let stride = self.inter_stride;
         let mut mark = Instant::now();
         self.bottom.forward(
             &*self.mm,
@@ -253,7 +253,7 @@ impl Dlrm {
         let (pulled, dedup) = (&self.pulled, &self.dedup);
         self.z[..n * vectors * dim]
             .par_chunks_mut(chunk * vectors * dim)
-            .zip(self.inter[..n * width].par_chunks_mut(chunk * width))
+            .zip(self.inter[..n * stride].par_chunks_mut(chunk * stride))
             .enumerate()
             .for_each(|(c, (z, inter))| {
                 let first = c * chunk;
@@ -294,7 +294,7 @@ impl Dlrm {
         let n = self.batch;
         let dim = self.config.dim;
         let vectors = self.config.tables() + 1;
-        let width = self.inter_stride;
+        let stride = self.inter_stride;
         self.forward(dense_params, batch);
         let mut mark = Instant::now();
         let logits = &self.top_acts[self.top_acts.len() - 1][..n];
@@ -318,7 +318,7 @@ impl Dlrm {
             &self.top_acts,
             &mut self.top_dacts,
             &mut self.grads.dense,
-            Some(&mut self.dinter[..n * width]),
+            Some(&mut self.dinter[..n * stride]),
             &mut self.top_workspace,
             n,
         );
@@ -327,7 +327,7 @@ impl Dlrm {
         self.dz[..n * vectors * dim]
             .par_chunks_mut(chunk * vectors * dim)
             .zip(self.z[..n * vectors * dim].par_chunks(chunk * vectors * dim))
-            .zip(self.dinter[..n * width].par_chunks(chunk * width))
+            .zip(self.dinter[..n * stride].par_chunks(chunk * stride))
             .zip(self.pair_scratch.par_iter_mut())
             .for_each(|(((dz, z), dinter), scratch)| {
                 interaction::backward_samples(z, vectors, dim, dinter, dz, scratch);

@@ -77,8 +77,8 @@ pub(crate) fn backward(
         let (doc, _) = dout[..dim].as_chunks::<LANES>();
         // Four rows of dz at a time share each load of z_j. The last `vectors % 4` rows go
         // together through the same kernel: one at a time, each of their sums would be one
-        // chain of dependent additions, three cycles each (27 vectors: a sixth of the
-        // kernel's time in three rows of 27).
+        // chain of dependent additions, three cycles each (for 27 vectors, by a count of
+        // cycles, a sixth of the kernel's time).
         let blocks = vectors / 4 * 4;
         for i0 in (0..blocks).step_by(4) {
             rows_of_dz::<4>(i0, vectors, per_row, zc, doc, s, dzc);

@@ -263,6 +263,8 @@ impl MlpSpec {
             weight: wide_weight,
             grad: wide_grad,
         } = workspace;
+        // Widened again rather than trusting the forward's copy: `params` is the caller's
+        // to pass, and 0.85 MB a step on `tiny` is not worth a stale-weights hazard.
         let wide_first = self.widen_first_weight(params, wide_weight);
         let mut grad_input = grad_input;
         for l in (0..self.layers.len()).rev() {
