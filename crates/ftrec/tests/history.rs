@@ -330,6 +330,16 @@ fn concurrent_mergers_and_gc_take_turns_and_lose_nothing() {
             gc_refused += 1;
         }
     }
+    // On a loaded machine two mergers polling every 10 ms can hold the lease at every
+    // instant a fresh gc process looks; `--wait` retries, with the mergers still running,
+    // until one of them lets go.
+    let waited = ftrec(&["ckpt", "gc", ck, "--keep", "100", "--wait", "60", "--json"]);
+    assert!(
+        waited.status.success(),
+        "{}",
+        String::from_utf8_lossy(&waited.stderr)
+    );
+    gc_ran += 1;
     for mut m in mergers {
         let _ = m.kill();
         let out = m.wait_with_output().unwrap();
@@ -337,7 +347,6 @@ fn concurrent_mergers_and_gc_take_turns_and_lose_nothing() {
         assert!(!stderr.contains("already exists"), "{stderr}");
     }
     eprintln!("gc ran {gc_ran} times and was refused {gc_refused} times");
-    assert!(gc_ran > 0);
     let merged = json_of(&ftrec(&["ckpt", "merge", ck, "--json"]));
     assert!(merged["merged"].is_array());
     assert!(ftrec(&["ckpt", "verify", ck]).status.success());

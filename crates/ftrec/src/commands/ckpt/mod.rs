@@ -70,6 +70,11 @@ pub enum CkptCommand {
         /// taken as abandoned; without a live writer, all uncommitted data is.
         #[arg(long, default_value_t = 3600.0)]
         abandoned_after: f64,
+        /// While a merger holds the location, try again for up to this many seconds
+        /// rather than fail at once: a merger that watches with a short period would
+        /// otherwise hold the lease at nearly every instant gc looks.
+        #[arg(long, default_value_t = 0.0)]
+        wait: f64,
         #[arg(long)]
         json: bool,
     },
@@ -373,6 +378,7 @@ pub fn run(command: CkptCommand) -> Result<()> {
             keep,
             drop_branch,
             abandoned_after,
+            wait,
             json,
         } => {
             let ck = open(&dir)?;
@@ -387,7 +393,19 @@ pub fn run(command: CkptCommand) -> Result<()> {
                 abandoned_after: std::time::Duration::from_secs_f64(abandoned_after.max(0.0)),
                 keep_ids: None,
             };
-            let report = ck.gc_with(&options)?;
+            let deadline =
+                std::time::Instant::now() + std::time::Duration::from_secs_f64(wait.max(0.0));
+            let report = loop {
+                match ck.gc_with(&options) {
+                    Err(ftrec_ckpt::CkptError::Busy(why))
+                        if std::time::Instant::now() < deadline =>
+                    {
+                        tracing::debug!("gc waits: {why}");
+                        std::thread::sleep(std::time::Duration::from_millis(2));
+                    }
+                    other => break other?,
+                }
+            };
             if json {
                 outln!("{}", serde_json::to_string(&report)?);
             } else {
