@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::sparse::{TableDedup, aggregate_gradients, pool_into};
+use crate::interaction_lanes::{self, LanesScratch};
+use crate::sparse::{TableDedup, aggregate_gradients, pool_sample};
 use crate::{
     Batch, MatMul, MlpSpec, MlpWorkspace, ModelConfig, ModelError, ModelState, interaction,
 };
@@ -74,10 +75,15 @@ pub struct Dlrm {
     inter_stride: usize,
     /// Per-thread `vectors x vectors` scratch for the interaction backward.
     pair_scratch: Vec<Vec<f32>>,
+    /// Per-thread transposed blocks for the interaction forward.
+    lanes_scratch: Vec<LanesScratch>,
     dedup: Vec<TableDedup>,
     pulled: Vec<Vec<f32>>,
     grads: Gradients,
 }
+
+/// Samples pooled and interacted together: the lanes of one AVX-512 register.
+const BLOCK: usize = 16;
 
 /// `log(1 + e^z)` without overflow.
 fn softplus(z: f32) -> f64 {
@@ -121,6 +127,7 @@ impl Dlrm {
             dinter: vec![0.0; max_batch * inter_stride],
             inter_stride,
             pair_scratch: vec![vec![0.0; vectors * vectors]; threads.max(1)],
+            lanes_scratch: vec![LanesScratch::new(vectors, config.dim); threads.max(1)],
             dedup: vec![TableDedup::default(); config.tables()],
             pulled: vec![Vec::new(); config.tables()],
             grads: Gradients {
@@ -254,26 +261,27 @@ impl Dlrm {
         self.z[..n * vectors * dim]
             .par_chunks_mut(chunk * vectors * dim)
             .zip(self.inter[..n * stride].par_chunks_mut(chunk * stride))
+            .zip(self.lanes_scratch.par_iter_mut())
             .enumerate()
-            .for_each(|(c, (z, inter))| {
+            .for_each(|(c, ((z, inter), scratch))| {
                 let first = c * chunk;
-                for (s, zs) in z.chunks_exact_mut(vectors * dim).enumerate() {
-                    let b = first + s;
-                    zs[..dim].copy_from_slice(&bottom_out[b * dim..(b + 1) * dim]);
+                // Sixteen samples at a time, each with all its tables, then their
+                // interaction: a sample's vectors are written contiguously, and the block
+                // is still in L2 when the interaction transposes it.
+                for (blk, (zb, ob)) in z
+                    .chunks_mut(BLOCK * vectors * dim)
+                    .zip(inter.chunks_mut(BLOCK * stride))
+                    .enumerate()
+                {
+                    for (s, zs) in zb.chunks_exact_mut(vectors * dim).enumerate() {
+                        let b = first + blk * BLOCK + s;
+                        zs[..dim].copy_from_slice(&bottom_out[b * dim..(b + 1) * dim]);
+                        for (t, dst) in zs[dim..].chunks_exact_mut(dim).enumerate() {
+                            pool_sample(&batch.sparse[t], &dedup[t], &pulled[t], b, dst);
+                        }
+                    }
+                    interaction_lanes::forward_samples(zb, vectors, dim, ob, scratch);
                 }
-                for t in 0..vectors - 1 {
-                    pool_into(
-                        &batch.sparse[t],
-                        &dedup[t],
-                        &pulled[t],
-                        dim,
-                        first,
-                        z,
-                        vectors * dim,
-                        (t + 1) * dim,
-                    );
-                }
-                interaction::forward_samples(z, vectors, dim, inter);
             });
         lap(&mut mark, &mut self.times.pool_interact_forward);
         self.top.forward(

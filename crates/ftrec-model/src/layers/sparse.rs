@@ -38,36 +38,29 @@ impl TableDedup {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-#[multiversion::multiversion(targets = "simd")]
-/// Sum-pools `pulled` (the table's unique embeddings, `[unique x dim]`) for the samples
-/// `first..` covered by `out`: sample `first + s` is written to
-/// `out[s * sample_stride + offset..][..dim]`.
-pub(crate) fn pool_into(
+/// Sum-pools sample `b`'s bag of one table into `dst` (`dim` values) from `pulled` (the
+/// table's unique embeddings, `[unique x dim]`): occurrences added in bag order, an empty
+/// bag pools to zeros.
+#[inline]
+pub(crate) fn pool_sample(
     bags: &Bags,
     dedup: &TableDedup,
     pulled: &[f32],
-    dim: usize,
-    first: usize,
-    out: &mut [f32],
-    sample_stride: usize,
-    offset: usize,
+    b: usize,
+    dst: &mut [f32],
 ) {
-    for (s, sample) in out.chunks_exact_mut(sample_stride).enumerate() {
-        let b = first + s;
-        let dst = &mut sample[offset..offset + dim];
-        let (lo, hi) = (bags.offsets[b] as usize, bags.offsets[b + 1] as usize);
-        if lo == hi {
-            dst.fill(0.0);
-            continue;
-        }
-        let u = dedup.occurrence_to_unique[lo] as usize;
-        dst.copy_from_slice(&pulled[u * dim..(u + 1) * dim]);
-        for occ in lo + 1..hi {
-            let u = dedup.occurrence_to_unique[occ] as usize;
-            for (d, v) in dst.iter_mut().zip(&pulled[u * dim..(u + 1) * dim]) {
-                *d += v;
-            }
+    let dim = dst.len();
+    let (lo, hi) = (bags.offsets[b] as usize, bags.offsets[b + 1] as usize);
+    if lo == hi {
+        dst.fill(0.0);
+        return;
+    }
+    let u = dedup.occurrence_to_unique[lo] as usize;
+    dst.copy_from_slice(&pulled[u * dim..(u + 1) * dim]);
+    for occ in lo + 1..hi {
+        let u = dedup.occurrence_to_unique[occ] as usize;
+        for (d, v) in dst.iter_mut().zip(&pulled[u * dim..(u + 1) * dim]) {
+            *d += v;
         }
     }
 }
