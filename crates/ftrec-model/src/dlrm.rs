@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::interaction_lanes::{self, LanesScratch};
+use crate::lanes::{self, LanesScratch};
 use crate::sparse::{TableDedup, aggregate_gradients, pool_sample};
 use crate::{
     Batch, MatMul, MlpSpec, MlpWorkspace, ModelConfig, ModelError, ModelState, interaction,
@@ -280,7 +280,7 @@ impl Dlrm {
                             pool_sample(&batch.sparse[t], &dedup[t], &pulled[t], b, dst);
                         }
                     }
-                    interaction_lanes::forward_samples(zb, vectors, dim, ob, scratch);
+                    lanes::forward_samples(zb, vectors, dim, ob, scratch);
                 }
             });
         lap(&mut mark, &mut self.times.pool_interact_forward);

@@ -2,7 +2,7 @@
 //! and sum-pooled embedding bags.
 
 pub(crate) mod interaction;
-pub(crate) mod interaction_lanes;
+pub(crate) mod lanes;
 pub mod matmul;
 pub(crate) mod mlp;
 pub(crate) mod sparse;

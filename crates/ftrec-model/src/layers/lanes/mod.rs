@@ -1,0 +1,157 @@
+//! The forward dot interaction with sixteen samples in the lanes of one AVX-512 register.
+//!
+//! [`super::interaction::dot`] puts a vector's dimensions in the lanes, so every one of a
+//! sample's 351 dot products (on `tiny`) ends in a horizontal reduction: extracts and
+//! narrow adds that a profile showed to take about half the forward's time. Here a block
+//! of 16 samples is transposed so that lane `s` holds sample `s`: every product is a
+//! vertical multiply of two loaded registers and every sum a chain of vertical adds.
+//!
+//! The adds follow `dot`'s order exactly, so the bits are those of the portable kernel:
+//! lane `l` of `dot` sums the products of dimensions `l, l + 16, ...` in that order, then
+//! the lanes reduce by halving widths, then the empty tail is added.
+//! `lanes_and_portable_give_the_same_bits` checks it, signed zeros and infinities
+//! included. Only AVX-512 hosts take this path, and only for `dim` a multiple of 16;
+//! elsewhere (and for the last `samples % 16` samples of a chunk) the portable kernel runs.
+//!
+//! The backward stays portable: the same layout made its arithmetic twice as fast, but
+//! in a training step it reads `z` and writes `dz` (14 MB each on `tiny`) from and to
+//! memory, and the phase did not move (BENCHMARKS.md).
+
+#[cfg(target_arch = "x86_64")]
+mod forward;
+#[cfg(target_arch = "x86_64")]
+mod simd;
+
+use super::interaction;
+
+const LANES: usize = 16;
+
+/// Per-thread scratch of one transposed block: `z` and the interaction's output, each
+/// value one register of 16 samples.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct LanesScratch {
+    z_t: Vec<f32>,
+    out_t: Vec<f32>,
+}
+
+impl LanesScratch {
+    /// Sized for samples of `vectors x dim`, so that a step allocates nothing.
+    pub(crate) fn new(vectors: usize, dim: usize) -> Self {
+        let pairs = vectors * vectors.saturating_sub(1) / 2;
+        Self {
+            z_t: vec![0.0; vectors * dim * LANES],
+            out_t: vec![0.0; pairs * LANES],
+        }
+    }
+
+    fn fit(&mut self, vectors: usize, dim: usize) {
+        let pairs = vectors * (vectors - 1) / 2;
+        self.z_t.resize(vectors * dim * LANES, 0.0);
+        self.out_t.resize(pairs * LANES, 0.0);
+    }
+}
+
+/// Whether this CPU and shape take the lanes path.
+fn lanes_apply(dim: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        dim > 0 && dim.is_multiple_of(LANES) && std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = dim;
+        false
+    }
+}
+
+/// Forward over consecutive samples, as [`interaction::forward_samples`]: `z` holds whole
+/// samples of `vectors x dim`, `out` one row of `stride` values per sample, of which the
+/// first `dim + pairs` are written.
+pub(crate) fn forward_samples(
+    z: &[f32],
+    vectors: usize,
+    dim: usize,
+    out: &mut [f32],
+    scratch: &mut LanesScratch,
+) {
+    let samples = z.len() / (vectors * dim).max(1);
+    let stride = out.len() / samples.max(1);
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if lanes_apply(dim) {
+        scratch.fit(vectors, dim);
+        let blocks = samples / LANES;
+        for b in 0..blocks {
+            let zb = &z[b * LANES * vectors * dim..(b + 1) * LANES * vectors * dim];
+            let ob = &mut out[b * LANES * stride..(b + 1) * LANES * stride];
+            // SAFETY: `lanes_apply` detected avx512f on this CPU.
+            unsafe { forward::block(zb, vectors, dim, stride, ob, scratch) };
+        }
+        done = blocks * LANES;
+    }
+    if done < samples {
+        interaction::forward_samples(
+            &z[done * vectors * dim..],
+            vectors,
+            dim,
+            &mut out[done * stride..],
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: f32) -> Vec<f32> {
+        let specials = [0.0, -0.0, 1e-40, -3.0e38, f32::INFINITY, 7.0, -7.0];
+        (0..n)
+            .map(|i| {
+                if i % 37 == 5 {
+                    specials[(i / 37) % specials.len()]
+                } else {
+                    ((i as f32 + seed) * 0.913).sin() * 3.0
+                }
+            })
+            .collect()
+    }
+
+    /// The lanes path against the portable one, bit for bit, over
+    /// block counts with and without a remainder, and sample rows wider than the output
+    /// (padding neither written nor read as output).
+    #[test]
+    fn lanes_and_portable_give_the_same_bits() {
+        for (vectors, dim, samples) in [
+            (27usize, 64usize, 37usize),
+            (5, 32, 16),
+            (3, 16, 33),
+            (6, 48, 5),
+            (4, 16, 32),
+        ] {
+            let pairs = vectors * (vectors - 1) / 2;
+            let stride = dim + pairs + 3;
+            let mut z = values(samples * vectors * dim, vectors as f32);
+            // A sample whose products are all zeros, some of them negative.
+            for (d, v) in z[..vectors * dim].iter_mut().enumerate() {
+                *v = if d % 2 == 0 { -0.0 } else { 0.0 };
+            }
+            let mut want = vec![f32::NAN; samples * stride];
+            interaction::forward_samples(&z, vectors, dim, &mut want);
+            let mut got = vec![f32::NAN; samples * stride];
+            let mut scratch = LanesScratch::default();
+            forward_samples(&z, vectors, dim, &mut got, &mut scratch);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let (s, c) = (i / stride, i % stride);
+                if c < dim + pairs {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "forward v{vectors} d{dim} sample {s} col {c}: {g} vs {w}"
+                    );
+                } else {
+                    assert!(g.is_nan(), "padding written at sample {s} col {c}");
+                }
+            }
+        }
+    }
+}
