@@ -11,9 +11,7 @@ use rayon::prelude::*;
 
 use crate::lanes::{self, LanesScratch};
 use crate::sparse::{TableDedup, aggregate_gradients, pool_sample};
-use crate::{
-    Batch, MatMul, MlpSpec, MlpWorkspace, ModelConfig, ModelError, ModelState, interaction,
-};
+use crate::{Batch, MatMul, MlpSpec, MlpWorkspace, ModelConfig, ModelError, ModelState};
 
 /// Gradients of the last `forward_backward`: the dense buffer (same layout as the dense
 /// parameters) and, per table, one gradient per unique row (`[unique x dim]`, rows in the
@@ -43,6 +41,31 @@ pub struct PhaseTimes {
     pub apply_dense: f64,
 }
 
+/// A zeroed `f32` buffer whose first value sits on a 64-byte boundary: a `Vec` with up
+/// to 15 spare values in front. The `Vec` never grows, so the boundary never moves.
+#[derive(Debug)]
+struct CacheAligned {
+    data: Vec<f32>,
+    start: usize,
+    len: usize,
+}
+
+impl CacheAligned {
+    fn zeroed(len: usize) -> Self {
+        let data = vec![0.0f32; len + 15];
+        let start = data.as_ptr().align_offset(64).min(15);
+        Self { data, start, len }
+    }
+
+    fn as_slice(&self) -> &[f32] {
+        &self.data[self.start..self.start + self.len]
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.data[self.start..self.start + self.len]
+    }
+}
+
 /// Adds the time since `*mark` to `slot` and restarts the mark.
 fn lap(mark: &mut Instant, slot: &mut f64) {
     let now = Instant::now();
@@ -67,7 +90,9 @@ pub struct Dlrm {
     top_workspace: MlpWorkspace,
     /// Per sample `[vectors x dim]`: bottom output, then one pooled embedding per table.
     z: Vec<f32>,
-    dz: Vec<f32>,
+    /// Cache-line aligned, so that the interaction backward can write it with streaming
+    /// stores.
+    dz: CacheAligned,
     /// The interaction's output, the top MLP's input: rows of `inter_stride` values, the
     /// interaction's width padded with zeros to what the top layer's products tile well.
     inter: Vec<f32>,
@@ -120,7 +145,7 @@ impl Dlrm {
             top_acts: top.activation_buffers(max_batch),
             top_dacts: top.activation_buffers(max_batch),
             z: vec![0.0; max_batch * vectors * config.dim],
-            dz: vec![0.0; max_batch * vectors * config.dim],
+            dz: CacheAligned::zeroed(max_batch * vectors * config.dim),
             bottom_workspace: bottom.workspace(),
             top_workspace: top.workspace(),
             inter: vec![0.0; max_batch * inter_stride],
@@ -332,19 +357,20 @@ impl Dlrm {
         );
         lap(&mut mark, &mut self.times.top_backward);
         let chunk = self.samples_per_chunk();
-        self.dz[..n * vectors * dim]
+        self.dz.as_mut_slice()[..n * vectors * dim]
             .par_chunks_mut(chunk * vectors * dim)
             .zip(self.z[..n * vectors * dim].par_chunks(chunk * vectors * dim))
             .zip(self.dinter[..n * stride].par_chunks(chunk * stride))
             .zip(self.pair_scratch.par_iter_mut())
-            .for_each(|(((dz, z), dinter), scratch)| {
-                interaction::backward_samples(z, vectors, dim, dinter, dz, scratch);
+            .zip(self.lanes_scratch.par_iter_mut())
+            .for_each(|((((dz, z), dinter), pair_scratch), scratch)| {
+                lanes::backward_samples(z, vectors, dim, dinter, dz, pair_scratch, scratch);
             });
         lap(&mut mark, &mut self.times.interact_backward);
         let last = self.bottom_dacts.len() - 1;
         for (dst, src) in self.bottom_dacts[last][..n * dim]
             .chunks_exact_mut(dim)
-            .zip(self.dz.chunks_exact(vectors * dim))
+            .zip(self.dz.as_slice().chunks_exact(vectors * dim))
         {
             dst.copy_from_slice(&src[..dim]);
         }
@@ -360,7 +386,7 @@ impl Dlrm {
             n,
         );
         lap(&mut mark, &mut self.times.bottom_backward);
-        let dz = &self.dz[..n * vectors * dim];
+        let dz = &self.dz.as_slice()[..n * vectors * dim];
         self.grads
             .sparse
             .par_iter_mut()

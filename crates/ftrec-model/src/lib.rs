@@ -17,7 +17,7 @@ pub mod params;
 
 // Modules keep their root paths (`ftrec_model::matmul`, `crate::optim`).
 pub use layers::matmul;
-pub(crate) use layers::{interaction, lanes, mlp, sparse};
+pub(crate) use layers::{lanes, mlp, sparse};
 pub(crate) use params::{memory, optim, state, table};
 
 pub use batch::{Bags, Batch};

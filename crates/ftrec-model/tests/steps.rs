@@ -24,7 +24,7 @@ fn batch(c: &ModelConfig, samples: usize, seed: usize) -> Batch {
     let mut b = Batch::with_tables(c.table_rows.len());
     for s in 0..samples {
         let k = s * 7 + seed * 13;
-        b.labels.push((k % 3 == 0) as u8 as f32);
+        b.labels.push(k.is_multiple_of(3) as u8 as f32);
         for f in 0..c.num_dense {
             b.dense.push(((k * 5 + f) as f32 * 0.37).sin());
         }

@@ -1,4 +1,4 @@
-//! The forward dot interaction with sixteen samples in the lanes of one AVX-512 register.
+//! The dot interaction with sixteen samples in the lanes of one AVX-512 register.
 //!
 //! [`super::interaction::dot`] puts a vector's dimensions in the lanes, so every one of a
 //! sample's 351 dot products (on `tiny`) ends in a horizontal reduction: extracts and
@@ -6,17 +6,24 @@
 //! of 16 samples is transposed so that lane `s` holds sample `s`: every product is a
 //! vertical multiply of two loaded registers and every sum a chain of vertical adds.
 //!
-//! The adds follow `dot`'s order exactly, so the bits are those of the portable kernel:
-//! lane `l` of `dot` sums the products of dimensions `l, l + 16, ...` in that order, then
-//! the lanes reduce by halving widths, then the empty tail is added.
-//! `lanes_and_portable_give_the_same_bits` checks it, signed zeros and infinities
-//! included. Only AVX-512 hosts take this path, and only for `dim` a multiple of 16;
-//! elsewhere (and for the last `samples % 16` samples of a chunk) the portable kernel runs.
+//! The adds follow the portable kernels' order exactly, so the bits are theirs:
+//! - forward: lane `l` of `dot` sums the products of dimensions `l, l + 16, ...` in that
+//!   order, then the lanes reduce by halving widths, then the empty tail is added;
+//! - backward: row `i` of `dz` starts at the pass-through gradient (row 0) or zero and adds
+//!   `S_ij z_j` for `j` ascending, the zero diagonal of `S` included.
 //!
-//! The backward stays portable: the same layout made its arithmetic twice as fast, but
-//! in a training step it reads `z` and writes `dz` (14 MB each on `tiny`) from and to
-//! memory, and the phase did not move (BENCHMARKS.md).
+//! `lanes_and_portable_give_the_same_bits` checks both, signed zeros and infinities
+//! included. Only AVX-512 hosts take this path, and only for `dim` a multiple of 16;
+//! elsewhere (and for the last `samples % 16` samples of a chunk) the portable kernels run.
+//!
+//! The backward's arithmetic runs twice as fast here as in the portable kernel, but in a
+//! training step the phase is bound by memory: it reads `z` and writes `dz`, 14 MB each
+//! on `tiny`. What it gains in the step comes from writing `dz` with streaming stores
+//! (no read of each line before it is written), and from leaving the cache to the
+//! aggregation that follows.
 
+#[cfg(target_arch = "x86_64")]
+mod backward;
 #[cfg(target_arch = "x86_64")]
 mod forward;
 #[cfg(target_arch = "x86_64")]
@@ -32,22 +39,25 @@ const LANES: usize = 16;
 pub(crate) struct LanesScratch {
     z_t: Vec<f32>,
     out_t: Vec<f32>,
+    dz_t: Vec<f32>,
 }
 
 impl LanesScratch {
     /// Sized for samples of `vectors x dim`, so that a step allocates nothing.
     pub(crate) fn new(vectors: usize, dim: usize) -> Self {
-        let pairs = vectors * vectors.saturating_sub(1) / 2;
+        let width = dim + vectors * vectors.saturating_sub(1) / 2;
         Self {
             z_t: vec![0.0; vectors * dim * LANES],
-            out_t: vec![0.0; pairs * LANES],
+            out_t: vec![0.0; width * LANES],
+            dz_t: vec![0.0; vectors * dim * LANES],
         }
     }
 
     fn fit(&mut self, vectors: usize, dim: usize) {
-        let pairs = vectors * (vectors - 1) / 2;
+        let width = dim + vectors * (vectors - 1) / 2;
         self.z_t.resize(vectors * dim * LANES, 0.0);
-        self.out_t.resize(pairs * LANES, 0.0);
+        self.out_t.resize(width * LANES, 0.0);
+        self.dz_t.resize(vectors * dim * LANES, 0.0);
     }
 }
 
@@ -95,6 +105,59 @@ pub(crate) fn forward_samples(
             vectors,
             dim,
             &mut out[done * stride..],
+        );
+    }
+}
+
+/// Backward over consecutive samples, as [`interaction::backward_samples`]: `dout` holds
+/// one row of `stride` values per sample, `dz` is overwritten; `pair_scratch` is the
+/// portable kernel's `vectors x vectors` scratch.
+pub(crate) fn backward_samples(
+    z: &[f32],
+    vectors: usize,
+    dim: usize,
+    dout: &[f32],
+    dz: &mut [f32],
+    pair_scratch: &mut [f32],
+    scratch: &mut LanesScratch,
+) {
+    let sample = vectors * dim;
+    let samples = z.len() / sample.max(1);
+    let stride = dout.len() / samples.max(1);
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if lanes_apply(dim) {
+        scratch.fit(vectors, dim);
+        let blocks = samples / LANES;
+        for b in 0..blocks {
+            let span = b * LANES * sample..(b + 1) * LANES * sample;
+            let db = &dout[b * LANES * stride..(b + 1) * LANES * stride];
+            // SAFETY: `lanes_apply` detected avx512f on this CPU.
+            unsafe {
+                backward::block(
+                    &z[span.clone()],
+                    vectors,
+                    dim,
+                    stride,
+                    db,
+                    &mut dz[span],
+                    scratch,
+                )
+            };
+        }
+        done = blocks * LANES;
+        // SAFETY: sse is part of x86_64. The fence orders the streaming stores of `dz`
+        // before whatever this thread does next (its join with the other threads).
+        unsafe { std::arch::x86_64::_mm_sfence() };
+    }
+    if done < samples {
+        interaction::backward_samples(
+            &z[done * sample..],
+            vectors,
+            dim,
+            &dout[done * stride..],
+            &mut dz[done * sample..],
+            pair_scratch,
         );
     }
 }
@@ -150,6 +213,39 @@ mod tests {
                     );
                 } else {
                     assert!(g.is_nan(), "padding written at sample {s} col {c}");
+                }
+            }
+            let mut dout = values(samples * stride, 0.5);
+            for (i, v) in dout[..stride].iter_mut().enumerate() {
+                *v = if i % 3 == 0 { -0.0 } else { 0.0 };
+            }
+            for s in 0..samples {
+                for v in &mut dout[s * stride + dim + pairs..(s + 1) * stride] {
+                    *v = f32::NAN;
+                }
+            }
+            let mut want = vec![1.0; samples * vectors * dim];
+            let mut pair_scratch = vec![0.0; vectors * vectors];
+            interaction::backward_samples(&z, vectors, dim, &dout, &mut want, &mut pair_scratch);
+            // Offset by one float, so that the streaming stores meet an unaligned buffer too.
+            for shift in [0, 1] {
+                let mut buf = vec![2.0; samples * vectors * dim + shift];
+                let got = &mut buf[shift..];
+                backward_samples(
+                    &z,
+                    vectors,
+                    dim,
+                    &dout,
+                    got,
+                    &mut pair_scratch,
+                    &mut scratch,
+                );
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "backward v{vectors} d{dim} shift {shift} at {i}: {g} vs {w}"
+                    );
                 }
             }
         }

@@ -95,6 +95,37 @@ pub(super) fn from_lanes(
     stride: usize,
     offset: usize,
 ) {
+    from_lanes_with(lanes, cols, rows, stride, offset, false)
+}
+
+/// [`from_lanes`] with streaming stores where the whole groups land on 64-byte aligned
+/// addresses: for an output that is read again only after much else has passed through
+/// the cache, so that writing it does not first read every line from memory. The caller
+/// fences ([`_mm_sfence`]) before the output is read.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) fn from_lanes_streaming(
+    lanes: &[[f32; LANES]],
+    cols: usize,
+    rows: &mut [f32],
+    stride: usize,
+    offset: usize,
+) {
+    let aligned =
+        (rows.as_ptr() as usize + offset * 4).is_multiple_of(64) && stride.is_multiple_of(LANES);
+    from_lanes_with(lanes, cols, rows, stride, offset, aligned)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn from_lanes_with(
+    lanes: &[[f32; LANES]],
+    cols: usize,
+    rows: &mut [f32],
+    stride: usize,
+    offset: usize,
+    stream: bool,
+) {
     let whole = cols / LANES * LANES;
     for c in (0..whole).step_by(LANES) {
         let mut r = [_mm512_setzero_ps(); 16];
@@ -103,7 +134,15 @@ pub(super) fn from_lanes(
         }
         transpose(&mut r);
         for (s, r) in r.into_iter().enumerate() {
-            store(sixteen_mut(rows, s * stride + offset + c), r);
+            let dst = sixteen_mut(rows, s * stride + offset + c);
+            if stream {
+                // SAFETY: `dst` is 16 writable floats, and `stream` is set only when the
+                // buffer start, the offset and the row stride keep every group on a
+                // 64-byte boundary, as the streaming store requires.
+                unsafe { _mm512_stream_ps(dst.as_mut_ptr(), r) }
+            } else {
+                store(dst, r);
+            }
         }
     }
     for (c, lane) in lanes.iter().enumerate().take(cols).skip(whole) {
