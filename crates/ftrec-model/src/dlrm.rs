@@ -10,8 +10,10 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use crate::lanes::{self, LanesScratch};
-use crate::sparse::{TableDedup, aggregate_gradients, pool_sample};
-use crate::{Batch, MatMul, MlpSpec, MlpWorkspace, ModelConfig, ModelError, ModelState};
+use crate::sparse::{TableDedup, aggregate_gradients, pool_sample, pool_sample_from};
+use crate::{
+    Batch, EmbeddingTable, MatMul, MlpSpec, MlpWorkspace, ModelConfig, ModelError, ModelState,
+};
 
 /// Gradients of the last `forward_backward`: the dense buffer (same layout as the dense
 /// parameters) and, per table, one gradient per unique row (`[unique x dim]`, rows in the
@@ -265,7 +267,7 @@ impl Dlrm {
         self.batch.div_ceil(self.threads).max(1)
     }
 
-    fn forward(&mut self, dense_params: &[f32], batch: &Batch) {
+    fn forward(&mut self, dense_params: &[f32], batch: &Batch, tables: Option<&[EmbeddingTable]>) {
         let n = self.batch;
         let dim = self.config.dim;
         let vectors = self.config.tables() + 1;
@@ -302,7 +304,14 @@ impl Dlrm {
                         let b = first + blk * BLOCK + s;
                         zs[..dim].copy_from_slice(&bottom_out[b * dim..(b + 1) * dim]);
                         for (t, dst) in zs[dim..].chunks_exact_mut(dim).enumerate() {
-                            pool_sample(&batch.sparse[t], &dedup[t], &pulled[t], b, dst);
+                            match tables {
+                                Some(tables) => {
+                                    pool_sample_from(&batch.sparse[t], &tables[t], b, dst)
+                                }
+                                None => {
+                                    pool_sample(&batch.sparse[t], &dedup[t], &pulled[t], b, dst)
+                                }
+                            }
                         }
                     }
                     lanes::forward_samples(zb, vectors, dim, ob, scratch);
@@ -324,11 +333,23 @@ impl Dlrm {
     /// the pulled buffers. Returns the summed (not averaged) log loss; gradients are those
     /// of the mean loss and are left in [`Dlrm::gradients`].
     pub fn forward_backward(&mut self, dense_params: &[f32], batch: &Batch) -> f64 {
+        self.forward_backward_with(dense_params, batch, None)
+    }
+
+    /// [`Dlrm::forward_backward`], pooling from `tables` when given (a single-process
+    /// step: the rows are where the pulled buffers would copy them from) or else from the
+    /// pulled buffers.
+    fn forward_backward_with(
+        &mut self,
+        dense_params: &[f32],
+        batch: &Batch,
+        tables: Option<&[EmbeddingTable]>,
+    ) -> f64 {
         let n = self.batch;
         let dim = self.config.dim;
         let vectors = self.config.tables() + 1;
         let stride = self.inter_stride;
-        self.forward(dense_params, batch);
+        self.forward(dense_params, batch, tables);
         let mut mark = Instant::now();
         let logits = &self.top_acts[self.top_acts.len() - 1][..n];
         let dlogits = self
@@ -442,8 +463,10 @@ impl Dlrm {
     /// A full single-process step. Returns the summed log loss of the batch.
     pub fn train_step(&mut self, state: &mut ModelState, batch: &Batch) -> Result<f64, ModelError> {
         self.prepare(batch)?;
-        self.gather_from(state);
-        let loss = self.forward_backward(&state.dense.params, batch);
+        // No gather: a single-process step pools straight from the tables, which `apply`
+        // changes only after the backward, so the values (and bits) are the pulled ones
+        // without the 13.6 MB copy (on `tiny`) written and read back.
+        let loss = self.forward_backward_with(&state.dense.params, batch, Some(state.tables()));
         self.apply(state);
         Ok(loss)
     }
@@ -456,8 +479,7 @@ impl Dlrm {
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
         self.prepare(batch)?;
-        self.gather_from(state);
-        self.forward(&state.dense.params, batch);
+        self.forward(&state.dense.params, batch, Some(state.tables()));
         logits.extend_from_slice(&self.top_acts[self.top_acts.len() - 1][..batch.size]);
         Ok(())
     }

@@ -3,7 +3,7 @@
 //! each unique row once and pushes one aggregated gradient per row, so single-process and
 //! cluster training apply bit-identical updates.
 
-use crate::Bags;
+use crate::{Bags, EmbeddingTable};
 
 /// The unique rows of one table in a batch (ascending), and for each id occurrence the
 /// index of its unique row. Buffers are reused across batches.
@@ -60,6 +60,23 @@ pub(crate) fn pool_sample(
     for occ in lo + 1..hi {
         let u = dedup.occurrence_to_unique[occ] as usize;
         for (d, v) in dst.iter_mut().zip(&pulled[u * dim..(u + 1) * dim]) {
+            *d += v;
+        }
+    }
+}
+
+/// [`pool_sample`] from the table itself rather than from pulled copies of its rows:
+/// the same rows added in the same order.
+#[inline]
+pub(crate) fn pool_sample_from(bags: &Bags, table: &EmbeddingTable, b: usize, dst: &mut [f32]) {
+    let (lo, hi) = (bags.offsets[b] as usize, bags.offsets[b + 1] as usize);
+    if lo == hi {
+        dst.fill(0.0);
+        return;
+    }
+    dst.copy_from_slice(table.embedding(bags.rows[lo] as usize));
+    for &row in &bags.rows[lo + 1..hi] {
+        for (d, v) in dst.iter_mut().zip(table.embedding(row as usize)) {
             *d += v;
         }
     }
