@@ -391,23 +391,18 @@ impl Dlrm {
         );
         lap(&mut mark, &mut self.times.top_backward);
         let chunk = self.samples_per_chunk();
+        let last = self.bottom_dacts.len() - 1;
         self.dz.as_mut_slice()[..n * vectors * dim]
             .par_chunks_mut(chunk * vectors * dim)
             .zip(self.z[..n * vectors * dim].par_chunks(chunk * vectors * dim))
             .zip(self.dinter[..n * stride].par_chunks(chunk * stride))
+            .zip(self.bottom_dacts[last][..n * dim].par_chunks_mut(chunk * dim))
             .zip(self.pair_scratch.par_iter_mut())
             .zip(self.lanes_scratch.par_iter_mut())
-            .for_each(|((((dz, z), dinter), pair_scratch), scratch)| {
-                lanes::backward_samples(z, vectors, dim, dinter, dz, pair_scratch, scratch);
+            .for_each(|(((((dz, z), dinter), first), pair_scratch), scratch)| {
+                lanes::backward_samples(z, vectors, dim, dinter, dz, first, pair_scratch, scratch);
             });
         lap(&mut mark, &mut self.times.interact_backward);
-        let last = self.bottom_dacts.len() - 1;
-        for (dst, src) in self.bottom_dacts[last][..n * dim]
-            .chunks_exact_mut(dim)
-            .zip(self.dz.as_slice().chunks_exact(vectors * dim))
-        {
-            dst.copy_from_slice(&src[..dim]);
-        }
         self.bottom.backward(
             &*self.mm,
             dense_params,

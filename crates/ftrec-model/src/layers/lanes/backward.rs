@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::simd::{from_lanes_streaming, load, store, to_lanes};
+use super::simd::{from_lanes, from_lanes_streaming, load, store, to_lanes};
 use super::{LANES, LanesScratch};
 
 /// Dimensions of `dz` computed together: with four rows, 16 independent add chains and
@@ -63,8 +63,9 @@ fn rows<const R: usize>(
 }
 
 /// One block of 16 samples: `z` and `dout` into lanes, `dz` in lanes four rows at a time,
-/// and back into the rows of `dz`.
+/// and back into the rows of `dz`; its row 0 (16 x `dim`) also into `first_rows`.
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
 pub(super) fn block(
     z: &[f32],
     vectors: usize,
@@ -72,6 +73,7 @@ pub(super) fn block(
     stride: usize,
     dout: &[f32],
     dz: &mut [f32],
+    first_rows: &mut [f32],
     scratch: &mut LanesScratch,
 ) {
     let sample = vectors * dim;
@@ -98,4 +100,7 @@ pub(super) fn block(
         }
     }
     from_lanes_streaming(dz_t, sample, dz, sample, 0);
+    // Row 0 of dz again, with ordinary stores: the bottom MLP's backward reads it next,
+    // and `dz` itself has just gone to memory.
+    from_lanes(&dz_t[..dim], dim, first_rows, dim, 0);
 }

@@ -110,14 +110,17 @@ pub(crate) fn forward_samples(
 }
 
 /// Backward over consecutive samples, as [`interaction::backward_samples`]: `dout` holds
-/// one row of `stride` values per sample, `dz` is overwritten; `pair_scratch` is the
-/// portable kernel's `vectors x vectors` scratch.
+/// one row of `stride` values per sample, `dz` is overwritten, and each sample's row 0
+/// of `dz` (the bottom MLP's output gradient) is also written to `first_rows`
+/// (`samples x dim`); `pair_scratch` is the portable kernel's `vectors x vectors` scratch.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_samples(
     z: &[f32],
     vectors: usize,
     dim: usize,
     dout: &[f32],
     dz: &mut [f32],
+    first_rows: &mut [f32],
     pair_scratch: &mut [f32],
     scratch: &mut LanesScratch,
 ) {
@@ -132,6 +135,7 @@ pub(crate) fn backward_samples(
         for b in 0..blocks {
             let span = b * LANES * sample..(b + 1) * LANES * sample;
             let db = &dout[b * LANES * stride..(b + 1) * LANES * stride];
+            let first = &mut first_rows[b * LANES * dim..(b + 1) * LANES * dim];
             // SAFETY: `lanes_apply` detected avx512f on this CPU.
             unsafe {
                 backward::block(
@@ -141,6 +145,7 @@ pub(crate) fn backward_samples(
                     stride,
                     db,
                     &mut dz[span],
+                    first,
                     scratch,
                 )
             };
@@ -159,6 +164,12 @@ pub(crate) fn backward_samples(
             &mut dz[done * sample..],
             pair_scratch,
         );
+        for (dst, src) in first_rows[done * dim..samples * dim]
+            .chunks_exact_mut(dim)
+            .zip(dz[done * sample..].chunks_exact(sample))
+        {
+            dst.copy_from_slice(&src[..dim]);
+        }
     }
 }
 
@@ -231,15 +242,26 @@ mod tests {
             for shift in [0, 1] {
                 let mut buf = vec![2.0; samples * vectors * dim + shift];
                 let got = &mut buf[shift..];
+                let mut first = vec![3.0; samples * dim];
                 backward_samples(
                     &z,
                     vectors,
                     dim,
                     &dout,
                     got,
+                    &mut first,
                     &mut pair_scratch,
                     &mut scratch,
                 );
+                for (s, row) in first.chunks_exact(dim).enumerate() {
+                    let want_row = &want[s * vectors * dim..s * vectors * dim + dim];
+                    assert!(
+                        row.iter()
+                            .zip(want_row)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "first row of sample {s}"
+                    );
+                }
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert_eq!(
                         g.to_bits(),
