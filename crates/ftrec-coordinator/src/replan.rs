@@ -6,8 +6,10 @@
 //! MTBF counts as one failure-free period already observed (a prior that a single early
 //! failure cannot overturn), so after `n` failures in `t` seconds of training the estimate
 //! is `(planned + t) / (1 + n)`. At each failure, the interval becomes Young's optimum
-//! `sqrt(2 · O_save · MTBF)` with `O_save` the pause of the last cut, measured. Without a
-//! measured cut yet, the planned interval stays.
+//! `sqrt(2 · O_save · MTBF)` with `O_save` the pause of the last cut, measured, and every
+//! later cut re-derives it from its own pause, so that the interval in force always follows
+//! the latest measurement. Without a measured cut yet, the planned interval stays; before
+//! the first failure it stays too, since the plan already priced the planned MTBF.
 
 /// The re-planned interval, and what it was planned from.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -35,11 +37,19 @@ impl Replan {
         }
     }
 
-    /// A cut committed after `pause` seconds.
+    /// A cut committed after `pause` seconds. Once a failure has re-planned the interval,
+    /// the interval follows this newest pause.
     pub fn on_cut(&mut self, pause: f64) {
         if pause.is_finite() && pause > 0.0 {
             self.measured_save_seconds = Some(pause);
+            if self.failures > 0 {
+                self.every_seconds = Self::young(pause, self.mtbf_seconds);
+            }
         }
+    }
+
+    fn young(save: f64, mtbf: f64) -> f64 {
+        (2.0 * save * mtbf).sqrt().max(1e-3)
     }
 
     /// A failure struck after `train_seconds` of training: re-estimates the MTBF and, with
@@ -51,7 +61,7 @@ impl Replan {
         let before = self.every_seconds;
         match self.measured_save_seconds {
             Some(save) => {
-                self.every_seconds = (2.0 * save * self.mtbf_seconds).sqrt().max(1e-3);
+                self.every_seconds = Self::young(save, self.mtbf_seconds);
                 format!(
                     "re-planned after failure {}: MTBF {:.1} s measured ({} failures in {:.1} s \
                      of training, the planned {:.1} s counted as one period); a cut every \
@@ -103,5 +113,19 @@ mod tests {
         calm.on_failure(3600.0);
         assert_eq!(calm.mtbf_seconds, 3600.0);
         assert!((calm.every_seconds - 3600f64.sqrt()).abs() < 1e-9);
+    }
+
+    /// A cut after the re-plan re-derives the interval from its own pause: the report's
+    /// interval and measured pause always agree with Young's formula.
+    #[test]
+    fn cuts_after_a_failure_re_derive_the_interval() {
+        let mut r = Replan::new(600.0, 0.25);
+        r.on_cut(0.02);
+        assert_eq!(r.every_seconds, 0.25, "no failure yet: the plan stands");
+        r.on_failure(2.0);
+        assert!((r.every_seconds - (2.0 * 0.02 * 301.0f64).sqrt()).abs() < 1e-9);
+        r.on_cut(0.036);
+        assert!((r.every_seconds - (2.0 * 0.036 * 301.0f64).sqrt()).abs() < 1e-9);
+        assert_eq!(r.measured_save_seconds, Some(0.036));
     }
 }
