@@ -38,9 +38,24 @@ impl TableDedup {
     }
 }
 
+/// Sum-pools one bag into `dst`: the first row copied, the others added in bag order; an
+/// empty bag pools to zeros.
+#[inline]
+fn pool_rows<'a>(mut rows: impl Iterator<Item = &'a [f32]>, dst: &mut [f32]) {
+    let Some(first) = rows.next() else {
+        dst.fill(0.0);
+        return;
+    };
+    dst.copy_from_slice(first);
+    for row in rows {
+        for (d, v) in dst.iter_mut().zip(row) {
+            *d += v;
+        }
+    }
+}
+
 /// Sum-pools sample `b`'s bag of one table into `dst` (`dim` values) from `pulled` (the
-/// table's unique embeddings, `[unique x dim]`): occurrences added in bag order, an empty
-/// bag pools to zeros.
+/// table's unique embeddings, `[unique x dim]`).
 #[inline]
 pub(crate) fn pool_sample(
     bags: &Bags,
@@ -51,18 +66,10 @@ pub(crate) fn pool_sample(
 ) {
     let dim = dst.len();
     let (lo, hi) = (bags.offsets[b] as usize, bags.offsets[b + 1] as usize);
-    if lo == hi {
-        dst.fill(0.0);
-        return;
-    }
-    let u = dedup.occurrence_to_unique[lo] as usize;
-    dst.copy_from_slice(&pulled[u * dim..(u + 1) * dim]);
-    for occ in lo + 1..hi {
-        let u = dedup.occurrence_to_unique[occ] as usize;
-        for (d, v) in dst.iter_mut().zip(&pulled[u * dim..(u + 1) * dim]) {
-            *d += v;
-        }
-    }
+    let rows = dedup.occurrence_to_unique[lo..hi]
+        .iter()
+        .map(|&u| &pulled[u as usize * dim..(u as usize + 1) * dim]);
+    pool_rows(rows, dst);
 }
 
 /// [`pool_sample`] from the table itself rather than from pulled copies of its rows:
@@ -70,16 +77,12 @@ pub(crate) fn pool_sample(
 #[inline]
 pub(crate) fn pool_sample_from(bags: &Bags, table: &EmbeddingTable, b: usize, dst: &mut [f32]) {
     let (lo, hi) = (bags.offsets[b] as usize, bags.offsets[b + 1] as usize);
-    if lo == hi {
-        dst.fill(0.0);
-        return;
-    }
-    dst.copy_from_slice(table.embedding(bags.rows[lo] as usize));
-    for &row in &bags.rows[lo + 1..hi] {
-        for (d, v) in dst.iter_mut().zip(table.embedding(row as usize)) {
-            *d += v;
-        }
-    }
+    pool_rows(
+        bags.rows[lo..hi]
+            .iter()
+            .map(|&r| table.embedding(r as usize)),
+        dst,
+    );
 }
 
 /// Asks the CPU to bring the rows of sample `b`'s bag into cache; does nothing off x86.

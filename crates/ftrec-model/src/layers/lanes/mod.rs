@@ -33,8 +33,8 @@ use super::interaction;
 
 const LANES: usize = 16;
 
-/// Per-thread scratch of one transposed block: `z` and the interaction's output, each
-/// value one register of 16 samples.
+/// Per-thread scratch of one transposed block, each value one register of 16 samples:
+/// `z`, the interaction's output (forward) or its gradient (backward), and `dz`.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct LanesScratch {
     z_t: Vec<f32>,
@@ -45,16 +45,13 @@ pub(crate) struct LanesScratch {
 impl LanesScratch {
     /// Sized for samples of `vectors x dim`, so that a step allocates nothing.
     pub(crate) fn new(vectors: usize, dim: usize) -> Self {
-        let width = dim + vectors * vectors.saturating_sub(1) / 2;
-        Self {
-            z_t: vec![0.0; vectors * dim * LANES],
-            out_t: vec![0.0; width * LANES],
-            dz_t: vec![0.0; vectors * dim * LANES],
-        }
+        let mut scratch = Self::default();
+        scratch.fit(vectors, dim);
+        scratch
     }
 
     fn fit(&mut self, vectors: usize, dim: usize) {
-        let width = dim + vectors * (vectors - 1) / 2;
+        let width = dim + vectors * vectors.saturating_sub(1) / 2;
         self.z_t.resize(vectors * dim * LANES, 0.0);
         self.out_t.resize(width * LANES, 0.0);
         self.dz_t.resize(vectors * dim * LANES, 0.0);
