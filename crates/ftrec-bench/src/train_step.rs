@@ -78,12 +78,7 @@ pub(crate) fn fresh_model(
         .map_err(|e| TrainError::Threads(e.to_string()))?;
     let mc = config.model_config()?;
     let state = pool.install(|| ModelState::new(&mc, config.seed))?;
-    let model = Dlrm::new(
-        &mc,
-        config.train.batch_size,
-        threads,
-        Box::new(GemmMatMul::new(threads)),
-    )?;
+    let model = Dlrm::new(&mc, config.train.batch_size, threads, Box::new(GemmMatMul))?;
     Ok((pool, state, model))
 }
 

@@ -177,11 +177,11 @@ fn gradients_match_float64_reference_with_naive_matmul() {
 
 #[test]
 fn gradients_match_float64_reference_with_gemm_two_threads() {
-    check(Box::new(GemmMatMul::new(2)), 2, 4);
+    check(Box::new(GemmMatMul), 2, 4);
 }
 
 /// dim 16 takes the 16-lane interaction paths.
 #[test]
 fn gradients_match_float64_reference_with_simd_width_embeddings() {
-    check(Box::new(GemmMatMul::new(2)), 2, 16);
+    check(Box::new(GemmMatMul), 2, 16);
 }

@@ -48,7 +48,7 @@ fn run(c: &ModelConfig, threads: usize, whole_step: bool) -> String {
         .build()
         .unwrap();
     let mut state = ModelState::new(c, 3).unwrap();
-    let mut model = Dlrm::new(c, 64, threads, Box::new(GemmMatMul::new(threads))).unwrap();
+    let mut model = Dlrm::new(c, 64, threads, Box::new(GemmMatMul)).unwrap();
     for step in 0..4 {
         // 64 samples make whole blocks of 16 on one and two threads; 45 leave a remainder.
         let b = batch(c, if step % 2 == 0 { 64 } else { 45 }, step);

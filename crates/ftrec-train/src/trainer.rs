@@ -150,7 +150,7 @@ impl Trainer {
             &model_config,
             config.train.batch_size,
             threads,
-            Box::new(GemmMatMul::new(threads)),
+            Box::new(GemmMatMul),
         )?;
         Ok(Self {
             table_rows: model_config.table_rows.iter().map(|&r| r as u32).collect(),

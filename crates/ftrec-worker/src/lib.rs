@@ -168,12 +168,7 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
         .build()
         .map_err(|e| PsError::Config(format!("thread pool: {e}")))?;
     let batch_size = job.config.train.batch_size;
-    let model = Dlrm::new(
-        &config,
-        batch_size,
-        threads,
-        Box::new(GemmMatMul::new(threads)),
-    )?;
+    let model = Dlrm::new(&config, batch_size, threads, Box::new(GemmMatMul))?;
     let metrics = Arc::new(
         Metrics::new(format!("role=\"worker\",id=\"{}\"", opts.id))
             .counter("ftrec_steps_total", "Steps finished")

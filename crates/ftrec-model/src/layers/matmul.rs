@@ -56,6 +56,25 @@ impl<'a> MatRef<'a> {
         }
     }
 
+    /// Rows `first..first + rows` of this view (of a transposed view too: its rows are
+    /// the columns of the matrix underneath); no data moves.
+    pub fn rows_sub(self, first: usize, rows: usize) -> Self {
+        assert!(
+            first + rows <= self.rows,
+            "rows {first}..{} of a {}-row view",
+            first + rows,
+            self.rows
+        );
+        let offset = (first * self.row_stride).min(self.data.len());
+        Self::strided(
+            &self.data[offset..],
+            rows,
+            self.cols,
+            self.row_stride,
+            self.col_stride,
+        )
+    }
+
     /// The transposed view; no data moves.
     pub fn t(self) -> Self {
         Self {
@@ -72,6 +91,10 @@ impl<'a> MatRef<'a> {
     }
     pub fn cols(&self) -> usize {
         self.cols
+    }
+    /// The buffer the view reads.
+    pub fn data(&self) -> &'a [f32] {
+        self.data
     }
     pub fn at(&self, r: usize, c: usize) -> f32 {
         self.data[r * self.row_stride + c * self.col_stride]
@@ -109,23 +132,15 @@ fn check_shapes(dst: &MatMut<'_>, lhs: &MatRef<'_>, rhs: &MatRef<'_>) {
     assert_eq!(dst.cols, rhs.cols, "output cols differ");
 }
 
-/// The production backend: the `gemm` crate (runtime-dispatched AVX2/AVX-512 kernels).
-/// The depth loop in `gemm` is sequential and threads split only output tiles, so each
-/// output element is reduced in the same order for a given thread count.
-#[derive(Clone, Debug)]
-pub struct GemmMatMul {
-    threads: usize,
-}
-
-impl GemmMatMul {
-    /// `threads` is the rayon parallelism used inside each call (run it inside the
-    /// trainer's pool); 1 means single-threaded.
-    pub fn new(threads: usize) -> Self {
-        Self {
-            threads: threads.max(1),
-        }
-    }
-}
+/// The production backend: the `gemm` crate (runtime-dispatched AVX2/AVX-512 kernels), one
+/// call on the calling thread. The layers split a product over the pool themselves, by
+/// output rows (`MatRef::rows_sub`): gemm's own rayon split forks and joins once per depth
+/// block and per packing pass, and on a two-core host the idle thread falls asleep between
+/// them. gemm's depth loop is sequential and its depth blocking depends on the depth alone,
+/// so each output element is reduced in the same order whichever block of rows it is
+/// computed in.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GemmMatMul;
 
 impl MatMul for GemmMatMul {
     fn matmul(&self, dst: &mut MatMut<'_>, lhs: MatRef<'_>, rhs: MatRef<'_>, accumulate: bool) {
@@ -140,11 +155,6 @@ impl MatMul for GemmMatMul {
             }
             return;
         }
-        let parallelism = if self.threads > 1 {
-            gemm::Parallelism::Rayon(self.threads)
-        } else {
-            gemm::Parallelism::None
-        };
         // SAFETY: every pointer/stride triple was bounds-checked when its view was built
         // (`MatRef::strided`, `MatMut::row_major`): the largest offset the kernel can touch,
         // (rows-1)*row_stride + (cols-1)*col_stride, lies inside the borrowed slice, and
@@ -171,7 +181,7 @@ impl MatMul for GemmMatMul {
                 false,
                 false,
                 false,
-                parallelism,
+                gemm::Parallelism::None,
             );
         }
     }
@@ -221,7 +231,6 @@ mod tests {
         fn gemm_matches_f64_reference_for_all_transpositions(
             m in 1usize..40, n in 1usize..40, k in 1usize..70,
             ta in any::<bool>(), tb in any::<bool>(), acc in any::<bool>(), seed in any::<u64>(),
-            threads in 1usize..3,
         ) {
             let mut s = seed | 1;
             let mut next = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5 };
@@ -231,8 +240,7 @@ mod tests {
             let av = if ta { MatRef::row_major(&a, k, m).t() } else { MatRef::row_major(&a, m, k) };
             let bv = if tb { MatRef::row_major(&b, n, k).t() } else { MatRef::row_major(&b, k, n) };
             let mut out = init.clone();
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            pool.install(|| GemmMatMul::new(threads).matmul(&mut MatMut::row_major(&mut out, m, n), av, bv, acc));
+            GemmMatMul.matmul(&mut MatMut::row_major(&mut out, m, n), av, bv, acc);
             let want = reference(av, bv);
             for i in 0..m * n {
                 let w = want[i] + if acc { init[i] as f64 } else { 0.0 };

@@ -41,11 +41,27 @@ fn column_sums(rows: &[f32], width: usize, first: usize, sums: &mut [f32]) {
     }
 }
 
-/// Rows per task of an element-wise pass over `rows` rows: the pool's threads share them,
-/// so these passes (memory-bound, a few MB each) do not run on one core while the other
-/// waits. Element-wise, so the split cannot change a bit.
-fn rows_per_task(rows: usize) -> usize {
-    rows.div_ceil(rayon::current_num_threads().max(1)).max(1)
+/// A part of a split product has more rows than this: gemm takes a different path, with
+/// a different depth blocking, for products of at most 64 rows and 64 columns.
+const MIN_ROWS_PER_PART: usize = 64;
+
+/// Rows per task when a product's `rows` output rows, `cols` wide, are shared by the
+/// pool's threads: about one block per thread, a whole number of 16-row tiles, every block
+/// more than [`MIN_ROWS_PER_PART`] rows; all rows in one task when that cannot be met or
+/// when the output is narrower than a kernel vector (gemm's matrix-vector paths reduce in
+/// an order that depends on the row count). So each output element is reduced by the same
+/// kernel, in the same order, whatever the pool: the split changes no bit.
+fn rows_per_part(rows: usize, cols: usize) -> usize {
+    if cols >= KERNEL_WIDTH {
+        for parts in (2..=rayon::current_num_threads()).rev() {
+            let per = rows.div_ceil(parts).next_multiple_of(16);
+            let last = rows - per * (rows.div_ceil(per) - 1);
+            if per > MIN_ROWS_PER_PART && last > MIN_ROWS_PER_PART {
+                return per;
+            }
+        }
+    }
+    rows.max(1)
 }
 
 /// Bias gradients, one column block per thread; each column still sums its rows in order.
@@ -93,6 +109,8 @@ pub struct MlpSpec {
 pub struct MlpWorkspace {
     weight: Vec<f32>,
     grad: Vec<f32>,
+    /// The transposed weight gradient of a layer too narrow to split by output features.
+    transposed: Vec<f32>,
 }
 
 impl MlpSpec {
@@ -146,6 +164,7 @@ impl MlpSpec {
             Some(first) if self.padded() => MlpWorkspace {
                 weight: vec![0.0; first.outputs * self.input_stride],
                 grad: vec![0.0; first.outputs * self.input_stride],
+                transposed: Vec::new(),
             },
             _ => MlpWorkspace::default(),
         }
@@ -201,7 +220,8 @@ impl MlpSpec {
     }
 
     /// Forward over `batch` samples of `input [batch x input_stride]`; `acts[l]` receives
-    /// layer `l`'s output.
+    /// layer `l`'s output. Each layer is one task per pool thread over a block of samples:
+    /// the block's product, then its bias and ReLU while the rows are still in cache.
     pub fn forward(
         &self,
         mm: &dyn MatMul,
@@ -213,6 +233,7 @@ impl MlpSpec {
     ) {
         let wide_first = self.widen_first_weight(params, &mut workspace.weight);
         for (l, layer) in self.layers.iter().enumerate() {
+            let rows = rows_per_part(batch, layer.outputs);
             let (before, after) = acts.split_at_mut(l);
             let out = &mut after[0][..batch * layer.outputs];
             let bias = &params[layer.bias..layer.bias + layer.outputs];
@@ -230,14 +251,18 @@ impl MlpSpec {
                     MatRef::row_major(&params[layer.weight..], layer.outputs, layer.inputs),
                 ),
             };
-            mm.matmul(
-                &mut MatMut::row_major(out, batch, layer.outputs),
-                x,
-                w.t(),
-                false,
-            );
-            out.par_chunks_mut(rows_per_task(batch) * layer.outputs)
-                .for_each(|rows| add_bias(rows, bias, layer.relu));
+            out.par_chunks_mut(rows * layer.outputs)
+                .enumerate()
+                .for_each(|(part, out)| {
+                    let count = out.len() / layer.outputs;
+                    mm.matmul(
+                        &mut MatMut::row_major(out, count, layer.outputs),
+                        x.rows_sub(part * rows, count),
+                        w.t(),
+                        false,
+                    );
+                    add_bias(out, bias, layer.relu);
+                });
         }
     }
 
@@ -246,6 +271,10 @@ impl MlpSpec {
     /// written (not accumulated) to `grads` at the same offsets as `params`; the input
     /// gradient `[batch x input_stride]` is written to `grad_input` when given (its padding
     /// columns get zeros).
+    ///
+    /// Each layer is two rounds of one task per pool thread: the weight and bias gradients
+    /// of a block of output features, then the input gradient of a block of samples with
+    /// the ReLU mask of the layer below applied to it in cache.
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
@@ -262,31 +291,39 @@ impl MlpSpec {
         let MlpWorkspace {
             weight: wide_weight,
             grad: wide_grad,
+            transposed,
         } = workspace;
         // Widened again rather than trusting the forward's copy: `params` is the caller's
         // to pass, and 0.85 MB a step on `tiny` is not worth a stale-weights hazard.
         let wide_first = self.widen_first_weight(params, wide_weight);
         let mut grad_input = grad_input;
+        if let Some(last) = self.layers.last().filter(|l| l.relu) {
+            let dz = &mut dacts[self.layers.len() - 1][..batch * last.outputs];
+            let chunk = batch.div_ceil(rayon::current_num_threads().max(1)).max(1) * last.outputs;
+            dz.par_chunks_mut(chunk)
+                .zip(acts[self.layers.len() - 1][..batch * last.outputs].par_chunks(chunk))
+                .for_each(|(dz, act)| relu_mask(dz, act));
+        }
         for l in (0..self.layers.len()).rev() {
             let layer = self.layers[l];
             let (before, after) = dacts.split_at_mut(l);
-            let dz = &mut after[0][..batch * layer.outputs];
-            if layer.relu {
-                let chunk = rows_per_task(batch) * layer.outputs;
-                dz.par_chunks_mut(chunk)
-                    .zip(acts[l][..batch * layer.outputs].par_chunks(chunk))
-                    .for_each(|(dz, act)| relu_mask(dz, act));
-            }
+            let dz = &after[0][..batch * layer.outputs];
             let dz_ref = MatRef::row_major(dz, batch, layer.outputs);
-            let weight_grad = &mut grads[layer.weight..layer.weight + layer.outputs * layer.inputs];
+            // The bias follows the weights in the dense buffer (`MlpSpec::new`).
+            let (weight_grad, rest) =
+                grads[layer.weight..].split_at_mut(layer.outputs * layer.inputs);
+            let db = &mut rest[..layer.outputs];
+            let x = if l == 0 { input } else { &acts[l - 1][..] };
             let w = match (l, wide_first) {
                 (0, Some(wide)) => {
                     let stride = self.input_stride;
-                    mm.matmul(
-                        &mut MatMut::row_major(wide_grad, layer.outputs, stride),
-                        dz_ref.t(),
+                    weight_gradients(
+                        mm,
+                        wide_grad,
+                        transposed,
+                        db,
+                        dz_ref,
                         MatRef::row_major(input, batch, stride),
-                        false,
                     );
                     for (dst, wide) in weight_grad
                         .chunks_exact_mut(layer.inputs)
@@ -297,34 +334,116 @@ impl MlpSpec {
                     MatRef::row_major(wide, layer.outputs, stride)
                 }
                 _ => {
-                    let x = if l == 0 { input } else { &acts[l - 1][..] };
-                    mm.matmul(
-                        &mut MatMut::row_major(weight_grad, layer.outputs, layer.inputs),
-                        dz_ref.t(),
+                    weight_gradients(
+                        mm,
+                        weight_grad,
+                        transposed,
+                        db,
+                        dz_ref,
                         MatRef::row_major(x, batch, layer.inputs),
-                        false,
                     );
                     MatRef::row_major(&params[layer.weight..], layer.outputs, layer.inputs)
                 }
             };
-            // Column sums in sample order: a fixed reduction order, independent of threads.
-            let db = &mut grads[layer.bias..layer.bias + layer.outputs];
-            bias_gradients(dz, layer.outputs, db);
             let dx: Option<&mut [f32]> = if l > 0 {
                 Some(&mut before[l - 1][..])
             } else {
                 grad_input.take()
             };
-            if let Some(dx) = dx {
-                mm.matmul(
-                    &mut MatMut::row_major(dx, batch, w.cols()),
-                    dz_ref,
-                    w,
-                    false,
-                );
-            }
+            let Some(dx) = dx else { continue };
+            let width = w.cols();
+            let sample_rows = rows_per_part(batch, width);
+            // The layer below's ReLU, applied to this input gradient while it is in cache.
+            let below = l.checked_sub(1).map(|b| self.layers[b]).filter(|b| b.relu);
+            let mask: &[f32] = match below {
+                Some(_) => &acts[l - 1][..batch * width],
+                None => &[],
+            };
+            dx[..batch * width]
+                .par_chunks_mut(sample_rows * width)
+                .enumerate()
+                .for_each(|(part, dx)| {
+                    let count = dx.len() / width;
+                    mm.matmul(
+                        &mut MatMut::row_major(dx, count, width),
+                        dz_ref.rows_sub(part * sample_rows, count),
+                        w,
+                        false,
+                    );
+                    if below.is_some() {
+                        let first = part * sample_rows * width;
+                        relu_mask(dx, &mask[first..first + dx.len()]);
+                    }
+                });
         }
     }
+}
+
+/// `weight_grad [outputs x inputs] = dz^T x` and `db = column sums of dz`, one task per
+/// pool thread over a block of output features (rows of the weight gradient). A layer with
+/// too few outputs to split computes the transpose, `x^T dz`, split over its inputs, and
+/// transposes it back: each element is still one kernel's sum over the samples.
+fn weight_gradients(
+    mm: &dyn MatMul,
+    weight_grad: &mut [f32],
+    transposed: &mut Vec<f32>,
+    db: &mut [f32],
+    dz: MatRef<'_>,
+    x: MatRef<'_>,
+) {
+    let (outputs, inputs) = (dz.cols(), x.cols());
+    let weight_grad = &mut weight_grad[..outputs * inputs];
+    let dz_t = dz.t();
+    let dz_data = &dz.data()[..dz.rows() * outputs];
+    let rows = rows_per_part(outputs, inputs);
+    if rows < outputs {
+        weight_grad
+            .par_chunks_mut(rows * inputs)
+            .zip(db.par_chunks_mut(rows))
+            .enumerate()
+            .for_each(|(part, (weight_grad, db))| {
+                let count = db.len();
+                mm.matmul(
+                    &mut MatMut::row_major(weight_grad, count, inputs),
+                    dz_t.rows_sub(part * rows, count),
+                    x,
+                    false,
+                );
+                column_sums(dz_data, outputs, part * rows, db);
+            });
+        return;
+    }
+    let input_rows = rows_per_part(inputs, outputs);
+    if input_rows >= inputs {
+        mm.matmul(
+            &mut MatMut::row_major(weight_grad, outputs, inputs),
+            dz_t,
+            x,
+            false,
+        );
+        bias_gradients(dz_data, outputs, db);
+        return;
+    }
+    transposed.resize(inputs * outputs, 0.0);
+    let x_t = x.t();
+    transposed
+        .par_chunks_mut(input_rows * outputs)
+        .enumerate()
+        .for_each(|(part, block)| {
+            let count = block.len() / outputs;
+            mm.matmul(
+                &mut MatMut::row_major(block, count, outputs),
+                x_t.rows_sub(part * input_rows, count),
+                dz,
+                false,
+            );
+        });
+    for (i, row) in transposed.chunks_exact(outputs).enumerate() {
+        for (o, &g) in row.iter().enumerate() {
+            weight_grad[o * inputs + i] = g;
+        }
+    }
+    bias_gradients(dz_data, outputs, db);
 }
 
 #[cfg(test)]
@@ -353,7 +472,7 @@ mod tests {
         let batch = 70;
         let params = values(spec.end(), 0.731);
         let input = values(batch * 13, 0.377);
-        let mm = GemmMatMul::new(2);
+        let mm = GemmMatMul;
         let mut want = spec.activation_buffers(batch);
         in_pool(2, || {
             for (l, layer) in spec.layers().iter().enumerate() {
@@ -423,7 +542,7 @@ mod tests {
             }
             let dout = values(batch, 0.29);
             for threads in [1, 2] {
-                let mm = GemmMatMul::new(threads);
+                let mm = GemmMatMul;
                 let run = |spec: &MlpSpec, input: &[f32]| {
                     let mut acts = spec.activation_buffers(batch);
                     let mut dacts = spec.activation_buffers(batch);
@@ -470,6 +589,68 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Forward and backward split over pools of 1, 2 and 3 threads give the same bits:
+    /// the layers cover every way a product is split (weight gradients by output features,
+    /// by inputs through the transpose, and not at all; input gradients by samples, with
+    /// the ReLU mask of the layer below applied in each block).
+    #[test]
+    fn every_split_gives_the_bits_of_one_thread() {
+        let spec = MlpSpec::new(200, &[256, 64, 8, 1], 0, false);
+        let batch = 300;
+        let params = values(spec.end(), 0.731);
+        let input = values(batch * 200, 0.377);
+        let dout = values(batch, 0.29);
+        let run = |threads: usize| {
+            let mut acts = spec.activation_buffers(batch);
+            let mut dacts = spec.activation_buffers(batch);
+            let mut workspace = spec.workspace();
+            let mut grads = vec![f32::NAN; spec.end()];
+            let mut grad_input = vec![f32::NAN; batch * 200];
+            in_pool(threads, || {
+                spec.forward(
+                    &GemmMatMul,
+                    &params,
+                    &input,
+                    &mut acts,
+                    &mut workspace,
+                    batch,
+                );
+                dacts[3].copy_from_slice(&dout);
+                spec.backward(
+                    &GemmMatMul,
+                    &params,
+                    &input,
+                    &acts,
+                    &mut dacts,
+                    &mut grads,
+                    Some(&mut grad_input),
+                    &mut workspace,
+                    batch,
+                );
+            });
+            (acts, grads, grad_input)
+        };
+        let (acts, grads, grad_input) = run(1);
+        assert!(
+            grads.iter().all(|g| g.is_finite()),
+            "every gradient written"
+        );
+        for threads in [2, 3] {
+            let (a, g, gi) = run(threads);
+            for (l, (x, y)) in acts.iter().zip(&a).enumerate() {
+                assert!(same_bits(x, y), "layer {l} output, a pool of {threads}");
+            }
+            assert!(
+                same_bits(&grads, &g),
+                "parameter gradients, a pool of {threads}"
+            );
+            assert!(
+                same_bits(&grad_input, &gi),
+                "input gradient, a pool of {threads}"
+            );
         }
     }
 
