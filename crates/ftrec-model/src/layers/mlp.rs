@@ -160,13 +160,27 @@ impl MlpSpec {
 
     /// Scratch for [`MlpSpec::forward`] and [`MlpSpec::backward`].
     pub fn workspace(&self) -> MlpWorkspace {
-        match self.layers.first() {
-            Some(first) if self.padded() => MlpWorkspace {
-                weight: vec![0.0; first.outputs * self.input_stride],
-                grad: vec![0.0; first.outputs * self.input_stride],
-                transposed: Vec::new(),
-            },
-            _ => MlpWorkspace::default(),
+        // Room for the transposed weight gradient of any layer narrow enough to need it
+        // on a small pool, so that the step allocates nothing (a larger pool may find a
+        // wider layer unsplittable by outputs; the buffer then grows once).
+        let narrow = self
+            .layers
+            .iter()
+            .filter(|l| l.outputs <= 4 * MIN_ROWS_PER_PART)
+            .map(|l| l.inputs * l.outputs)
+            .max()
+            .unwrap_or(0);
+        let (weight, grad) = match self.layers.first() {
+            Some(first) if self.padded() => (
+                vec![0.0; first.outputs * self.input_stride],
+                vec![0.0; first.outputs * self.input_stride],
+            ),
+            _ => (Vec::new(), Vec::new()),
+        };
+        MlpWorkspace {
+            weight,
+            grad,
+            transposed: vec![0.0; narrow],
         }
     }
 
