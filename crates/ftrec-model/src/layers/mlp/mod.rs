@@ -314,11 +314,11 @@ mod tests {
     use super::*;
     use crate::matmul::{GemmMatMul, MatMut};
 
-    fn values(n: usize, seed: f32) -> Vec<f32> {
+    pub(super) fn values(n: usize, seed: f32) -> Vec<f32> {
         (0..n).map(|i| (i as f32 * seed).sin() * 2.0).collect()
     }
 
-    fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+    pub(super) fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
@@ -381,6 +381,42 @@ mod tests {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
     }
 
+    /// One forward and backward of `spec` on a pool of `threads`, with `dout` as the
+    /// output gradient: every layer's output, the parameter gradients (NaN where never
+    /// written) and the input gradient.
+    fn forward_backward(
+        spec: &MlpSpec,
+        params: &[f32],
+        input: &[f32],
+        dout: &[f32],
+        batch: usize,
+        threads: usize,
+    ) -> (Vec<Vec<f32>>, Vec<f32>, Vec<f32>) {
+        let mut acts = spec.activation_buffers(batch);
+        let mut dacts = spec.activation_buffers(batch);
+        let mut workspace = spec.workspace();
+        let mut grads = vec![f32::NAN; spec.end()];
+        let mut grad_input = vec![f32::NAN; batch * spec.input_stride()];
+        in_pool(threads, || {
+            spec.forward(&GemmMatMul, params, input, &mut acts, &mut workspace, batch);
+            if let Some(last) = dacts.last_mut() {
+                last.copy_from_slice(dout);
+            }
+            spec.backward(
+                &GemmMatMul,
+                params,
+                input,
+                &acts,
+                &mut dacts,
+                &mut grads,
+                Some(&mut grad_input),
+                &mut workspace,
+                batch,
+            );
+        });
+        (acts, grads, grad_input)
+    }
+
     /// An MLP fed rows padded to whole kernel vectors computes what it computes on the
     /// unpadded rows, bit for bit: activations, every parameter gradient and the input
     /// gradient (whose padding comes back zero). Widths around a multiple of 16, in pools
@@ -405,29 +441,8 @@ mod tests {
             }
             let dout = values(batch, 0.29);
             for threads in [1, 2] {
-                let mm = GemmMatMul;
                 let run = |spec: &MlpSpec, input: &[f32]| {
-                    let mut acts = spec.activation_buffers(batch);
-                    let mut dacts = spec.activation_buffers(batch);
-                    let mut workspace = spec.workspace();
-                    let mut grads = vec![f32::NAN; spec.end()];
-                    let mut grad_input = vec![f32::NAN; batch * spec.input_stride()];
-                    in_pool(threads, || {
-                        spec.forward(&mm, &params, input, &mut acts, &mut workspace, batch);
-                        dacts[2].copy_from_slice(&dout);
-                        spec.backward(
-                            &mm,
-                            &params,
-                            input,
-                            &acts,
-                            &mut dacts,
-                            &mut grads,
-                            Some(&mut grad_input),
-                            &mut workspace,
-                            batch,
-                        );
-                    });
-                    (acts, grads, grad_input)
+                    forward_backward(spec, &params, input, &dout, batch, threads)
                 };
                 let (acts, grads, grad_input) = run(&plain, &input);
                 let (wide_acts, wide_grads, wide_grad_input) = run(&padded, &wide_input);
@@ -466,36 +481,7 @@ mod tests {
         let params = values(spec.end(), 0.731);
         let input = values(batch * 200, 0.377);
         let dout = values(batch, 0.29);
-        let run = |threads: usize| {
-            let mut acts = spec.activation_buffers(batch);
-            let mut dacts = spec.activation_buffers(batch);
-            let mut workspace = spec.workspace();
-            let mut grads = vec![f32::NAN; spec.end()];
-            let mut grad_input = vec![f32::NAN; batch * 200];
-            in_pool(threads, || {
-                spec.forward(
-                    &GemmMatMul,
-                    &params,
-                    &input,
-                    &mut acts,
-                    &mut workspace,
-                    batch,
-                );
-                dacts[3].copy_from_slice(&dout);
-                spec.backward(
-                    &GemmMatMul,
-                    &params,
-                    &input,
-                    &acts,
-                    &mut dacts,
-                    &mut grads,
-                    Some(&mut grad_input),
-                    &mut workspace,
-                    batch,
-                );
-            });
-            (acts, grads, grad_input)
-        };
+        let run = |threads| forward_backward(&spec, &params, &input, &dout, batch, threads);
         let (acts, grads, grad_input) = run(1);
         assert!(
             grads.iter().all(|g| g.is_finite()),

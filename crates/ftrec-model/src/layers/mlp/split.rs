@@ -160,19 +160,8 @@ pub(super) fn weight_gradients(
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::{in_pool, values};
     use super::*;
-
-    fn values(n: usize, seed: f32) -> Vec<f32> {
-        (0..n).map(|i| (i as f32 * seed).sin() * 2.0).collect()
-    }
-
-    fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap()
-            .install(f)
-    }
 
     /// Bias gradients split by columns over the pool: each column's rows still add in
     /// order, so the bits match one thread's sums.
