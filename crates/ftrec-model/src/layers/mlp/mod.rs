@@ -293,14 +293,10 @@ impl MlpSpec {
             let width = w.cols();
             let sample_rows = rows_per_part(batch, width);
             // The layer below's ReLU, applied to this input gradient while it is in cache.
-            let below = l.checked_sub(1).map(|b| self.layers[b]).filter(|b| b.relu);
-            let mask: &[f32] = match below {
-                Some(_) => &acts[l - 1][..batch * width],
-                None => &[],
-            };
+            let mask = (l > 0 && self.layers[l - 1].relu).then(|| &acts[l - 1][..batch * width]);
             let dx = &mut dx[..batch * width];
             product_by_rows(mm, dx, width, sample_rows, dz_ref, w, |first_row, dx| {
-                if below.is_some() {
+                if let Some(mask) = mask {
                     let first = first_row * width;
                     relu_mask(dx, &mask[first..first + dx.len()]);
                 }
