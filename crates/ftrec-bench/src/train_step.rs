@@ -10,7 +10,7 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use serde::Serialize;
 
 use ftrec_config::JobConfig;
-use ftrec_train::TrainError;
+use ftrec_train::{TrainError, table_pages};
 
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {
@@ -24,6 +24,10 @@ pub struct BenchReport {
     pub samples_per_sec: f64,
     pub model_bytes: usize,
     pub peak_rss_bytes: Option<u64>,
+    /// Anonymous memory on transparent huge pages at the end of the run
+    /// (`AnonHugePages` in `/proc/self/smaps_rollup`): the tables, with `train.huge_pages`
+    /// where the system allows it.
+    pub huge_page_bytes: Option<u64>,
     /// Mean milliseconds per step spent in each phase (after warm-up).
     pub phase_ms: std::collections::BTreeMap<String, f64>,
 }
@@ -32,6 +36,13 @@ pub struct BenchReport {
 pub fn peak_rss_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub fn huge_page_bytes() -> Option<u64> {
+    let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
+    let line = rollup.lines().find(|l| l.starts_with("AnonHugePages:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
@@ -77,7 +88,7 @@ pub(crate) fn fresh_model(
         .build()
         .map_err(|e| TrainError::Threads(e.to_string()))?;
     let mc = config.model_config()?;
-    let state = pool.install(|| ModelState::new(&mc, config.seed))?;
+    let state = pool.install(|| ModelState::new_on(&mc, config.seed, table_pages(config)))?;
     let model = Dlrm::new(&mc, config.train.batch_size, threads, Box::new(GemmMatMul))?;
     Ok((pool, state, model))
 }
@@ -132,5 +143,6 @@ pub fn bench_train(
         samples_per_sec: config.train.batch_size as f64 / (median / 1e3),
         model_bytes: state.bytes(),
         peak_rss_bytes: peak_rss_bytes(),
+        huge_page_bytes: huge_page_bytes(),
     })
 }

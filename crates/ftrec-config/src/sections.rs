@@ -45,6 +45,13 @@ pub struct TrainSection {
     /// Held-out samples used by the final evaluation (0 = the whole test split).
     #[serde(default)]
     pub eval_samples: usize,
+    /// Single-process training: put the embedding tables on transparent huge pages
+    /// (`madvise`), so that random row reads stop missing the TLB: about 1.4% off a `tiny`
+    /// step on the Zen 4 host. Off by default because a full checkpoint written from
+    /// huge pages blocked 30% longer there (BENCHMARKS, "Huge pages for the tables").
+    /// Values are the same either way; needs THP at `madvise` or `always`.
+    #[serde(default)]
+    pub huge_pages: bool,
 }
 
 fn one() -> u64 {

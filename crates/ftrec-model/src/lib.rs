@@ -18,7 +18,7 @@ pub mod params;
 // Modules keep their root paths (`ftrec_model::matmul`, `crate::optim`).
 pub use layers::matmul;
 pub(crate) use layers::{lanes, mlp, sparse};
-pub(crate) use params::{memory, optim, state, table};
+pub(crate) use params::{memory, optim, pages, state, table};
 
 pub use batch::{Bags, Batch};
 pub use config::{ModelConfig, interaction_width};
@@ -28,5 +28,6 @@ pub use matmul::{GemmMatMul, MatMul, NaiveMatMul};
 pub use memory::{MemoryEstimate, human_bytes};
 pub use mlp::{LayerSpec, MlpSpec, MlpWorkspace};
 pub use optim::Optimizer;
+pub use pages::TablePages;
 pub use state::{DenseState, ModelState, StateDigest};
 pub use table::EmbeddingTable;

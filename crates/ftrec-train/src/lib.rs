@@ -7,4 +7,4 @@ pub mod snapshot;
 pub mod trainer;
 
 pub use error::TrainError;
-pub use trainer::{Progress, StepInfo, TrainReport, Trainer};
+pub use trainer::{Progress, StepInfo, TrainReport, Trainer, table_pages};

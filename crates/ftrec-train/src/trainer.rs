@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use ftrec_data::Dataset;
 use ftrec_model::metrics::{Metrics, evaluate};
-use ftrec_model::{Batch, Dlrm, GemmMatMul, ModelConfig, ModelState};
+use ftrec_model::{Batch, Dlrm, GemmMatMul, ModelConfig, ModelState, TablePages};
 use rayon::ThreadPool;
 use serde::Serialize;
 
@@ -93,6 +93,15 @@ pub struct Trainer {
     pub resume_warnings: Vec<String>,
 }
 
+/// The pages a single-process job's tables go on (`train.huge_pages`).
+pub fn table_pages(config: &JobConfig) -> TablePages {
+    if config.train.huge_pages {
+        TablePages::Huge
+    } else {
+        TablePages::Default
+    }
+}
+
 impl Trainer {
     /// A trainer with a freshly initialised model (deterministic in `config.seed`).
     pub fn new(config: &JobConfig) -> Result<Self, TrainError> {
@@ -100,7 +109,8 @@ impl Trainer {
         config.fits_in_memory(0)?;
         let model_config = config.model_config()?;
         let pool = Self::pool(config)?;
-        let state = pool.install(|| ModelState::new(&model_config, config.seed))?;
+        let pages = table_pages(config);
+        let state = pool.install(|| ModelState::new_on(&model_config, config.seed, pages))?;
         Self::assemble(config, model_config, pool, state, Progress::default())
     }
 

@@ -3,5 +3,6 @@
 
 pub(crate) mod memory;
 pub(crate) mod optim;
+pub(crate) mod pages;
 pub(crate) mod state;
 pub(crate) mod table;

@@ -4,7 +4,7 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use rayon::prelude::*;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
-use crate::{EmbeddingTable, MlpSpec, ModelConfig, ModelError};
+use crate::{EmbeddingTable, MlpSpec, ModelConfig, ModelError, TablePages};
 
 /// Dense MLP parameters (bottom then top, each layer `W [out x in]` then `b [out]`), their
 /// optimizer state, and the number of dense updates applied (Adam's step).
@@ -107,13 +107,25 @@ impl ModelState {
     /// A freshly initialised model. Deterministic in `seed` and independent of the
     /// thread count (each table and the dense block have their own generator).
     pub fn new(config: &ModelConfig, seed: u64) -> Result<Self, ModelError> {
+        Self::new_on(config, seed, TablePages::Default)
+    }
+
+    /// [`ModelState::new`] with the tables on the given pages: the same values.
+    pub fn new_on(config: &ModelConfig, seed: u64, pages: TablePages) -> Result<Self, ModelError> {
         config.validate()?;
         let tables = config
             .table_rows
             .par_iter()
             .enumerate()
             .map(|(t, &rows)| {
-                EmbeddingTable::new_initialized(rows, config.dim, &config.sparse_optimizer, seed, t)
+                EmbeddingTable::new_initialized_on(
+                    rows,
+                    config.dim,
+                    &config.sparse_optimizer,
+                    seed,
+                    t,
+                    pages,
+                )
             })
             .collect();
         Ok(Self {

@@ -2,6 +2,7 @@ use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
 use crate::Optimizer;
+use crate::pages::{TablePages, advise_huge};
 
 /// A fixed-size arena of rows, each `[embedding (dim) | optimizer state]` stored
 /// contiguously, so the row is the unit of checkpointing, coding and restore. No per-row
@@ -44,10 +45,27 @@ impl EmbeddingTable {
         seed: u64,
         table: usize,
     ) -> Self {
+        Self::new_initialized_on(rows, dim, optimizer, seed, table, TablePages::Default)
+    }
+
+    /// [`EmbeddingTable::new_initialized`] on the given pages: the same values.
+    pub fn new_initialized_on(
+        rows: usize,
+        dim: usize,
+        optimizer: &Optimizer,
+        seed: u64,
+        table: usize,
+        pages: TablePages,
+    ) -> Self {
         let stride = dim + optimizer.row_state_len(dim);
-        let mut data = vec![0.0f32; rows * stride];
+        let mut data = Vec::with_capacity(rows * stride);
+        // Advised before the first write, so that the first touch faults in huge pages.
+        if pages == TablePages::Huge {
+            advise_huge(data.as_ptr(), data.capacity());
+        }
         Self::initial_rows(rows, dim, optimizer, seed, table, |r, row| {
-            data[r * stride..(r + 1) * stride].copy_from_slice(row)
+            debug_assert_eq!(data.len(), r * stride);
+            data.extend_from_slice(row)
         });
         Self {
             rows,
