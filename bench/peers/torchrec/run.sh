@@ -8,7 +8,9 @@
 # line to ${OUT:-bench-peers-torchrec}/, and prints each side's median samples/s and the
 # ratio ftrec / TorchRec. With FTREC_BASE naming another ftrec binary (a baseline build),
 # each round runs it too, and the summary adds its median and ratio: before and after a
-# change, against the same TorchRec runs. Needs the venv from setup.sh.
+# change, against the same TorchRec runs. FTREC_SET (and FTREC_BASE_SET for the baseline)
+# hold space-separated `key=value` settings passed as `--set`, e.g.
+# FTREC_SET="train.huge_pages=true"; the summary records them. Needs the venv from setup.sh.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -41,22 +43,27 @@ mkdir -p "$out"
 : > "$out/torchrec.jsonl"
 : > "$out/base.jsonl"
 
+set_args=()
+for kv in ${FTREC_SET:-}; do set_args+=(--set "$kv"); done
+base_set_args=()
+for kv in ${FTREC_BASE_SET:-}; do base_set_args+=(--set "$kv"); done
+
 for r in $(seq 1 "$rounds"); do
     if [ -n "${FTREC_BASE:-}" ]; then
         echo "round $r/$rounds: baseline ftrec bench train ($FTREC_BASE)" >&2
         "$FTREC_BASE" bench train --preset tiny --threads "$threads" --warmup "$warmup" \
-            --steps "$steps" --json >> "$out/base.jsonl"
+            --steps "$steps" --json "${base_set_args[@]}" >> "$out/base.jsonl"
     fi
     echo "round $r/$rounds: ftrec bench train" >&2
     "$FTREC_BIN" bench train --preset tiny --threads "$threads" --warmup "$warmup" \
-        --steps "$steps" --json >> "$out/ftrec.jsonl"
+        --steps "$steps" --json "${set_args[@]}" >> "$out/ftrec.jsonl"
     echo "round $r/$rounds: TorchRec dlrm.py" >&2
     "$venv/bin/python" "$here/dlrm.py" --threads "$threads" --warmup "$warmup" \
         --steps "$steps" >> "$out/torchrec.jsonl"
 done
 
 "$venv/bin/python" - "$out" "$threads" <<'PY'
-import json, statistics, sys
+import json, os, statistics, sys
 out, threads = sys.argv[1], int(sys.argv[2])
 def runs(name):
     with open(f"{out}/{name}.jsonl") as f:
@@ -76,6 +83,7 @@ summary = {
     "torchrec_step_ms_median": statistics.median(r["step_ms_median"] for r in t),
     "torchrec_versions": t[0]["versions"],
     "ratio": fs / ts,
+    "ftrec_set": os.environ.get("FTREC_SET", ""),
 }
 b = runs("base")
 if b:
@@ -83,6 +91,7 @@ if b:
     summary["base_samples_per_sec"] = bs
     summary["base_runs"] = [round(r["samples_per_sec"]) for r in b]
     summary["base_ratio"] = bs / ts
+    summary["base_set"] = os.environ.get("FTREC_BASE_SET", "")
 with open(f"{out}/summary.json", "w") as fh:
     json.dump(summary, fh, indent=2)
 print(json.dumps(summary))
