@@ -17,9 +17,9 @@ pub struct TableDedup {
 
 /// Bits of the row id sorted per radix pass: a 2048-bucket histogram (8 KiB) stays in L1.
 const RADIX_BITS: u32 = 11;
-/// Below this many ids, or above this many passes, a comparison sort is cheaper.
+/// Below this many ids a comparison sort is cheaper. (A `u32` row needs at most three
+/// passes.)
 const RADIX_MIN_IDS: usize = 256;
-const RADIX_MAX_PASSES: u32 = 3;
 
 impl TableDedup {
     pub fn build(&mut self, bags: &Bags) {
@@ -32,7 +32,7 @@ impl TableDedup {
         );
         let row_bits = u32::BITS - ids.iter().max().map_or(0, |m| m.leading_zeros());
         let passes = row_bits.div_ceil(RADIX_BITS);
-        if ids.len() >= RADIX_MIN_IDS && passes <= RADIX_MAX_PASSES {
+        if ids.len() >= RADIX_MIN_IDS {
             radix_sort_by_row(&mut self.sort_keys, &mut self.radix_scratch, passes);
         } else {
             self.sort_keys.sort_unstable();
