@@ -32,19 +32,25 @@ pub struct BenchReport {
     pub phase_ms: std::collections::BTreeMap<String, f64>,
 }
 
-/// Peak resident set size of this process (Linux `VmHWM`).
-pub fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+/// The `key:` line of a `/proc` file of `kB` fields, in bytes.
+fn proc_kib_field(path: &str, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().find(|l| {
+        l.strip_prefix(key)
+            .is_some_and(|rest| rest.starts_with(':'))
+    })?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
 
+/// Peak resident set size of this process (Linux `VmHWM`).
+pub fn peak_rss_bytes() -> Option<u64> {
+    proc_kib_field("/proc/self/status", "VmHWM")
+}
+
+/// Anonymous memory of this process on transparent huge pages (`AnonHugePages`).
 pub fn huge_page_bytes() -> Option<u64> {
-    let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
-    let line = rollup.lines().find(|l| l.starts_with("AnonHugePages:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    proc_kib_field("/proc/self/smaps_rollup", "AnonHugePages")
 }
 
 /// Batches with Zipf(1.1) ids per table, random dense values and labels.
