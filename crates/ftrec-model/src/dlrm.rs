@@ -89,6 +89,11 @@ pub struct Dlrm {
     top_acts: Vec<Vec<f32>>,
     top_dacts: Vec<Vec<f32>>,
     bottom_workspace: MlpWorkspace,
+    /// The batch's dense features in rows padded with zeros to the bottom MLP's input
+    /// stride: 13 features become 16, so that the first layer's weight gradient is wide
+    /// enough to split over the pool (gemm reduces outputs narrower than a kernel vector
+    /// in an order that depends on the row count, so those are never split).
+    dense_input: Vec<f32>,
     top_workspace: MlpWorkspace,
     /// Per sample `[vectors x dim]`: bottom output, then one pooled embedding per table.
     z: Vec<f32>,
@@ -140,7 +145,7 @@ impl Dlrm {
             return Err(ModelError::Config("batch size must be positive".into()));
         }
         let (bottom, top) = MlpSpec::dlrm_pair(config);
-        let top = top.with_padded_input();
+        let (bottom, top) = (bottom.with_padded_input(), top.with_padded_input());
         let vectors = config.tables() + 1;
         let inter_stride = top.input_stride();
         let dense_len = top.end();
@@ -153,6 +158,7 @@ impl Dlrm {
             z: vec![0.0; max_batch * vectors * config.dim],
             dz: CacheAligned::zeroed(max_batch * vectors * config.dim),
             bottom_workspace: bottom.workspace(),
+            dense_input: vec![0.0; max_batch * bottom.input_stride()],
             top_workspace: top.workspace(),
             inter: vec![0.0; max_batch * inter_stride],
             dinter: vec![0.0; max_batch * inter_stride],
@@ -277,10 +283,17 @@ impl Dlrm {
         let vectors = self.config.tables() + 1;
         let stride = self.inter_stride;
         let mut mark = Instant::now();
+        let (features, stride_in) = (self.config.num_dense, self.bottom.input_stride());
+        for (padded, row) in self.dense_input[..n * stride_in]
+            .chunks_exact_mut(stride_in)
+            .zip(batch.dense.chunks_exact(features.max(1)))
+        {
+            padded[..features].copy_from_slice(row);
+        }
         self.bottom.forward(
             &*self.mm,
             dense_params,
-            &batch.dense,
+            &self.dense_input,
             &mut self.bottom_acts,
             &mut self.bottom_workspace,
             n,
@@ -406,7 +419,7 @@ impl Dlrm {
         self.bottom.backward(
             &*self.mm,
             dense_params,
-            &batch.dense,
+            &self.dense_input,
             &self.bottom_acts,
             &mut self.bottom_dacts,
             &mut self.grads.dense,
