@@ -359,7 +359,7 @@ impl Dlrm {
     /// the pulled buffers. Returns the summed (not averaged) log loss; gradients are those
     /// of the mean loss and are left in [`Dlrm::gradients`].
     pub fn forward_backward(&mut self, dense_params: &[f32], batch: &Batch) -> f64 {
-        self.forward_backward_with(dense_params, batch, None)
+        crate::with_pool_awake(|| self.forward_backward_with(dense_params, batch, None))
     }
 
     /// [`Dlrm::forward_backward`], pooling from `tables` when given (a single-process
@@ -483,13 +483,15 @@ impl Dlrm {
 
     /// A full single-process step. Returns the summed log loss of the batch.
     pub fn train_step(&mut self, state: &mut ModelState, batch: &Batch) -> Result<f64, ModelError> {
-        self.prepare(batch)?;
-        // No gather: a single-process step pools straight from the tables, which `apply`
-        // changes only after the backward, so the values (and bits) are the pulled ones
-        // without the 13.6 MB copy (on `tiny`) written and read back.
-        let loss = self.forward_backward_with(&state.dense.params, batch, Some(state.tables()));
-        self.apply(state);
-        Ok(loss)
+        crate::with_pool_awake(|| {
+            self.prepare(batch)?;
+            // No gather: a single-process step pools straight from the tables, which
+            // `apply` changes only after the backward, so the values (and bits) are the
+            // pulled ones without the 13.6 MB copy (on `tiny`) written and read back.
+            let loss = self.forward_backward_with(&state.dense.params, batch, Some(state.tables()));
+            self.apply(state);
+            Ok(loss)
+        })
     }
 
     /// Logits for a batch (no gradients, no update), appended to `logits`.

@@ -7,6 +7,7 @@
 #[cfg(not(target_endian = "little"))]
 compile_error!("ftrec's row byte view is defined as the in-memory little-endian f32 layout");
 
+mod awake;
 mod batch;
 mod config;
 mod dlrm;
@@ -20,6 +21,7 @@ pub use layers::matmul;
 pub(crate) use layers::{lanes, mlp, sparse};
 pub(crate) use params::{memory, optim, pages, state, table};
 
+pub use awake::with_pool_awake;
 pub use batch::{Bags, Batch};
 pub use config::{ModelConfig, interaction_width};
 pub use dlrm::{Dlrm, Gradients, PhaseTimes};
