@@ -2,27 +2,68 @@ use rand::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
 use crate::Optimizer;
-use crate::pages::{TablePages, advise_huge};
+use crate::pages::{HugeBlock, TablePages};
 
 /// A fixed-size arena of rows, each `[embedding (dim) | optimizer state]` stored
 /// contiguously, so the row is the unit of checkpointing, coding and restore. No per-row
 /// allocation: row `r` lives at `data[r * stride..(r + 1) * stride]`.
-#[derive(Debug, PartialEq)]
 pub struct EmbeddingTable {
     rows: usize,
     dim: usize,
     stride: usize,
-    data: Vec<f32>,
+    data: Rows,
 }
 
-/// `clone_from` reuses the rows' buffer (see `ModelState`'s `Clone`).
+/// Where the rows live: an ordinary `Vec`, or a block of whole huge pages.
+enum Rows {
+    Heap(Vec<f32>),
+    Huge(HugeBlock),
+}
+
+impl Rows {
+    fn as_slice(&self) -> &[f32] {
+        match self {
+            Rows::Heap(v) => v,
+            Rows::Huge(b) => b,
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        match self {
+            Rows::Heap(v) => v,
+            Rows::Huge(b) => b,
+        }
+    }
+}
+
+impl std::fmt::Debug for EmbeddingTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddingTable")
+            .field("rows", &self.rows)
+            .field("dim", &self.dim)
+            .field("stride", &self.stride)
+            .field("huge_pages", &matches!(self.data, Rows::Huge(_)))
+            .finish_non_exhaustive()
+    }
+}
+
+/// Equal shapes and equal values; the pages they live on do not matter.
+impl PartialEq for EmbeddingTable {
+    fn eq(&self, other: &Self) -> bool {
+        (self.rows, self.dim, self.stride) == (other.rows, other.dim, other.stride)
+            && self.as_slice() == other.as_slice()
+    }
+}
+
+/// A clone lives on ordinary pages. `clone_from` reuses the rows' buffer, whichever
+/// pages it is on, when the sizes match (see `ModelState`'s `Clone`).
 impl Clone for EmbeddingTable {
     fn clone(&self) -> Self {
         Self {
             rows: self.rows,
             dim: self.dim,
             stride: self.stride,
-            data: self.data.clone(),
+            data: Rows::Heap(self.as_slice().to_vec()),
         }
     }
 
@@ -30,7 +71,16 @@ impl Clone for EmbeddingTable {
         self.rows = source.rows;
         self.dim = source.dim;
         self.stride = source.stride;
-        self.data.clone_from(&source.data);
+        match &mut self.data {
+            Rows::Huge(b) if b.len() == source.as_slice().len() => {
+                b.copy_from_slice(source.as_slice())
+            }
+            Rows::Heap(v) => {
+                v.clear();
+                v.extend_from_slice(source.as_slice());
+            }
+            data => *data = Rows::Heap(source.as_slice().to_vec()),
+        }
     }
 }
 
@@ -58,15 +108,26 @@ impl EmbeddingTable {
         pages: TablePages,
     ) -> Self {
         let stride = dim + optimizer.row_state_len(dim);
-        let mut data = Vec::with_capacity(rows * stride);
-        // Advised before the first write, so that the first touch faults in huge pages.
-        if pages == TablePages::Huge {
-            advise_huge(data.as_ptr(), data.capacity());
-        }
-        Self::initial_rows(rows, dim, optimizer, seed, table, |r, row| {
-            debug_assert_eq!(data.len(), r * stride);
-            data.extend_from_slice(row)
-        });
+        let huge = match pages {
+            TablePages::Huge => HugeBlock::zeroed(rows * stride),
+            TablePages::Default => None,
+        };
+        let data = match huge {
+            Some(mut block) => {
+                Self::initial_rows(rows, dim, optimizer, seed, table, |r, row| {
+                    block[r * stride..(r + 1) * stride].copy_from_slice(row)
+                });
+                Rows::Huge(block)
+            }
+            None => {
+                let mut data = Vec::with_capacity(rows * stride);
+                Self::initial_rows(rows, dim, optimizer, seed, table, |r, row| {
+                    debug_assert_eq!(data.len(), r * stride);
+                    data.extend_from_slice(row)
+                });
+                Rows::Heap(data)
+            }
+        };
         Self {
             rows,
             dim,
@@ -108,7 +169,7 @@ impl EmbeddingTable {
             rows,
             dim,
             stride,
-            data,
+            data: Rows::Heap(data),
         })
     }
 
@@ -118,7 +179,7 @@ impl EmbeddingTable {
             rows,
             dim,
             stride,
-            data: vec![0.0; rows * stride],
+            data: Rows::Heap(vec![0.0; rows * stride]),
         }
     }
 
@@ -136,27 +197,27 @@ impl EmbeddingTable {
     /// The full row: embedding then optimizer state. Panics on an out-of-range row, which
     /// only a bug can produce: ids are hashed into range by the data layer.
     pub fn row(&self, row: usize) -> &[f32] {
-        &self.data[row * self.stride..(row + 1) * self.stride]
+        &self.data.as_slice()[row * self.stride..(row + 1) * self.stride]
     }
 
     pub fn row_mut(&mut self, row: usize) -> &mut [f32] {
-        &mut self.data[row * self.stride..(row + 1) * self.stride]
+        &mut self.data.as_mut_slice()[row * self.stride..(row + 1) * self.stride]
     }
 
     pub fn embedding(&self, row: usize) -> &[f32] {
-        &self.data[row * self.stride..row * self.stride + self.dim]
+        &self.data.as_slice()[row * self.stride..row * self.stride + self.dim]
     }
 
     /// The whole arena as little-endian bytes (the crate refuses to build on big-endian).
     pub fn as_bytes(&self) -> &[u8] {
-        bytemuck::cast_slice(&self.data)
+        bytemuck::cast_slice(self.data.as_slice())
     }
 
     pub fn as_slice(&self) -> &[f32] {
-        &self.data
+        self.data.as_slice()
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
-        &mut self.data
+        self.data.as_mut_slice()
     }
 }
