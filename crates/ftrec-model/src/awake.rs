@@ -8,6 +8,12 @@
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a polling thread spins without work before it also yields its core to the
+/// OS between polls: longer than the serial gaps between a step's forks (a few
+/// microseconds), so that on a dedicated host it never makes a system call.
+const SPIN_BEFORE_YIELDING: Duration = Duration::from_micros(50);
 
 struct SetOnDrop<'a>(&'a AtomicBool);
 
@@ -22,9 +28,11 @@ impl Drop for SetOnDrop<'_> {
 /// pool, or in a pool of one, it just runs `f`.
 ///
 /// The polling threads run the same jobs they would have run after waking, so results
-/// do not change; only when the second thread starts does. They spin at full speed
-/// meanwhile, which is what a host dedicated to training wants, and why this wraps a
-/// step and never the time between steps.
+/// do not change; only when the second thread starts does. Meanwhile they keep their
+/// cores busy, yielding to any other runnable thread: what a host dedicated to training
+/// wants, and why this wraps a single-process step (`Dlrm::train_step`) and never the
+/// time between steps. A parameter-server worker's `forward_backward` does not use it:
+/// its cluster may share cores with servers whose heartbeats must not wait.
 pub fn with_pool_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if rayon::current_num_threads() < 2 || rayon::current_thread_index().is_none() {
         return f();
@@ -34,9 +42,17 @@ pub fn with_pool_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let done = AtomicBool::new(false);
     let results = rayon::broadcast(|_| {
         if claimed.swap(true, Ordering::AcqRel) {
+            let mut idle_since = Instant::now();
             while !done.load(Ordering::Acquire) {
-                if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                    idle_since = Instant::now();
+                } else if idle_since.elapsed() < SPIN_BEFORE_YIELDING {
                     std::hint::spin_loop();
+                } else {
+                    // A long gap: hand the core to any other runnable thread (tests run
+                    // several pools at once); with none, this returns within a
+                    // microsecond.
+                    std::thread::yield_now();
                 }
             }
             return None;

@@ -359,7 +359,7 @@ impl Dlrm {
     /// the pulled buffers. Returns the summed (not averaged) log loss; gradients are those
     /// of the mean loss and are left in [`Dlrm::gradients`].
     pub fn forward_backward(&mut self, dense_params: &[f32], batch: &Batch) -> f64 {
-        crate::with_pool_awake(|| self.forward_backward_with(dense_params, batch, None))
+        self.forward_backward_with(dense_params, batch, None)
     }
 
     /// [`Dlrm::forward_backward`], pooling from `tables` when given (a single-process
