@@ -284,6 +284,13 @@ impl Dlrm {
         let stride = self.inter_stride;
         let mut mark = Instant::now();
         let (features, stride_in) = (self.config.num_dense, self.bottom.input_stride());
+        // `prepare` checked the batch it was given; a different one here is a caller's
+        // bug, and would leave the previous batch's rows in the padded copy.
+        assert_eq!(
+            batch.dense.len(),
+            n * features,
+            "forward_backward got a batch other than the prepared one"
+        );
         for (padded, row) in self.dense_input[..n * stride_in]
             .chunks_exact_mut(stride_in)
             .zip(batch.dense.chunks_exact(features.max(1)))

@@ -8,6 +8,7 @@
 compile_error!("ftrec's row byte view is defined as the in-memory little-endian f32 layout");
 
 mod awake;
+pub(crate) use awake::with_pool_awake;
 mod batch;
 mod config;
 mod dlrm;
@@ -15,13 +16,14 @@ mod error;
 pub mod layers;
 pub mod metrics;
 pub mod params;
+#[cfg(test)]
+mod testing;
 
 // Modules keep their root paths (`ftrec_model::matmul`, `crate::optim`).
 pub use layers::matmul;
 pub(crate) use layers::{lanes, mlp, sparse};
 pub(crate) use params::{memory, optim, pages, state, table};
 
-pub use awake::with_pool_awake;
 pub use batch::{Bags, Batch};
 pub use config::{ModelConfig, interaction_width};
 pub use dlrm::{Dlrm, Gradients, PhaseTimes};

@@ -53,7 +53,8 @@ impl ModelConfig {
     }
 
     /// Memory a single-process trainer of this configuration needs at batch size
-    /// `max_batch` (mirrors the allocations of `ModelState::new` and `Dlrm::new`).
+    /// `max_batch` (mirrors the allocations of `ModelState::new` and `Dlrm::new`; tables
+    /// on huge pages take up to 2 MiB more each, rounded up to whole pages).
     pub fn memory_estimate(&self, max_batch: usize) -> MemoryEstimate {
         let batch = max_batch as u128;
         let tables = self.tables() as u128;
@@ -72,6 +73,7 @@ impl ModelConfig {
         let per_sample = 2 * vectors * dim // z and dz
             + 2 * width // interaction and its gradient
             + self.num_dense as u128 + 1 // dense features and label
+            + self.num_dense.next_multiple_of(16) as u128 // the same features, padded
             + tables * (2 + row_words + dim); // ids, offsets, gathered rows, row gradients
         MemoryEstimate {
             tables: rows * row_words * F32,

@@ -314,13 +314,7 @@ mod tests {
         (0..n).map(|i| (i as f32 * seed).sin() * 2.0).collect()
     }
 
-    pub(super) fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap()
-            .install(f)
-    }
+    pub(super) use crate::testing::in_pool;
 
     /// The one-pass epilogue against the form it replaced (the bias copied into the
     /// output, the product accumulated onto it, then the ReLU): equal bits, in pools of
