@@ -37,10 +37,10 @@ impl Drop for SetOnDrop<'_> {
 ///
 /// The polling threads run the same jobs they would have run after waking, so results
 /// do not change; only when the second thread starts does. A poller that finds no work
-/// for a millisecond goes back to rayon's ordinary sleep ([`GIVE_UP_AFTER`]). Meanwhile they keep their
-/// cores busy, yielding to any other runnable thread: what a host dedicated to training
-/// wants, and why this wraps a single-process step (`Dlrm::train_step`) and never the
-/// time between steps. A parameter-server worker's `forward_backward` does not use it:
+/// for a millisecond goes back to rayon's ordinary sleep ([`GIVE_UP_AFTER`]). Meanwhile
+/// the pollers keep their cores busy, yielding to any other runnable thread: what a host
+/// dedicated to training wants, and why this wraps a single-process step
+/// (`Dlrm::train_step`) and never the time between steps. A parameter-server worker's `forward_backward` does not use it:
 /// its cluster may share cores with servers whose heartbeats must not wait.
 ///
 /// At most one call at a time per pool, and nothing else queued on the pool meanwhile:

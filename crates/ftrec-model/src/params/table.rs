@@ -112,22 +112,16 @@ impl EmbeddingTable {
             TablePages::Huge => HugeBlock::zeroed(rows * stride),
             TablePages::Default => None,
         };
-        let data = match huge {
-            Some(mut block) => {
-                Self::initial_rows(rows, dim, optimizer, seed, table, |r, row| {
-                    block[r * stride..(r + 1) * stride].copy_from_slice(row)
-                });
-                Rows::Huge(block)
-            }
-            None => {
-                let mut data = Vec::with_capacity(rows * stride);
-                Self::initial_rows(rows, dim, optimizer, seed, table, |r, row| {
-                    debug_assert_eq!(data.len(), r * stride);
-                    data.extend_from_slice(row)
-                });
-                Rows::Heap(data)
-            }
+        // A zeroed `Vec` of this size comes from the allocator as fresh zero pages, so
+        // writing the rows into it is the only pass over its memory.
+        let mut data = match huge {
+            Some(block) => Rows::Huge(block),
+            None => Rows::Heap(vec![0.0; rows * stride]),
         };
+        let slots = data.as_mut_slice();
+        Self::initial_rows(rows, dim, optimizer, seed, table, |r, row| {
+            slots[r * stride..(r + 1) * stride].copy_from_slice(row)
+        });
         Self {
             rows,
             dim,
