@@ -118,7 +118,7 @@ pub struct Dlrm {
 const BLOCK: usize = 16;
 
 /// How many samples ahead pooling prefetches table rows: 4 and 8 measured alike, and
-/// both about 0.4 ms a step better than none (BENCHMARKS.md).
+/// both about 0.4 ms a step better than none (bench-results/HISTORY.md).
 const PREFETCH_SAMPLES: usize = 8;
 
 /// `log(1 + e^z)` without overflow.

@@ -176,7 +176,7 @@ impl Store for LocalStore {
     }
 
     /// No temporary name, rename or directory sync per part: on this VM they cost a full
-    /// checkpoint about half its write bandwidth (the numbers are in BENCHMARKS.md). Parts
+    /// checkpoint about half its write bandwidth (the numbers are in bench-results/HISTORY.md). Parts
     /// bypass the page cache (`ftrec_fsio::write_unbuffered`): a checkpoint is read back
     /// only after a failure, and filling fresh page-cache pages was a full checkpoint's
     /// largest CPU cost.

@@ -3,7 +3,7 @@
 //! A training step reads about 53,000 rows at random from 665 MB of tables (`tiny`). With
 //! 4 KiB pages nearly every read also misses the TLB and walks the page table; with 2 MiB
 //! pages the whole model fits the second-level TLB. Measured on the Zen 4 host
-//! (BENCHMARKS, "Tables on whole huge pages"), pooling and the sparse update took 0.8-1 ms
+//! (bench-results/HISTORY.md, "Tables on whole huge pages"), pooling and the sparse update took 0.8-1 ms
 //! less a step; full checkpoints written from them blocked about 20% longer, so
 //! `train.huge_pages` is opt-in.
 

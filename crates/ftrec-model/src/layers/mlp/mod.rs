@@ -25,7 +25,7 @@ pub struct LayerSpec {
 
 /// The gemm kernels tile a product whose inner or output width is a whole number of
 /// 16-lane vectors well, and one that is not badly: on the Zen 4 host the top layer's
-/// three products at width 415 take 14.7 ms and at width 416 13.4 ms (BENCHMARKS.md).
+/// three products at width 415 take 14.7 ms and at width 416 13.4 ms (bench-results/HISTORY.md).
 const KERNEL_WIDTH: usize = 16;
 
 /// An MLP: consecutive layers laid out back to back in the dense buffer.
