@@ -50,8 +50,8 @@ pub struct TrainSection {
     /// update 0.8-1 ms faster a `tiny` step on the Zen 4 host. Off by default because full
     /// checkpoints written from huge pages blocked about 20% longer there
     /// (bench-results/HISTORY.md, "Tables on whole huge pages"). Values are the same either
-    /// way; needs THP at `madvise` or `always`. Applies to a fresh start: a resumed run restores its tables
-    /// onto ordinary pages.
+    /// way; needs THP at `madvise` or `always`. Applies to a fresh start: a resumed run
+    /// restores its tables onto ordinary pages.
     #[serde(default)]
     pub huge_pages: bool,
 }
