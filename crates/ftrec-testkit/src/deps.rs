@@ -24,6 +24,7 @@ pub fn missing(what: &str, why: impl std::fmt::Display) -> ! {
 pub fn program(program: &str, what: &str) -> PathBuf {
     match find_program(program) {
         Some(path) => path,
+        None if program.contains('/') => missing(what, format_args!("no executable `{program}`")),
         None => missing(what, format_args!("no executable `{program}` on PATH")),
     }
 }

@@ -144,7 +144,7 @@ fn servers_and_workers_started_by_hand_are_sized_against_memory() {
     let job = |name: &str, rows: &str, batch: &str| {
         // The tiny preset written out, with the dataset a cluster job needs (the default
         // cluster section: 2 servers).
-        let text = include_str!("../../../configs/tiny.toml")
+        let text = include_str!("../../../../configs/tiny.toml")
             .replace(
                 "rows_per_table = 100000",
                 &format!("rows_per_table = {rows}"),
