@@ -52,19 +52,19 @@ impl Ftrec {
     }
 
     /// Runs `ftrec args` to completion.
-    pub fn run<S: AsRef<OsStr>>(&self, args: impl IntoIterator<Item = S>) -> Output {
+    pub fn run<S: AsRef<OsStr>>(&self, args: &[S]) -> Output {
         self.command().args(args).output().expect("run ftrec")
     }
 
     /// Runs `ftrec args`, which must succeed, and parses the one JSON object it prints.
-    pub fn json<S: AsRef<OsStr>>(&self, args: impl IntoIterator<Item = S>) -> Value {
+    pub fn json<S: AsRef<OsStr>>(&self, args: &[S]) -> Value {
         json_of(&self.run(args))
     }
 
     /// 8000 generated samples (7200 train) in `dir/data`; returns the directory.
     pub fn setup(&self, dir: &Path) -> String {
         let data = dir.join("data");
-        self.json([
+        self.json(&[
             "data",
             "gen",
             "--rows",

@@ -163,7 +163,7 @@ impl ClusterRun {
 impl ClusterRun {
     /// Runs the command line to completion, which must succeed: its JSON report.
     pub fn report(&self, ftrec: Ftrec) -> Value {
-        ftrec.json(self.args())
+        ftrec.json(&self.args())
     }
 }
 
