@@ -1,6 +1,6 @@
 //! DECK's memory bound, measured independently of the counter that enforces it.
 //!
-//! `tests/deck.rs` checks `peak_resident_chunks`, which is the `ChunkBudget` counting its
+//! `tests/it/deck.rs` checks `peak_resident_chunks`, which is the `ChunkBudget` counting its
 //! own permits: a regression that kept chunk bytes alive outside the budget (buffering a
 //! whole checkpoint before writing it, holding every staged chunk until upload) would
 //! still report 4. Here a counting global allocator measures the live heap bytes of the
@@ -10,8 +10,7 @@
 //! This file is its own test binary with a single test, so no other test allocates
 //! concurrently and the peak is DECK's (and the idle test harness's).
 
-#[path = "support/model.rs"]
-mod model;
+use ftrec_testkit::model;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use ftrec_etcd::{Etcd, EtcdError, EtcdOptions, JobClaim, LeaderInfo, local};
+use ftrec_etcd::{Etcd, EtcdError, EtcdOptions, JobClaim, LeaderInfo};
+use ftrec_testkit::etcd;
 
 fn options(endpoint: &str, prefix: &str) -> EtcdOptions {
     EtcdOptions {
@@ -24,7 +25,7 @@ fn me(id: &str) -> LeaderInfo {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_belongs_to_one_job_and_one_configuration() {
     let dir = tempfile::tempdir().unwrap();
-    let server = local::start(dir.path()).unwrap();
+    let server = etcd::start(dir.path());
     let etcd = Etcd::connect(&options(&server.endpoint, "/ftrec/a"))
         .await
         .unwrap();
@@ -80,7 +81,7 @@ async fn an_unreachable_etcd_and_a_bad_prefix_are_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_when_the_lease_expires_and_the_old_leader_is_fenced() {
     let dir = tempfile::tempdir().unwrap();
-    let server = local::start(dir.path()).unwrap();
+    let server = etcd::start(dir.path());
     let opts = options(&server.endpoint, "/ftrec/e");
     let first = Etcd::connect(&opts).await.unwrap();
     let second = Etcd::connect(&opts).await.unwrap();
@@ -137,7 +138,7 @@ async fn a_standby_takes_over_when_the_lease_expires_and_the_old_leader_is_fence
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_members_survive_one_killed() {
     let dir = tempfile::tempdir().unwrap();
-    let mut members = local::start_cluster(dir.path(), 3).unwrap();
+    let mut members = etcd::start_cluster(dir.path(), 3);
     let endpoints: Vec<String> = members.iter().map(|m| m.endpoint.clone()).collect();
     let opts = EtcdOptions {
         endpoints,

@@ -1,0 +1,111 @@
+//! A job's processes started one by one, as an operator across hosts would: a job file
+//! from a short `cluster run`, then coordinators, servers and workers spawned by hand, with
+//! signals to freeze and wake them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use crate::{ClusterRun, Ftrec};
+
+/// A job file for processes started by hand, `steps` long, with its etcd prefix: a
+/// 2-step `cluster run` of 3 servers and 2 workers under `--ft ec` writes it, and the
+/// steps are raised after.
+pub fn hand_job(
+    ftrec: Ftrec,
+    dir: &Path,
+    data: &str,
+    name: &str,
+    steps: u64,
+    extra: &[&str],
+) -> PathBuf {
+    let run = dir.join(name);
+    let args = ClusterRun::new(data)
+        .steps(2)
+        .run_dir(&run)
+        .servers(3)
+        .workers(2)
+        .ft("ec")
+        .deterministic()
+        .no_eval()
+        .extend(extra)
+        .args();
+    ftrec.json(&args);
+    let job = run.join("job.toml");
+    let text = std::fs::read_to_string(&job).unwrap();
+    std::fs::write(
+        &job,
+        text.replace("steps = 2\n", &format!("steps = {steps}\n")),
+    )
+    .unwrap();
+    job
+}
+
+/// `ftrec args`, its standard output in `out.json` and its standard error in `out.log`.
+pub fn spawn(ftrec: Ftrec, args: &[&str], out: &Path) -> Child {
+    ftrec
+        .command()
+        .args(args)
+        .stdout(std::fs::File::create(out.with_extension("json")).unwrap())
+        .stderr(std::fs::File::create(out.with_extension("log")).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+/// The 3 servers and 2 workers of a job started by hand; `find` says how they find the
+/// coordinator (`--etcd URL` or `--coordinator ADDRESS`). Logs go beside `dir`'s files.
+pub fn spawn_members(ftrec: Ftrec, dir: &Path, job: &str, find: &[&str]) -> Vec<Child> {
+    [
+        ("server", "0"),
+        ("server", "1"),
+        ("server", "2"),
+        ("worker", "0"),
+        ("worker", "1"),
+    ]
+    .into_iter()
+    .map(|(role, id)| {
+        let mut args = vec![role, "--job", job, "--id", id];
+        args.extend(find);
+        spawn(ftrec, &args, &dir.join(format!("{role}-{id}")))
+    })
+    .collect()
+}
+
+pub fn signal(child: &Child, name: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{name}"), &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{name}");
+}
+
+pub fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(started.elapsed() < limit, "no exit within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The address a coordinator started by hand prints on its standard error.
+pub fn listening_address(log: &Path) -> String {
+    let started = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(address) = text
+            .lines()
+            .find_map(|l| l.strip_prefix("coordinator listening on "))
+        {
+            return address.trim().to_string();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the coordinator never listened: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,0 +1,30 @@
+//! A real etcd on loopback (`ftrec_etcd::local`, which `ftrec bench coordinator` uses
+//! too), started for tests: a missing etcd fails the test naming it and
+//! `./scripts/test-deps`.
+
+use std::path::Path;
+
+pub use ftrec_etcd::local::LocalEtcd;
+
+use crate::deps;
+
+/// `ftrec_etcd::local` starts `$FTREC_ETCD_BIN`, or `etcd` from `PATH`.
+#[track_caller]
+fn require_etcd() {
+    let binary = std::env::var("FTREC_ETCD_BIN").unwrap_or_else(|_| "etcd".into());
+    deps::program(&binary, "etcd (Debian's etcd-server)");
+}
+
+/// One single-member etcd with its data under `dir`, serving; killed when dropped.
+#[track_caller]
+pub fn start(dir: &Path) -> LocalEtcd {
+    require_etcd();
+    ftrec_etcd::local::start(dir).unwrap_or_else(|e| panic!("etcd: {e}"))
+}
+
+/// An etcd cluster of `members` processes under `dir`, every member serving.
+#[track_caller]
+pub fn start_cluster(dir: &Path, members: usize) -> Vec<LocalEtcd> {
+    require_etcd();
+    ftrec_etcd::local::start_cluster(dir, members).unwrap_or_else(|e| panic!("etcd: {e}"))
+}
