@@ -6,6 +6,8 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use ftrec_proto::timeline::{EventKind, TimelineData};
+
 use crate::Ftrec;
 use crate::cli::model;
 
@@ -167,26 +169,24 @@ impl ClusterRun {
     }
 }
 
+/// The run's event log (`timeline.json` in its run directory), typed: a test compares
+/// `EventKind`s, so a renamed or misspelt kind fails to compile instead of never matching.
+pub fn timeline(run_dir: &Path) -> TimelineData {
+    let path = run_dir.join("timeline.json");
+    TimelineData::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 /// The run's events: time, kind, detail.
-pub fn timed_events(run_dir: &Path) -> Vec<(f64, String, String)> {
-    let timeline: Value =
-        serde_json::from_slice(&std::fs::read(run_dir.join("timeline.json")).unwrap()).unwrap();
-    timeline["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            (
-                e["t"].as_f64().unwrap(),
-                e["kind"].as_str().unwrap().to_string(),
-                e["detail"].as_str().unwrap_or_default().to_string(),
-            )
-        })
+pub fn timed_events(run_dir: &Path) -> Vec<(f64, EventKind, String)> {
+    timeline(run_dir)
+        .events
+        .into_iter()
+        .map(|e| (e.t, e.kind, e.detail))
         .collect()
 }
 
 /// The run's events: kind, detail.
-pub fn events(run_dir: &Path) -> Vec<(String, String)> {
+pub fn events(run_dir: &Path) -> Vec<(EventKind, String)> {
     timed_events(run_dir)
         .into_iter()
         .map(|(_, k, d)| (k, d))
@@ -194,7 +194,7 @@ pub fn events(run_dir: &Path) -> Vec<(String, String)> {
 }
 
 /// The kinds of the run's events, in order.
-pub fn event_kinds(run_dir: &Path) -> Vec<String> {
+pub fn event_kinds(run_dir: &Path) -> Vec<EventKind> {
     timed_events(run_dir)
         .into_iter()
         .map(|(_, k, _)| k)

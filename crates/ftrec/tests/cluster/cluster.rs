@@ -1,6 +1,7 @@
 //! The parameter-server cluster as real processes over loopback TCP: equivalence with the
 //! single-process trainer, SIGKILLed servers replaced and rolled back, and clear refusals.
 
+use ftrec_proto::timeline::EventKind;
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::cluster::{announced, event_kinds as events};
 
@@ -69,18 +70,18 @@ fn a_sigkilled_server_is_replaced_and_the_rollback_is_bit_exact() {
     assert!(out["auc"].as_f64().unwrap() > 0.5);
     let kinds = events(&run);
     for kind in [
-        "killed",
-        "failure-detected",
-        "replacement",
-        "recovery-start",
-        "recovery-end",
+        EventKind::Killed,
+        EventKind::FailureDetected,
+        EventKind::Replacement,
+        EventKind::RecoveryStart,
+        EventKind::RecoveryEnd,
     ] {
-        assert!(
-            kinds.iter().any(|k| k == kind),
-            "no {kind} event in {kinds:?}"
-        );
+        assert!(kinds.contains(&kind), "no {kind} event in {kinds:?}");
     }
-    let server_joins = kinds.iter().filter(|k| *k == "server-joined").count();
+    let server_joins = kinds
+        .iter()
+        .filter(|k| **k == EventKind::ServerJoined)
+        .count();
     assert_eq!(server_joins, 3, "two servers and one replacement");
     // Each server's checkpoints are ordinary verified checkpoints of its shard.
     for s in 0..2 {
@@ -142,10 +143,16 @@ fn asynchronous_workers_survive_a_kill_with_a_spare_and_without_rollback() {
     // A killed worker is stateless: it is detected, respawned, and training completes.
     let kinds = events(&run);
     assert!(
-        kinds.iter().any(|k| k == "worker-failure-detected"),
+        kinds.contains(&EventKind::WorkerFailureDetected),
         "{kinds:?}"
     );
-    assert_eq!(kinds.iter().filter(|k| *k == "worker-joined").count(), 3);
+    assert_eq!(
+        kinds
+            .iter()
+            .filter(|k| **k == EventKind::WorkerJoined)
+            .count(),
+        3
+    );
 }
 
 fn wait_with_limit(mut child: Child, limit: Duration) -> (bool, String) {

@@ -1,6 +1,7 @@
 //! `--ft auto` choosing by the failure rate, time-based cuts (`checkpoint.every_seconds`),
 //! and a frozen server (SIGSTOP, silent rather than gone) fenced and rolled back exactly.
 
+use ftrec_proto::timeline::EventKind;
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::cluster::event_kinds;
 
@@ -97,12 +98,12 @@ fn a_frozen_server_is_fenced_and_time_based_cuts_roll_back_exactly() {
     );
     let kinds = event_kinds(&run);
     for kind in [
-        "checkpoint-replanned",
-        "frozen",
-        "failure-detected",
-        "superseded-killed",
-        "recovery-end",
+        EventKind::CheckpointReplanned,
+        EventKind::Frozen,
+        EventKind::FailureDetected,
+        EventKind::SupersededKilled,
+        EventKind::RecoveryEnd,
     ] {
-        assert!(kinds.iter().any(|k| k == kind), "no {kind} in {kinds:?}");
+        assert!(kinds.contains(&kind), "no {kind} in {kinds:?}");
     }
 }

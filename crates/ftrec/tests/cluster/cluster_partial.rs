@@ -2,6 +2,7 @@
 //! reloads only its own shard from its last checkpoint, nobody rolls back, the workers do
 //! not rewind, and the PLS the run reports is Eq. 3 of what the event log says was lost.
 
+use ftrec_proto::timeline::EventKind;
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::cli::json_of;
 use ftrec_testkit::cluster::events;
@@ -46,7 +47,7 @@ fn digests(report: &Value) -> Vec<String> {
 fn partial_restores(run: &Path) -> Vec<String> {
     events(run)
         .into_iter()
-        .filter(|(k, _)| k == "partial-restore")
+        .filter(|(k, _)| *k == EventKind::PartialRestore)
         .map(|(_, d)| d)
         .collect()
 }
@@ -140,7 +141,7 @@ fn partial_recovery_falls_back_to_a_full_rollback_when_it_does_not_pay() {
     );
     let decision: Vec<String> = events(&run)
         .into_iter()
-        .filter(|(k, _)| k == "cpr-decision")
+        .filter(|(k, _)| *k == EventKind::CprDecision)
         .map(|(_, d)| d)
         .collect();
     assert_eq!(decision.len(), 1);
@@ -203,7 +204,7 @@ fn prioritised_saves_between_cuts_are_what_a_partial_restore_reloads_for_mfu_ssu
         assert_ne!(recovered[1], at_kill[1]);
         let restore = events(&run)
             .into_iter()
-            .find(|(k, _)| k == "partial-restore")
+            .find(|(k, _)| *k == EventKind::PartialRestore)
             .unwrap()
             .1;
         assert!(restore.contains("the cut of step 30"), "{restore}");
@@ -257,7 +258,7 @@ fn uncoordinated_saves_are_staggered_and_a_replacement_reloads_its_own() {
     // step saved up to a few before the turn), at most one per turn.
     let saves: Vec<(u64, u64, f64)> = events(&run)
         .into_iter()
-        .filter(|(k, d)| k == "checkpoint-end" && d.contains("own save"))
+        .filter(|(k, d)| *k == EventKind::CheckpointEnd && d.contains("own save"))
         .map(|(_, d)| {
             let seconds = |key: &str| -> f64 {
                 let rest = &d[d.find(key).unwrap() + key.len()..];

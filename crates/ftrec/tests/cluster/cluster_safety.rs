@@ -2,6 +2,7 @@
 //! pending), failing checkpoints, signals to the launcher; and its disk use stays bounded.
 //! Real processes over loopback TCP, real SIGKILLs.
 
+use ftrec_proto::timeline::EventKind;
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::cli::json_of;
 use ftrec_testkit::cluster::{events, timed_events};
@@ -64,7 +65,7 @@ fn worker_kills_lose_nothing(trials: usize) {
     let dir = tempfile::tempdir().unwrap();
     let data = FTREC.setup(dir.path());
     let mut expected = std::collections::BTreeMap::new();
-    let mut outcomes = std::collections::BTreeMap::<String, usize>::new();
+    let mut outcomes = std::collections::BTreeMap::<&str, usize>::new();
     for trial in 0..trials {
         let run = dir.path().join(format!("run-{trial}"));
         let (steps, workers, every, victims, gap) = if trial % 2 == 0 {
@@ -111,20 +112,26 @@ fn worker_kills_lose_nothing(trials: usize) {
         // Every kill the failure detector had time for (1 s of silence) was detected.
         let end = timed
             .iter()
-            .find(|(_, k, _)| k == "training-end")
+            .find(|(_, k, _)| *k == EventKind::TrainingEnd)
             .map_or(f64::MAX, |(t, _, _)| *t);
         let due = timed
             .iter()
-            .filter(|(t, k, _)| k == "killed" && t + 1.5 < end)
+            .filter(|(t, k, _)| *k == EventKind::Killed && t + 1.5 < end)
             .count();
         let detected = kinds
             .iter()
-            .filter(|(k, _)| k == "worker-failure-detected")
+            .filter(|(k, _)| *k == EventKind::WorkerFailureDetected)
             .count();
         assert!(detected >= due, "{kills:?}: {kinds:?}");
         for (kind, _) in &kinds {
-            if ["step-settled", "step-regranted", "rollback-needed"].contains(&kind.as_str()) {
-                *outcomes.entry(kind.clone()).or_default() += 1;
+            if [
+                EventKind::StepSettled,
+                EventKind::StepRegranted,
+                EventKind::RollbackNeeded,
+            ]
+            .contains(kind)
+            {
+                *outcomes.entry(kind.name()).or_default() += 1;
             }
         }
     }
@@ -268,7 +275,7 @@ fn a_failing_cut_is_reported_backs_off_and_training_goes_on() {
     );
     let failed = events(&run)
         .iter()
-        .filter(|(k, _)| k == "checkpoint-failed")
+        .filter(|(k, _)| *k == EventKind::CheckpointFailed)
         .count();
     let seconds = report["train_seconds"].as_f64().unwrap();
     // Backing off 2 s, 4 s, 8 s ...: a handful, not one every 20 ms.
@@ -389,7 +396,7 @@ fn the_launcher_stops_its_processes_on_sigterm_or_sighup_and_they_die_with_it_on
         assert!(
             kinds
                 .iter()
-                .any(|(k, d)| k == "interrupted" && d.contains(&format!("SIG{signal}"))),
+                .any(|(k, d)| *k == EventKind::Interrupted && d.contains(&format!("SIG{signal}"))),
             "{kinds:?}"
         );
     }
@@ -487,7 +494,7 @@ fn a_frozen_server_is_replaced_and_the_run_ends_exact() {
     assert!(!alive(frozen), "the frozen server outlived the run");
     let kinds = events(&run);
     assert!(
-        kinds.iter().any(|(k, _)| k == "superseded-killed"),
+        kinds.iter().any(|(k, _)| *k == EventKind::SupersededKilled),
         "{kinds:?}"
     );
 }
