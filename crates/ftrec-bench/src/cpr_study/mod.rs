@@ -12,10 +12,12 @@
 //! memcpy's but the one the cost frame ([`costs`]) gives them, so the overheads are those
 //! of the emulated job (§5.1 scales production overheads to the emulation's length).
 
+pub mod bench;
 pub mod correlation;
 pub mod costs;
 pub mod failures;
 pub mod many_failures;
+mod plot;
 pub mod probe;
 pub mod report;
 mod run;

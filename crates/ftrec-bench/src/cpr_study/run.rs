@@ -386,3 +386,24 @@ fn samples_in(steps: u64, len: u64, batch: usize) -> u64 {
 fn cpr_err(e: ftrec_cpr::CprError) -> TrainError {
     TrainError::Config(e.to_string())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_in_counts_the_short_batch_at_the_end_of_each_pass() {
+        // 10 samples in batches of 4: 4, 4, then the 2 left, and round again.
+        assert_eq!(samples_in(3, 10, 4), 10);
+        assert_eq!(samples_in(4, 10, 4), 14);
+        // A dataset smaller than a batch: every step is the whole dataset.
+        assert_eq!(samples_in(2, 3, 4), 6);
+    }
+
+    #[test]
+    fn samples_in_of_nothing_is_zero() {
+        assert_eq!(samples_in(0, 10, 4), 0);
+        // An empty dataset trains no samples, and does not divide by zero.
+        assert_eq!(samples_in(5, 0, 4), 0);
+    }
+}

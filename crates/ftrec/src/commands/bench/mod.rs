@@ -1,8 +1,17 @@
-//! `ftrec bench ...`: the benchmarks behind BENCHMARKS.md.
+//! `ftrec bench ...`: the benchmarks behind BENCHMARKS.md. The experiments live in
+//! `ftrec-bench`; each file here is a subcommand's flags, the call into it, and the
+//! printing.
+
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use clap::{Args, Subcommand};
+use ftrec_bench::error::Boxed;
 use ftrec_bench::train_step;
+use ftrec_cluster::auto::Choice;
+use ftrec_cluster::launch::Evaluator;
+use ftrec_config::JobConfig;
+use ftrec_data::generate::{GenConfig, OutputFormat};
 
 use self::ckpt::BenchCkptArgs;
 use crate::commands::config::{ConfigArgs, load_config};
@@ -17,7 +26,6 @@ pub mod coordinator;
 pub mod cpr;
 pub mod ec;
 pub mod faults;
-pub mod loopback;
 pub mod shootout;
 
 #[derive(Subcommand, Debug)]
@@ -92,6 +100,40 @@ pub(crate) fn bench_train(a: BenchTrainArgs) -> Result<()> {
         ))
     );
     Ok(())
+}
+
+/// What the benches borrow from this binary: itself (to start clusters and `cluster run`s),
+/// dataset generation with its progress bar, the trainer's evaluation and `--ft auto`.
+struct Cli;
+
+impl ftrec_bench::Host for Cli {
+    fn exe(&self) -> std::io::Result<PathBuf> {
+        std::env::current_exe()
+    }
+
+    fn generate(&self, config: &GenConfig, dir: &Path, quiet: bool) -> Result<(), Boxed> {
+        crate::commands::data::run_gen(config, dir, OutputFormat::Binary, quiet)?;
+        Ok(())
+    }
+
+    fn evaluator(&self) -> Evaluator {
+        crate::commands::cluster::evaluator()
+    }
+
+    fn choose_ft(
+        &self,
+        config: &mut JobConfig,
+        scratch: &Path,
+        mtbf: Option<f64>,
+    ) -> Result<Choice, Boxed> {
+        Ok(crate::commands::cluster::auto::choose_and_apply(
+            config, scratch, mtbf, None,
+        )?)
+    }
+
+    fn note(&self, line: &str) {
+        eprintln!("{line}");
+    }
 }
 
 /// Writes a benchmark's `summary.json` into `out`, then prints it: as the JSON output

@@ -16,7 +16,6 @@ use serde_json::json;
 
 pub mod auto;
 mod coordinator;
-pub mod plot;
 mod verify;
 
 pub use auto::FtArg;
@@ -583,7 +582,7 @@ pub fn plot_timeline(input: &Path, out: &Path, title: &str) -> Result<()> {
         input.to_path_buf()
     };
     let data = TimelineData::read(&path)?;
-    plot::plot_timeline(&data, out, title)?;
+    ftrec_bench::timeline_plot::plot_timeline(&data, out, title)?;
     outln!("wrote {}", out.display());
     Ok(())
 }

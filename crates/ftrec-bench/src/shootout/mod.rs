@@ -7,20 +7,22 @@
 
 mod figures;
 mod plot;
+mod table;
 
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
-use clap::Args;
 use ftrec_cluster::auto;
 use ftrec_cluster::failure_schedule::{FailureSchedule, ScheduleShape};
-use ftrec_cluster::launch::LaunchReport;
 use ftrec_config::{FaultTolerance, JobConfig, Strategy};
 use serde_json::{Value, json};
 
-use super::cluster::{BenchRun, bench_setup};
-use figures::RunFigures;
+use crate::cluster_run::{BenchRun, Setup};
+use crate::error::{BenchError, Result};
+use crate::host::Host;
+use crate::run_record::RunRecord;
+use figures::{RunFigures, auto_verdict};
+pub use table::table;
 
 /// The strategies, in the order every round runs them.
 pub const STRATEGIES: [&str; 9] = [
@@ -35,72 +37,35 @@ pub const STRATEGIES: [&str; 9] = [
     "auto",
 ];
 
-#[derive(Args, Debug)]
-pub struct BenchShootoutArgs {
-    /// Dataset directory (generated with the tiny Criteo shape when missing).
-    #[arg(long, default_value = "bench-cluster-data")]
+/// `ftrec bench shootout`'s flags.
+#[derive(Clone, Debug)]
+pub struct ShootoutOptions {
     pub data: PathBuf,
-    #[arg(long, default_value_t = 1_000_000)]
     pub rows: u64,
-    /// The job: the demo preset (the tiny architecture with optimizers that learn within
-    /// a minute, so lost updates show in the AUC) with its row state (row-wise Adagrad).
-    #[arg(long, default_value = "demo")]
     pub preset: String,
-    /// Steps per run (default 300; --quick 240).
-    #[arg(long)]
+    /// Steps per run (default 300; `quick` 240).
     pub steps: Option<u64>,
-    #[arg(long, default_value_t = 3)]
     pub servers: usize,
-    #[arg(long, default_value_t = 2)]
     pub workers: usize,
-    /// Rounds: every strategy at both rates once per round (default 3; --quick 1).
-    #[arg(long)]
+    /// Rounds (default 3; `quick` 1).
     pub rounds: Option<usize>,
-    /// One round of a smaller job (tables of 20,000 rows, 240 steps): what CI-sized
-    /// machines can run in under 15 minutes. The output says so (`quick`, `rounds`).
-    #[arg(long)]
+    /// One round of a smaller job (tables of 20,000 rows, 240 steps).
     pub quick: bool,
-    /// Mean time between failures of the rare rate, seconds (default: the failure-free
-    /// run's training time, so about one failure per run).
-    #[arg(long)]
+    /// Mean time between failures of the rare rate (default: the failure-free run's
+    /// training time), and of the frequent rate (default: a quarter of it).
     pub rare_mtbf: Option<f64>,
-    /// ... and of the frequent rate (default: a quarter of it).
-    #[arg(long)]
     pub frequent_mtbf: Option<f64>,
-    /// Seed of the failure schedules.
-    #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Share of the failures that freeze (SIGSTOP) their server instead of killing it;
-    /// every schedule has at least one.
-    #[arg(long, default_value_t = 0.3)]
     pub freeze_share: f64,
-    /// Consecutive failures at least this far apart, seconds: more than detection plus a
-    /// rebuild, so that erasure coding with r = 1 is not asked to survive a second failure
-    /// of a group mid-rebuild (a study of its own).
-    #[arg(long, default_value_t = 2.5)]
     pub min_gap: f64,
-    /// Let steps run asynchronously instead of in strict order. By default the runs are
-    /// deterministic, so an exact strategy ends with the failure-free model bit for bit and
-    /// AUC differences are the strategies', not the noise of async training (about ±0.01
-    /// AUC between two async runs of this job, five times the 0.002 that decides which
-    /// strategies count).
-    #[arg(long = "async")]
+    /// Steps in any order instead of deterministic runs.
     pub asynchronous: bool,
-    /// Cut interval of the checkpoint strategies and of partial recovery, steps;
-    /// ec+checkpoint cuts 4x less often (ECRec's second layer).
-    #[arg(long, default_value_t = 40)]
     pub checkpoint_every: u64,
-    /// Standby servers started up front, in every run.
-    #[arg(long, default_value_t = 1)]
     pub spares: usize,
-    /// Where shootout.json, the plots and each run's timeline go.
-    #[arg(long, default_value = "bench-shootout")]
     pub out: PathBuf,
-    /// Override a configuration key (repeatable).
-    #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
-    #[arg(long)]
-    pub json: bool,
+    /// No progress lines.
+    pub quiet: bool,
 }
 
 /// A failure rate of the comparison.
@@ -151,35 +116,42 @@ fn configure(base: &JobConfig, strategy: &str, every: u64) -> Result<(JobConfig,
             c.cluster.ft = FaultTolerance::EcCheckpoint;
             every * 4
         }
-        other => bail!("unknown strategy {other:?}"),
+        other => return Err(BenchError::Usage(format!("unknown strategy {other:?}"))),
     };
     Ok((c, every))
 }
 
 /// One run of `config` named `name`.
 fn launch(
-    a: &BenchShootoutArgs,
+    host: &dyn Host,
+    a: &ShootoutOptions,
     config: &JobConfig,
     name: &str,
     kills: &[String],
     every: u64,
-) -> Result<LaunchReport> {
+) -> Result<RunRecord> {
     BenchRun {
+        host,
         out: &a.out,
         name,
         kills,
         spares: a.spares,
-        quiet: a.json,
+        quiet: a.quiet,
         evaluate: true,
     }
     .launch(config, every)
-    .with_context(|| format!("shoot-out run {name}"))
+    .map_err(|e| BenchError::Run {
+        what: format!("shoot-out run {name}"),
+        source: Box::new(e),
+    })
 }
 
-pub fn run(a: BenchShootoutArgs) -> Result<()> {
+/// Runs the bench, draws its plots and writes `shootout.json`; the summary (the caller
+/// writes `summary.json`).
+pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
     let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 3 });
     if rounds == 0 {
-        bail!("--rounds must be at least 1");
+        return Err(BenchError::Usage("--rounds must be at least 1".into()));
     }
     let steps = a.steps.unwrap_or(if a.quick { 240 } else { 300 });
     let mut overrides: Vec<String> = Vec::new();
@@ -187,9 +159,16 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
         overrides.push("model.rows_per_table=20000".into());
     }
     overrides.extend(a.set.iter().cloned());
-    let mut base = bench_setup(
-        &a.out, &a.data, a.rows, &a.preset, &overrides, steps, a.json,
-    )?;
+    let mut base = Setup {
+        out: &a.out,
+        data: &a.data,
+        rows: a.rows,
+        preset: &a.preset,
+        overrides: &overrides,
+        steps,
+        quiet: a.quiet,
+    }
+    .config(host)?;
     base.threads = 1;
     base.cluster.servers = a.servers;
     base.cluster.workers = a.workers;
@@ -201,10 +180,10 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
     let started = Instant::now();
 
     // Round 1's failure-free run sets the schedules' horizon and default rates.
-    let mut free_runs: Vec<LaunchReport> = Vec::new();
+    let mut free_runs: Vec<RunRecord> = Vec::new();
     let (free_config, _) = configure(&base, "none", a.checkpoint_every)?;
-    free_runs.push(launch(&a, &free_config, "failure-free-r1", &[], 0)?);
-    let horizon = free_runs[0].summary.train_seconds;
+    free_runs.push(launch(host, a, &free_config, "failure-free-r1", &[], 0)?);
+    let horizon = free_runs[0].train_seconds;
     let rare_mtbf = a.rare_mtbf.unwrap_or(horizon);
     let frequent_mtbf = a.frequent_mtbf.unwrap_or(horizon / 4.0);
     let shape = ScheduleShape {
@@ -221,7 +200,7 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
             Ok(Rate {
                 name,
                 schedule: FailureSchedule::poisson(a.seed + i as u64, mtbf, shape)
-                    .map_err(anyhow::Error::msg)?,
+                    .map_err(BenchError::Usage)?,
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -232,7 +211,8 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
     for round in 1..=rounds {
         if round > 1 {
             free_runs.push(launch(
-                &a,
+                host,
+                a,
                 &free_config,
                 &format!("failure-free-r{round}"),
                 &[],
@@ -240,7 +220,7 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
             )?);
         }
         let free = &free_runs[round - 1];
-        let ref_step = free.summary.train_seconds / free.summary.steps.max(1) as f64;
+        let ref_step = free.train_seconds / free.steps.max(1) as f64;
         for (ri, rate) in rates.iter().enumerate() {
             let kills: Vec<String> = rate
                 .schedule
@@ -252,12 +232,13 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
                 let name = format!("{}-{}-r{round}", rate.name, strategy.replace('+', "-"));
                 let (config, every, ft) = if *strategy == "auto" {
                     let mut c = base.clone();
-                    let choice = crate::commands::cluster::auto::choose_and_apply(
-                        &mut c,
-                        &a.out.join("auto-calibration"),
-                        Some(rate.schedule.mtbf_seconds),
-                        None,
-                    )?;
+                    let choice = host
+                        .choose_ft(
+                            &mut c,
+                            &a.out.join("auto-calibration"),
+                            Some(rate.schedule.mtbf_seconds),
+                        )
+                        .map_err(BenchError::Host)?;
                     let ft = c.cluster.ft;
                     choices[ri].push(choice);
                     (c, a.checkpoint_every, ft)
@@ -266,7 +247,7 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
                     let ft = c.cluster.ft;
                     (c, every, ft)
                 };
-                let report = launch(&a, &config, &name, &kills, every)?;
+                let report = launch(host, a, &config, &name, &kills, every)?;
                 runs[ri][si].push(figures::figures(&report, ft, ref_step));
             }
         }
@@ -278,7 +259,7 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
             figures::figures(
                 r,
                 FaultTolerance::None,
-                r.summary.train_seconds / r.summary.steps.max(1) as f64,
+                r.train_seconds / r.steps.max(1) as f64,
             )
         })
         .collect();
@@ -342,38 +323,6 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
     }
     let path = a.out.join("shootout.json");
     std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
-        .with_context(|| path.display().to_string())?;
-    if !a.json {
-        plot::print_table(&summary)?;
-    }
-    super::write_summary(&a.out, summary, a.json)
-}
-
-/// Whether auto's measured ETT is within 5% of the best strategy's, among those whose
-/// AUC is within 0.002 of the failure-free run's.
-fn auto_verdict(
-    strategies: &serde_json::Map<String, Value>,
-    failure_free_auc: Option<f64>,
-) -> Value {
-    let eligible = |v: &Value| match (v["auc"].as_f64(), failure_free_auc) {
-        (Some(auc), Some(ff)) => auc >= ff - 0.002,
-        _ => false,
-    };
-    let best = strategies
-        .iter()
-        .filter(|(_, v)| eligible(v))
-        .filter_map(|(name, v)| Some((name.clone(), v["ett"].as_f64()?)))
-        .max_by(|a, b| a.1.total_cmp(&b.1));
-    let auto_ett = strategies.get("auto").and_then(|v| v["ett"].as_f64());
-    let auto_eligible = strategies.get("auto").is_some_and(eligible);
-    match (best, auto_ett) {
-        (Some((name, best)), Some(auto)) => json!({
-            "best": name,
-            "best_ett": best,
-            "auto_ett": auto,
-            "auto_auc_within_0_002": auto_eligible,
-            "within_5_percent": auto_eligible && auto >= 0.95 * best,
-        }),
-        _ => Value::Null,
-    }
+        .map_err(BenchError::file(&path))?;
+    Ok(summary)
 }

@@ -1,15 +1,21 @@
-//! The run's timeline drawn like ECRec's Fig. 6: throughput against time, with failures,
-//! detection, rebuilds and recoveries marked. Plotting lives in the binary so that no library
-//! crate pulls in a font and image stack.
+//! A cluster run's timeline drawn like ECRec's Fig. 6: throughput against time, with
+//! failures, detection, rebuilds and recoveries marked (`cluster run` and every cluster
+//! bench). Plotting lives here, the one library with plots, so that the libraries the
+//! benches measure do not pull in a font and image stack.
 
 use std::path::Path;
 
 use ftrec_proto::timeline::{EventKind, TimelineData};
 use plotters::prelude::*;
 
+use crate::error::{BenchError, Result};
+
 /// Throughput against time with failure, detection and recovery marked.
-pub fn plot_timeline(timeline: &TimelineData, out: &Path, title: &str) -> anyhow::Result<()> {
-    let err = |e: String| anyhow::anyhow!("{}: {e}", out.display());
+pub fn plot_timeline(timeline: &TimelineData, out: &Path, title: &str) -> Result<()> {
+    let err = |e: String| BenchError::Plot {
+        what: out.display().to_string(),
+        source: e.into(),
+    };
     let root = BitMapBackend::new(out, (1000, 500)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let seconds = timeline.samples_per_second.len().max(1) as f64;

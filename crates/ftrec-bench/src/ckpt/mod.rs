@@ -11,6 +11,9 @@
 //! * Disk: `dd` write (fdatasync) and cold read bandwidth in the same run, against a full
 //!   checkpoint's write and cold restore.
 
+mod plot;
+pub mod report;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;

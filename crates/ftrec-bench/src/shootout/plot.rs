@@ -1,16 +1,23 @@
 //! The shoot-out drawn: one bar group per metric and rate (every strategy a bar), and
 //! each rate's throughput over time for every strategy, with the schedule's failures
-//! marked; and the table printed for a person.
+//! marked.
 
 use std::path::Path;
 
-use anyhow::{Result, anyhow};
 use ftrec_cluster::failure_schedule::FailureSchedule;
 use ftrec_proto::timeline::{EventKind, TimelineData};
 use plotters::prelude::*;
 use serde_json::Value;
 
 use super::STRATEGIES;
+use crate::error::{BenchError, Result};
+
+fn err(out: &Path) -> impl Fn(String) -> BenchError + '_ {
+    move |e| BenchError::Plot {
+        what: out.display().to_string(),
+        source: e.into(),
+    }
+}
 
 /// Metrics drawn, with their axis label and the factor from the JSON's unit.
 const BARS: [(&str, &str, f64); 6] = [
@@ -36,7 +43,7 @@ const COLORS: [RGBColor; 9] = [
 
 /// One row of panels per rate, one panel per metric, one bar per strategy.
 pub fn plot_bars(summary: &Value, out: &Path) -> Result<()> {
-    let err = |e: String| anyhow!("{}: {e}", out.display());
+    let err = err(out);
     let root = BitMapBackend::new(out, (1800, 820)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let (legend, body) = root.split_vertically(40);
@@ -96,6 +103,18 @@ pub fn plot_bars(summary: &Value, out: &Path) -> Result<()> {
     root.present().map_err(|e| err(e.to_string()))
 }
 
+/// A run's samples per second, each second at its middle, on a clock that starts with
+/// training (no event: the timeline's own start); the seconds before it dropped.
+fn throughput_points(t: &TimelineData) -> Vec<(f64, f64)> {
+    let start = t.of(EventKind::TrainingStart).next().map_or(0.0, |e| e.t);
+    t.samples_per_second
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (i as f64 + 0.5 - start, n as f64))
+        .filter(|(x, _)| *x >= 0.0)
+        .collect()
+}
+
 /// Round 1's throughput of every strategy at `rate`, aligned on training start, with the
 /// schedule's failures marked (red: SIGKILL, purple: freeze).
 pub fn plot_throughput(
@@ -104,22 +123,14 @@ pub fn plot_throughput(
     schedule: &FailureSchedule,
     out: &Path,
 ) -> Result<()> {
-    let err = |e: String| anyhow!("{}: {e}", out.display());
+    let err = err(out);
     let mut lines = Vec::new();
     for strategy in STRATEGIES {
         let dir = runs.join(format!("{rate}-{}-r1", strategy.replace('+', "-")));
         let Ok(t) = TimelineData::read(&dir.join("timeline.json")) else {
             continue;
         };
-        let start = t.of(EventKind::TrainingStart).next().map_or(0.0, |e| e.t);
-        let points: Vec<(f64, f64)> = t
-            .samples_per_second
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| (i as f64 + 0.5 - start, n as f64))
-            .filter(|(x, _)| *x >= 0.0)
-            .collect();
-        lines.push((strategy, points));
+        lines.push((strategy, throughput_points(&t)));
     }
     let right = lines
         .iter()
@@ -177,43 +188,52 @@ pub fn plot_throughput(
     root.present().map_err(|e| err(e.to_string()))
 }
 
-/// The table BENCHMARKS.md quotes, one block per rate.
-pub fn print_table(summary: &Value) -> Result<()> {
-    let num = |v: &Value, digits: usize| {
-        v.as_f64()
-            .map_or("-".to_string(), |x| format!("{x:.digits$}"))
-    };
-    for rate in ["rare", "frequent"] {
-        let r = &summary["by_rate"][rate];
-        outln!(
-            "{rate}: MTBF {} s, {} failures; failure-free AUC {}; auto chose {}",
-            num(&r["mtbf_seconds"], 1),
-            r["schedule"]["failures"].as_array().map_or(0, Vec::len),
-            num(&r["failure_free_auc"], 4),
-            r["auto_choice"]["strategy"].as_str().unwrap_or("-")
-        );
-        outln!(
-            "| strategy | ETT | AUC | logloss | lost samples | MB written | peak RSS MB | resume s | full redundancy s |"
-        );
-        outln!("|---|---|---|---|---|---|---|---|---|");
-        for s in STRATEGIES {
-            let v = &r["strategies"][s];
-            let mb = |k: &str| {
-                v[k].as_f64()
-                    .map_or("-".into(), |x| format!("{:.0}", x / 1e6))
-            };
-            outln!(
-                "| {s} | {} | {} | {} | {} | {} | {} | {} | {} |",
-                num(&v["ett"], 3),
-                num(&v["auc"], 4),
-                num(&v["logloss"], 4),
-                num(&v["lost_samples"], 0),
-                mb("bytes_written"),
-                mb("peak_rss_bytes"),
-                num(&v["resume_seconds"], 2),
-                num(&v["full_redundancy_seconds"], 2)
-            );
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ftrec_proto::timeline::Event;
+
+    fn event(t: f64, kind: EventKind) -> Event {
+        Event {
+            t,
+            kind,
+            subject: None,
+            step: None,
+            detail: String::new(),
         }
     }
-    Ok(())
+
+    #[test]
+    fn throughput_is_aligned_on_training_start() {
+        let t = TimelineData {
+            samples_per_second: vec![0, 5, 100, 120],
+            events: vec![
+                event(0.2, EventKind::Killed),
+                event(1.5, EventKind::TrainingStart),
+                event(3.0, EventKind::TrainingStart),
+            ],
+        };
+        // Second 0 (middle 0.5) is before the start at 1.5 s; the first start counts.
+        assert_eq!(
+            throughput_points(&t),
+            vec![(0.0, 5.0), (1.0, 100.0), (2.0, 120.0)]
+        );
+    }
+
+    #[test]
+    fn a_timeline_without_a_start_event_or_samples() {
+        let mut t = TimelineData {
+            samples_per_second: vec![7, 8],
+            events: Vec::new(),
+        };
+        assert_eq!(throughput_points(&t), vec![(0.5, 7.0), (1.5, 8.0)]);
+        t.samples_per_second.clear();
+        assert!(throughput_points(&t).is_empty());
+        // Training started after the last second counted: nothing to draw.
+        let late = TimelineData {
+            samples_per_second: vec![1, 2],
+            events: vec![event(9.0, EventKind::TrainingStart)],
+        };
+        assert!(throughput_points(&late).is_empty());
+    }
 }

@@ -6,16 +6,23 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use crate::error::{BenchError, Result};
 
 /// Bytes moved per measurement, and per write and read.
 const TOTAL: usize = 2 << 30;
 const CHUNK: usize = 8 << 20;
 
+fn io(what: &'static str) -> impl Fn(std::io::Error) -> BenchError {
+    move |source| BenchError::IoDuring {
+        what: what.into(),
+        source,
+    }
+}
+
 /// One copy of `TOTAL` bytes through a loopback socket; bytes per second.
 fn once() -> Result<f64> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("loopback: bind")?;
-    let address = listener.local_addr().context("loopback: address")?;
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(io("loopback: bind"))?;
+    let address = listener.local_addr().map_err(io("loopback: address"))?;
     let reader = std::thread::spawn(move || -> std::io::Result<usize> {
         let (mut stream, _) = listener.accept()?;
         let mut buffer = vec![0u8; CHUNK];
@@ -28,20 +35,24 @@ fn once() -> Result<f64> {
         }
         Ok(got)
     });
-    let mut stream = TcpStream::connect(address).context("loopback: connect")?;
+    let mut stream = TcpStream::connect(address).map_err(io("loopback: connect"))?;
     let chunk = vec![0x5au8; CHUNK];
     let started = Instant::now();
     let mut sent = 0;
     while sent < TOTAL {
-        stream.write_all(&chunk).context("loopback: write")?;
+        stream.write_all(&chunk).map_err(io("loopback: write"))?;
         sent += CHUNK;
     }
     drop(stream);
     let got = reader
         .join()
-        .map_err(|_| anyhow::anyhow!("loopback: the reader panicked"))?
-        .context("loopback: read")?;
-    anyhow::ensure!(got == TOTAL, "loopback: {got} bytes arrived of {TOTAL}");
+        .map_err(|_| BenchError::Failed("loopback: the reader panicked".into()))?
+        .map_err(io("loopback: read"))?;
+    if got != TOTAL {
+        return Err(BenchError::Failed(format!(
+            "loopback: {got} bytes arrived of {TOTAL}"
+        )));
+    }
     Ok(TOTAL as f64 / started.elapsed().as_secs_f64())
 }
 

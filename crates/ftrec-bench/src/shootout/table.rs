@@ -1,0 +1,86 @@
+//! The shoot-out's table for a person: the rows BENCHMARKS.md quotes.
+
+use serde_json::Value;
+
+use super::STRATEGIES;
+
+/// The table BENCHMARKS.md quotes, one block per rate, a line each.
+pub fn table(summary: &Value) -> Vec<String> {
+    let num = |v: &Value, digits: usize| {
+        v.as_f64()
+            .map_or("-".to_string(), |x| format!("{x:.digits$}"))
+    };
+    let mut lines = Vec::new();
+    for rate in ["rare", "frequent"] {
+        let r = &summary["by_rate"][rate];
+        lines.push(format!(
+            "{rate}: MTBF {} s, {} failures; failure-free AUC {}; auto chose {}",
+            num(&r["mtbf_seconds"], 1),
+            r["schedule"]["failures"].as_array().map_or(0, Vec::len),
+            num(&r["failure_free_auc"], 4),
+            r["auto_choice"]["strategy"].as_str().unwrap_or("-")
+        ));
+        lines.push(
+            "| strategy | ETT | AUC | logloss | lost samples | MB written | peak RSS MB | resume s | full redundancy s |"
+                .to_string(),
+        );
+        lines.push("|---|---|---|---|---|---|---|---|---|".to_string());
+        for s in STRATEGIES {
+            let v = &r["strategies"][s];
+            let mb = |k: &str| {
+                v[k].as_f64()
+                    .map_or("-".into(), |x| format!("{:.0}", x / 1e6))
+            };
+            lines.push(format!(
+                "| {s} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                num(&v["ett"], 3),
+                num(&v["auc"], 4),
+                num(&v["logloss"], 4),
+                num(&v["lost_samples"], 0),
+                mb("bytes_written"),
+                mb("peak_rss_bytes"),
+                num(&v["resume_seconds"], 2),
+                num(&v["full_redundancy_seconds"], 2)
+            ));
+        }
+    }
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn an_empty_summary_prints_dashes_not_a_panic() {
+        let lines = table(&json!({}));
+        // Per rate: the heading, the table's two header lines and a row per strategy.
+        assert_eq!(lines.len(), 2 * (3 + STRATEGIES.len()));
+        assert_eq!(
+            lines[0],
+            "rare: MTBF - s, 0 failures; failure-free AUC -; auto chose -"
+        );
+        assert_eq!(lines[3], "| none | - | - | - | - | - | - | - | - |");
+    }
+
+    #[test]
+    fn figures_are_rounded_and_bytes_in_megabytes() {
+        let summary = json!({ "by_rate": { "rare": {
+            "mtbf_seconds": 12.34, "schedule": { "failures": [{}, {}] },
+            "failure_free_auc": 0.712345, "auto_choice": { "strategy": "ec" },
+            "strategies": { "ec": { "ett": 0.91234, "bytes_written": 2.4e6,
+                                     "resume_seconds": 1.004, "lost_samples": 0 } },
+        } } });
+        let lines = table(&summary);
+        assert_eq!(
+            lines[0],
+            "rare: MTBF 12.3 s, 2 failures; failure-free AUC 0.7123; auto chose ec"
+        );
+        let ec = lines
+            .iter()
+            .find(|l| l.starts_with("| ec |"))
+            .map(String::as_str);
+        assert_eq!(ec, Some("| ec | 0.912 | - | - | 0 | 2 | - | 1.00 | - |"));
+    }
+}
