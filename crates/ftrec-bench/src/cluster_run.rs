@@ -49,7 +49,7 @@ impl BenchRun<'_> {
         let (servers, workers) = (c.cluster.servers, c.cluster.workers);
         let report = launch::run(
             LaunchOptions {
-                job: ftrec_proto::Job::new(c)?,
+                job: ftrec_rpc::Job::new(c)?,
                 run_dir: run_dir.clone(),
                 kills,
                 spares: self.spares,

@@ -70,7 +70,10 @@ pub enum BenchError {
     #[error(transparent)]
     Config(#[from] ftrec_config::ConfigError),
     #[error(transparent)]
-    Cluster(#[from] ftrec_proto::PsError),
+    Cluster(#[from] ftrec_rpc::PsError),
+    /// A file of the cluster's contract (a run's timeline) could not be read.
+    #[error(transparent)]
+    Contract(#[from] ftrec_proto::ProtoError),
     #[error(transparent)]
     Train(#[from] ftrec_train::TrainError),
     #[error(transparent)]

@@ -10,9 +10,9 @@ use std::fmt;
 use ftrec_ec::{Codec, DenseParitySlot, StripeLayout};
 use ftrec_model::ModelState;
 
-use ftrec_proto::PsError;
-use ftrec_proto::job::Job;
 use ftrec_proto::proto::*;
+use ftrec_rpc::PsError;
+use ftrec_rpc::job::Job;
 
 /// Mismatches named in a report beyond the counts; the counts stay exact.
 pub const MAX_DETAILS: usize = 1000;
@@ -344,7 +344,7 @@ pub async fn verify_parity(
         let mut stored = Vec::with_capacity(addresses.len());
         for (s, client) in clients.iter_mut().enumerate() {
             let what = format!("verify-parity: table {t} parity of server {s}");
-            let bytes = ftrec_proto::gather::fetch_all(client, epoch, t, true, &what).await?;
+            let bytes = ftrec_rpc::gather::fetch_all(client, epoch, t, true, &what).await?;
             stored.push(bytes);
         }
         for j in 0..stripes.stripes(rows) {
@@ -383,7 +383,7 @@ pub async fn verify_parity(
 /// members' ranges, byte for byte.
 async fn check_dense_stripes(
     job: &Job,
-    clients: &[ftrec_proto::client::ServerClient],
+    clients: &[ftrec_rpc::client::ServerClient],
     epoch: u64,
     codec: &Codec,
     report: &mut ParityReport,
@@ -435,7 +435,7 @@ pub(crate) fn dense_row(reply: &FetchDenseReply, len: usize) -> Result<Vec<u8>, 
 /// A server's dense range (`replica`: the range it keeps for its primary; `stripe`: a
 /// dense parity stripe it holds), as the end-of-run check and the live scrub read it.
 pub(crate) async fn fetch_dense(
-    mut client: ftrec_proto::client::ServerClient,
+    mut client: ftrec_rpc::client::ServerClient,
     server: usize,
     epoch: u64,
     replica: bool,

@@ -35,11 +35,11 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use ftrec_ec::{Codec, StripeLayout};
-use ftrec_proto::PsError;
-use ftrec_proto::client::{Connector, CoordinatorClient, ServerClient};
-use ftrec_proto::job::Job;
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::u32s_to_bytes;
+use ftrec_rpc::PsError;
+use ftrec_rpc::client::{Connector, CoordinatorClient, ServerClient};
+use ftrec_rpc::job::Job;
 
 use crate::parity_check::{self, Mismatch, ParityReport, fetch_dense};
 

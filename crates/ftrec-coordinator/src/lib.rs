@@ -42,14 +42,14 @@ use serde::Serialize;
 use tokio::sync::watch;
 use tonic::Status;
 
-use ftrec_proto::PsError;
-use ftrec_proto::job::{Job, Schedule};
-use ftrec_proto::metrics::{self, Metrics};
 use ftrec_proto::placement::PlacementMap;
 use ftrec_proto::proto::coordinator_server::CoordinatorServer;
 use ftrec_proto::proto::next_step_reply::Action;
 use ftrec_proto::proto::*;
 use ftrec_proto::timeline::{EventKind, Subject, Timeline, TimelineData};
+use ftrec_rpc::PsError;
+use ftrec_rpc::job::{Job, Schedule};
+use ftrec_rpc::metrics::{self, Metrics};
 use ledger::StepLedger;
 pub use start::{CoordinatorOptions, Handle, start};
 pub use summary::{CheckpointRecord, Failover, Recovery, RunSummary};

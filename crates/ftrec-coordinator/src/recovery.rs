@@ -10,10 +10,10 @@ use tokio::time::Instant;
 
 use crate::planner::RecoveryAction;
 use crate::{Phase, Recovery, Shared, State};
-use ftrec_proto::PsError;
-use ftrec_proto::client::ServerClient;
 use ftrec_proto::proto::*;
 use ftrec_proto::timeline::EventKind;
+use ftrec_rpc::PsError;
+use ftrec_rpc::client::ServerClient;
 
 /// A failed recovery is tried again after this, at most this many times in a row.
 const RECOVERY_RETRY: Duration = Duration::from_millis(200);

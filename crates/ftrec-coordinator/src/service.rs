@@ -8,10 +8,10 @@ use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use crate::{Member, Shared, Spare, role_name, sigkill};
-use ftrec_proto::PsError;
 use ftrec_proto::proto::coordinator_server::Coordinator;
 use ftrec_proto::proto::*;
 use ftrec_proto::timeline::EventKind;
+use ftrec_rpc::PsError;
 
 pub(super) struct Service(pub(super) Arc<Shared>);
 

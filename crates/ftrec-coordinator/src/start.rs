@@ -190,7 +190,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         CoordinatorServer::new(service::Service(shared.clone())),
         shared.job.secret().checker(),
     );
-    let mut builder = ftrec_proto::auth::server_builder(&shared.job)?;
+    let mut builder = ftrec_rpc::auth::server_builder(&shared.job)?;
     tokio::spawn(async move {
         if let Err(e) = builder
             .add_service(service)

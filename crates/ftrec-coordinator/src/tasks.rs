@@ -11,9 +11,9 @@ use crate::cpr::PrioritySaveCosts;
 use crate::ledger::{Applied, Resolution};
 use crate::planner;
 use crate::{CheckpointRecord, Phase, Shared, State};
-use ftrec_proto::client::ServerClient;
 use ftrec_proto::proto::*;
 use ftrec_proto::timeline::EventKind;
+use ftrec_rpc::client::ServerClient;
 
 /// The first wait after a failed cut; it doubles on each failure in a row up to the cap.
 const FIRST_CUT_BACKOFF: Duration = Duration::from_secs(2);

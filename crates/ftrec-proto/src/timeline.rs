@@ -7,7 +7,7 @@ use tokio::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::PsError;
+use crate::ProtoError;
 
 /// Defines [`EventKind`] with each kind's name in the timeline files, in one list.
 macro_rules! event_kinds {
@@ -178,9 +178,9 @@ impl Default for Timeline {
     }
 }
 
-fn io(path: &Path) -> impl Fn(std::io::Error) -> PsError + '_ {
-    move |error| PsError::Io {
-        path: path.display().to_string(),
+fn io(path: &Path) -> impl Fn(std::io::Error) -> ProtoError + '_ {
+    move |error| ProtoError::Io {
+        path: path.to_path_buf(),
         error,
     }
 }
@@ -199,7 +199,7 @@ impl TimelineData {
     }
 
     /// Writes `throughput.csv`, `events.csv` and `timeline.json` into `dir`.
-    pub fn write(&self, dir: &Path) -> Result<(), PsError> {
+    pub fn write(&self, dir: &Path) -> Result<(), ProtoError> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let mut csv = String::from("second,samples_per_sec\n");
         for (i, n) in self.samples_per_second.iter().enumerate() {
@@ -219,14 +219,16 @@ impl TimelineData {
         let p = dir.join("events.csv");
         ftrec_fsio::write_atomic(&p, csv.as_bytes())?;
         let p = dir.join("timeline.json");
-        let json = serde_json::to_vec_pretty(self).map_err(|e| PsError::Config(e.to_string()))?;
+        let json = serde_json::to_vec_pretty(self).map_err(ProtoError::TimelineEncode)?;
         Ok(ftrec_fsio::write_atomic(&p, &json)?)
     }
 
-    pub fn read(path: &Path) -> Result<Self, PsError> {
+    pub fn read(path: &Path) -> Result<Self, ProtoError> {
         let bytes = std::fs::read(path).map_err(io(path))?;
-        serde_json::from_slice(&bytes)
-            .map_err(|e| PsError::Config(format!("{}: not a timeline: {e}", path.display())))
+        serde_json::from_slice(&bytes).map_err(|error| ProtoError::NotATimeline {
+            path: path.to_path_buf(),
+            error,
+        })
     }
 }
 

@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 
-use crate::PsError;
+use crate::error::{Malformed, ProtoError};
 
 pub fn u32s_to_bytes(v: &[u32]) -> Bytes {
     Bytes::copy_from_slice(bytemuck::cast_slice(v))
@@ -13,22 +13,23 @@ pub fn f32s_to_bytes(v: &[f32]) -> Bytes {
     Bytes::copy_from_slice(bytemuck::cast_slice(v))
 }
 
-fn check_len(b: &[u8], what: &str) -> Result<(), PsError> {
+fn check_len(b: &[u8], what: &str) -> Result<(), ProtoError> {
     if !b.len().is_multiple_of(4) {
-        return Err(PsError::BadRequest(format!(
-            "{what}: {} bytes is not a whole number of 4-byte values",
-            b.len()
-        )));
+        return Err(Malformed::Ragged {
+            what: what.into(),
+            len: b.len(),
+        }
+        .into());
     }
     Ok(())
 }
 
-pub fn bytes_to_u32s(b: &[u8], what: &str) -> Result<Vec<u32>, PsError> {
+pub fn bytes_to_u32s(b: &[u8], what: &str) -> Result<Vec<u32>, ProtoError> {
     check_len(b, what)?;
     Ok(bytemuck::pod_collect_to_vec(b))
 }
 
-pub fn bytes_to_f32s(b: &[u8], what: &str) -> Result<Vec<f32>, PsError> {
+pub fn bytes_to_f32s(b: &[u8], what: &str) -> Result<Vec<f32>, ProtoError> {
     // Not `pod_collect_to_vec`: it zeroes the vector before copying into it, a second
     // pass over every pushed gradient.
     let mut out = Vec::with_capacity(b.len() / 4);
@@ -37,7 +38,7 @@ pub fn bytes_to_f32s(b: &[u8], what: &str) -> Result<Vec<f32>, PsError> {
 }
 
 /// Appends f32 LE bytes to `out` without an intermediate vector.
-pub fn extend_f32s(out: &mut Vec<f32>, b: &[u8], what: &str) -> Result<(), PsError> {
+pub fn extend_f32s(out: &mut Vec<f32>, b: &[u8], what: &str) -> Result<(), ProtoError> {
     check_len(b, what)?;
     out.extend(
         b.chunks_exact(4)

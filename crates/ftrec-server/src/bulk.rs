@@ -41,7 +41,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
-use ftrec_proto::PsError;
+use ftrec_rpc::PsError;
 
 use crate::rebuild::boost::RebuildBoost;
 
@@ -140,7 +140,7 @@ impl BulkServer {
         expiry: Duration,
         boost: Option<Arc<RebuildBoost>>,
     ) -> Result<Arc<Self>, PsError> {
-        let (listener, address) = ftrec_proto::client::bind(host, 0).await?;
+        let (listener, address) = ftrec_rpc::client::bind(host, 0).await?;
         Ok(Arc::new_cyclic(|me: &Weak<Self>| {
             let accepting = tokio::spawn(accept(listener, me.clone()));
             Self {

@@ -10,8 +10,8 @@ use ftrec_ckpt::{BranchStart, Checkpointer, Checkpoints, GcOptions, Manifest};
 
 use crate::Core;
 use crate::shard::{PostCommit, StagedRows};
-use ftrec_proto::PsError;
 use ftrec_proto::identity::{EcIdentity, ShardIdentity};
+use ftrec_rpc::PsError;
 
 /// The shard's checkpointer, shared by the server and its tracking observer. `None` until
 /// the first cut (and again after a restore): a new one starts with a full checkpoint.

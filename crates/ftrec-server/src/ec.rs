@@ -31,12 +31,12 @@ use crate::pipeline::apply_parity_difference;
 use crate::shard::dense_code::DENSE_TABLE;
 use crate::shard::{PreCommit, StagedUpdate};
 use ftrec_faults::points;
-use ftrec_proto::PsError;
-use ftrec_proto::client::{Connector, ServerClient};
-use ftrec_proto::leader::CoordinatorLink;
 use ftrec_proto::placement::GlobalRow;
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::{bytes_to_u32s, u32s_to_bytes};
+use ftrec_rpc::PsError;
+use ftrec_rpc::client::{Connector, ServerClient};
+use ftrec_rpc::leader::CoordinatorLink;
 
 /// Clients for the other servers, from the coordinator's placement map, refreshed when a
 /// slot changes hands.

@@ -26,14 +26,14 @@ use ftrec_ckpt::{Checkpoints, open_store};
 use tokio::sync::{Notify, watch};
 
 use crate::shard::{PostCommit, PreCommit, Shard};
-use ftrec_proto::PsError;
 use ftrec_proto::applied::AppliedSteps;
-use ftrec_proto::job::Job;
-use ftrec_proto::leader::{CoordinatorLink, CoordinatorSource, Locator};
-use ftrec_proto::metrics::{self, Metrics};
 use ftrec_proto::placement::Layout;
 use ftrec_proto::proto::parameter_server_server::ParameterServerServer;
 use ftrec_proto::proto::*;
+use ftrec_rpc::PsError;
+use ftrec_rpc::job::Job;
+use ftrec_rpc::leader::{CoordinatorLink, CoordinatorSource, Locator};
+use ftrec_rpc::metrics::{self, Metrics};
 
 pub struct ServerOptions {
     pub job: Job,
@@ -117,7 +117,7 @@ struct Core {
 /// reports as `server_rpcs` (RPCs per step, side by side across `--ft` modes).
 #[derive(Clone)]
 struct CountServed {
-    check: ftrec_proto::auth::CheckSecret,
+    check: ftrec_rpc::auth::CheckSecret,
     metrics: Arc<Metrics>,
 }
 
@@ -309,7 +309,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     // Building a large shard takes longer than the failure timeout: heartbeat (not yet
     // ready) meanwhile, or the coordinator would declare the newcomer dead.
     let beats = job.heartbeat_client(&locator).await?;
-    let starting = tokio::spawn(ftrec_proto::client::keep_alive(
+    let starting = tokio::spawn(ftrec_rpc::client::keep_alive(
         beats.clone(),
         HeartbeatRequest {
             role: Role::Server as i32,
@@ -443,7 +443,7 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
         },
     );
     let serve_stop = stop.clone();
-    let mut builder = ftrec_proto::auth::server_builder(&job)?;
+    let mut builder = ftrec_rpc::auth::server_builder(&job)?;
     let serving = tokio::spawn(async move {
         builder
             .add_service(service)
@@ -516,7 +516,7 @@ fn give_up(job: &Job) -> Duration {
 /// Heartbeats until the coordinator says stop, a Shutdown RPC arrives, or the coordinator
 /// has been unreachable for ten failure timeouts (so no server outlives its cluster).
 async fn heartbeat_loop(
-    beats: &ftrec_proto::client::HeartbeatClient,
+    beats: &ftrec_rpc::client::HeartbeatClient,
     core: Arc<Core>,
     period: Duration,
     give_up: Duration,

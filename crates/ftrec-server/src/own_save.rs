@@ -19,8 +19,8 @@ use std::time::Instant;
 
 use ftrec_ckpt::{Checkpointer, Checkpoints, Manifest};
 use ftrec_model::ModelState;
-use ftrec_proto::PsError;
 use ftrec_proto::identity::ShardIdentity;
+use ftrec_rpc::PsError;
 
 use crate::Core;
 

@@ -13,9 +13,9 @@
 //! [`Core::install`] as an immediate commit does.
 
 use ftrec_faults::points;
-use ftrec_proto::PsError;
 use ftrec_proto::proto::ParityUpdateRequest;
 use ftrec_proto::wire::bytes_to_u32s;
+use ftrec_rpc::PsError;
 
 use crate::Core;
 use crate::shard::dense_code::DENSE_TABLE;

@@ -19,7 +19,7 @@ use ftrec_model::EmbeddingTable;
 
 use crate::Core;
 use crate::shard::{PostCommit, Shard, StagedRows};
-use ftrec_proto::PsError;
+use ftrec_rpc::PsError;
 
 /// One tracker per local table; `None` for tables saved in full at every save.
 pub(super) struct PriorityState {
@@ -49,7 +49,7 @@ impl PriorityState {
     /// hold 99% of the rows) over this server's local tables; `None` when the job saves
     /// no prioritised checkpoints.
     pub(super) fn for_job(
-        job: &ftrec_proto::Job,
+        job: &ftrec_rpc::Job,
         shard: &Shard,
         id: usize,
     ) -> Option<SharedPriority> {

@@ -9,11 +9,11 @@ use tonic::{Request, Response, Status};
 use crate::Core;
 use crate::pipeline::{CommitMode, Pushed};
 use crate::shard::{Shard, Update};
-use ftrec_proto::PsError;
 use ftrec_proto::applied::AppliedSteps;
 use ftrec_proto::proto::parameter_server_server::ParameterServer;
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::{bytes_to_u32s, f32s_to_bytes};
+use ftrec_rpc::PsError;
 
 /// The most bytes one `FetchRows` piece carries.
 const FETCH_CHUNK_BYTES: usize = 4 << 20;

@@ -15,8 +15,8 @@ use ftrec_cluster::parity_check::{ParityReport, verify_parity};
 use ftrec_config::JobConfig;
 use ftrec_coordinator::{CoordinatorOptions, RunSummary, Spawner};
 use ftrec_faults::{FaultSpec, Faults};
-use ftrec_proto::network::Network;
-use ftrec_proto::{Job, PsError};
+use ftrec_rpc::network::Network;
+use ftrec_rpc::{Job, PsError};
 
 use crate::SimError;
 use crate::schedule::{Fault, Member, Schedule};
@@ -146,7 +146,7 @@ impl Hosts {
             .map(|(_, f)| f.clone())
             .unwrap_or_else(|| Faults::with_kill_hook(Arc::new(|_| {})));
         let job = job_on(&self.job, &host);
-        let coordinator = ftrec_proto::leader::CoordinatorSource::Address(self.coordinator.clone());
+        let coordinator = ftrec_rpc::leader::CoordinatorSource::Address(self.coordinator.clone());
         sim.host(host.as_str(), move || {
             let (job, coordinator, faults) = (job.clone(), coordinator.clone(), faults.clone());
             async move {
@@ -399,7 +399,7 @@ async fn coordinate(
         finished?;
         let summary = shared.summary();
         let addresses = shared.server_addresses();
-        let (state, _) = ftrec_proto::gather::gather_state(&job, &addresses, summary.epoch).await?;
+        let (state, _) = ftrec_rpc::gather::gather_state(&job, &addresses, summary.epoch).await?;
         let parity = if job.config.cluster.ft.erasure_coded() {
             Some(verify_parity(&job, &addresses, summary.epoch, &state).await?)
         } else {

@@ -6,7 +6,7 @@
 //! A seed fixes everything the simulation drives: the schedule, message latencies, the
 //! order hosts run in, and time (tokio's clock, which turmoil advances). On those paths
 //! members use `tokio::time::Instant`, and work they would hand to tokio's blocking pool
-//! runs inline (`ftrec_proto::network::Network`). What stays outside the seed:
+//! runs inline (`ftrec_rpc::network::Network`). What stays outside the seed:
 //! - the job secret (random bytes; it changes no decision);
 //! - tokio's own choice among `select!` branches that are ready at once (seeded only in
 //!   a `tokio_unstable` build);
@@ -43,7 +43,7 @@ pub use transport::TurmoilTransport;
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
     #[error("the job: {0}")]
-    Job(ftrec_proto::PsError),
+    Job(ftrec_rpc::PsError),
     #[error("the simulation: {0}")]
     Simulation(String),
     #[error("the dataset: {0}")]

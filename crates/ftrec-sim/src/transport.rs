@@ -5,7 +5,7 @@
 use std::io;
 use std::net::Ipv4Addr;
 
-use ftrec_proto::network::{Conn, Incoming, Transport};
+use ftrec_rpc::network::{Conn, Incoming, Transport};
 use futures::StreamExt;
 use futures::future::BoxFuture;
 

@@ -4,7 +4,7 @@
 
 pub mod shard_client;
 
-use ftrec_proto::leader::{CoordinatorLink, CoordinatorSource, Locator};
+use ftrec_rpc::leader::{CoordinatorLink, CoordinatorSource, Locator};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,11 +15,11 @@ use ftrec_model::{Batch, Dlrm, GemmMatMul, ModelConfig};
 use rayon::ThreadPool;
 
 use crate::shard_client::{CommitProtocol, ShardClient};
-use ftrec_proto::PsError;
-use ftrec_proto::job::{Job, Schedule};
-use ftrec_proto::metrics::{self, Metrics};
 use ftrec_proto::proto::next_step_reply::Action;
 use ftrec_proto::proto::*;
+use ftrec_rpc::PsError;
+use ftrec_rpc::job::{Job, Schedule};
+use ftrec_rpc::metrics::{self, Metrics};
 
 pub struct WorkerOptions {
     pub job: Job,
@@ -92,7 +92,7 @@ struct Worker {
 /// Keeps the worker alive at the coordinator while it computes, and publishes the epoch
 /// each reply carries. Losing the coordinator is the main loop's to notice.
 async fn heartbeat(
-    beats: ftrec_proto::client::HeartbeatClient,
+    beats: ftrec_rpc::client::HeartbeatClient,
     id: usize,
     incarnation: u64,
     period: Duration,

@@ -14,12 +14,12 @@ use std::time::Duration;
 use futures::future::join_all;
 use tokio::time::Instant;
 
-use ftrec_proto::PsError;
-use ftrec_proto::client::{Connector, ServerClient};
-use ftrec_proto::leader::CoordinatorLink;
 use ftrec_proto::placement::{GlobalRow, Layout};
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::{extend_f32s, f32s_to_bytes, u32s_to_bytes};
+use ftrec_rpc::PsError;
+use ftrec_rpc::client::{Connector, ServerClient};
+use ftrec_rpc::leader::CoordinatorLink;
 
 /// Calls sent per server and step before the step is given up. All of them share one
 /// deadline (the connector's, `cluster.deadlines.step_ms`): a server that does not answer

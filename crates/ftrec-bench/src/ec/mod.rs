@@ -187,7 +187,7 @@ fn scaled(config: &JobConfig, factor: usize) -> Result<JobConfig> {
 /// replica of the dense parameters and their optimizer state.
 fn redundancy_bytes(config: &JobConfig) -> Result<(u64, u64)> {
     let model = config.model_config()?;
-    let layout = ftrec_proto::Job::new(config.clone())?.layout()?;
+    let layout = ftrec_rpc::Job::new(config.clone())?.layout()?;
     let row_bytes = (model.row_stride() * 4) as u64;
     let rows: u64 = model.table_rows.iter().map(|&r| r as u64).sum();
     let parity: u64 = (0..config.cluster.servers)

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use ftrec_config::{FaultTolerance, JobConfig};
 use ftrec_model::ModelState;
-use ftrec_proto::{Job, PsError};
+use ftrec_rpc::{Job, PsError};
 
 use super::model::{Costs, Measured};
 

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use ftrec_coordinator::{Spawner, sigkill};
-use ftrec_proto::PsError;
-use ftrec_proto::job::Job;
 use ftrec_proto::proto::Role;
+use ftrec_rpc::PsError;
+use ftrec_rpc::job::Job;
 
 use super::spawner::LocalSpawner;
 use super::{CoordinatorKill, KillAt, KillSpec, Progress, io, kill};

@@ -165,16 +165,16 @@ pub fn parse_member(s: &str) -> Result<(Role, usize), String> {
 
 /// Every `--kill` names a member the cluster has.
 pub(super) fn check_members(
-    job: &ftrec_proto::Job,
+    job: &ftrec_rpc::Job,
     kills: &[KillSpec],
-) -> Result<(), ftrec_proto::PsError> {
+) -> Result<(), ftrec_rpc::PsError> {
     for k in kills {
         let (what, count) = match k.role {
             Role::Server => ("servers", job.config.cluster.servers),
             _ => ("workers", job.config.cluster.workers),
         };
         if k.id >= count {
-            return Err(ftrec_proto::PsError::Config(format!(
+            return Err(ftrec_rpc::PsError::Config(format!(
                 "--kill names {} {}, but the cluster has {count} {what} (0..={})",
                 &what[..what.len() - 1],
                 k.id,

@@ -26,10 +26,10 @@ use ftrec_model::ModelState;
 use serde::Serialize;
 
 use ftrec_coordinator::{self as coordinator, CoordinatorOptions, RunSummary, Spawner, sigkill};
-use ftrec_proto::PsError;
-use ftrec_proto::job::Job;
 use ftrec_proto::proto::Role;
 use ftrec_proto::timeline::EventKind;
+use ftrec_rpc::PsError;
+use ftrec_rpc::job::Job;
 
 pub struct LaunchOptions {
     pub job: Job,
@@ -235,7 +235,7 @@ async fn run_async(
     let written = shared.timeline().write(&run_dir);
     match (result, written) {
         (Ok(report), Ok(())) => Ok(report),
-        (Ok(_), Err(e)) => Err(e),
+        (Ok(_), Err(e)) => Err(e.into()),
         (Err(e), written) => {
             if let Err(w) = written {
                 tracing::warn!("writing the timeline: {w}");

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use ftrec_coordinator::Shared;
 use ftrec_proto::timeline::{EventKind, Subject, TimelineData};
-use ftrec_proto::{Job, PsError};
+use ftrec_rpc::{Job, PsError};
 
 use super::{Evaluator, LaunchReport};
 
@@ -43,7 +43,7 @@ pub async fn final_report(
         .collect();
     let epoch = summary.epoch;
     let addresses = shared.server_addresses();
-    let (state, shard_digests) = ftrec_proto::gather::gather_state(job, &addresses, epoch).await?;
+    let (state, shard_digests) = ftrec_rpc::gather::gather_state(job, &addresses, epoch).await?;
     let (mut parity_mismatches, mut replica_mismatches) = (None, None);
     let mut parity_mismatch_details = None;
     if job.config.cluster.ft.erasure_coded() {

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ftrec_proto::PsError;
+use ftrec_rpc::PsError;
 
 use super::io;
 

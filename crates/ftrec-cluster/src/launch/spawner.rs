@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use ftrec_coordinator::Spawner;
 use ftrec_faults::{FaultSpec, points};
-use ftrec_proto::PsError;
 use ftrec_proto::proto::Role;
+use ftrec_rpc::PsError;
 
 /// Set in every child's environment: the launcher's pid, so the child dies with it.
 pub const LAUNCHER_PID_ENV: &str = "FTREC_LAUNCHER_PID";

@@ -11,8 +11,8 @@ use tokio::time::Instant;
 
 use ftrec_cpr::{CostInputs, Decision, Pls, PrioritizedCosts, Recovery};
 
-use ftrec_proto::Job;
-use ftrec_proto::PsError;
+use ftrec_rpc::Job;
+use ftrec_rpc::PsError;
 
 /// Partial recovery is chosen only when it saves at least this share of full recovery's
 /// expected overhead: it costs lost updates, so a marginal gain is not worth them.

@@ -13,9 +13,9 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use ftrec_etcd::{EtcdError, Leadership};
-use ftrec_proto::PsError;
 use ftrec_proto::placement::PlacementMap;
 use ftrec_proto::timeline::EventKind;
+use ftrec_rpc::PsError;
 
 use crate::summary::{CheckpointRecord, Failover, Recovery};
 use crate::{Member, Phase, Shared, State};

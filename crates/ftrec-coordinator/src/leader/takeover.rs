@@ -13,11 +13,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ftrec_proto::PsError;
-use ftrec_proto::client::ServerClient;
-use ftrec_proto::job::Job;
 use ftrec_proto::proto::*;
 use ftrec_proto::timeline::EventKind;
+use ftrec_rpc::PsError;
+use ftrec_rpc::client::ServerClient;
+use ftrec_rpc::job::Job;
 
 use crate::ledger::StepLedger;
 use crate::summary::Failover;

@@ -4,13 +4,13 @@
 
 use ftrec_model::{DenseState, ModelConfig, ModelState};
 
-use crate::PsError;
+use crate::error::{BadPlacement, Malformed, ProtoError};
 use crate::placement::{Layout, LocalRow};
 
 /// The global configuration of shards' configurations (each table's rows summed).
-pub fn global_config(shards: &[&ModelConfig]) -> Result<ModelConfig, PsError> {
+pub fn global_config(shards: &[&ModelConfig]) -> Result<ModelConfig, ProtoError> {
     let Some(first) = shards.first() else {
-        return Err(PsError::Config("no shards to assemble".into()));
+        return Err(BadPlacement::NoShards.into());
     };
     let mut global = (*first).clone();
     for (t, rows) in global.table_rows.iter_mut().enumerate() {
@@ -31,14 +31,12 @@ pub fn place_dense(
     params: &[f32],
     state: &[f32],
     per_param: usize,
-) -> Result<(), PsError> {
+) -> Result<(), ProtoError> {
     let total = global.params.len();
     let range = layout.dense_range(s, total);
     let len = range.len();
     if params.len() < len || state.len() < per_param * len {
-        return Err(PsError::BadRequest(format!(
-            "server {s}'s dense range is shorter than the placement's {len} parameters"
-        )));
+        return Err(Malformed::ShortDenseRange { server: s, len }.into());
     }
     global.params[range.clone()].copy_from_slice(&params[..len]);
     for j in 0..per_param {
@@ -49,7 +47,7 @@ pub fn place_dense(
 }
 
 /// The global model whose shards (server order) these are, under row-modulo placement.
-pub fn assemble(shards: &[ModelState]) -> Result<ModelState, PsError> {
+pub fn assemble(shards: &[ModelState]) -> Result<ModelState, ProtoError> {
     let configs: Vec<&ModelConfig> = shards.iter().map(ModelState::config).collect();
     let config = global_config(&configs)?;
     assemble_with(shards, Layout::new(shards.len())?, &config)
@@ -62,24 +60,26 @@ pub fn assemble_with(
     shards: &[ModelState],
     layout: Layout,
     config: &ModelConfig,
-) -> Result<ModelState, PsError> {
+) -> Result<ModelState, ProtoError> {
     if shards.len() != layout.servers() {
-        return Err(PsError::Config(format!(
-            "{} shards for a placement over {} servers",
-            shards.len(),
-            layout.servers()
-        )));
+        return Err(BadPlacement::ShardCount {
+            shards: shards.len(),
+            servers: layout.servers(),
+        }
+        .into());
     }
     let config = config.clone();
     let mut global = ModelState::zeroed(&config)?;
     for (s, shard) in shards.iter().enumerate() {
         for (t, (rows, stored)) in config.table_rows.iter().zip(shard.tables()).enumerate() {
             if stored.rows() != layout.local_rows(t, s, *rows) {
-                return Err(PsError::Config(format!(
-                    "server {s}'s table {t} has {} rows; the placement gives it {}",
-                    stored.rows(),
-                    layout.local_rows(t, s, *rows)
-                )));
+                return Err(BadPlacement::TableRows {
+                    server: s,
+                    table: t,
+                    rows: stored.rows(),
+                    placed: layout.local_rows(t, s, *rows),
+                }
+                .into());
             }
             for local in 0..stored.rows() {
                 if let Some(g) = layout.global_row(t, s, LocalRow(local as u32), *rows) {

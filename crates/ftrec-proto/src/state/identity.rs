@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::PsError;
+use crate::error::{Malformed, ProtoError};
 
 /// The code's parameters, for an erasure-coded shard: what a reader needs to invert the
 /// striped placement.
@@ -54,32 +54,35 @@ impl ShardIdentity {
     }
 
     /// Reads the identity of the checkpoint `what`; an error names what is missing.
-    pub fn from_json(value: &serde_json::Value, what: &str) -> Result<Self, PsError> {
+    pub fn from_json(value: &serde_json::Value, what: &str) -> Result<Self, ProtoError> {
         if value.get("server").is_none() {
-            return Err(PsError::BadRequest(format!(
-                "{what} carries no server identity; it is not a cluster shard checkpoint"
-            )));
+            return Err(Malformed::NoIdentity { what: what.into() }.into());
         }
-        let identity: Self = serde_json::from_value(value.clone()).map_err(|e| {
-            PsError::BadRequest(format!("{what}: its shard identity is malformed: {e}"))
-        })?;
+        let identity: Self =
+            serde_json::from_value(value.clone()).map_err(|error| Malformed::Identity {
+                what: what.into(),
+                error,
+            })?;
         if identity.version > Self::VERSION {
-            return Err(PsError::BadRequest(format!(
-                "{what}: shard identity version {} is newer than this ftrec reads ({})",
-                identity.version,
-                Self::VERSION
-            )));
+            return Err(Malformed::IdentityVersion {
+                what: what.into(),
+                version: identity.version,
+                reads: Self::VERSION,
+            }
+            .into());
         }
         Ok(identity)
     }
 
     /// Refuses a shard of another server.
-    pub fn check_owner(&self, server: usize, what: &str) -> Result<(), PsError> {
+    pub fn check_owner(&self, server: usize, what: &str) -> Result<(), ProtoError> {
         if self.server != server {
-            return Err(PsError::BadRequest(format!(
-                "{what} is server {}'s shard; server {server} refuses to restore it",
-                self.server
-            )));
+            return Err(Malformed::NotOwner {
+                what: what.into(),
+                owner: self.server,
+                server,
+            }
+            .into());
         }
         Ok(())
     }

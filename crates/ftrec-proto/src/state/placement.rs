@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use ftrec_ec::StripeLayout;
 
-use crate::PsError;
+use crate::error::{BadPlacement, ProtoError};
 
 pub const SCHEME: &str = "row-modulo-v1";
 
@@ -88,9 +88,9 @@ pub struct Layout {
 }
 
 impl Layout {
-    pub fn new(servers: usize) -> Result<Self, PsError> {
+    pub fn new(servers: usize) -> Result<Self, ProtoError> {
         if servers == 0 {
-            return Err(PsError::Config("cluster.servers must be at least 1".into()));
+            return Err(BadPlacement::NoServers.into());
         }
         Ok(Self {
             servers,

@@ -10,7 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use ftrec_proto::PsError;
+use ftrec_rpc::PsError;
 
 use super::{OPEN, OPENED, RangeAsk, STATUS_OK};
 

@@ -19,8 +19,8 @@ use tokio::time::Instant;
 
 use ftrec_ec::{Codec, CycleStripe};
 use ftrec_faults::points;
-use ftrec_proto::PsError;
 use ftrec_proto::proto::*;
+use ftrec_rpc::PsError;
 
 use super::{Background, Rounds, Sorted, decode_row, rows_as_asked};
 use crate::Core;

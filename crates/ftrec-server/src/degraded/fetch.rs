@@ -3,9 +3,9 @@
 //! that the reader can tell whether its answers from several servers form one snapshot.
 //! The bulk port (`bulk.rs`) reads a rebuild's cycle ranges through the same function.
 
-use ftrec_proto::PsError;
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::bytes_to_u32s;
+use ftrec_rpc::PsError;
 
 use crate::Core;
 use crate::bulk::{RangeAsk, RangeRows, RangeSource};

@@ -30,9 +30,9 @@ mod background;
 mod fetch;
 
 use crate::Core;
-use ftrec_proto::PsError;
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::u32s_to_bytes;
+use ftrec_rpc::PsError;
 
 /// A background rebuild in progress on this server.
 #[derive(Clone, Debug)]

@@ -10,10 +10,10 @@ use ftrec_ec::DenseParitySlot;
 
 use crate::Core;
 use crate::shard::dense_code;
-use ftrec_proto::PsError;
 use ftrec_proto::applied::AppliedSteps;
-use ftrec_proto::client::ServerClient;
 use ftrec_proto::proto::*;
+use ftrec_rpc::PsError;
+use ftrec_rpc::client::ServerClient;
 
 pub(super) struct CodedDense {
     /// This slot's dense range, optimizer state and step (`None` with `parity_only`).

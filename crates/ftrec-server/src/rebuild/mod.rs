@@ -18,11 +18,11 @@ use crate::Core;
 use crate::degraded::Background;
 use crate::shard::{DenseReplica, Pending, Redundancy, Shard, packed_dense};
 use ftrec_faults::points;
-use ftrec_proto::PsError;
 use ftrec_proto::applied::AppliedSteps;
-use ftrec_proto::client::ServerClient;
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::bytes_to_f32s;
+use ftrec_rpc::PsError;
+use ftrec_rpc::client::ServerClient;
 
 /// Every survivor's data and parity slots of table `t`, streamed from all at once.
 async fn fetch_table(
@@ -37,7 +37,7 @@ async fn fetch_table(
             let what = format!("rebuild: table {t} from server {s}");
             let parity = async {
                 if with_parity {
-                    ftrec_proto::gather::fetch_all(&mut parity_client, epoch, t, true, &what)
+                    ftrec_rpc::gather::fetch_all(&mut parity_client, epoch, t, true, &what)
                         .await
                         .map(Some)
                 } else {
@@ -45,7 +45,7 @@ async fn fetch_table(
                 }
             };
             let (d, p) = futures::future::join(
-                ftrec_proto::gather::fetch_all(&mut rows_client, epoch, t, false, &what),
+                ftrec_rpc::gather::fetch_all(&mut rows_client, epoch, t, false, &what),
                 parity,
             )
             .await;

@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ftrec_model::ModelConfig;
-use ftrec_proto::PsError;
 use ftrec_proto::placement::Layout;
+use ftrec_rpc::PsError;
 
 use crate::shard::Shard;
 

@@ -5,8 +5,8 @@
 use ftrec_ec::{Codec, DenseParitySlot, StripeLayout};
 use ftrec_model::{DenseState, ModelConfig};
 
-use ftrec_proto::PsError;
 use ftrec_proto::placement::Layout;
+use ftrec_rpc::PsError;
 
 /// The `table` of a parity difference that belongs to a dense stripe (`locals` then
 /// names the stripe).

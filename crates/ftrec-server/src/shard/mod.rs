@@ -27,8 +27,8 @@ mod redundancy;
 pub use pending::Pending;
 pub use redundancy::{DenseReplica, Redundancy};
 
-use ftrec_proto::PsError;
 use ftrec_proto::placement::{GlobalRow, Layout};
+use ftrec_rpc::PsError;
 
 /// Sees a staged update before it is installed. It may await (ECRec: parity differences
 /// sent to their holders and acknowledged) and may veto the update with an error, which

@@ -4,7 +4,7 @@
 //! never folds a difference; the rebuild installs each slot from a consistent snapshot of
 //! its stripe, and from then on the slot is ordinary.
 
-use ftrec_proto::PsError;
+use ftrec_rpc::PsError;
 
 /// A fixed-size bit set, one bit per local slot.
 #[derive(Clone, Debug, Default)]

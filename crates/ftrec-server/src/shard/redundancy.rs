@@ -11,8 +11,8 @@ use std::sync::Arc;
 use ftrec_ec::{Codec, StripeLayout};
 use ftrec_model::{DenseState, EmbeddingTable, ModelConfig};
 
-use ftrec_proto::PsError;
 use ftrec_proto::placement::Layout;
+use ftrec_rpc::PsError;
 
 /// A copy of another server's dense range, updated by the same gradients in the same
 /// order as the primary, so it stays bit-identical to it.

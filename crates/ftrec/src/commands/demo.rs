@@ -99,7 +99,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
             a.kill_after
         );
     }
-    let job = ftrec_proto::Job::new(config)?;
+    let job = ftrec_rpc::Job::new(config)?;
     let total =
         job.config.train.epochs * (meta.train_samples).div_ceil(job.config.train.batch_size as u64);
     let pb = bar(total, "cluster");

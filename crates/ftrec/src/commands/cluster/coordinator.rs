@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Result;
 use ftrec_cluster::launch;
 use ftrec_coordinator::CoordinatorOptions;
-use ftrec_proto::Job;
+use ftrec_rpc::Job;
 use serde_json::json;
 
 use super::runtime;
@@ -94,7 +94,7 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
         // Let the heartbeats carry `stop` to every server before exiting.
         tokio::time::sleep(Duration::from_millis(job.config.cluster.heartbeat_ms * 5)).await;
         handle.finish().await?;
-        Ok::<_, ftrec_proto::PsError>((shared.summary(), Some(report)))
+        Ok::<_, ftrec_rpc::PsError>((shared.summary(), Some(report)))
     })?;
     let (summary, report) = report;
     let Some(report) = report else {

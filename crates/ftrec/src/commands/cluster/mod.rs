@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use ftrec_cluster::launch::{self, KillSpec, LaunchOptions};
-use ftrec_proto::leader::CoordinatorSource;
 use ftrec_proto::proto::KillRequest;
 use ftrec_proto::timeline::TimelineData;
-use ftrec_proto::{Job, client};
+use ftrec_rpc::leader::CoordinatorSource;
+use ftrec_rpc::{Job, client};
 use ftrec_server::ServerOptions;
 use ftrec_worker::WorkerOptions;
 use serde_json::json;
@@ -521,7 +521,7 @@ pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
             .with_timeout(Duration::from_secs(10)),
         // Without a job file there are no TLS settings: a TLS cluster needs --job.
         None => {
-            let secret = ftrec_proto::auth::JobSecret::from_env()?.ok_or_else(|| {
+            let secret = ftrec_rpc::auth::JobSecret::from_env()?.ok_or_else(|| {
                 anyhow::anyhow!(
                     "the cluster admits only its job's processes: pass --job RUN_DIR/job.toml \
                      or set {}",
@@ -540,8 +540,8 @@ pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
                 id: id as u32,
             })
             .await
-            .map_err(|s| ftrec_proto::PsError::rpc(format!("kill {member}"), &s))?;
-        Ok::<_, ftrec_proto::PsError>(reply.into_inner().pid)
+            .map_err(|s| ftrec_rpc::PsError::rpc(format!("kill {member}"), &s))?;
+        Ok::<_, ftrec_rpc::PsError>(reply.into_inner().pid)
     })?;
     outln!("killed {member} (pid {pid})");
     Ok(())

@@ -2,7 +2,7 @@
 //! named mismatches it (and the end-of-run check) prints.
 
 use anyhow::{Result, bail};
-use ftrec_proto::Job;
+use ftrec_rpc::Job;
 
 use super::{VerifyParityArgs, runtime};
 use crate::output::print_json;

@@ -12,8 +12,8 @@ use crate::network::{Network, Transport};
 
 use crate::PsError;
 use crate::auth::{AttachSecret, JobSecret, TlsMaterial};
-use crate::proto::parameter_server_client;
-use crate::proto::{HeartbeatRequest, coordinator_client};
+use ftrec_proto::proto::parameter_server_client;
+use ftrec_proto::proto::{HeartbeatRequest, coordinator_client};
 
 pub type AuthChannel = InterceptedService<Channel, AttachSecret>;
 pub type CoordinatorClient = coordinator_client::CoordinatorClient<AuthChannel>;
@@ -206,7 +206,7 @@ impl HeartbeatClient {
     pub async fn beat(
         &self,
         request: HeartbeatRequest,
-    ) -> Result<tonic::Response<crate::proto::HeartbeatReply>, tonic::Status> {
+    ) -> Result<tonic::Response<ftrec_proto::proto::HeartbeatReply>, tonic::Status> {
         let client = |l: &crate::leader::CoordinatorLink| {
             l.client()
                 .map_err(|e| tonic::Status::unavailable(e.to_string()))

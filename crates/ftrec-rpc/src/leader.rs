@@ -163,12 +163,12 @@ impl CoordinatorLink {
     /// coordinator (the leader just died, or was deposed) is tried again until the next
     /// leader answers, within the lease TTL and a second: a rebuild or a parity update
     /// in flight across a takeover goes on instead of failing.
-    pub async fn placement(&self) -> Result<crate::proto::PlacementReply, PsError> {
+    pub async fn placement(&self) -> Result<ftrec_proto::proto::PlacementReply, PsError> {
         let started = Instant::now();
         loop {
             let reply = self
                 .client()?
-                .placement(crate::proto::PlacementRequest {})
+                .placement(ftrec_proto::proto::PlacementRequest {})
                 .await;
             match reply {
                 Ok(r) => return Ok(r.into_inner()),

@@ -12,7 +12,7 @@ use crate::PsError;
 use crate::auth::{JobSecret, TlsMaterial};
 use crate::client::{Connector, HeartbeatClient};
 use crate::network::Network;
-use crate::placement::Layout;
+use ftrec_proto::placement::Layout;
 
 /// The file name a generated secret is saved under, beside the job file.
 pub const SECRET_FILE: &str = "job.secret";
@@ -255,7 +255,7 @@ impl Job {
                 Layout::striped(stripes).with_replicated_dense(self.config.dense_replicated())
             );
         }
-        Layout::new(cluster.servers)
+        Ok(Layout::new(cluster.servers)?)
     }
 
     /// What server `id` holds (the largest server's share for a spare, which may be given

@@ -7,9 +7,9 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::PsError;
 use crate::client::ServerClient;
 use crate::job::Job;
-use crate::placement::LocalRow;
-use crate::proto::{FetchDenseRequest, FetchRowsRequest};
-use crate::wire::extend_f32s;
+use ftrec_proto::placement::LocalRow;
+use ftrec_proto::proto::{FetchDenseRequest, FetchRowsRequest};
+use ftrec_proto::wire::extend_f32s;
 
 /// The global model, and one digest per server: xxh3 of its shard (each table's local rows
 /// in order, then its dense range, their optimizer state and the dense step), so a test can
@@ -115,7 +115,7 @@ pub async fn gather_state(
                 "server {s} sent a dense range of the wrong size"
             )));
         }
-        crate::assemble::place_dense(&mut dense, layout, s, &params, &state, per_param)?;
+        ftrec_proto::assemble::place_dense(&mut dense, layout, s, &params, &state, per_param)?;
         if s == 0 {
             dense.step = reply.step;
         }

@@ -1,0 +1,20 @@
+//! The runtime every member of the cluster talks through, over the contract of
+//! `ftrec-proto`: the errors a caller acts on and how they travel in a gRPC status,
+//! authenticated channels, the job every member joins, finding the coordinator in charge,
+//! the network seam the simulator replaces, metrics endpoints, and gathering a model from
+//! live servers. The contract's own items (messages, wire bytes, placement, timeline) are
+//! imported from `ftrec_proto`, not through this crate, so a caller shows which side it
+//! needs.
+
+mod error;
+
+pub mod auth;
+pub mod client;
+pub mod gather;
+pub mod job;
+pub mod leader;
+pub mod metrics;
+pub mod network;
+
+pub use error::PsError;
+pub use job::Job;
