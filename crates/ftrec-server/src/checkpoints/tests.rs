@@ -14,10 +14,14 @@ use crate::shard::tests::model;
 use ftrec_proto::PsError;
 
 fn parts(dir: &std::path::Path) -> (CheckpointContext, UpdatePipeline, Checkpoints) {
-    let config = ftrec_config::JobConfig::load(Some("micro"), None, &[]).unwrap();
+    // A cluster job names a dataset; checkpoints never read it.
+    let data = format!("data.dir={:?}", dir.join("data").to_string_lossy());
+    // A checkpoint directory makes the strategy `full`, the default.
+    let ckpt_dir = format!("checkpoint.dir={:?}", dir.to_string_lossy());
+    let config = ftrec_config::JobConfig::load(Some("micro"), None, &[data, ckpt_dir]).unwrap();
     let job = ftrec_proto::Job::new(config).unwrap();
     let layout = Layout::new(1).unwrap();
-    let location = Checkpoints::new(open_store(&dir.to_string_lossy()).unwrap());
+    let location = Checkpoints::new(open_store(&dir.join("server-0").to_string_lossy()).unwrap());
     let shard = Shard::initial(&model(), 7, layout, 0).unwrap();
     let pipeline = UpdatePipeline::new(
         shard,

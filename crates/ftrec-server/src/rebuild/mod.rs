@@ -20,7 +20,6 @@ use ftrec_model::{EmbeddingTable, ModelState};
 
 use crate::Core;
 use crate::shard::{DenseReplica, Pending, Redundancy, Shard, packed_dense};
-use ftrec_faults::points;
 use ftrec_proto::PsError;
 use ftrec_proto::applied::AppliedSteps;
 use ftrec_proto::client::ServerClient;
