@@ -25,14 +25,14 @@ impl ParameterServer for Service {
     async fn pull(&self, req: Request<PullRequest>) -> Result<Response<PullReply>, Status> {
         let core = &self.0;
         let req = req.into_inner();
-        core.check_epoch(req.epoch)?;
+        core.pipeline.check_epoch(req.epoch)?;
         if let Some(target) = req.wait_applied {
             core.wait_applied(req.epoch, target).await?;
             // A step applied here already was granted again after its worker died. With
             // checkpoints the coordinator rolls back for exact results, so say so; without,
             // the run promised nothing exact after a failure and the pull goes ahead.
             let exact = core.job.config.cluster.ft.exact_recovery();
-            if exact && core.steps().contains(target) {
+            if exact && core.pipeline.steps().contains(target) {
                 return Err(PsError::AlreadyApplied {
                     server: core.id as u32,
                     step: target,
@@ -50,10 +50,7 @@ impl ParameterServer for Service {
         let mut embeddings = Vec::with_capacity(req.tables.len());
         let mut rows_sent = 0;
         let (dense, applied) = {
-            let shard = core
-                .shard
-                .read()
-                .map_err(|_| Status::internal("shard lock"))?;
+            let shard = core.pipeline.shard_read()?;
             for t in &req.tables {
                 let rows = bytes_to_u32s(&t.rows, "pull rows")?;
                 let mut out = Vec::new();
@@ -61,7 +58,10 @@ impl ParameterServer for Service {
                 rows_sent += rows.len() as u64;
                 embeddings.push(Bytes::from(out));
             }
-            (f32s_to_bytes(shard.dense_params()), core.steps().count())
+            (
+                f32s_to_bytes(shard.dense_params()),
+                core.pipeline.steps().count(),
+            )
         };
         let out_bytes = embeddings.iter().map(|e| e.len()).sum::<usize>() + dense.len();
         core.metrics.add("ftrec_pulls_total", 1);
@@ -78,7 +78,7 @@ impl ParameterServer for Service {
     async fn push(&self, req: Request<PushRequest>) -> Result<Response<PushReply>, Status> {
         let core = &self.0;
         let req = req.into_inner();
-        core.check_epoch(req.epoch)?;
+        core.pipeline.check_epoch(req.epoch)?;
         let deterministic = core.job.config.cluster.deterministic;
         if deterministic {
             core.wait_applied(req.epoch, req.step).await?;
@@ -99,7 +99,7 @@ impl ParameterServer for Service {
             .await
             .map_err(|e| PsError::Internal(format!("update task: {e}")))??;
         let (applied, rows) = match pushed {
-            Pushed::Prepared { rows, .. } => (core.steps().count(), rows),
+            Pushed::Prepared { rows, .. } => (core.pipeline.steps().count(), rows),
             Pushed::Applied { steps, rows } => (steps, rows),
             Pushed::Duplicate { steps } => {
                 return Ok(Response::new(PushReply { applied: steps }));
@@ -118,8 +118,8 @@ impl ParameterServer for Service {
     ) -> Result<Response<CheckpointReply>, Status> {
         let core = self.0.clone();
         let req = req.into_inner();
-        core.check_epoch(req.epoch)?;
-        let Some(checkpoints) = core.checkpoints.clone() else {
+        core.pipeline.check_epoch(req.epoch)?;
+        let Some(checkpoints) = core.ckpt.location().cloned() else {
             return Err(PsError::Config("checkpoint.dir is not set".into()).into());
         };
         core.wait_rebuilt().await?;
@@ -131,7 +131,7 @@ impl ParameterServer for Service {
                 .network()
                 .clone()
                 .blocking(move || {
-                    let save = core.write_own_save(&checkpoints)?;
+                    let save = core.ckpt.write_own_save(&core.pipeline, &checkpoints)?;
                     core.metrics.add("ftrec_checkpoints_total", 1);
                     Ok::<_, PsError>(save)
                 })
@@ -146,7 +146,7 @@ impl ParameterServer for Service {
                 ..CheckpointReply::default()
             }));
         }
-        let turn = core.commit_turn.clone().lock_owned().await;
+        let turn = core.pipeline.owned_turn().await;
         let reply = core
             .job
             .network()
@@ -154,7 +154,9 @@ impl ParameterServer for Service {
             .blocking(move || -> Result<_, PsError> {
                 let _turn = turn;
                 let reply = if req.priority {
-                    let save = core.write_priority(&checkpoints, req.step)?;
+                    let save = core
+                        .ckpt
+                        .write_priority(&core.pipeline, &checkpoints, req.step)?;
                     CheckpointReply {
                         id: save.manifest.id.clone(),
                         bytes: save.manifest.bytes(),
@@ -169,7 +171,9 @@ impl ParameterServer for Service {
                 } else {
                     core.faults
                         .kill_at(ftrec_faults::points::CUT, Some(req.step));
-                    let (manifest, committed) = core.write_cut(&checkpoints, req.step)?;
+                    let (manifest, committed) =
+                        core.ckpt
+                            .write_cut(&core.pipeline, &checkpoints, req.step)?;
                     CheckpointReply {
                         id: manifest.id.clone(),
                         bytes: manifest.bytes(),
@@ -198,13 +202,13 @@ impl ParameterServer for Service {
     ) -> Result<Response<CutCommittedReply>, Status> {
         let core = self.0.clone();
         let req = req.into_inner();
-        core.check_epoch(req.epoch)?;
-        let Some(checkpoints) = core.checkpoints.clone() else {
+        core.pipeline.check_epoch(req.epoch)?;
+        let Some(checkpoints) = core.ckpt.location().cloned() else {
             return Err(PsError::Config("checkpoint.dir is not set".into()).into());
         };
         let network = core.job.network().clone();
         let committed = network
-            .blocking(move || core.cut_committed(&checkpoints, req.step))
+            .blocking(move || core.ckpt.cut_committed(&checkpoints, req.step))
             .await??;
         Ok(Response::new(CutCommittedReply { committed }))
     }
@@ -217,40 +221,37 @@ impl ParameterServer for Service {
         let req = req.into_inner();
         let started = Instant::now();
         // Steps an older epoch prepared hold the commit turn: the rollback decided them.
-        if req.epoch >= core.live().epoch {
+        if req.epoch >= core.pipeline.live().epoch {
             core.settle_older_epochs(req.epoch, &[])?;
         }
-        let turn = core.commit_turn.clone().lock_owned().await;
+        let turn = core.pipeline.owned_turn().await;
         let id = core
             .job
             .network()
             .clone()
             .blocking(move || -> Result<String, PsError> {
                 let _turn = turn;
-                core.check_epoch_forward(req.epoch)?;
+                core.pipeline.check_epoch_forward(req.epoch)?;
                 let (state, id, ahead) = match req.step {
                     Some(step) => {
-                        let Some(checkpoints) = &core.checkpoints else {
+                        let Some(checkpoints) = core.ckpt.location() else {
                             return Err(PsError::Config("checkpoint.dir is not set".into()));
                         };
-                        core.restore_cut(checkpoints, step)?
+                        core.ckpt.restore_cut(checkpoints, step)?
                     }
                     None => {
-                        core.restart_history()?;
+                        core.ckpt.restart_history()?;
                         let c = &core.job.config;
                         let shard =
                             Shard::initial(&c.model_config()?, c.seed, core.layout, core.id)?;
                         (shard.state().clone(), "initial".to_string(), Vec::new())
                     }
                 };
-                core.cancel_background();
-                let mut shard = core
-                    .shard
-                    .write()
-                    .map_err(|_| PsError::Internal("shard lock poisoned".into()))?;
+                core.rebuilding.cancel_background();
+                let mut shard = core.pipeline.shard_write()?;
                 shard.replace_state(state)?;
-                core.reset_priority(&shard);
-                core.publish(req.epoch, |steps| {
+                core.ckpt.reset_priority(&shard);
+                core.pipeline.publish(req.epoch, |steps| {
                     *steps = AppliedSteps::from_parts(req.step.unwrap_or(0), ahead)
                 });
                 core.metrics.add("ftrec_restores_total", 1);
@@ -273,17 +274,14 @@ impl ParameterServer for Service {
         // Steps prepared in an older epoch hold the commit turn: the recovery decides
         // their fate, so they go first (and none of that epoch commits here from now on):
         // those some server committed are committed here too, the rest dropped.
-        if req.epoch >= core.live().epoch {
+        if req.epoch >= core.pipeline.live().epoch {
             core.settle_older_epochs(req.epoch, &req.finish)?;
         }
         // In the commit turn and under the shard lock, so no push straddles the change.
-        let _turn = core.commit_turn.lock().await;
-        core.check_epoch_forward(req.epoch)?;
-        let _shard = core
-            .shard
-            .write()
-            .map_err(|_| Status::internal("shard lock"))?;
-        core.publish(req.epoch, |steps| {
+        let _turn = core.pipeline.turn().await;
+        core.pipeline.check_epoch_forward(req.epoch)?;
+        let _shard = core.pipeline.shard_write()?;
+        core.pipeline.publish(req.epoch, |steps| {
             steps.settle_below(req.applied, &req.unsettled)
         });
         core.metrics.set("ftrec_epoch", req.epoch as f64);
@@ -293,9 +291,9 @@ impl ParameterServer for Service {
     async fn fence(&self, req: Request<FenceRequest>) -> Result<Response<AppliedReply>, Status> {
         let core = &self.0;
         let req = req.into_inner();
-        core.check_epoch_forward(req.epoch)?;
+        core.pipeline.check_epoch_forward(req.epoch)?;
         core.raise_fence(req.epoch)?;
-        Ok(Response::new(core.applied_of(&req.steps)))
+        Ok(Response::new(core.pipeline.applied_of(&req.steps)))
     }
 
     type FetchRowsStream =
@@ -307,16 +305,13 @@ impl ParameterServer for Service {
     ) -> Result<Response<Self::FetchRowsStream>, Status> {
         let core = self.0.clone();
         let req = req.into_inner();
-        core.check_epoch(req.epoch)?;
+        core.pipeline.check_epoch(req.epoch)?;
         // Whole-table reads (the final gather, verify-parity) never see a pending slot.
         core.wait_rebuilt().await?;
         let table = req.table as usize;
         let parity = req.parity;
         let (rows, stride) = {
-            let shard = core
-                .shard
-                .read()
-                .map_err(|_| Status::internal("shard lock"))?;
+            let shard = core.pipeline.shard_read()?;
             let Some(t) = shard.state().tables().get(table) else {
                 return Err(PsError::BadRequest(format!("table {table} does not exist")).into());
             };
@@ -343,9 +338,9 @@ impl ParameterServer for Service {
                 }
                 let last = (first + per_chunk).min(end);
                 let piece = core
-                    .shard
-                    .read()
-                    .map_err(|_| Status::internal("shard lock"))
+                    .pipeline
+                    .shard_read()
+                    .map_err(Status::from)
                     .map(|shard| {
                         let bytes = match shard.redundancy().filter(|_| parity) {
                             Some(red) => &red.parity[table][..],
@@ -370,12 +365,9 @@ impl ParameterServer for Service {
     ) -> Result<Response<FetchDenseReply>, Status> {
         let core = &self.0;
         let req = req.into_inner();
-        core.check_epoch(req.epoch)?;
-        let shard = core
-            .shard
-            .read()
-            .map_err(|_| Status::internal("shard lock"))?;
-        let steps = core.steps();
+        core.pipeline.check_epoch(req.epoch)?;
+        let shard = core.pipeline.shard_read()?;
+        let steps = core.pipeline.steps();
         let (applied_below, applied_ahead) = (steps.low(), steps.ahead().collect());
         drop(steps);
         if let Some(stripe) = req.dense_parity_stripe {
@@ -426,18 +418,18 @@ impl ParameterServer for Service {
     ) -> Result<Response<AppliedReply>, Status> {
         let core = self.0.clone();
         let req = req.into_inner();
-        core.check_epoch(req.epoch)?;
-        let reply = core.applied_of(&req.steps);
+        core.pipeline.check_epoch(req.epoch)?;
+        let reply = core.pipeline.applied_of(&req.steps);
         let shard_digest = if req.digest {
             core.wait_rebuilt().await?;
             // Hashing a whole shard is CPU work: off the RPC threads.
             let network = core.job.network().clone();
             network
                 .blocking(move || {
-                    core.shard
-                        .read()
+                    core.pipeline
+                        .shard_read()
                         .map(|shard| shard.digest())
-                        .map_err(|_| Status::internal("shard lock"))
+                        .map_err(Status::from)
                 })
                 .await??
         } else {
@@ -452,10 +444,10 @@ impl ParameterServer for Service {
     async fn prune(&self, req: Request<PruneRequest>) -> Result<Response<PruneReply>, Status> {
         let core = self.0.clone();
         let req = req.into_inner();
-        core.check_epoch(req.epoch)?;
+        core.pipeline.check_epoch(req.epoch)?;
         let network = core.job.network().clone();
         let deleted = network
-            .blocking(move || core.prune(&req.keep_steps))
+            .blocking(move || core.ckpt.prune(&req.keep_steps))
             .await??;
         Ok(Response::new(PruneReply { deleted }))
     }

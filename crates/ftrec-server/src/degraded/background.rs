@@ -216,7 +216,7 @@ impl Core {
         };
         let rpc =
             |e: tonic::Status, what: &str| PsError::rpc(format!("{what} server {server}"), &e);
-        if let Some(bulk) = &self.bulk_client {
+        if let Some(bulk) = &self.rebuilding.bulk_client {
             let stream = match bulk.pooled(server) {
                 Some(stream) => Some(stream),
                 None => {
@@ -303,15 +303,15 @@ impl Core {
         for a in answers {
             by_server[a.server] = Some(a);
         }
-        let mut shard = self.shard_write()?;
+        let mut shard = self.pipeline.shard_write()?;
         // A restore or a newer rebuild replaced the pending set this range was read for.
-        if self.background().map(|b| b.id) != Some(background.id) {
+        if self.rebuilding.background().map(|b| b.id) != Some(background.id) {
             return Err(PsError::Superseded(format!(
                 "server {me}: background rebuild (a restore or a newer rebuild)"
             )));
         }
         let mine = {
-            let steps = self.steps();
+            let steps = self.pipeline.steps();
             (steps.low(), steps.ahead().collect::<Vec<_>>())
         };
         if mine != *applied {
@@ -352,7 +352,7 @@ impl Core {
         range: CycleRange,
         buffers: &Buffers,
     ) -> Result<RangeCost, PsError> {
-        let Some(background) = self.background() else {
+        let Some(background) = self.rebuilding.background() else {
             return Ok(RangeCost::default());
         };
         let Some(stripes) = self.layout.stripes() else {
@@ -360,7 +360,7 @@ impl Core {
         };
         let table = range.table;
         {
-            let shard = self.shard_read()?;
+            let shard = self.pipeline.shard_read()?;
             let Some(pending) = shard.pending() else {
                 return Ok(RangeCost::default());
             };
@@ -379,13 +379,13 @@ impl Core {
             .collect();
         let shape = stripes.cycle_shape(table, me);
         let row_bytes = self.job.config.model_config()?.row_stride() * 4;
-        let Some(peers) = self.peers.clone() else {
+        let Some(peers) = self.rebuilding.peers.clone() else {
             return Err(PsError::Config("no peers to rebuild from".into()));
         };
         let mut rounds = Rounds::new(self, false);
         loop {
             let attempt = rounds.next(self).await;
-            let epoch = self.live().epoch;
+            let epoch = self.pipeline.live().epoch;
             // The placement map is fetched again only after a survivor could not be
             // reached (a new epoch refreshes it anyway): a snapshot read again because a
             // commit straddled it must not reconnect to every peer.
@@ -444,9 +444,9 @@ impl Core {
         progress: &tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
     ) -> Result<RebuildReply, PsError> {
         // Rebuild first (`rebuild/boost.rs`), for as long as the rebuild runs, whatever its end.
-        let boosted = self.boost.as_ref().map(|b| b.hold());
+        let boosted = self.rebuilding.boost.as_ref().map(|b| b.hold());
         let result = self.rebuild_ranges(tables, started, totals, progress).await;
-        if let Some(bulk) = &self.bulk_client {
+        if let Some(bulk) = &self.rebuilding.bulk_client {
             bulk.close_all();
         }
         drop(boosted);
@@ -463,7 +463,7 @@ impl Core {
         use futures::StreamExt;
         let parallel = self.job.config.ec.rebuild_locks.max(1);
         let cap = self.job.config.ec.rebuild_bytes_per_sec;
-        let mine = self.background().map(|b| b.id);
+        let mine = self.rebuilding.background().map(|b| b.id);
         let superseded = || {
             PsError::Superseded(format!(
                 "server {}: background rebuild (a restore or a newer rebuild)",
@@ -480,7 +480,7 @@ impl Core {
         let mut rereads = 0u64;
         let buffers = Buffers::default();
         for t in 0..tables {
-            if self.background().map(|b| b.id) != mine {
+            if self.rebuilding.background().map(|b| b.id) != mine {
                 return Err(superseded());
             }
             let (data_slots, parity_slots) = stripes.capacity(self.id, global.table_rows[t]);
@@ -517,19 +517,15 @@ impl Core {
         }
         // Slots decoded on demand by pulls and pushes meanwhile were installed by them:
         // the shard holds no pending slot now.
-        if self.shard_read()?.pending().is_some() {
+        if self.pipeline.shard_read()?.pending().is_some() {
             return Err(PsError::Internal(
                 "background rebuild ended with slots still pending".into(),
             ));
         }
-        {
-            let mut background = self.background.lock().unwrap_or_else(|p| p.into_inner());
-            if background.as_ref().map(|b| b.id) != mine {
-                return Err(superseded());
-            }
-            *background = None;
+        if !self.rebuilding.finish_background(mine) {
+            return Err(superseded());
         }
-        self.continue_history()?;
+        self.ckpt.continue_history()?;
         totals.done = true;
         totals.serving = true;
         totals.seconds = started.elapsed().as_secs_f64();

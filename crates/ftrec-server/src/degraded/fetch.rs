@@ -15,9 +15,9 @@ impl Core {
     /// `FetchSlots`: slots of one table (a list, or contiguous ranges) with this server's
     /// applied steps, read together; or a ticket for this server's bulk port.
     pub(crate) fn fetch_slots(&self, req: &FetchSlotsRequest) -> Result<FetchSlotsReply, PsError> {
-        self.check_epoch(req.epoch)?;
+        self.pipeline.check_epoch(req.epoch)?;
         if req.bulk_session {
-            return Ok(match &self.bulk {
+            return Ok(match &self.rebuilding.bulk {
                 Some(bulk) => FetchSlotsReply {
                     bulk_address: bulk.address().to_string(),
                     bulk_ticket: crate::bulk::ticket_bytes(bulk.issue()),
@@ -52,7 +52,7 @@ impl Core {
             })?;
             return reply.ok_or_else(|| PsError::Internal("a range read nothing".into()));
         }
-        let shard = self.shard_read()?;
+        let shard = self.pipeline.shard_read()?;
         let (data, parity) = slot_lists(&shard, req.table as usize, &req.data, &req.parity)?;
         let more_tables = req
             .more_tables
@@ -67,7 +67,7 @@ impl Core {
             .collect::<Result<_, PsError>>()?;
         // The applied steps change only under the shard's write lock: read under the same
         // read lock as the rows, they are the rows' steps.
-        let steps = self.steps();
+        let steps = self.pipeline.steps();
         Ok(FetchSlotsReply {
             data: data.into(),
             parity: parity.into(),
@@ -85,7 +85,7 @@ impl Core {
         ask: &RangeAsk,
         send: &mut dyn FnMut(RangeRows<'_>),
     ) -> Result<(), PsError> {
-        self.check_epoch(ask.epoch)?;
+        self.pipeline.check_epoch(ask.epoch)?;
         let table = ask.table as usize;
         let span = |r: &std::ops::Range<u64>, what: &str| {
             (r.start <= r.end)
@@ -94,7 +94,7 @@ impl Core {
         };
         let data = span(&ask.data, "data")?;
         let parity = span(&ask.parity, "parity")?;
-        let shard = self.shard_read()?;
+        let shard = self.pipeline.shard_read()?;
         let Some(rows) = shard.state().tables().get(table) else {
             return Err(PsError::BadRequest(format!("table {table} does not exist")));
         };
@@ -147,7 +147,7 @@ impl Core {
         // read lock as the rows, they are the rows' steps. Their own mutex is let go before
         // `send`, which may write to a socket.
         let (applied_below, applied_ahead) = {
-            let steps = self.steps();
+            let steps = self.pipeline.steps();
             (steps.low(), steps.ahead().collect())
         };
         send(RangeRows {

@@ -36,7 +36,7 @@ use ftrec_rpc::PsError;
 
 /// A background rebuild in progress on this server.
 #[derive(Clone, Debug)]
-pub(super) struct Background {
+pub(crate) struct Background {
     /// Which rebuild this is (a retried recovery sends the same epoch again): a restore
     /// or a newer rebuild supersedes it.
     pub id: u64,
@@ -147,18 +147,6 @@ pub(super) fn decode_row<'a>(
 }
 
 impl Core {
-    /// Ends any background rebuild (a restore replaced the whole shard).
-    pub(super) fn cancel_background(&self) {
-        *self.background.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    }
-
-    pub(super) fn background(&self) -> Option<Background> {
-        self.background
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
     /// Decodes and installs the pending rows among the global rows of each table (a pull
     /// or a push needs them now), every table from one snapshot: one `FetchSlots` per
     /// survivor carries every table's slots (26 calls per survivor per pull on `tiny`,
@@ -171,7 +159,7 @@ impl Core {
         holds_turn: bool,
     ) -> Result<u64, PsError> {
         let pending: Vec<(usize, Vec<u32>)> = {
-            let shard = self.shard_read()?;
+            let shard = self.pipeline.shard_read()?;
             if shard.pending().is_none() {
                 return Ok(0);
             }
@@ -194,7 +182,7 @@ impl Core {
         wanted: Vec<(usize, Vec<u32>)>,
         holds_turn: bool,
     ) -> Result<u64, PsError> {
-        let Some(background) = self.background() else {
+        let Some(background) = self.rebuilding.background() else {
             return Ok(0);
         };
         let Some(stripes) = self.layout.stripes() else {
@@ -202,7 +190,6 @@ impl Core {
                 "degraded reads without erasure coding".into(),
             ));
         };
-        let (k, r) = (stripes.params.k, stripes.params.r);
         let global = self.job.config.model_config()?;
         let row_bytes = global.row_stride() * 4;
         let me = self.id;
@@ -223,46 +210,8 @@ impl Core {
                 })
             }));
         }
-        // Every other slot of those stripes, by holder and table.
-        let slot = |table: usize, j: usize, n: usize| {
-            if n < k {
-                stripes.data_slot(table, j, n)
-            } else {
-                stripes.parity_slot(table, j, n - k)
-            }
-        };
-        // Each stripe's layout is worked out once, here: where each of its rows will be in
-        // the answers. (Working it out again per row read, with a map of the answered rows,
-        // took about 45% of a replacement's CPU during a rebuild; perf, issue 23.)
-        let mut asks: BTreeMap<usize, Asked> = BTreeMap::new();
-        let mut stripes_held: std::collections::HashMap<(usize, usize), Vec<Option<Held>>> =
-            std::collections::HashMap::with_capacity(needs.len());
-        for need in &needs {
-            let std::collections::hash_map::Entry::Vacant(entry) =
-                stripes_held.entry((need.table, need.stripe))
-            else {
-                continue;
-            };
-            let held = (0..k + r)
-                .map(|n| {
-                    let s = slot(need.table, need.stripe, n);
-                    if s.server == me || background.lost.contains(&s.server) {
-                        return None;
-                    }
-                    let asked = asks.entry(s.server).or_default().table(need.table);
-                    let list = if n < k { asked.1 } else { asked.2 };
-                    list.push(s.local as u32);
-                    Some(Held {
-                        server: s.server,
-                        table: asked.0,
-                        parity: n >= k,
-                        position: list.len() - 1,
-                    })
-                })
-                .collect();
-            entry.insert(held);
-        }
-        let Some(peers) = self.peers.clone() else {
+        let (asks, stripes_held) = plan_reads(stripes, me, &background.lost, &needs);
+        let Some(peers) = self.rebuilding.peers.clone() else {
             return Err(PsError::Config("no peers to decode from".into()));
         };
         let tables_named = || {
@@ -275,7 +224,7 @@ impl Core {
         let mut rounds = Rounds::new(self, holds_turn);
         loop {
             let attempt = rounds.next(self).await;
-            let epoch = self.live().epoch;
+            let epoch = self.pipeline.live().epoch;
             let calls = asks.iter().map(|(&server, asked)| {
                 let peers = peers.clone();
                 let req = asked.request(epoch);
@@ -297,53 +246,25 @@ impl Core {
             let answers: Vec<Answer> = sorted.ok;
             let consistent = answers.windows(2).all(|w| w[0].applied == w[1].applied);
             if consistent && let Some(applied) = answers.first().map(|a| a.applied.clone()) {
-                let by_server: BTreeMap<usize, &Answer> =
-                    answers.iter().map(|a| (a.server, a)).collect();
-                let mut decoded: Vec<(Need, Vec<u8>)> = Vec::with_capacity(needs.len());
-                let mut failed = None;
-                for need in &needs {
-                    let held = &stripes_held[&(need.table, need.stripe)];
-                    let row_of = |n: usize| {
-                        let held = held[n]?;
-                        by_server.get(&held.server)?.row(held, row_bytes)
-                    };
-                    let mut out = vec![0u8; row_bytes];
-                    match decode_row(&background.codec, row_of, need.index, &mut out) {
-                        Ok(()) => decoded.push((*need, out)),
-                        Err(e) => {
-                            failed = Some(format!(
-                                "table {} stripe {}: {e} (answered: {:?})",
-                                need.table,
-                                need.stripe,
-                                by_server.keys().collect::<Vec<_>>()
-                            ));
-                            break;
-                        }
+                let snapshot = Snapshot {
+                    answers: &answers,
+                    applied,
+                    row_bytes,
+                };
+                match self.decode_snapshot(
+                    &background,
+                    &snapshot,
+                    &needs,
+                    &stripes_held,
+                    &wanted,
+                )? {
+                    Decoded::Installed(installed) => return Ok(installed),
+                    Decoded::Failed(failed) if rounds.expired() => {
+                        return Err(PsError::Degraded(format!(
+                            "server {me}: cannot decode: {failed}"
+                        )));
                     }
-                }
-                if failed.is_none() {
-                    let mut shard = self.shard_write()?;
-                    let mine = {
-                        let steps = self.steps();
-                        (steps.low(), steps.ahead().collect::<Vec<_>>())
-                    };
-                    if mine == applied {
-                        let mut installed = 0;
-                        for (table, _) in &wanted {
-                            let rows: Vec<(u32, &[u8])> = decoded
-                                .iter()
-                                .filter(|(n, _)| n.table == *table)
-                                .map(|(n, b)| (n.local, b.as_slice()))
-                                .collect();
-                            installed += shard.install_decoded(*table, &rows)?;
-                        }
-                        return Ok(installed);
-                    }
-                } else if rounds.expired() {
-                    return Err(PsError::Degraded(format!(
-                        "server {me}: cannot decode: {}",
-                        failed.unwrap_or_default()
-                    )));
+                    Decoded::Failed(_) | Decoded::Moved => {}
                 }
             }
             if rounds.expired() {
@@ -357,6 +278,130 @@ impl Core {
             // A commit landed between the reads: read again shortly.
             rounds.pause().await;
         }
+    }
+}
+
+/// Where each stripe's rows will be in the survivors' answers, by `(table, stripe)`.
+type StripesHeld = std::collections::HashMap<(usize, usize), Vec<Option<Held>>>;
+
+/// What a degraded read asks each survivor for, and where each needed stripe's rows
+/// will be in the answers. Each stripe's layout is worked out once, here. (Working it out
+/// again per row read, with a map of the answered rows, took about 45% of a
+/// replacement's CPU during a rebuild; perf, issue 23.)
+fn plan_reads(
+    stripes: ftrec_ec::StripeLayout,
+    me: usize,
+    lost: &[usize],
+    needs: &[Need],
+) -> (BTreeMap<usize, Asked>, StripesHeld) {
+    let (k, r) = (stripes.params.k, stripes.params.r);
+    // Every other slot of those stripes, by holder and table.
+    let slot = |table: usize, j: usize, n: usize| {
+        if n < k {
+            stripes.data_slot(table, j, n)
+        } else {
+            stripes.parity_slot(table, j, n - k)
+        }
+    };
+    let mut asks: BTreeMap<usize, Asked> = BTreeMap::new();
+    let mut stripes_held: StripesHeld = std::collections::HashMap::with_capacity(needs.len());
+    for need in needs {
+        let std::collections::hash_map::Entry::Vacant(entry) =
+            stripes_held.entry((need.table, need.stripe))
+        else {
+            continue;
+        };
+        let held = (0..k + r)
+            .map(|n| {
+                let s = slot(need.table, need.stripe, n);
+                if s.server == me || lost.contains(&s.server) {
+                    return None;
+                }
+                let asked = asks.entry(s.server).or_default().table(need.table);
+                let list = if n < k { asked.1 } else { asked.2 };
+                list.push(s.local as u32);
+                Some(Held {
+                    server: s.server,
+                    table: asked.0,
+                    parity: n >= k,
+                    position: list.len() - 1,
+                })
+            })
+            .collect();
+        entry.insert(held);
+    }
+    (asks, stripes_held)
+}
+
+/// The survivors' answers of one round, which agree on the steps `applied`.
+struct Snapshot<'a> {
+    answers: &'a [Answer],
+    applied: (u64, Vec<u64>),
+    row_bytes: usize,
+}
+
+/// What became of decoding one consistent snapshot.
+enum Decoded {
+    /// Decoded and installed: this many bytes.
+    Installed(u64),
+    /// Some stripe could not be decoded from the answers (why).
+    Failed(String),
+    /// Decoded, but this server's steps moved past the snapshot's: read again.
+    Moved,
+}
+
+impl Core {
+    /// Decodes every need from a consistent snapshot and installs the rows, under the
+    /// shard's write lock, if this server holds the snapshot's steps too.
+    fn decode_snapshot(
+        &self,
+        background: &Background,
+        snapshot: &Snapshot<'_>,
+        needs: &[Need],
+        stripes_held: &StripesHeld,
+        wanted: &[(usize, Vec<u32>)],
+    ) -> Result<Decoded, PsError> {
+        let row_bytes = snapshot.row_bytes;
+        let by_server: BTreeMap<usize, &Answer> =
+            snapshot.answers.iter().map(|a| (a.server, a)).collect();
+        let mut decoded: Vec<(Need, Vec<u8>)> = Vec::with_capacity(needs.len());
+        for need in needs {
+            let held = &stripes_held[&(need.table, need.stripe)];
+            let row_of = |n: usize| {
+                let held = held[n]?;
+                by_server.get(&held.server)?.row(held, row_bytes)
+            };
+            let mut out = vec![0u8; row_bytes];
+            match decode_row(&background.codec, row_of, need.index, &mut out) {
+                Ok(()) => decoded.push((*need, out)),
+                Err(e) => {
+                    return Ok(Decoded::Failed(format!(
+                        "table {} stripe {}: {e} (answered: {:?})",
+                        need.table,
+                        need.stripe,
+                        by_server.keys().collect::<Vec<_>>()
+                    )));
+                }
+            }
+        }
+        let mut shard = self.pipeline.shard_write()?;
+        let mine = {
+            let steps = self.pipeline.steps();
+            (steps.low(), steps.ahead().collect::<Vec<_>>())
+        };
+        if mine != snapshot.applied {
+            return Ok(Decoded::Moved);
+        }
+        let mut installed = 0;
+        for (table, _) in wanted {
+            let rows: Vec<(u32, &[u8])> = decoded
+                .iter()
+                .filter(|(n, _)| n.table == *table)
+                .map(|(n, b)| (n.local, b.as_slice()))
+                .collect();
+            installed += shard.install_decoded(*table, &rows)?;
+        }
+        Ok(Decoded::Installed(installed))
     }
 }
 
@@ -464,7 +509,7 @@ impl Rounds {
     pub(super) async fn next(&mut self, core: &Core) -> u32 {
         self.attempt += 1;
         if self.attempt > SETTLE_AFTER && !self.holds_turn && self.turn.is_none() {
-            self.turn = Some(core.commit_turn.clone().lock_owned().await);
+            self.turn = Some(core.pipeline.owned_turn().await);
         }
         self.attempt
     }
@@ -532,7 +577,7 @@ impl Core {
     /// verifying parity, a cut) must not see a slot's zeros.
     pub(super) async fn wait_rebuilt(&self) -> Result<(), PsError> {
         let give_up = Instant::now() + self.job.timeout() * 30;
-        while self.shard_read()?.pending().is_some() {
+        while self.pipeline.shard_read()?.pending().is_some() {
             if Instant::now() > give_up {
                 return Err(PsError::Unavailable(format!(
                     "server {} is still rebuilding its slots",

@@ -84,7 +84,7 @@ impl Core {
         needed.sort_unstable();
         needed.dedup();
         let own_row = if parity_only {
-            let shard = self.shard_read()?;
+            let shard = self.pipeline.shard_read()?;
             Some(dense_code::pack(
                 shard.dense_params(),
                 shard.dense_optimizer_state(),

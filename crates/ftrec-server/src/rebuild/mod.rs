@@ -5,8 +5,12 @@
 //! state is bit-identical to the lost one because the code works on the rows' bytes.
 
 pub(crate) mod boost;
+mod context;
 mod dense;
 pub(crate) mod reserve;
+mod tables;
+
+pub(crate) use context::RebuildContext;
 
 use std::collections::BTreeMap;
 use tokio::time::Instant;
@@ -15,54 +19,12 @@ use ftrec_ec::Codec;
 use ftrec_model::{EmbeddingTable, ModelState};
 
 use crate::Core;
-use crate::degraded::Background;
 use crate::shard::{DenseReplica, Pending, Redundancy, Shard, packed_dense};
-use ftrec_faults::points;
 use ftrec_proto::applied::AppliedSteps;
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::bytes_to_f32s;
 use ftrec_rpc::PsError;
 use ftrec_rpc::client::ServerClient;
-
-/// Every survivor's data and parity slots of table `t`, streamed from all at once.
-async fn fetch_table(
-    clients: BTreeMap<usize, ServerClient>,
-    epoch: u64,
-    t: usize,
-    with_parity: bool,
-) -> Result<(BTreeMap<usize, Vec<u8>>, BTreeMap<usize, Vec<u8>>), PsError> {
-    let fetches = clients.into_iter().map(|(s, client)| {
-        let (mut rows_client, mut parity_client) = (client.clone(), client);
-        async move {
-            let what = format!("rebuild: table {t} from server {s}");
-            let parity = async {
-                if with_parity {
-                    ftrec_rpc::gather::fetch_all(&mut parity_client, epoch, t, true, &what)
-                        .await
-                        .map(Some)
-                } else {
-                    Ok(None)
-                }
-            };
-            let (d, p) = futures::future::join(
-                ftrec_rpc::gather::fetch_all(&mut rows_client, epoch, t, false, &what),
-                parity,
-            )
-            .await;
-            Ok::<_, PsError>((s, d?, p?))
-        }
-    });
-    let mut data = BTreeMap::new();
-    let mut parity = BTreeMap::new();
-    for fetched in futures::future::join_all(fetches).await {
-        let (s, d, p) = fetched?;
-        data.insert(s, d);
-        if let Some(p) = p {
-            parity.insert(s, p);
-        }
-    }
-    Ok((data, parity))
-}
 
 async fn fetch_dense(
     client: &mut ServerClient,
@@ -83,23 +45,62 @@ async fn fetch_dense(
 
 impl Core {
     /// Rebuilds (or, with `parity_only`, re-derives) this slot; `progress` gets one
-    /// message per table. Returns the totals.
+    /// message per table. Returns the totals. Holds the commit turn throughout, but for a
+    /// background rebuild, which lets it go once the slot serves.
     pub(super) async fn rebuild(
         &self,
         req: RebuildRequest,
         progress: tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
     ) -> Result<RebuildReply, PsError> {
         let started = Instant::now();
-        let turn = self.commit_turn.lock().await;
-        self.check_epoch_forward(req.epoch)?;
+        let turn = self.pipeline.turn().await;
+        self.pipeline.check_epoch_forward(req.epoch)?;
         let epoch = req.epoch;
         let layout = self.layout;
         let Some(stripes) = layout.stripes() else {
             return Err(PsError::Config("rebuild without erasure coding".into()));
         };
         let (k, r) = (stripes.params.k, stripes.params.r);
-        let me = self.id;
         let lost: Vec<usize> = req.lost.iter().map(|&s| s as usize).collect();
+        let clients = self.survivor_clients(&req, stripes, &lost)?;
+        let parity_only = req.parity_only;
+        let global = self.job.config.model_config()?;
+        let config = Shard::shard_config(&global, layout, self.id)?;
+        if req.background && !parity_only {
+            let codec = Codec::new(k, r).map_err(|e| PsError::Config(e.to_string()))?;
+            let totals = self
+                .serve_degraded(&clients, epoch, &global, config, lost, codec, started)
+                .await?;
+            let _ = progress.send(Ok(totals)).await;
+            // Serving: updates go on while the rest decodes.
+            drop(turn);
+            return self
+                .rebuild_in_background(global.tables(), started, totals, &progress)
+                .await;
+        }
+        let whole = WholeRebuild {
+            clients: &clients,
+            epoch,
+            global: &global,
+            config: &config,
+            parity_only,
+            started,
+            progress: &progress,
+        };
+        let result = self.rebuild_whole(&whole).await;
+        drop(turn);
+        result
+    }
+
+    /// Clients for the survivors of this slot's group (every member but this one and the
+    /// `lost`), at the addresses the recovery sent.
+    fn survivor_clients(
+        &self,
+        req: &RebuildRequest,
+        stripes: ftrec_ec::StripeLayout,
+        lost: &[usize],
+    ) -> Result<BTreeMap<usize, ServerClient>, PsError> {
+        let me = self.id;
         let (group, _) = stripes.group_of_server(me);
         let (first, members) = stripes.group(group);
         let mut clients: BTreeMap<usize, ServerClient> = BTreeMap::new();
@@ -121,25 +122,20 @@ impl Core {
                     .server(address)?,
             );
         }
-        let parity_only = req.parity_only;
-        let global = self.job.config.model_config()?;
-        let config = Shard::shard_config(&global, layout, me)?;
-        if req.background && !parity_only {
-            let codec = Codec::new(k, r).map_err(|e| PsError::Config(e.to_string()))?;
-            let totals = self
-                .serve_degraded(&clients, epoch, &global, config, lost, codec, started)
-                .await?;
-            let _ = progress.send(Ok(totals)).await;
-            // Serving: updates go on while the rest decodes.
-            drop(turn);
-            return self
-                .rebuild_in_background(global.tables(), started, totals, &progress)
-                .await;
-        }
+        Ok(clients)
+    }
+
+    /// A rebuild that decodes every table before the slot serves (or re-derives parity
+    /// after a rollback), then installs the result. The caller holds the commit turn.
+    async fn rebuild_whole(&self, w: &WholeRebuild<'_>) -> Result<RebuildReply, PsError> {
+        let (layout, me) = (self.layout, self.id);
+        let Some(stripes) = layout.stripes() else {
+            return Err(PsError::Config("rebuild without erasure coding".into()));
+        };
         // Re-encoding after a rollback: every server restored its data rows from the same
         // cut; parity and replicas are derived from them (this server's own rows included).
-        let own_rows: Vec<Vec<u8>> = if parity_only {
-            let shard = self.shard_read()?;
+        let own_rows: Vec<Vec<u8>> = if w.parity_only {
+            let shard = self.pipeline.shard_read()?;
             shard
                 .state()
                 .tables()
@@ -149,135 +145,29 @@ impl Core {
         } else {
             Vec::new()
         };
-        let stride = global.row_stride();
-        let row_bytes = stride * 4;
-        let codec = Codec::new(k, r).map_err(|e| PsError::Config(e.to_string()))?;
-        let mut redundancy = Redundancy::empty(&global, layout, me)?;
-        let mut tables = Vec::with_capacity(global.tables());
-        let (mut rebuilt_rows, mut rebuilt_bytes) = (0u64, 0u64);
-        let (mut waited, mut decoding) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
-        // Table t + 1 streams in while table t decodes.
-        let mut next = Some(tokio::spawn(fetch_table(
-            clients.clone(),
-            epoch,
-            0,
-            !parity_only,
-        )));
-        for t in 0..global.tables() {
-            let rows = global.table_rows[t];
-            let Some(fetching) = next.take() else {
-                return Err(PsError::Internal("rebuild: fetch not started".into()));
-            };
-            let wait_started = Instant::now();
-            let (mut data, parity) = fetching
-                .await
-                .map_err(|e| PsError::Internal(format!("rebuild: fetch task: {e}")))??;
-            // This server's own restored rows (re-encoding only).
-            let own = own_rows.get(t).cloned().unwrap_or_default();
-            if parity_only {
-                data.insert(me, own.clone());
-            }
-            waited += wait_started.elapsed();
-            if t + 1 < global.tables() {
-                next = Some(tokio::spawn(fetch_table(
-                    clients.clone(),
-                    epoch,
-                    t + 1,
-                    !parity_only,
-                )));
-            }
-            let decode_started = Instant::now();
-            // Survivors' slots by server index: no hashing per row.
-            let by_server = |held: BTreeMap<usize, Vec<u8>>| {
-                let mut v: Vec<Option<Vec<u8>>> = vec![None; layout.servers()];
-                for (s, bytes) in held {
-                    v[s] = Some(bytes);
-                }
-                v
-            };
-            let (data, parity) = (by_server(data), by_server(parity));
-            fn slot_bytes(
-                held: &[Option<Vec<u8>>],
-                server: usize,
-                local: usize,
-                row_bytes: usize,
-            ) -> Option<&[u8]> {
-                held[server]
-                    .as_deref()
-                    .and_then(|b| b.get(local * row_bytes..(local + 1) * row_bytes))
-            }
-            // Decodes stripe `j` from the survivors into `out`: its row `index` (data rows
-            // first, then parity rows).
-            let decode = |j: usize, index: usize, out: &mut [u8]| -> Result<(), PsError> {
-                let row_of = |n: usize| {
-                    let slot = if n < k {
-                        stripes.data_slot(t, j, n)
-                    } else {
-                        stripes.parity_slot(t, j, n - k)
-                    };
-                    let held = if n < k { &data } else { &parity };
-                    slot_bytes(held, slot.server, slot.local, row_bytes)
-                };
-                crate::degraded::decode_row(&codec, row_of, index, out)
-                    .map_err(|e| PsError::Degraded(format!("rebuild: table {t} stripe {j}: {e}")))
-            };
-            let (data_slots, _) = stripes.capacity(me, rows);
-            let mut mine = if parity_only {
-                own
-            } else {
-                vec![0u8; data_slots * row_bytes]
-            };
-            let held = &mut redundancy.parity[t];
-            // Decoding is CPU work: on this runtime thread, spread over rayon's threads.
-            let decoded = self.job.network().in_place(|| -> Result<u64, PsError> {
-                use rayon::prelude::*;
-                let data_rows: u64 = if parity_only {
-                    0
-                } else {
-                    mine.par_chunks_mut(row_bytes)
-                        .enumerate()
-                        .map(|(local, out)| match stripes.data_at(t, me, local, rows) {
-                            Some((j, i)) => decode(j, i, out).map(|()| 1),
-                            None => Ok(0),
-                        })
-                        .sum::<Result<u64, PsError>>()?
-                };
-                let parity_rows: u64 = held
-                    .par_chunks_mut(row_bytes)
-                    .enumerate()
-                    .map(|(local, out)| match stripes.parity_at(t, me, local, rows) {
-                        Some((j, p)) => decode(j, k + p, out).map(|()| 1),
-                        None => Ok(0),
-                    })
-                    .sum::<Result<u64, PsError>>()?;
-                Ok(data_rows + parity_rows)
-            })?;
-            rebuilt_rows += decoded;
-            decoding += decode_started.elapsed();
-            rebuilt_bytes += if parity_only {
-                held.len()
-            } else {
-                mine.len() + held.len()
-            } as u64;
-            self.faults.kill_at(points::REBUILD, None);
-            // Progress is best effort: a slow reader must not hold the rebuild up.
-            let _ = progress.try_send(Ok(RebuildReply {
-                bytes: rebuilt_bytes,
-                rows: rebuilt_rows,
-                seconds: started.elapsed().as_secs_f64(),
-                tables_done: t as u32 + 1,
-                tables: global.tables() as u32,
-                done: false,
-                serving: false,
-            }));
-            let values = bytes_to_f32s(&mine, "rebuilt rows")?;
-            tables.push(
-                EmbeddingTable::from_data(config.table_rows[t], global.dim, stride, values)
-                    .ok_or_else(|| PsError::Config("rebuilt table shape".into()))?,
-            );
-        }
+        let codec = Codec::new(stripes.params.k, stripes.params.r)
+            .map_err(|e| PsError::Config(e.to_string()))?;
+        let mut redundancy = Redundancy::empty(w.global, layout, me)?;
+        let plan = tables::TablePlan {
+            stripes,
+            codec: &codec,
+            me,
+            servers: layout.servers(),
+            row_bytes: w.global.row_stride() * 4,
+            parity_only: w.parity_only,
+        };
+        let rebuilt = tables::rebuild_tables(
+            &plan,
+            w,
+            own_rows,
+            &mut redundancy,
+            self.job.network(),
+            &self.faults,
+        )
+        .await?;
+        let (rebuilt_rows, mut rebuilt_bytes) = (rebuilt.rows, rebuilt.bytes);
         let parts = self
-            .fetch_dense_parts(&clients, epoch, &global, &config, parity_only)
+            .fetch_dense_parts(w.clients, w.epoch, w.global, w.config, w.parity_only)
             .await?;
         redundancy.replica = parts.replica;
         if layout.dense_coded() {
@@ -288,39 +178,39 @@ impl Core {
             bytes: rebuilt_bytes,
             rows: rebuilt_rows,
             seconds: 0.0,
-            tables_done: global.tables() as u32,
-            tables: global.tables() as u32,
+            tables_done: w.global.tables() as u32,
+            tables: w.global.tables() as u32,
             done: true,
             serving: true,
         };
         let Some(dense) = parts.dense else {
             // The data rows and dense range stay as restored; parity and the replica now
             // match them.
-            self.shard_write()?.set_redundancy(redundancy);
+            self.pipeline.shard_write()?.set_redundancy(redundancy);
             return Ok(RebuildReply {
-                seconds: started.elapsed().as_secs_f64(),
+                seconds: w.started.elapsed().as_secs_f64(),
                 ..totals
             });
         };
         let applied = parts.applied;
-        let state = ModelState::from_parts(config, tables, dense)?;
+        let state = ModelState::from_parts(w.config.clone(), rebuilt.tables, dense)?;
         {
-            let mut shard = self.shard_write()?;
+            let mut shard = self.pipeline.shard_write()?;
             shard.install_rebuilt(state, redundancy)?;
-            self.publish(epoch, |steps| *steps = applied);
+            self.pipeline.publish(w.epoch, |steps| *steps = applied);
         }
-        self.settle_older_epochs(epoch, &[])?;
+        self.settle_older_epochs(w.epoch, &[])?;
         // Cuts go on from here: the slot's history continues on its newest branch.
-        self.continue_history()?;
-        self.metrics.set("ftrec_epoch", epoch as f64);
+        self.ckpt.continue_history()?;
+        self.metrics.set("ftrec_epoch", w.epoch as f64);
         tracing::info!(
             "rebuilt {rebuilt_rows} rows, {rebuilt_bytes} bytes in {:.3} s: waiting for fetches {:.3} s, decoding {:.3} s",
-            started.elapsed().as_secs_f64(),
-            waited.as_secs_f64(),
-            decoding.as_secs_f64()
+            w.started.elapsed().as_secs_f64(),
+            rebuilt.waited.as_secs_f64(),
+            rebuilt.decoding.as_secs_f64()
         );
         Ok(RebuildReply {
-            seconds: started.elapsed().as_secs_f64(),
+            seconds: w.started.elapsed().as_secs_f64(),
             ..totals
         })
     }
@@ -353,8 +243,7 @@ impl Core {
         let mut redundancy = Redundancy::empty(global, layout, me)?;
         // A promoted spare's rows and parity are written already (`reserve.rs` here); elsewhere
         // these are lazily mapped allocations, as `Redundancy::empty`'s are.
-        let mut reserve =
-            std::mem::take(&mut *self.reserve.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut reserve = self.rebuilding.take_reserve();
         for (t, parity) in redundancy.parity.iter_mut().enumerate() {
             *parity = reserve.parity(t, parity.len());
         }
@@ -401,19 +290,12 @@ impl Core {
             );
         }
         let state = ModelState::from_parts(config, tables, dense)?;
-        let id = self
-            .background_ids
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        *self.background.lock().unwrap_or_else(|p| p.into_inner()) = Some(Background {
-            id,
-            lost,
-            codec: std::sync::Arc::new(codec),
-        });
+        self.rebuilding.start_background(lost, codec);
         {
-            let mut shard = self.shard_write()?;
+            let mut shard = self.pipeline.shard_write()?;
             shard.install_rebuilt(state, redundancy)?;
             shard.begin_background_rebuild(pending);
-            self.publish(epoch, |steps| *steps = parts.applied);
+            self.pipeline.publish(epoch, |steps| *steps = parts.applied);
         }
         self.settle_older_epochs(epoch, &[])?;
         self.metrics.set("ftrec_epoch", epoch as f64);
@@ -539,4 +421,16 @@ struct DenseParts {
     dense: Option<ftrec_model::DenseState>,
     applied: AppliedSteps,
     bytes: u64,
+}
+
+/// A rebuild of the whole slot before it serves: what every step of it reads.
+pub(super) struct WholeRebuild<'a> {
+    pub clients: &'a BTreeMap<usize, ServerClient>,
+    pub epoch: u64,
+    pub global: &'a ftrec_model::ModelConfig,
+    /// This slot's shard configuration.
+    pub config: &'a ftrec_model::ModelConfig,
+    pub parity_only: bool,
+    pub started: Instant,
+    pub progress: &'a tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
 }

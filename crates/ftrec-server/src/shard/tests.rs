@@ -2,6 +2,7 @@
 //! stage / commit seams, and the striped (erasure-coded) layout's shards.
 
 use super::*;
+use ftrec_model::Optimizer;
 use ftrec_proto::placement::LocalRow;
 
 /// A small model with Adam rows and Adam dense state (other tests of the crate use it).

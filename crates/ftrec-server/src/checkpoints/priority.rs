@@ -17,38 +17,39 @@ use ftrec_ckpt::{CheckpointKind, Checkpoints, Manifest};
 use ftrec_cpr::Prioritizer;
 use ftrec_model::EmbeddingTable;
 
-use crate::Core;
+use super::CheckpointContext;
+use crate::pipeline::UpdatePipeline;
 use crate::shard::{PostCommit, Shard, StagedRows};
 use ftrec_rpc::PsError;
 
 /// One tracker per local table; `None` for tables saved in full at every save.
-pub(super) struct PriorityState {
+pub(crate) struct PriorityState {
     trackers: Vec<Option<Box<dyn Prioritizer>>>,
     /// Time spent recording accesses, all the run: on each push's path, so it is what
     /// tracking costs training. Kept across restores.
     tracking: Duration,
 }
 
-pub(super) type SharedPriority = Arc<Mutex<PriorityState>>;
+pub(crate) type SharedPriority = Arc<Mutex<PriorityState>>;
 
 fn lock(p: &SharedPriority) -> MutexGuard<'_, PriorityState> {
     p.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// What a prioritised save wrote and cost.
-pub(super) struct PrioritySave {
-    pub(super) manifest: Manifest,
-    pub(super) tracker_bytes: u64,
-    pub(super) select_seconds: f64,
+pub(crate) struct PrioritySave {
+    pub(crate) manifest: Manifest,
+    pub(crate) tracker_bytes: u64,
+    pub(crate) select_seconds: f64,
     /// [`PriorityState::tracking`] so far, seconds.
-    pub(super) tracking_seconds: f64,
+    pub(crate) tracking_seconds: f64,
 }
 
 impl PriorityState {
     /// Trackers for the job's prioritised tables (`cpr.tables`, default the largest that
     /// hold 99% of the rows) over this server's local tables; `None` when the job saves
     /// no prioritised checkpoints.
-    pub(super) fn for_job(
+    pub(crate) fn for_job(
         job: &ftrec_rpc::Job,
         shard: &Shard,
         id: usize,
@@ -113,7 +114,7 @@ impl PriorityState {
 }
 
 /// Feeds each committed update's rows to the trackers.
-pub(super) struct PriorityTracking(pub(super) SharedPriority);
+pub(crate) struct PriorityTracking(pub(crate) SharedPriority);
 
 impl PostCommit for PriorityTracking {
     fn post_commit(&self, rows: &[StagedRows]) {
@@ -128,12 +129,12 @@ impl PostCommit for PriorityTracking {
     }
 }
 
-impl Core {
+impl CheckpointContext {
     /// A restore replaced the shard: every row equals its checkpoint, and what the
     /// trackers hold (counts, sampled rows, SCAR's copy) belongs to steps that are gone.
     /// The caller holds the shard's write lock and the commit turn, so no update records
     /// between the restore and this.
-    pub(super) fn reset_priority(&self, shard: &Shard) {
+    pub(crate) fn reset_priority(&self, shard: &Shard) {
         let Some(priority) = &self.priority else {
             return;
         };
@@ -143,8 +144,9 @@ impl Core {
     /// Writes this shard's prioritised save at `step`: the selected rows of each tracked
     /// table and every row of the others, as a delta whose parent is the shard's newest
     /// checkpoint on its branch (the last full cut or the previous save).
-    pub(super) fn write_priority(
+    pub(crate) fn write_priority(
         &self,
+        pipeline: &UpdatePipeline,
         checkpoints: &Checkpoints,
         step: u64,
     ) -> Result<PrioritySave, PsError> {
@@ -154,11 +156,8 @@ impl Core {
                 self.id
             )));
         };
-        let shard = self
-            .shard
-            .read()
-            .map_err(|_| PsError::Internal("shard lock poisoned".into()))?;
-        if !self.steps().is_cut_at(step) {
+        let shard = pipeline.shard_read()?;
+        if !pipeline.steps().is_cut_at(step) {
             return Err(PsError::BadRequest(format!(
                 "prioritised save of step {step} asked for, but server {} is not at a step \
                  boundary there",
@@ -195,7 +194,7 @@ impl Core {
         let tracker_bytes = state.memory_bytes();
         let tracking_seconds = state.tracking.as_secs_f64();
         drop(state);
-        let mut identity = self.identity(&shard, step);
+        let mut identity = self.identity(&shard, pipeline.live().epoch, step);
         identity.cpr_priority = Some(self.job.config.cpr.priority.name().into());
         writer.pin_step(step)?;
         let manifest = writer.write(

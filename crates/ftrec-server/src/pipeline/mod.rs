@@ -3,14 +3,23 @@
 //! decided by the [`CommitMode`], then post-commit observers.
 //!
 //! Two functions change state, and nothing else does:
-//! - [`Core::install`] applies a staged update (rows, dense range, replica, applied steps),
-//!   with the parity differences staged for the same step (its body, `install_locked`, is
-//!   what 2PC's commit runs under the lock it checks the epoch fence under);
+//! - [`UpdatePipeline::install`] (`state.rs`) applies a staged update (rows, dense range,
+//!   replica, applied steps), with the parity differences staged for the same step (its
+//!   body, `install_locked`, is what 2PC's commit runs under the lock it checks the epoch
+//!   fence under);
 //! - [`apply_parity_difference`] folds one data server's differences into parity rows.
 //!
 //! Two-phase commit is a mode of this pipeline, not a second path: phase 1 runs the same
-//! stages and parks the staged update with the commit turn (`ec.rs`); phase 2 calls
-//! [`Core::install`] as an immediate commit does.
+//! stages and parks the staged update with the commit turn (`ec/mod.rs`); phase 2 calls
+//! [`UpdatePipeline::install`] as an immediate commit does.
+//!
+//! `state.rs` holds the pipeline's state ([`UpdatePipeline`]); this file drives an update
+//! through it, with what else of the server an update needs (a background rebuild decodes
+//! the rows it touches first).
+
+mod state;
+
+pub(crate) use state::{Live, UpdatePipeline};
 
 use ftrec_faults::points;
 use ftrec_proto::proto::ParityUpdateRequest;
@@ -49,7 +58,7 @@ impl Core {
         mode: CommitMode,
     ) -> Result<Pushed, PsError> {
         let turn = match mode {
-            CommitMode::Immediate => self.commit_turn.clone().lock_owned().await,
+            CommitMode::Immediate => self.pipeline.owned_turn().await,
             CommitMode::TwoPhase => match self.turn_or_prepared(epoch, update.step).await? {
                 Ok(turn) => turn,
                 Err(staged) => {
@@ -57,32 +66,29 @@ impl Core {
                     // already. Its differences go out again: an abort may have dropped
                     // them at the holders since (a phase 1 that finished after its worker
                     // gave up on it). Holders replace a resent difference: idempotent.
-                    for observer in &self.pre_commit {
-                        observer.pre_commit(&staged).await?;
-                    }
+                    self.pipeline.pre_commit(&staged).await?;
                     return Ok(Pushed::Prepared { rows: 0 });
                 }
             },
         };
-        self.check_epoch(epoch)?;
-        if self.steps().contains(update.step) {
+        let pipeline = &self.pipeline;
+        pipeline.check_epoch(epoch)?;
+        if pipeline.steps().contains(update.step) {
             self.metrics.add("ftrec_duplicate_pushes_total", 1);
             return Ok(Pushed::Duplicate {
-                steps: self.steps().count(),
+                steps: pipeline.steps().count(),
             });
         }
         // A replacement rebuilding in the background decodes the rows this update needs
         // first (it holds the commit turn, so its own steps stand still meanwhile).
         self.materialize_update(&update).await?;
-        let staged = self.shard_read()?.stage_owned(update)?;
-        for observer in &self.pre_commit {
-            // A veto aborts the update: the staged rows are dropped, nothing is installed.
-            observer.pre_commit(&staged).await?;
-        }
+        let staged = pipeline.shard_read()?.stage_owned(update)?;
+        // A veto aborts the update: the staged rows are dropped, nothing is installed.
+        pipeline.pre_commit(&staged).await?;
         let rows = staged.rows_changed();
         match mode {
             CommitMode::Immediate => {
-                let steps = self.install(epoch, &staged, &[])?;
+                let steps = pipeline.install(epoch, &staged, &[])?;
                 drop(turn);
                 Ok(Pushed::Applied { steps, rows })
             }
@@ -92,64 +98,11 @@ impl Core {
                 if let Some(pause) = self.faults.delay_at(points::PREPARE, Some(staged.step)) {
                     tokio::time::sleep(pause).await;
                 }
-                self.ec()?.hold_prepared(self, epoch, staged, turn)?;
+                pipeline
+                    .ec()?
+                    .hold_prepared(&self.faults, epoch, staged, turn)?;
                 Ok(Pushed::Prepared { rows })
             }
-        }
-    }
-
-    /// Applies a staged update to the shard, with `parity` (the differences other servers
-    /// staged for the same step), and records the step as applied. The caller holds the
-    /// commit turn (or the prepared update that holds it).
-    pub(crate) fn install(
-        &self,
-        epoch: u64,
-        staged: &StagedUpdate,
-        parity: &[ParityUpdateRequest],
-    ) -> Result<u64, PsError> {
-        let steps = {
-            let mut shard = self.shard_write()?;
-            // Restores and recoveries take the turn too, so this holds; checked where it
-            // matters anyway, under the lock that installs.
-            self.check_epoch(epoch)?;
-            self.install_locked(&mut shard, epoch, staged, parity)?
-        };
-        self.after_commit(staged);
-        Ok(steps)
-    }
-
-    /// [`Core::install`]'s change, under the shard's write lock the caller holds (2PC's
-    /// commit checks the epoch fence under the same lock). The caller then runs
-    /// [`Core::after_commit`].
-    pub(crate) fn install_locked(
-        &self,
-        shard: &mut Shard,
-        epoch: u64,
-        staged: &StagedUpdate,
-        parity: &[ParityUpdateRequest],
-    ) -> Result<u64, PsError> {
-        // The commit turn keeps the dense ranges as staged; a change between would make
-        // the staged gradient apply to other values than the step's.
-        if !shard.dense_unchanged_since(staged) {
-            return Err(PsError::Internal(format!(
-                "step {}: the dense range changed between stage and commit",
-                staged.step
-            )));
-        }
-        for request in parity {
-            apply_parity_difference(shard, request, &self.faults)?;
-        }
-        shard.commit(staged);
-        flip_installed_row(shard, staged, &self.faults)?;
-        Ok(self.publish(epoch, |steps| {
-            steps.insert(staged.step);
-        }))
-    }
-
-    /// The post-commit observers, once the shard lock is released.
-    pub(crate) fn after_commit(&self, staged: &StagedUpdate) {
-        for observer in &self.post_commit {
-            observer.post_commit(staged.rows());
         }
     }
 
@@ -163,7 +116,7 @@ impl Core {
         step: u64,
     ) -> Result<Result<tokio::sync::OwnedMutexGuard<()>, std::sync::Arc<StagedUpdate>>, PsError>
     {
-        let ec = self.ec()?;
+        let ec = self.pipeline.ec()?;
         loop {
             let changed = ec.prepared_changed.notified();
             tokio::pin!(changed);
@@ -175,7 +128,7 @@ impl Core {
             // ready branches at random otherwise, and a seed would not replay.
             tokio::select! {
                 biased;
-                turn = self.commit_turn.clone().lock_owned() => return Ok(Ok(turn)),
+                turn = self.pipeline.owned_turn() => return Ok(Ok(turn)),
                 _ = changed => {}
             }
         }
@@ -184,7 +137,7 @@ impl Core {
     /// Decodes the pending rows an update touches (a replacement rebuilding in the
     /// background); nothing when no rebuild is under way.
     async fn materialize_update(&self, update: &Update) -> Result<(), PsError> {
-        if self.shard_read()?.pending().is_none() {
+        if self.pipeline.shard_read()?.pending().is_none() {
             return Ok(());
         }
         let wanted: Vec<(usize, Vec<u32>)> = update

@@ -22,14 +22,15 @@ use ftrec_model::ModelState;
 use ftrec_proto::identity::ShardIdentity;
 use ftrec_rpc::PsError;
 
-use crate::Core;
+use super::CheckpointContext;
+use crate::pipeline::UpdatePipeline;
 
 /// The own saves' snapshot buffer and checkpointer. A mutex of its own, not the cuts'
 /// checkpointer: the update pipeline's tracking locks that one at every commit, and must
 /// never wait on this disk write. Restores, history changes and pruning take this one
 /// too, so none runs beside a save in progress.
 #[derive(Default)]
-pub(super) struct OwnSaveSlot {
+pub(crate) struct OwnSaveSlot {
     snapshot: Option<ModelState>,
     checkpointer: Option<Checkpointer>,
 }
@@ -47,7 +48,7 @@ impl OwnSaveSlot {
 }
 
 /// A committed own save.
-pub(super) struct OwnSave {
+pub(crate) struct OwnSave {
     pub manifest: Manifest,
     /// The applied floor it was taken at.
     pub step: u64,
@@ -55,8 +56,12 @@ pub(super) struct OwnSave {
     pub stall_seconds: f64,
 }
 
-impl Core {
-    pub(super) fn write_own_save(&self, checkpoints: &Checkpoints) -> Result<OwnSave, PsError> {
+impl CheckpointContext {
+    pub(crate) fn write_own_save(
+        &self,
+        pipeline: &UpdatePipeline,
+        checkpoints: &Checkpoints,
+    ) -> Result<OwnSave, PsError> {
         let mut slot = lock(&self.own_save);
         let OwnSaveSlot {
             snapshot,
@@ -67,21 +72,21 @@ impl Core {
             // The first save's room, allocated outside the shard lock: faulting in a
             // shard's worth of fresh pages takes several times as long as the copy.
             None => {
-                let config = self.shard_read()?.state().config().clone();
+                let config = pipeline.shard_read()?.state().config().clone();
                 snapshot.insert(ModelState::zeroed_resident(&config)?)
             }
         };
         let copying = Instant::now();
         let (step, identity) = {
-            let shard = self.shard_read()?;
+            let shard = pipeline.shard_read()?;
             // Steps change only under the shard's write lock: this read agrees with the
             // state copied below.
-            let steps = self.steps();
+            let steps = pipeline.steps();
             let (step, ahead) = (steps.low(), steps.ahead().collect());
             drop(steps);
             let identity = ShardIdentity {
                 applied_ahead: ahead,
-                ..self.identity(&shard, step)
+                ..self.identity(&shard, pipeline.live().epoch, step)
             };
             snapshot.clone_from(shard.state());
             (step, identity)

@@ -1,6 +1,17 @@
 //! The shard's checkpoints: the writer lease, the job's checkpoint strategy over the
 //! shard (its delta tracker fed by the update pipeline), writing a cut, restoring one, and
 //! deleting the cuts the coordinator no longer keeps.
+//!
+//! Files: `context.rs` holds what checkpoints need ([`CheckpointContext`]) and its
+//! invariants; this one writes, restores and prunes cuts; `own_save.rs` takes
+//! `cpr.uncoordinated`'s saves while training goes on; `priority.rs` takes CPR's
+//! prioritised partial saves. Each takes the update pipeline where it reads the shard.
+
+mod context;
+pub(crate) mod own_save;
+pub(crate) mod priority;
+
+pub(crate) use context::CheckpointContext;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -8,7 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ftrec_ckpt::lease::LeaseOptions;
 use ftrec_ckpt::{BranchStart, Checkpointer, Checkpoints, GcOptions, Manifest};
 
-use crate::Core;
+use crate::pipeline::UpdatePipeline;
 use crate::shard::{PostCommit, StagedRows};
 use ftrec_proto::identity::{EcIdentity, ShardIdentity};
 use ftrec_rpc::PsError;
@@ -55,17 +66,22 @@ impl PostCommit for Tracking {
     }
 }
 
-impl Core {
+impl CheckpointContext {
     /// What a shard checkpoint says of itself: whose shard, under which placement (with
     /// what a reader needs to invert it: the global table sizes and, for erasure coding,
     /// the code's parameters), of which job, epoch and step.
-    pub(super) fn identity(&self, shard: &crate::shard::Shard, step: u64) -> ShardIdentity {
+    pub(super) fn identity(
+        &self,
+        shard: &crate::shard::Shard,
+        epoch: u64,
+        step: u64,
+    ) -> ShardIdentity {
         ShardIdentity {
             version: ShardIdentity::VERSION,
             fingerprint: self.job.fingerprint(),
             server: self.id,
             servers: self.layout.servers(),
-            epoch: self.live().epoch,
+            epoch,
             placement: self.layout.scheme(),
             global_table_rows: shard.global_config().table_rows.clone(),
             step,
@@ -121,17 +137,15 @@ impl Core {
     /// Takes this shard's checkpoint of the cut at `step` with the job's strategy. Returns
     /// once the shard is copied (for DECK and IncrCP the commit goes on in the background),
     /// with whether it is committed already: the coordinator counts a cut only once every
-    /// server's part is durable ([`Core::cut_committed`]).
-    pub(super) fn write_cut(
+    /// server's part is durable ([`CheckpointContext::cut_committed`]).
+    pub(crate) fn write_cut(
         &self,
+        pipeline: &UpdatePipeline,
         checkpoints: &Checkpoints,
         step: u64,
     ) -> Result<(Manifest, bool), PsError> {
-        let shard = self
-            .shard
-            .read()
-            .map_err(|_| PsError::Internal("shard lock poisoned".into()))?;
-        let steps = self.steps();
+        let shard = pipeline.shard_read()?;
+        let steps = pipeline.steps();
         if !steps.is_cut_at(step) {
             return Err(PsError::BadRequest(format!(
                 "checkpoint of step {step} asked for, but server {} has applied {} steps \
@@ -146,7 +160,7 @@ impl Core {
         if let Some(done) = self.committed_part(checkpoints, step)? {
             return Ok((done, true));
         }
-        let identity = self.identity(&shard, step);
+        let identity = self.identity(&shard, pipeline.live().epoch, step);
         let mut guard = lock(&self.checkpointer);
         if guard.is_none() {
             let tables = shard.state().tables().len();
@@ -205,7 +219,7 @@ impl Core {
     /// step on the branch being written (a DECK merged checkpoint counts for the delta it
     /// replaced). A background write that failed is an error, and the next cut starts over
     /// with a full checkpoint.
-    pub(super) fn cut_committed(
+    pub(crate) fn cut_committed(
         &self,
         checkpoints: &Checkpoints,
         step: u64,
@@ -230,12 +244,12 @@ impl Core {
     /// Back to the initial shard: whatever this slot committed before is another history,
     /// so new checkpoints go to a branch of their own, with a new checkpointer (the old
     /// one's tracked rows and in-flight writes belong to the history left behind).
-    pub(super) fn restart_history(&self) -> Result<(), PsError> {
+    pub(crate) fn restart_history(&self) -> Result<(), PsError> {
         // Held to the end, so no own save writes on the history being left.
-        let mut own_save = crate::own_save::lock(&self.own_save);
+        let mut own_save = own_save::lock(&self.own_save);
         own_save.forget_history();
         *lock(&self.checkpointer) = None;
-        if let Some(checkpoints) = &self.checkpoints {
+        if let Some(checkpoints) = &self.location {
             let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
             *writer = None;
             let start = BranchStart::Fresh { new_branch: true };
@@ -247,11 +261,11 @@ impl Core {
     /// A rebuilt replacement continues its slot's history: it writes on the branch of the
     /// slot's newest checkpoint (its state is newer than all of them), with a new
     /// checkpointer, so its first cut is a full checkpoint.
-    pub(super) fn continue_history(&self) -> Result<(), PsError> {
-        let Some(checkpoints) = &self.checkpoints else {
+    pub(crate) fn continue_history(&self) -> Result<(), PsError> {
+        let Some(checkpoints) = &self.location else {
             return Ok(());
         };
-        let mut own_save = crate::own_save::lock(&self.own_save);
+        let mut own_save = own_save::lock(&self.own_save);
         own_save.forget_history();
         *lock(&self.checkpointer) = None;
         let newest = checkpoints
@@ -273,13 +287,13 @@ impl Core {
     /// Restores the shard checkpoint of cut `step` (or this server's own save of that
     /// step), then writes on from there. Returns the state, the checkpoint's id, and the
     /// steps above `step` the state also holds (an own save's).
-    pub(super) fn restore_cut(
+    pub(crate) fn restore_cut(
         &self,
         checkpoints: &Checkpoints,
         step: u64,
     ) -> Result<(ftrec_model::ModelState, String, Vec<u64>), PsError> {
         // An own save still writing finishes first, on the history it belongs to.
-        let mut own_save = crate::own_save::lock(&self.own_save);
+        let mut own_save = own_save::lock(&self.own_save);
         own_save.forget_history();
         let all = checkpoints.list_readable()?;
         let id = self.cut_checkpoint(&all, step).ok_or_else(|| {
@@ -318,12 +332,12 @@ impl Core {
     /// `keep_steps`) and what their restores read, plus abandoned uncommitted data. Cuts
     /// are found by step, as a restore finds them: a DECK merge may have replaced a cut's
     /// delta by a merged checkpoint since. Returns how many checkpoints went.
-    pub(super) fn prune(&self, keep_steps: &[u64]) -> Result<u64, PsError> {
-        let Some(checkpoints) = &self.checkpoints else {
+    pub(crate) fn prune(&self, keep_steps: &[u64]) -> Result<u64, PsError> {
+        let Some(checkpoints) = &self.location else {
             return Ok(0);
         };
         // Not beside an own save in progress: its data is not committed yet.
-        let _own_save = crate::own_save::lock(&self.own_save);
+        let _own_save = own_save::lock(&self.own_save);
         let writer = self.writer(checkpoints)?;
         let all = writer.list_readable()?;
         let keep: Vec<String> = keep_steps
@@ -338,3 +352,6 @@ impl Core {
         Ok(report.checkpoints.len() as u64)
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,7 +1,7 @@
 //! Erasure coding on a server (ECRec §3.2, §3.5): difference propagation as a pre-commit
 //! observer, parity differences received from other servers, and two-phase commit.
 //!
-//! Two-phase commit, as built here (a commit mode of the one pipeline, `pipeline.rs`):
+//! Two-phase commit, as built here (a commit mode of the one pipeline, `pipeline/`):
 //! - Phase 1 (`Push` with `prepare`): the server takes its commit turn, stages the update,
 //!   sends `old XOR new` of every changed row to the stripe's parity holders, which *stage*
 //!   them, and keeps the staged update with the turn until phase 2. Holding the turn keeps
@@ -20,238 +20,25 @@
 //!   (`SetEpoch.finish`): those are committed where prepared, the rest dropped. So a step
 //!   ends applied on every server or on none, whatever the timing of the fence.
 
+mod peers;
+mod propagate;
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use ftrec_ec::{Codec, StripeLayout};
 use tokio::sync::OwnedMutexGuard;
+
+pub(crate) use peers::Peers;
+pub(crate) use propagate::ParityPropagator;
 
 use crate::Core;
 use crate::pipeline::apply_parity_difference;
+use crate::shard::StagedUpdate;
 use crate::shard::dense_code::DENSE_TABLE;
-use crate::shard::{PreCommit, StagedUpdate};
 use ftrec_faults::points;
-use ftrec_proto::placement::GlobalRow;
 use ftrec_proto::proto::*;
-use ftrec_proto::wire::{bytes_to_u32s, u32s_to_bytes};
+use ftrec_proto::wire::bytes_to_u32s;
 use ftrec_rpc::PsError;
-use ftrec_rpc::client::{Connector, ServerClient};
-use ftrec_rpc::leader::CoordinatorLink;
-
-/// Clients for the other servers, from the coordinator's placement map, refreshed when a
-/// slot changes hands.
-pub(super) struct Peers {
-    coordinator: CoordinatorLink,
-    connector: Connector,
-    /// The placement map, and the epoch this server was in when it was fetched.
-    map: tokio::sync::Mutex<(u64, Vec<(String, ServerClient)>)>,
-}
-
-impl Peers {
-    pub(super) fn new(coordinator: CoordinatorLink, connector: Connector) -> Self {
-        Self {
-            coordinator,
-            connector,
-            map: tokio::sync::Mutex::new((0, Vec::new())),
-        }
-    }
-
-    /// A client for `server`, fetching the placement map when it is unknown, `fresh`, or
-    /// older than `epoch`. A new epoch may have replaced a peer, and the old address can
-    /// be silent rather than refusing (a frozen host, a link down): a call there would
-    /// wait out its whole deadline before any retry learned the new address.
-    pub(super) async fn client(
-        &self,
-        server: usize,
-        fresh: bool,
-        epoch: u64,
-    ) -> Result<ServerClient, PsError> {
-        let mut guard = self.map.lock().await;
-        let (fetched_in, map) = &mut *guard;
-        if fresh || *fetched_in < epoch || map.get(server).is_none_or(|(a, _)| a.is_empty()) {
-            let placement = self.coordinator.placement().await?;
-            // Only a map that arrived counts as fetched in this epoch.
-            *fetched_in = epoch;
-            *map = placement
-                .servers
-                .into_iter()
-                .map(|a| {
-                    let client =
-                        self.connector
-                            .server(if a.is_empty() { "0.0.0.0:0" } else { &a })?;
-                    Ok((a, client))
-                })
-                .collect::<Result<_, PsError>>()?;
-        }
-        map.get(server)
-            .filter(|(a, _)| !a.is_empty())
-            .map(|(_, c)| c.clone())
-            .ok_or_else(|| PsError::Unavailable(format!("server {server} has no address yet")))
-    }
-}
-
-/// Per parity holder: its slots, the coefficients and the differences, back to back.
-#[derive(Default)]
-struct HolderDeltas {
-    locals: Vec<u32>,
-    coefs: Vec<u8>,
-    deltas: Vec<u8>,
-}
-
-/// Sends each changed row's difference to its parity holders before the update installs
-/// (the pre-commit observer of an erasure-coded server).
-pub(super) struct ParityPropagator {
-    pub id: usize,
-    pub stripes: StripeLayout,
-    pub codec: Arc<Codec>,
-    pub two_phase: bool,
-    pub peers: Arc<Peers>,
-    pub epoch: tokio::sync::watch::Receiver<crate::Live>,
-    /// The recovery fence (`EcState::fence_watch`): raised by a recovery's first round,
-    /// before the new epoch is published.
-    pub fence: tokio::sync::watch::Receiver<u64>,
-}
-
-impl ParityPropagator {
-    /// The request to parity holder `server` for `step`, started empty if new.
-    fn request_to<'a>(
-        &self,
-        out: &'a mut BTreeMap<usize, ParityUpdateRequest>,
-        server: usize,
-        epoch: u64,
-        step: u64,
-    ) -> &'a mut ParityUpdateRequest {
-        out.entry(server).or_insert_with(|| ParityUpdateRequest {
-            epoch,
-            step,
-            source: self.id as u32,
-            staged: self.two_phase,
-            tables: Vec::new(),
-        })
-    }
-
-    /// One request per parity holder: slots, coefficients and differences.
-    fn requests(&self, staged: &StagedUpdate, epoch: u64) -> BTreeMap<usize, ParityUpdateRequest> {
-        let mut out: BTreeMap<usize, ParityUpdateRequest> = BTreeMap::new();
-        let r = self.stripes.params.r;
-        let mut delta = Vec::new();
-        for rows in staged.rows() {
-            let stride = rows.old.len() / rows.globals.len().max(1);
-            let row_bytes = stride * 4;
-            let old: &[u8] = bytemuck::cast_slice(&rows.old);
-            let new: &[u8] = bytemuck::cast_slice(&rows.new);
-            let mut per_holder: BTreeMap<usize, HolderDeltas> = BTreeMap::new();
-            for (n, &g) in rows.globals.iter().enumerate() {
-                let span = n * row_bytes..(n + 1) * row_bytes;
-                if old[span.clone()] == new[span.clone()] {
-                    continue;
-                }
-                delta.resize(row_bytes, 0);
-                ftrec_ec::xor_into(&old[span.clone()], &new[span], &mut delta);
-                let (stripe, position) = self.stripes.stripe_of(GlobalRow(g).0 as usize);
-                for p in 0..r {
-                    let slot = self.stripes.parity_slot(rows.table, stripe, p);
-                    let entry = per_holder.entry(slot.server).or_default();
-                    entry.locals.push(slot.local as u32);
-                    entry.coefs.push(self.codec.coefficient(p, position));
-                    entry.deltas.extend_from_slice(&delta);
-                }
-            }
-            for (
-                server,
-                HolderDeltas {
-                    locals,
-                    coefs,
-                    deltas,
-                },
-            ) in per_holder
-            {
-                self.request_to(&mut out, server, epoch, staged.step)
-                    .tables
-                    .push(ParityDelta {
-                        table: rows.table as u32,
-                        locals: u32s_to_bytes(&locals),
-                        coefs: coefs.into(),
-                        deltas: deltas.into(),
-                    });
-            }
-        }
-        // Dense ranges coded: this server's dense row changed too (every step).
-        if let Some(delta) = staged.dense_delta() {
-            let (g, _) = self.stripes.group_of_server(self.id);
-            let (stripe, position) = self.stripes.dense_stripe_of(self.id);
-            for p in 0..r {
-                let holder = self.stripes.dense_parity_holder(g, stripe, p);
-                self.request_to(&mut out, holder, epoch, staged.step)
-                    .tables
-                    .push(ParityDelta {
-                        table: DENSE_TABLE,
-                        locals: u32s_to_bytes(&[stripe as u32]),
-                        coefs: vec![self.codec.coefficient(p, position)].into(),
-                        deltas: delta.to_vec().into(),
-                    });
-            }
-        }
-        out
-    }
-}
-
-#[tonic::async_trait]
-impl PreCommit for ParityPropagator {
-    async fn pre_commit(&self, staged: &StagedUpdate) -> Result<(), PsError> {
-        let epoch = self.epoch.borrow().epoch;
-        let calls = self
-            .requests(staged, epoch)
-            .into_iter()
-            .map(|(server, req)| {
-                let peers = self.peers.clone();
-                async move {
-                    let mut last = None;
-                    // A replacement took the slot: its new address is one map refresh away.
-                    for fresh in [false, true] {
-                        let mut client = peers
-                            .client(server, fresh, epoch)
-                            .await
-                            .map_err(|e| e.blaming(server))?;
-                        match client.parity_update(req.clone()).await {
-                            Ok(_) => return Ok(()),
-                            Err(s) => {
-                                last = Some(PsError::rpc(
-                                    format!("parity update to server {server}"),
-                                    &s,
-                                ))
-                            }
-                        }
-                    }
-                    Err(last
-                        .unwrap_or_else(|| PsError::Unavailable(format!("server {server}")))
-                        .blaming(server))
-                }
-            });
-        // A new epoch fences this update (the servers refuse it now), and a peer that went
-        // silent must not hold the commit turn, which the recovery needs, for a deadline.
-        // A recovery's fence comes first (the new epoch is published only once the
-        // survivors settled, which needs the turn this update holds), so both end it.
-        let mut live = self.epoch.clone();
-        let mut fence = self.fence.clone();
-        let results = tokio::select! {
-            biased;
-            results = futures::future::join_all(calls) => results,
-            moved = live.wait_for(|l| l.epoch != epoch) => {
-                let current = moved.map(|l| l.epoch).unwrap_or(epoch);
-                return Err(PsError::StaleEpoch { got: epoch, current });
-            }
-            fenced = fence.wait_for(|&f| f > epoch) => {
-                let current = fenced.map(|f| *f).unwrap_or(epoch);
-                return Err(PsError::StaleEpoch { got: epoch, current });
-            }
-        };
-        for result in results {
-            result?;
-        }
-        Ok(())
-    }
-}
 
 /// A phase-1 update waiting for its decision, holding the commit turn.
 struct Prepared {
@@ -360,13 +147,13 @@ impl EcState {
     /// turn, for phase 2.
     pub(crate) fn hold_prepared(
         &self,
-        core: &Core,
+        faults: &ftrec_faults::Faults,
         epoch: u64,
         staged: StagedUpdate,
         turn: OwnedMutexGuard<()>,
     ) -> Result<(), PsError> {
         let step = staged.step;
-        core.faults.kill_at(points::PREPARE, Some(step));
+        faults.kill_at(points::PREPARE, Some(step));
         let mut prepared = lock(&self.prepared);
         // Under the lock the fence is raised under: a recovery that fenced this epoch finds
         // the step here (and decides it) or it is never prepared.
@@ -388,24 +175,18 @@ impl EcState {
 }
 
 impl Core {
-    pub(crate) fn ec(&self) -> Result<&EcState, PsError> {
-        self.ec.as_ref().ok_or_else(|| {
-            PsError::Config("this cluster does not erasure code (cluster.ft)".into())
-        })
-    }
-
     /// Folds (or stages, under 2PC) parity differences from a data server.
     pub(super) fn parity_update(&self, req: ParityUpdateRequest) -> Result<(), PsError> {
-        self.check_epoch(req.epoch)?;
-        let ec = self.ec()?;
+        self.pipeline.check_epoch(req.epoch)?;
+        let ec = self.pipeline.ec()?;
         // Checked whole, up front, so a staged request folds without an error at commit
         // and a bad one changes nothing.
-        validate_parity_update(&*self.shard_read()?, &req)?;
+        validate_parity_update(&*self.pipeline.shard_read()?, &req)?;
         if req.staged {
             let mut staged = lock(&ec.staged_parity);
             // This server committed the step already, with every difference staged for it
             // then: a late or resent one has nothing left to join.
-            if self.steps().contains(req.step) {
+            if self.pipeline.steps().contains(req.step) {
                 return Ok(());
             }
             let entries = staged.entry(req.step).or_default();
@@ -423,7 +204,7 @@ impl Core {
         if folded.contains(&key) {
             return Ok(());
         }
-        let mut shard = self.shard_write()?;
+        let mut shard = self.pipeline.shard_write()?;
         apply_parity_difference(&mut shard, &req, &self.faults)?;
         folded.push_back(key);
         if folded.len() > 4096 {
@@ -435,8 +216,8 @@ impl Core {
     /// 2PC phase 2, abort: drops what phase 1 prepared for `step` and the parity
     /// differences staged for it. Returns the applied-step count.
     pub(super) fn abort_step(&self, epoch: u64, step: u64) -> Result<u64, PsError> {
-        self.check_epoch(epoch)?;
-        let ec = self.ec()?;
+        self.pipeline.check_epoch(epoch)?;
+        let ec = self.pipeline.ec()?;
         let dropped = ec.take_prepared(step, epoch);
         ec.take_staged_parity(step, epoch);
         tracing::debug!(
@@ -445,14 +226,14 @@ impl Core {
         );
         // Dropping the prepared update releases the commit turn.
         drop(dropped);
-        Ok(self.steps().count())
+        Ok(self.pipeline.steps().count())
     }
 
     /// 2PC phase 2, commit: installs what phase 1 prepared for `step` with the parity
     /// differences staged for it. Returns the applied-step count.
     pub(super) async fn commit_step(&self, epoch: u64, step: u64) -> Result<u64, PsError> {
-        self.check_epoch(epoch)?;
-        let ec = self.ec()?;
+        self.pipeline.check_epoch(epoch)?;
+        let ec = self.pipeline.ec()?;
         if ec.fenced_past(epoch) {
             return Err(ec.fenced(epoch));
         }
@@ -464,19 +245,19 @@ impl Core {
         }
         self.faults.kill_at(points::COMMIT, Some(step));
         let (prepared, applied) = {
-            let mut shard = self.shard_write()?;
+            let mut shard = self.pipeline.shard_write()?;
             // The epoch, the fence and the install are one step under this lock, which
             // every fence is raised under: a commit lands before a recovery's fence (which
             // then counts it applied) or is refused after it.
-            self.check_epoch(epoch)?;
+            self.pipeline.check_epoch(epoch)?;
             if ec.fenced_past(epoch) {
                 return Err(ec.fenced(epoch));
             }
             let prepared = ec.take_prepared(step, epoch);
             let Some(prepared) = prepared else {
-                if self.steps().contains(step) {
+                if self.pipeline.steps().contains(step) {
                     // A retried commit whose first attempt went through.
-                    return Ok(self.steps().count());
+                    return Ok(self.pipeline.steps().count());
                 }
                 return Err(PsError::NotPrepared {
                     server: self.id as u32,
@@ -485,10 +266,12 @@ impl Core {
                 });
             };
             let parity = ec.take_staged_parity(step, epoch);
-            let applied = self.install_locked(&mut shard, epoch, &prepared.staged, &parity)?;
+            let applied =
+                self.pipeline
+                    .install_locked(&mut shard, epoch, &prepared.staged, &parity)?;
             (prepared, applied)
         };
-        self.after_commit(&prepared.staged);
+        self.pipeline.after_commit(&prepared.staged);
         // Dropping `prepared` here releases the commit turn for the next update.
         drop(prepared);
         Ok(applied)
@@ -497,10 +280,10 @@ impl Core {
     /// Raises the fence to `epoch`: from now on no step of an older epoch is prepared or
     /// committed here. Under the shard's write lock, so no commit straddles it.
     pub(super) fn raise_fence(&self, epoch: u64) -> Result<(), PsError> {
-        let Some(ec) = &self.ec else {
+        let Some(ec) = self.pipeline.ec_state() else {
             return Ok(());
         };
-        let _shard = self.shard_write()?;
+        let _shard = self.pipeline.shard_write()?;
         let _prepared = lock(&ec.prepared);
         ec.raise(epoch);
         Ok(())
@@ -511,13 +294,13 @@ impl Core {
     /// server before the fence) are committed where prepared, with the differences staged
     /// for them, and everything else of older epochs is dropped.
     pub(super) fn settle_older_epochs(&self, epoch: u64, finish: &[u64]) -> Result<(), PsError> {
-        let Some(ec) = &self.ec else {
+        let Some(ec) = self.pipeline.ec_state() else {
             return Ok(());
         };
         let mut finished = Vec::new();
         let mut dropped = Vec::new();
         {
-            let mut shard = self.shard_write()?;
+            let mut shard = self.pipeline.shard_write()?;
             let mut prepared = lock(&ec.prepared);
             ec.raise(epoch);
             let older: Vec<u64> = prepared
@@ -531,8 +314,9 @@ impl Core {
                 };
                 if finish.contains(&step) {
                     let parity = ec.take_staged_parity(step, p.epoch);
-                    let live = self.live().epoch;
-                    self.install_locked(&mut shard, live, &p.staged, &parity)?;
+                    let live = self.pipeline.live().epoch;
+                    self.pipeline
+                        .install_locked(&mut shard, live, &p.staged, &parity)?;
                     tracing::info!(
                         "step {step} of epoch {}: committed by the recovery",
                         p.epoch
@@ -549,7 +333,7 @@ impl Core {
             staged.retain(|_, v| !v.is_empty());
         }
         for p in &finished {
-            self.after_commit(&p.staged);
+            self.pipeline.after_commit(&p.staged);
         }
         // The turns they held go with them.
         drop(finished);
