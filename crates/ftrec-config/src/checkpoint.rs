@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use ftrec_ckpt::{Checkpointer, Checkpoints, Strategy, StrategyConfig};
+use ftrec_ckpt::{Strategy, StrategyConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::ConfigError;
@@ -188,19 +188,5 @@ impl CheckpointSection {
         )
         .map(Some)
         .map_err(|e| ConfigError::Invalid(format!("checkpoint: {e}")))
-    }
-
-    /// The checkpointer this section asks for, writing through `checkpoints` (a handle
-    /// that holds the location's writer lease), for a model of `tables` tables: the
-    /// trainer's, and each cluster server's over its shard.
-    pub fn checkpointer(
-        &self,
-        checkpoints: Checkpoints,
-        tables: usize,
-    ) -> Result<Option<Checkpointer>, ConfigError> {
-        let Some(config) = self.strategy_config()? else {
-            return Ok(None);
-        };
-        Ok(Some(Checkpointer::start(checkpoints, config, tables)?))
     }
 }

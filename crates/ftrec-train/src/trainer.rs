@@ -214,7 +214,10 @@ impl Trainer {
                 );
             }
             self.writer_start = Some(started);
-            let Some(mut ck) = c.checkpointer(checkpoints, self.model_config.tables())? else {
+            let tables = self.model_config.tables();
+            let Some(mut ck) =
+                Checkpointer::start_configured(checkpoints, c.strategy_config()?, tables)?
+            else {
                 return Ok(());
             };
             if let Some(speed) = self.restore_bytes_per_second {

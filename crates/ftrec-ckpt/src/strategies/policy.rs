@@ -128,6 +128,18 @@ fn cap_reached(full_every: u64, since_full: u64) -> bool {
 }
 
 impl Checkpointer {
+    /// The checkpointer a job's configuration describes (`checkpoint.strategy_config()`),
+    /// or none for a job that takes no checkpoints.
+    pub fn start_configured(
+        checkpoints: Checkpoints,
+        config: Option<StrategyConfig>,
+        tables: usize,
+    ) -> Result<Option<Self>, CkptError> {
+        config
+            .map(|config| Self::start(checkpoints, config, tables))
+            .transpose()
+    }
+
     /// A checkpointer for `tables` tables, writing to `checkpoints`.
     pub fn start(
         checkpoints: Checkpoints,

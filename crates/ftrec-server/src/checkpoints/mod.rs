@@ -165,7 +165,8 @@ impl CheckpointContext {
         if guard.is_none() {
             let tables = shard.state().tables().len();
             let writer = self.writer(checkpoints)?;
-            *guard = self.job.config.checkpoint.checkpointer(writer, tables)?;
+            let config = self.job.config.checkpoint.strategy_config()?;
+            *guard = Checkpointer::start_configured(writer, config, tables)?;
         }
         let Some(ck) = guard.as_mut() else {
             return Err(PsError::Config(

@@ -104,11 +104,11 @@ impl CheckpointContext {
         }
         if checkpointer.is_none() {
             let tables = snapshot.tables().len();
-            *checkpointer = self
-                .job
-                .config
-                .checkpoint
-                .checkpointer(self.writer(checkpoints)?, tables)?;
+            *checkpointer = Checkpointer::start_configured(
+                self.writer(checkpoints)?,
+                self.job.config.checkpoint.strategy_config()?,
+                tables,
+            )?;
         }
         let Some(ck) = checkpointer.as_mut() else {
             return Err(PsError::Config(
