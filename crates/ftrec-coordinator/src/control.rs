@@ -6,41 +6,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::planner::{self, Cause, RecoveryAction, Situation};
-use crate::tasks::run_task;
-use crate::{MAX_RESPAWNS, Member, Phase, Shared, State};
+use crate::planner::{self, Cause, Situation};
+use crate::state::{Phase, State};
+use crate::tasks::{Task, run_task};
+use crate::{MAX_RESPAWNS, Shared};
 use ftrec_proto::timeline::{EventKind, Subject};
-
-/// Work the control loop decided on under the lock and runs after releasing it.
-pub(super) enum Task {
-    Checkpoint {
-        epoch: u64,
-        step: u64,
-        /// CPR: a prioritised save rather than a cut.
-        priority: bool,
-    },
-    /// `cpr.uncoordinated`: these servers save their own shards while training goes on;
-    /// `step` is the first step not granted when they became due.
-    OwnSaves {
-        epoch: u64,
-        step: u64,
-        servers: Vec<usize>,
-    },
-    Recover {
-        epoch: u64,
-        action: RecoveryAction,
-    },
-    /// Ask every server which of these orphan steps it applied.
-    Resolve {
-        epoch: u64,
-        steps: Vec<u64>,
-    },
-    /// Ask every server whether its part of the cut at `step` is committed.
-    ConfirmCut {
-        epoch: u64,
-        step: u64,
-    },
-}
 
 pub(super) async fn control_loop(shared: Arc<Shared>) {
     let tick = Duration::from_millis(20);
@@ -62,14 +32,7 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
                 // Keep answering heartbeats with `stop` until the process exits.
                 continue;
             }
-            if std::mem::take(&mut s.probe_requested) {
-                let targets: Vec<(usize, String)> = s
-                    .servers
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, m)| m.joined && m.alive && !m.address.is_empty())
-                    .map(|(id, m)| (id, m.address.clone()))
-                    .collect();
+            if let Some(targets) = s.members.take_probe_targets() {
                 tokio::spawn(probe_servers(shared.clone(), targets));
             }
             // A coordinator that may no longer lead decides nothing (etcd membership).
@@ -99,7 +62,7 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
                     // However they ended (done, abandoned, never sent), these servers'
                     // next saves may come.
                     Some(servers) => {
-                        if let Some(own) = s.own_saves.as_mut() {
+                        if let Some(own) = s.cuts.own_saves.as_mut() {
                             own.finished(&servers);
                         }
                     }
@@ -131,7 +94,7 @@ async fn probe_servers(shared: Arc<Shared>, targets: Vec<(usize, String)>) {
             continue;
         }
         let mut s = shared.lock();
-        let m = &mut s.servers[id];
+        let m = &mut s.members.servers[id];
         // The slot may have a new process by now.
         if m.alive && m.address == address {
             m.refused = true;
@@ -147,17 +110,7 @@ async fn probe_servers(shared: Arc<Shared>, targets: Vec<(usize, String)>) {
 /// CPU): the members' silence over that time is its own, not theirs. Each gets a fresh
 /// failure timeout; one that is really gone is declared dead one timeout later.
 fn forgive_own_stall(s: &mut State, stalled: Duration) {
-    let now = tokio::time::Instant::now();
-    for m in s.servers.iter_mut().chain(s.workers.iter_mut()) {
-        if m.last_seen.is_some() {
-            m.last_seen = Some(now);
-        }
-    }
-    for spare in s.spares.iter_mut() {
-        if spare.member.last_seen.is_some() {
-            spare.member.last_seen = Some(now);
-        }
-    }
+    s.members.forgive_silence(tokio::time::Instant::now());
     s.timeline.event(
         EventKind::Coordinator,
         format!(
@@ -168,121 +121,89 @@ fn forgive_own_stall(s: &mut State, stalled: Duration) {
 }
 
 fn detect_failures(shared: &Shared, s: &mut State) {
-    let c = &shared.job.config.cluster;
-    let timeout = Duration::from_millis(c.failure_timeout_ms);
+    let timeout = Duration::from_millis(shared.job.config.cluster.failure_timeout_ms);
     if s.phase == Phase::Done {
         return;
     }
-    // A server that went silent or refused connections explains the steps lost meanwhile:
-    // "cut off" evidence gathered then against another server is void (a call relayed
-    // through the dying one failed, say), and if the partition is real the new epoch's
-    // reports show it again. Declaring both lost two servers of a group at once.
-    let dying = |m: &crate::Member| m.joined && m.alive && (m.silent_for() > timeout || m.refused);
-    if s.servers.iter().any(dying) {
-        for m in s.servers.iter_mut().filter(|m| !dying(m)) {
-            m.cut_off = None;
+    s.members.void_cut_off_evidence(timeout);
+    for id in 0..s.members.servers.len() {
+        if let Some(why) = s.members.server_failure(id, timeout) {
+            server_failed(shared, s, id, &why);
         }
-        s.unreachable_reports.clear();
     }
-    for id in 0..s.servers.len() {
-        let m = &s.servers[id];
-        let silent = m.silent_for();
-        if !(m.joined && m.alive && (silent > timeout || m.refused || m.cut_off.is_some())) {
-            continue;
-        }
-        let why = if let Some(why) = &m.cut_off {
-            why.clone()
-        } else if m.refused {
-            format!(
-                "its port refused a connection after a worker's call failed (silent for {silent:?})"
-            )
-        } else {
-            format!("silent for {silent:?}")
-        };
-        s.servers[id].alive = false;
-        s.servers[id].ready = false;
-        // Its background rebuild (if any) died with it; its replacement starts afresh.
-        s.rebuilding.retain(|&(r, _)| r != id);
-        s.epoch += 1;
-        shared.epoch_moved(s.epoch);
-        shared.metrics.add("ftrec_failures_total", 1);
-        shared.metrics.set("ftrec_epoch", s.epoch as f64);
-        let t = s.timeline.event_about(
-            EventKind::FailureDetected,
-            Subject::Server(id as u32),
-            None,
-            format!("server {id} {why}; epoch {}", s.epoch),
-        );
-        s.failed.push((id, t));
-        s.suspect_until = None;
-        // `ec+checkpoint` rebuilds a lost server from the survivors and keeps its state
-        // too; it rolls back only when more of a group is lost than the code rebuilds, and
-        // that rewind clears the orphans. (Forgetting its steps in flight here lost them
-        // for good: found by the simulated cluster, `ftrec-sim`.)
-        let keeps_state = !c.ft.checkpoints()
-            || c.ft.erasure_coded()
-            || s.cpr.as_ref().is_some_and(|cpr| cpr.partial());
-        if keeps_state {
-            // The run keeps its state: steps in flight are resolved after recovery (granted
-            // again, or settled where every server applied them).
-            s.steps.orphan_outstanding();
-        } else {
-            // A rollback trains every step from the cut again: late reports of the steps in
-            // flight must count nothing.
-            s.steps.forget_outstanding();
-        }
-        s.phase = Phase::Recovering;
-        replace_server(shared, s, id);
-    }
-    for id in 0..s.workers.len() {
-        let m = &s.workers[id];
-        if !(m.joined && m.alive && m.silent_for() > timeout) {
-            continue;
-        }
-        s.workers[id].alive = false;
-        // Its steps are resolved with the servers and granted again: never skipped.
-        let held = s.steps.worker_died(id);
-        s.timeline.event(
-            EventKind::WorkerFailureDetected,
-            format!("worker {id}; {held} granted steps to resolve"),
-        );
-        s.worker_respawns[id] += 1;
-        if s.worker_respawns[id] > MAX_RESPAWNS {
-            let why = format!(
-                "worker {id} failed {} times; giving up (see its log)",
-                s.worker_respawns[id]
-            );
-            s.timeline.event(EventKind::Fatal, why.clone());
-            s.fatal = Some(why);
-            s.phase = Phase::Done;
-            shared.done.send_replace(true);
+    for id in 0..s.members.workers.len() {
+        let m = &s.members.workers[id];
+        if m.joined && m.alive && m.silent_for() > timeout && !worker_failed(shared, s, id) {
             return;
-        }
-        if let Some(sp) = &shared.spawner
-            && let Err(e) = sp.spawn_worker(id, &shared.address)
-        {
-            s.timeline
-                .event(EventKind::ReplacementFailed, format!("worker {id}: {e}"));
         }
     }
 }
 
-pub(super) fn replace_server(shared: &Shared, s: &mut State, id: usize) {
-    if let Some(spare) = s
-        .spares
-        .iter_mut()
-        .find(|sp| sp.assigned.is_none() && sp.member.alive)
+/// Declares server `id` dead for `why`: a new epoch, its steps in flight set aside, and
+/// a replacement asked for.
+fn server_failed(shared: &Shared, s: &mut State, id: usize, why: &str) {
+    let c = &shared.job.config.cluster;
+    s.members.servers[id].alive = false;
+    s.members.servers[id].ready = false;
+    s.epoch += 1;
+    shared.epoch_moved(s.epoch);
+    shared.metrics.add("ftrec_failures_total", 1);
+    shared.metrics.set("ftrec_epoch", s.epoch as f64);
+    let t = s.timeline.event_about(
+        EventKind::FailureDetected,
+        Subject::Server(id as u32),
+        None,
+        format!("server {id} {why}; epoch {}", s.epoch),
+    );
+    // Its background rebuild (if any) died with it; its replacement starts afresh.
+    s.recovery.server_lost(id, t);
+    // `ec+checkpoint` rebuilds a lost server from the survivors and keeps its state
+    // too; it rolls back only when more of a group is lost than the code rebuilds, and
+    // that rewind clears the orphans. (Forgetting its steps in flight here lost them
+    // for good: found by the simulated cluster, `ftrec-sim`.)
+    let keeps_state = !c.ft.checkpoints()
+        || c.ft.erasure_coded()
+        || s.cuts.cpr.as_ref().is_some_and(|cpr| cpr.partial());
+    if keeps_state {
+        // The run keeps its state: steps in flight are resolved after recovery (granted
+        // again, or settled where every server applied them).
+        s.steps.ledger.orphan_outstanding();
+    } else {
+        // A rollback trains every step from the cut again: late reports of the steps in
+        // flight must count nothing.
+        s.steps.ledger.forget_outstanding();
+    }
+    s.phase = Phase::Recovering;
+    replace_server(shared, s, id);
+}
+
+/// Declares worker `id` dead: its steps are resolved with the servers and granted
+/// again (never skipped), and a replacement is spawned. False when the slot failed too
+/// often: the run ends.
+fn worker_failed(shared: &Shared, s: &mut State, id: usize) -> bool {
+    s.members.workers[id].alive = false;
+    let held = s.steps.ledger.worker_died(id);
+    s.timeline.event(
+        EventKind::WorkerFailureDetected,
+        format!("worker {id}; {held} granted steps to resolve"),
+    );
+    let respawns = s.members.worker_respawned(id);
+    if respawns > MAX_RESPAWNS {
+        let why = format!("worker {id} failed {respawns} times; giving up (see its log)");
+        shared.fail_run(s, why);
+        return false;
+    }
+    if let Some(sp) = &shared.spawner
+        && let Err(e) = sp.spawn_worker(id, &shared.address)
     {
-        spare.assigned = Some(id);
-        let member = Member {
-            ready: false,
-            last_seen: Some(Instant::now()),
-            refused: false,
-            cut_off: None,
-            ..spare.member.clone()
-        };
-        let (token, address) = (spare.token, member.address.clone());
-        s.servers[id] = member;
+        s.timeline
+            .event(EventKind::ReplacementFailed, format!("worker {id}: {e}"));
+    }
+    true
+}
+
+pub(super) fn replace_server(shared: &Shared, s: &mut State, id: usize) {
+    if let Some((token, address)) = s.members.assign_spare(id, Instant::now()) {
         s.placement.assign(id, address.clone());
         s.timeline.event(
             EventKind::Replacement,
@@ -313,134 +234,135 @@ pub(super) fn replace_server(shared: &Shared, s: &mut State, id: usize) {
 fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
     match s.phase {
         Phase::Starting => {
-            let servers_ready = s.servers.iter().all(|m| m.alive && m.ready);
-            let workers_joined = s.workers.iter().all(|m| m.joined);
-            if servers_ready && workers_joined {
-                s.phase = Phase::Running;
-                let total = s.steps.total();
-                s.timeline
-                    .event(EventKind::TrainingStart, format!("{total} steps"));
-                s.last_cut_at = Instant::now();
-                if let Some(own) = s.own_saves.as_mut() {
-                    // Eq. 4's interval in seconds when CPR has one, else
-                    // `checkpoint.every_seconds`, else `checkpoint.every_steps`.
-                    let seconds = shared
-                        .job
-                        .config
-                        .checkpoint
-                        .every_seconds
-                        .and_then(|x| std::time::Duration::try_from_secs_f64(x).ok());
-                    let interval = s.cpr.as_ref().and_then(|c| c.interval()).or(seconds);
-                    own.start(Instant::now(), interval);
-                    s.timeline.event(
-                        EventKind::CprInterval,
-                        format!(
-                            "uncoordinated saves: each of {} servers saves its own shard, \
-                             staggered over {}",
-                            s.servers.len(),
-                            interval.map_or(
-                                format!("every {} steps", shared.job.config.checkpoint.every_steps),
-                                |i| format!("every {:.2} s", i.as_secs_f64())
-                            )
-                        ),
-                    );
-                }
-                if let Some(cpr) = s.cpr.as_mut() {
-                    cpr.start(Instant::now());
-                    if let Some(interval) = cpr.interval() {
-                        s.timeline.event(
-                            EventKind::CprInterval,
-                            format!(
-                                "a checkpoint every {:.2} s (Eq. 4 from cpr.target_pls and \
-                                 cpr.mtbf_seconds)",
-                                interval.as_secs_f64()
-                            ),
-                        );
-                    }
-                }
+            if s.members.all_joined() {
+                start_training(shared, s);
             }
             None
         }
-        Phase::Checkpointing if s.steps.quiet() => {
+        Phase::Checkpointing if s.steps.ledger.quiet() => {
             s.busy = true;
             Some(Task::Checkpoint {
                 epoch: s.epoch,
-                step: s.steps.next_step(),
-                priority: s.cut_priority,
+                step: s.steps.ledger.next_step(),
+                priority: s.cuts.priority,
             })
         }
         Phase::Recovering => {
-            let waiting = s.recover_after.is_some_and(|t| Instant::now() < t);
-            if waiting || !s.servers.iter().all(|m| m.alive && m.ready) {
+            if s.recovery.backing_off(Instant::now()) || !s.members.servers_ready() {
                 return None;
             }
             s.busy = true;
-            s.timeline
-                .event(EventKind::RecoveryStart, format!("epoch {}", s.epoch));
-            let cluster = &shared.job.config.cluster;
-            let action = planner::plan(&Situation {
-                ft: cluster.ft,
-                deterministic: cluster.deterministic,
-                cause: if s.failed.is_empty() {
-                    Cause::StepPartlyApplied
-                } else {
-                    Cause::ServersLost(s.failed.iter().map(|(id, _)| *id).collect())
-                },
-                last_cut: s.last_checkpoint,
-                last_save: s.last_save,
-                unsettled: s.steps.unsettled(),
-                next_step: s.steps.next_step(),
-                ec: shared.job.layout().ok().and_then(|l| l.stripes()),
-                rebuilding: s.rebuilding.iter().map(|&(r, _)| r).collect(),
-                replicate_dense: shared.job.config.dense_replicated(),
-                partial: s.cpr.as_ref().is_some_and(|cpr| cpr.partial()),
-                own_saves: s.own_saves.as_ref().map(|o| o.newest_all()),
-            });
-            if matches!(action, planner::RecoveryAction::Rollback { .. }) {
-                // Every server restores a cut and re-derives its parity: background
-                // rebuilds end (superseded), and none may hold the run open.
-                s.rebuilding.clear();
-            }
-            Some(Task::Recover {
-                epoch: s.epoch,
-                action,
-            })
+            Some(plan_recovery(shared, s))
         }
-        Phase::Running | Phase::Checkpointing => {
-            let now = Instant::now();
-            if let Some(step) = s.pending_cut.as_ref().map(|c| c.step)
-                && s.confirm_after.is_none_or(|t| now >= t)
-            {
-                s.busy = true;
-                s.confirm_after = None;
-                return Some(Task::ConfirmCut {
-                    epoch: s.epoch,
-                    step,
-                });
-            }
-            let orphans = s.steps.orphans();
-            // A worker that lost a step to a server error makes the coordinator wait for
-            // the failure detector first; asking a dying server would only fail.
-            let waiting = [s.suspect_until, s.resolve_after]
-                .into_iter()
-                .flatten()
-                .any(|t| now < t);
-            if orphans.is_empty() || waiting {
-                let epoch = s.epoch;
-                let step = s.steps.next_step();
-                let servers = s.own_saves.as_mut().and_then(|o| o.start_round())?;
-                return Some(Task::OwnSaves {
-                    epoch,
-                    step,
-                    servers,
-                });
-            }
-            s.busy = true;
-            Some(Task::Resolve {
-                epoch: s.epoch,
-                steps: orphans,
-            })
-        }
+        Phase::Running | Phase::Checkpointing => plan_running(s),
         Phase::Done => None,
     }
+}
+
+/// Every member is in: training starts, and with it the save schedule's clocks.
+fn start_training(shared: &Shared, s: &mut State) {
+    s.phase = Phase::Running;
+    let total = s.steps.ledger.total();
+    s.timeline
+        .event(EventKind::TrainingStart, format!("{total} steps"));
+    s.cuts.restart_clock(Instant::now());
+    if let Some(own) = s.cuts.own_saves.as_mut() {
+        // Eq. 4's interval in seconds when CPR has one, else
+        // `checkpoint.every_seconds`, else `checkpoint.every_steps`.
+        let checkpoint = &shared.job.config.checkpoint;
+        let seconds = checkpoint
+            .every_seconds
+            .and_then(|x| std::time::Duration::try_from_secs_f64(x).ok());
+        let interval = s.cuts.cpr.as_ref().and_then(|c| c.interval()).or(seconds);
+        own.start(Instant::now(), interval);
+        s.timeline.event(
+            EventKind::CprInterval,
+            format!(
+                "uncoordinated saves: each of {} servers saves its own shard, staggered over {}",
+                s.members.servers.len(),
+                interval.map_or(format!("every {} steps", checkpoint.every_steps), |i| {
+                    format!("every {:.2} s", i.as_secs_f64())
+                })
+            ),
+        );
+    }
+    if let Some(cpr) = s.cuts.cpr.as_mut() {
+        cpr.start(Instant::now());
+        if let Some(interval) = cpr.interval() {
+            s.timeline.event(
+                EventKind::CprInterval,
+                format!(
+                    "a checkpoint every {:.2} s (Eq. 4 from cpr.target_pls and cpr.mtbf_seconds)",
+                    interval.as_secs_f64()
+                ),
+            );
+        }
+    }
+}
+
+/// The recovery of the current epoch, as the planner decides it from what failed.
+fn plan_recovery(shared: &Shared, s: &mut State) -> Task {
+    s.timeline
+        .event(EventKind::RecoveryStart, format!("epoch {}", s.epoch));
+    let cluster = &shared.job.config.cluster;
+    let failed = &s.recovery.failed;
+    let action = planner::plan(&Situation {
+        ft: cluster.ft,
+        deterministic: cluster.deterministic,
+        cause: if failed.is_empty() {
+            Cause::StepPartlyApplied
+        } else {
+            Cause::ServersLost(failed.iter().map(|(id, _)| *id).collect())
+        },
+        last_cut: s.saves.last_checkpoint,
+        last_save: s.saves.last_save,
+        unsettled: s.steps.ledger.unsettled(),
+        next_step: s.steps.ledger.next_step(),
+        ec: shared.job.layout().ok().and_then(|l| l.stripes()),
+        rebuilding: s.recovery.rebuilding.iter().map(|&(r, _)| r).collect(),
+        replicate_dense: shared.job.config.dense_replicated(),
+        partial: s.cuts.cpr.as_ref().is_some_and(|cpr| cpr.partial()),
+        own_saves: s.cuts.own_saves.as_ref().map(|o| o.newest_all()),
+    });
+    if matches!(action, planner::RecoveryAction::Rollback { .. }) {
+        // Every server restores a cut and re-derives its parity: background
+        // rebuilds end (superseded), and none may hold the run open.
+        s.recovery.rebuilding.clear();
+    }
+    Task::Recover {
+        epoch: s.epoch,
+        action,
+    }
+}
+
+/// While training: confirm a cut committing in the background, resolve orphan steps,
+/// or start a round of own saves.
+fn plan_running(s: &mut State) -> Option<Task> {
+    let now = Instant::now();
+    if let Some(step) = s.saves.confirmation_due(now) {
+        s.busy = true;
+        return Some(Task::ConfirmCut {
+            epoch: s.epoch,
+            step,
+        });
+    }
+    let orphans = s.steps.ledger.orphans();
+    // A worker that lost a step to a server error makes the coordinator wait for
+    // the failure detector first; asking a dying server would only fail.
+    let waiting = s.recovery.suspecting(now) || s.steps.resolving_waits(now);
+    if orphans.is_empty() || waiting {
+        let epoch = s.epoch;
+        let step = s.steps.ledger.next_step();
+        let servers = s.cuts.own_saves.as_mut().and_then(|o| o.start_round())?;
+        return Some(Task::OwnSaves {
+            epoch,
+            step,
+            servers,
+        });
+    }
+    s.busy = true;
+    Some(Task::Resolve {
+        epoch: s.epoch,
+        steps: orphans,
+    })
 }

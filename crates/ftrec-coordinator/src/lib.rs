@@ -12,9 +12,10 @@
 //!
 //! Files: `service.rs` answers the RPCs; `control.rs` detects failures and decides what
 //! to do next; `planner.rs` is the pure recovery planner (a situation in, a plan out);
-//! `ledger.rs` grants steps; `tasks.rs` executes plans against the servers. Folders:
-//! `cpr/` holds partial recovery's accounting and its uncoordinated saves, `leader/` the
-//! durable record and the takeover of a standby.
+//! `ledger.rs` grants steps. Folders: `state/` holds the state under the lock, grouped by
+//! concern, each group with its invariants; `tasks/` and `recovery/` execute plans
+//! against the servers; `cpr/` holds partial recovery's accounting and its uncoordinated
+//! saves, `leader/` the durable record and the takeover of a standby.
 
 mod control;
 mod cpr;
@@ -27,31 +28,28 @@ mod service;
 #[cfg(test)]
 mod sim_tests;
 mod start;
+mod state;
 mod summary;
 mod tasks;
 
-use cpr::own_saves;
-use leader::{durable, takeover};
+use leader::durable;
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use tokio::time::Instant;
 
-use serde::Serialize;
 use tokio::sync::watch;
 use tonic::Status;
 
-use ftrec_proto::placement::PlacementMap;
-use ftrec_proto::proto::coordinator_server::CoordinatorServer;
 use ftrec_proto::proto::next_step_reply::Action;
 use ftrec_proto::proto::*;
-use ftrec_proto::timeline::{EventKind, Subject, Timeline, TimelineData};
+use ftrec_proto::timeline::{EventKind, Subject, TimelineData};
 use ftrec_rpc::PsError;
 use ftrec_rpc::job::{Job, Schedule};
-use ftrec_rpc::metrics::{self, Metrics};
-use ledger::StepLedger;
+use ftrec_rpc::metrics::Metrics;
 pub use start::{CoordinatorOptions, Handle, start};
+pub use state::Phase;
+use state::{SaveDue, State};
 pub use summary::{CheckpointRecord, Failover, Recovery, RunSummary};
 
 /// Starts replacement processes. The local launcher spawns children; without one, the
@@ -59,173 +57,6 @@ pub use summary::{CheckpointRecord, Failover, Recovery, RunSummary};
 pub trait Spawner: Send + Sync {
     fn spawn_server(&self, id: usize, coordinator: &str) -> Result<(), PsError>;
     fn spawn_worker(&self, id: usize, coordinator: &str) -> Result<(), PsError>;
-}
-
-#[derive(Clone, Debug, Default)]
-struct Member {
-    address: String,
-    pid: u32,
-    joined: bool,
-    alive: bool,
-    ready: bool,
-    last_seen: Option<Instant>,
-    /// A probe found nothing listening at its address: dead, without waiting for its
-    /// heartbeats to time out.
-    refused: bool,
-    /// Which join of the slot this is (`JoinReply.incarnation`): an older process of the
-    /// slot that comes back (a zombie) is told apart by it.
-    incarnation: u64,
-    /// Workers cannot reach it, though it answers the coordinator (a partition): why it is
-    /// to be declared dead.
-    cut_off: Option<String>,
-}
-
-impl Member {
-    fn silent_for(&self) -> Duration {
-        self.last_seen.map_or(Duration::ZERO, |t| t.elapsed())
-    }
-}
-
-#[derive(Clone, Debug)]
-struct Spare {
-    token: u32,
-    member: Member,
-    assigned: Option<usize>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Phase {
-    Starting,
-    Running,
-    Checkpointing,
-    Recovering,
-    Done,
-}
-
-struct State {
-    phase: Phase,
-    epoch: u64,
-    placement: PlacementMap,
-    servers: Vec<Member>,
-    spares: Vec<Spare>,
-    workers: Vec<Member>,
-    steps: StepLedger,
-    samples: u64,
-    lost_samples: u64,
-    /// Incarnations of processes refused after being declared dead.
-    zombies: std::collections::BTreeSet<u64>,
-    /// Lost steps in a row whose worker could not reach this server (reset by any step
-    /// that finishes).
-    unreachable_reports: std::collections::BTreeMap<usize, u32>,
-    rpc_bytes: u64,
-    last_checkpoint: Option<u64>,
-    /// The newest committed checkpoint of any kind (a cut or a CPR prioritised save).
-    last_save: Option<u64>,
-    /// The cut being taken is a CPR prioritised save.
-    cut_priority: bool,
-    /// `cpr.uncoordinated`: every server's own saves and schedule.
-    own_saves: Option<own_saves::OwnSaves>,
-    /// `checkpoint.planned_mtbf_seconds`: the cut interval re-planned at each failure.
-    replan: Option<replan::Replan>,
-    pause_started: Option<Instant>,
-    checkpoints: Vec<CheckpointRecord>,
-    /// The committed cuts still on disk, oldest first (`checkpoint.keep` of them at most).
-    retained_cuts: Vec<CheckpointRecord>,
-    /// After a failed cut: no new one before this instant, and the wait after the next
-    /// failure (doubling, bounded), so a full disk is neither hammered nor logged 45 times a
-    /// second.
-    checkpoint_backoff: Option<(Instant, Duration)>,
-    /// The step of a cut that did not count (abandoned by a new epoch, failed, or dropped
-    /// while committing) when training did not roll back past it: with
-    /// `checkpoint.every_steps` the cut is due again at the first fresh step at or past it
-    /// ([`step_cut_due`]), not a whole interval later. A job with erasure coding under its
-    /// cuts (`ec+checkpoint`) loses no steps to a failure, so otherwise a failure during a
-    /// cut left it without a new one for twice the interval. Cleared by a committed cut at or
-    /// past it.
-    cut_owed: Option<u64>,
-    /// When the last consistent cut committed (or training started): the clock of
-    /// `checkpoint.every_seconds`.
-    last_cut_at: Instant,
-    /// A cut every server has copied, committing in the background (DECK, IncrCP): it
-    /// becomes the rollback target once every server confirms. No new cut starts before.
-    pending_cut: Option<CheckpointRecord>,
-    /// Not asked about again before this.
-    confirm_after: Option<Instant>,
-    /// When the pending cut was copied: one that does not commit within the RPC timeout
-    /// fails.
-    pending_since: Option<Instant>,
-    /// Recovery attempts that failed in a row, and when to try the next.
-    recovery_failures: u32,
-    recover_after: Option<Instant>,
-    /// Kills to fire when a step is granted (`--kill server:1@step:8`): role, id, step.
-    step_kills: Vec<(Role, usize, u64)>,
-    /// The last prune failed (said once, until one succeeds).
-    prune_failing: bool,
-    /// Orphan steps are not asked about again before this (a server did not answer).
-    resolve_after: Option<Instant>,
-    /// Slots waiting for their replacement, with the detection time.
-    failed: Vec<(usize, f64)>,
-    /// Servers rebuilding in the background, with the epoch their rebuild began in.
-    rebuilding: Vec<(usize, u64)>,
-    recoveries: Vec<Recovery>,
-    timeline: Timeline,
-    stopping: bool,
-    busy: bool,
-    next_token: u32,
-    worker_respawns: Vec<u32>,
-    /// A worker lost a step to a server error: no new grants until the failure detector
-    /// confirms a failure (or this passes), so the schedule is not burnt on a dead server.
-    suspect_until: Option<Instant>,
-    /// Per server process (incarnation): the RPCs it served and their payload bytes, as
-    /// its latest heartbeat said.
-    served: std::collections::HashMap<u64, (u64, u64)>,
-    /// A worker's call to a server failed: probe the servers' ports (`control.rs`).
-    probe_requested: bool,
-    /// Why the run cannot go on (a crash loop); ends it with this error.
-    fatal: Option<String>,
-    /// Steps lost since one last finished (`service.rs` gives up past a bound).
-    lost_in_a_row: u32,
-    /// Steps trained again after rollbacks, over the run: once per rollback, whether a
-    /// server's failure or a partly applied step caused it (a recovery record exists only
-    /// for a failed server, and several failed at once share one rollback).
-    steps_rolled_back: u64,
-    /// `cluster.ft = "partial"`: PLS, interval and the full-or-partial choice.
-    cpr: Option<cpr::CprState>,
-    /// etcd membership: this coordinator learned it no longer leads.
-    deposed: bool,
-    /// Seconds trained under earlier leaders (etcd membership), failovers included.
-    train_seconds_before: f64,
-    /// When the last step so far was counted, on the timeline's clock.
-    last_step_at: Option<f64>,
-    /// Takeovers by standbys over the job's life; the last one's time is filled in when
-    /// its first step settles (`failover_since_unix`: the old leader's last write).
-    failovers: Vec<Failover>,
-    failover_since_unix: Option<f64>,
-    /// Training had started under an earlier leader.
-    taken_over_started: bool,
-}
-
-impl State {
-    /// Seconds since training started (0 before).
-    fn train_seconds(&self) -> f64 {
-        self.timeline
-            .data
-            .events
-            .iter()
-            .find(|e| e.kind == EventKind::TrainingStart)
-            .map_or(0.0, |e| self.timeline.now() - e.t)
-    }
-
-    /// The pid of the process that joined as `role` `id`, if any.
-    fn pid_of(&self, role: Role, id: usize) -> Option<u32> {
-        let m = match role {
-            Role::Server => self.servers.get(id),
-            Role::Worker => self.workers.get(id),
-            Role::Unspecified => None,
-        }?;
-        (m.joined && m.pid != 0).then_some(m.pid)
-    }
 }
 
 pub struct Shared {
@@ -288,17 +119,12 @@ impl Shared {
     }
 
     pub fn pid_of(&self, role: Role, id: usize) -> Option<u32> {
-        self.lock().pid_of(role, id)
+        self.lock().members.pid_of(role, id)
     }
 
     /// The pids of the spares that wait for a slot (not yet given one).
     pub fn waiting_spare_pids(&self) -> Vec<u32> {
-        self.lock()
-            .spares
-            .iter()
-            .filter(|s| s.assigned.is_none() && s.member.pid != 0)
-            .map(|s| s.member.pid)
-            .collect()
+        self.lock().members.waiting_spare_pids()
     }
 
     /// Seconds since the timeline began: the clock of every event and recovery.
@@ -322,37 +148,39 @@ impl Shared {
             .iter()
             .find(|e| e.kind == EventKind::TrainingEnd)
             .map_or_else(|| s.timeline.now(), |e| e.t);
-        let seconds = (end - start + s.train_seconds_before).max(1e-9);
+        let seconds = (end - start + s.leader.train_seconds_before).max(1e-9);
         RunSummary {
-            steps: s.steps.next_step(),
-            samples: s.samples,
-            lost_samples: s.lost_samples,
-            zombies_refused: s.zombies.len() as u64,
+            steps: s.steps.ledger.next_step(),
+            samples: s.steps.samples,
+            lost_samples: s.steps.lost_samples,
+            zombies_refused: s.members.zombies.len() as u64,
             train_seconds: seconds,
-            samples_per_sec: s.samples as f64 / seconds,
-            rpc_bytes: s.rpc_bytes,
-            rpc_bytes_per_sample: s.rpc_bytes as f64 / s.samples.max(1) as f64,
-            server_rpcs: s.served.values().map(|v| v.0).sum(),
-            server_rpc_bytes: s.served.values().map(|v| v.1).sum(),
+            samples_per_sec: s.steps.samples as f64 / seconds,
+            rpc_bytes: s.steps.rpc_bytes,
+            rpc_bytes_per_sample: s.steps.rpc_bytes as f64 / s.steps.samples.max(1) as f64,
+            server_rpcs: s.members.served.values().map(|v| v.0).sum(),
+            server_rpc_bytes: s.members.served.values().map(|v| v.1).sum(),
             epoch: s.epoch,
-            checkpoints: s.checkpoints.clone(),
-            last_step_at: s.last_step_at,
+            checkpoints: s.saves.checkpoints.clone(),
+            last_step_at: s.steps.last_step_at,
             recovery_seconds: s
+                .recovery
                 .recoveries
                 .iter()
                 .fold(0.0, |acc, r| acc + (r.resumed_at - r.detected_at)),
-            recoveries: s.recoveries.clone(),
-            steps_rolled_back: s.steps_rolled_back,
-            pls: s.cpr.as_ref().map(|c| c.pls()),
+            recoveries: s.recovery.recoveries.clone(),
+            steps_rolled_back: s.recovery.steps_rolled_back,
+            pls: s.cuts.cpr.as_ref().map(|c| c.pls()),
             recovery_mode: s
+                .cuts
                 .cpr
                 .as_ref()
                 .map(|c| if c.partial() { "partial" } else { "full" }),
-            cpr_decision: s.cpr.as_ref().and_then(|c| c.decision().cloned()),
-            replan: s.replan.clone(),
-            cpr_priority: s.cpr.as_ref().and_then(|c| c.priority_report()),
+            cpr_decision: s.cuts.cpr.as_ref().and_then(|c| c.decision().cloned()),
+            replan: s.cuts.replan.clone(),
+            cpr_priority: s.cuts.cpr.as_ref().and_then(|c| c.priority_report()),
             lease_ttl_seconds: self.durable.as_ref().map(|d| d.ttl.as_secs_f64()),
-            coordinator_failovers: self.durable.as_ref().map(|_| s.failovers.clone()),
+            coordinator_failovers: self.durable.as_ref().map(|_| s.leader.failovers.clone()),
             coordinator: self.durable.as_ref().map(|d| d.id.clone()),
         }
     }
@@ -360,19 +188,13 @@ impl Shared {
     /// SIGKILLs `role` `id` as soon as global step `step` is granted (failure injection at
     /// an exact point of the schedule, for tests and benchmarks).
     pub fn kill_at_step(&self, role: Role, id: usize, step: u64) {
-        self.lock().step_kills.push((role, id, step));
+        self.lock().steps.kill_at(role, id, step);
     }
 
     /// Fires the step kills that `granted` reached.
     fn fire_step_kills(&self, s: &mut State, granted: u64) {
-        let (due, rest): (Vec<_>, Vec<_>) = s
-            .step_kills
-            .iter()
-            .copied()
-            .partition(|&(_, _, step)| step <= granted);
-        s.step_kills = rest;
-        for (role, id, _) in due {
-            let Some(pid) = s.pid_of(role, id) else {
+        for (role, id) in s.steps.kills_due(granted) {
+            let Some(pid) = s.members.pid_of(role, id) else {
                 s.timeline.event(
                     EventKind::KillSkipped,
                     format!("{} {id}: no such process", role_name(role)),
@@ -402,6 +224,12 @@ impl Shared {
         self.lock().stopping = true;
     }
 
+    /// Ends the run with `why`: every waiter learns it is over.
+    fn fail_run(&self, s: &mut State, why: String) {
+        s.fail_run(why);
+        self.done.send_replace(true);
+    }
+
     fn fence_error(&self, job_fp: u64) -> Option<Status> {
         let ours = self.job.fingerprint();
         (job_fp != ours).then(|| {
@@ -429,7 +257,7 @@ impl Shared {
         }
         // A leader whose lease may have expired grants nothing: another may lead now.
         let granting = matches!(s.phase, Phase::Running | Phase::Checkpointing) && self.leading();
-        if !granting || s.suspect_until.is_some_and(|t| Instant::now() < t) {
+        if !granting || s.recovery.suspecting(Instant::now()) {
             return wait(epoch, version);
         }
         if s.phase == Phase::Running
@@ -439,17 +267,16 @@ impl Shared {
                 // Own saves pause nothing: the control loop asks the servers now, and
                 // granting goes on.
                 SaveDue::Own(servers) => {
-                    let next = s.steps.next_step();
-                    s.last_save = Some(next);
-                    if let Some(own) = s.own_saves.as_mut() {
+                    let next = s.steps.ledger.next_step();
+                    s.saves.last_save = Some(next);
+                    if let Some(own) = s.cuts.own_saves.as_mut() {
                         own.request(servers, next);
                         self.wake.notify_one();
                     }
                 }
                 SaveDue::Cut { priority } => {
-                    s.cut_priority = priority;
                     s.phase = Phase::Checkpointing;
-                    s.pause_started = Some(Instant::now());
+                    s.cuts.pause(priority, Instant::now());
                 }
             }
         }
@@ -457,11 +284,9 @@ impl Shared {
         // In deterministic mode steps apply strictly in order: a fresh step granted while
         // an earlier one waits to be resolved would wait on it forever.
         let fresh = s.phase == Phase::Running
-            && !(self.job.config.cluster.deterministic && s.steps.has_orphans());
-        if let Some(step) = s.steps.take(worker, epoch, fresh) {
-            if !s.step_kills.is_empty() {
-                self.fire_step_kills(s, step);
-            }
+            && !(self.job.config.cluster.deterministic && s.steps.ledger.has_orphans());
+        if let Some(step) = s.steps.ledger.take(worker, epoch, fresh) {
+            self.fire_step_kills(s, step);
             return NextStepReply {
                 action: Action::Train as i32,
                 step,
@@ -472,9 +297,9 @@ impl Shared {
         }
         // A background rebuild finishes before the run ends, so the model gathered and
         // its parity verified are whole, and the report has the rebuild's figures.
-        if s.steps.done() && s.rebuilding.is_empty() {
+        if s.steps.ledger.done() && s.recovery.rebuilding.is_empty() {
             s.phase = Phase::Done;
-            let steps = s.steps.next_step();
+            let steps = s.steps.ledger.next_step();
             s.timeline
                 .event(EventKind::TrainingEnd, format!("{steps} steps"));
             self.done.send_replace(true);
@@ -489,87 +314,30 @@ impl Shared {
     /// Counts a step every server applied.
     fn settled(&self, s: &mut State, step: u64) {
         let (_, n) = self.schedule.batch(step);
-        if let Some(since) = s.failover_since_unix.take()
-            && let Some(f) = s.failovers.last_mut()
-        {
-            let now = durable::unix_now();
-            f.failover_seconds = (now - since).max(0.0);
-            f.first_step_at_unix = Some(now);
-            let text = format!(
-                "first step settled under {} {:.3} s after {}'s last write to etcd",
-                f.to, f.failover_seconds, f.from
-            );
+        if let Some(text) = s.leader.step_settled(durable::unix_now) {
             s.timeline.event(EventKind::Coordinator, text);
         }
-        s.samples += n;
         s.timeline.samples(n);
-        s.last_step_at = Some(s.timeline.now());
+        let now = s.timeline.now();
+        s.steps.settled(n, now);
         self.metrics.add("ftrec_samples_total", n);
         self.metrics.add("ftrec_steps_total", 1);
     }
 
     /// Which checkpoint, if any, is due at the next fresh step.
     fn cut_due(&self, s: &State) -> Option<SaveDue> {
-        let c = &self.job.config;
-        let every = c.checkpoint.every_steps;
-        let next = s.steps.next_step();
-        let now = Instant::now();
-        let may_save = c.cluster.ft.checkpoints()
+        let next = s.steps.ledger.next_step();
+        let may_save = self.job.config.cluster.ft.checkpoints()
             && next > 0
-            && s.last_save != Some(next)
-            && s.pending_cut.is_none()
+            && s.saves.last_save != Some(next)
+            && s.saves.pending().is_none()
             // A slot rebuilding in the background has no complete shard to cut yet.
-            && s.rebuilding.is_empty()
-            && next < s.steps.total()
-            && s.checkpoint_backoff
-                .is_none_or(|(until, _)| Instant::now() >= until);
-        if let Some(own) = &s.own_saves {
-            // Servers whose save is asked for or running are not due again (`due`).
-            let servers = own.due(next, every, now);
-            return (may_save && !servers.is_empty()).then_some(SaveDue::Own(servers));
-        }
-        // CPR with a target PLS sets the interval in seconds (Eq. 4); else
-        // `checkpoint.every_seconds` of wall time; else every N steps.
-        let cut = match s.cpr.as_ref().filter(|cpr| cpr.interval().is_some()) {
-            Some(cpr) => cpr.cut_due(now),
-            None => match c.checkpoint.every_seconds {
-                Some(planned) => {
-                    let seconds = s.replan.as_ref().map_or(planned, |r| r.every_seconds);
-                    now.duration_since(s.last_cut_at).as_secs_f64() >= seconds
-                }
-                None => step_cut_due(next, every, s.cut_owed),
-            },
-        };
-        // Prioritised saves go between cuts, once a cut exists to save against.
-        let priority = !cut
-            && s.last_checkpoint.is_some()
-            && s.cpr
-                .as_ref()
-                .is_some_and(|cpr| cpr.priority_due(now, next, every));
-        (may_save && (cut || priority)).then_some(SaveDue::Cut { priority })
+            && s.recovery.rebuilding.is_empty()
+            && next < s.steps.ledger.total();
+        let have_cut = s.saves.last_checkpoint.is_some();
+        s.cuts
+            .due(&self.job, next, Instant::now(), may_save, have_cut)
     }
-}
-
-/// With `checkpoint.every_steps = every`: a cut is due at every multiple of it, and at
-/// the first fresh step at or past `owed`, the step of a cut that did not count.
-fn step_cut_due(next: u64, every: u64, owed: Option<u64>) -> bool {
-    every > 0 && (next.is_multiple_of(every) || owed.is_some_and(|o| next >= o))
-}
-
-/// Notes that the coordinated cut of `step` did not count: it is owed (see
-/// [`State::cut_owed`]). Prioritised saves owe nothing: the next one comes on its own.
-fn owe_cut(s: &mut State, step: u64, priority: bool) {
-    if !priority {
-        s.cut_owed = Some(s.cut_owed.map_or(step, |o| o.min(step)));
-    }
-}
-
-/// What [`Shared::cut_due`] found due.
-enum SaveDue {
-    /// A cut of every server (or CPR's prioritised save): granting pauses for it.
-    Cut { priority: bool },
-    /// `cpr.uncoordinated`: these servers' own saves, taken while training goes on.
-    Own(Vec<usize>),
 }
 
 /// The timeline's name for a member.
@@ -605,24 +373,3 @@ pub fn sigstop(pid: u32) -> Result<(), std::io::Error> {
 
 /// Replacements of one worker slot before the run is declared failed (a crash loop).
 const MAX_RESPAWNS: u32 = 3;
-
-#[cfg(test)]
-mod cut_schedule_tests {
-    use super::step_cut_due;
-
-    #[test]
-    fn an_owed_cut_is_due_at_the_first_fresh_step_at_or_past_it() {
-        // Every 40 steps, nothing owed: the multiples only.
-        assert!(step_cut_due(40, 40, None));
-        assert!(!step_cut_due(41, 40, None));
-        // The cut of step 40 did not count and training went on (no rollback): due at
-        // once, not at 80.
-        assert!(step_cut_due(41, 40, Some(40)));
-        assert!(step_cut_due(57, 40, Some(40)));
-        // Rolled back to an older cut: not due before the owed step comes round again.
-        assert!(!step_cut_due(21, 40, Some(40)));
-        assert!(step_cut_due(40, 40, Some(40)));
-        // No interval in steps: never.
-        assert!(!step_cut_due(50, 0, Some(40)));
-    }
-}

@@ -7,7 +7,8 @@ use tokio::time::Instant;
 
 use tonic::{Request, Response, Status};
 
-use crate::{Member, Shared, Spare, role_name, sigkill};
+use crate::state::{Member, Phase, Spare};
+use crate::{Shared, role_name, sigkill};
 use ftrec_proto::proto::coordinator_server::Coordinator;
 use ftrec_proto::proto::*;
 use ftrec_proto::timeline::EventKind;
@@ -35,8 +36,7 @@ impl Coordinator for Service {
             let mut spare_token = 0;
             let id = req.id as usize;
             // Every join is a new incarnation (a spare's is its token).
-            let incarnation = s.next_token;
-            s.next_token += 1;
+            let incarnation = s.members.next_incarnation();
             let member = Member {
                 address: req.address.clone(),
                 pid: req.pid,
@@ -51,7 +51,7 @@ impl Coordinator for Service {
             match (req.role(), req.spare) {
                 (Role::Server, true) => {
                     spare_token = incarnation;
-                    s.spares.push(Spare {
+                    s.members.spares.push(Spare {
                         token: spare_token,
                         member,
                         assigned: None,
@@ -62,7 +62,7 @@ impl Coordinator for Service {
                     );
                 }
                 (Role::Server, false) => {
-                    let Some(slot) = s.servers.get(id) else {
+                    let Some(slot) = s.members.servers.get(id) else {
                         return Err(Status::invalid_argument(format!(
                             "server id {id} is outside this cluster's {} servers",
                             c.servers
@@ -75,7 +75,7 @@ impl Coordinator for Service {
                             slot.pid, slot.address
                         )));
                     }
-                    s.servers[id] = member;
+                    s.members.servers[id] = member;
                     s.placement.assign(id, req.address.clone());
                     s.timeline.event(
                         EventKind::ServerJoined,
@@ -86,7 +86,7 @@ impl Coordinator for Service {
                     );
                 }
                 (Role::Worker, _) => {
-                    let Some(slot) = s.workers.get(id) else {
+                    let Some(slot) = s.members.workers.get(id) else {
                         return Err(Status::invalid_argument(format!(
                             "worker id {id} is outside this cluster's {} workers",
                             c.workers
@@ -98,7 +98,7 @@ impl Coordinator for Service {
                             slot.pid
                         )));
                     }
-                    s.workers[id] = Member {
+                    s.members.workers[id] = Member {
                         ready: true,
                         ..member
                     };
@@ -120,7 +120,7 @@ impl Coordinator for Service {
                 workers: c.workers as u32,
                 spare_token,
                 incarnation: u64::from(incarnation),
-                replacement: s.phase != crate::Phase::Starting,
+                replacement: s.phase != Phase::Starting,
             }
         };
         // etcd membership: a join is recorded before it is answered, so a new leader
@@ -142,17 +142,19 @@ impl Coordinator for Service {
         let id = req.id as usize;
         let member = match (req.role(), req.spare) {
             (Role::Server, true) => {
-                let Some(spare) = s.spares.iter_mut().find(|sp| sp.token == req.id) else {
+                let Some(spare) = s.members.spares.iter_mut().find(|sp| sp.token == req.id) else {
                     return Err(Status::not_found("unknown spare"));
                 };
                 assign = spare.assigned.map(|a| a as u32);
                 &mut spare.member
             }
             (Role::Server, false) => s
+                .members
                 .servers
                 .get_mut(id)
                 .ok_or_else(|| Status::invalid_argument("unknown server"))?,
             (Role::Worker, _) => s
+                .members
                 .workers
                 .get_mut(id)
                 .ok_or_else(|| Status::invalid_argument("unknown worker"))?,
@@ -162,7 +164,7 @@ impl Coordinator for Service {
         // serve. Its slot may hold a newer process by now, told apart by its incarnation.
         let superseded = req.incarnation != 0 && req.incarnation != member.incarnation;
         if !member.alive || superseded {
-            s.zombies.insert(req.incarnation);
+            s.members.zombies.insert(req.incarnation);
             return Err(PsError::Fenced(
                 "this process was declared dead; its slot has been replaced".into(),
             )
@@ -171,7 +173,8 @@ impl Coordinator for Service {
         member.last_seen = Some(Instant::now());
         member.ready |= req.ready;
         if req.role() == Role::Server && !req.spare && req.rpcs_served > 0 {
-            s.served
+            s.members
+                .served
                 .insert(req.incarnation, (req.rpcs_served, req.rpc_bytes_served));
         }
         Ok(Response::new(HeartbeatReply {
@@ -190,7 +193,7 @@ impl Coordinator for Service {
         let worker = req.worker as usize;
         shared.check_leading()?;
         let mut s = shared.lock();
-        if let Some(m) = s.workers.get_mut(worker) {
+        if let Some(m) = s.members.workers.get_mut(worker) {
             // A worker declared dead whose slot went to a replacement must not take steps
             // under that slot: they would be settled or lost under the wrong process.
             let superseded = (req.pid != 0 && m.pid != 0 && m.pid != req.pid)
@@ -201,28 +204,28 @@ impl Coordinator for Service {
                      incarnation {}) was declared dead",
                     m.pid, m.incarnation, req.pid, req.incarnation
                 );
-                s.zombies.insert(req.incarnation);
+                s.members.zombies.insert(req.incarnation);
                 return Err(PsError::Fenced(why).into());
             }
             m.last_seen = Some(Instant::now());
         }
-        s.rpc_bytes += req.rpc_bytes;
+        s.steps.rpc_bytes += req.rpc_bytes;
         shared.metrics.add("ftrec_rpc_bytes_total", req.rpc_bytes);
         if let Some(step) = req.finished
-            && s.steps.finish(step, worker, req.epoch)
+            && s.steps.ledger.finish(step, worker, req.epoch)
         {
-            s.lost_in_a_row = 0;
-            s.unreachable_reports.clear();
+            s.steps.lost_in_a_row = 0;
+            s.members.unreachable_reports.clear();
             shared.settled(&mut s, step);
             let now = s.timeline.now();
-            if let Some(r) = s.recoveries.last_mut()
+            if let Some(r) = s.recovery.recoveries.last_mut()
                 && r.first_step_at.is_none()
             {
                 r.first_step_at = Some(now);
             }
         }
         if let Some(step) = req.lost {
-            s.lost_in_a_row += 1;
+            s.steps.lost_in_a_row += 1;
             if let Some(ahead) = req.ahead_epoch.filter(|&e| e > s.epoch)
                 && shared.durable_membership()
             {
@@ -237,20 +240,18 @@ impl Coordinator for Service {
             }
             if let Some(why) = refusal(&s, step, &req) {
                 tracing::error!("{why}");
-                s.timeline.event(EventKind::Fatal, why.clone());
-                s.fatal = Some(why);
-                s.phase = crate::Phase::Done;
-                shared.done.send_replace(true);
+                shared.fail_run(&mut s, why);
             }
             // The step becomes an orphan: the control loop asks the servers which of them
             // applied it, then grants it again or rolls back. Never skipped.
-            s.steps.lose(step, worker, req.epoch);
+            s.steps.ledger.lose(step, worker, req.epoch);
             // Only a step granted in this epoch speaks of the slot's current process: an
             // older one's calls went to whoever held the slot before the last recovery.
             if let Some(server) = req.unreachable_server
                 && req.epoch == s.epoch
             {
-                cut_off_report(&mut s, server as usize, worker, &req.lost_reason);
+                s.members
+                    .report_unreachable(server as usize, worker, &req.lost_reason);
             }
             // A loss in this epoch may mean a member is failing: grants wait for the
             // failure detector. A loss from an older epoch says nothing of the members
@@ -259,11 +260,11 @@ impl Coordinator for Service {
             // it stalled training for a failure timeout after every resume, issue 23.)
             if req.epoch == s.epoch {
                 let c = &shared.job.config.cluster;
-                s.suspect_until = Some(
+                s.recovery.suspect_until = Some(
                     Instant::now()
                         + Duration::from_millis(c.failure_timeout_ms + 2 * c.heartbeat_ms),
                 );
-                s.probe_requested = true;
+                s.members.probe_requested = true;
             }
         }
         let reply = shared.grant(&mut s, worker);
@@ -308,7 +309,7 @@ const MAX_LOST_IN_A_ROW: u32 = 64;
 
 /// Why the run cannot go on after `req` lost `step`, if it cannot: a server in a later
 /// epoch than the cluster's (changed from outside the job), or steps lost without end.
-fn refusal(s: &crate::State, step: u64, req: &NextStepRequest) -> Option<String> {
+fn refusal(s: &crate::state::State, step: u64, req: &NextStepRequest) -> Option<String> {
     let reason = if req.lost_reason.is_empty() {
         "no reason given"
     } else {
@@ -323,36 +324,11 @@ fn refusal(s: &crate::State, step: u64, req: &NextStepRequest) -> Option<String>
             req.worker, s.epoch
         ));
     }
-    (s.lost_in_a_row >= MAX_LOST_IN_A_ROW).then(|| {
+    (s.steps.lost_in_a_row >= MAX_LOST_IN_A_ROW).then(|| {
         format!(
             "{} steps lost in a row with none finished: the servers refuse work; last cause \
              (step {step}, worker {}): {reason}",
-            s.lost_in_a_row, req.worker
+            s.steps.lost_in_a_row, req.worker
         )
     })
-}
-
-/// Lost steps in a row, each because its worker could not reach the same server, after
-/// which that server is declared dead even though it answers the coordinator: it is cut
-/// off from the workers (a partition), and the job cannot train through it.
-const UNREACHABLE_REPORTS: u32 = 2;
-
-fn cut_off_report(s: &mut crate::State, server: usize, worker: usize, reason: &str) {
-    let count = s.unreachable_reports.entry(server).or_default();
-    *count += 1;
-    let count = *count;
-    if count < UNREACHABLE_REPORTS {
-        return;
-    }
-    if let Some(m) = s.servers.get_mut(server)
-        && m.alive
-        && m.cut_off.is_none()
-    {
-        m.cut_off = Some(format!(
-            "is cut off from the workers: {count} steps in a row lost because worker {worker}'s \
-             calls could not reach it, directly or through another server ({reason}), though \
-             it answers the coordinator"
-        ));
-        s.unreachable_reports.remove(&server);
-    }
 }

@@ -1,7 +1,20 @@
 //! Starting a coordinator: its service and control loop, as the leader or as a standby
 //! (etcd membership), and the handle its caller waits on.
 
-use super::*;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use ftrec_proto::proto::coordinator_server::CoordinatorServer;
+use ftrec_proto::timeline::EventKind;
+use ftrec_rpc::PsError;
+use ftrec_rpc::job::{Job, Schedule};
+use ftrec_rpc::metrics::{self, Metrics};
+
+use crate::leader::{durable, takeover};
+use crate::state::State;
+use crate::{Shared, Spawner, control, service};
 
 pub struct CoordinatorOptions {
     pub job: Job,
@@ -33,7 +46,7 @@ impl Handle {
             .await
             .map_err(|_| PsError::Timeout(format!("training did not finish within {limit:?}")))?
             .map_err(|_| PsError::Stopped("the coordinator stopped".into()))?;
-        match self.shared.lock().fatal.clone() {
+        match self.shared.lock().recovery.fatal.clone() {
             Some(why) => Err(PsError::Fatal(why)),
             None => Ok(()),
         }
@@ -98,75 +111,14 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
     );
     let metrics_address = metrics::start(&network, &opts.host, metrics.clone()).await;
     let (done_tx, done_rx) = watch::channel(false);
-    let cluster = &c.cluster;
     let shared = Arc::new(Shared {
         schedule,
         address: address.clone(),
-        state: Mutex::new(State {
-            phase: Phase::Starting,
-            epoch: 1,
-            placement: PlacementMap::new(&job.layout()?),
-            servers: vec![Member::default(); cluster.servers],
-            spares: Vec::new(),
-            workers: vec![Member::default(); cluster.workers],
-            steps: StepLedger::new(total_steps),
-            samples: 0,
-            lost_samples: 0,
-            zombies: Default::default(),
-            unreachable_reports: Default::default(),
-            rpc_bytes: 0,
-            last_checkpoint: None,
-            last_save: None,
-            cut_priority: false,
-            replan: match (
-                c.checkpoint.every_seconds,
-                c.checkpoint.planned_mtbf_seconds,
-            ) {
-                (Some(every), Some(mtbf)) if c.cluster.ft.checkpoints() => {
-                    Some(crate::replan::Replan::new(mtbf, every))
-                }
-                _ => None,
-            },
-            own_saves: c
-                .cpr
-                .uncoordinated
-                .then(|| crate::own_saves::OwnSaves::new(cluster.servers, c.checkpoint.keep)),
-            pause_started: None,
-            checkpoints: Vec::new(),
-            retained_cuts: Vec::new(),
-            checkpoint_backoff: None,
-            cut_owed: None,
-            last_cut_at: Instant::now(),
-            resolve_after: None,
-            prune_failing: false,
-            step_kills: Vec::new(),
-            pending_cut: None,
-            confirm_after: None,
-            pending_since: None,
-            recovery_failures: 0,
-            recover_after: None,
-            failed: Vec::new(),
-            recoveries: Vec::new(),
-            rebuilding: Vec::new(),
-            timeline: Timeline::new(),
-            stopping: false,
-            busy: false,
-            next_token: 1,
-            worker_respawns: vec![0; cluster.workers],
-            suspect_until: None,
-            served: std::collections::HashMap::new(),
-            probe_requested: false,
-            fatal: None,
-            lost_in_a_row: 0,
-            steps_rolled_back: 0,
-            cpr: cpr::CprState::new(&job, schedule.samples_before(total_steps))?,
-            deposed: false,
-            train_seconds_before: 0.0,
-            last_step_at: None,
-            failovers: Vec::new(),
-            failover_since_unix: None,
-            taken_over_started: false,
-        }),
+        state: Mutex::new(State::new(
+            &job,
+            total_steps,
+            schedule.samples_before(total_steps),
+        )?),
         spawner: opts.spawner,
         metrics,
         done: done_tx,

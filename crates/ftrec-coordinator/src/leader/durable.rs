@@ -17,8 +17,9 @@ use ftrec_proto::placement::PlacementMap;
 use ftrec_proto::timeline::EventKind;
 use ftrec_rpc::PsError;
 
+use crate::Shared;
+use crate::state::{Member, Phase, State};
 use crate::summary::{CheckpointRecord, Failover, Recovery};
-use crate::{Member, Phase, Shared, State};
 
 /// The record's key under the job's prefix.
 pub(crate) const STATE_KEY: &str = "state";
@@ -136,9 +137,10 @@ fn tail<T: Clone>(v: &[T]) -> Vec<T> {
 impl Record {
     /// The record of `s`, as `durable`'s leader writes it.
     pub fn of(shared: &Shared, s: &State, durable: &Durable) -> Self {
-        let settled_through = s.steps.settled_through();
+        let settled_through = s.steps.ledger.settled_through();
         let above: u64 = s
             .steps
+            .ledger
             .settled_from(settled_through)
             .into_iter()
             .map(|step| shared.schedule.batch(step).1)
@@ -150,35 +152,36 @@ impl Record {
             written_at_unix: unix_now(),
             epoch: s.epoch,
             started: s.phase != Phase::Starting,
-            done: s.phase == Phase::Done && s.fatal.is_none(),
+            done: s.phase == Phase::Done && s.recovery.fatal.is_none(),
             // A deposed coordinator's reason is its own, not the job's (and it cannot
             // write anyway).
-            fatal: s.fatal.clone().filter(|_| !s.deposed),
-            train_seconds: s.train_seconds() + s.train_seconds_before,
+            fatal: s.recovery.fatal.clone().filter(|_| !s.leader.deposed),
+            train_seconds: s.train_seconds() + s.leader.train_seconds_before,
             placement: s.placement.clone(),
-            servers: s.servers.iter().map(member_record).collect(),
-            workers: s.workers.iter().map(member_record).collect(),
-            next_token: s.next_token,
+            servers: s.members.servers.iter().map(member_record).collect(),
+            workers: s.members.workers.iter().map(member_record).collect(),
+            next_token: s.members.next_token,
             settled_through,
-            samples_settled: s.samples.saturating_sub(above),
-            lost_samples: s.lost_samples,
-            steps_rolled_back: s.steps_rolled_back,
-            rpc_bytes: s.rpc_bytes,
-            zombies: s.zombies.iter().copied().collect(),
-            last_checkpoint: s.last_checkpoint,
-            last_save: s.last_save,
-            retained_cuts: s.retained_cuts.clone(),
+            samples_settled: s.steps.samples.saturating_sub(above),
+            lost_samples: s.steps.lost_samples,
+            steps_rolled_back: s.recovery.steps_rolled_back,
+            rpc_bytes: s.steps.rpc_bytes,
+            zombies: s.members.zombies.iter().copied().collect(),
+            last_checkpoint: s.saves.last_checkpoint,
+            last_save: s.saves.last_save,
+            retained_cuts: s.saves.retained_cuts.clone(),
             own_saves: s
+                .cuts
                 .own_saves
                 .as_ref()
                 .map(|o| o.retained().to_vec())
                 .unwrap_or_default(),
-            checkpoints: tail(&s.checkpoints),
-            failed: s.failed.iter().map(|&(id, _)| id).collect(),
-            rebuilding: s.rebuilding.iter().map(|&(id, _)| id).collect(),
-            recoveries: tail(&s.recoveries),
-            worker_respawns: s.worker_respawns.clone(),
-            failovers: s.failovers.clone(),
+            checkpoints: tail(&s.saves.checkpoints),
+            failed: s.recovery.failed.iter().map(|&(id, _)| id).collect(),
+            rebuilding: s.recovery.rebuilding.iter().map(|&(id, _)| id).collect(),
+            recoveries: tail(&s.recovery.recoveries),
+            worker_respawns: s.members.worker_respawns.clone(),
+            failovers: s.leader.failovers.clone(),
         }
     }
 
@@ -297,18 +300,14 @@ impl Shared {
             d.deposed.store(true, Ordering::Relaxed);
         }
         let mut s = self.lock();
-        if s.deposed {
+        if !s.leader.depose() {
             return;
         }
-        s.deposed = true;
         let message = format!(
             "this coordinator no longer leads the job and exits without changing anything: {why}"
         );
         tracing::error!("{message}");
-        s.timeline.event(EventKind::Fatal, message.clone());
-        s.fatal = Some(message);
-        s.phase = Phase::Done;
-        self.done.send_replace(true);
+        self.fail_run(&mut s, message);
     }
 }
 
@@ -317,7 +316,7 @@ pub(crate) async fn flush_loop(shared: Arc<Shared>) {
     let period = Duration::from_millis(shared.job.config.cluster.etcd_flush_ms);
     loop {
         tokio::time::sleep(period).await;
-        if shared.lock().deposed {
+        if shared.lock().leader.deposed {
             return;
         }
         if let Err(PsError::Membership(EtcdError::Deposed(_))) = shared.sync_durable().await {

@@ -20,8 +20,9 @@ use ftrec_rpc::client::ServerClient;
 use ftrec_rpc::job::Job;
 
 use crate::ledger::StepLedger;
+use crate::state::Phase;
 use crate::summary::Failover;
-use crate::{Phase, Shared, control, durable};
+use crate::{Shared, control, durable};
 
 /// A term's first epoch. Epochs within a term count up from it; a later leader's term is
 /// a larger etcd revision, so its epochs are above all of this one's (for fewer than 2^20
@@ -56,10 +57,13 @@ fn live_servers(shared: &Shared) -> Result<(u64, Vec<(usize, ServerClient)>), Ps
     let connector = shared.job.connector_for(shared.job.deadlines().control)?;
     let s = shared.lock();
     let clients = s
+        .members
         .servers
         .iter()
         .enumerate()
-        .filter(|(i, m)| m.alive && !m.address.is_empty() && !s.failed.iter().any(|(f, _)| f == i))
+        .filter(|(i, m)| {
+            m.alive && !m.address.is_empty() && !s.recovery.failed.iter().any(|(f, _)| f == i)
+        })
         .map(|(i, m)| Ok((i, connector.server(&m.address)?)))
         .collect::<Result<_, PsError>>()?;
     Ok((s.epoch, clients))
@@ -130,17 +134,17 @@ async fn attempt(shared: &Arc<Shared>, settled_through: u64) -> Result<(), PsErr
             s.epoch
         )));
     }
-    let total = s.steps.total();
-    s.steps = StepLedger::taken_over(total, from, end, epoch);
+    let total = s.steps.ledger.total();
+    s.steps.ledger = StepLedger::taken_over(total, from, end, epoch);
     // Steps below the record's mark that some server lacks (a rollback after the last
     // flush) are asked about again: their samples count again when they settle.
     let recount: u64 = (from..settled_through.max(from))
         .map(|step| shared.schedule.batch(step).1)
         .sum();
-    s.samples = s.samples.saturating_sub(recount);
-    s.phase = if !s.failed.is_empty() {
+    s.steps.samples = s.steps.samples.saturating_sub(recount);
+    s.phase = if !s.recovery.failed.is_empty() {
         Phase::Recovering
-    } else if s.taken_over_started {
+    } else if s.leader.taken_over_started {
         Phase::Running
     } else {
         Phase::Starting
@@ -226,12 +230,12 @@ pub(crate) fn restore(
     let mut s = shared.lock();
     s.epoch = epoch;
     s.placement = record.placement;
-    s.servers = record
+    s.members.servers = record
         .servers
         .iter()
         .map(|m| durable::Record::member(m, true))
         .collect();
-    s.workers = record
+    s.members.workers = record
         .workers
         .iter()
         .map(|m| durable::Record::member(m, false))
@@ -242,32 +246,29 @@ pub(crate) fn restore(
     // live servers dead before they had found it, and they exited (cluster_etcd's
     // frozen-leader test, about one run in two with its tests in parallel).
     let grace_until = tokio::time::Instant::now() + d.leadership.ttl();
-    let state = &mut *s;
-    for m in state.servers.iter_mut().chain(state.workers.iter_mut()) {
-        if m.last_seen.is_some() {
-            m.last_seen = Some(grace_until);
-        }
-    }
-    s.next_token = record.next_token;
-    s.samples = record.samples_settled;
-    s.lost_samples = record.lost_samples;
-    s.steps_rolled_back = record.steps_rolled_back;
-    s.rpc_bytes = record.rpc_bytes;
-    s.zombies = record.zombies.into_iter().collect();
-    s.last_checkpoint = record.last_checkpoint;
-    s.last_save = record.last_save;
-    s.retained_cuts = record.retained_cuts;
-    if let Some(own) = s.own_saves.as_mut() {
+    // No spare has joined this coordinator yet: only the record's members are forgiven.
+    s.members.forgive_silence(grace_until);
+    s.members.next_token = record.next_token;
+    s.steps.samples = record.samples_settled;
+    s.steps.lost_samples = record.lost_samples;
+    s.recovery.steps_rolled_back = record.steps_rolled_back;
+    s.steps.rpc_bytes = record.rpc_bytes;
+    s.members.zombies = record.zombies.into_iter().collect();
+    s.saves.last_checkpoint = record.last_checkpoint;
+    s.saves.last_save = record.last_save;
+    s.saves.retained_cuts = record.retained_cuts;
+    if let Some(own) = s.cuts.own_saves.as_mut() {
         own.restore_retained(record.own_saves);
     }
-    s.checkpoints = record.checkpoints;
-    s.recoveries = record.recoveries;
-    s.worker_respawns = record.worker_respawns;
-    s.failovers = record.failovers;
-    let total = s.steps.total();
-    s.steps = StepLedger::taken_over(total, record.settled_through, record.settled_through, epoch);
-    s.taken_over_started = record.started;
-    s.train_seconds_before =
+    s.saves.checkpoints = record.checkpoints;
+    s.recovery.recoveries = record.recoveries;
+    s.members.worker_respawns = record.worker_respawns;
+    s.leader.failovers = record.failovers;
+    let total = s.steps.ledger.total();
+    s.steps.ledger =
+        StepLedger::taken_over(total, record.settled_through, record.settled_through, epoch);
+    s.leader.taken_over_started = record.started;
+    s.leader.train_seconds_before =
         record.train_seconds + (durable::unix_now() - record.written_at_unix).max(0.0);
     let now = s.timeline.event(
         EventKind::Coordinator,
@@ -282,23 +283,25 @@ pub(crate) fn restore(
     if let Some(why) = &record.fatal {
         let why = format!("the job failed under coordinator {}: {why}", record.leader);
         s.timeline.event(EventKind::Fatal, why.clone());
-        s.fatal = Some(why);
+        s.recovery.fatal = Some(why);
     }
     if record.done || record.fatal.is_some() {
         s.phase = Phase::Done;
         shared.done.send_replace(true);
         return Ok(record.settled_through);
     }
-    s.failovers.push(Failover {
-        from: record.leader,
-        to: d.id.clone(),
-        failover_seconds: 0.0,
-        term: d.leadership.term(),
-        first_step_at_unix: None,
-    });
-    s.failover_since_unix = Some(record.written_at_unix);
+    s.leader.took_over(
+        Failover {
+            from: record.leader,
+            to: d.id.clone(),
+            failover_seconds: 0.0,
+            term: d.leadership.term(),
+            first_step_at_unix: None,
+        },
+        record.written_at_unix,
+    );
     if record.started {
-        let before = s.train_seconds_before;
+        let before = s.leader.train_seconds_before;
         s.timeline.event(
             EventKind::TrainingStart,
             format!("continued after {before:.3} s under earlier leaders"),
@@ -310,12 +313,12 @@ pub(crate) fn restore(
     failed.extend(record.rebuilding);
     failed.sort_unstable();
     failed.dedup();
-    s.failed = failed.iter().map(|&id| (id, now)).collect();
+    s.recovery.failed = failed.iter().map(|&id| (id, now)).collect();
     // Until the takeover has every server in the new epoch, nothing is planned or granted.
     s.phase = Phase::Recovering;
     s.busy = true;
     for id in failed {
-        if !s.servers[id].alive {
+        if !s.members.servers[id].alive {
             control::replace_server(shared, &mut s, id);
         }
     }

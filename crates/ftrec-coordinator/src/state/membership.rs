@@ -1,0 +1,365 @@
+//! Who holds each slot: the servers, workers and spares that joined, each join an
+//! incarnation of its slot; the zombies refused; and the evidence that a server is to be
+//! declared dead although it still heartbeats (a refused probe, workers cut off from it).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use ftrec_proto::proto::Role;
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Member {
+    pub(crate) address: String,
+    pub(crate) pid: u32,
+    pub(crate) joined: bool,
+    pub(crate) alive: bool,
+    pub(crate) ready: bool,
+    pub(crate) last_seen: Option<Instant>,
+    /// A probe found nothing listening at its address: dead, without waiting for its
+    /// heartbeats to time out.
+    pub(crate) refused: bool,
+    /// Which join of the slot this is (`JoinReply.incarnation`): an older process of the
+    /// slot that comes back (a zombie) is told apart by it.
+    pub(crate) incarnation: u64,
+    /// Workers cannot reach it, though it answers the coordinator (a partition): why it is
+    /// to be declared dead.
+    pub(crate) cut_off: Option<String>,
+}
+
+impl Member {
+    pub(crate) fn silent_for(&self) -> Duration {
+        self.last_seen.map_or(Duration::ZERO, |t| t.elapsed())
+    }
+
+    /// A live member about to be declared dead: silent past `timeout`, or its port refused
+    /// a connection.
+    fn dying(&self, timeout: Duration) -> bool {
+        self.joined && self.alive && (self.silent_for() > timeout || self.refused)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Spare {
+    pub(crate) token: u32,
+    pub(crate) member: Member,
+    pub(crate) assigned: Option<usize>,
+}
+
+/// Lost steps in a row, each because its worker could not reach the same server, after
+/// which that server is declared dead even though it answers the coordinator: it is cut
+/// off from the workers (a partition), and the job cannot train through it.
+const UNREACHABLE_REPORTS: u32 = 2;
+
+pub(crate) struct Membership {
+    pub(crate) servers: Vec<Member>,
+    pub(crate) spares: Vec<Spare>,
+    pub(crate) workers: Vec<Member>,
+    /// Incarnations of processes refused after being declared dead.
+    pub(crate) zombies: BTreeSet<u64>,
+    /// Lost steps in a row whose worker could not reach this server (reset by any step
+    /// that finishes).
+    pub(crate) unreachable_reports: BTreeMap<usize, u32>,
+    /// The next join's incarnation (a spare's is also its token).
+    pub(crate) next_token: u32,
+    /// Replacements of each worker slot so far.
+    pub(crate) worker_respawns: Vec<u32>,
+    /// Per server process (incarnation): the RPCs it served and their payload bytes, as
+    /// its latest heartbeat said.
+    pub(crate) served: HashMap<u64, (u64, u64)>,
+    /// A worker's call to a server failed: probe the servers' ports (`control.rs`).
+    pub(crate) probe_requested: bool,
+}
+
+impl Membership {
+    pub(crate) fn new(servers: usize, workers: usize) -> Self {
+        Self {
+            servers: vec![Member::default(); servers],
+            spares: Vec::new(),
+            workers: vec![Member::default(); workers],
+            zombies: BTreeSet::new(),
+            unreachable_reports: BTreeMap::new(),
+            next_token: 1,
+            worker_respawns: vec![0; workers],
+            served: HashMap::new(),
+            probe_requested: false,
+        }
+    }
+
+    /// A new join's incarnation: never one given before (0 means "none" on the wire).
+    pub(crate) fn next_incarnation(&mut self) -> u32 {
+        let incarnation = self.next_token;
+        self.next_token += 1;
+        incarnation
+    }
+
+    /// The pid of the process that joined as `role` `id`, if any.
+    pub(crate) fn pid_of(&self, role: Role, id: usize) -> Option<u32> {
+        let m = match role {
+            Role::Server => self.servers.get(id),
+            Role::Worker => self.workers.get(id),
+            Role::Unspecified => None,
+        }?;
+        (m.joined && m.pid != 0).then_some(m.pid)
+    }
+
+    /// The pids of the spares that wait for a slot (not yet given one).
+    pub(crate) fn waiting_spare_pids(&self) -> Vec<u32> {
+        self.spares
+            .iter()
+            .filter(|s| s.assigned.is_none() && s.member.pid != 0)
+            .map(|s| s.member.pid)
+            .collect()
+    }
+
+    /// Gives server slot `id` to the first live spare that waits for one: the slot's member
+    /// becomes the spare's process, not ready (it has no shard yet) and with a fresh
+    /// failure timeout from `now`. Returns the spare's token and address.
+    pub(crate) fn assign_spare(&mut self, id: usize, now: Instant) -> Option<(u32, String)> {
+        let spare = self
+            .spares
+            .iter_mut()
+            .find(|sp| sp.assigned.is_none() && sp.member.alive)?;
+        spare.assigned = Some(id);
+        let member = Member {
+            ready: false,
+            last_seen: Some(now),
+            refused: false,
+            cut_off: None,
+            ..spare.member.clone()
+        };
+        let (token, address) = (spare.token, member.address.clone());
+        *self.servers.get_mut(id)? = member;
+        Some((token, address))
+    }
+
+    /// The live servers a probe is to reach, once per request.
+    pub(crate) fn take_probe_targets(&mut self) -> Option<Vec<(usize, String)>> {
+        if !std::mem::take(&mut self.probe_requested) {
+            return None;
+        }
+        Some(
+            self.servers
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| m.joined && m.alive && !m.address.is_empty())
+                .map(|(id, m)| (id, m.address.clone()))
+                .collect(),
+        )
+    }
+
+    /// Every member seen before gets a fresh failure timeout from `now`: the silence was
+    /// the coordinator's own (it did not run).
+    pub(crate) fn forgive_silence(&mut self, now: Instant) {
+        let members = self.servers.iter_mut().chain(self.workers.iter_mut());
+        for m in members.chain(self.spares.iter_mut().map(|s| &mut s.member)) {
+            if m.last_seen.is_some() {
+                m.last_seen = Some(now);
+            }
+        }
+    }
+
+    /// A server that went silent or refused connections explains the steps lost meanwhile:
+    /// "cut off" evidence gathered then against another server is void (a call relayed
+    /// through the dying one failed, say), and if the partition is real the new epoch's
+    /// reports show it again. Declaring both lost two servers of a group at once.
+    pub(crate) fn void_cut_off_evidence(&mut self, timeout: Duration) {
+        if !self.servers.iter().any(|m| m.dying(timeout)) {
+            return;
+        }
+        for m in self.servers.iter_mut().filter(|m| !m.dying(timeout)) {
+            m.cut_off = None;
+        }
+        self.unreachable_reports.clear();
+    }
+
+    /// Why server `id` is to be declared dead now, if it is.
+    pub(crate) fn server_failure(&self, id: usize, timeout: Duration) -> Option<String> {
+        let m = self.servers.get(id)?;
+        let silent = m.silent_for();
+        if !(m.joined && m.alive && (silent > timeout || m.refused || m.cut_off.is_some())) {
+            return None;
+        }
+        Some(if let Some(why) = &m.cut_off {
+            why.clone()
+        } else if m.refused {
+            format!(
+                "its port refused a connection after a worker's call failed (silent for {silent:?})"
+            )
+        } else {
+            format!("silent for {silent:?}")
+        })
+    }
+
+    /// Worker `worker` lost a step because it could not reach `server`: after
+    /// `UNREACHABLE_REPORTS` such losses in a row the server is marked cut off (declared
+    /// dead by the failure detector), and its count starts over.
+    pub(crate) fn report_unreachable(&mut self, server: usize, worker: usize, reason: &str) {
+        let count = self.unreachable_reports.entry(server).or_default();
+        *count += 1;
+        let count = *count;
+        if count < UNREACHABLE_REPORTS {
+            return;
+        }
+        if let Some(m) = self.servers.get_mut(server)
+            && m.alive
+            && m.cut_off.is_none()
+        {
+            m.cut_off = Some(format!(
+                "is cut off from the workers: {count} steps in a row lost because worker \
+                 {worker}'s calls could not reach it, directly or through another server \
+                 ({reason}), though it answers the coordinator"
+            ));
+            self.unreachable_reports.remove(&server);
+        }
+    }
+
+    /// Worker `id` was declared dead: counts its replacement. Returns how many the slot
+    /// has had, this one included.
+    pub(crate) fn worker_respawned(&mut self, id: usize) -> u32 {
+        match self.worker_respawns.get_mut(id) {
+            Some(n) => {
+                *n += 1;
+                *n
+            }
+            None => 0,
+        }
+    }
+
+    /// Every server is up with its shard, and every worker has joined: training may start.
+    pub(crate) fn all_joined(&self) -> bool {
+        self.servers_ready() && self.workers.iter().all(|m| m.joined)
+    }
+
+    /// Every server slot holds a live process ready to serve.
+    pub(crate) fn servers_ready(&self) -> bool {
+        self.servers.iter().all(|m| m.alive && m.ready)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn live(address: &str, pid: u32) -> Member {
+        Member {
+            address: address.into(),
+            pid,
+            joined: true,
+            alive: true,
+            ready: true,
+            last_seen: Some(Instant::now()),
+            ..Member::default()
+        }
+    }
+
+    fn with_spares(alive: &[bool]) -> Membership {
+        let mut m = Membership::new(3, 1);
+        for (k, &a) in alive.iter().enumerate() {
+            let token = m.next_incarnation();
+            m.spares.push(Spare {
+                token,
+                member: Member {
+                    alive: a,
+                    ..live(&format!("spare{k}:1"), 100 + k as u32)
+                },
+                assigned: None,
+            });
+        }
+        m
+    }
+
+    #[test]
+    fn a_spare_takes_one_slot_and_only_a_live_one_is_given() {
+        let mut m = with_spares(&[false, true, true]);
+        let now = Instant::now();
+        // The dead spare is skipped; the first live one takes slot 2, not ready yet.
+        assert_eq!(m.assign_spare(2, now), Some((2, "spare1:1".into())));
+        assert_eq!(m.servers[2].address, "spare1:1");
+        assert!(!m.servers[2].ready && m.servers[2].alive);
+        // It is not given again: the next slot gets the other one, then none is left.
+        assert_eq!(m.assign_spare(0, now), Some((3, "spare2:1".into())));
+        assert_eq!(m.assign_spare(1, now), None);
+        assert_eq!(m.spares[1].assigned, Some(2));
+        assert!(m.waiting_spare_pids().contains(&100));
+        assert!(!m.waiting_spare_pids().contains(&101));
+    }
+
+    #[test]
+    fn incarnations_are_never_reused() {
+        let mut m = Membership::new(1, 1);
+        let a = m.next_incarnation();
+        let b = m.next_incarnation();
+        assert!(a > 0 && b > a);
+    }
+
+    #[test]
+    fn two_unreachable_reports_in_a_row_cut_a_live_server_off() {
+        let mut m = Membership::new(2, 1);
+        m.servers[1] = live("s1:1", 7);
+        m.report_unreachable(1, 0, "timeout");
+        assert!(m.servers[1].cut_off.is_none());
+        m.report_unreachable(1, 0, "timeout");
+        assert!(m.servers[1].cut_off.is_some());
+        assert!(m.server_failure(1, Duration::from_secs(60)).is_some());
+        // Its count started over.
+        assert!(!m.unreachable_reports.contains_key(&1));
+        // A dead server is not marked: the detector has dealt with it.
+        m.servers[0] = Member {
+            alive: false,
+            ..live("s0:1", 8)
+        };
+        m.report_unreachable(0, 0, "timeout");
+        m.report_unreachable(0, 0, "timeout");
+        assert!(m.servers[0].cut_off.is_none());
+    }
+
+    #[test]
+    fn a_dying_server_voids_the_cut_off_evidence_against_the_others() {
+        let mut m = Membership::new(2, 1);
+        m.servers[0] = live("s0:1", 7);
+        m.servers[1] = live("s1:1", 8);
+        m.servers[1].cut_off = Some("cut off".into());
+        m.unreachable_reports.insert(1, 1);
+        let timeout = Duration::from_secs(60);
+        // Nobody dying: the evidence stands.
+        m.void_cut_off_evidence(timeout);
+        assert!(m.servers[1].cut_off.is_some());
+        m.servers[0].refused = true;
+        m.void_cut_off_evidence(timeout);
+        assert!(m.servers[1].cut_off.is_none());
+        assert!(m.unreachable_reports.is_empty());
+        assert!(
+            m.server_failure(0, timeout)
+                .is_some_and(|w| w.contains("refused"))
+        );
+        assert_eq!(m.server_failure(1, timeout), None);
+    }
+
+    #[test]
+    fn forgiving_a_stall_refreshes_only_members_seen_before() {
+        let mut m = with_spares(&[true]);
+        let long_ago = Instant::now() - Duration::from_secs(30);
+        m.servers[0] = Member {
+            last_seen: Some(long_ago),
+            ..live("s0:1", 7)
+        };
+        m.spares[0].member.last_seen = Some(long_ago);
+        m.forgive_silence(Instant::now());
+        assert!(m.servers[0].silent_for() < Duration::from_secs(1));
+        assert!(m.spares[0].member.silent_for() < Duration::from_secs(1));
+        // Never seen: still never seen (it has not joined).
+        assert_eq!(m.servers[1].last_seen, None);
+    }
+
+    #[test]
+    fn a_probe_is_taken_once_and_reaches_only_live_servers() {
+        let mut m = Membership::new(2, 1);
+        m.servers[1] = live("s1:1", 7);
+        assert_eq!(m.take_probe_targets(), None);
+        m.probe_requested = true;
+        assert_eq!(m.take_probe_targets(), Some(vec![(1, "s1:1".into())]));
+        assert_eq!(m.take_probe_targets(), None);
+    }
+}

@@ -1,0 +1,120 @@
+//! The step schedule's progress: the ledger (where every step stands), what settled
+//! steps count (samples, the time of the last), lost steps in a row, the retry timer of
+//! orphan resolution, and the kills that fire when a step is granted.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use ftrec_proto::proto::Role;
+
+use crate::ledger::StepLedger;
+
+/// How long to wait before asking the servers about orphan steps again after one did not
+/// answer.
+const RESOLVE_RETRY: Duration = Duration::from_millis(200);
+
+pub(crate) struct Steps {
+    pub(crate) ledger: StepLedger,
+    /// Samples of the settled steps (each counted once, again after a rollback).
+    pub(crate) samples: u64,
+    /// Samples whose updates a lost shard no longer holds.
+    pub(crate) lost_samples: u64,
+    /// Worker RPC payload bytes, as the workers report them.
+    pub(crate) rpc_bytes: u64,
+    /// Steps lost since one last finished (`service.rs` gives up past a bound).
+    pub(crate) lost_in_a_row: u32,
+    /// Orphan steps are not asked about again before this (a server did not answer).
+    resolve_after: Option<Instant>,
+    /// Kills to fire when a step is granted (`--kill server:1@step:8`): role, id, step.
+    step_kills: Vec<(Role, usize, u64)>,
+    /// When the last step so far was counted, on the timeline's clock.
+    pub(crate) last_step_at: Option<f64>,
+}
+
+impl Steps {
+    pub(crate) fn new(total_steps: u64) -> Self {
+        Self {
+            ledger: StepLedger::new(total_steps),
+            samples: 0,
+            lost_samples: 0,
+            rpc_bytes: 0,
+            lost_in_a_row: 0,
+            resolve_after: None,
+            step_kills: Vec::new(),
+            last_step_at: None,
+        }
+    }
+
+    /// Counts a settled step of `samples` samples at `t` (the timeline's clock).
+    pub(crate) fn settled(&mut self, samples: u64, t: f64) {
+        self.samples += samples;
+        self.last_step_at = Some(t);
+    }
+
+    /// Orphan resolution waits: a server did not answer the last time.
+    pub(crate) fn resolving_waits(&self, now: Instant) -> bool {
+        self.resolve_after.is_some_and(|t| now < t)
+    }
+
+    /// A server did not answer about the orphans: they are asked about again shortly.
+    pub(crate) fn resolve_later(&mut self, now: Instant) {
+        self.resolve_after = Some(now + RESOLVE_RETRY);
+    }
+
+    /// Fires `role` `id` when global step `step` is granted.
+    pub(crate) fn kill_at(&mut self, role: Role, id: usize, step: u64) {
+        self.step_kills.push((role, id, step));
+    }
+
+    /// The kills that a grant of `granted` reached, each once; the later ones stay armed.
+    pub(crate) fn kills_due(&mut self, granted: u64) -> Vec<(Role, usize)> {
+        if self.step_kills.is_empty() {
+            return Vec::new();
+        }
+        let (due, rest): (Vec<_>, Vec<_>) = self
+            .step_kills
+            .iter()
+            .copied()
+            .partition(|&(_, _, step)| step <= granted);
+        self.step_kills = rest;
+        due.into_iter().map(|(role, id, _)| (role, id)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_kill_fires_once_at_or_past_its_step_and_later_ones_stay_armed() {
+        let mut s = Steps::new(100);
+        s.kill_at(Role::Server, 1, 8);
+        s.kill_at(Role::Worker, 0, 20);
+        s.kill_at(Role::Server, 2, 5);
+        assert!(s.kills_due(4).is_empty());
+        // A grant past a kill's step (it went to another worker first) still fires it.
+        assert_eq!(s.kills_due(9), vec![(Role::Server, 1), (Role::Server, 2)]);
+        assert!(s.kills_due(9).is_empty());
+        assert_eq!(s.kills_due(20), vec![(Role::Worker, 0)]);
+        assert!(s.kills_due(1000).is_empty());
+    }
+
+    #[test]
+    fn resolution_waits_only_until_its_retry_time() {
+        let mut s = Steps::new(10);
+        let now = Instant::now();
+        assert!(!s.resolving_waits(now));
+        s.resolve_later(now);
+        assert!(s.resolving_waits(now));
+        assert!(!s.resolving_waits(now + RESOLVE_RETRY));
+    }
+
+    #[test]
+    fn settled_steps_add_their_samples() {
+        let mut s = Steps::new(10);
+        s.settled(32, 1.0);
+        s.settled(16, 2.5);
+        assert_eq!((s.samples, s.last_step_at), (48, Some(2.5)));
+    }
+}
