@@ -83,6 +83,7 @@ pub(crate) mod fixtures {
     //! Hand-made runs for the figures' tests, written as `cluster run --json` prints them.
 
     use super::*;
+    use ftrec_coordinator::RecoveryMode;
     use serde_json::{Value, json};
 
     /// A recovery as the coordinator records it: a plain rebuild of server 1 with `fields`
@@ -123,7 +124,7 @@ pub(crate) mod fixtures {
         assert_eq!(r.steps, 10);
         assert_eq!(r.server_cpu_training.map(|c| c.cpu_seconds), Some(3.0));
         assert_eq!(r.server_cpu_rebuilds[1].map(|c| c.cpu_seconds), Some(0.5));
-        assert_eq!(r.recoveries[0].mode, "rollback");
+        assert_eq!(r.recoveries[0].mode, RecoveryMode::Rollback);
         assert!(r.auc.is_none() && r.kill_to_resume_seconds.is_empty());
     }
 }

@@ -50,7 +50,7 @@ use ftrec_rpc::metrics::Metrics;
 pub use start::{CoordinatorOptions, Handle, start};
 pub use state::Phase;
 use state::{SaveDue, State};
-pub use summary::{CheckpointRecord, Failover, Recovery, RunSummary};
+pub use summary::{CheckpointRecord, Failover, Recovery, RecoveryMode, RunSummary};
 
 /// Starts replacement processes. The local launcher spawns children; without one, the
 /// coordinator waits for a registered spare or a server started by hand.

@@ -5,6 +5,8 @@
 
 use ftrec_config::FaultTolerance;
 
+use crate::summary::RecoveryMode;
+
 /// Why a recovery is needed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Cause {
@@ -86,14 +88,14 @@ pub enum RecoveryAction {
 }
 
 impl RecoveryAction {
-    /// The name the run report gives it.
-    pub fn mode(&self) -> &'static str {
+    /// How the run report says the servers came back.
+    pub fn mode(&self) -> RecoveryMode {
         match self {
-            Self::Rollback { .. } => "rollback",
-            Self::KeepState { .. } => "keep",
-            Self::Rebuild { .. } => "rebuild",
-            Self::PartialRestore { .. } => "partial",
-            Self::Abandon { .. } => "abandon",
+            Self::Rollback { .. } => RecoveryMode::Rollback,
+            Self::KeepState { .. } => RecoveryMode::Keep,
+            Self::Rebuild { .. } => RecoveryMode::Rebuild,
+            Self::PartialRestore { .. } => RecoveryMode::Partial,
+            Self::Abandon { .. } => RecoveryMode::Abandon,
         }
     }
 

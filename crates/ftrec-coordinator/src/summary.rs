@@ -5,6 +5,22 @@ use serde::{Deserialize, Serialize};
 
 use crate::cpr;
 
+/// How the servers came back from a failure; the run report names it in lower case.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RecoveryMode {
+    /// Every server restored the last consistent cut.
+    Rollback,
+    /// The survivors kept their state; the replacement started fresh (`ft = none`).
+    Keep,
+    /// The lost shard was rebuilt from the survivors (erasure coding).
+    Rebuild,
+    /// Only the lost shard restored its checkpoint (CPR).
+    Partial,
+    /// Nothing could bring the lost state back.
+    Abandon,
+}
+
 /// One recovery from a server failure, in seconds since the timeline started.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Recovery {
@@ -42,8 +58,8 @@ pub struct Recovery {
     pub kill_to_first_step_seconds: Option<f64>,
     /// The epoch this recovery began.
     pub epoch: u64,
-    /// How the servers came back: `rollback`, `keep`, `rebuild` or `partial`.
-    pub mode: String,
+    /// How the servers came back.
+    pub mode: RecoveryMode,
     /// Partial recovery: every server's shard digest once recovered, before training
     /// went on (survivors: their state at the failure; replacements: their checkpoint).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -3,6 +3,7 @@
 use std::fmt;
 
 use ftrec_config::{FaultTolerance, JobConfig};
+use ftrec_coordinator::RecoveryMode;
 
 use crate::Outcome;
 
@@ -115,7 +116,10 @@ pub fn check(
         }
         FaultTolerance::Partial => {
             let target = config.cpr.target_pls;
-            let restored = summary.recoveries.iter().any(|r| r.mode == "partial");
+            let restored = summary
+                .recoveries
+                .iter()
+                .any(|r| r.mode == RecoveryMode::Partial);
             let within = summary.pls.is_some_and(|pls| pls <= target);
             if !within || (restored && summary.lost_samples == 0 && summary.pls != Some(0.0)) {
                 violations.push(Violation::Pls {
@@ -125,12 +129,15 @@ pub fn check(
             }
         }
         FaultTolerance::None => {
-            let restarted = summary.recoveries.iter().any(|r| r.mode == "keep");
+            let restarted = summary
+                .recoveries
+                .iter()
+                .any(|r| r.mode == RecoveryMode::Keep);
             // A lost shard that had trained anything must show up as lost samples.
             let trained_before = summary
                 .recoveries
                 .iter()
-                .any(|r| r.mode == "keep" && r.resumed_step > 0);
+                .any(|r| r.mode == RecoveryMode::Keep && r.resumed_step > 0);
             if restarted && trained_before && summary.lost_samples == 0 {
                 violations.push(Violation::LossUnreported);
             }

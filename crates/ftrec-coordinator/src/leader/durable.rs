@@ -360,7 +360,7 @@ mod tests {
             first_step_at: Some(4.5),
             kill_to_first_step_seconds: None,
             epoch: 7,
-            mode: "rebuild".into(),
+            mode: crate::summary::RecoveryMode::Rebuild,
             // Skipped when empty: a reader must accept its absence.
             shard_digests: Vec::new(),
         };

@@ -239,7 +239,7 @@ fn record_recoveries(
             first_step_at: None,
             kill_to_first_step_seconds: None,
             epoch,
-            mode: action.mode().to_string(),
+            mode: action.mode(),
             shard_digests: shard_digests.clone(),
         });
     }
