@@ -124,7 +124,11 @@ pub(crate) fn round_figures(r: &Round, batch: f64, checkpoint_every: u64) -> Rou
         kill_to_resume,
         kill_to_first_step: recovery.and_then(|x| x.kill_to_first_step_seconds),
         kill_to_full_redundancy,
-        detection: recovery.map(|x| kill_to_resume.unwrap_or(0.0) - (x.resumed_at - x.detected_at)),
+        // Without the kill's time there is nothing to measure detection from (counting the
+        // kill at 0 made it negative).
+        detection: recovery
+            .zip(kill_to_resume)
+            .map(|(x, k)| k - (x.resumed_at - x.detected_at)),
         rebuild_seconds,
         rebuild_bytes,
         degraded_rate,
@@ -279,6 +283,7 @@ mod tests {
         let f = round_figures(&round(k, run(json!({}))), 10.0, 40);
         assert_eq!(f.kill_to_resume, None);
         assert_eq!(f.kill_to_full_redundancy, None);
+        assert_eq!(f.detection, None);
         assert_eq!(f.kill_to_first_step, Some(2.5));
     }
 
