@@ -120,6 +120,12 @@ pub struct ClusterSection {
     /// path never waits for etcd).
     #[serde(default = "default_flush_ms")]
     pub etcd_flush_ms: u64,
+    /// With etcd membership: how long a stateless member (a worker, a spare without a
+    /// slot) waits for a control plane that does not answer (no coordinator, or etcd
+    /// down) before it exits. A server that holds a shard never exits on a timeout: it
+    /// waits until etcd records the job's end or an operator stops it.
+    #[serde(default = "default_control_plane_grace_s")]
+    pub control_plane_grace_s: u64,
 }
 
 /// `[cluster.deadlines]`: how long each kind of call may take before its callee counts as
@@ -285,6 +291,11 @@ fn default_heartbeat_ms() -> u64 {
 fn default_failure_timeout_ms() -> u64 {
     1000
 }
+/// Ten minutes: an etcd outage or a failover that an operator fixes by hand should not
+/// cost the job its workers.
+fn default_control_plane_grace_s() -> u64 {
+    600
+}
 
 impl Default for ClusterSection {
     fn default() -> Self {
@@ -302,6 +313,7 @@ impl Default for ClusterSection {
             etcd_prefix: None,
             etcd_lease_ttl_s: default_lease_ttl_s(),
             etcd_flush_ms: default_flush_ms(),
+            control_plane_grace_s: default_control_plane_grace_s(),
         }
     }
 }
@@ -339,6 +351,13 @@ impl ClusterSection {
                     self.heartbeat_ms
                 )));
             }
+        }
+        if self.control_plane_grace_s == 0 {
+            return Err(ConfigError::Invalid(
+                "cluster.control_plane_grace_s = 0: a member needs some time to wait for the \
+                 control plane (default 600 s)"
+                    .into(),
+            ));
         }
         crate::membership::validate(
             self.membership,

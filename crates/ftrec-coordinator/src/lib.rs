@@ -255,8 +255,11 @@ impl Shared {
                 ..wait(epoch, version)
             };
         }
-        // A leader whose lease may have expired grants nothing: another may lead now.
-        let granting = matches!(s.phase, Phase::Running | Phase::Checkpointing) && self.leading();
+        // A leader whose lease may have expired grants nothing: another may lead now, and
+        // while etcd does not answer this one cannot declare a dead member dead, so a step
+        // granted then is a step lost to it (64 in a row ended the job: issue 42, hole 2).
+        let granting =
+            matches!(s.phase, Phase::Running | Phase::Checkpointing) && self.may_decide();
         if !granting || s.recovery.suspecting(Instant::now()) {
             return wait(epoch, version);
         }

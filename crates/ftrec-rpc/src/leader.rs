@@ -29,6 +29,19 @@ pub struct Locator {
     /// etcd: a call that finds no coordinator may wait this long for the next leader
     /// (the lease TTL and a second); zero for a fixed address.
     patience: Duration,
+    /// The job's etcd, where it is followed there: a member cut off from every
+    /// coordinator learns there whether the job has ended.
+    etcd: Option<ftrec_etcd::Etcd>,
+}
+
+/// The few fields of the coordinator's record (`PREFIX/state`) a member reads to learn that
+/// the job is over; the record is the coordinator's, and everything else in it is skipped.
+#[derive(serde::Deserialize)]
+struct JobEnd {
+    #[serde(default)]
+    done: bool,
+    #[serde(default)]
+    fatal: Option<String>,
 }
 
 /// How often a member reads the leader key. A takeover reaches a member at most this
@@ -44,6 +57,7 @@ impl Locator {
                 return Ok(Self {
                     address: watch::channel(a.clone()).1,
                     patience: Duration::ZERO,
+                    etcd: None,
                 });
             }
             (CoordinatorSource::Etcd, Some(opts)) => opts,
@@ -74,12 +88,30 @@ impl Locator {
             tokio::time::sleep(FOLLOW_PERIOD).await;
         };
         let (tx, address) = watch::channel(first);
-        tokio::spawn(follow(etcd, tx));
+        tokio::spawn(follow(etcd.clone(), tx));
         let ttl = Duration::from_secs(job.config.cluster.etcd_lease_ttl_s);
         Ok(Self {
             address,
             patience: ttl + Duration::from_secs(1),
+            etcd: Some(etcd),
         })
+    }
+
+    /// Whether the job's coordinators follow one another through etcd (a standby may
+    /// take over), rather than one fixed address whose loss ends the job.
+    pub fn follows_etcd(&self) -> bool {
+        self.etcd.is_some()
+    }
+
+    /// Why the job is over, once its record in etcd says so (finished, or failed); `None`
+    /// while it runs, without etcd, or when etcd does not answer.
+    pub async fn job_ended(&self) -> Option<String> {
+        let etcd = self.etcd.as_ref()?;
+        match etcd.get_json::<JobEnd>("state").await {
+            Ok(Some((end, _))) if end.fatal.is_some() => end.fatal,
+            Ok(Some((end, _))) if end.done => Some("the job finished".into()),
+            _ => None,
+        }
     }
 
     pub fn address(&self) -> String {

@@ -32,7 +32,7 @@ use ftrec_proto::placement::Layout;
 use ftrec_proto::proto::*;
 use ftrec_rpc::PsError;
 use ftrec_rpc::job::Job;
-use ftrec_rpc::leader::CoordinatorLink;
+use ftrec_rpc::leader::{CoordinatorLink, Locator};
 use ftrec_rpc::metrics::Metrics;
 
 pub struct ServerOptions {
@@ -134,6 +134,13 @@ async fn wait_for_assignment(
     // A spare asks often: how soon it hears of its slot bounds how soon a failed
     // server's slot serves again.
     let period = period.min(Duration::from_millis(20));
+    // A spare holds nothing yet: with etcd it waits out `cluster.control_plane_grace_s`
+    // for a control plane that may come back (an etcd outage, a failover), else the
+    // control deadline of the one coordinator there is.
+    let patience = match job.etcd_options() {
+        Some(_) => Duration::from_secs(job.config.cluster.control_plane_grace_s),
+        None => job.timeout(),
+    };
     loop {
         tokio::time::sleep(period).await;
         let Ok(mut client) = coordinator.client() else {
@@ -161,7 +168,7 @@ async fn wait_for_assignment(
                 }
                 silent_since = Instant::now();
             }
-            Err(s) if silent_since.elapsed() > job.timeout() => {
+            Err(s) if silent_since.elapsed() > patience => {
                 return Err(PsError::rpc("coordinator unreachable", &s));
             }
             Err(_) => {}
@@ -169,27 +176,96 @@ async fn wait_for_assignment(
     }
 }
 
-/// How long a server keeps trying a coordinator that does not answer: ten failure
-/// timeouts (at least 5 s), and with etcd three lease TTLs, so a standby has time to take
-/// over before the servers give up.
-fn give_up(job: &Job) -> Duration {
-    let c = &job.config.cluster;
-    let mut patience = Duration::from_millis(c.failure_timeout_ms * 10).max(Duration::from_secs(5));
-    if job.etcd_options().is_some() {
-        patience = patience.max(Duration::from_secs(3 * c.etcd_lease_ttl_s));
-    }
-    patience
+/// What a server does while no coordinator answers its heartbeats.
+pub(crate) enum WhenCutOff {
+    /// Embedded membership: the one coordinator was the job's control plane, and no
+    /// standby can come; once it has been silent this long, the job is gone and the server
+    /// exits (so no server outlives its cluster).
+    GiveUp(Duration),
+    /// etcd membership: a standby or an operator may bring the control plane back (an
+    /// etcd outage, a failover). The shard this server holds is not whole anywhere else,
+    /// so it never exits on a timeout: it waits until etcd records the job's end, or an
+    /// operator stops it, and says so every minute (issue 42, hole 2).
+    HoldOn(Locator),
 }
 
-/// Heartbeats until the coordinator says stop, a Shutdown RPC arrives, or the coordinator
-/// has been unreachable for ten failure timeouts (so no server outlives its cluster).
+/// How often a server cut off from the control plane says so, and asks etcd whether the
+/// job ended.
+const CUT_OFF_REPORT: Duration = Duration::from_secs(60);
+const CUT_OFF_CHECK: Duration = Duration::from_secs(5);
+
+impl WhenCutOff {
+    /// Embedded: ten failure timeouts (at least 5 s), time enough for a slow coordinator.
+    pub(crate) fn of(job: &Job, locator: &Locator) -> Self {
+        if locator.follows_etcd() {
+            return Self::HoldOn(locator.clone());
+        }
+        let c = &job.config.cluster;
+        Self::GiveUp(Duration::from_millis(c.failure_timeout_ms * 10).max(Duration::from_secs(5)))
+    }
+}
+
+/// A server that no coordinator has answered since `last_ok`: whether it exits now.
+/// `next_report` and `next_check` pace what it says and asks.
+struct CutOff {
+    next_report: Duration,
+    next_check: Duration,
+}
+
+impl CutOff {
+    fn new() -> Self {
+        Self {
+            next_report: CUT_OFF_REPORT,
+            next_check: CUT_OFF_CHECK,
+        }
+    }
+
+    async fn exit_now(
+        &mut self,
+        when: &WhenCutOff,
+        silent: Duration,
+        id: usize,
+        error: &PsError,
+    ) -> Result<bool, PsError> {
+        let locator = match when {
+            WhenCutOff::GiveUp(after) if silent > *after => {
+                return Err(PsError::Unavailable(format!(
+                    "coordinator unreachable; exiting: {error}"
+                )));
+            }
+            WhenCutOff::GiveUp(_) => return Ok(false),
+            WhenCutOff::HoldOn(locator) => locator,
+        };
+        if silent >= self.next_check {
+            self.next_check = silent + CUT_OFF_CHECK;
+            if let Some(why) = locator.job_ended().await {
+                tracing::info!("server {id}: the job is over ({why}); exiting");
+                return Ok(true);
+            }
+        }
+        if silent >= self.next_report {
+            self.next_report = silent + CUT_OFF_REPORT;
+            tracing::warn!(
+                "server {id}: no coordinator has answered for {:.0} s ({error}). This server \
+                 holds shard {id}, which no other member or checkpoint has whole: it keeps \
+                 waiting until etcd records the job's end, or an operator stops it",
+                silent.as_secs_f64()
+            );
+        }
+        Ok(false)
+    }
+}
+
+/// Heartbeats until the coordinator says stop, a Shutdown RPC arrives, or the control
+/// plane is gone for good (see [`WhenCutOff`]).
 async fn heartbeat_loop(
     beats: &ftrec_rpc::client::HeartbeatClient,
     core: Arc<Core>,
     period: Duration,
-    give_up: Duration,
+    when_cut_off: WhenCutOff,
 ) -> Result<(), PsError> {
     let mut last_ok = Instant::now();
+    let mut cut_off = CutOff::new();
     // The first beat goes at once: a replacement's "ready" starts the recovery.
     let mut wait = Duration::ZERO;
     loop {
@@ -213,18 +289,23 @@ async fn heartbeat_loop(
             .await;
         match reply.map_err(|s| PsError::rpc("heartbeat", &s)) {
             Ok(r) if r.get_ref().stop => return Ok(()),
-            Ok(_) => last_ok = Instant::now(),
+            Ok(_) => {
+                last_ok = Instant::now();
+                cut_off = CutOff::new();
+            }
             Err(e @ PsError::Fenced(_)) => {
                 return Err(PsError::Fenced(format!(
                     "the coordinator removed this server ({e})"
                 )));
             }
-            Err(e) if last_ok.elapsed() > give_up => {
-                return Err(PsError::Unavailable(format!(
-                    "coordinator unreachable; exiting: {e}"
-                )));
+            Err(e) => {
+                if cut_off
+                    .exit_now(&when_cut_off, last_ok.elapsed(), core.id, &e)
+                    .await?
+                {
+                    return Ok(());
+                }
             }
-            Err(_) => {}
         }
     }
 }

@@ -17,7 +17,7 @@ use crate::rebuild::RebuildContext;
 use crate::rebuild::boost::RebuildBoost;
 use crate::rebuild::reserve::{Reserve, SpareReserve};
 use crate::shard::Shard;
-use crate::{Core, CountServed, ServerOptions, bulk, ec, give_up, heartbeat_loop};
+use crate::{Core, CountServed, ServerOptions, WhenCutOff, bulk, ec, heartbeat_loop};
 use ftrec_proto::placement::Layout;
 use ftrec_proto::proto::parameter_server_server::ParameterServerServer;
 use ftrec_proto::proto::*;
@@ -34,6 +34,7 @@ pub(crate) struct Started {
     incoming: Incoming,
     beats: HeartbeatClient,
     heartbeat: Duration,
+    when_cut_off: WhenCutOff,
 }
 
 /// Everything up to serving: joined, in its slot, its parts built.
@@ -79,6 +80,7 @@ pub(crate) async fn start(opts: ServerOptions) -> Result<Started, PsError> {
         incoming,
         beats,
         heartbeat,
+        when_cut_off: WhenCutOff::of(&job, &locator),
     })
 }
 
@@ -315,6 +317,7 @@ impl Started {
             incoming,
             beats,
             heartbeat,
+            when_cut_off,
         } = self;
         if let Some(bulk) = &core.rebuilding.bulk {
             let source: std::sync::Weak<dyn bulk::RangeSource> = Arc::downgrade(&core) as _;
@@ -339,7 +342,7 @@ impl Started {
                 .serve_with_incoming_shutdown(incoming, async move { serve_stop.notified().await })
                 .await
         });
-        heartbeat_loop(&beats, core, heartbeat, give_up(&job)).await?;
+        heartbeat_loop(&beats, core, heartbeat, when_cut_off).await?;
         stop.notify_waiters();
         let _ = tokio::time::timeout(Duration::from_secs(2), serving).await;
         Ok(())

@@ -109,3 +109,36 @@ pub fn listening_address(log: &Path) -> String {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// The pids of this host's processes whose command line holds every word of `words`, in
+/// any order (found in `/proc`): a member a launcher started, killed by its pid.
+pub fn pids_with_args(words: &[&str]) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            let args: Vec<String> = cmdline
+                .split(|&b| b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            words
+                .iter()
+                .all(|w| args.iter().any(|a| a == w))
+                .then_some(pid)
+        })
+        .collect()
+}
+
+/// Sends signal `name` (`STOP`, `CONT`, `KILL`) to `pid`.
+pub fn signal_pid(pid: u32, name: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{name} {pid}");
+}

@@ -247,14 +247,16 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
 
 impl Worker {
     /// How long the coordinator may stay unreachable before this worker gives up: the
-    /// control deadline, and with etcd three lease TTLs, time for a standby to take over.
+    /// control deadline of the one coordinator there is, and with etcd
+    /// `cluster.control_plane_grace_s` (a worker holds no state, but an etcd outage or a
+    /// failover an operator fixes should not cost the job its workers).
     fn patience(&self) -> Duration {
         let c = &self.job.config.cluster;
         match self.job.etcd_options() {
             Some(_) => self
                 .job
                 .timeout()
-                .max(Duration::from_secs(3 * c.etcd_lease_ttl_s)),
+                .max(Duration::from_secs(c.control_plane_grace_s)),
             None => self.job.timeout(),
         }
     }
@@ -325,10 +327,13 @@ impl Worker {
                     let outcome = tokio::select! {
                         biased;
                         outcome = self.step(reply.step, reply.epoch, reply.placement_version) => outcome,
-                        moved = epochs.wait_for(|e| *e > granted) => Err(PsError::StaleEpoch {
-                            got: granted,
-                            current: moved.map(|e| *e).unwrap_or(granted),
-                        }),
+                        moved = epochs.wait_for(|e| *e > granted) => {
+                            self.shards.abandon(granted, reply.step);
+                            Err(PsError::StaleEpoch {
+                                got: granted,
+                                current: moved.map(|e| *e).unwrap_or(granted),
+                            })
+                        }
                     };
                     let moved = self.shards.take_bytes();
                     self.rpc_bytes += moved;

@@ -325,6 +325,37 @@ impl ShardClient {
         Ok(())
     }
 
+    /// A step given up while it may be prepared somewhere (the epoch moved under it):
+    /// every server is told to abort it, in the background and best effort. A server
+    /// still in the step's epoch releases the commit turn the prepared step holds at once;
+    /// one already in a newer epoch refuses the call and has settled the step itself.
+    /// Without it, a slot that no recovery fences (one rebuilding in the background when
+    /// its leader died) kept the turn until its own rebuild waited on it forever.
+    pub fn abandon(&self, epoch: u64, step: u64) {
+        if self.protocol == CommitProtocol::OneRound || self.servers.is_empty() {
+            return;
+        }
+        let give_up = Instant::now() + self.connector.timeout();
+        let calls: Vec<_> = self
+            .servers
+            .iter()
+            .cloned()
+            .enumerate()
+            .map(|(s, mut client)| async move {
+                let what = format!("abort of abandoned step {step} to server {s}");
+                let reply = within(
+                    give_up,
+                    &what,
+                    client.abort_step(StepDecision { epoch, step }),
+                );
+                if let Err(e) = reply.await {
+                    tracing::debug!("{e}");
+                }
+            })
+            .collect();
+        tokio::spawn(join_all(calls));
+    }
+
     /// Phase 1 one server at a time, in slot order (see [`CommitProtocol::TwoPhase`]).
     async fn prepare_in_order(&mut self, pushes: Vec<PushRequest>) -> Result<(), PsError> {
         for (s, push) in pushes.into_iter().enumerate() {

@@ -174,10 +174,55 @@ fn range(replies: &[AppliedReply], settled_through: u64) -> (u64, u64) {
     (from, end)
 }
 
+/// How often a standby that waits for etcd says so.
+const OUTAGE_REPORT: Duration = Duration::from_secs(60);
+
+/// Whether `e` says etcd did not answer (down, frozen, cut off), not that it refused.
+fn etcd_outage(e: &PsError) -> bool {
+    use ftrec_etcd::EtcdError::{Request, Timeout, Unreachable};
+    matches!(
+        e,
+        PsError::Membership(Unreachable { .. } | Request { .. } | Timeout { .. })
+    )
+}
+
 /// Connects to the job's etcd, claims its prefix (or checks it is this job's), and leads
 /// (a standby waits for the leader's lease to expire). Returns the leadership and the
 /// record an earlier leader left, if any.
+///
+/// A standby (one started to take over, as the launcher's replacements are) waits out an
+/// etcd outage, saying so every minute: exiting would leave the job with no coordinator
+/// to take over when etcd returns (issue 42, hole 2). The first coordinator of a job
+/// fails at once instead, naming the endpoints, so a wrong address is said at start.
 pub(crate) async fn elect(
+    job: &Job,
+    etcd: &ftrec_etcd::EtcdOptions,
+    address: &str,
+    standby: bool,
+    id: &str,
+) -> Result<(durable::Durable, Option<durable::Record>), PsError> {
+    let started = tokio::time::Instant::now();
+    let mut next_report = Duration::ZERO;
+    loop {
+        match elect_once(job, etcd, address, standby, id).await {
+            Err(e) if standby && etcd_outage(&e) => {
+                let waited = started.elapsed();
+                if waited >= next_report {
+                    next_report = waited + OUTAGE_REPORT;
+                    tracing::warn!(
+                        "standby coordinator {id}: etcd does not answer ({e}); waiting for it \
+                         ({:.0} s so far)",
+                        waited.as_secs_f64()
+                    );
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+async fn elect_once(
     job: &Job,
     etcd: &ftrec_etcd::EtcdOptions,
     address: &str,

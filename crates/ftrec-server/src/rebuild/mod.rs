@@ -53,6 +53,14 @@ impl Core {
         progress: tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
     ) -> Result<RebuildReply, PsError> {
         let started = Instant::now();
+        self.pipeline.check_epoch_forward(req.epoch)?;
+        // A step of an older epoch prepared here holds the commit turn until it is decided,
+        // and nobody may decide it: a new leader that took over during this slot's
+        // background rebuild fences only the other servers, and the worker that prepared it
+        // dropped it on seeing the new epoch. This slot's state is rebuilt from the
+        // survivors anyway: the older epoch's prepared steps are dropped before the turn
+        // is taken (issue 42, hole 1: the new leader waited on this rebuild forever).
+        self.settle_older_epochs(req.epoch, &[])?;
         let turn = self.pipeline.turn().await;
         self.pipeline.check_epoch_forward(req.epoch)?;
         let epoch = req.epoch;
