@@ -17,6 +17,8 @@ mod rebuild;
 mod service;
 pub mod shard;
 mod start;
+#[cfg(test)]
+mod test_core;
 
 use std::sync::Arc;
 use std::time::Duration;

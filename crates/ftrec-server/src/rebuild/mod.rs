@@ -442,3 +442,6 @@ pub(super) struct WholeRebuild<'a> {
     pub started: Instant,
     pub progress: &'a tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
 }
+
+#[cfg(test)]
+mod tests;
