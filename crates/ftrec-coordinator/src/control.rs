@@ -142,6 +142,14 @@ fn detect_failures(shared: &Shared, s: &mut State) {
 /// Declares server `id` dead for `why`: a new epoch, its steps in flight set aside, and
 /// a replacement asked for.
 fn server_failed(shared: &Shared, s: &mut State, id: usize, why: &str) {
+    declare_server_dead(shared, s, id, why);
+    replace_server(shared, s, id);
+}
+
+/// Server `id` is dead: a new epoch, its steps in flight set aside, and a recovery to
+/// run once its slot has a process again (none is asked for here: a join that replaces
+/// it brings its own).
+pub(crate) fn declare_server_dead(shared: &Shared, s: &mut State, id: usize, why: &str) {
     let c = &shared.job.config.cluster;
     s.members.servers[id].alive = false;
     s.members.servers[id].ready = false;
@@ -174,7 +182,6 @@ fn server_failed(shared: &Shared, s: &mut State, id: usize, why: &str) {
         s.steps.ledger.forget_outstanding();
     }
     s.phase = Phase::Recovering;
-    replace_server(shared, s, id);
 }
 
 /// Declares worker `id` dead: its steps are resolved with the servers and granted
@@ -231,6 +238,12 @@ pub(super) fn replace_server(shared: &Shared, s: &mut State, id: usize) {
     }
 }
 
+/// [`plan`] for the tests of this crate.
+#[cfg(test)]
+pub(crate) fn plan_for_test(shared: &Shared, s: &mut State) -> Option<Task> {
+    plan(shared, s)
+}
+
 fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
     match s.phase {
         Phase::Starting => {
@@ -248,9 +261,14 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
             })
         }
         Phase::Recovering => {
-            if s.recovery.backing_off(Instant::now()) || !s.members.servers_ready() {
+            if s.recovery.backing_off(Instant::now()) {
                 return None;
             }
+            if !s.members.servers_ready() {
+                say_who_is_awaited(shared, s, Instant::now());
+                return None;
+            }
+            s.recovery.awaited_said = None;
             s.busy = true;
             Some(plan_recovery(shared, s))
         }
@@ -259,9 +277,67 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
     }
 }
 
+/// A recovery that waits this long for a slot's process says which, and again every
+/// [`AWAITED_REPEAT`]: a job with no replacement coming otherwise stood still in silence
+/// (issue 42, hole 8).
+const AWAITED_AFTER: Duration = Duration::from_secs(5);
+const AWAITED_REPEAT: Duration = Duration::from_secs(60);
+
+/// Names the slots the recovery waits for, the kind of process each needs, and the
+/// command that starts one, once the wait is long and then every minute.
+pub(crate) fn say_who_is_awaited(shared: &Shared, s: &mut State, now: Instant) {
+    // The first wait counts as said `AWAITED_REPEAT - AWAITED_AFTER` ago: it is said
+    // `AWAITED_AFTER` from now.
+    let first = now
+        .checked_sub(AWAITED_REPEAT - AWAITED_AFTER)
+        .unwrap_or(now);
+    let since = *s.recovery.awaited_said.get_or_insert(first);
+    if now.duration_since(since) < AWAITED_REPEAT {
+        return;
+    }
+    s.recovery.awaited_said = Some(now);
+    let find = match shared.job.etcd_options() {
+        Some(etcd) => format!("--etcd {}", etcd.endpoints.join(",")),
+        None => format!("--coordinator {}", shared.address),
+    };
+    let awaited: Vec<String> = s
+        .members
+        .servers
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| !m.ready)
+        .map(|(id, m)| {
+            if m.alive && m.joined {
+                format!(
+                    "server {id}: its process (pid {}) is building its shard",
+                    m.pid
+                )
+            } else {
+                format!(
+                    "server {id}: no process; start one with `ftrec server --job JOB {find} \
+                     --id {id}` (or a spare anywhere with `--spare` in place of `--id {id}`)"
+                )
+            }
+        })
+        .collect();
+    let text = format!(
+        "the recovery of epoch {} waits for {}{}",
+        s.epoch,
+        awaited.join("; "),
+        if shared.spawner.is_some() {
+            ""
+        } else {
+            ". This coordinator starts none itself (it was started without --spawn)"
+        }
+    );
+    tracing::warn!("{text}");
+    s.timeline.event(EventKind::Replacement, text);
+}
+
 /// Every member is in: training starts, and with it the save schedule's clocks.
 fn start_training(shared: &Shared, s: &mut State) {
     s.phase = Phase::Running;
+    s.steps.started = true;
     let total = s.steps.ledger.total();
     s.timeline
         .event(EventKind::TrainingStart, format!("{total} steps"));

@@ -19,6 +19,8 @@
 
 mod control;
 mod cpr;
+#[cfg(test)]
+mod join_tests;
 mod leader;
 pub mod ledger;
 pub mod planner;

@@ -7,7 +7,7 @@ use tokio::time::Instant;
 
 use tonic::{Request, Response, Status};
 
-use crate::state::{Member, Phase, Spare};
+use crate::state::{Member, Spare};
 use crate::{Shared, role_name, sigkill};
 use ftrec_proto::proto::coordinator_server::Coordinator;
 use ftrec_proto::proto::*;
@@ -75,6 +75,27 @@ impl Coordinator for Service {
                             slot.pid, slot.address
                         )));
                     }
+                    // A silent member not yet declared dead: the newcomer replaces it, and
+                    // the slot's state must come from a recovery in a new epoch. Taking the
+                    // slot quietly left the newcomer serving a fresh shard in the old epoch
+                    // (issue 42, hole 6).
+                    if slot.joined && slot.alive && s.steps.started {
+                        if !shared.may_decide() {
+                            return Err(Status::unavailable(format!(
+                                "server {id}'s process has been silent for {:?}, and this \
+                                 coordinator cannot declare it dead now (its etcd lease is not \
+                                 surely its own): try again",
+                                slot.silent_for()
+                            )));
+                        }
+                        let why = format!(
+                            "silent for {:?}; a new process (pid {} at {}) joins its slot",
+                            slot.silent_for(),
+                            req.pid,
+                            req.address
+                        );
+                        crate::control::declare_server_dead(shared, &mut s, id, &why);
+                    }
                     s.members.servers[id] = member;
                     s.placement.assign(id, req.address.clone());
                     s.timeline.event(
@@ -120,7 +141,7 @@ impl Coordinator for Service {
                 workers: c.workers as u32,
                 spare_token,
                 incarnation: u64::from(incarnation),
-                replacement: s.phase != Phase::Starting,
+                replacement: s.steps.started,
             }
         };
         // etcd membership: a join is recorded before it is answered, so a new leader

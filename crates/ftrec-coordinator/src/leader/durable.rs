@@ -40,6 +40,19 @@ pub(crate) struct MemberRecord {
     pub alive: bool,
 }
 
+/// A spare server as the record keeps it: a new leader knows it, and gives it a slot,
+/// as the old one would have (issue 42, hole 7: spares registered with one leader only
+/// exited at its failover with "unknown spare", and a later dead server was never
+/// replaced).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct SpareRecord {
+    pub token: u32,
+    pub address: String,
+    pub pid: u32,
+    /// The slot it was given, which it may not have heard of yet.
+    pub assigned: Option<usize>,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct Record {
     pub format: u32,
@@ -60,6 +73,9 @@ pub(crate) struct Record {
     pub placement: PlacementMap,
     pub servers: Vec<MemberRecord>,
     pub workers: Vec<MemberRecord>,
+    /// Spares that joined and are alive (an older record has none).
+    #[serde(default)]
+    pub spares: Vec<SpareRecord>,
     pub next_token: u32,
     /// Every step below it is applied on every server.
     pub settled_through: u64,
@@ -151,7 +167,7 @@ impl Record {
             term: durable.leadership.term(),
             written_at_unix: unix_now(),
             epoch: s.epoch,
-            started: s.phase != Phase::Starting,
+            started: s.steps.started,
             done: s.phase == Phase::Done && s.recovery.fatal.is_none(),
             // A deposed coordinator's reason is its own, not the job's (and it cannot
             // write anyway).
@@ -160,6 +176,18 @@ impl Record {
             placement: s.placement.clone(),
             servers: s.members.servers.iter().map(member_record).collect(),
             workers: s.members.workers.iter().map(member_record).collect(),
+            spares: s
+                .members
+                .spares
+                .iter()
+                .filter(|sp| sp.member.alive)
+                .map(|sp| SpareRecord {
+                    token: sp.token,
+                    address: sp.member.address.clone(),
+                    pid: sp.member.pid,
+                    assigned: sp.assigned,
+                })
+                .collect(),
             next_token: s.members.next_token,
             settled_through,
             samples_settled: s.steps.samples.saturating_sub(above),
@@ -396,6 +424,16 @@ mod tests {
             },
             servers: vec![member.clone(), member.clone()],
             workers: vec![member],
+            spares: if reports {
+                vec![SpareRecord {
+                    token: 4,
+                    address: "127.0.0.1:7009".into(),
+                    pid: 43,
+                    assigned: Some(1),
+                }]
+            } else {
+                Vec::new()
+            },
             next_token: 5,
             settled_through: 40,
             samples_settled: 5120,

@@ -144,7 +144,7 @@ async fn attempt(shared: &Arc<Shared>, settled_through: u64) -> Result<(), PsErr
     s.steps.samples = s.steps.samples.saturating_sub(recount);
     s.phase = if !s.recovery.failed.is_empty() {
         Phase::Recovering
-    } else if s.leader.taken_over_started {
+    } else if s.steps.started {
         Phase::Running
     } else {
         Phase::Starting
@@ -285,13 +285,31 @@ pub(crate) fn restore(
         .iter()
         .map(|m| durable::Record::member(m, false))
         .collect();
+    s.members.spares = record
+        .spares
+        .iter()
+        .map(|sp| crate::state::Spare {
+            token: sp.token,
+            member: durable::Record::member(
+                &durable::MemberRecord {
+                    address: sp.address.clone(),
+                    pid: sp.pid,
+                    incarnation: u64::from(sp.token),
+                    joined: true,
+                    alive: true,
+                },
+                false,
+            ),
+            assigned: sp.assigned,
+        })
+        .collect();
     // The members learn of the new leader from etcd while their calls to the old one (which
     // may be frozen, not gone) wait out their deadlines: their silence counts from one
     // lease TTL after the takeover. Without it, a loaded host let a new leader declare
     // live servers dead before they had found it, and they exited (cluster_etcd's
     // frozen-leader test, about one run in two with its tests in parallel).
     let grace_until = tokio::time::Instant::now() + d.leadership.ttl();
-    // No spare has joined this coordinator yet: only the record's members are forgiven.
+    // The record's members, spares included, are forgiven.
     s.members.forgive_silence(grace_until);
     s.members.next_token = record.next_token;
     s.steps.samples = record.samples_settled;
@@ -312,7 +330,7 @@ pub(crate) fn restore(
     let total = s.steps.ledger.total();
     s.steps.ledger =
         StepLedger::taken_over(total, record.settled_through, record.settled_through, epoch);
-    s.leader.taken_over_started = record.started;
+    s.steps.started = record.started;
     s.leader.train_seconds_before =
         record.train_seconds + (durable::unix_now() - record.written_at_unix).max(0.0);
     let now = s.timeline.event(

@@ -12,8 +12,6 @@ pub(crate) struct LeaderState {
     /// its first step settles (`failover_since_unix`: the old leader's last write).
     pub(crate) failovers: Vec<Failover>,
     pub(crate) failover_since_unix: Option<f64>,
-    /// Training had started under an earlier leader.
-    pub(crate) taken_over_started: bool,
     /// Seconds trained under earlier leaders, failovers included.
     pub(crate) train_seconds_before: f64,
 }

@@ -31,6 +31,9 @@ pub(crate) struct Recoveries {
     pub(crate) steps_rolled_back: u64,
     /// Why the run cannot go on (a crash loop); ends it with this error.
     pub(crate) fatal: Option<String>,
+    /// When the recovery waiting for a slot's process last said so (see
+    /// `control::say_who_is_awaited`).
+    pub(crate) awaited_said: Option<Instant>,
 }
 
 /// What a failed recovery attempt leads to.

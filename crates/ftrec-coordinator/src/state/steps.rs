@@ -30,6 +30,12 @@ pub(crate) struct Steps {
     step_kills: Vec<(Role, usize, u64)>,
     /// When the last step so far was counted, on the timeline's clock.
     pub(crate) last_step_at: Option<f64>,
+    /// Training has started, under this leader or an earlier one: a server that joins
+    /// from now on takes a slot whose state comes from elsewhere (a rebuild, a cut), never
+    /// from the seed. Not the phase: a new leader is `Recovering` during its takeover
+    /// whether or not the job had started, and told a joiner it replaced a member of a
+    /// job that had not (issue 42, hole 6).
+    pub(crate) started: bool,
 }
 
 impl Steps {
@@ -43,6 +49,7 @@ impl Steps {
             resolve_after: None,
             step_kills: Vec::new(),
             last_step_at: None,
+            started: false,
         }
     }
 

@@ -1,0 +1,181 @@
+//! Joins against the coordinator's state, in process: what a joining server is told, and
+//! what its join does to the slot it takes (issue 42, hole 6), and what a recovery with
+//! no process for a slot says (hole 8). The coordinator here is embedded (no etcd), with
+//! no listener and no control loop: a test sets the state and calls the RPC handler.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tonic::Request;
+
+use ftrec_config::{FaultTolerance, JobConfig};
+use ftrec_proto::proto::coordinator_server::Coordinator;
+use ftrec_proto::proto::*;
+use ftrec_proto::timeline::EventKind;
+use ftrec_rpc::job::{Job, Schedule};
+use ftrec_rpc::metrics::Metrics;
+
+use crate::service::Service;
+use crate::state::{Member, Phase, State};
+use crate::{Shared, control};
+
+fn shared() -> Arc<Shared> {
+    let mut c = JobConfig::preset("micro").unwrap();
+    c.cluster.servers = 3;
+    c.cluster.ft = FaultTolerance::Ec;
+    c.data.dir = Some(std::env::temp_dir());
+    c.train.steps = 100;
+    c.validate().unwrap();
+    let job = Job::new(c).unwrap();
+    let schedule = Schedule {
+        samples: 12_800,
+        batch_size: job.config.train.batch_size as u64,
+    };
+    Arc::new(Shared {
+        schedule,
+        address: "127.0.0.1:7000".into(),
+        state: Mutex::new(State::new(&job, 100, schedule.samples_before(100)).unwrap()),
+        spawner: None,
+        metrics: Arc::new(Metrics::new("role=\"coordinator\"".into())),
+        done: watch::channel(false).0,
+        epochs: watch::Sender::new(0),
+        durable: None,
+        wake: tokio::sync::Notify::new(),
+        job,
+    })
+}
+
+fn member(port: u16, pid: u32) -> Member {
+    Member {
+        address: format!("127.0.0.1:{port}"),
+        pid,
+        joined: true,
+        alive: true,
+        ready: true,
+        last_seen: Some(Instant::now()),
+        refused: false,
+        incarnation: u64::from(pid),
+        cut_off: None,
+    }
+}
+
+/// Every server slot held; training under way (or not) in `phase`.
+fn with_members(shared: &Shared, phase: Phase, started: bool) {
+    let mut s = shared.lock();
+    for id in 0..3 {
+        s.members.servers[id] = member(7001 + id as u16, 100 + id as u32);
+    }
+    s.phase = phase;
+    s.steps.started = started;
+}
+
+async fn join_server(shared: &Arc<Shared>, id: u32) -> Result<JoinReply, tonic::Status> {
+    let request = JoinRequest {
+        role: Role::Server as i32,
+        id,
+        address: "127.0.0.1:7101".into(),
+        fingerprint: shared.job.fingerprint(),
+        pid: 4242,
+        metrics_address: String::new(),
+        spare: false,
+    };
+    Service(shared.clone())
+        .join(Request::new(request))
+        .await
+        .map(|r| r.into_inner())
+}
+
+/// A new leader is `Recovering` while it takes over, whether or not the job had started.
+/// A server that joined then was told it replaced a member, built an all-zero shard to be
+/// rebuilt, and nothing rebuilt it: the job trained on zeros.
+#[tokio::test]
+async fn a_server_joining_a_takeover_of_a_job_not_yet_started_builds_its_shard_from_the_seed() {
+    let shared = shared();
+    shared.lock().phase = Phase::Recovering;
+    let reply = join_server(&shared, 1).await.unwrap();
+    assert!(!reply.replacement, "told to wait for a rebuild nobody runs");
+
+    let shared = self::shared();
+    with_members(&shared, Phase::Running, true);
+    shared.lock().members.servers[1].alive = false;
+    let reply = join_server(&shared, 1).await.unwrap();
+    assert!(reply.replacement, "a slot of a started job is rebuilt");
+}
+
+/// A member silent past the failure timeout but not yet declared dead (the control loop
+/// had not run, or could not decide) was replaced by a join in place: no new epoch, no
+/// recovery, and the newcomer served a fresh shard as if it were the old one's.
+#[tokio::test]
+async fn a_join_that_replaces_a_silent_member_declares_it_dead_in_a_new_epoch() {
+    let shared = shared();
+    with_members(&shared, Phase::Running, true);
+    let timeout = Duration::from_millis(shared.job.config.cluster.failure_timeout_ms);
+    let before = {
+        let mut s = shared.lock();
+        s.members.servers[1].last_seen = Instant::now().checked_sub(timeout * 2);
+        s.epoch
+    };
+    let reply = join_server(&shared, 1).await.unwrap();
+    assert!(reply.replacement);
+    let s = shared.lock();
+    assert!(s.epoch > before, "no new epoch for the replaced member");
+    assert_eq!(reply.epoch, s.epoch, "the newcomer joins the new epoch");
+    assert_eq!(s.phase, Phase::Recovering);
+    assert!(s.recovery.failed.iter().any(|&(id, _)| id == 1));
+    assert_eq!(s.members.servers[1].pid, 4242);
+    assert!(!s.members.servers[1].ready, "it serves after its rebuild");
+
+    // A live member that answers keeps its slot.
+    drop(s);
+    let shared = self::shared();
+    with_members(&shared, Phase::Running, true);
+    let e = join_server(&shared, 2).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::AlreadyExists, "{e}");
+}
+
+/// A recovery with no process for a slot, and no spawner: it says which slot waits for
+/// what, and how to start one, and does not say it again within the minute. Before, the
+/// job stood still in silence.
+#[tokio::test]
+async fn a_recovery_without_a_replacement_says_who_it_waits_for() {
+    let shared = shared();
+    with_members(&shared, Phase::Running, true);
+    {
+        let mut s = shared.lock();
+        control::declare_server_dead(&shared, &mut s, 1, "killed");
+        // The plan waits: no process holds slot 1.
+        assert!(control::plan_for_test(&shared, &mut s).is_none());
+    }
+    let said = |shared: &Shared| {
+        shared
+            .timeline()
+            .events
+            .iter()
+            .filter(|e| e.kind == EventKind::Replacement && e.detail.contains("waits for"))
+            .map(|e| e.detail.clone())
+            .collect::<Vec<_>>()
+    };
+    let t0 = Instant::now();
+    let at = |seconds: u64| {
+        let mut s = shared.lock();
+        control::say_who_is_awaited(&shared, &mut s, t0 + Duration::from_secs(seconds));
+    };
+    at(1);
+    assert!(said(&shared).is_empty(), "said before the wait is long");
+    at(6);
+    let text = said(&shared);
+    assert_eq!(text.len(), 1, "{text:?}");
+    assert!(
+        text[0].contains("server 1: no process")
+            && text[0].contains("ftrec server --job JOB --coordinator 127.0.0.1:7000 --id 1")
+            && text[0].contains("--spawn"),
+        "{}",
+        text[0]
+    );
+    at(36);
+    assert_eq!(said(&shared).len(), 1, "said again within the minute");
+    at(67);
+    assert_eq!(said(&shared).len(), 2, "said again after a minute");
+}
