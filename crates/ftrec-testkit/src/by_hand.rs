@@ -142,3 +142,17 @@ pub fn signal_pid(pid: u32, name: &str) {
         .success();
     assert!(ok, "kill -{name} {pid}");
 }
+
+/// Processes a test started by hand, SIGKILLed when it ends, passed or failed: a server
+/// under etcd never gives up on a timeout (it holds a shard), so one left behind by a
+/// failed assertion would wait for good.
+pub struct Reaped(pub Vec<Child>);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}

@@ -7,8 +7,12 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use ftrec_proto::timeline::EventKind;
+
 use ftrec_testkit::ClusterRun;
-use ftrec_testkit::by_hand::{pids_with_args, signal_pid};
+use ftrec_testkit::by_hand::{
+    Reaped, hand_job, pids_with_args, signal, signal_pid, spawn, spawn_members, wait_exit,
+};
 
 use crate::FTREC;
 
@@ -67,5 +71,129 @@ fn etcd_frozen_for_a_minute_while_a_server_dies_loses_nothing() {
     assert!(
         recoveries.iter().any(|r| r["server"] == 1),
         "server 1 was recovered: {report}"
+    );
+}
+
+/// Hole 7 (and the acceptance run on one host): every member started by hand under etcd,
+/// 2 coordinators, 3 servers, 2 spares, 2 workers, deterministic `--ft ec`. The leader is
+/// SIGKILLed once training is under way; the standby takes over; then a server is
+/// SIGKILLed. Spares registered with the first leader only, so the new one answered their
+/// heartbeats "unknown spare", they exited, and the dead server was never replaced: the
+/// job stood still. Now a spare takes the slot and the run ends exact.
+#[test]
+fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = FTREC.setup(dir.path());
+    let etcd = ftrec_testkit::etcd::start(&dir.path().join("etcd"));
+    let steps = 1500;
+    let job = hand_job(
+        FTREC,
+        dir.path(),
+        &data,
+        "job",
+        steps,
+        &["--set", "cluster.etcd_prefix=\"/ftrec/spares\""],
+    );
+    let job_s = job.to_str().unwrap();
+    let e = etcd.endpoint.as_str();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client = rt
+        .block_on(ftrec_etcd::Etcd::connect(&ftrec_etcd::EtcdOptions {
+            endpoints: vec![e.to_string()],
+            prefix: "/ftrec/spares".into(),
+            request_timeout: Duration::from_secs(3),
+        }))
+        .unwrap();
+    let record = || {
+        rt.block_on(client.get_json::<Value>("state"))
+            .ok()
+            .flatten()
+            .map(|(v, _)| v)
+    };
+    let leader = || {
+        rt.block_on(client.leader())
+            .ok()
+            .flatten()
+            .map(|(l, _)| l.id)
+    };
+    let coordinator = |id: &str, standby: bool| {
+        let out = dir.path().join(id);
+        let mut args = vec![
+            "coordinator",
+            "--job",
+            job_s,
+            "--etcd",
+            e,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--id",
+            id,
+            "--json",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        if standby {
+            args.push("--standby");
+        }
+        spawn(FTREC, &args, &out)
+    };
+    let mut coordinators = Reaped(vec![coordinator("c1", false)]);
+    let started = Instant::now();
+    while leader().as_deref() != Some("c1") {
+        assert!(started.elapsed() < Duration::from_secs(20), "c1 never led");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    coordinators.0.push(coordinator("c2", true));
+    let mut members = Reaped(spawn_members(FTREC, dir.path(), job_s, &["--etcd", e]));
+    for n in 0..2 {
+        let args = ["server", "--job", job_s, "--etcd", e, "--spare"];
+        members
+            .0
+            .push(spawn(FTREC, &args, &dir.path().join(format!("spare-{n}"))));
+    }
+    let started = Instant::now();
+    let spares_in = |r: &Value| r["spares"].as_array().map_or(0, Vec::len);
+    while record().is_none_or(|r| r["settled_through"].as_u64() < Some(100) || spares_in(&r) < 2) {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "training never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal(&coordinators.0[0], "KILL");
+    let _ = wait_exit(&mut coordinators.0[0], Duration::from_secs(10));
+    let killed = Instant::now();
+    while leader().as_deref() != Some("c2") {
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "the standby never took over"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Past the spares' old patience (the control deadline, 10 s): before the fix they
+    // had exited by now.
+    std::thread::sleep(Duration::from_secs(12));
+    signal(&members.0[1], "KILL");
+    let status = wait_exit(&mut coordinators.0[1], Duration::from_secs(120));
+    assert!(status.success(), "c2 finished the job");
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("c2.json")).unwrap()).unwrap();
+    assert_eq!(
+        report["state_digest"],
+        FTREC.single_process_digest(&data, &steps.to_string()),
+        "{report}"
+    );
+    assert_eq!(report["lost_samples"], 0, "{report}");
+    assert_eq!(report["parity_mismatches"], 0, "{report}");
+    let recoveries = report["recoveries"].as_array().unwrap();
+    assert!(recoveries.iter().any(|r| r["server"] == 1), "{report}");
+    let events = ftrec_testkit::cluster::events(&dir.path().join("c2"));
+    assert!(
+        events
+            .iter()
+            .any(|(kind, text)| *kind == EventKind::Replacement && text.contains("takes server 1")),
+        "a spare took the slot: {events:?}"
     );
 }
