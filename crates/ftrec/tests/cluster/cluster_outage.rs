@@ -197,3 +197,41 @@ fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
         "a spare took the slot: {events:?}"
     );
 }
+
+/// Hole 1, asynchronous workers: the leader SIGKILLed as soon as a replacement rebuilds
+/// in the background (throttled so that it lasts), while workers keep steps in flight.
+/// The new leader runs the recovery again; the rebuilding slot drops the old epoch's
+/// prepared steps before it takes its commit turn, and the workers abort the steps they
+/// abandon. The run ends with every parity and replica consistent and nothing lost.
+#[test]
+fn a_leader_killed_during_a_background_rebuild_with_async_workers_ends_consistent() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = FTREC.setup(dir.path());
+    let etcd = ftrec_testkit::etcd::start(&dir.path().join("etcd"));
+    let report = ClusterRun::new(&data)
+        .steps(1500)
+        .servers(3)
+        .workers(2)
+        .ft("ec")
+        .arg("--etcd", &etcd.endpoint)
+        .arg("--coordinators", 2)
+        .run_dir(&dir.path().join("run"))
+        .kill("server:1@1s")
+        .kill("coordinator@rebuild")
+        .set("ec.rebuild_bytes_per_sec=1000000")
+        .report(FTREC);
+    assert_eq!(report["lost_samples"], 0, "{report}");
+    assert_eq!(report["parity_mismatches"], 0, "{report}");
+    assert_eq!(report["replica_mismatches"], 0, "{report}");
+    assert_eq!(
+        report["coordinator_kills"][0]["during_rebuild"], true,
+        "{report}"
+    );
+    let recoveries = report["recoveries"].as_array().unwrap();
+    assert!(
+        recoveries
+            .iter()
+            .any(|r| r["mode"] == "rebuild" && r["rebuild_bytes"].as_u64() > Some(0)),
+        "the new leader's rebuild finished: {report}"
+    );
+}
