@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::fenced::Fence;
 use crate::store::to_json;
 use crate::{Etcd, EtcdError};
 
@@ -46,15 +47,18 @@ enum Campaign {
 /// This process leads the job until [`Leadership::lost`] says otherwise.
 #[derive(Clone)]
 pub struct Leadership {
-    etcd: Etcd,
-    key: String,
+    pub(crate) etcd: Etcd,
+    /// `PREFIX/leader`.
+    pub(crate) key: String,
     lease: i64,
-    term: i64,
+    pub(crate) term: i64,
     ttl: Duration,
     /// Until when the lease is surely alive: the send time of the last renewal etcd
     /// answered, plus the TTL. Past it, another coordinator may lead.
     valid_until: Arc<Mutex<Instant>>,
-    lost: watch::Receiver<Option<String>>,
+    pub(crate) lost: watch::Receiver<Option<String>>,
+    /// What this leadership knows of the keys it writes (`fenced.rs`).
+    pub(crate) fence: Arc<Fence>,
 }
 
 impl Etcd {
@@ -209,6 +213,7 @@ impl Etcd {
             ttl,
             valid_until: valid_until.clone(),
             lost,
+            fence: Arc::default(),
         };
         tokio::spawn(keep_alive(leadership.clone(), lost_tx));
         Ok(leadership)
@@ -294,38 +299,6 @@ impl Leadership {
     /// refused).
     pub fn lost(&self) -> watch::Receiver<Option<String>> {
         self.lost.clone()
-    }
-
-    /// Writes `PREFIX/NAME` if and only if this process still leads: a transaction
-    /// conditioned on the leader key's create revision being this term's. Returns the
-    /// write's revision.
-    pub async fn put(&self, name: &str, value: Vec<u8>) -> Result<i64, EtcdError> {
-        if let Some(why) = self.lost.borrow().clone() {
-            return Err(EtcdError::Deposed(why));
-        }
-        let key = self.etcd.key(name);
-        let txn = Txn::new()
-            .when([Compare::create_revision(
-                self.key.as_str(),
-                CompareOp::Equal,
-                self.term,
-            )])
-            .and_then([TxnOp::put(key.as_str(), value, None)]);
-        let reply = self
-            .etcd
-            .call("a fenced write", &key, |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
-        if !reply.succeeded() {
-            return Err(EtcdError::Deposed(format!(
-                "{} is no longer this coordinator's (term {}): another coordinator leads, \
-                 and this write to {key} was refused",
-                self.key, self.term
-            )));
-        }
-        Ok(reply.header().map_or(0, |h| h.revision()))
     }
 
     /// Gives up leadership at once (a clean exit): a standby takes over without waiting
