@@ -228,29 +228,43 @@ async fn keep_alive(l: Leadership, lost: watch::Sender<Option<String>>) {
     let mut stream = None;
     loop {
         let sent = Instant::now();
+        // The TTL etcd answered (0: the lease is gone), or `None` without an answer.
+        let mut renewed = None;
         if stream.is_none() {
             let lease = l.lease;
-            stream = l
+            let opened = l
                 .etcd
                 .call("renewing the lease", &l.key, |mut c| async move {
-                    c.lease_keep_alive(lease).await
+                    match c.lease_keep_alive(lease).await {
+                        Ok(opened) => Ok(Some(opened)),
+                        // The client opens the stream with a renewal, and turns its
+                        // answer of TTL 0 into this error: a lease that expired while the
+                        // stream was down (etcd stalled or out of reach for a TTL) is
+                        // gone, not unanswered, and renewing it on forever never says so.
+                        Err(etcd_client::Error::LeaseKeepAliveError(_)) => Ok(None),
+                        Err(e) => Err(e),
+                    }
                 })
-                .await
-                .ok();
-        }
-        let renewed = match stream.as_mut() {
-            Some((keeper, replies)) => {
-                let round = async {
-                    keeper.keep_alive().await?;
-                    replies.message().await
-                };
-                match tokio::time::timeout(period.max(Duration::from_millis(100)), round).await {
-                    Ok(Ok(Some(reply))) => Some(reply.ttl()),
-                    _ => None,
-                }
+                .await;
+            match opened {
+                Ok(Some(opened)) => stream = Some(opened),
+                Ok(None) => renewed = Some(0),
+                Err(_) => {}
             }
-            None => None,
-        };
+        }
+        if renewed.is_none()
+            && let Some((keeper, replies)) = stream.as_mut()
+        {
+            let round = async {
+                keeper.keep_alive().await?;
+                replies.message().await
+            };
+            if let Ok(Ok(Some(reply))) =
+                tokio::time::timeout(period.max(Duration::from_millis(100)), round).await
+            {
+                renewed = Some(reply.ttl());
+            }
+        }
         match renewed {
             Some(ttl) if ttl > 0 => {
                 if let Ok(mut v) = l.valid_until.lock() {
