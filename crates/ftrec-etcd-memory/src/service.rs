@@ -332,16 +332,16 @@ fn watch_request(
             };
             s.create_watch(stream, create, replies);
         }
-        Some(PbWatchRequestUnion::CancelRequest(c)) => {
-            if s.watchers.cancel(stream, c.watch_id) {
-                let _ = replies.send(Ok(PbWatchResponse {
-                    header: s.header(),
-                    watch_id: c.watch_id,
-                    canceled: true,
-                    ..Default::default()
-                }));
-            }
+        Some(PbWatchRequestUnion::CancelRequest(c)) if s.watchers.cancel(stream, c.watch_id) => {
+            let _ = replies.send(Ok(PbWatchResponse {
+                header: s.header(),
+                watch_id: c.watch_id,
+                canceled: true,
+                ..Default::default()
+            }));
         }
+        // Cancelling a watcher this stream does not have: etcd says nothing either.
+        Some(PbWatchRequestUnion::CancelRequest(_)) => {}
         Some(PbWatchRequestUnion::ProgressRequest(_)) => {
             let _ = replies.send(Ok(PbWatchResponse {
                 header: s.header(),
