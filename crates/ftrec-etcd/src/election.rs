@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::fenced::Fence;
 use crate::store::to_json;
 use crate::{Etcd, EtcdError};
 
@@ -46,15 +47,18 @@ enum Campaign {
 /// This process leads the job until [`Leadership::lost`] says otherwise.
 #[derive(Clone)]
 pub struct Leadership {
-    etcd: Etcd,
-    key: String,
+    pub(crate) etcd: Etcd,
+    /// `PREFIX/leader`.
+    pub(crate) key: String,
     lease: i64,
-    term: i64,
+    pub(crate) term: i64,
     ttl: Duration,
     /// Until when the lease is surely alive: the send time of the last renewal etcd
     /// answered, plus the TTL. Past it, another coordinator may lead.
     valid_until: Arc<Mutex<Instant>>,
-    lost: watch::Receiver<Option<String>>,
+    pub(crate) lost: watch::Receiver<Option<String>>,
+    /// What this leadership knows of the keys it writes (`fenced.rs`).
+    pub(crate) fence: Arc<Fence>,
 }
 
 impl Etcd {
@@ -209,6 +213,7 @@ impl Etcd {
             ttl,
             valid_until: valid_until.clone(),
             lost,
+            fence: Arc::default(),
         };
         tokio::spawn(keep_alive(leadership.clone(), lost_tx));
         Ok(leadership)
@@ -223,29 +228,43 @@ async fn keep_alive(l: Leadership, lost: watch::Sender<Option<String>>) {
     let mut stream = None;
     loop {
         let sent = Instant::now();
+        // The TTL etcd answered (0: the lease is gone), or `None` without an answer.
+        let mut renewed = None;
         if stream.is_none() {
             let lease = l.lease;
-            stream = l
+            let opened = l
                 .etcd
                 .call("renewing the lease", &l.key, |mut c| async move {
-                    c.lease_keep_alive(lease).await
+                    match c.lease_keep_alive(lease).await {
+                        Ok(opened) => Ok(Some(opened)),
+                        // The client opens the stream with a renewal, and turns its
+                        // answer of TTL 0 into this error: a lease that expired while the
+                        // stream was down (etcd stalled or out of reach for a TTL) is
+                        // gone, not unanswered, and renewing it on forever never says so.
+                        Err(etcd_client::Error::LeaseKeepAliveError(_)) => Ok(None),
+                        Err(e) => Err(e),
+                    }
                 })
-                .await
-                .ok();
-        }
-        let renewed = match stream.as_mut() {
-            Some((keeper, replies)) => {
-                let round = async {
-                    keeper.keep_alive().await?;
-                    replies.message().await
-                };
-                match tokio::time::timeout(period.max(Duration::from_millis(100)), round).await {
-                    Ok(Ok(Some(reply))) => Some(reply.ttl()),
-                    _ => None,
-                }
+                .await;
+            match opened {
+                Ok(Some(opened)) => stream = Some(opened),
+                Ok(None) => renewed = Some(0),
+                Err(_) => {}
             }
-            None => None,
-        };
+        }
+        if renewed.is_none()
+            && let Some((keeper, replies)) = stream.as_mut()
+        {
+            let round = async {
+                keeper.keep_alive().await?;
+                replies.message().await
+            };
+            if let Ok(Ok(Some(reply))) =
+                tokio::time::timeout(period.max(Duration::from_millis(100)), round).await
+            {
+                renewed = Some(reply.ttl());
+            }
+        }
         match renewed {
             Some(ttl) if ttl > 0 => {
                 if let Ok(mut v) = l.valid_until.lock() {
@@ -294,38 +313,6 @@ impl Leadership {
     /// refused).
     pub fn lost(&self) -> watch::Receiver<Option<String>> {
         self.lost.clone()
-    }
-
-    /// Writes `PREFIX/NAME` if and only if this process still leads: a transaction
-    /// conditioned on the leader key's create revision being this term's. Returns the
-    /// write's revision.
-    pub async fn put(&self, name: &str, value: Vec<u8>) -> Result<i64, EtcdError> {
-        if let Some(why) = self.lost.borrow().clone() {
-            return Err(EtcdError::Deposed(why));
-        }
-        let key = self.etcd.key(name);
-        let txn = Txn::new()
-            .when([Compare::create_revision(
-                self.key.as_str(),
-                CompareOp::Equal,
-                self.term,
-            )])
-            .and_then([TxnOp::put(key.as_str(), value, None)]);
-        let reply = self
-            .etcd
-            .call("a fenced write", &key, |mut c| {
-                let txn = txn.clone();
-                async move { c.txn(txn).await }
-            })
-            .await?;
-        if !reply.succeeded() {
-            return Err(EtcdError::Deposed(format!(
-                "{} is no longer this coordinator's (term {}): another coordinator leads, \
-                 and this write to {key} was refused",
-                self.key, self.term
-            )));
-        }
-        Ok(reply.header().map_or(0, |h| h.revision()))
     }
 
     /// Gives up leadership at once (a clean exit): a standby takes over without waiting

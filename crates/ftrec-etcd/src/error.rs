@@ -42,6 +42,18 @@ pub enum EtcdError {
          started with --standby"
     )]
     LeaderHeld { key: String, holder: String },
+    /// A fenced write found its key changed since this leader last wrote or read it, by
+    /// something other than this leader: nothing was written.
+    #[error(
+        "etcd key {key} changed behind this leader's back (expected mod revision {expected}, \
+         found {}): the write was refused rather than put over it",
+        found.map_or("the key deleted".to_string(), |r| r.to_string())
+    )]
+    Stale {
+        key: String,
+        expected: i64,
+        found: Option<i64>,
+    },
     #[error("deposed: {0}")]
     Deposed(String),
     #[error("etcd key {key} holds what this version cannot read: {error}")]

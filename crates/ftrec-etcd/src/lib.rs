@@ -3,11 +3,12 @@
 //! plus a transaction), writes that only the current leader can make, and the leader's
 //! address for servers and workers to find.
 //!
-//! Files: `store.rs` connects and reads, and claims the prefix; `election.rs` elects,
-//! renews and fences; `local.rs` starts a real etcd on loopback for tests and benchmarks.
+//! Files: `store.rs` connects and reads, and claims the prefix; `election.rs` elects and
+//! renews; `fenced.rs` writes only as the leader, never over a newer write; `local.rs` starts a real etcd on loopback for tests and benchmarks.
 
 mod election;
 mod error;
+mod fenced;
 pub mod local;
 mod store;
 

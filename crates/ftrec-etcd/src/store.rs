@@ -75,6 +75,39 @@ impl Etcd {
             .await
             .map_err(|_| unreachable(format!("no connection within {t:?}")))?
             .map_err(|e| unreachable(e.to_string()))?;
+        Self::probed(client, endpoints, opts).await
+    }
+
+    /// Connects over `channel`, a channel the caller built: the simulation's, whose
+    /// connector dials over its simulated network. `opts.endpoints` only names it in
+    /// errors. Each call is bounded by `opts.request_timeout` as with [`connect`](Self::connect).
+    pub async fn connect_channel(
+        channel: tonic::transport::Channel,
+        opts: &EtcdOptions,
+    ) -> Result<Self, EtcdError> {
+        validate_prefix(&opts.prefix)?;
+        let endpoints = opts.endpoints.join(",");
+        let client = Client::from_channel(etcd_client::Channel::Tonic(channel), None)
+            .await
+            .map_err(|e| EtcdError::Unreachable {
+                endpoints: endpoints.clone(),
+                error: e.to_string(),
+            })?;
+        Self::probed(client, endpoints, opts).await
+    }
+
+    /// Checks that etcd answers, so that an unreachable etcd is said at start, with its
+    /// addresses, rather than at the first decision.
+    async fn probed(
+        client: Client,
+        endpoints: String,
+        opts: &EtcdOptions,
+    ) -> Result<Self, EtcdError> {
+        let t = opts.request_timeout;
+        let unreachable = |error: String| EtcdError::Unreachable {
+            endpoints: endpoints.clone(),
+            error,
+        };
         let etcd = Self {
             client,
             endpoints: endpoints.clone(),

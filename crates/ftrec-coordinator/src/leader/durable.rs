@@ -305,6 +305,18 @@ impl Shared {
                 self.deposed(&why);
                 Err(PsError::Membership(EtcdError::Deposed(why)))
             }
+            // A record changed behind this leader's back is not written over: like a
+            // failed write, decisions wait, and the next flush tries again.
+            Err(e @ EtcdError::Stale { .. }) => {
+                if !d.failing.swap(true, Ordering::Relaxed) {
+                    tracing::error!("writing the coordinator record: {e}");
+                    self.event(
+                        EventKind::Coordinator,
+                        format!("the coordinator record was not written: {e}"),
+                    );
+                }
+                Err(PsError::Membership(e))
+            }
             Err(e) => {
                 if !d.failing.swap(true, Ordering::Relaxed) {
                     tracing::warn!("writing the coordinator record: {e}; training goes on");

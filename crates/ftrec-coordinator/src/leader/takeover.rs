@@ -252,7 +252,9 @@ async fn elect_once(
         "coordinator {id} leads the job (term {}, lease TTL {ttl:?})",
         leadership.term()
     );
-    let record = client
+    // Read through the leadership: its first write of the record then expects this
+    // revision, and refuses to put over anything written since (issue 42, hole 5).
+    let record = leadership
         .get_json::<durable::Record>(durable::STATE_KEY)
         .await?
         .map(|(r, _)| r);
