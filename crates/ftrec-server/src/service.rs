@@ -336,6 +336,9 @@ impl ParameterServer for Service {
                 if first >= end {
                     return None;
                 }
+                if let Some(pause) = core.faults.delay_at(ftrec_faults::points::SEND_ROWS, None) {
+                    tokio::time::sleep(pause).await;
+                }
                 let last = (first + per_chunk).min(end);
                 let piece = core
                     .pipeline
