@@ -324,3 +324,47 @@ pub async fn bind(host: &str, port: u16) -> Result<(tokio::net::TcpListener, Str
     let address = listener.local_addr().map_err(io)?.to_string();
     Ok((listener, address))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Accepted sockets carry the give-up time as `TCP_USER_TIMEOUT`: unacknowledged data
+    /// closes them after it, not after TCP's own retransmission limit (about 15 minutes).
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_tuned_socket_gives_up_on_unacknowledged_data_after_the_liveness_bound() {
+        let (listener, address) = bind("127.0.0.1", 0).await.unwrap();
+        let _dialled = tokio::net::TcpStream::connect(&address).await.unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        assert_eq!(
+            rustix::net::sockopt::tcp_user_timeout(&accepted).unwrap(),
+            0
+        );
+        let liveness = Liveness {
+            ping_after: Duration::from_millis(400),
+            give_up_after: Duration::from_millis(2_500),
+        };
+        liveness.tune(&accepted);
+        assert_eq!(
+            rustix::net::sockopt::tcp_user_timeout(&accepted).unwrap(),
+            2_500
+        );
+    }
+
+    #[test]
+    fn liveness_follows_the_failure_timeout_and_the_progress_deadline() {
+        let mut cluster = ftrec_config::ClusterSection {
+            failure_timeout_ms: 400,
+            ..Default::default()
+        };
+        cluster.deadlines.stream_progress_ms = Some(2_000);
+        assert_eq!(
+            Liveness::of(&cluster.deadlines()),
+            Liveness {
+                ping_after: Duration::from_millis(400),
+                give_up_after: Duration::from_millis(2_000),
+            }
+        );
+    }
+}

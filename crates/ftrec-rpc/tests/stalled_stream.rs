@@ -18,7 +18,7 @@ use ftrec_proto::proto::parameter_server_server::{ParameterServer, ParameterServ
 use ftrec_proto::proto::*;
 use ftrec_rpc::PsError;
 use ftrec_rpc::auth::JobSecret;
-use ftrec_rpc::client::Connector;
+use ftrec_rpc::client::{Connector, Liveness};
 use ftrec_rpc::network::Network;
 
 /// How long a stream may be silent in these tests.
@@ -191,11 +191,14 @@ async fn fetch_all_from_a_server_stalled_mid_stream_fails_within_its_deadline() 
     assert!(started.elapsed() >= SILENCE);
 }
 
-/// The same through a link that dies after 200 KiB, the server still streaming behind it.
+/// The same through a link that dies after 200 KiB, the server still streaming behind it:
+/// the stream's deadline ends it, well before the connection's keepalive would (a ping
+/// after 1 s, given up 5 s later, with the default failure timeout).
 #[tokio::test]
 async fn fetch_all_through_a_link_that_dies_mid_stream_fails_within_its_deadline() {
     let relay = dying_link(serve(Rows::Endless).await, 200 << 10).await;
     let mut client = connector().server(&relay).unwrap();
+    let started = tokio::time::Instant::now();
     let fetched = tokio::time::timeout(
         HANG,
         ftrec_rpc::gather::fetch_all(&mut client, 1, 0, true, "parity of server 1", SILENCE),
@@ -203,6 +206,46 @@ async fn fetch_all_through_a_link_that_dies_mid_stream_fails_within_its_deadline
     .await
     .expect("fetch_all hung behind a dead link");
     assert_unavailable_naming(fetched, "parity of server 1");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// A stream read with no deadline of its own, through a link that dies: the channel's
+/// HTTP/2 keepalive finds the connection dead (a ping unanswered) and closes it, which
+/// ends the stream with an error instead of a wait for ever.
+#[tokio::test]
+async fn keepalive_closes_a_connection_whose_link_died_under_an_open_stream() {
+    let relay = dying_link(serve(Rows::Endless).await, 200 << 10).await;
+    let mut client = connector()
+        .with_liveness(Liveness {
+            ping_after: Duration::from_millis(200),
+            give_up_after: SILENCE,
+        })
+        .server(&relay)
+        .unwrap();
+    let mut pieces = client
+        .fetch_rows(FetchRowsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let ended = tokio::time::timeout(HANG, async {
+        loop {
+            match pieces.message().await {
+                Ok(Some(_)) => {}
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the stream hung on a dead connection");
+    let status = ended.unwrap_err();
+    assert!(
+        PsError::rpc("rows", &status).unreachable_server(1) == Some(1),
+        "{status:?}"
+    );
 }
 
 /// The end of a run's gather, from a server stalled mid-stream: the job's own deadline
