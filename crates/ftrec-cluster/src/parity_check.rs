@@ -326,6 +326,7 @@ pub async fn verify_parity(
     let row_bytes = config.row_stride() * 4;
     let zero = vec![0u8; row_bytes];
     let connector = job.connector()?;
+    let silence = job.deadlines().stream_progress;
     let mut clients = addresses
         .iter()
         .map(|a| connector.server(a))
@@ -343,8 +344,12 @@ pub async fn verify_parity(
         };
         let mut stored = Vec::with_capacity(addresses.len());
         for (s, client) in clients.iter_mut().enumerate() {
-            let what = format!("verify-parity: table {t} parity of server {s}");
-            let bytes = ftrec_rpc::gather::fetch_all(client, epoch, t, true, &what).await?;
+            let what = format!(
+                "verify-parity: table {t} parity of server {s} ({})",
+                addresses[s]
+            );
+            let bytes =
+                ftrec_rpc::gather::fetch_all(client, epoch, t, true, &what, silence).await?;
             stored.push(bytes);
         }
         for j in 0..stripes.stripes(rows) {

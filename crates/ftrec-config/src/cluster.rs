@@ -144,6 +144,13 @@ pub struct DeadlinesSection {
     /// A checkpoint write, a cut's commit or a restore (local disk or object store).
     /// Default: 60 x the failure timeout.
     pub checkpoint_io_ms: Option<u64>,
+    /// A streamed reply (a rebuild's progress, a table's rows) that brings no message for
+    /// this long fails as a call to a dead member: its sender froze or lost its link
+    /// mid-stream. Silence, not total time: a sender keeps a slow stream alive with
+    /// progress messages. Also how long an HTTP/2 ping and unacknowledged TCP data
+    /// (`TCP_USER_TIMEOUT`) may wait before a connection is closed. Default: 5 x the
+    /// failure timeout.
+    pub stream_progress_ms: Option<u64>,
 }
 
 /// Every deadline of a job, resolved (see [`DeadlinesSection`]).
@@ -154,6 +161,7 @@ pub struct Deadlines {
     pub rebuild_stall: std::time::Duration,
     pub checkpoint_io: std::time::Duration,
     pub control: std::time::Duration,
+    pub stream_progress: std::time::Duration,
 }
 
 /// `[ec]`: erasure coding (`cluster.ft = "ec"` or `"ec+checkpoint"`).
@@ -338,6 +346,7 @@ impl ClusterSection {
             ("step_ms", d.step_ms),
             ("rebuild_stall_ms", d.rebuild_stall_ms),
             ("checkpoint_io_ms", d.checkpoint_io_ms),
+            ("stream_progress_ms", d.stream_progress_ms),
         ] {
             if value.is_some_and(|v| v <= self.heartbeat_ms) {
                 return Err(ConfigError::Invalid(format!(
@@ -380,6 +389,7 @@ impl ClusterSection {
             rebuild_stall: ms(d.rebuild_stall_ms.unwrap_or(5 * failure)),
             checkpoint_io: ms(d.checkpoint_io_ms.unwrap_or(60 * failure)),
             control: ms(self.rpc_timeout_ms.unwrap_or(10 * failure)),
+            stream_progress: ms(d.stream_progress_ms.unwrap_or(5 * failure)),
         }
     }
 }

@@ -377,9 +377,17 @@ mod tests {
                 d.step,
                 d.rebuild_stall,
                 d.checkpoint_io,
-                d.control
+                d.control,
+                d.stream_progress
             ),
-            (ms(2000), ms(10_000), ms(10_000), ms(120_000), ms(20_000))
+            (
+                ms(2000),
+                ms(10_000),
+                ms(10_000),
+                ms(120_000),
+                ms(20_000),
+                ms(10_000)
+            )
         );
         let c = JobConfig::load(
             Some("tiny"),
@@ -396,6 +404,10 @@ mod tests {
             (
                 "cluster.deadlines.rebuild_stall_ms=50",
                 "cluster.deadlines.rebuild_stall_ms = 50",
+            ),
+            (
+                "cluster.deadlines.stream_progress_ms=100",
+                "cluster.deadlines.stream_progress_ms = 100",
             ),
             ("cluster.rpc_timeout_ms=0", "cluster.rpc_timeout_ms = 0"),
             ("cluster.deadlines.stall_ms=5000", "stall_ms"),

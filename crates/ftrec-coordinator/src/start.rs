@@ -79,7 +79,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         c.train.epochs * schedule.batches_per_epoch()
     };
     let network = job.network().clone();
-    let (incoming, address) = network.bind(&opts.host, opts.port).await?;
+    let (incoming, address) = job.bind(&opts.host, opts.port).await?;
     let id = opts
         .id
         .clone()

@@ -40,8 +40,21 @@ pub mod points {
     /// anything (a cut that another server's death leaves abandoned).
     pub const CUT: &str = "cut";
 
+    /// A server, before each piece of a table it streams (`FetchRows`: to a replacement
+    /// rebuilding, the final gather, verify-parity): `delay-MS` stalls the stream there
+    /// while the server otherwise lives on (a stream stalled mid-way).
+    pub const SEND_ROWS: &str = "send-rows";
+
     /// Every point, for validating specs.
-    pub const ALL: [&str; 6] = [PREPARE, COMMIT, REBUILD, FOLD_PARITY, INSTALL, CUT];
+    pub const ALL: [&str; 7] = [
+        PREPARE,
+        COMMIT,
+        REBUILD,
+        FOLD_PARITY,
+        INSTALL,
+        CUT,
+        SEND_ROWS,
+    ];
 }
 
 /// What an armed point does when it fires.

@@ -236,11 +236,17 @@ impl TlsMaterial {
 
 /// The RPC server every member runs: TLS when the job configures it.
 pub fn server_builder(job: &crate::Job) -> Result<tonic::transport::Server, PsError> {
+    let liveness = job.liveness();
     let builder = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .initial_stream_window_size(crate::client::HTTP2_STREAM_WINDOW)
         .initial_connection_window_size(crate::client::HTTP2_CONNECTION_WINDOW)
-        .max_frame_size(crate::client::HTTP2_MAX_FRAME);
+        .max_frame_size(crate::client::HTTP2_MAX_FRAME)
+        // A caller that froze or lost its link is let go: the streams it held open (a
+        // rebuild's progress, whose sender would otherwise wait on it with the commit
+        // turn held) end, and their work with them.
+        .http2_keepalive_interval(Some(liveness.ping_after))
+        .http2_keepalive_timeout(Some(liveness.give_up_after));
     match job.tls() {
         Some(tls) => builder
             .tls_config(tls.server())

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use hyper_util::client::legacy::connect::HttpConnector;
 use tokio::time::Instant;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Uri};
@@ -27,6 +28,50 @@ pub const HTTP2_STREAM_WINDOW: u32 = 8 << 20;
 pub const HTTP2_CONNECTION_WINDOW: u32 = 32 << 20;
 pub const HTTP2_MAX_FRAME: u32 = 1 << 20;
 
+/// How a connection notices that its peer went silent (frozen, its link down) when no
+/// call is waiting on it to time out: an idle connection, or one a stream holds open.
+/// Without it a connection to a vanished peer stays open for TCP's retransmission limit
+/// (about 15 minutes), and every call sent on it meanwhile waits out its deadline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Liveness {
+    /// An HTTP/2 PING (and, on TCP, a keepalive probe) after this long with nothing read.
+    pub ping_after: Duration,
+    /// The connection is closed when a PING goes unanswered this long, or sent data stays
+    /// unacknowledged this long (`TCP_USER_TIMEOUT`, where the platform has it).
+    pub give_up_after: Duration,
+}
+
+impl Liveness {
+    /// Pings after the failure timeout; gives up after the streams' progress deadline.
+    pub fn of(deadlines: &ftrec_config::Deadlines) -> Self {
+        Self {
+            ping_after: deadlines.heartbeat,
+            give_up_after: deadlines.stream_progress,
+        }
+    }
+
+    /// Sets `TCP_USER_TIMEOUT` on an accepted or connected socket, where the platform has
+    /// it: unacknowledged data then closes the connection after `give_up_after`, rather
+    /// than after TCP's own retransmission limit.
+    pub fn tune(&self, socket: &tokio::net::TcpStream) {
+        #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
+        {
+            let ms = u32::try_from(self.give_up_after.as_millis()).unwrap_or(u32::MAX);
+            if let Err(e) = rustix::net::sockopt::set_tcp_user_timeout(socket, ms) {
+                tracing::warn!("TCP_USER_TIMEOUT not set: {e}");
+            }
+        }
+        #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "fuchsia")))]
+        let _ = socket;
+    }
+}
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Self::of(&ftrec_config::ClusterSection::default().deadlines())
+    }
+}
+
 /// How a member calls the others. Cheap to clone.
 #[derive(Clone)]
 pub struct Connector {
@@ -34,6 +79,7 @@ pub struct Connector {
     secret: AttachSecret,
     tls: Option<ClientTlsConfig>,
     network: Network,
+    liveness: Liveness,
 }
 
 impl Connector {
@@ -48,7 +94,13 @@ impl Connector {
             secret: secret.attacher()?,
             tls: tls.map(TlsMaterial::client),
             network,
+            liveness: Liveness::default(),
         })
+    }
+
+    /// The same, noticing silent peers as `liveness` says.
+    pub fn with_liveness(self, liveness: Liveness) -> Self {
+        Self { liveness, ..self }
     }
 
     pub fn timeout(&self) -> Duration {
@@ -72,7 +124,12 @@ impl Connector {
             .tcp_nodelay(true)
             .initial_stream_window_size(HTTP2_STREAM_WINDOW)
             .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
-            .max_frame_size(HTTP2_MAX_FRAME);
+            .max_frame_size(HTTP2_MAX_FRAME)
+            .http2_keep_alive_interval(self.liveness.ping_after)
+            .keep_alive_timeout(self.liveness.give_up_after)
+            // A pooled connection found dead before a call is sent on it costs that call
+            // nothing; found dead by the call, it costs the call's deadline.
+            .keep_alive_while_idle(true);
         match &self.tls {
             Some(tls) => endpoint
                 .tls_config(tls.clone())
@@ -84,15 +141,29 @@ impl Connector {
     /// Dials through the member's network: the host's TCP stack, or a simulated one.
     fn channel(&self, endpoint: &Endpoint) -> Channel {
         match self.network.transport() {
-            None => endpoint.connect_lazy(),
+            None => endpoint.connect_with_connector_lazy(self.tcp()),
             Some(transport) => endpoint.connect_with_connector_lazy(dialer(transport.clone())),
         }
+    }
+
+    /// The host's TCP dialer as tonic's own (no Nagle, the endpoint's connect timeout is
+    /// applied around it), with keepalive probes and `TCP_USER_TIMEOUT`, which tonic's
+    /// endpoint does not set.
+    fn tcp(&self) -> HttpConnector {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        http.set_keepalive(Some(self.liveness.ping_after));
+        http.set_keepalive_interval(Some(self.liveness.ping_after));
+        #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
+        http.set_tcp_user_timeout(Some(self.liveness.give_up_after));
+        http
     }
 
     /// Connects at once (an error if no one listens there).
     async fn connect(&self, endpoint: &Endpoint) -> Result<Channel, tonic::transport::Error> {
         match self.network.transport() {
-            None => endpoint.connect().await,
+            None => endpoint.connect_with_connector(self.tcp()).await,
             Some(transport) => {
                 endpoint
                     .connect_with_connector(dialer(transport.clone()))
@@ -252,4 +323,48 @@ pub async fn bind(host: &str, port: u16) -> Result<(tokio::net::TcpListener, Str
         .map_err(io)?;
     let address = listener.local_addr().map_err(io)?.to_string();
     Ok((listener, address))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Accepted sockets carry the give-up time as `TCP_USER_TIMEOUT`: unacknowledged data
+    /// closes them after it, not after TCP's own retransmission limit (about 15 minutes).
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_tuned_socket_gives_up_on_unacknowledged_data_after_the_liveness_bound() {
+        let (listener, address) = bind("127.0.0.1", 0).await.unwrap();
+        let _dialled = tokio::net::TcpStream::connect(&address).await.unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        assert_eq!(
+            rustix::net::sockopt::tcp_user_timeout(&accepted).unwrap(),
+            0
+        );
+        let liveness = Liveness {
+            ping_after: Duration::from_millis(400),
+            give_up_after: Duration::from_millis(2_500),
+        };
+        liveness.tune(&accepted);
+        assert_eq!(
+            rustix::net::sockopt::tcp_user_timeout(&accepted).unwrap(),
+            2_500
+        );
+    }
+
+    #[test]
+    fn liveness_follows_the_failure_timeout_and_the_progress_deadline() {
+        let mut cluster = ftrec_config::ClusterSection {
+            failure_timeout_ms: 400,
+            ..Default::default()
+        };
+        cluster.deadlines.stream_progress_ms = Some(2_000);
+        assert_eq!(
+            Liveness::of(&cluster.deadlines()),
+            Liveness {
+                ping_after: Duration::from_millis(400),
+                give_up_after: Duration::from_millis(2_000),
+            }
+        );
+    }
 }

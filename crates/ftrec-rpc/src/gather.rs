@@ -1,12 +1,15 @@
 //! Reassembles the whole model from the servers' shards (the end of a run, `ftrec
 //! coordinator`), streaming each table in bounded pieces, and digests each shard.
 
+use std::time::Duration;
+
 use ftrec_model::{DenseState, EmbeddingTable, ModelState};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::PsError;
 use crate::client::ServerClient;
 use crate::job::Job;
+use crate::stream::ProgressDeadline;
 use ftrec_proto::placement::LocalRow;
 use ftrec_proto::proto::{FetchDenseRequest, FetchRowsRequest};
 use ftrec_proto::wire::extend_f32s;
@@ -27,13 +30,14 @@ pub async fn gather_state(
         .iter()
         .map(|a| connector.server(a))
         .collect::<Result<Vec<_>, _>>()?;
+    let silence = job.deadlines().stream_progress;
     let mut hashes: Vec<Xxh3> = addresses.iter().map(|_| Xxh3::new()).collect();
     let mut tables = Vec::with_capacity(config.tables());
     let mut local = Vec::new();
     for (t, &rows) in config.table_rows.iter().enumerate() {
         let mut data = vec![0.0f32; rows * stride];
         for (s, client) in clients.iter_mut().enumerate() {
-            let what = || format!("fetching table {t} from server {s}");
+            let what = || format!("fetching table {t} from server {s} ({})", addresses[s]);
             let expected = layout.local_rows(t, s, rows);
             let mut pieces = client
                 .fetch_rows(FetchRowsRequest {
@@ -45,13 +49,10 @@ pub async fn gather_state(
                 })
                 .await
                 .map_err(|st| PsError::rpc(what(), &st))?
-                .into_inner();
+                .into_inner()
+                .with_progress_deadline(silence, what());
             let mut next = 0usize;
-            while let Some(piece) = pieces
-                .message()
-                .await
-                .map_err(|st| PsError::rpc(what(), &st))?
-            {
+            while let Some(piece) = pieces.next_message().await? {
                 if piece.first_row as usize != next {
                     return Err(PsError::BadRequest(format!(
                         "{}: a piece starts at row {}, expected {next}",
@@ -127,13 +128,15 @@ pub async fn gather_state(
     Ok((ModelState::from_parts(config, tables, dense)?, digests))
 }
 
-/// A whole table's data rows (or parity rows) of one server, streamed.
+/// A whole table's data rows (or parity rows) of one server, streamed: a server silent
+/// for `silence` mid-stream fails the fetch as [`PsError::Unavailable`].
 pub async fn fetch_all(
     client: &mut ServerClient,
     epoch: u64,
     table: usize,
     parity: bool,
     what: &str,
+    silence: Duration,
 ) -> Result<Vec<u8>, PsError> {
     let mut pieces = client
         .fetch_rows(FetchRowsRequest {
@@ -145,9 +148,10 @@ pub async fn fetch_all(
         })
         .await
         .map_err(|s| PsError::rpc(what, &s))?
-        .into_inner();
+        .into_inner()
+        .with_progress_deadline(silence, what);
     let mut out = Vec::new();
-    while let Some(piece) = pieces.message().await.map_err(|s| PsError::rpc(what, &s))? {
+    while let Some(piece) = pieces.next_message().await? {
         out.extend_from_slice(&piece.rows);
     }
     Ok(out)

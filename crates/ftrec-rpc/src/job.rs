@@ -202,14 +202,32 @@ impl Job {
         self
     }
 
-    /// How this process calls the others: the job's timeout, secret and TLS.
+    /// How this process calls the others: the job's timeout, secret and TLS, and how its
+    /// connections notice a silent peer.
     pub fn connector(&self) -> Result<Connector, PsError> {
-        Connector::new(
+        Ok(Connector::new(
             self.timeout(),
             &self.secret,
             self.tls.as_ref(),
             self.network.clone(),
-        )
+        )?
+        .with_liveness(self.liveness()))
+    }
+
+    /// How this job's connections notice a silent peer (`cluster.failure_timeout_ms`,
+    /// `cluster.deadlines.stream_progress_ms`).
+    pub fn liveness(&self) -> crate::client::Liveness {
+        crate::client::Liveness::of(&self.deadlines())
+    }
+
+    /// Listens for this job's RPCs on `host:port` (port 0: any) through its network; see
+    /// [`Network::bind`].
+    pub async fn bind(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> Result<(crate::network::Incoming, String), PsError> {
+        self.network.bind(host, port, self.liveness()).await
     }
 
     /// Heartbeats' own clients: two connections of their own (see [`HeartbeatClient`]),

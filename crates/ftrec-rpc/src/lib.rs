@@ -15,6 +15,7 @@ pub mod job;
 pub mod leader;
 pub mod metrics;
 pub mod network;
+pub mod stream;
 
 pub use error::PsError;
 pub use job::Job;

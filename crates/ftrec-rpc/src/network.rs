@@ -104,8 +104,15 @@ impl Network {
     }
 
     /// Listens on `host:port` (port 0: any) and returns the connections with the address
-    /// the listener got.
-    pub async fn bind(&self, host: &str, port: u16) -> Result<(Incoming, String), PsError> {
+    /// the listener got. Accepted TCP connections give up on a silent peer as `liveness`
+    /// says (keepalive probes, `TCP_USER_TIMEOUT`): tonic's own settings for them do not
+    /// apply to connections it is handed.
+    pub async fn bind(
+        &self,
+        host: &str,
+        port: u16,
+        liveness: crate::client::Liveness,
+    ) -> Result<(Incoming, String), PsError> {
         let io = |error| PsError::Io {
             path: format!("{host}:{port}"),
             error,
@@ -116,7 +123,14 @@ impl Network {
         let (listener, address) = crate::client::bind(host, port).await?;
         let incoming = tonic::transport::server::TcpIncoming::from(listener)
             .with_nodelay(Some(true))
-            .map(|accepted| accepted.map(Conn::new));
+            .with_keepalive(Some(liveness.ping_after))
+            .with_keepalive_interval(Some(liveness.ping_after))
+            .map(move |accepted| {
+                accepted.map(|stream| {
+                    liveness.tune(&stream);
+                    Conn::new(stream)
+                })
+            });
         Ok((incoming.boxed(), address))
     }
 

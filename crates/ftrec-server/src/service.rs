@@ -336,6 +336,9 @@ impl ParameterServer for Service {
                 if first >= end {
                     return None;
                 }
+                if let Some(pause) = core.faults.delay_at(ftrec_faults::points::SEND_ROWS, None) {
+                    tokio::time::sleep(pause).await;
+                }
                 let last = (first + per_chunk).min(end);
                 let piece = core
                     .pipeline
@@ -498,10 +501,10 @@ impl ParameterServer for Service {
             };
             let _ = progress.send(last).await;
         });
-        let replies = futures::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|reply| (reply, rx))
-        });
-        Ok(Response::new(Box::pin(replies)))
+        let tick = crate::rebuild::ticks::tick_for(self.0.job.deadlines().stream_progress);
+        Ok(Response::new(Box::pin(crate::rebuild::ticks::with_ticks(
+            rx, tick,
+        ))))
     }
 
     async fn fetch_slots(

@@ -42,7 +42,7 @@ pub(crate) async fn start(opts: ServerOptions) -> Result<Started, PsError> {
     let job = opts.job.clone();
     let layout = job.layout()?;
     let network = job.network().clone();
-    let (incoming, address) = network.bind(&opts.host, 0).await?;
+    let (incoming, address) = job.bind(&opts.host, 0).await?;
     let label = opts.id.map_or("spare".to_string(), |i| i.to_string());
     let metrics = Arc::new(crate::server_metrics(&label));
     let metrics_address = metrics::start(&network, &opts.host, metrics.clone())

@@ -8,7 +8,7 @@ use ftrec_proto::proto::*;
 use ftrec_proto::timeline::EventKind;
 use ftrec_rpc::PsError;
 
-use super::calls::report_progress;
+use super::calls::{RebuildStream, report_progress};
 use crate::Shared;
 use crate::state::Phase;
 
@@ -25,12 +25,14 @@ pub(super) fn rebuild_end_event(server: usize, r: &RebuildReply) -> String {
 /// Follows a background rebuild to its end: progress events, then the `rebuild-end`
 /// event and the recovery's rebuild figures, and the server leaves `rebuilding`. A rebuild
 /// that fails on a server still alive ends the run with the cause (it would never end);
-/// one whose server died is the failure detector's.
+/// one whose server died is the failure detector's. A server silent past the streams'
+/// progress deadline (frozen, its link down) counts as a failed rebuild: without the
+/// deadline it held every cut and the end of the run.
 pub(super) async fn follow_background(
     shared: Arc<Shared>,
     server: usize,
     epoch: u64,
-    mut stream: tonic::Streaming<RebuildReply>,
+    mut stream: RebuildStream,
 ) {
     let mut quarter = 0;
     let failure = loop {

@@ -6,14 +6,17 @@
 use ftrec_proto::proto::*;
 use ftrec_proto::timeline::EventKind;
 use ftrec_rpc::client::ServerClient;
+use ftrec_rpc::stream::{ProgressDeadline, Progressing};
 
 use crate::Shared;
 use crate::planner::RecoveryAction;
 
 /// What a server (by slot) answered to its part of a recovery: for a rebuild, its figures.
 pub(super) type RecoveryReply = (usize, Result<Option<RebuildReply>, tonic::Status>);
+/// A rebuild's progress stream, each message due within the streams' progress deadline.
+pub(super) type RebuildStream = Progressing<tonic::Streaming<RebuildReply>>;
 /// A replacement serving while it rebuilds in the background: its progress stream.
-pub(super) type Background = (usize, tonic::Streaming<RebuildReply>);
+pub(super) type Background = (usize, RebuildStream);
 
 /// Every server's part of the plan. A rebuild is two rounds: the survivors adopt the new
 /// epoch first (dropping what older epochs left prepared), so that what the replacements
@@ -312,15 +315,25 @@ async fn fence_survivors(
 
 /// Runs `server`'s rebuild and follows its progress stream: with `report`, a
 /// `rebuild-progress` event at each quarter of its tables. Returns the totals, or, for a
-/// background rebuild, the first reply (`serving`) and the rest of the stream.
+/// background rebuild, the first reply (`serving`) and the rest of the stream. A server
+/// silent past the streams' progress deadline fails the call as unreachable (it sends
+/// progress at least every quarter of it while it works).
 pub(super) async fn follow_rebuild(
     shared: &Shared,
     server: usize,
     client: &mut ServerClient,
     request: RebuildRequest,
     report: bool,
-) -> Result<(RebuildReply, Option<tonic::Streaming<RebuildReply>>), tonic::Status> {
-    let mut replies = client.rebuild(request).await?.into_inner();
+) -> Result<(RebuildReply, Option<RebuildStream>), tonic::Status> {
+    let what = format!(
+        "server {server}'s rebuild stream ({})",
+        request.servers.get(server).map_or("", String::as_str)
+    );
+    let mut replies = client
+        .rebuild(request)
+        .await?
+        .into_inner()
+        .with_progress_deadline(shared.job.deadlines().stream_progress, what);
     let mut quarter = 0;
     while let Some(reply) = replies.message().await? {
         if reply.done {

@@ -9,6 +9,7 @@ mod context;
 mod dense;
 pub(crate) mod reserve;
 mod tables;
+pub(crate) mod ticks;
 
 pub(crate) use context::RebuildContext;
 
@@ -163,6 +164,7 @@ impl Core {
             servers: layout.servers(),
             row_bytes: w.global.row_stride() * 4,
             parity_only: w.parity_only,
+            silence: self.job.deadlines().rebuild_stall,
         };
         let rebuilt = tables::rebuild_tables(
             &plan,

@@ -18,20 +18,23 @@ use ftrec_rpc::PsError;
 use ftrec_rpc::client::ServerClient;
 use ftrec_rpc::network::Network;
 
-/// Every survivor's data and parity slots of table `t`, streamed from all at once.
+/// Every survivor's data and parity slots of table `t`, streamed from all at once. A
+/// survivor silent for `silence` mid-stream fails the rebuild, blamed on it.
 async fn fetch_table(
     clients: BTreeMap<usize, ServerClient>,
     epoch: u64,
     t: usize,
     with_parity: bool,
+    silence: Duration,
 ) -> Result<(BTreeMap<usize, Vec<u8>>, BTreeMap<usize, Vec<u8>>), PsError> {
+    use ftrec_rpc::gather::fetch_all;
     let fetches = clients.into_iter().map(|(s, client)| {
         let (mut rows_client, mut parity_client) = (client.clone(), client);
         async move {
             let what = format!("rebuild: table {t} from server {s}");
             let parity = async {
                 if with_parity {
-                    ftrec_rpc::gather::fetch_all(&mut parity_client, epoch, t, true, &what)
+                    fetch_all(&mut parity_client, epoch, t, true, &what, silence)
                         .await
                         .map(Some)
                 } else {
@@ -39,11 +42,12 @@ async fn fetch_table(
                 }
             };
             let (d, p) = futures::future::join(
-                ftrec_rpc::gather::fetch_all(&mut rows_client, epoch, t, false, &what),
+                fetch_all(&mut rows_client, epoch, t, false, &what, silence),
                 parity,
             )
             .await;
-            Ok::<_, PsError>((s, d?, p?))
+            let blamed = |e: PsError| e.blaming(s);
+            Ok::<_, PsError>((s, d.map_err(blamed)?, p.map_err(blamed)?))
         }
     });
     let mut data = BTreeMap::new();
@@ -67,6 +71,8 @@ pub(super) struct TablePlan<'a> {
     pub row_bytes: usize,
     /// Re-deriving parity (and replicas) after a rollback: the data rows stay.
     pub parity_only: bool,
+    /// A survivor's stream silent this long fails the rebuild (`rebuild_stall_ms`).
+    pub silence: Duration,
 }
 
 /// The tables rebuilt, and what it took.
@@ -104,6 +110,7 @@ pub(super) async fn rebuild_tables(
         w.epoch,
         0,
         !plan.parity_only,
+        plan.silence,
     )));
     for t in 0..global.tables() {
         let Some(fetching) = next.take() else {
@@ -125,6 +132,7 @@ pub(super) async fn rebuild_tables(
                 w.epoch,
                 t + 1,
                 !plan.parity_only,
+                plan.silence,
             )));
         }
         let decode_started = Instant::now();
