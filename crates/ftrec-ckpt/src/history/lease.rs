@@ -80,6 +80,10 @@ pub struct LeaseRecord {
     /// leases written before generations existed.
     #[serde(default)]
     pub generation: u64,
+    /// The branch this holder writes, once it started writing: the only branch its
+    /// successor may continue, and only once it let go.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub branch: Option<u32>,
 }
 
 impl LeaseRecord {
@@ -235,9 +239,8 @@ pub struct Lease {
     held: Arc<Held>,
     stop: Option<Sender<()>>,
     renewer: Option<JoinHandle<()>>,
-    /// Whether the holder this one took the lease from may still be writing (it did not
-    /// let go): a writer then keeps off every branch that holder could write to.
-    predecessor_may_write: bool,
+    /// The record of the holder this one took the lease from, if any.
+    predecessor: Option<LeaseRecord>,
 }
 
 impl Lease {
@@ -280,12 +283,12 @@ impl Lease {
                 expires_unix_ms: now + options.ttl.as_millis() as u64,
                 released: false,
                 generation: predecessor.as_ref().map_or(0, |p| p.generation) + 1,
+                branch: None,
             };
             match store.put_versioned(&key, &encode(&record)?, expected.as_deref()) {
                 Ok(version) => {
-                    let may_write = predecessor.is_some_and(|p| p.may_still_write());
                     let mut lease = Self::hold(store, key, options.ttl, record, version);
-                    lease.predecessor_may_write = may_write;
+                    lease.predecessor = predecessor;
                     return Ok(lease);
                 }
                 Err(CkptError::Conflict(_)) => continue,
@@ -327,7 +330,7 @@ impl Lease {
             held,
             stop: Some(stop),
             renewer,
-            predecessor_may_write: false,
+            predecessor: None,
         }
     }
 
@@ -359,16 +362,15 @@ impl Lease {
         })
     }
 
-    /// Raises this holder's generation above `floor`, by compare-and-swap: a location whose
-    /// lease object was deleted starts counting again, and its new tokens must still order
-    /// after every token already in its manifests and fence records.
-    pub fn raise_generation(&self, floor: u64) -> Result<(), CkptError> {
+    /// Records, by compare-and-swap, that this holder writes `branch`, with its generation
+    /// raised above `floor`: a location whose lease object was deleted starts counting
+    /// again, and its new tokens must still order after every token already in its
+    /// manifests and fence records.
+    pub fn start_session(&self, floor: u64, branch: u32) -> Result<(), CkptError> {
         let mut state = self.held.lock();
-        if state.record.generation > floor {
-            return Ok(());
-        }
         let mut record = state.record.clone();
-        record.generation = floor + 1;
+        record.generation = record.generation.max(floor + 1);
+        record.branch = Some(branch);
         self.held.swap(&mut state, record)
     }
 
@@ -377,10 +379,22 @@ impl Lease {
         self.held.lock().record.generation
     }
 
-    /// Whether the holder this one took the lease from may still be writing (see
-    /// [`LeaseRecord`]'s release flag): then a new writer keeps off its branches.
+    /// Whether the holder this one took the lease from may still be writing: it did not
+    /// let go, and it is not a vanished process on this host.
     pub fn predecessor_may_write(&self) -> bool {
-        self.predecessor_may_write
+        self.predecessor.as_ref().is_some_and(|p| p.may_still_write())
+    }
+
+    /// Whether this holder may continue writing `branch`: only the branch of the holder it
+    /// took the lease from, once that one cannot write any more (or in a location no one
+    /// held). Any other branch may belong to a holder further back that never let go (a
+    /// frozen process taken over once) and may still write its data files there, so a new
+    /// writer forks instead: its names never collide with a late writer's.
+    pub fn may_continue(&self, branch: u32) -> bool {
+        match &self.predecessor {
+            None => true,
+            Some(p) => !p.may_still_write() && p.branch == Some(branch),
+        }
     }
 
     pub fn record(&self) -> LeaseRecord {
@@ -542,9 +556,13 @@ mod tests {
         let next = Lease::acquire(s, WRITER, &keyed).unwrap();
         assert_eq!(next.generation(), 3);
         assert!(!next.predecessor_may_write(), "released");
-        next.raise_generation(9).unwrap();
+        assert!(!next.may_continue(0), "its predecessor never said what it wrote");
+        next.start_session(9, 4).unwrap();
         assert_eq!(next.generation(), 10);
         assert_eq!(next.fence_commit().unwrap(), token(10, 1));
+        drop(next);
+        let after = Lease::acquire(s, WRITER, &keyed).unwrap();
+        assert!(after.may_continue(4) && !after.may_continue(0));
     }
 
     #[test]

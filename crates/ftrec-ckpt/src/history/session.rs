@@ -7,10 +7,12 @@
 //! - A resume from the newest commit of its branch continues that branch; from any older
 //!   checkpoint it starts a new branch forked there, so the old branch's later
 //!   checkpoints stay exactly as they were.
-//! - A writer that took the lease from a holder that may still be writing (one that did
-//!   not let go: taken over by a cluster server's replacement, or expired on a frozen or
-//!   distant host) never continues a branch: it forks, so that holder's late writes, on
-//!   its own branch, never collide with this writer's names.
+//! - A writer continues a branch only if it is the branch of the lease's previous holder
+//!   and that holder let go (or its process is gone from this host). Otherwise it forks:
+//!   a holder that was taken over without letting go (a frozen cluster server whose
+//!   replacement took its lease, or one expired on a frozen or distant host) may thaw and
+//!   write its data files on its own branch, and they must never collide with this
+//!   writer's names.
 //! - Before its first commit, the writer records which commits it found
 //!   (`fence.rs`), so a superseded writer's commit that lands later is never restored.
 
@@ -65,7 +67,6 @@ impl Checkpoints {
             .chain(listing.fenced.iter().map(|m| m.id.clone()))
             .chain(damaged.iter().map(|(id, _)| id.clone()))
             .collect();
-        let predecessor_may_write = held.predecessor_may_write();
         let describe = |m: &Manifest| format!("{} (branch {})", m.id, m.branch);
         let (branch, forked_from, new_branch, head_step) = match &start {
             BranchStart::Fresh { new_branch } => {
@@ -75,7 +76,7 @@ impl Checkpoints {
                     // late commit, or start a branch.
                     let newest = branch::list(self.store())?.last().map(|b| b.branch);
                     match newest.filter(|b| {
-                        !predecessor_may_write
+                        held.may_continue(*b)
                             && !taken.iter().any(|id| branch::branch_of_id(id) == *b)
                     }) {
                         Some(b) => (b, None, false, None),
@@ -115,7 +116,7 @@ impl Checkpoints {
                     .filter_map(|id| branch::step_of_id(id))
                     .max()
                     .unwrap_or(m.step);
-                if m.step >= newest_on_branch && !predecessor_may_write {
+                if m.step >= newest_on_branch && held.may_continue(m.branch) {
                     (m.branch, None, false, Some(m.step))
                 } else {
                     let fork = ForkPoint {
@@ -127,10 +128,10 @@ impl Checkpoints {
                     tracing::info!(
                         "resuming from {} ({}): new branch {}",
                         m.id,
-                        if predecessor_may_write {
-                            "the lease was taken from a writer that may still be writing"
-                        } else {
+                        if m.step < newest_on_branch {
                             "not the newest of its branch"
+                        } else {
+                            "its branch may still have another writer"
                         },
                         b.branch
                     );
@@ -161,8 +162,9 @@ impl Checkpoints {
     }
 
     /// Writes this writer's fence record (`fence.rs`): the commits of older generations it
-    /// found in `committed`. Its generation is first raised above every token and record
-    /// in the location, in case the lease object was deleted and counting started over.
+    /// found in `committed`. The lease first records the branch, and its generation is
+    /// raised above every token and record in the location, in case the lease object was
+    /// deleted and counting started over.
     fn record_fence(
         &self,
         held: &Lease,
@@ -179,7 +181,7 @@ impl Checkpoints {
             .chain(fences.newest())
             .max()
             .unwrap_or(0);
-        held.raise_generation(floor)?;
+        held.start_session(floor, branch)?;
         let generation = held.generation();
         let from = fences.from_for(generation);
         let record = FenceRecord::new(generation, from, branch, started_by, committed);
