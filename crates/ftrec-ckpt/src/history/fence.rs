@@ -199,7 +199,8 @@ impl<'a> Fences<'a> {
             .collect();
         for key in covering {
             if !self.loaded.contains_key(&key) {
-                let record = FenceRecord::decode(&self.store.describe(&key), &self.store.get(&key)?)?;
+                let record =
+                    FenceRecord::decode(&self.store.describe(&key), &self.store.get(&key)?)?;
                 self.loaded.insert(key.clone(), record);
             }
             if self.loaded.get(&key).is_some_and(|r| !r.saw(token)) {

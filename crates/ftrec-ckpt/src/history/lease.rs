@@ -382,7 +382,9 @@ impl Lease {
     /// Whether the holder this one took the lease from may still be writing: it did not
     /// let go, and it is not a vanished process on this host.
     pub fn predecessor_may_write(&self) -> bool {
-        self.predecessor.as_ref().is_some_and(|p| p.may_still_write())
+        self.predecessor
+            .as_ref()
+            .is_some_and(|p| p.may_still_write())
     }
 
     /// Whether this holder may continue writing `branch`: only the branch of the holder it
@@ -553,10 +555,13 @@ mod tests {
         assert_eq!(new.fence_commit().unwrap(), token(2, 1));
         drop(old);
         drop(new);
-        let next = Lease::acquire(s, WRITER, &keyed).unwrap();
+        let next = Lease::acquire(s.clone(), WRITER, &keyed).unwrap();
         assert_eq!(next.generation(), 3);
         assert!(!next.predecessor_may_write(), "released");
-        assert!(!next.may_continue(0), "its predecessor never said what it wrote");
+        assert!(
+            !next.may_continue(0),
+            "its predecessor never said what it wrote"
+        );
         next.start_session(9, 4).unwrap();
         assert_eq!(next.generation(), 10);
         assert_eq!(next.fence_commit().unwrap(), token(10, 1));

@@ -139,7 +139,13 @@ impl Checkpoints {
                 }
             }
         };
-        self.record_fence(&held, branch, &options.purpose, &listing.good, &listing.fenced)?;
+        self.record_fence(
+            &held,
+            branch,
+            &options.purpose,
+            &listing.good,
+            &listing.fenced,
+        )?;
         let mut writer = self.clone();
         writer.branch = branch;
         writer.lease = Some(Arc::new(held));

@@ -523,11 +523,7 @@ fn upload_loop(
     }
 }
 
-fn upload(
-    ck: &Checkpoints,
-    budget: &ChunkBudget,
-    job: &UploadJob,
-) -> Result<Manifest, CkptError> {
+fn upload(ck: &Checkpoints, budget: &ChunkBudget, job: &UploadJob) -> Result<Manifest, CkptError> {
     let parts = Parts::new(ck, &job.manifest.id);
     let uploaded = upload_parts(ck, &parts, budget, job);
     parts.finish(uploaded)

@@ -9,9 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ftrec_ckpt::lease::LeaseOptions;
-use ftrec_ckpt::{
-    BranchStart, Checkpoints, CkptError, LocalStore, Manifest, ObjectReader, Store,
-};
+use ftrec_ckpt::{BranchStart, Checkpoints, CkptError, LocalStore, Manifest, ObjectReader, Store};
 use ftrec_model::{ModelConfig, ModelState, Optimizer};
 use proptest::prelude::*;
 use serde_json::json;
@@ -172,13 +170,20 @@ pub fn a_thawed_writers_commit_is_refused(store: Arc<dyn Store>) {
     assert!(matches!(e, CkptError::Fenced(_)), "{e}");
     assert!(e.to_string().contains("lost its lease"), "{e}");
     assert_eq!(ids(&ck), vec![first.id.clone()]);
-    let left = [store.list("data/").unwrap(), store.list("manifests/").unwrap()].concat();
+    let left = [
+        store.list("data/").unwrap(),
+        store.list("manifests/").unwrap(),
+    ]
+    .concat();
     assert!(
         !left.iter().any(|k| k.contains("000000000002")),
         "a refused commit leaves nothing behind: {left:?}"
     );
     // B keeps off A's branch: a late write of A's can never take one of B's names.
-    assert!(started.new_branch && b.branch() != a.branch(), "{started:?}");
+    assert!(
+        started.new_branch && b.branch() != a.branch(),
+        "{started:?}"
+    );
     let second = b.write_full(&state(3), 2, json!({"by": "B"})).unwrap();
     let all = ck.list().unwrap();
     assert_eq!(Manifest::last_at_step(&all, 2).unwrap().id, second.id);
@@ -234,8 +239,10 @@ pub fn a_manifest_that_slipped_past_a_takeover_is_never_restored(inner: Arc<dyn 
     ]
     .concat();
     assert!(
-        !left.iter().any(|k| k.starts_with(&format!("data/{}/", late.id))
-            || *k == Manifest::key_for(&late.id)),
+        !left
+            .iter()
+            .any(|k| k.starts_with(&format!("data/{}/", late.id))
+                || *k == Manifest::key_for(&late.id)),
         "a late commit's data is garbage at once: {left:?}"
     );
     assert!(ck.verify_all().unwrap().iter().all(|(_, r)| r.is_ok()));
