@@ -92,7 +92,7 @@ impl Checkpoints {
 
     /// Every manifest in the location, read and judged by the fence records
     /// (`history/fence.rs`). Manifests deleted between listing and reading (gc, a DECK
-    /// merge) are skipped.
+    /// merge) are skipped; one that a damaged fence record judges counts as damaged.
     pub(crate) fn list_all(&self) -> Result<Listing, CkptError> {
         let mut listing = Listing::default();
         let mut fences = Fences::load(self.store())?;
@@ -107,8 +107,13 @@ impl Checkpoints {
                 .get(key)
                 .and_then(|b| Manifest::decode(&self.store.describe(key), &b))
             {
-                Ok(m) if fences.is_fenced(&m)? => listing.fenced.push(m),
-                Ok(m) => listing.good.push(m),
+                Ok(m) => match fences.is_fenced(&m) {
+                    Ok(true) => listing.fenced.push(m),
+                    Ok(false) => listing.good.push(m),
+                    // A damaged fence record cannot clear what it judges: such a manifest
+                    // is neither restored nor deleted, like a damaged one.
+                    Err(e) => listing.damaged.push((m.id, e)),
+                },
                 Err(CkptError::NotFound(_)) => {}
                 Err(e) => {
                     let id = key

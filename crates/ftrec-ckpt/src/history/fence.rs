@@ -185,8 +185,8 @@ impl<'a> Fences<'a> {
             .unwrap_or(0)
     }
 
-    /// Whether `m` is a superseded writer's late commit (module docs). A damaged record is
-    /// an error naming it: it could hide such a commit.
+    /// Whether `m` is a superseded writer's late commit (module docs). A damaged record
+    /// that covers it is an error naming the record: it could hide such a commit.
     pub fn is_fenced(&mut self, m: &Manifest) -> Result<bool, CkptError> {
         let Some(token) = m.fence else {
             return Ok(false);

@@ -287,6 +287,68 @@ fn a_rollback_restores_the_live_branch_whatever_the_clocks_say() {
     assert_eq!(ck.restore(&live.id).unwrap().0, state(3));
 }
 
+/// A flipped byte in a fence record is damage `verify` names, and the commits it judges
+/// are neither restored nor listed as good (nor deleted) until it is repaired.
+#[test]
+fn a_damaged_fence_record_is_named_and_clears_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = Checkpoints::new(Box::new(LocalStore::open(dir.path()).unwrap()));
+    let options = LeaseOptions::new("trainer");
+    let (writer, _) = ck
+        .start_writing(BranchStart::Fresh { new_branch: false }, &options)
+        .unwrap();
+    let judged = writer.write_full(&state(1), 1, json!({})).unwrap();
+    drop(writer);
+    let from = BranchStart::Resume {
+        from: judged.id.clone(),
+    };
+    let (writer, _) = ck.start_writing(from, &options).unwrap();
+    let newer = writer.write_full(&state(2), 2, json!({})).unwrap();
+    drop(writer);
+    let key = ftrec_ckpt::fence::FenceRecord::key_for(2, 1);
+    let good = ck.store().get(&key).unwrap();
+    let mut bad = good.clone();
+    *bad.last_mut().unwrap() ^= 1;
+    ck.store().delete(&key).unwrap();
+    ck.store().put(&key, &bad).unwrap();
+    let (listed, damaged) = ck.list_lenient().unwrap();
+    assert_eq!(
+        listed.iter().map(|m| &m.id).collect::<Vec<_>>(),
+        [&newer.id]
+    );
+    assert_eq!(damaged.len(), 1);
+    assert_eq!(damaged[0].0, judged.id);
+    assert!(damaged[0].1.to_string().contains(&key), "{}", damaged[0].1);
+    assert!(ck.restore(&judged.id).is_err());
+    let verdicts = ck.verify_all().unwrap();
+    assert!(verdicts.iter().any(|(k, r)| *k == key && r.is_err()));
+    ck.store().delete(&key).unwrap();
+    ck.store().put(&key, &good).unwrap();
+    assert_eq!(ids(&ck), vec![judged.id, newer.id]);
+}
+
+/// An operator deleted the lease object (counting starts over at generation 1): the next
+/// writer's commits still order after every earlier one.
+#[test]
+fn a_deleted_lease_object_does_not_reorder_the_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = Checkpoints::new(Box::new(LocalStore::open(dir.path()).unwrap()));
+    let options = LeaseOptions::new("trainer");
+    let (writer, _) = ck
+        .start_writing(BranchStart::Fresh { new_branch: false }, &options)
+        .unwrap();
+    let first = writer.write_full(&state(1), 1, json!({})).unwrap();
+    writer.write_full(&state(2), 2, json!({})).unwrap();
+    writer.write_full(&state(3), 3, json!({})).unwrap();
+    drop(writer);
+    ck.store().delete("locks/writer.lease").unwrap();
+    let from = BranchStart::Resume { from: first.id };
+    let (writer, _) = ck.start_writing(from, &options).unwrap();
+    let live = writer.write_full(&state(4), 2, json!({})).unwrap();
+    let all = ck.list().unwrap();
+    assert_eq!(Manifest::last_at_step(&all, 2).unwrap().id, live.id);
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     /// Holder `h` (re)starts writing, taking the lease: resuming from the newest
