@@ -136,15 +136,21 @@ impl Checkpoints {
         self.branch
     }
 
-    /// Commits a checkpoint by creating its manifest, after every file it names. Refused
-    /// once this writer lost its lease, and when the id is taken: history is never
-    /// rewritten.
-    pub(crate) fn commit_manifest(&self, manifest: &Manifest) -> Result<(), CkptError> {
+    /// Commits a checkpoint by creating its manifest, after every file it names, and
+    /// returns it as committed. A writer first proves at the store that it still holds its
+    /// lease, and stamps the manifest with the token that proof hands out; a takeover of
+    /// the lease, however recent, refuses the commit with [`CkptError::Fenced`] (see
+    /// `history/fence.rs` for the whole protocol). Refused too when the id is taken:
+    /// history is never rewritten. A handle without the writer lease commits the
+    /// manifest's token as it is.
+    pub(crate) fn commit_manifest(&self, manifest: &Manifest) -> Result<Manifest, CkptError> {
+        let mut manifest = manifest.clone();
         if let Some(lease) = &self.lease {
-            lease.check()?;
+            manifest.fence = Some(lease.fence_commit()?);
         }
         self.store
-            .put(&Manifest::key_for(&manifest.id), &manifest.encode()?)
+            .put(&Manifest::key_for(&manifest.id), &manifest.encode()?)?;
+        Ok(manifest)
     }
 
     /// Fails early, with the numbers, when a checkpoint of `bytes` will not fit where it
@@ -283,9 +289,9 @@ impl Checkpoints {
                 incrcp: None,
                 deck: None,
                 branch: self.branch,
+                fence: None,
             };
-            self.commit_manifest(&manifest)?;
-            Ok(manifest)
+            self.commit_manifest(&manifest)
         })();
         parts.finish(written)
     }

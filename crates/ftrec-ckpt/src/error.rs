@@ -23,6 +23,11 @@ pub enum CkptError {
     /// Another live process holds the lease this one needs.
     #[error("{0}")]
     Busy(String),
+    /// This writer's lease was taken over (its successor writes the location now), so it
+    /// commits nothing more; or a checkpoint is such a writer's late commit, never
+    /// restored.
+    #[error("{0}")]
+    Fenced(String),
     #[error("{0}")]
     Invalid(String),
     #[error(transparent)]

@@ -19,7 +19,7 @@ pub mod strategies;
 // the folders group files by role without changing what users and siblings name.
 pub use format::{chunk, chunklist, dense, manifest};
 pub(crate) use format::{envelope, parts};
-pub use history::{branch, lease};
+pub use history::{branch, fence, lease};
 pub(crate) use history::{retention, session};
 pub(crate) use storage::{object, store};
 pub use strategies::{deck, incrcp, merge, tracker};
@@ -30,7 +30,7 @@ pub use engine::{CHUNK_BYTES, Checkpoints};
 pub use error::CkptError;
 pub use export::export_safetensors;
 pub use incrcp_worker::CommitReport;
-pub use manifest::{CheckpointKind, DeckRef, IncrcpRef, Manifest};
+pub use manifest::{CheckpointKind, DeckRef, FenceToken, IncrcpRef, Manifest};
 pub use object::{ObjectStoreBackend, open_store};
 pub use policy::{Checkpointer, DeckStats};
 pub use retention::{GcOptions, GcReport};

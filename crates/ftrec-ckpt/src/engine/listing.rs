@@ -3,7 +3,19 @@
 //! or gc may delete.
 
 use super::Checkpoints;
+use crate::fence::Fences;
 use crate::{CkptError, Manifest};
+
+/// A location's manifests, read.
+#[derive(Default)]
+pub(crate) struct Listing {
+    /// Committed checkpoints, oldest first ([`Checkpoints::list`]).
+    pub good: Vec<Manifest>,
+    /// Late commits of superseded writers: never listed or restored (`history/fence.rs`).
+    pub fenced: Vec<Manifest>,
+    /// Manifests that do not read back, by id, with why.
+    pub damaged: Vec<(String, CkptError)>,
+}
 
 fn pin_key(step: u64) -> String {
     format!("pins/{step:012}.pin")
@@ -78,29 +90,12 @@ impl Checkpoints {
         Ok(protected)
     }
 
-    /// All committed checkpoints, oldest first. A damaged manifest is an error naming it.
-    pub fn list(&self) -> Result<Vec<Manifest>, CkptError> {
-        // A manifest deleted between listing and reading (gc, a DECK merge) is skipped.
-        let mut all = self
-            .store
-            .list("manifests/")?
-            .iter()
-            .filter(|k| k.ends_with(".man"))
-            .filter_map(|k| match self.store.get(k) {
-                Ok(b) => Some(Manifest::decode(&self.store.describe(k), &b)),
-                Err(CkptError::NotFound(_)) => None,
-                Err(e) => Some(Err(e)),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        all.sort_by_key(|m| (m.step, m.created_unix_ms));
-        Ok(all)
-    }
-
-    /// Like [`Checkpoints::list`], but damaged manifests are returned apart, with their
-    /// ids, instead of failing the listing (`--fallback`, `ls`, `verify`, `gc`).
-    #[allow(clippy::type_complexity)]
-    pub fn list_lenient(&self) -> Result<(Vec<Manifest>, Vec<(String, CkptError)>), CkptError> {
-        let (mut good, mut bad) = (Vec::new(), Vec::new());
+    /// Every manifest in the location, read and judged by the fence records
+    /// (`history/fence.rs`). Manifests deleted between listing and reading (gc, a DECK
+    /// merge) are skipped; one that a damaged fence record judges counts as damaged.
+    pub(crate) fn list_all(&self) -> Result<Listing, CkptError> {
+        let mut listing = Listing::default();
+        let mut fences = Fences::load(self.store())?;
         for key in self
             .store
             .list("manifests/")?
@@ -112,20 +107,52 @@ impl Checkpoints {
                 .get(key)
                 .and_then(|b| Manifest::decode(&self.store.describe(key), &b))
             {
-                Ok(m) => good.push(m),
-                // Deleted between listing and reading (gc, a DECK merge).
+                Ok(m) => match fences.is_fenced(&m) {
+                    Ok(true) => listing.fenced.push(m),
+                    Ok(false) => listing.good.push(m),
+                    // A damaged fence record cannot clear what it judges: such a manifest
+                    // is neither restored nor deleted, like a damaged one.
+                    Err(e) => listing.damaged.push((m.id, e)),
+                },
                 Err(CkptError::NotFound(_)) => {}
                 Err(e) => {
                     let id = key
                         .trim_start_matches("manifests/")
                         .trim_end_matches(".man")
                         .to_string();
-                    bad.push((id, e));
+                    listing.damaged.push((id, e));
                 }
             }
         }
-        good.sort_by_key(|m| (m.step, m.created_unix_ms));
-        Ok((good, bad))
+        listing
+            .good
+            .sort_by(|a, b| (a.step, a.commit_order()).cmp(&(b.step, b.commit_order())));
+        for m in &listing.fenced {
+            tracing::debug!(
+                "{}: a superseded writer's late commit, left out",
+                self.store.describe(&Manifest::key_for(&m.id))
+            );
+        }
+        Ok(listing)
+    }
+
+    /// All committed checkpoints, oldest first (by step, then as committed:
+    /// [`Manifest::commit_order`]). A damaged manifest is an error naming it. A superseded
+    /// writer's late commit is left out (`history/fence.rs`).
+    pub fn list(&self) -> Result<Vec<Manifest>, CkptError> {
+        let listing = self.list_all()?;
+        match listing.damaged.into_iter().next() {
+            Some((_, e)) => Err(e),
+            None => Ok(listing.good),
+        }
+    }
+
+    /// Like [`Checkpoints::list`], but damaged manifests are returned apart, with their
+    /// ids, instead of failing the listing (`--fallback`, `ls`, `verify`, `gc`).
+    #[allow(clippy::type_complexity)]
+    pub fn list_lenient(&self) -> Result<(Vec<Manifest>, Vec<(String, CkptError)>), CkptError> {
+        let listing = self.list_all()?;
+        Ok((listing.good, listing.damaged))
     }
 
     /// The committed checkpoints whose manifests read back, oldest first; a damaged one is

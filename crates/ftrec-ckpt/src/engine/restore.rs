@@ -41,7 +41,7 @@ impl Checkpoints {
     }
 
     /// The merged checkpoint that replaced DECK delta `id` (gone): the one ending at the
-    /// delta's step on its branch, written last.
+    /// delta's step, committed last.
     fn merged_stand_in(&self, id: &str) -> Result<Option<String>, CkptError> {
         let Some(step) = id.split('-').next().and_then(|s| s.parse::<u64>().ok()) else {
             return Ok(None);
@@ -51,8 +51,15 @@ impl Checkpoints {
             .list_readable()?
             .into_iter()
             .filter(|m| is_delta && m.kind == CheckpointKind::Merged && m.step == step)
-            .max_by_key(|m| m.created_unix_ms)
+            .max_by(|a, b| a.commit_order().cmp(&b.commit_order()))
             .map(|m| m.id))
+    }
+
+    /// Fails with [`CkptError::Fenced`] when any checkpoint of `chain` is a superseded
+    /// writer's late commit (`history/fence.rs`): its rows are never restored.
+    pub(crate) fn check_unfenced(&self, chain: &[Manifest]) -> Result<(), CkptError> {
+        let mut fences = crate::fence::Fences::load(self.store())?;
+        chain.iter().try_for_each(|m| fences.check(m))
     }
 
     fn restore_once(&self, id: &str) -> Result<(ModelState, Manifest), CkptError> {
@@ -63,6 +70,8 @@ impl Checkpoints {
             Some(last) if last.id == id => last.clone(),
             _ => self.manifest(id)?,
         };
+        self.check_unfenced(&chain)?;
+        self.check_unfenced(std::slice::from_ref(&target))?;
         let mut state = ModelState::zeroed(&target.model)?;
         for manifest in &chain {
             self.apply_rows(manifest, &mut state)?;
@@ -88,6 +97,7 @@ impl Checkpoints {
 
     fn replay_on_pool(&self, id: &str, state: &mut ModelState) -> Result<u64, CkptError> {
         let chain = self.lineage(id)?;
+        self.check_unfenced(&chain)?;
         let skip = usize::from(chain.len() > 1);
         let mut bytes = 0;
         for m in &chain[skip..] {

@@ -79,6 +79,20 @@ pub struct Manifest {
     /// written before branches existed.
     #[serde(default)]
     pub branch: u32,
+    /// The writer lease under which it was committed (`fence.rs`): restores and listings
+    /// leave out a commit its holder's successor never saw. `None`: written before tokens
+    /// existed, or by a handle that holds no writer lease.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fence: Option<FenceToken>,
+}
+
+/// A commit's fencing token: the writer lease's generation (one more at every
+/// acquisition, takeovers included) and the holder's count of its commits. Tokens order
+/// a location's commits as they were made, whatever the writers' clocks say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct FenceToken {
+    pub generation: u64,
+    pub seq: u64,
 }
 
 /// The deltas after a base that a DECK checkpoint covers: delta number `k` (from 1)
@@ -112,6 +126,23 @@ impl Manifest {
         let json =
             serde_json::to_vec_pretty(self).map_err(|e| CkptError::Invalid(e.to_string()))?;
         Ok(envelope::wrap(MAGIC, VERSION, &json))
+    }
+
+    /// This commit's place among a location's commits, without wall clocks: by fencing
+    /// token, then branch (numbered in creation order), then id. Commits without a token
+    /// (older ones, or unleased writes) come first. `created_unix_ms` is for people only:
+    /// a host whose clock runs ahead would otherwise win every comparison.
+    pub fn commit_order(&self) -> (Option<FenceToken>, u32, &str) {
+        (self.fence, self.branch, &self.id)
+    }
+
+    /// Of `all`, the checkpoint at `step` committed last ([`Manifest::commit_order`]): a
+    /// cut's part after a rollback re-took it on a new branch, or a DECK merged checkpoint
+    /// standing in for its delta.
+    pub fn last_at_step(all: &[Manifest], step: u64) -> Option<&Manifest> {
+        all.iter()
+            .filter(|m| m.step == step)
+            .max_by(|a, b| a.commit_order().cmp(&b.commit_order()))
     }
 
     pub fn decode(key: &str, b: &[u8]) -> Result<Self, CkptError> {

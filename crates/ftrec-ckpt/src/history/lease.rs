@@ -5,9 +5,20 @@
 //! conditional PUT on S3 and Azure, a `flock`-guarded replace locally), so two processes
 //! can never both believe they hold it: the loser of a race gets a conflict. A holder
 //! renews it from a background thread every third of its time to live; a holder that finds
-//! it taken over (it was too slow, or its host stalled) marks it lost, and a writer checks
-//! that before each commit. A crashed holder's lease expires; on the same host a holder
-//! whose process is gone is dead at once, so a restart after a SIGKILL does not wait.
+//! it taken over (it was too slow, or its host stalled) marks it lost. A crashed holder's
+//! lease expires; on the same host a holder whose process is gone is dead at once, so a
+//! restart after a SIGKILL does not wait.
+//!
+//! **Fencing.** Every acquisition, takeovers included, raises the lease's `generation`.
+//! The renewer notices a takeover only at its next round (10 s by default), while a
+//! cluster server's replacement takes the lease at once, so a cached "lost" flag cannot
+//! stop a frozen holder that thaws. Each commit therefore re-validates the lease at the
+//! store itself ([`Lease::fence_commit`]): a compare-and-swap of the lease object from the
+//! version this holder last wrote. It succeeds only if no one took the lease since, and it
+//! hands out the commit's [`FenceToken`] (generation, and this holder's commit count). A
+//! manifest PUT can still land after a takeover that came between its CAS and its PUT; the
+//! successor's fence record (`fence.rs`) lists the commits it found, so such a late
+//! manifest is never listed or restored.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
@@ -18,7 +29,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::engine::now_unix_ms;
-use crate::{CkptError, Store};
+use crate::{CkptError, FenceToken, Store};
 
 /// The lease of the process that writes checkpoints (a trainer, a cluster server).
 pub const WRITER: &str = "writer";
@@ -65,6 +76,14 @@ pub struct LeaseRecord {
     /// Set when the holder let go; the lease is then free.
     #[serde(default)]
     pub released: bool,
+    /// One more than the previous holder's: the fencing generation (module docs). 0 in
+    /// leases written before generations existed.
+    #[serde(default)]
+    pub generation: u64,
+    /// The branch this holder writes, once it started writing: the only branch its
+    /// successor may continue, and only once it let go.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub branch: Option<u32>,
 }
 
 impl LeaseRecord {
@@ -75,6 +94,13 @@ impl LeaseRecord {
         }
         // On this host a vanished process holds nothing, whatever its expiry says.
         self.host != host_name() || process_exists(self.pid)
+    }
+
+    /// Whether the holder may still be writing, as far as a process taking the lease over
+    /// can tell: it did not let go, and it is not a vanished process on this host. A frozen
+    /// process, or one on another host, may thaw and write on after it lost the lease.
+    fn may_still_write(&self) -> bool {
+        !self.released && (self.host != host_name() || process_exists(self.pid))
     }
 
     pub fn describe(&self) -> String {
@@ -132,42 +158,79 @@ pub fn live_holder(store: &dyn Store, name: &str) -> Result<Option<LeaseRecord>,
     }
 }
 
+/// What the holder last wrote, and the commits it has fenced.
+struct HeldState {
+    record: LeaseRecord,
+    /// The stored version of `record`: every compare-and-swap starts from it.
+    version: String,
+    /// Commits fenced so far ([`Lease::fence_commit`]).
+    commits: u64,
+}
+
 struct Held {
     store: Arc<dyn Store>,
     key: String,
     ttl: Duration,
-    state: Mutex<(LeaseRecord, String)>,
+    state: Mutex<HeldState>,
     lost: AtomicBool,
 }
 
 impl Held {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HeldState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Extends the lease by one time to live; a conflict means it was taken over.
     fn renew(&self) -> Result<(), CkptError> {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let mut record = state.0.clone();
+        let mut state = self.lock();
+        let mut record = state.record.clone();
         record.expires_unix_ms = now_unix_ms() + self.ttl.as_millis() as u64;
+        self.swap(&mut state, record)
+    }
+
+    /// Replaces the stored record by `record`, if it is still the one this holder wrote
+    /// last. A conflict means someone took the lease over: it is lost, [`CkptError::Fenced`].
+    fn swap(&self, state: &mut HeldState, record: LeaseRecord) -> Result<(), CkptError> {
         match self
             .store
-            .put_versioned(&self.key, &encode(&record)?, Some(&state.1))
+            .put_versioned(&self.key, &encode(&record)?, Some(&state.version))
         {
             Ok(version) => {
-                *state = (record, version);
+                state.record = record;
+                state.version = version;
                 Ok(())
             }
             Err(CkptError::Conflict(m)) => {
                 self.lost.store(true, Ordering::SeqCst);
-                Err(CkptError::Busy(format!(
-                    "lost the lease {}: {m}",
-                    self.store.describe(&self.key)
-                )))
+                Err(self.fenced(&m))
             }
             Err(e) => {
-                if state.0.expires_unix_ms <= now_unix_ms() {
+                if state.record.expires_unix_ms <= now_unix_ms() {
                     self.lost.store(true, Ordering::SeqCst);
                 }
                 Err(e)
             }
         }
+    }
+
+    /// The error of a holder that lost the lease, naming who holds it now where that can
+    /// be read.
+    fn fenced(&self, why: &str) -> CkptError {
+        let successor = self
+            .store
+            .get_versioned(&self.key)
+            .ok()
+            .flatten()
+            .and_then(|(bytes, _)| decode(&*self.store, &self.key, &bytes).ok())
+            .map_or_else(
+                || "someone else".to_string(),
+                |r| format!("{} (generation {})", r.describe(), r.generation),
+            );
+        CkptError::Fenced(format!(
+            "{}: this process lost its lease (now held by {successor}; {why}), so it commits \
+             no more checkpoints there",
+            self.store.describe(&self.key)
+        ))
     }
 }
 
@@ -176,6 +239,8 @@ pub struct Lease {
     held: Arc<Held>,
     stop: Option<Sender<()>>,
     renewer: Option<JoinHandle<()>>,
+    /// The record of the holder this one took the lease from, if any.
+    predecessor: Option<LeaseRecord>,
 }
 
 impl Lease {
@@ -188,23 +253,11 @@ impl Lease {
         options: &LeaseOptions,
     ) -> Result<Self, CkptError> {
         let key = key_for(name);
-        let now = now_unix_ms();
-        let record = LeaseRecord {
-            purpose: options.purpose.clone(),
-            host: host_name(),
-            pid: std::process::id(),
-            nonce: fresh_nonce(),
-            owner_key: options.owner_key.clone(),
-            acquired_unix_ms: now,
-            expires_unix_ms: now + options.ttl.as_millis() as u64,
-            released: false,
-        };
-        let bytes = encode(&record)?;
         // A conflict means another process moved between our read and our write: look
         // again, a few times, then report whoever holds it.
         for _ in 0..5 {
-            let expected = match store.get_versioned(&key)? {
-                None => None,
+            let (expected, predecessor) = match store.get_versioned(&key)? {
+                None => (None, None),
                 Some((current, version)) => {
                     let holder = decode(&*store, &key, &current)?;
                     let same_owner =
@@ -216,11 +269,28 @@ impl Lease {
                             holder.describe()
                         )));
                     }
-                    Some(version)
+                    (Some(version), Some(holder))
                 }
             };
-            match store.put_versioned(&key, &bytes, expected.as_deref()) {
-                Ok(version) => return Ok(Self::hold(store, key, options.ttl, record, version)),
+            let now = now_unix_ms();
+            let record = LeaseRecord {
+                purpose: options.purpose.clone(),
+                host: host_name(),
+                pid: std::process::id(),
+                nonce: fresh_nonce(),
+                owner_key: options.owner_key.clone(),
+                acquired_unix_ms: now,
+                expires_unix_ms: now + options.ttl.as_millis() as u64,
+                released: false,
+                generation: predecessor.as_ref().map_or(0, |p| p.generation) + 1,
+                branch: None,
+            };
+            match store.put_versioned(&key, &encode(&record)?, expected.as_deref()) {
+                Ok(version) => {
+                    let mut lease = Self::hold(store, key, options.ttl, record, version);
+                    lease.predecessor = predecessor;
+                    return Ok(lease);
+                }
                 Err(CkptError::Conflict(_)) => continue,
                 Err(e) => return Err(e),
             }
@@ -242,7 +312,11 @@ impl Lease {
             store,
             key,
             ttl,
-            state: Mutex::new((record, version)),
+            state: Mutex::new(HeldState {
+                record,
+                version,
+                commits: 0,
+            }),
             lost: AtomicBool::new(false),
         });
         let (stop, stopped) = channel();
@@ -256,23 +330,77 @@ impl Lease {
             held,
             stop: Some(stop),
             renewer,
+            predecessor: None,
         }
     }
 
-    /// Fails once the lease was lost: the caller must not commit anything more.
+    /// Fails once the lease is known lost: the caller must not commit anything more. Only
+    /// as fresh as the renewer's last round; a commit asks the store ([`Lease::fence_commit`]).
     pub fn check(&self) -> Result<(), CkptError> {
         if self.held.lost.load(Ordering::SeqCst) {
-            return Err(CkptError::Busy(format!(
-                "{}: this process lost its lease, so it stops writing checkpoints",
-                self.held.store.describe(&self.held.key)
-            )));
+            return Err(self.held.fenced("found at an earlier renewal or commit"));
         }
         Ok(())
     }
 
+    /// Proves, at the store, that this process still holds the lease, and returns the
+    /// token of the commit it is about to make: a compare-and-swap of the lease object
+    /// from the version this holder wrote last (extending it by one time to live). A
+    /// takeover since, however recent, fails it with [`CkptError::Fenced`], and the lease
+    /// is lost. Tokens are handed out under the same lock as the swap, so their order is
+    /// the order of the swaps.
+    pub fn fence_commit(&self) -> Result<FenceToken, CkptError> {
+        self.check()?;
+        let mut state = self.held.lock();
+        let mut record = state.record.clone();
+        record.expires_unix_ms = now_unix_ms() + self.held.ttl.as_millis() as u64;
+        self.held.swap(&mut state, record)?;
+        state.commits += 1;
+        Ok(FenceToken {
+            generation: state.record.generation,
+            seq: state.commits,
+        })
+    }
+
+    /// Records, by compare-and-swap, that this holder writes `branch`, with its generation
+    /// raised above `floor`: a location whose lease object was deleted starts counting
+    /// again, and its new tokens must still order after every token already in its
+    /// manifests and fence records.
+    pub fn start_session(&self, floor: u64, branch: u32) -> Result<(), CkptError> {
+        let mut state = self.held.lock();
+        let mut record = state.record.clone();
+        record.generation = record.generation.max(floor + 1);
+        record.branch = Some(branch);
+        self.held.swap(&mut state, record)
+    }
+
+    /// The fencing generation this holder commits under.
+    pub fn generation(&self) -> u64 {
+        self.held.lock().record.generation
+    }
+
+    /// Whether the holder this one took the lease from may still be writing: it did not
+    /// let go, and it is not a vanished process on this host.
+    pub fn predecessor_may_write(&self) -> bool {
+        self.predecessor
+            .as_ref()
+            .is_some_and(|p| p.may_still_write())
+    }
+
+    /// Whether this holder may continue writing `branch`: only the branch of the holder it
+    /// took the lease from, once that one cannot write any more (or in a location no one
+    /// held). Any other branch may belong to a holder further back that never let go (a
+    /// frozen process taken over once) and may still write its data files there, so a new
+    /// writer forks instead: its names never collide with a late writer's.
+    pub fn may_continue(&self, branch: u32) -> bool {
+        match &self.predecessor {
+            None => true,
+            Some(p) => !p.may_still_write() && p.branch == Some(branch),
+        }
+    }
+
     pub fn record(&self) -> LeaseRecord {
-        let state = self.held.state.lock().unwrap_or_else(|p| p.into_inner());
-        state.0.clone()
+        self.held.lock().record.clone()
     }
 }
 
@@ -301,13 +429,13 @@ impl Drop for Lease {
         if self.held.lost.load(Ordering::SeqCst) {
             return;
         }
-        let state = self.held.state.lock().unwrap_or_else(|p| p.into_inner());
-        let mut record = state.0.clone();
+        let state = self.held.lock();
+        let mut record = state.record.clone();
         record.released = true;
         let released = encode(&record).and_then(|bytes| {
             self.held
                 .store
-                .put_versioned(&self.held.key, &bytes, Some(&state.1))
+                .put_versioned(&self.held.key, &bytes, Some(&state.version))
         });
         if let Err(e) = released {
             tracing::debug!("releasing the checkpoint lease: {e} (it expires by itself)");
@@ -401,6 +529,45 @@ mod tests {
         assert!(old.held.renew().is_err());
         assert!(new.check().is_ok());
         assert!(Lease::acquire(s, WRITER, &LeaseOptions::new("other")).is_err());
+    }
+
+    #[test]
+    fn a_takeover_fences_the_old_holders_next_commit_before_its_renewer_notices() {
+        let (_dir, s) = store();
+        let keyed = LeaseOptions {
+            owner_key: Some("job 7 server 1".into()),
+            ..LeaseOptions::new("server 1")
+        };
+        let old = Lease::acquire(s.clone(), WRITER, &keyed).unwrap();
+        assert_eq!(old.generation(), 1);
+        assert!(!old.predecessor_may_write());
+        let token = |generation, seq| FenceToken { generation, seq };
+        assert_eq!(old.fence_commit().unwrap(), token(1, 1));
+        assert_eq!(old.fence_commit().unwrap(), token(1, 2));
+        let new = Lease::acquire(s.clone(), WRITER, &keyed).unwrap();
+        assert_eq!(new.generation(), 2);
+        assert!(new.predecessor_may_write(), "the old holder never let go");
+        assert!(old.check().is_ok(), "its renewer has not run yet");
+        let e = old.fence_commit().unwrap_err();
+        assert!(matches!(e, CkptError::Fenced(_)), "{e}");
+        assert!(e.to_string().contains("generation 2"), "{e}");
+        assert!(matches!(old.check(), Err(CkptError::Fenced(_))));
+        assert_eq!(new.fence_commit().unwrap(), token(2, 1));
+        drop(old);
+        drop(new);
+        let next = Lease::acquire(s.clone(), WRITER, &keyed).unwrap();
+        assert_eq!(next.generation(), 3);
+        assert!(!next.predecessor_may_write(), "released");
+        assert!(
+            !next.may_continue(0),
+            "its predecessor never said what it wrote"
+        );
+        next.start_session(9, 4).unwrap();
+        assert_eq!(next.generation(), 10);
+        assert_eq!(next.fence_commit().unwrap(), token(10, 1));
+        drop(next);
+        let after = Lease::acquire(s, WRITER, &keyed).unwrap();
+        assert!(after.may_continue(4) && !after.may_continue(0));
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! crash between data and manifest) are abandoned when no writer holds the location's
 //! lease, or, while one does, when they are older than `abandoned_after`: age, not step
 //! numbers, because a merger or a forked run writes below the newest step. `gc` holds the
-//! merger lease while it works, so it never races a merge.
+//! merger lease while it works, so it never races a merge. A superseded writer's late
+//! commit (`fence.rs`) is no checkpoint at all: `gc` deletes it and its data at once.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -82,7 +83,8 @@ impl Checkpoints {
             lease::MERGER,
             &LeaseOptions::new("ftrec ckpt gc"),
         )?;
-        let (all, damaged) = self.list_lenient()?;
+        let listing = self.list_all()?;
+        let (all, damaged) = (listing.good, listing.damaged);
         let mut by_branch: BTreeMap<u32, Vec<&Manifest>> = BTreeMap::new();
         for m in &all {
             by_branch.entry(m.branch).or_default().push(m);
@@ -116,6 +118,13 @@ impl Checkpoints {
             self.store().delete(&Manifest::key_for(&m.id))?;
             report.checkpoints.push(m.id.clone());
         }
+        // Its writer wrote everything it names before the manifest, and commits nothing
+        // more: its data is garbage now, whatever its age.
+        let fenced: BTreeSet<&str> = listing.fenced.iter().map(|m| m.id.as_str()).collect();
+        for m in &listing.fenced {
+            self.store().delete(&Manifest::key_for(&m.id))?;
+            report.checkpoints.push(m.id.clone());
+        }
         // Asked afresh at each decision, after the keys were listed: a writer that took the
         // lease before the listing is seen, and one that took it later made none of them.
         let abandoned = |keys: &[String]| -> Result<bool, CkptError> {
@@ -145,7 +154,8 @@ impl Checkpoints {
             if retained.contains(id) {
                 continue;
             }
-            if !committed.contains(id.as_str()) && !abandoned(keys)? {
+            let garbage = committed.contains(id.as_str()) || fenced.contains(id.as_str());
+            if !garbage && !abandoned(keys)? {
                 report.kept_in_flight += keys.len() as u64;
                 continue;
             }
@@ -174,7 +184,10 @@ impl Checkpoints {
                     }
                 }
                 dead
-            } else if committed.contains(baseline.as_str()) || abandoned(keys)? {
+            } else if committed.contains(baseline.as_str())
+                || fenced.contains(baseline.as_str())
+                || abandoned(keys)?
+            {
                 keys.iter().collect()
             } else {
                 report.kept_in_flight += keys.len() as u64;
@@ -222,8 +235,10 @@ impl Checkpoints {
             out.push((m.id.clone(), checked));
         }
         out.extend(damaged.into_iter().map(|(id, e)| (id, Err(e))));
-        // Branch records are checksummed too: a damaged one would misplace a fork.
+        // Branch records are checksummed too: a damaged one would misplace a fork. So are
+        // fence records: a damaged one could let a late commit through.
         out.extend(crate::branch::verify_each(self.store())?);
+        out.extend(crate::fence::verify_each(self.store())?);
         Ok(out)
     }
 }

@@ -505,15 +505,15 @@ fn upload_loop(
         };
         let _ = fs::remove_dir_all(&job.dir);
         match result {
-            Ok(()) => {
+            Ok(committed) => {
                 broken = false;
                 // Committed is reported before the merger hears of it, so its own report
                 // always comes later.
                 let _ = events.send(Ok(DeckEvent::Committed {
-                    manifest: Box::new(job.manifest.clone()),
+                    manifest: Box::new(committed.clone()),
                     upload_seconds: start.elapsed().as_secs_f64(),
                 }));
-                let _ = merger.send(job.manifest);
+                let _ = merger.send(committed);
             }
             Err(e) => {
                 broken = true;
@@ -523,7 +523,7 @@ fn upload_loop(
     }
 }
 
-fn upload(ck: &Checkpoints, budget: &ChunkBudget, job: &UploadJob) -> Result<(), CkptError> {
+fn upload(ck: &Checkpoints, budget: &ChunkBudget, job: &UploadJob) -> Result<Manifest, CkptError> {
     let parts = Parts::new(ck, &job.manifest.id);
     let uploaded = upload_parts(ck, &parts, budget, job);
     parts.finish(uploaded)
@@ -534,7 +534,7 @@ fn upload_parts(
     parts: &Parts,
     budget: &ChunkBudget,
     job: &UploadJob,
-) -> Result<(), CkptError> {
+) -> Result<Manifest, CkptError> {
     for s in &job.staged {
         budget.acquire();
         let result = fs::read(&s.path)

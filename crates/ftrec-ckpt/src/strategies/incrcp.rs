@@ -106,6 +106,7 @@ pub fn copy_increment(
         }),
         deck: None,
         branch: crate::branch::branch_of_id(baseline),
+        fence: None,
     };
     Ok(Increment {
         manifest,
@@ -236,8 +237,7 @@ impl IncrcpChain {
         }
         self.list.columns.push(inc.manifest.id.clone());
         self.publish(store, Vec::new())?;
-        ck.commit_manifest(&inc.manifest)?;
-        Ok(inc.manifest)
+        ck.commit_manifest(&inc.manifest)
     }
 
     /// Writes the next list version, then deletes the previous one and `dead` objects.

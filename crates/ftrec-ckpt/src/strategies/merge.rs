@@ -291,9 +291,11 @@ fn merge_into(
             layer,
         }),
         branch: last.branch,
+        // A merger without the writer lease (`ftrec ckpt merge`) keeps its newest input's
+        // token: the merged rows are that commit's, and fenced with it if it is.
+        fence: last.fence,
     };
-    ck.commit_manifest(&manifest)?;
-    Ok((manifest, bytes_in))
+    Ok((ck.commit_manifest(&manifest)?, bytes_in))
 }
 
 /// One input's rows of one table, a chunk at a time.

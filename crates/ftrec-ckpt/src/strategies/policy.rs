@@ -594,6 +594,7 @@ impl Checkpointer {
             incrcp: None,
             deck,
             branch: checkpoints.branch(),
+            fence: None,
         };
         let manifest = match self.baseline.clone().filter(|_| !due) {
             None => {

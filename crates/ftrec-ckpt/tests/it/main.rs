@@ -6,6 +6,7 @@
 mod azure;
 mod deck;
 mod failures;
+mod fencing;
 mod full;
 mod incrcp_reset;
 mod object_suite;

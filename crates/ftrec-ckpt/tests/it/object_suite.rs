@@ -36,6 +36,13 @@ pub fn run(root: &str, open: impl Fn(&str) -> ObjectStoreBackend) {
         Err(ftrec_ckpt::CkptError::NotFound(_))
     ));
     lease_contract(open(&format!("{root}/leases")));
+    // Commits fenced by the lease's compare-and-swap on this backend.
+    crate::fencing::a_thawed_writers_commit_is_refused(std::sync::Arc::new(open(&format!(
+        "{root}/fencing-refused"
+    ))));
+    crate::fencing::a_manifest_that_slipped_past_a_takeover_is_never_restored(std::sync::Arc::new(
+        open(&format!("{root}/fencing-late")),
+    ));
 
     for (i, strategy) in [
         Strategy::Full,

@@ -124,14 +124,15 @@ impl CheckpointContext {
     }
 
     /// This shard's checkpoint of the cut at `step`: of any kind (a delta, an IncrCP
-    /// increment, a DECK merged checkpoint standing in for its deltas), the one written
+    /// increment, a DECK merged checkpoint standing in for its deltas), the one committed
     /// last, since an older one at the same step belongs to a cut that failed part-way and
-    /// was rolled back below it.
+    /// was rolled back below it. "Last" by fencing token ([`Manifest::commit_order`]: the
+    /// writer lease's generation, then the commit count), never by wall clock: a host
+    /// whose clock ran ahead would win otherwise. `all` is a listing, which leaves out
+    /// the late commits of a writer whose lease was taken over, so a thawed zombie's part
+    /// is never picked.
     fn cut_checkpoint(&self, all: &[Manifest], step: u64) -> Option<String> {
-        all.iter()
-            .filter(|m| m.step == step)
-            .max_by_key(|m| m.created_unix_ms)
-            .map(|m| m.id.clone())
+        Manifest::last_at_step(all, step).map(|m| m.id.clone())
     }
 
     /// Takes this shard's checkpoint of the cut at `step` with the job's strategy. Returns
@@ -213,7 +214,7 @@ impl CheckpointContext {
             .list_readable()?
             .into_iter()
             .filter(|m| m.step == step && m.branch == branch)
-            .max_by_key(|m| m.created_unix_ms))
+            .max_by(|a, b| a.commit_order().cmp(&b.commit_order())))
     }
 
     /// Whether this shard's part of the cut at `step` is committed: a manifest at that
@@ -272,7 +273,7 @@ impl CheckpointContext {
         let newest = checkpoints
             .list_readable()?
             .into_iter()
-            .max_by_key(|m| (m.step, m.created_unix_ms));
+            .max_by(|a, b| (a.step, a.commit_order()).cmp(&(b.step, b.commit_order())));
         let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         *writer = None;
         let start = match newest {

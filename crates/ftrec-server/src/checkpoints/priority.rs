@@ -170,7 +170,7 @@ impl CheckpointContext {
             .list_readable()?
             .into_iter()
             .filter(|m| m.branch == branch && m.step <= step)
-            .max_by_key(|m| (m.step, m.created_unix_ms))
+            .max_by(|a, b| (a.step, a.commit_order()).cmp(&(b.step, b.commit_order())))
             .ok_or_else(|| {
                 PsError::BadRequest(format!(
                     "server {}: no checkpoint to save step {step} against (the first save \

@@ -52,7 +52,7 @@ pub fn each_server(servers: &[String], f: impl Fn(&Path) -> Result<()>) -> Resul
 
 /// The global model at a cut: `step` (a number, optionally `step:N`), or the newest step
 /// every server holds a checkpoint of. Each server's part is its checkpoint at that step
-/// written last, as a cluster rollback picks it. Returns a name for the cut, the state and
+/// committed last (by fencing token, not clock), as a cluster rollback picks it. Returns a name for the cut, the state and
 /// the step.
 pub fn restore_cut(servers: &[String], step: Option<&str>) -> Result<(String, ModelState, u64)> {
     let cks: Vec<Checkpoints> = servers
@@ -78,11 +78,7 @@ pub fn restore_cut(servers: &[String], step: Option<&str>) -> Result<(String, Mo
     let mut shards = Vec::with_capacity(cks.len());
     let mut striped: Option<(ftrec_ec::EcParams, Vec<usize>)> = None;
     for (i, (ck, all)) in cks.iter().zip(&listed).enumerate() {
-        let Some(part) = all
-            .iter()
-            .filter(|m| m.step == step)
-            .max_by_key(|m| m.created_unix_ms)
-        else {
+        let Some(part) = Manifest::last_at_step(all, step) else {
             bail!(
                 "server {i} ({}) has no checkpoint of step {step}",
                 servers[i]
