@@ -119,16 +119,17 @@ async fn a_join_that_replaces_a_silent_member_declares_it_dead_in_a_new_epoch() 
     };
     let reply = join_server(&shared, 1).await.unwrap();
     assert!(reply.replacement);
-    let s = shared.lock();
-    assert!(s.epoch > before, "no new epoch for the replaced member");
-    assert_eq!(reply.epoch, s.epoch, "the newcomer joins the new epoch");
-    assert_eq!(s.phase, Phase::Recovering);
-    assert!(s.recovery.failed.iter().any(|&(id, _)| id == 1));
-    assert_eq!(s.members.servers[1].pid, 4242);
-    assert!(!s.members.servers[1].ready, "it serves after its rebuild");
+    {
+        let s = shared.lock();
+        assert!(s.epoch > before, "no new epoch for the replaced member");
+        assert_eq!(reply.epoch, s.epoch, "the newcomer joins the new epoch");
+        assert_eq!(s.phase, Phase::Recovering);
+        assert!(s.recovery.failed.iter().any(|&(id, _)| id == 1));
+        assert_eq!(s.members.servers[1].pid, 4242);
+        assert!(!s.members.servers[1].ready, "it serves after its rebuild");
+    }
 
     // A live member that answers keeps its slot.
-    drop(s);
     let shared = self::shared();
     with_members(&shared, Phase::Running, true);
     let e = join_server(&shared, 2).await.unwrap_err();

@@ -188,7 +188,7 @@ pub(crate) enum WhenCutOff {
     /// etcd outage, a failover). The shard this server holds is not whole anywhere else,
     /// so it never exits on a timeout: it waits until etcd records the job's end, or an
     /// operator stops it, and says so every minute (issue 42, hole 2).
-    HoldOn(Locator),
+    HoldOn(Box<Locator>),
 }
 
 /// How often a server cut off from the control plane says so, and asks etcd whether the
@@ -200,7 +200,7 @@ impl WhenCutOff {
     /// Embedded: ten failure timeouts (at least 5 s), time enough for a slow coordinator.
     pub(crate) fn of(job: &Job, locator: &Locator) -> Self {
         if locator.follows_etcd() {
-            return Self::HoldOn(locator.clone());
+            return Self::HoldOn(Box::new(locator.clone()));
         }
         let c = &job.config.cluster;
         Self::GiveUp(Duration::from_millis(c.failure_timeout_ms * 10).max(Duration::from_secs(5)))
