@@ -89,6 +89,10 @@ pub struct ShardClient {
     bytes: u64,
     protocol: CommitProtocol,
     unreachable: Option<usize>,
+    /// The step whose phase 2 (commit) this client has begun: some server may have
+    /// installed it, so it must never be aborted anywhere (the recovery finishes it where
+    /// it is prepared).
+    committing: Option<(u64, u64)>,
 }
 
 impl ShardClient {
@@ -108,6 +112,7 @@ impl ShardClient {
             bytes: 0,
             protocol: CommitProtocol::OneRound,
             unreachable: None,
+            committing: None,
         }
     }
 
@@ -318,6 +323,7 @@ impl ShardClient {
             }
             return Err(e);
         }
+        self.committing = Some((epoch, step));
         self.each_server("commit", decision, |mut c, d| async move {
             c.commit_step(d).await
         })
@@ -331,8 +337,15 @@ impl ShardClient {
     /// one already in a newer epoch refuses the call and has settled the step itself.
     /// Without it, a slot that no recovery fences (one rebuilding in the background when
     /// its leader died) kept the turn until its own rebuild waited on it forever.
+    ///
+    /// Never once its commit has begun: a server may have installed it, and an abort that
+    /// reached another before the recovery's fence would leave the step applied on some
+    /// servers only (the simulation's stalled-commit schedule caught that).
     pub fn abandon(&self, epoch: u64, step: u64) {
-        if self.protocol == CommitProtocol::OneRound || self.servers.is_empty() {
+        if self.protocol == CommitProtocol::OneRound
+            || self.servers.is_empty()
+            || self.committing == Some((epoch, step))
+        {
             return;
         }
         let give_up = Instant::now() + self.connector.timeout();
