@@ -30,11 +30,14 @@ const ETCD_PORT: u16 = 2379;
 /// The coordinators of every control-plane run: one leader and one standby.
 pub const COORDINATORS: usize = 2;
 const COORDINATOR_PORT: u16 = 7000;
+/// The standbys start this long after the first coordinator.
+const STANDBY_AFTER: Duration = Duration::from_millis(150);
 /// The simulation's client: it ends the run once a coordinator reported.
 const OBSERVER: &str = "observer";
 /// A crashed coordinator's host starts again (as a standby) this long after, as `cluster
-/// run --coordinators N` starts a new standby for each one that dies.
-const COORDINATOR_RESTART: Duration = Duration::from_secs(1);
+/// run --coordinators N` starts a new standby for each one that dies: after the standby
+/// took over (a lease TTL), so that the takeover is the standby's.
+const COORDINATOR_RESTART: Duration = Duration::from_secs(5);
 
 /// The coordinator host of slot `index`.
 pub fn coordinator_host(index: usize) -> String {
@@ -107,9 +110,14 @@ impl Coordinators {
         sim.host(name.as_str(), move || {
             // The first coordinator starts as the leader; every other start, and every
             // restart, waits as a standby.
-            let standby = index > 0 || starts.fetch_add(1, Ordering::SeqCst) > 0;
+            let first = starts.fetch_add(1, Ordering::SeqCst) == 0;
+            let standby = index > 0 || !first;
             let (this, host) = (this.clone(), host.clone());
             async move {
+                // As `cluster run` does: the standbys start once the leader is elected.
+                if index > 0 && first {
+                    tokio::time::sleep(STANDBY_AFTER).await;
+                }
                 coordinate(this, index, host, standby).await;
                 Ok(())
             }
@@ -233,6 +241,8 @@ pub fn run_control(opts: ControlRun) -> Result<ControlOutcome, SimError> {
         .tick_duration(Duration::from_millis(1))
         .min_message_latency(Duration::ZERO)
         .max_message_latency(BASE_LATENCY)
+        // An etcd host held for a minute gets every held segment at once when released.
+        .tcp_capacity(1 << 16)
         .build();
     let etcd = MemoryEtcd::new();
     let served = etcd.clone();

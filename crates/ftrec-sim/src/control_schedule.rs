@@ -66,7 +66,7 @@ impl ControlSchedule {
     /// crash before, during or after it.
     pub fn random(seed: u64, servers: usize, workers: usize) -> Self {
         let mut rng = StdRng::seed_from_u64(seed ^ 0xC0_4E7A_01);
-        let at = Duration::from_millis(rng.gen_range(300..1_200));
+        let at = Duration::from_millis(rng.gen_range(250..700));
         let ms = |rng: &mut StdRng, lo: u64, hi: u64| Duration::from_millis(rng.gen_range(lo..hi));
         let fault = match rng.gen_range(0..4) {
             0 => ControlFault::LeaderCrash,
