@@ -43,6 +43,8 @@ pub enum Violation {
         newer: crate::Grant,
         older: crate::Grant,
     },
+    /// A coordinator granted a step while etcd did not name it the leader.
+    GrantWithoutLease(crate::Grant),
 }
 
 impl fmt::Display for Violation {
@@ -74,6 +76,12 @@ impl fmt::Display for Violation {
                 newer.coordinator,
                 newer.step,
                 newer.epoch
+            ),
+            Self::GrantWithoutLease(g) => write!(
+                f,
+                "coordinator-{} granted step {} in epoch {:#x} while etcd named another leader \
+                 or none",
+                g.coordinator, g.step, g.epoch
             ),
         }
     }
@@ -163,8 +171,9 @@ pub fn check(
     violations
 }
 
-/// [`check`] for a control-plane run, and at most one leader deciding at a time: the
-/// epochs of the steps granted, in simulated order, never go back. A later term's epochs
+/// [`check`] for a control-plane run, and at most one leader deciding at a time: every
+/// step is granted by the coordinator that etcd names the leader at that simulated
+/// instant, and the epochs of the steps granted, in simulated order, never go back. A later term's epochs
 /// are above all of an earlier one's (`first_epoch`), so a grant in an older epoch after
 /// one in a newer epoch is a deposed (or not yet deposed) leader deciding beside its
 /// successor.
@@ -174,6 +183,9 @@ pub fn check_control(
     reference: &str,
 ) -> Vec<Violation> {
     let mut violations = check(config, &outcome.outcome, reference);
+    if let Some(g) = outcome.grants.iter().find(|g| !g.held_lease) {
+        violations.push(Violation::GrantWithoutLease(*g));
+    }
     let mut newest: Option<crate::Grant> = None;
     for &grant in &outcome.grants {
         match newest {

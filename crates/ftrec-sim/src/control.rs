@@ -71,6 +71,9 @@ pub struct Grant {
     pub coordinator: usize,
     pub epoch: u64,
     pub step: u64,
+    /// Whether etcd's leader key named this coordinator when it granted (read from the
+    /// in-memory etcd's state at that simulated instant, whatever its knobs hold back).
+    pub held_lease: bool,
 }
 
 /// What a control-plane run ended with.
@@ -99,6 +102,8 @@ struct Coordinators {
     slot: Slot,
     grants: Arc<Mutex<Vec<Grant>>>,
     plant: bool,
+    etcd: MemoryEtcd,
+    leader_key: String,
 }
 
 impl Coordinators {
@@ -131,13 +136,16 @@ impl Coordinators {
 async fn coordinate(c: Coordinators, index: usize, host: String, standby: bool) {
     let job = job_on(&c.job, &host);
     let grants = c.grants.clone();
+    let (etcd, key, me) = (c.etcd.clone(), c.leader_key.clone(), host.clone());
     let hooks = TestHooks {
         grant_without_lease_check: c.plant,
         on_grant: Some(Arc::new(move |epoch, step| {
+            let held_lease = leader(&etcd, &key).is_some_and(|l| l == me);
             locked(&grants).push(Grant {
                 coordinator: index,
                 epoch,
                 step,
+                held_lease,
             });
         })),
     };
@@ -292,6 +300,8 @@ pub fn run_control(opts: ControlRun) -> Result<ControlOutcome, SimError> {
         slot: slot.clone(),
         grants: grants.clone(),
         plant: opts.plant_grant_bug,
+        etcd: etcd.clone(),
+        leader_key: leader_key.clone(),
     };
     for index in 0..COORDINATORS {
         coordinators.start(&mut sim, index);
@@ -383,7 +393,8 @@ fn strike(
     match fault {
         ControlFault::LeaderCrash => {
             sim.crash(led);
-            undo.restart.push((now + COORDINATOR_RESTART, led.to_string()));
+            undo.restart
+                .push((now + COORDINATOR_RESTART, led.to_string()));
         }
         ControlFault::LeaderFreeze { lasting } => {
             hosts.freeze(sim, led);
