@@ -65,7 +65,7 @@ impl ControlSchedule {
     /// One control-plane fault drawn from `seed`, half the time with a server or worker
     /// crash before, during or after it.
     pub fn random(seed: u64, servers: usize, workers: usize) -> Self {
-        let mut rng = StdRng::seed_from_u64(seed ^ 0xC0_4E7A_01);
+        let mut rng = StdRng::seed_from_u64(seed ^ 0xC04E_7A01);
         let at = Duration::from_millis(rng.gen_range(250..700));
         let ms = |rng: &mut StdRng, lo: u64, hi: u64| Duration::from_millis(rng.gen_range(lo..hi));
         // Not drawn yet: a leader frozen past its lease (the new leader declares every
