@@ -278,3 +278,22 @@ fn slow_etcd_beside_a_worker_crash_is_survived() {
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Found by the sweep (seed 69 of its second draw): a worker crashed before training
+/// starts, then the leader crashed; the standby's run does not finish within 120 s (seeds
+/// 92 and 169 of that draw likewise, with a server crashed early and etcd paused or the
+/// leader crashed). Not fixed yet; the sweep crashes members only once training runs.
+#[test]
+#[ignore = "fails today: a member crashed before training, then the leader, hangs the run"]
+fn a_member_crashed_before_training_then_the_leader_is_survived() {
+    logs();
+    let schedule = ControlSchedule {
+        control: Some((Duration::from_millis(252), ControlFault::LeaderCrash)),
+        member: Some((Duration::ZERO, Member::Worker(0))),
+    };
+    let failures = fails_with_seeds(
+        "a_member_crashed_before_training_then_the_leader_is_survived",
+        seeds(1).into_iter().map(|s| (s + 69, schedule)),
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
