@@ -43,6 +43,7 @@ fn shared() -> Arc<Shared> {
         epochs: watch::Sender::new(0),
         durable: None,
         wake: tokio::sync::Notify::new(),
+        testing: Default::default(),
         job,
     })
 }

@@ -29,6 +29,18 @@ pub struct CoordinatorOptions {
     pub id: Option<String>,
 }
 
+/// Knobs and observers for tests (the simulation, `ftrec-sim`): `Default` is production
+/// behaviour, and only [`start_with`] takes them, so no production caller can set one.
+#[derive(Clone, Default)]
+pub struct TestHooks {
+    /// A planted bug, for a test to show that the simulation catches it: the leader grants
+    /// steps without checking that it may still decide (its lease valid, not deposed).
+    pub grant_without_lease_check: bool,
+    /// Called with `(epoch, step)` for every step this coordinator grants, as it grants
+    /// it: lets a test check that decisions of two leaders never interleave.
+    pub on_grant: Option<Arc<dyn Fn(u64, u64) + Send + Sync>>,
+}
+
 /// A running coordinator (embedded in `cluster run`, or `ftrec coordinator`).
 pub struct Handle {
     pub shared: Arc<Shared>,
@@ -66,6 +78,11 @@ impl Handle {
 }
 
 pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
+    start_with(opts, TestHooks::default()).await
+}
+
+/// [`start`] with test hooks (see [`TestHooks`]).
+pub async fn start_with(opts: CoordinatorOptions, testing: TestHooks) -> Result<Handle, PsError> {
     let job = opts.job;
     let data = job.train_data()?;
     let schedule = Schedule {
@@ -125,6 +142,7 @@ pub async fn start(opts: CoordinatorOptions) -> Result<Handle, PsError> {
         epochs: watch::Sender::new(0),
         durable,
         wake: tokio::sync::Notify::new(),
+        testing,
         job,
     });
     let inherited_done = record.as_ref().is_some_and(|r| r.done || r.fatal.is_some());

@@ -222,7 +222,7 @@ impl Connector {
 }
 
 /// hyper's connector over a [`Transport`]: dials the URI's authority.
-fn dialer(
+pub(crate) fn dialer(
     transport: std::sync::Arc<dyn Transport>,
 ) -> impl tower::Service<
     Uri,

@@ -69,7 +69,7 @@ impl Locator {
                 ));
             }
         };
-        let etcd = ftrec_etcd::Etcd::connect(&opts).await?;
+        let etcd = job.network().connect_etcd(&opts).await?;
         etcd.claim_job(&job.etcd_claim()).await?;
         let patience = job.deadlines().control;
         let started = Instant::now();

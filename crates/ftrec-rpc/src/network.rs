@@ -143,6 +143,43 @@ impl Network {
         }
     }
 
+    /// Connects to the job's etcd: over the host's TCP stack as `etcd-client` dials it, or
+    /// over the simulated network (the first endpoint, dialed through the transport, with
+    /// the same timeouts and HTTP/2 keep-alives), so that a simulated etcd host's faults
+    /// reach the coordinators and members as a real etcd's would.
+    pub async fn connect_etcd(
+        &self,
+        opts: &ftrec_etcd::EtcdOptions,
+    ) -> Result<ftrec_etcd::Etcd, ftrec_etcd::EtcdError> {
+        let Some(transport) = &self.0 else {
+            return ftrec_etcd::Etcd::connect(opts).await;
+        };
+        let unreachable = |error: String| ftrec_etcd::EtcdError::Unreachable {
+            endpoints: opts.endpoints.join(","),
+            error,
+        };
+        let first = opts
+            .endpoints
+            .first()
+            .ok_or_else(|| unreachable("cluster.etcd_endpoints is empty".into()))?;
+        let url = if first.contains("://") {
+            first.clone()
+        } else {
+            format!("http://{first}")
+        };
+        let t = opts.request_timeout;
+        let endpoint = tonic::transport::Endpoint::from_shared(url)
+            .map_err(|e| unreachable(e.to_string()))?
+            .connect_timeout(t)
+            .timeout(t)
+            .keep_alive_while_idle(true)
+            .http2_keep_alive_interval(t / 4)
+            .keep_alive_timeout(t);
+        let channel =
+            endpoint.connect_with_connector_lazy(crate::client::dialer(transport.clone()));
+        ftrec_etcd::Etcd::connect_channel(channel, opts).await
+    }
+
     /// The process id a member reports, for SIGKILL fault injection; none in a
     /// simulation, where every member shares the test's process.
     pub fn pid(&self) -> u32 {

@@ -37,6 +37,14 @@ pub enum Violation {
     /// cut was asked for again after an abandoned attempt, and the survivor's committed
     /// part was not recognised.
     CutCollided(String),
+    /// Two leaders decided at once: a step was granted in an older epoch (an older term)
+    /// after one had been granted in a newer one.
+    InterleavedLeaders {
+        newer: crate::Grant,
+        older: crate::Grant,
+    },
+    /// A coordinator granted a step while etcd did not name it the leader.
+    GrantWithoutLease(crate::Grant),
 }
 
 impl fmt::Display for Violation {
@@ -58,6 +66,23 @@ impl fmt::Display for Violation {
                 f.write_str("a server's shard restarted from scratch, and no loss was reported")
             }
             Self::CutCollided(event) => write!(f, "a cut collided with committed history: {event}"),
+            Self::InterleavedLeaders { newer, older } => write!(
+                f,
+                "two leaders decided at once: coordinator-{} granted step {} in epoch {:#x} \
+                 after coordinator-{} had granted step {} in epoch {:#x}",
+                older.coordinator,
+                older.step,
+                older.epoch,
+                newer.coordinator,
+                newer.step,
+                newer.epoch
+            ),
+            Self::GrantWithoutLease(g) => write!(
+                f,
+                "coordinator-{} granted step {} in epoch {:#x} while etcd named another leader \
+                 or none",
+                g.coordinator, g.step, g.epoch
+            ),
         }
     }
 }
@@ -141,6 +166,38 @@ pub fn check(
             if restarted && trained_before && summary.lost_samples == 0 {
                 violations.push(Violation::LossUnreported);
             }
+        }
+    }
+    violations
+}
+
+/// [`check`] for a control-plane run, and at most one leader deciding at a time: every
+/// step is granted by the coordinator that etcd names the leader at that simulated
+/// instant, and the epochs of the steps granted, in simulated order, never go back. A later term's epochs
+/// are above all of an earlier one's (`first_epoch`), so a grant in an older epoch after
+/// one in a newer epoch is a deposed (or not yet deposed) leader deciding beside its
+/// successor.
+pub fn check_control(
+    config: &JobConfig,
+    outcome: &crate::ControlOutcome,
+    reference: &str,
+) -> Vec<Violation> {
+    let mut violations = check(config, &outcome.outcome, reference);
+    if let Some(g) = outcome.grants.iter().find(|g| !g.held_lease) {
+        violations.push(Violation::GrantWithoutLease(*g));
+    }
+    let mut newest: Option<crate::Grant> = None;
+    for &grant in &outcome.grants {
+        match newest {
+            Some(n) if grant.epoch < n.epoch => {
+                violations.push(Violation::InterleavedLeaders {
+                    newer: n,
+                    older: grant,
+                });
+                break;
+            }
+            Some(n) if grant.epoch == n.epoch => {}
+            _ => newest = Some(grant),
         }
     }
     violations

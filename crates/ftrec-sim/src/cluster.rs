@@ -23,7 +23,7 @@ use crate::schedule::{Fault, Member, Schedule};
 use crate::transport::TurmoilTransport;
 
 /// Steps at the end of a run that no scheduled fault hits.
-const QUIET_STEPS: u64 = 10;
+pub(crate) const QUIET_STEPS: u64 = 10;
 
 /// The coordinator's simulated host, and the port it listens on.
 pub const COORDINATOR: &str = "coordinator";
@@ -32,7 +32,7 @@ const COORDINATOR_PORT: u16 = 7000;
 /// The network's latency when no fault raises it (each message takes a random time up to
 /// this): replies interleave differently under each seed, and a step takes tens of
 /// simulated milliseconds, so that a schedule's faults land while training runs.
-const BASE_LATENCY: Duration = Duration::from_millis(5);
+pub(crate) const BASE_LATENCY: Duration = Duration::from_millis(5);
 
 /// One run to simulate.
 pub struct RunOptions {
@@ -68,19 +68,19 @@ pub struct Outcome {
 
 /// Replacements the coordinator asked for, served by the driver between ticks.
 #[derive(Default)]
-struct Requests {
-    restart: Vec<Member>,
-    crash: Vec<Member>,
+pub(crate) struct Requests {
+    pub(crate) restart: Vec<Member>,
+    pub(crate) crash: Vec<Member>,
 }
 
-type SharedRequests = Arc<Mutex<Requests>>;
+pub(crate) type SharedRequests = Arc<Mutex<Requests>>;
 
-fn requests(shared: &SharedRequests) -> std::sync::MutexGuard<'_, Requests> {
+pub(crate) fn requests(shared: &SharedRequests) -> std::sync::MutexGuard<'_, Requests> {
     shared.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The coordinator's way to start a replacement: restart the member's host.
-struct SimSpawner(SharedRequests);
+pub(crate) struct SimSpawner(pub(crate) SharedRequests);
 
 impl Spawner for SimSpawner {
     fn spawn_server(&self, id: usize, _coordinator: &str) -> Result<(), PsError> {
@@ -95,27 +95,28 @@ impl Spawner for SimSpawner {
 }
 
 /// The job as `member` sees it: the cluster's job over that member's simulated network.
-fn job_on(job: &Job, host: &str) -> Job {
+pub(crate) fn job_on(job: &Job, host: &str) -> Job {
     job.clone()
         .with_network(Network::simulated(Arc::new(TurmoilTransport::new(host))))
 }
 
 /// The simulation's member hosts: which host serves each slot now, and which are silent.
-struct Hosts {
-    job: Job,
-    coordinator: String,
+pub(crate) struct Hosts {
+    pub(crate) job: Job,
+    /// The coordinator's fixed address, or none: members find the leader in etcd.
+    pub(crate) coordinator: Option<String>,
     /// Each slot's fault registry, shared by every process that holds the slot.
-    registries: Vec<(Member, Faults)>,
-    current: Vec<(Member, String)>,
-    all: Vec<String>,
-    frozen: Vec<String>,
-    replacements: u32,
-    on_new_host: bool,
+    pub(crate) registries: Vec<(Member, Faults)>,
+    pub(crate) current: Vec<(Member, String)>,
+    pub(crate) all: Vec<String>,
+    pub(crate) frozen: Vec<String>,
+    pub(crate) replacements: u32,
+    pub(crate) on_new_host: bool,
 }
 
 impl Hosts {
     /// The host that holds `member`'s slot now.
-    fn of(&self, member: Member) -> &str {
+    pub(crate) fn of(&self, member: Member) -> &str {
         self.current
             .iter()
             .rev()
@@ -127,7 +128,7 @@ impl Hosts {
     /// on its machine; on a new host, as a spare machine would take the slot, when the old
     /// host is silent (or `on_new_host` asks for it: a crashed host then stays silent too,
     /// the real-failures issue's standard failure).
-    fn replace(&mut self, sim: &mut turmoil::Sim<'_>, member: Member) {
+    pub(crate) fn replace(&mut self, sim: &mut turmoil::Sim<'_>, member: Member) {
         let current = self.of(member).to_string();
         if !self.on_new_host && !self.frozen.contains(&current) {
             sim.bounce(current.as_str());
@@ -138,7 +139,7 @@ impl Hosts {
         self.start(sim, member, host);
     }
 
-    fn start(&mut self, sim: &mut turmoil::Sim<'_>, member: Member, host: String) {
+    pub(crate) fn start(&mut self, sim: &mut turmoil::Sim<'_>, member: Member, host: String) {
         let faults = self
             .registries
             .iter()
@@ -146,7 +147,10 @@ impl Hosts {
             .map(|(_, f)| f.clone())
             .unwrap_or_else(|| Faults::with_kill_hook(Arc::new(|_| {})));
         let job = job_on(&self.job, &host);
-        let coordinator = ftrec_rpc::leader::CoordinatorSource::Address(self.coordinator.clone());
+        let coordinator = match &self.coordinator {
+            Some(address) => ftrec_rpc::leader::CoordinatorSource::Address(address.clone()),
+            None => ftrec_rpc::leader::CoordinatorSource::Etcd,
+        };
         sim.host(host.as_str(), move || {
             let (job, coordinator, faults) = (job.clone(), coordinator.clone(), faults.clone());
             async move {
@@ -186,14 +190,14 @@ impl Hosts {
         self.all.push(host);
     }
 
-    fn freeze(&mut self, sim: &turmoil::Sim<'_>, host: &str) {
+    pub(crate) fn freeze(&mut self, sim: &turmoil::Sim<'_>, host: &str) {
         for other in self.all.iter().filter(|h| *h != host) {
             sim.hold(host, other.as_str());
         }
         self.frozen.push(host.to_string());
     }
 
-    fn thaw(&mut self, sim: &turmoil::Sim<'_>, host: &str) {
+    pub(crate) fn thaw(&mut self, sim: &turmoil::Sim<'_>, host: &str) {
         for other in self.all.iter().filter(|h| *h != host) {
             sim.release(host, other.as_str());
         }
@@ -201,12 +205,13 @@ impl Hosts {
     }
 }
 
+/// Simulations take turns in a process: tokio's task ids come from one counter per
+/// process (see `align_task_ids`), so two at once would each change the other's run.
+pub(crate) static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
 /// Runs `opts` to its end. An error means the harness could not run it; a run that
 /// failed (a member gave up, the time limit passed) is an `Err` inside the outcome.
 pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
-    // Simulations take turns in a process: tokio's task ids come from one counter per
-    // process (see `align_task_ids`), so two at once would each change the other's run.
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     align_task_ids()?;
     let job = Job::new(opts.config).map_err(SimError::Job)?;
@@ -237,7 +242,7 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
     }
     let mut hosts = Hosts {
         job: job.clone(),
-        coordinator: format!("{COORDINATOR}:{COORDINATOR_PORT}"),
+        coordinator: Some(format!("{COORDINATOR}:{COORDINATOR_PORT}")),
         registries: registries.clone(),
         current: Vec::new(),
         all: vec![COORDINATOR.to_string()],
@@ -345,7 +350,7 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
 /// That order decides the order of the dying host's last messages, and so the rest of the
 /// run. Starting every simulation at the same residue makes a run replay the same in a
 /// process that ran other simulations before; `run` lets none run beside it.
-fn align_task_ids() -> Result<(), SimError> {
+pub(crate) fn align_task_ids() -> Result<(), SimError> {
     const RESIDUES: u64 = 64;
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
@@ -419,7 +424,7 @@ async fn coordinate(
     checked.map_err(|e| format!("{e}\ntimeline:\n{}", trace.join("\n")))
 }
 
-fn trace_of(timeline: &ftrec_proto::timeline::TimelineData) -> Vec<String> {
+pub(crate) fn trace_of(timeline: &ftrec_proto::timeline::TimelineData) -> Vec<String> {
     timeline
         .events
         .iter()

@@ -28,6 +28,8 @@
 
 mod check;
 mod cluster;
+mod control;
+mod control_schedule;
 mod schedule;
 mod transport;
 
@@ -35,8 +37,13 @@ use std::path::{Path, PathBuf};
 
 use ftrec_config::{FaultTolerance, JobConfig};
 
-pub use check::{Violation, check};
+pub use check::{Violation, check, check_control};
 pub use cluster::{COORDINATOR, Outcome, RunOptions, run};
+pub use control::{
+    COORDINATORS, ControlOutcome, ControlRun, ETCD, Grant, coordinator_host, etcd_membership,
+    run_control,
+};
+pub use control_schedule::{ControlFault, ControlSchedule};
 pub use schedule::{Event, Fault, Member, Schedule};
 pub use transport::TurmoilTransport;
 

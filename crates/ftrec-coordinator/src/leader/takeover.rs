@@ -229,12 +229,12 @@ async fn elect_once(
     standby: bool,
     id: &str,
 ) -> Result<(durable::Durable, Option<durable::Record>), PsError> {
-    let client = ftrec_etcd::Etcd::connect(etcd).await?;
+    let client = job.network().connect_etcd(etcd).await?;
     client.claim_job(&job.etcd_claim()).await?;
     let me = ftrec_etcd::LeaderInfo {
         id: id.to_string(),
         address: address.to_string(),
-        pid: std::process::id(),
+        pid: job.network().pid(),
     };
     let ttl = Duration::from_secs(job.config.cluster.etcd_lease_ttl_s);
     let leadership = client
