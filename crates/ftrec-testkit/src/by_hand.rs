@@ -156,3 +156,38 @@ impl Drop for Reaped {
         }
     }
 }
+
+/// A coordinator of `job` started by hand under etcd at `endpoint`, named `id` (its report
+/// in `dir/ID.json`, its log in `dir/ID.log`, its timeline in `dir/ID/`), as a standby or
+/// not.
+pub fn etcd_coordinator(
+    ftrec: Ftrec,
+    dir: &Path,
+    job: &str,
+    endpoint: &str,
+    id: &str,
+    standby: bool,
+) -> Child {
+    let out = dir.join(id);
+    let out_s = out.to_str().unwrap();
+    let mut args = vec![
+        "coordinator",
+        "--job",
+        job,
+        "--etcd",
+        endpoint,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--id",
+        id,
+        "--json",
+        "--out",
+        out_s,
+    ];
+    if standby {
+        args.push("--standby");
+    }
+    spawn(ftrec, &args, &out)
+}

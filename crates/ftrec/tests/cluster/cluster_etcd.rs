@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::by_hand::{
-    hand_job, listening_address, signal, spawn, spawn_members, wait_exit,
+    etcd_coordinator, hand_job, listening_address, signal, spawn, spawn_members, wait_exit,
 };
 use ftrec_testkit::etcd::LocalEtcd;
 
@@ -224,29 +224,8 @@ fn a_frozen_leader_is_deposed_and_changes_nothing_when_it_wakes() {
             request_timeout: Duration::from_secs(3),
         }))
         .unwrap();
-    let coordinator = |id: &str, standby: bool| {
-        let out = dir.path().join(id);
-        let mut args = vec![
-            "coordinator",
-            "--job",
-            job_s,
-            "--etcd",
-            e,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--id",
-            id,
-            "--json",
-            "--out",
-            out.to_str().unwrap(),
-        ];
-        if standby {
-            args.push("--standby");
-        }
-        spawn(FTREC, &args, &out)
-    };
+    let coordinator =
+        |id: &str, standby: bool| etcd_coordinator(FTREC, dir.path(), job_s, e, id, standby);
     let mut first = coordinator("c1", false);
     let started = Instant::now();
     while leader_id(&client, &rt).as_deref() != Some("c1") {

@@ -11,7 +11,8 @@ use ftrec_proto::timeline::EventKind;
 
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::by_hand::{
-    Reaped, hand_job, pids_with_args, signal, signal_pid, spawn, spawn_members, wait_exit,
+    Reaped, etcd_coordinator, hand_job, pids_with_args, signal, signal_pid, spawn, spawn_members,
+    wait_exit,
 };
 
 use crate::FTREC;
@@ -116,29 +117,8 @@ fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
             .flatten()
             .map(|(l, _)| l.id)
     };
-    let coordinator = |id: &str, standby: bool| {
-        let out = dir.path().join(id);
-        let mut args = vec![
-            "coordinator",
-            "--job",
-            job_s,
-            "--etcd",
-            e,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--id",
-            id,
-            "--json",
-            "--out",
-            out.to_str().unwrap(),
-        ];
-        if standby {
-            args.push("--standby");
-        }
-        spawn(FTREC, &args, &out)
-    };
+    let coordinator =
+        |id: &str, standby: bool| etcd_coordinator(FTREC, dir.path(), job_s, e, id, standby);
     let mut coordinators = Reaped(vec![coordinator("c1", false)]);
     let started = Instant::now();
     while leader().as_deref() != Some("c1") {
