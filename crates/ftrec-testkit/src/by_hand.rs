@@ -72,12 +72,7 @@ pub fn spawn_members(ftrec: Ftrec, dir: &Path, job: &str, find: &[&str]) -> Vec<
 }
 
 pub fn signal(child: &Child, name: &str) {
-    let ok = Command::new("kill")
-        .args([&format!("-{name}"), &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -{name}");
+    signal_pid(child.id(), name);
 }
 
 pub fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
