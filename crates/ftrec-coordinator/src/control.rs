@@ -10,6 +10,7 @@ use crate::planner::{self, Cause, Situation};
 use crate::state::{Phase, State};
 use crate::tasks::{Task, run_task};
 use crate::{MAX_RESPAWNS, Shared};
+use ftrec_proto::proto::Role;
 use ftrec_proto::timeline::{EventKind, Subject};
 
 pub(super) async fn control_loop(shared: Arc<Shared>) {
@@ -125,17 +126,62 @@ fn detect_failures(shared: &Shared, s: &mut State) {
     if s.phase == Phase::Done {
         return;
     }
+    let heard = last_sign_of_own_links(shared, s, timeout);
+    say_if_cut_off(s, timeout, heard);
     s.members.void_cut_off_evidence(timeout);
     for id in 0..s.members.servers.len() {
-        if let Some(why) = s.members.server_failure(id, timeout) {
+        if let Some(why) = s.members.server_failure(id, timeout, heard) {
             server_failed(shared, s, id, &why);
         }
     }
     for id in 0..s.members.workers.len() {
         let m = &s.members.workers[id];
-        if m.joined && m.alive && m.silent_for() > timeout && !worker_failed(shared, s, id) {
+        if m.joined
+            && m.alive
+            && m.silent_on_its_own(timeout, heard)
+            && !worker_failed(shared, s, id)
+        {
             return;
         }
+    }
+    restart_early_exits(shared, s);
+}
+
+/// With embedded membership no standby can take over from a coordinator cut off from
+/// every member, and one that hears nobody for this many failure timeouts takes the
+/// silence as real (a whole rack lost), not its own.
+const ALONE_TIMEOUTS: u32 = 4;
+
+/// The coordinator's last sign that its own links work: a member heard, or (with etcd)
+/// a lease renewal answered. A member's silence counts against it only when such a sign
+/// came after its deadline ([`crate::state::Member::silent_on_its_own`]).
+fn last_sign_of_own_links(shared: &Shared, s: &State, timeout: Duration) -> Option<Instant> {
+    let heard = s.members.last_heard().max(shared.etcd_reached_at());
+    if shared.durable_membership() {
+        return heard;
+    }
+    heard.max(Instant::now().checked_sub(timeout * (ALONE_TIMEOUTS - 1)))
+}
+
+/// Members silent past the timeout that are not declared dead because this coordinator
+/// heard from nobody since: said on the timeline once per such spell.
+fn say_if_cut_off(s: &mut State, timeout: Duration, heard: Option<Instant>) {
+    let members = s.members.servers.iter().chain(&s.members.workers);
+    let withheld = members
+        .filter(|m| m.joined && m.alive && m.silent_for() > timeout)
+        .filter(|m| !m.silent_on_its_own(timeout, heard))
+        .count();
+    if withheld == 0 {
+        s.leader.isolated_said = false;
+    } else if !std::mem::replace(&mut s.leader.isolated_said, true) {
+        s.timeline.event(
+            EventKind::Coordinator,
+            format!(
+                "{withheld} members silent past the failure timeout, and nothing heard since \
+                 from any member or from etcd: this coordinator is the one cut off, and \
+                 declares none of them dead until it hears from someone"
+            ),
+        );
     }
 }
 
@@ -332,6 +378,47 @@ pub(crate) fn say_who_is_awaited(shared: &Shared, s: &mut State, now: Instant) {
     );
     tracing::warn!("{text}");
     s.timeline.event(EventKind::Replacement, text);
+}
+
+/// Starts again every slot whose process exited before it joined: it was never heard, so
+/// it is never declared dead, and the job's start or a recovery waited for it forever
+/// (issue 42: found by the simulation, a worker crashed before it joined, and a
+/// replacement server that met slow etcd at its start). One that keeps exiting ends the
+/// run, naming its log.
+fn restart_early_exits(shared: &Shared, s: &mut State) {
+    let Some(spawner) = shared.spawner.clone() else {
+        return;
+    };
+    for (role, id) in s.members.without_process() {
+        if !spawner.exited(role, id) {
+            continue;
+        }
+        let name = if role == Role::Server {
+            "server"
+        } else {
+            "worker"
+        };
+        let exits = s.members.exited_before_joining(role, id);
+        if exits > MAX_RESPAWNS {
+            let why = format!(
+                "{name} {id} exited {exits} times before it joined; giving up (see its log)"
+            );
+            shared.fail_run(s, why);
+            return;
+        }
+        let spawned = match role {
+            Role::Server => spawner.spawn_server(id, &shared.address),
+            _ => spawner.spawn_worker(id, &shared.address),
+        };
+        let (kind, detail) = match spawned {
+            Ok(()) => (
+                EventKind::Replacement,
+                format!("{name} {id} exited before it joined; started another"),
+            ),
+            Err(e) => (EventKind::ReplacementFailed, format!("{name} {id}: {e}")),
+        };
+        s.timeline.event(kind, detail);
+    }
 }
 
 /// Every member is in: training starts, and with it the save schedule's clocks.

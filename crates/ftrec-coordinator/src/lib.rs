@@ -59,6 +59,12 @@ pub use summary::{CheckpointRecord, Failover, Recovery, RecoveryMode, RunSummary
 pub trait Spawner: Send + Sync {
     fn spawn_server(&self, id: usize, coordinator: &str) -> Result<(), PsError>;
     fn spawn_worker(&self, id: usize, coordinator: &str) -> Result<(), PsError>;
+    /// Whether the process last started for slot `id` of `role` has exited. One that
+    /// exits before it joins is never declared dead (it was never heard), so the job's
+    /// start waits for it: it is started again. `false` when the spawner cannot tell.
+    fn exited(&self, _role: Role, _id: usize) -> bool {
+        false
+    }
 }
 
 pub struct Shared {

@@ -309,6 +309,15 @@ impl Leadership {
             .unwrap_or(false)
     }
 
+    /// When the last renewal that etcd answered was sent (the grant, before the first):
+    /// this process reached etcd then.
+    pub fn renewed_at(&self) -> Option<Instant> {
+        self.valid_until
+            .lock()
+            .ok()
+            .and_then(|v| v.checked_sub(self.ttl))
+    }
+
     /// Why this process no longer leads, once etcd has said so (or a fenced write was
     /// refused).
     pub fn lost(&self) -> watch::Receiver<Option<String>> {

@@ -61,3 +61,11 @@ pub enum EtcdError {
     #[error("{0}")]
     Invalid(String),
 }
+
+impl EtcdError {
+    /// etcd did not answer (down, stalled, or out of reach): unlike every other error, a
+    /// later try may succeed.
+    pub fn unanswered(&self) -> bool {
+        matches!(self, Self::Unreachable { .. } | Self::Timeout { .. })
+    }
+}

@@ -50,7 +50,11 @@ const FOLLOW_PERIOD: Duration = Duration::from_millis(200);
 
 impl Locator {
     /// Finds the coordinator. With etcd, checks that the job's prefix is this job's, and
-    /// waits up to the job's control deadline for a leader to be elected.
+    /// waits up to the job's control deadline for a leader to be elected. An etcd that
+    /// does not answer is waited for up to `cluster.control_plane_grace_s`: a member
+    /// started during an outage (a supervisor's restart, a replacement) must not exit
+    /// before it (issue 42: found by the simulation, a replacement server that met slow
+    /// etcd exited, and the recovery waited for it forever).
     pub async fn start(job: &Job, source: &CoordinatorSource) -> Result<Self, PsError> {
         let opts = match (source, job.etcd_options()) {
             (CoordinatorSource::Address(a), _) => {
@@ -69,23 +73,21 @@ impl Locator {
                 ));
             }
         };
-        let etcd = job.network().connect_etcd(&opts).await?;
-        etcd.claim_job(&job.etcd_claim()).await?;
-        let patience = job.deadlines().control;
+        let grace = Duration::from_secs(job.config.cluster.control_plane_grace_s);
         let started = Instant::now();
-        let first = loop {
-            if let Some((leader, _)) = etcd.leader().await? {
-                break leader.address;
+        let mut said = false;
+        let (etcd, first) = loop {
+            match find_leader(job, &opts).await {
+                Err(PsError::Membership(e)) if e.unanswered() && started.elapsed() < grace => {
+                    if !std::mem::replace(&mut said, true) {
+                        tracing::warn!(
+                            "{e}; waiting up to {grace:?} (cluster.control_plane_grace_s) for it"
+                        );
+                    }
+                    tokio::time::sleep(FOLLOW_PERIOD).await;
+                }
+                found => break found?,
             }
-            if started.elapsed() > patience {
-                return Err(PsError::Unavailable(format!(
-                    "no coordinator leads the job: etcd key {} at {} stayed empty for {:?}",
-                    etcd.key("leader"),
-                    etcd.endpoints(),
-                    patience
-                )));
-            }
-            tokio::time::sleep(FOLLOW_PERIOD).await;
         };
         let (tx, address) = watch::channel(first);
         tokio::spawn(follow(etcd.clone(), tx));
@@ -219,5 +221,31 @@ impl CoordinatorLink {
                 Err(s) => return Err(PsError::rpc("placement", &s)),
             }
         }
+    }
+}
+
+/// Connects to the job's etcd, checks that its prefix is this job's, and waits up to the
+/// job's control deadline for a leader to be elected.
+async fn find_leader(
+    job: &Job,
+    opts: &ftrec_etcd::EtcdOptions,
+) -> Result<(ftrec_etcd::Etcd, String), PsError> {
+    let etcd = job.network().connect_etcd(opts).await?;
+    etcd.claim_job(&job.etcd_claim()).await?;
+    let patience = job.deadlines().control;
+    let started = Instant::now();
+    loop {
+        if let Some((leader, _)) = etcd.leader().await? {
+            return Ok((etcd, leader.address));
+        }
+        if started.elapsed() > patience {
+            return Err(PsError::Unavailable(format!(
+                "no coordinator leads the job: etcd key {} at {} stayed empty for {:?}",
+                etcd.key("leader"),
+                etcd.endpoints(),
+                patience
+            )));
+        }
+        tokio::time::sleep(FOLLOW_PERIOD).await;
     }
 }

@@ -6,6 +6,7 @@
 //! restarted in place when the coordinator asks for a replacement (its `Spawner`).
 
 use std::cell::RefCell;
+use std::collections::BTreeSet;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,6 +16,7 @@ use ftrec_cluster::parity_check::{ParityReport, verify_parity};
 use ftrec_config::JobConfig;
 use ftrec_coordinator::{CoordinatorOptions, RunSummary, Spawner};
 use ftrec_faults::{FaultSpec, Faults};
+use ftrec_proto::proto::Role;
 use ftrec_rpc::network::Network;
 use ftrec_rpc::{Job, PsError};
 
@@ -71,6 +73,9 @@ pub struct Outcome {
 pub(crate) struct Requests {
     pub(crate) restart: Vec<Member>,
     pub(crate) crash: Vec<Member>,
+    /// Slots whose process the schedule crashed, until one is started again: what a
+    /// launcher knows of its children ([`Spawner::exited`]).
+    pub(crate) crashed: BTreeSet<Member>,
 }
 
 pub(crate) type SharedRequests = Arc<Mutex<Requests>>;
@@ -82,15 +87,32 @@ pub(crate) fn requests(shared: &SharedRequests) -> std::sync::MutexGuard<'_, Req
 /// The coordinator's way to start a replacement: restart the member's host.
 pub(crate) struct SimSpawner(pub(crate) SharedRequests);
 
+impl SimSpawner {
+    fn restart(&self, member: Member) {
+        let mut r = requests(&self.0);
+        r.crashed.remove(&member);
+        r.restart.push(member);
+    }
+}
+
 impl Spawner for SimSpawner {
     fn spawn_server(&self, id: usize, _coordinator: &str) -> Result<(), PsError> {
-        requests(&self.0).restart.push(Member::Server(id));
+        self.restart(Member::Server(id));
         Ok(())
     }
 
     fn spawn_worker(&self, id: usize, _coordinator: &str) -> Result<(), PsError> {
-        requests(&self.0).restart.push(Member::Worker(id));
+        self.restart(Member::Worker(id));
         Ok(())
+    }
+
+    fn exited(&self, role: Role, id: usize) -> bool {
+        let member = match role {
+            Role::Server => Member::Server(id),
+            Role::Worker => Member::Worker(id),
+            _ => return false,
+        };
+        requests(&self.0).crashed.contains(&member)
     }
 }
 
@@ -116,6 +138,27 @@ pub(crate) struct Hosts {
 
 impl Hosts {
     /// The host that holds `member`'s slot now.
+    /// Crashes `member`'s host (SIGKILL): its launcher learns that it exited.
+    pub(crate) fn crash(&self, sim: &mut turmoil::Sim<'_>, member: Member, r: &SharedRequests) {
+        requests(r).crashed.insert(member);
+        sim.crash(self.of(member));
+    }
+
+    /// Serves what the members asked of the driver since the last tick: crashes (a fault
+    /// point's kill) and replacements.
+    pub(crate) fn serve(&mut self, sim: &mut turmoil::Sim<'_>, r: &SharedRequests) {
+        let (restart, crash) = {
+            let mut r = requests(r);
+            (std::mem::take(&mut r.restart), std::mem::take(&mut r.crash))
+        };
+        for m in crash {
+            self.crash(sim, m, r);
+        }
+        for m in restart {
+            self.replace(sim, m);
+        }
+    }
+
     pub(crate) fn of(&self, member: Member) -> &str {
         self.current
             .iter()
@@ -280,7 +323,7 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
         while pending.first().is_some_and(|e| e.at <= now) {
             let event = pending.remove(0);
             match event.fault {
-                Fault::Crash(m) => sim.crash(hosts.of(m)),
+                Fault::Crash(m) => hosts.crash(&mut sim, m, &shared_requests),
                 Fault::Bounce(m) => sim.bounce(hosts.of(m)),
                 Fault::Latency { max, lasting } => {
                     sim.set_max_message_latency(max);
@@ -314,16 +357,7 @@ pub fn run(opts: RunOptions) -> Result<Result<Outcome, String>, SimError> {
             sim.set_max_message_latency(BASE_LATENCY);
             latency_until = None;
         }
-        let (restart, crash) = {
-            let mut r = requests(&shared_requests);
-            (std::mem::take(&mut r.restart), std::mem::take(&mut r.crash))
-        };
-        for m in crash {
-            sim.crash(hosts.of(m));
-        }
-        for m in restart {
-            hosts.replace(&mut sim, m);
-        }
+        hosts.serve(&mut sim, &shared_requests);
         match sim.step() {
             Ok(true) => break,
             Ok(false) => {}

@@ -346,19 +346,10 @@ pub fn run_control(opts: ControlRun) -> Result<ControlOutcome, SimError> {
             && at <= now
         {
             member = None;
-            sim.crash(hosts.of(m));
+            hosts.crash(&mut sim, m, &shared_requests);
         }
         undo_due(&mut sim, &mut hosts, &etcd, &mut undo, now);
-        let (restart, crash) = {
-            let mut r = requests(&shared_requests);
-            (std::mem::take(&mut r.restart), std::mem::take(&mut r.crash))
-        };
-        for m in crash {
-            sim.crash(hosts.of(m));
-        }
-        for m in restart {
-            hosts.replace(&mut sim, m);
-        }
+        hosts.serve(&mut sim, &shared_requests);
         match sim.step() {
             Ok(true) => break,
             Ok(false) => {}

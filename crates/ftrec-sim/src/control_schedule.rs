@@ -63,17 +63,18 @@ impl fmt::Display for ControlSchedule {
 
 impl ControlSchedule {
     /// One control-plane fault drawn from `seed`, half the time with a server or worker
-    /// crash before, during or after it.
+    /// crash before, during or after it (before training starts, too).
     pub fn random(seed: u64, servers: usize, workers: usize) -> Self {
         let mut rng = StdRng::seed_from_u64(seed ^ 0xC04E_7A01);
         let at = Duration::from_millis(rng.gen_range(250..700));
         let ms = |rng: &mut StdRng, lo: u64, hi: u64| Duration::from_millis(rng.gen_range(lo..hi));
-        // Not drawn yet: a leader frozen past its lease (the new leader declares every
-        // server lost at once), and slow etcd beside a member crash (the run hangs); both
-        // fail today, see the ignored tests of `tests/control_plane.rs`.
-        let fault = match rng.gen_range(0..3) {
+        let fault = match rng.gen_range(0..4) {
             0 => ControlFault::LeaderCrash,
-            1 => ControlFault::EtcdPause {
+            // From well within the lease (2 s) to well past it.
+            1 => ControlFault::LeaderFreeze {
+                lasting: ms(&mut rng, 300, 4_000),
+            },
+            2 => ControlFault::EtcdPause {
                 lasting: ms(&mut rng, 2_000, 60_001),
             },
             _ => ControlFault::SlowEtcd {
@@ -81,19 +82,15 @@ impl ControlSchedule {
                 lasting: ms(&mut rng, 500, 5_000),
             },
         };
-        let slow = matches!(fault, ControlFault::SlowEtcd { .. });
-        let member = (!slow && rng.gen_bool(0.5)).then(|| {
+        let member = rng.gen_bool(0.5).then(|| {
             let m = if rng.gen_bool(0.7) {
                 Member::Server(rng.gen_range(0..servers))
             } else {
                 Member::Worker(rng.gen_range(0..workers))
             };
-            // While training runs: a member crashed before it joined, beside a control
-            // fault, can hang the run today (see `tests/control_plane.rs`).
-            let offset = rng.gen_range(0..2_000);
-            let crash =
-                (at + Duration::from_millis(offset)).saturating_sub(Duration::from_millis(500));
-            (crash.max(Duration::from_millis(250)), m)
+            // From the start (before the member joined) to 1.5 s after the fault.
+            let crash = (at + ms(&mut rng, 0, 2_000)).saturating_sub(Duration::from_millis(500));
+            (crash, m)
         });
         Self {
             control: Some((at, fault)),
@@ -108,21 +105,33 @@ mod tests {
 
     #[test]
     fn a_seed_always_draws_the_same_schedule_and_every_kind_is_drawn() {
-        let mut kinds = [0; 3];
+        let mut kinds = [0; 4];
+        let mut early = 0;
         for seed in 0..400 {
             let s = ControlSchedule::random(seed, 3, 2);
             assert_eq!(s, ControlSchedule::random(seed, 3, 2));
             let (_, fault) = s.control.unwrap();
             kinds[match fault {
                 ControlFault::LeaderCrash => 0,
-                ControlFault::LeaderFreeze { .. } => unreachable!("not drawn yet"),
-                ControlFault::EtcdPause { lasting } => {
-                    assert!((2..=60).contains(&lasting.as_secs()));
+                ControlFault::LeaderFreeze { lasting } => {
+                    assert!(lasting < Duration::from_secs(4));
                     1
                 }
-                ControlFault::SlowEtcd { .. } => 2,
+                ControlFault::EtcdPause { lasting } => {
+                    assert!((2..=60).contains(&lasting.as_secs()));
+                    2
+                }
+                ControlFault::SlowEtcd { .. } => 3,
             }] += 1;
+            early += usize::from(
+                s.member
+                    .is_some_and(|(at, _)| at < Duration::from_millis(200)),
+            );
         }
-        assert!(kinds.iter().all(|&k| k > 80), "{kinds:?}");
+        assert!(kinds.iter().all(|&k| k > 60), "{kinds:?}");
+        assert!(
+            early > 5,
+            "only {early} members crashed before they could join"
+        );
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 /// A member of the simulated cluster, by role and slot.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Member {
     Server(usize),
     Worker(usize),

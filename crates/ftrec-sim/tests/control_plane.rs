@@ -231,12 +231,12 @@ fn a_leader_that_grants_without_its_lease_is_caught() {
     eprintln!("the planted bug caught under seeds {caught:?}");
 }
 
-/// Found by the sweep (seed 1 of its first draw): a leader frozen past its lease. The
-/// standby takes over and declares all three servers lost at once ("3 servers of
-/// erasure-coding group 0 lost at once"), and the job fails. Not fixed yet; the sweep
-/// leaves frozen leaders out until it is.
+/// Found by the sweep (seed 1 of its first draw): a leader frozen past its lease (its
+/// links held while it runs). It heard nobody, declared every server dead one after
+/// another and had them replaced; the standby then found all three servers of the group
+/// lost at once, and the job failed. A member's silence now counts only when the
+/// coordinator heard from someone else after the member's deadline.
 #[test]
-#[ignore = "fails today: a frozen leader's successor declares every server lost"]
 fn a_leader_frozen_past_its_lease_is_survived() {
     logs();
     let schedule = ControlSchedule {
@@ -256,10 +256,10 @@ fn a_leader_frozen_past_its_lease_is_survived() {
 }
 
 /// Found by the sweep (seed 17 of its first draw): etcd 632 ms slower for 1.5 s while a
-/// worker crashes; the run does not finish within 120 s. Not fixed yet; the sweep draws no
-/// member crash beside slow etcd until it is.
+/// worker crashes, before it joined; the run did not finish within 120 s, the start
+/// waiting for that worker. A slot whose process exited before it joined is now started
+/// again (`Spawner::exited`).
 #[test]
-#[ignore = "fails today: slow etcd beside a worker crash hangs the run"]
 fn slow_etcd_beside_a_worker_crash_is_survived() {
     logs();
     let schedule = ControlSchedule {
@@ -280,11 +280,10 @@ fn slow_etcd_beside_a_worker_crash_is_survived() {
 }
 
 /// Found by the sweep (seed 69 of its second draw): a worker crashed before training
-/// starts, then the leader crashed; the standby's run does not finish within 120 s (seeds
+/// starts, then the leader crashed; the standby's run did not finish within 120 s (seeds
 /// 92 and 169 of that draw likewise, with a server crashed early and etcd paused or the
-/// leader crashed). Not fixed yet; the sweep crashes members only once training runs.
+/// leader crashed). Fixed as the test above.
 #[test]
-#[ignore = "fails today: a member crashed before training, then the leader, hangs the run"]
 fn a_member_crashed_before_training_then_the_leader_is_survived() {
     logs();
     let schedule = ControlSchedule {

@@ -329,6 +329,23 @@ impl Spawner for LocalSpawner {
         args.extend(["--id".into(), id.to_string()]);
         self.spawn(format!("worker-{id}"), &args)
     }
+
+    fn exited(&self, role: Role, id: usize) -> bool {
+        let name = match role {
+            Role::Server => format!("server-{id}"),
+            Role::Worker => format!("worker-{id}"),
+            _ => return false,
+        };
+        let Ok(mut children) = self.children.lock() else {
+            return false;
+        };
+        // The slot's latest process: an earlier one may have exited long ago.
+        children
+            .iter_mut()
+            .rev()
+            .find(|(n, _)| *n == name)
+            .is_some_and(|(_, c)| matches!(c.try_wait(), Ok(Some(_))))
+    }
 }
 
 impl LocalSpawner {

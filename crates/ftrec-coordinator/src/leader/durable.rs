@@ -269,6 +269,12 @@ impl Shared {
         self.leading() && self.durable.as_ref().is_none_or(|d| d.leadership.valid())
     }
 
+    /// When this coordinator last reached etcd (an answered lease renewal); `None` with
+    /// embedded membership.
+    pub(crate) fn etcd_reached_at(&self) -> Option<Instant> {
+        self.durable.as_ref()?.leadership.renewed_at()
+    }
+
     /// `cluster.membership = "etcd"`.
     pub(crate) fn durable_membership(&self) -> bool {
         self.durable.is_some()

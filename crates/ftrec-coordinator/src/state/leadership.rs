@@ -14,6 +14,8 @@ pub(crate) struct LeaderState {
     pub(crate) failover_since_unix: Option<f64>,
     /// Seconds trained under earlier leaders, failovers included.
     pub(crate) train_seconds_before: f64,
+    /// Every member went silent with etcd: said on the timeline once (per silence).
+    pub(crate) isolated_said: bool,
 }
 
 impl LeaderState {
