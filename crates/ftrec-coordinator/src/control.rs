@@ -177,9 +177,9 @@ fn say_if_cut_off(s: &mut State, timeout: Duration, heard: Option<Instant>) {
         s.timeline.event(
             EventKind::Coordinator,
             format!(
-                "{withheld} members silent past the failure timeout, and nothing heard since \
-                 from any member or from etcd: this coordinator is the one cut off, and \
-                 declares none of them dead until it hears from someone"
+                "{withheld} member(s) silent past the failure timeout, and nothing heard \
+                 since from any member or from etcd: this coordinator is the one cut off, \
+                 and declares none of them dead until it hears from someone"
             ),
         );
     }

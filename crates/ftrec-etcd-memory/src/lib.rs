@@ -145,6 +145,13 @@ impl MemoryEtcd {
         self.shared.lock().leases.renew_all();
     }
 
+    /// When lease `id` expires unless renewed before (by the clock etcd runs on), or
+    /// `None` when there is no such lease. A paused etcd expires nothing until it resumes,
+    /// but a lease past this deadline then is gone: nothing after it was covered by it.
+    pub fn lease_deadline(&self, id: i64) -> Option<tokio::time::Instant> {
+        self.shared.lock().leases.get(id).map(|l| l.deadline)
+    }
+
     /// The revision of the last write.
     pub fn revision(&self) -> i64 {
         self.shared.lock().revision

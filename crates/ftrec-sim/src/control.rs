@@ -71,8 +71,10 @@ pub struct Grant {
     pub coordinator: usize,
     pub epoch: u64,
     pub step: u64,
-    /// Whether etcd's leader key named this coordinator when it granted (read from the
-    /// in-memory etcd's state at that simulated instant, whatever its knobs hold back).
+    /// Whether etcd's leader key named this coordinator when it granted, under a lease
+    /// whose deadline had not passed (read from the in-memory etcd's state at that
+    /// simulated instant, whatever its knobs hold back: a paused etcd expires the lease
+    /// only once it resumes, but a grant after the deadline was covered by nothing).
     pub held_lease: bool,
 }
 
@@ -140,7 +142,7 @@ async fn coordinate(c: Coordinators, index: usize, host: String, standby: bool) 
     let hooks = TestHooks {
         grant_without_lease_check: c.plant,
         on_grant: Some(Arc::new(move |epoch, step| {
-            let held_lease = leader(&etcd, &key).is_some_and(|l| l == me);
+            let held_lease = leased_leader(&etcd, &key).is_some_and(|l| l == me);
             locked(&grants).push(Grant {
                 coordinator: index,
                 epoch,
@@ -215,6 +217,16 @@ async fn coordinate(c: Coordinators, index: usize, host: String, standby: bool) 
     }
     shared.stop();
     std::future::pending().await
+}
+
+/// The coordinator the leader key names, while its lease's deadline has not passed.
+fn leased_leader(etcd: &MemoryEtcd, key: &str) -> Option<String> {
+    let kv = etcd.get(key.as_bytes())?;
+    let deadline = etcd.lease_deadline(kv.lease)?;
+    if deadline <= tokio::time::Instant::now() {
+        return None;
+    }
+    leader(etcd, key)
 }
 
 /// The coordinator that leads now, by the leader key.

@@ -43,6 +43,9 @@ pub struct ControlSchedule {
     pub control: Option<(Duration, ControlFault)>,
     /// A member crash, at a simulated time; its replacement restarts on its host.
     pub member: Option<(Duration, Member)>,
+    /// The workers train asynchronously (`cluster.deterministic = false`): no digest to
+    /// match, every other promise holds.
+    pub asynchronous: bool,
 }
 
 impl fmt::Display for ControlSchedule {
@@ -55,7 +58,10 @@ impl fmt::Display for ControlSchedule {
             parts.push(format!("crash {m} at {:.3}s", at.as_secs_f64()));
         }
         if parts.is_empty() {
-            return f.write_str("no faults");
+            parts.push("no faults".into());
+        }
+        if self.asynchronous {
+            parts.push("asynchronous workers".into());
         }
         f.write_str(&parts.join(", "))
     }
@@ -95,6 +101,8 @@ impl ControlSchedule {
         Self {
             control: Some((at, fault)),
             member,
+            // A third of the runs: the issue asks for both kinds of worker.
+            asynchronous: rng.gen_bool(1.0 / 3.0),
         }
     }
 }
@@ -132,6 +140,13 @@ mod tests {
         assert!(
             early > 5,
             "only {early} members crashed before they could join"
+        );
+        let asynchronous = (0..400)
+            .filter(|&seed| ControlSchedule::random(seed, 3, 2).asynchronous)
+            .count();
+        assert!(
+            (80..200).contains(&asynchronous),
+            "{asynchronous} asynchronous"
         );
     }
 }

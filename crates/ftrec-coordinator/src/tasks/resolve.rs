@@ -48,7 +48,11 @@ pub(super) async fn resolve(
         }
     }
     if let Some(clients) = finishers {
-        finish_commits(clients, epoch, &steps, &mut answers).await;
+        finish_commits(clients.clone(), epoch, &steps, &mut answers).await;
+        if !abort_unapplied(clients, epoch, &steps, &answers).await {
+            shared.lock().steps.resolve_later(Instant::now());
+            return;
+        }
     }
     let config = &shared.job.config.cluster;
     let mut s = shared.lock();
@@ -105,6 +109,38 @@ pub(super) async fn resolve(
             ),
         );
     }
+}
+
+/// Two-phase commit: a step that no server committed is granted again, and a server that
+/// still holds the dead worker's prepared copy would take it for a retry of the new
+/// grant's phase 1 and commit the old gradient. In deterministic mode that gradient is
+/// the new one bit for bit; with asynchronous workers the parameters have moved since, so
+/// the servers that held a copy and the ones that did not would install different dense
+/// gradients, and the replicas part (found by the simulation once its control-plane
+/// sweep ran asynchronous workers). Every server drops its copy first. False when one
+/// could not be told: the step waits.
+async fn abort_unapplied(
+    clients: Vec<ServerClient>,
+    epoch: u64,
+    steps: &[u64],
+    answers: &[Vec<bool>],
+) -> bool {
+    let unapplied = steps
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| answers.iter().all(|a| !a[i]))
+        .map(|(_, &step)| step);
+    let mut calls = Vec::new();
+    for step in unapplied {
+        for c in &clients {
+            let mut c = c.clone();
+            calls.push(async move { c.abort_step(StepDecision { epoch, step }).await.is_ok() });
+        }
+    }
+    futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .all(|told| told)
 }
 
 /// Two-phase commit: a step some server committed was decided "commit" by its worker, so
