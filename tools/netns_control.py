@@ -161,6 +161,9 @@ def report(facts):
     for key in sorted(facts):
         if key.startswith("x_"):
             line[key[2:]] = facts[key]
+    # Slots a standing-by spare took ("replacement: spare T at A takes server N").
+    line["spares_took"] = sorted({int(m) for text in logs.values()
+                                  for m in re.findall(r"replacement: spare \S+ at \S+ takes server (\d+)", text)})
     line["notes"] = notes(run) if result != "ok" else []
     line["run_dir"] = run
     return line
@@ -209,7 +212,7 @@ def goals(r):
                 f"SIGKILLed {r.get('kill_after_freeze')} s in, asynchronous workers: finished, "
                 f"nothing lost, parity verifies, {r['recoveries']} recoveries, "
                 f"{r['failovers']} failovers",
-                common + [quiet("leader"), quiet("standby"),
+                common + [quiet("leader"),
                           ((r["recoveries"] or 0) >= 1, f"{r['recoveries']} recoveries"),
                           (one_leader, f"{r['failovers']} failovers, reported by "
                            f"{r['reported_by']}, old leader deposed {r['leader_deposed']} "
@@ -235,7 +238,8 @@ def goals(r):
                           (base.get("exact") is True, "the baseline is not exact"),
                           (slower is not None and slower <= 30, f"{slower} s slower"),
                           (r["failovers"] == 1, f"{r['failovers']} failovers"),
-                          (r.get("spare_took_slot") is True, "no spare took the slot"),
+                          (r.get("killed_server") in (r.get("spares_took") or []),
+                           f"no spare took server {r.get('killed_server')}'s slot"),
                           (r["reported_by"] == "standby", f"reported by {r['reported_by']}")])
     raise SystemExit(f"unknown schedule {s}")
 
