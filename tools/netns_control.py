@@ -64,7 +64,8 @@ def timeline(run, name, out):
 
 def origin(tl, t_train):
     """The wall time (ms) of a coordinator's timeline zero, from the moment the script saw
-    its training-start."""
+    its training-start: right for the first leader only (a standby's timeline starts at its
+    takeover, and its training-start with it)."""
     if t_train is None:
         return None
     for e in tl["events"]:
@@ -154,6 +155,9 @@ def report(facts):
         "leader_deposed": "no longer leads the job" in logs["leader"],
         "standby_deposed": "no longer leads the job" in logs["standby"],
         "in_doubt": {n: d for n, d in doubt.items() if d is not None} or None,
+        # Training went on under the standby (its first second also counts the steps it
+        # settled when it took over): the fault landed while training ran.
+        "standby_samples_after_takeover": sum((tls["standby"].get("samples_per_second") or [0])[1:]),
     }
     for key in sorted(facts):
         if key.startswith("t_") and key not in ("t_start", "t_end", "t_train"):
@@ -200,6 +204,8 @@ def goals(r):
                 common + [exact, quiet("leader"),
                           (r["failovers"] == 1, f"{r['failovers']} failovers"),
                           (r["reported_by"] == "standby", f"reported by {r['reported_by']}"),
+                          (r["standby_samples_after_takeover"] > 0,
+                           "training had ended before the standby took over (more --steps)"),
                           (r.get("standby_exit") == 0, f"the standby's exit: {r.get('standby_exit')}")]
                 + old_leader_deposed())
     if s == "etcd-freeze-server-kill":
