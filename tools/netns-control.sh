@@ -68,10 +68,10 @@ reached() { [ "$(now_ms)" -ge "$1" ]; }
 # Sets up one run: the job (NAME, SETS...), the namespaces of SERVERS, SPARES and WORKERS,
 # etcd, both coordinators and the members; then waits for training to start (T_TRAIN).
 setup() { # NAME SERVERS SPARES WORKERS SETS...
-    local name=$1 servers=$2 spares=$3 workers=$4
+    local name=$1 n_servers=$2 n_spares=$3 n_workers=$4
     shift 4
-    etcd_members "$servers" "$spares" "$workers"
-    etcd_job "$name" ec "/ftrec/$name" "cluster.servers=$servers" "cluster.workers=$workers" "$@"
+    etcd_members "$n_servers" "$n_spares" "$n_workers"
+    etcd_job "$name" ec "/ftrec/$name" "cluster.servers=$n_servers" "cluster.workers=$n_workers" "$@"
     [ "$KEEP_NET" = 1 ] || trap teardown EXIT
     trap 'exit 130' INT TERM
     net_up
@@ -79,7 +79,7 @@ setup() { # NAME SERVERS SPARES WORKERS SETS...
     DEADLINE=$(( T_START + ${TIME_LIMIT%.*} * 1000 ))
     start_etcd
     start_coordinators
-    start_members "$servers" "$spares" "$workers"
+    start_members "$n_servers" "$n_spares" "$n_workers"
     T_TRAIN=""
     if await has_log training-start leader; then T_TRAIN=$(now_ms); fi
 }

@@ -5,6 +5,9 @@
 # hand with the per-role commands of README's "Coordinators in etcd" (`--etcd`, no
 # `--coordinator`).
 # shellcheck shell=bash
+# The globals set here (REFERENCE, the pids, the exit codes) are read by the scripts that
+# source this file.
+# shellcheck disable=SC2034
 
 ETCD_IP=$SUBNET.2
 STANDBY_IP=$SUBNET.3
@@ -105,15 +108,15 @@ start_coordinators() {
 # N servers and S spares, then (once the leader counts them all, so the spares stand by
 # before training starts) W workers.
 start_members() { # SERVERS SPARES WORKERS
-    local j spares=(sp sp2)
+    local j spare_hosts=(sp sp2)
     for j in $(seq 0 $(($1 - 1))); do
         start_in "s$j" "server-$j" server --job "$RUN/job.toml" --etcd "$E" --id "$j" \
             --host "$(server_ip "$j")"
         SERVER_PIDS[j]=$LAST_PID
     done
     for j in $(seq 0 $(($2 - 1))); do
-        start_in "${spares[j]}" "spare-$j" server --job "$RUN/job.toml" --etcd "$E" --spare \
-            --host "$(member_ip "${spares[j]}")"
+        start_in "${spare_hosts[j]}" "spare-$j" server --job "$RUN/job.toml" --etcd "$E" \
+            --spare --host "$(member_ip "${spare_hosts[j]}")"
         SPARE_PIDS[j]=$LAST_PID
     done
     wait_log server-joined "$RUN/logs/leader.log" "the servers never joined" "$1"
