@@ -16,18 +16,9 @@ NETNS_HARNESS_LIB=1
 # shellcheck source=netns-harness.sh
 source "$(dirname "$0")/netns-harness.sh"
 
-ETCD_IP=$SUBNET.2
-STANDBY_IP=$SUBNET.3
+# shellcheck source=netns-etcd.sh
+source "$ROOT/tools/netns-etcd.sh"
 MEMBERS=(e c c2 s0 s1 s2 w0)
-member_ip() {
-    case $1 in
-        e) echo "$ETCD_IP" ;;
-        c) echo "$COORD_IP" ;;
-        c2) echo "$STANDBY_IP" ;;
-        s[0-9]) server_ip "${1#s}" ;;
-        w0) echo "$WORKER_IP" ;;
-    esac
-}
 
 AT=2 CONT=6 CI=0
 while [ $# -gt 0 ]; do
@@ -42,57 +33,19 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-why=$(netns_unusable)
-if [ -n "$why" ] && [ "$CI" = 1 ]; then
-    echo "SKIPPED: needs root for network namespaces ($why)"
-    exit 0
-fi
-[ -z "$why" ] || die "needs root for network namespaces ($why)"
-[ -x "$BIN" ] || die "no binary at $BIN (set BIN)"
-command -v etcd > /dev/null || die "no etcd (Debian's etcd-server; scripts/test-deps)"
-ensure_data
-RUN=$(mktemp -d "$WORK/run-$(date +%H%M%S)-coordinator-XXXX")
-mkdir -p "$RUN/logs"
-E=$ETCD_IP:2379
-write_configs "$RUN" ec "$RUN/checkpoints" 'cluster.membership="etcd"' \
-    "cluster.etcd_endpoints=[\"$E\"]" 'cluster.etcd_prefix="/ftrec/netns"'
-(umask 077; od -An -tx1 -N32 /dev/urandom | tr -d ' \n' > "$RUN/job.secret")
-reference=$(reference_digest "$RUN/ref.toml")
+etcd_preconditions
+etcd_job coordinator ec /ftrec/netns
+reference=$REFERENCE
 trap teardown EXIT
 trap 'exit 130' INT TERM
 net_up
-job=$RUN/job.toml
 t_start=$(now_ms)
-deadline=$(( t_start + ${TIME_LIMIT%.*} * 1000 ))
-past() { [ "$(now_ms)" -ge "$deadline" ]; }
-
-ip netns exec "$P-e" etcd --name e --data-dir "$RUN/etcd" \
-    --listen-client-urls "http://$E" --advertise-client-urls "http://$E" \
-    --listen-peer-urls "http://$ETCD_IP:2380" --initial-advertise-peer-urls "http://$ETCD_IP:2380" \
-    --initial-cluster "e=http://$ETCD_IP:2380" > "$RUN/logs/etcd.log" 2>&1 &
-PIDS+=("$!")
-until ip netns exec "$P-e" python3 -c 'import sys, urllib.request
-sys.exit(0 if b"true" in urllib.request.urlopen(sys.argv[1], timeout=1).read() else 1)' \
-    "http://$E/health" 2> /dev/null; do
-    past && die "etcd did not serve"
-    sleep 0.1
-done
-
+DEADLINE=$(( t_start + ${TIME_LIMIT%.*} * 1000 ))
+start_etcd
 # One command per role, as README gives them.
-start_in c leader coordinator --job "$job" --etcd "$E" --id c1 --host "$COORD_IP" --port "$PORT" \
-    --out "$RUN/c1" --json
-leader_pid=$LAST_PID
-until grep -q "coordinator c1 leads the job" "$RUN/logs/leader.log" 2> /dev/null; do
-    past && die "c1 never led; see $RUN/logs"
-    sleep 0.05
-done
-start_in c2 standby coordinator --job "$job" --etcd "$E" --id c2 --host "$STANDBY_IP" \
-    --port "$PORT" --out "$RUN/c2" --json --standby
-standby_pid=$LAST_PID
-for j in 0 1 2; do
-    start_in "s$j" "server-$j" server --job "$job" --etcd "$E" --id "$j" --host "$(server_ip "$j")"
-done
-start_in w0 worker-0 worker --job "$job" --etcd "$E" --id 0
+start_coordinators
+leader_pid=$LEADER_PID standby_pid=$STANDBY_PID
+start_members 3 0 1
 
 result=ok t_train="" t_cut="" t_back=""
 while :; do

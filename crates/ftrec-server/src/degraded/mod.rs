@@ -456,7 +456,7 @@ pub(super) struct Sorted<T> {
 impl<T> Sorted<T> {
     /// A survivor that refuses for good ends the read now, named in the error (`what`
     /// says whose read), not after the read's whole deadline; a busy one (rebuilding
-    /// itself, overloaded) is asked again.
+    /// itself, overloaded) or one an epoch apart is asked again.
     pub(super) fn of(
         results: Vec<Result<T, PsError>>,
         what: impl Fn() -> String,
@@ -468,6 +468,12 @@ impl<T> Sorted<T> {
         for result in results {
             match result {
                 Ok(a) => sorted.ok.push(a),
+                // A recovery's new epoch reaches the servers one by one: a survivor an epoch
+                // apart from this server agrees in a moment (or a newer recovery supersedes
+                // this read), so it is asked again. Taken for a refusal for good, it failed
+                // a background rebuild whose slot a second failure's recovery had just
+                // moved, and that ended the job.
+                Err(e @ PsError::StaleEpoch { .. }) => tracing::debug!("{}: {e}", what()),
                 Err(e) if !e.is_retryable() => {
                     return Err(PsError::Degraded(format!("{}: {e}", what())));
                 }
@@ -589,3 +595,6 @@ impl Core {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;
