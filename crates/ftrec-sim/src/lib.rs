@@ -30,6 +30,7 @@ mod check;
 mod cluster;
 mod control;
 mod control_schedule;
+pub mod processes;
 mod schedule;
 mod transport;
 

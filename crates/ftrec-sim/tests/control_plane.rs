@@ -9,6 +9,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use ftrec_config::FaultTolerance;
+use ftrec_sim::processes;
 use ftrec_sim::{
     ControlFault, ControlOutcome, ControlRun, ControlSchedule, Member, SERVERS, Violation, WORKERS,
     check_control, job_config, reference_digest, run_control,
@@ -197,17 +198,17 @@ fn seeded_control_plane_schedules_keep_their_promises() {
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(SCHEDULES);
-    let shards: u64 = std::env::var("FTREC_SIM_SHARDS")
+    let shards: u64 = std::env::var(processes::SHARDS)
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(2)
         .max(1);
-    let shard: Option<u64> = std::env::var("FTREC_SIM_SHARD")
+    let shard: Option<u64> = std::env::var(processes::SHARD)
         .ok()
         .and_then(|n| n.parse().ok());
     let replay = std::env::var("FTREC_SIM_SEED").is_ok();
     if shard.is_none() && !replay && shards > 1 {
-        let failures = in_processes(NAME, shards);
+        let failures = processes::in_shards(NAME, shards);
         eprintln!(
             "{count} control-plane schedules in {:.1} s over {shards} processes",
             started.elapsed().as_secs_f64()
@@ -228,42 +229,6 @@ fn seeded_control_plane_schedules_keep_their_promises() {
         took / count.max(1) as f64
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-}
-
-/// Runs test `name` of this binary in `shards` processes at once, shard `k` in the k-th
-/// (`FTREC_SIM_SHARD`); returns what the failed ones said.
-fn in_processes(name: &str, shards: u64) -> Vec<String> {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let children: Vec<_> = (0..shards)
-        .map(|k| {
-            std::process::Command::new(&exe)
-                .args([name, "--exact", "--nocapture", "--test-threads=1"])
-                .env("FTREC_SIM_SHARD", k.to_string())
-                .env("FTREC_SIM_SHARDS", shards.to_string())
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .expect("a shard's process starts")
-        })
-        .collect();
-    let mut failures = Vec::new();
-    for (k, child) in children.into_iter().enumerate() {
-        let out = child.wait_with_output().expect("a shard's process ends");
-        let said = String::from_utf8_lossy(&out.stderr);
-        let count = said
-            .lines()
-            .find(|l| l.contains("control-plane schedules in"));
-        eprintln!("shard {k}: {}", count.unwrap_or("(no count)"));
-        if !out.status.success() {
-            failures.push(format!(
-                "shard {k} of {shards} failed ({}):\n{}{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                said
-            ));
-        }
-    }
-    failures
 }
 
 /// The planted bug: leaders grant without checking their lease. With etcd paused past

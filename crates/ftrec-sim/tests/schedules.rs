@@ -1,5 +1,7 @@
 //! Seeded fault schedules over the in-process cluster, each ending with its mode's
-//! invariants checked. `FTREC_SIM_SEED=N` replays one seed of every mode.
+//! invariants checked. `FTREC_SIM_SEED=N` replays one seed of every mode. Each sweep runs
+//! in a child process of its own, so that two run at once on two cores
+//! (`ftrec_sim::processes`).
 
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -134,21 +136,33 @@ fn schedules_of_a_variant_keep_their_promises(
 
 #[test]
 fn ec() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     schedules_keep_their_promises(FaultTolerance::Ec, Kind::Random, RANDOM_PER_MODE);
 }
 
 #[test]
 fn ec_checkpoint() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     schedules_keep_their_promises(FaultTolerance::EcCheckpoint, Kind::Random, RANDOM_PER_MODE);
 }
 
 #[test]
 fn checkpoint() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     schedules_keep_their_promises(FaultTolerance::Checkpoint, Kind::Random, RANDOM_PER_MODE);
 }
 
 #[test]
 fn partial() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     schedules_keep_their_promises(FaultTolerance::Partial, Kind::Random, RANDOM_PER_MODE);
 }
 
@@ -157,6 +171,9 @@ fn partial() {
 /// a restore must count applied).
 #[test]
 fn partial_uncoordinated() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     let own_saves = |c: &mut ftrec_config::JobConfig| {
         c.cpr.uncoordinated = true;
     };
@@ -182,6 +199,9 @@ fn partial_uncoordinated() {
 
 #[test]
 fn none() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     schedules_keep_their_promises(FaultTolerance::None, Kind::Random, RANDOM_PER_MODE);
 }
 
@@ -189,6 +209,9 @@ fn none() {
 /// and simulated time for time, and the same model, in every mode.
 #[test]
 fn a_seed_replays_exactly() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     // A schedule with a crash and a restart in it.
     let seed = 9;
     let schedule = Schedule::random(seed, SERVERS, WORKERS);
@@ -268,21 +291,33 @@ fn a_planted_dropped_parity_difference_is_caught_and_its_seed_replays_it() {
 // like a dead one: replaced on another host, the run ends with its mode's promises.
 #[test]
 fn frozen_ec() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     schedules_keep_their_promises(FaultTolerance::Ec, Kind::Freeze, FREEZES_PER_MODE);
 }
 
 #[test]
 fn frozen_ec_checkpoint() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     schedules_keep_their_promises(FaultTolerance::EcCheckpoint, Kind::Freeze, FREEZES_PER_MODE);
 }
 
 #[test]
 fn frozen_checkpoint() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     schedules_keep_their_promises(FaultTolerance::Checkpoint, Kind::Freeze, FREEZES_PER_MODE);
 }
 
 #[test]
 fn frozen_partial() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     schedules_keep_their_promises(FaultTolerance::Partial, Kind::Freeze, FREEZES_PER_MODE);
 }
 
@@ -291,6 +326,9 @@ fn frozen_partial() {
 /// frozen server's hanging save must neither hold up its fencing nor leave the run inexact.
 #[test]
 fn frozen_partial_uncoordinated() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     schedules_of_a_variant_keep_their_promises(
         FaultTolerance::Partial,
         Kind::Freeze,
@@ -302,6 +340,9 @@ fn frozen_partial_uncoordinated() {
 
 #[test]
 fn frozen_none() {
+    if ftrec_sim::processes::ran_in_child_process() {
+        return;
+    }
     schedules_keep_their_promises(FaultTolerance::None, Kind::Freeze, FREEZES_PER_MODE);
 }
 
