@@ -46,6 +46,9 @@ pub struct ControlSchedule {
     /// The workers train asynchronously (`cluster.deterministic = false`): no digest to
     /// match, every other promise holds.
     pub asynchronous: bool,
+    /// The job is `ec+checkpoint`, not `ec`: cuts during the faults,
+    /// and the fence tokens of its checkpoint parts.
+    pub checkpoints: bool,
 }
 
 impl fmt::Display for ControlSchedule {
@@ -62,6 +65,9 @@ impl fmt::Display for ControlSchedule {
         }
         if self.asynchronous {
             parts.push("asynchronous workers".into());
+        }
+        if self.checkpoints {
+            parts.push("ec+checkpoint".into());
         }
         f.write_str(&parts.join(", "))
     }
@@ -103,6 +109,8 @@ impl ControlSchedule {
             member,
             // A third of the runs: the issue asks for both kinds of worker.
             asynchronous: rng.gen_bool(1.0 / 3.0),
+            // A tenth: each costs about twice an `ec` run.
+            checkpoints: rng.gen_bool(0.1),
         }
     }
 }
