@@ -317,13 +317,7 @@ cmd_ci() {
             checked "$line" || rc=1
         done < <(acceptance 1 --time-limit "${CI_TIME_LIMIT:-180}")
     fi
-    if [ "$rc" = 0 ]; then
-        rm -rf "$WORK"
-        say "ci took $(( ($(now_ms) - started) / 1000 )) s"
-    else
-        say "ci took $(( ($(now_ms) - started) / 1000 )) s; logs kept under $WORK"
-    fi
-    return "$rc"
+    ci_done "$rc" "$started"
 }
 
 case ${1:-} in

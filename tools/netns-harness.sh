@@ -71,6 +71,15 @@ server_ip() { echo "$SUBNET.$((10 + $1))"; }
 say() { echo "netns-harness: $*" >&2; }
 die() { say "$*"; exit 2; }
 now_ms() { date +%s%3N; }
+ci_done() { # RC STARTED_MS: says how long a ci took, keeps its logs if it failed
+    if [ "$1" = 0 ]; then
+        rm -rf "$WORK"
+        say "ci took $(( ($(now_ms) - $2) / 1000 )) s"
+    else
+        say "ci took $(( ($(now_ms) - $2) / 1000 )) s; logs kept under $WORK"
+    fi
+    return "$1"
+}
 
 usage() {
     sed -n '2,/^set -euo/p' "$SELF" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -797,13 +806,7 @@ goal("5% loss on one server, both directions: exact, no recovery "
       (loss.get("recoveries") == 0, f"{loss.get('recoveries')} recoveries")])
 sys.exit(1 if failed else 0)
 PY
-    if [ "$rc" = 0 ]; then
-        rm -rf "$WORK"
-        say "ci took $(( ($(now_ms) - started) / 1000 )) s"
-    else
-        say "ci took $(( ($(now_ms) - started) / 1000 )) s; logs kept under $WORK"
-    fi
-    return "$rc"
+    ci_done "$rc" "$started"
 }
 
 # tools/netns-coordinator.sh reuses the functions above.
