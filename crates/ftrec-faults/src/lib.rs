@@ -45,8 +45,19 @@ pub mod points {
     /// while the server otherwise lives on (a stream stalled mid-way).
     pub const SEND_ROWS: &str = "send-rows";
 
+    /// A worker, with step N pulled and computed, before it sends any of its pushes: a
+    /// worker lost with its step granted and nothing of it sent.
+    pub const PUSH: &str = "push";
+    /// A worker, once every server prepared step N (2PC phase 1), before it sends any
+    /// commit: a worker lost between the phases, its step prepared everywhere and
+    /// decided nowhere.
+    pub const PREPARED: &str = "prepared";
+    /// A worker that prepares one server at a time (asynchronous workers), once the first
+    /// server prepared step N, before the next: a step prepared on some servers only.
+    pub const PREPARED_FIRST: &str = "prepared-first";
+
     /// Every point, for validating specs.
-    pub const ALL: [&str; 7] = [
+    pub const ALL: [&str; 10] = [
         PREPARE,
         COMMIT,
         REBUILD,
@@ -54,6 +65,9 @@ pub mod points {
         INSTALL,
         CUT,
         SEND_ROWS,
+        PUSH,
+        PREPARED,
+        PREPARED_FIRST,
     ];
 }
 
@@ -264,10 +278,15 @@ impl Faults {
         Some(spec)
     }
 
-    /// Dies here if a `kill` is armed at this point.
-    pub fn kill_at(&self, point: &str, step: Option<u64>) {
-        if let Some(spec) = self.fire(point, step, FaultAction::Kill) {
-            (self.kill)(&spec);
+    /// Dies here if a `kill` is armed at this point. Returns whether it fired. A process's hook never returns; a simulated member's does, and
+    /// the caller must then do nothing more (its host is crashed between ticks).
+    pub fn kill_at(&self, point: &str, step: Option<u64>) -> bool {
+        match self.fire(point, step, FaultAction::Kill) {
+            Some(spec) => {
+                (self.kill)(&spec);
+                true
+            }
+            None => false,
         }
     }
 

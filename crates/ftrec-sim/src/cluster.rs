@@ -213,6 +213,7 @@ impl Hosts {
                             job,
                             id,
                             coordinator,
+                            faults,
                         })
                         .await
                     }

@@ -2,7 +2,7 @@
 //! serving etcd's own gRPC over turmoil), two coordinators under `membership = "etcd"`
 //! (one leader, one standby), and members that find the leader in etcd. The schedule's
 //! control-plane fault (the leader crashed or frozen, etcd paused or slow) strikes alone
-//! or beside a member crash, and every grant a coordinator makes is logged in simulated
+//! or beside a member crash (by the clock, or a worker's own fault point at a step), and every grant a coordinator makes is logged in simulated
 //! order, so that a check can tell whether two leaders' decisions ever interleaved.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -13,7 +13,7 @@ use ftrec_cluster::parity_check::verify_parity;
 use ftrec_config::{JobConfig, Membership};
 use ftrec_coordinator::{CoordinatorOptions, TestHooks};
 use ftrec_etcd_memory::MemoryEtcd;
-use ftrec_faults::{FaultSpec, Faults};
+use ftrec_faults::{FaultAction, FaultSpec, Faults};
 use ftrec_rpc::{Job, PsError};
 
 use crate::SimError;
@@ -289,6 +289,17 @@ pub fn run_control(opts: ControlRun) -> Result<ControlOutcome, SimError> {
             (member, faults)
         })
         .collect();
+    if let Some(k) = opts.schedule.worker_kill
+        && let Some((_, faults)) = registries
+            .iter()
+            .find(|(m, _)| *m == Member::Worker(k.worker))
+    {
+        faults.arm(FaultSpec::new(
+            k.point.name(),
+            Some(k.step),
+            FaultAction::Kill,
+        ));
+    }
     let mut all = vec![ETCD.to_string(), OBSERVER.to_string()];
     all.extend((0..COORDINATORS).map(coordinator_host));
     let mut hosts = Hosts {

@@ -36,6 +36,35 @@ impl fmt::Display for ControlFault {
     }
 }
 
+/// Where a worker is killed by its own fault point (`ftrec_faults::points`), at a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerPoint {
+    /// Step pulled and computed, nothing of it sent.
+    Push,
+    /// Prepared on every server (2PC phase 1), committed on none.
+    Prepared,
+    /// Prepared on the first server only (asynchronous workers prepare one at a time).
+    PreparedFirst,
+}
+
+impl WorkerPoint {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Push => ftrec_faults::points::PUSH,
+            Self::Prepared => ftrec_faults::points::PREPARED,
+            Self::PreparedFirst => ftrec_faults::points::PREPARED_FIRST,
+        }
+    }
+}
+
+/// A worker killed at one of its fault points, at a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerKill {
+    pub worker: usize,
+    pub point: WorkerPoint,
+    pub step: u64,
+}
+
 /// The faults of one control-plane run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ControlSchedule {
@@ -46,9 +75,12 @@ pub struct ControlSchedule {
     /// The workers train asynchronously (`cluster.deterministic = false`): no digest to
     /// match, every other promise holds.
     pub asynchronous: bool,
-    /// The job is `ec+checkpoint`, not `ec`: cuts during the faults,
-    /// and the fence tokens of its checkpoint parts.
+    /// The job is `ec+checkpoint` (cuts at steps 30 and 60), not `ec`: cuts during the
+    /// faults, and the fence tokens of its checkpoint parts.
     pub checkpoints: bool,
+    /// A worker killed at a fault point of its step (between 2PC's phases, say), beside
+    /// the rest: timed by the step, not the clock.
+    pub worker_kill: Option<WorkerKill>,
 }
 
 impl fmt::Display for ControlSchedule {
@@ -65,6 +97,10 @@ impl fmt::Display for ControlSchedule {
         }
         if self.asynchronous {
             parts.push("asynchronous workers".into());
+        }
+        if let Some(k) = self.worker_kill {
+            let point = k.point.name();
+            parts.push(format!("kill worker-{} at {point}:{}", k.worker, k.step));
         }
         if self.checkpoints {
             parts.push("ec+checkpoint".into());
@@ -111,6 +147,16 @@ impl ControlSchedule {
             asynchronous: rng.gen_bool(1.0 / 3.0),
             // A tenth: each costs about twice an `ec` run.
             checkpoints: rng.gen_bool(0.1),
+            worker_kill: rng.gen_bool(0.25).then(|| WorkerKill {
+                worker: rng.gen_range(0..workers),
+                point: match rng.gen_range(0..3) {
+                    0 => WorkerPoint::Push,
+                    1 => WorkerPoint::Prepared,
+                    _ => WorkerPoint::PreparedFirst,
+                },
+                // Training runs steps 0..85; a step the worker never takes fires nothing.
+                step: rng.gen_range(10..70),
+            }),
         }
     }
 }
@@ -156,5 +202,19 @@ mod tests {
             (80..200).contains(&asynchronous),
             "{asynchronous} asynchronous"
         );
+        let cutting = (0..400)
+            .filter(|&seed| ControlSchedule::random(seed, 3, 2).checkpoints)
+            .count();
+        assert!((20..80).contains(&cutting), "{cutting} with checkpoints");
+        let killed: Vec<WorkerKill> = (0..400)
+            .filter_map(|seed| ControlSchedule::random(seed, 3, 2).worker_kill)
+            .collect();
+        assert!(
+            (60..140).contains(&killed.len()),
+            "{} worker kills",
+            killed.len()
+        );
+        assert!(killed.iter().any(|k| k.point == WorkerPoint::Prepared));
+        assert!(killed.iter().any(|k| k.point == WorkerPoint::Push));
     }
 }

@@ -12,7 +12,7 @@ use ftrec_config::FaultTolerance;
 use ftrec_sim::processes;
 use ftrec_sim::{
     ControlFault, ControlOutcome, ControlRun, ControlSchedule, Member, SERVERS, Violation, WORKERS,
-    check_control, job_config, reference_digest, run_control,
+    WorkerKill, WorkerPoint, check_control, job_config, reference_digest, run_control,
 };
 
 /// Long enough (about a simulated second of training, within one epoch of the dataset) for every fault to land while
@@ -152,6 +152,7 @@ fn the_standby_takes_over_a_leader_killed_mid_run_and_the_run_ends_exact() {
         member: None,
         asynchronous: false,
         checkpoints: false,
+        worker_kill: None,
     };
     for seed in seeds(2) {
         let (outcome, violations) = simulate(seed, schedule, false, STEPS);
@@ -184,6 +185,7 @@ fn etcd_paused_for_a_minute_while_a_server_crashes_ends_exact() {
         member: Some((Duration::from_millis(800), Member::Server(1))),
         asynchronous: false,
         checkpoints: false,
+        worker_kill: None,
     };
     let failures = fails_with_seeds(
         "etcd_paused_for_a_minute_while_a_server_crashes_ends_exact",
@@ -260,6 +262,7 @@ fn a_leader_that_grants_without_its_lease_is_caught() {
         member: None,
         asynchronous: false,
         checkpoints: false,
+        worker_kill: None,
     };
     let unleased = |v: &[Violation]| {
         v.iter().any(|v| {
@@ -303,6 +306,7 @@ fn a_leader_frozen_past_its_lease_is_survived() {
         member: None,
         asynchronous: false,
         checkpoints: false,
+        worker_kill: None,
     };
     let failures = fails_with_seeds(
         "a_leader_frozen_past_its_lease_is_survived",
@@ -329,6 +333,7 @@ fn slow_etcd_beside_a_worker_crash_is_survived() {
         member: Some((Duration::from_millis(190), Member::Worker(1))),
         asynchronous: false,
         checkpoints: false,
+        worker_kill: None,
     };
     let failures = fails_with_seeds(
         "slow_etcd_beside_a_worker_crash_is_survived",
@@ -349,6 +354,7 @@ fn a_member_crashed_before_training_then_the_leader_is_survived() {
         member: Some((Duration::ZERO, Member::Worker(0))),
         asynchronous: false,
         checkpoints: false,
+        worker_kill: None,
     };
     let failures = fails_with_seeds(
         "a_member_crashed_before_training_then_the_leader_is_survived",
@@ -370,6 +376,7 @@ fn a_worker_crash_with_asynchronous_workers_keeps_the_replicas_equal() {
             member: (s > 1).then(|| (Duration::from_millis(500 + 150 * s), Member::Worker(0))),
             asynchronous: true,
             checkpoints: false,
+            worker_kill: None,
         };
         (s, schedule)
     });
@@ -378,4 +385,50 @@ fn a_worker_crash_with_asynchronous_workers_keeps_the_replicas_equal() {
         runs,
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A worker killed by its own fault point: with step 40 pulled and nothing sent, prepared
+/// on the first server only (asynchronous workers prepare one at a time), or prepared on
+/// every server and committed on none (between 2PC's phases). The step is resolved
+/// (applied nowhere) and granted again, and the run keeps every promise. The point is
+/// armed in each worker in turn: only the one that takes step 40 dies. Prepared on the
+/// first server only, the old gradient was committed there and the dense replicas parted
+/// (before orphan resolution aborted unapplied steps everywhere).
+#[test]
+fn a_worker_killed_before_its_push_or_between_its_phases_is_survived() {
+    logs();
+    let cases = [
+        (WorkerPoint::Push, false),
+        (WorkerPoint::Push, true),
+        (WorkerPoint::Prepared, false),
+        (WorkerPoint::Prepared, true),
+        (WorkerPoint::PreparedFirst, true),
+    ];
+    for (point, asynchronous) in cases {
+        let mut resolved = 0;
+        for worker in 0..WORKERS {
+            let schedule = ControlSchedule {
+                worker_kill: Some(WorkerKill {
+                    worker,
+                    point,
+                    step: 40,
+                }),
+                asynchronous,
+                ..ControlSchedule::default()
+            };
+            let (outcome, violations) = simulate(3, schedule, false, STEPS);
+            assert!(violations.is_empty(), "{schedule}: {violations:?}");
+            let trace = outcome.outcome.map(|o| o.trace).unwrap_or_default();
+            resolved += usize::from(
+                trace
+                    .iter()
+                    .any(|l| l.contains("step 40: applied on 0 of 3 servers")),
+            );
+        }
+        assert_eq!(
+            resolved, 1,
+            "{point:?}, asynchronous {asynchronous}: step 40 should be resolved as \
+             applied nowhere in exactly one of the runs (the one whose worker took it)"
+        );
+    }
 }

@@ -26,6 +26,8 @@ pub struct WorkerOptions {
     pub id: usize,
     /// Where the coordinator is: an address, or the job's leader in etcd.
     pub coordinator: CoordinatorSource,
+    /// This worker's fault points (`ftrec_faults::points::PUSH`, `PREPARED`).
+    pub faults: ftrec_faults::Faults,
 }
 
 /// What happened to one granted step.
@@ -218,7 +220,8 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
         config.dim,
         job.connector_for(job.deadlines().step)?,
     )
-    .with_protocol(protocol);
+    .with_protocol(protocol)
+    .with_faults(opts.faults.clone());
     let mut worker = Worker {
         shards,
         schedule: Schedule {

@@ -14,6 +14,7 @@ use std::time::Duration;
 use futures::future::join_all;
 use tokio::time::Instant;
 
+use ftrec_faults::{Faults, points};
 use ftrec_proto::placement::{GlobalRow, Layout};
 use ftrec_proto::proto::*;
 use ftrec_proto::wire::{extend_f32s, f32s_to_bytes, u32s_to_bytes};
@@ -93,6 +94,8 @@ pub struct ShardClient {
     /// installed it, so it must never be aborted anywhere (the recovery finishes it where
     /// it is prepared).
     committing: Option<(u64, u64)>,
+    /// This worker's fault points (`push`, `prepared-first`, `prepared`).
+    faults: Faults,
 }
 
 impl ShardClient {
@@ -113,12 +116,26 @@ impl ShardClient {
             protocol: CommitProtocol::OneRound,
             unreachable: None,
             committing: None,
+            faults: Faults::default(),
         }
     }
 
     pub fn with_protocol(mut self, protocol: CommitProtocol) -> Self {
         self.protocol = protocol;
         self
+    }
+
+    pub fn with_faults(mut self, faults: Faults) -> Self {
+        self.faults = faults;
+        self
+    }
+
+    /// A kill armed at `point` for `step`: a process is gone at once; a simulated worker
+    /// stops here for good, and its host is crashed between ticks. Nothing more is sent.
+    async fn die_at(&self, point: &str, step: u64) {
+        if self.faults.kill_at(point, Some(step)) {
+            std::future::pending::<()>().await;
+        }
     }
 
     /// The server that calls last could not reach for good: the one called, when its
@@ -243,6 +260,7 @@ impl ShardClient {
         sparse: &[&[f32]],
         dense: &[f32],
     ) -> Result<(), PsError> {
+        self.die_at(points::PUSH, step).await;
         let dim = self.dim;
         let servers = self.layout.servers();
         let prepare = matches!(self.protocol, CommitProtocol::TwoPhase { .. });
@@ -323,6 +341,7 @@ impl ShardClient {
             }
             return Err(e);
         }
+        self.die_at(points::PREPARED, step).await;
         self.committing = Some((epoch, step));
         self.each_server("commit", decision, |mut c, d| async move {
             c.commit_step(d).await
@@ -378,6 +397,10 @@ impl ShardClient {
                 let mut client = self.servers[s].clone();
                 let what = format!("prepare to server {s}");
                 match within(give_up, &what, client.push(push.clone())).await {
+                    Ok(_) if s == 0 => {
+                        self.die_at(points::PREPARED_FIRST, push.step).await;
+                        break;
+                    }
                     Ok(_) => break,
                     Err(e) => {
                         if !e.is_retryable() || attempt == ATTEMPTS || Instant::now() >= give_up {

@@ -174,6 +174,11 @@ pub struct WorkerArgs {
     pub coordinator: CoordinatorArg,
     #[arg(long)]
     pub id: usize,
+    /// Arm a fault point in this worker, NAME[:STEP][=kill|delay-MS] (push: before it
+    /// sends step N; prepared: once every server prepared step N, before any commit); it
+    /// fires once.
+    #[arg(long = "fault", value_name = "SPEC")]
+    pub faults: Vec<String>,
 }
 
 /// How a server or worker finds its coordinator: one address, or the job's leader in etcd.
@@ -571,6 +576,7 @@ pub fn worker(a: WorkerArgs) -> Result<()> {
         job,
         id: a.id,
         coordinator,
+        faults: ftrec_faults::Faults::parse_all(a.faults.iter().map(String::as_str))?,
     })?;
     Ok(())
 }
