@@ -44,6 +44,7 @@ fn shared() -> Arc<Shared> {
         durable: None,
         wake: tokio::sync::Notify::new(),
         testing: Default::default(),
+        faults: Default::default(),
         job,
     })
 }

@@ -85,9 +85,18 @@ pub struct Shared {
     /// short steps) after its turn.
     wake: tokio::sync::Notify,
     testing: start::TestHooks,
+    faults: ftrec_faults::Faults,
 }
 
 impl Shared {
+    /// A kill armed at `point`: a process is gone at once; a simulated coordinator stops
+    /// here for good (its host is crashed between ticks), doing nothing more.
+    pub(crate) async fn die_at(&self, point: &str) {
+        if self.faults.kill_at(point, None) {
+            std::future::pending::<()>().await;
+        }
+    }
+
     /// Publishes a new epoch (the caller changed `State::epoch` under the lock).
     fn epoch_moved(&self, epoch: u64) {
         self.epochs.send_replace(epoch);

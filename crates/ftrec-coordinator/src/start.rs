@@ -27,6 +27,8 @@ pub struct CoordinatorOptions {
     pub standby: bool,
     /// This coordinator's name in etcd and the reports (default: `HOST:PORT/pid-PID`).
     pub id: Option<String>,
+    /// This coordinator's fault points (`ftrec_faults::points::RECOVERY`, `TAKEOVER`).
+    pub faults: ftrec_faults::Faults,
 }
 
 /// Knobs and observers for tests (the simulation, `ftrec-sim`): `Default` is production
@@ -143,6 +145,7 @@ pub async fn start_with(opts: CoordinatorOptions, testing: TestHooks) -> Result<
         durable,
         wake: tokio::sync::Notify::new(),
         testing,
+        faults: opts.faults,
         job,
     });
     let inherited_done = record.as_ref().is_some_and(|r| r.done || r.fatal.is_some());

@@ -55,9 +55,15 @@ pub mod points {
     /// A worker that prepares one server at a time (asynchronous workers), once the first
     /// server prepared step N, before the next: a step prepared on some servers only.
     pub const PREPARED_FIRST: &str = "prepared-first";
+    /// A coordinator, with a recovery decided (and, with etcd, recorded), before it sends
+    /// the servers anything: a leader lost in the middle of a recovery.
+    pub const RECOVERY: &str = "recovery";
+    /// A coordinator just elected, before it fences any server: a new leader lost in the
+    /// middle of its takeover.
+    pub const TAKEOVER: &str = "takeover";
 
     /// Every point, for validating specs.
-    pub const ALL: [&str; 10] = [
+    pub const ALL: [&str; 12] = [
         PREPARE,
         COMMIT,
         REBUILD,
@@ -68,6 +74,8 @@ pub mod points {
         PUSH,
         PREPARED,
         PREPARED_FIRST,
+        RECOVERY,
+        TAKEOVER,
     ];
 }
 

@@ -419,6 +419,7 @@ async fn coordinate(
         spawner: Some(spawner),
         standby: false,
         id: None,
+        faults: Default::default(),
     })
     .await
     .map_err(|e| format!("coordinator: {e}"))?;

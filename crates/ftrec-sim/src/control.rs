@@ -106,6 +106,9 @@ struct Coordinators {
     plant: bool,
     etcd: MemoryEtcd,
     leader_key: String,
+    /// Each coordinator's fault points (by index), shared by its restarts; a kill there
+    /// names its host in `crashes`, for the driver to crash between ticks.
+    faults: Vec<Faults>,
 }
 
 impl Coordinators {
@@ -159,6 +162,7 @@ async fn coordinate(c: Coordinators, index: usize, host: String, standby: bool) 
             spawner: Some(c.spawner.clone()),
             standby,
             id: Some(host.clone()),
+            faults: c.faults[index].clone(),
         },
         hooks,
     )
@@ -312,6 +316,22 @@ pub fn run_control(opts: ControlRun) -> Result<ControlOutcome, SimError> {
         replacements: 0,
         on_new_host: false,
     };
+    let crashes: Arc<Mutex<Vec<String>>> = Arc::default();
+    let coordinator_faults: Vec<Faults> = (0..COORDINATORS)
+        .map(|index| {
+            let crashes = crashes.clone();
+            Faults::with_kill_hook(Arc::new(move |_spec: &FaultSpec| {
+                locked(&crashes).push(coordinator_host(index));
+            }))
+        })
+        .collect();
+    if let Some(point) = opts.schedule.coordinator_kill {
+        coordinator_faults[point.coordinator()].arm(FaultSpec::new(
+            point.name(),
+            None,
+            FaultAction::Kill,
+        ));
+    }
     let slot = Slot::default();
     let grants = Arc::new(Mutex::new(Vec::new()));
     let steps_done = Arc::new(AtomicU64::new(0));
@@ -325,6 +345,7 @@ pub fn run_control(opts: ControlRun) -> Result<ControlOutcome, SimError> {
         plant: opts.plant_grant_bug,
         etcd: etcd.clone(),
         leader_key: leader_key.clone(),
+        faults: coordinator_faults,
     };
     for index in 0..COORDINATORS {
         coordinators.start(&mut sim, index);
@@ -373,6 +394,11 @@ pub fn run_control(opts: ControlRun) -> Result<ControlOutcome, SimError> {
         }
         undo_due(&mut sim, &mut hosts, &etcd, &mut undo, now);
         hosts.serve(&mut sim, &shared_requests);
+        for host in std::mem::take(&mut *locked(&crashes)) {
+            // As `cluster run --coordinators N` replaces a dead coordinator: a new standby.
+            sim.crash(host.as_str());
+            undo.restart.push((now + COORDINATOR_RESTART, host));
+        }
         match sim.step() {
             Ok(true) => break,
             Ok(false) => {}

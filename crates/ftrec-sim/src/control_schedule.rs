@@ -65,6 +65,33 @@ pub struct WorkerKill {
     pub step: u64,
 }
 
+/// Where a coordinator is killed by its own fault point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CoordinatorPoint {
+    /// The first leader, with a recovery decided, before it calls any server.
+    Recovery,
+    /// The standby, just elected, before it fences any server.
+    Takeover,
+}
+
+impl CoordinatorPoint {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Recovery => ftrec_faults::points::RECOVERY,
+            Self::Takeover => ftrec_faults::points::TAKEOVER,
+        }
+    }
+
+    /// The coordinator whose registry arms it: the first leader for a recovery, the
+    /// standby for a takeover.
+    pub fn coordinator(self) -> usize {
+        match self {
+            Self::Recovery => 0,
+            Self::Takeover => 1,
+        }
+    }
+}
+
 /// The faults of one control-plane run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ControlSchedule {
@@ -81,6 +108,8 @@ pub struct ControlSchedule {
     /// A worker killed at a fault point of its step (between 2PC's phases, say), beside
     /// the rest: timed by the step, not the clock.
     pub worker_kill: Option<WorkerKill>,
+    /// A coordinator killed at a fault point (a recovery, a takeover), beside the rest.
+    pub coordinator_kill: Option<CoordinatorPoint>,
 }
 
 impl fmt::Display for ControlSchedule {
@@ -101,6 +130,10 @@ impl fmt::Display for ControlSchedule {
         if let Some(k) = self.worker_kill {
             let point = k.point.name();
             parts.push(format!("kill worker-{} at {point}:{}", k.worker, k.step));
+        }
+        if let Some(p) = self.coordinator_kill {
+            let name = p.name();
+            parts.push(format!("kill coordinator-{} at {name}", p.coordinator()));
         }
         if self.checkpoints {
             parts.push("ec+checkpoint".into());
@@ -156,6 +189,13 @@ impl ControlSchedule {
                 },
                 // Training runs steps 0..85; a step the worker never takes fires nothing.
                 step: rng.gen_range(10..70),
+            }),
+            coordinator_kill: rng.gen_bool(0.2).then(|| {
+                if rng.gen_bool(0.5) {
+                    CoordinatorPoint::Recovery
+                } else {
+                    CoordinatorPoint::Takeover
+                }
             }),
         }
     }
@@ -216,5 +256,16 @@ mod tests {
         );
         assert!(killed.iter().any(|k| k.point == WorkerPoint::Prepared));
         assert!(killed.iter().any(|k| k.point == WorkerPoint::Push));
+        let leaders_killed = (0..400)
+            .filter(|&seed| {
+                ControlSchedule::random(seed, 3, 2)
+                    .coordinator_kill
+                    .is_some()
+            })
+            .count();
+        assert!(
+            (40..120).contains(&leaders_killed),
+            "{leaders_killed} coordinator kills"
+        );
     }
 }

@@ -44,7 +44,9 @@ pub use control::{
     COORDINATORS, ControlOutcome, ControlRun, ETCD, Grant, coordinator_host, etcd_membership,
     run_control,
 };
-pub use control_schedule::{ControlFault, ControlSchedule, WorkerKill, WorkerPoint};
+pub use control_schedule::{
+    ControlFault, ControlSchedule, CoordinatorPoint, WorkerKill, WorkerPoint,
+};
 pub use schedule::{Event, Fault, Member, Schedule};
 pub use transport::TurmoilTransport;
 

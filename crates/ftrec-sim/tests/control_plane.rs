@@ -11,8 +11,9 @@ use std::time::Duration;
 use ftrec_config::FaultTolerance;
 use ftrec_sim::processes;
 use ftrec_sim::{
-    ControlFault, ControlOutcome, ControlRun, ControlSchedule, Member, SERVERS, Violation, WORKERS,
-    WorkerKill, WorkerPoint, check_control, job_config, reference_digest, run_control,
+    ControlFault, ControlOutcome, ControlRun, ControlSchedule, CoordinatorPoint, Member, SERVERS,
+    Violation, WORKERS, WorkerKill, WorkerPoint, check_control, job_config, reference_digest,
+    run_control,
 };
 
 /// Long enough (about a simulated second of training, within one epoch of the dataset) for every fault to land while
@@ -153,6 +154,7 @@ fn the_standby_takes_over_a_leader_killed_mid_run_and_the_run_ends_exact() {
         asynchronous: false,
         checkpoints: false,
         worker_kill: None,
+        coordinator_kill: None,
     };
     for seed in seeds(2) {
         let (outcome, violations) = simulate(seed, schedule, false, STEPS);
@@ -186,6 +188,7 @@ fn etcd_paused_for_a_minute_while_a_server_crashes_ends_exact() {
         asynchronous: false,
         checkpoints: false,
         worker_kill: None,
+        coordinator_kill: None,
     };
     let failures = fails_with_seeds(
         "etcd_paused_for_a_minute_while_a_server_crashes_ends_exact",
@@ -263,6 +266,7 @@ fn a_leader_that_grants_without_its_lease_is_caught() {
         asynchronous: false,
         checkpoints: false,
         worker_kill: None,
+        coordinator_kill: None,
     };
     let unleased = |v: &[Violation]| {
         v.iter().any(|v| {
@@ -307,6 +311,7 @@ fn a_leader_frozen_past_its_lease_is_survived() {
         asynchronous: false,
         checkpoints: false,
         worker_kill: None,
+        coordinator_kill: None,
     };
     let failures = fails_with_seeds(
         "a_leader_frozen_past_its_lease_is_survived",
@@ -334,6 +339,7 @@ fn slow_etcd_beside_a_worker_crash_is_survived() {
         asynchronous: false,
         checkpoints: false,
         worker_kill: None,
+        coordinator_kill: None,
     };
     let failures = fails_with_seeds(
         "slow_etcd_beside_a_worker_crash_is_survived",
@@ -355,6 +361,7 @@ fn a_member_crashed_before_training_then_the_leader_is_survived() {
         asynchronous: false,
         checkpoints: false,
         worker_kill: None,
+        coordinator_kill: None,
     };
     let failures = fails_with_seeds(
         "a_member_crashed_before_training_then_the_leader_is_survived",
@@ -377,6 +384,7 @@ fn a_worker_crash_with_asynchronous_workers_keeps_the_replicas_equal() {
             asynchronous: true,
             checkpoints: false,
             worker_kill: None,
+            coordinator_kill: None,
         };
         (s, schedule)
     });
@@ -430,5 +438,40 @@ fn a_worker_killed_before_its_push_or_between_its_phases_is_survived() {
             "{point:?}, asynchronous {asynchronous}: step 40 should be resolved as \
              applied nowhere in exactly one of the runs (the one whose worker took it)"
         );
+    }
+}
+
+/// Coordinators killed by their own fault points: the leader with a recovery decided and
+/// nothing sent (server 1 crashed), and the standby just elected, before it fenced anyone
+/// (the leader crashed). Either way the run keeps every promise. Who granted shows the
+/// points fired: the standby finishes the first run; in the second it never grants, and
+/// the first leader, restarted as a standby, takes over and finishes.
+#[test]
+fn a_leader_killed_mid_recovery_or_its_successor_mid_takeover_is_survived() {
+    logs();
+    let cases = [
+        (
+            ControlSchedule {
+                member: Some((Duration::from_millis(600), Member::Server(1))),
+                coordinator_kill: Some(CoordinatorPoint::Recovery),
+                ..ControlSchedule::default()
+            },
+            vec![0, 1],
+        ),
+        (
+            ControlSchedule {
+                control: Some((Duration::from_millis(500), ControlFault::LeaderCrash)),
+                coordinator_kill: Some(CoordinatorPoint::Takeover),
+                ..ControlSchedule::default()
+            },
+            vec![0],
+        ),
+    ];
+    for (schedule, want) in cases {
+        let (outcome, violations) = simulate(5, schedule, false, STEPS);
+        assert!(violations.is_empty(), "{schedule}: {violations:?}");
+        let mut deciders: Vec<usize> = outcome.grants.iter().map(|g| g.coordinator).collect();
+        deciders.dedup();
+        assert_eq!(deciders, want, "{schedule}: who granted");
     }
 }

@@ -161,6 +161,7 @@ async fn run_async(
         spawner: Some(spawner.clone()),
         standby: false,
         id: None,
+        faults: Default::default(),
     })
     .await?;
     let shared = handle.shared.clone();

@@ -37,6 +37,7 @@ const RETRY: Duration = Duration::from_millis(300);
 /// Brings every live server into the new leader's epoch and rebuilds the step ledger's
 /// tail; retried until it succeeds. `settled_through` is the record's.
 pub(crate) async fn take_over(shared: Arc<Shared>, settled_through: u64) {
+    shared.die_at(ftrec_faults::points::TAKEOVER).await;
     loop {
         match attempt(&shared, settled_through).await {
             Ok(()) => return,

@@ -35,6 +35,7 @@ pub(super) async fn recover(
         shared.fail_run(&mut s, why.clone());
         return;
     }
+    shared.die_at(ftrec_faults::points::RECOVERY).await;
     // The audit hashes every shard: worth its time where runs are compared bit for bit.
     let audit = (shared.job.config.cluster.deterministic
         && matches!(action, RecoveryAction::PartialRestore { .. }))

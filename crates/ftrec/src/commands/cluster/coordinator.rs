@@ -41,6 +41,11 @@ pub struct CoordinatorArgs {
     pub out: PathBuf,
     #[arg(long)]
     pub json: bool,
+    /// Arm a fault point in this coordinator, NAME[=kill|delay-MS] (recovery: with a
+    /// recovery decided, before it calls any server; takeover: just elected, before it
+    /// fences any server); it fires once.
+    #[arg(long = "fault", value_name = "SPEC")]
+    pub faults: Vec<String>,
 }
 
 pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
@@ -49,6 +54,7 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
     if let Some(endpoints) = a.etcd.clone() {
         job = job.with_etcd(endpoints);
     }
+    let faults = ftrec_faults::Faults::parse_all(a.faults.iter().map(String::as_str))?;
     let rt = runtime()?;
     let report = rt.block_on(async {
         if a.standby {
@@ -71,6 +77,7 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
                 .transpose()?,
             standby: a.standby,
             id: a.id.clone(),
+            faults,
         })
         .await?;
         eprintln!("coordinator listening on {}", handle.shared.address());
