@@ -78,7 +78,15 @@ impl Locator {
         let mut said = false;
         let (etcd, first) = loop {
             match find_leader(job, &opts).await {
-                Err(PsError::Membership(e)) if e.unanswered() && started.elapsed() < grace => {
+                Err(PsError::Membership(e)) if e.unanswered() => {
+                    let waited = started.elapsed();
+                    if waited >= grace {
+                        return Err(PsError::Unavailable(format!(
+                            "{e}; gave up after waiting {:.1} s for it \
+                             (cluster.control_plane_grace_s)",
+                            waited.as_secs_f64()
+                        )));
+                    }
                     if !std::mem::replace(&mut said, true) {
                         tracing::warn!(
                             "{e}; waiting up to {grace:?} (cluster.control_plane_grace_s) for it"

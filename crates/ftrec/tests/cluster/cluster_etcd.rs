@@ -290,7 +290,14 @@ fn an_unreachable_etcd_another_jobs_prefix_and_a_changed_job_file_are_refused() 
     let dir = tempfile::tempdir().unwrap();
     let data = FTREC.setup(dir.path());
     let etcd = etcd(dir.path());
-    let prefix = ["--set", "cluster.etcd_prefix=\"/ftrec/shared\""];
+    // A member waits this long for an etcd that does not answer (an outage, as far as it
+    // can tell) before it gives up: 600 s by default.
+    let prefix = [
+        "--set",
+        "cluster.etcd_prefix=\"/ftrec/shared\"",
+        "--set",
+        "cluster.control_plane_grace_s=2",
+    ];
     let job = hand_job(FTREC, dir.path(), &data, "a", 50, &prefix);
     let job_s = job.to_str().unwrap();
     let run = |job: &str, endpoint: &str| {
@@ -347,6 +354,8 @@ fn an_unreachable_etcd_another_jobs_prefix_and_a_changed_job_file_are_refused() 
     };
     assert!(!ok);
     assert!(err.contains("127.0.0.1:1"), "{err}");
+    // It said at once that it waits, and for how long.
+    assert!(err.contains("cluster.control_plane_grace_s"), "{err}");
 
     // Job a claims the prefix (a coordinator that leads, then is stopped).
     let mut leader = FTREC
