@@ -8,20 +8,23 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ftrec_testkit::model::state;
 
-use ftrec_ckpt::{CheckpointKind, Checkpoints, CkptError, LocalStore, ObjectReader, Store};
+use ftrec_ckpt::{CheckpointKind, Checkpoints, CkptError, LocalStore, Store};
+
+use crate::hooked::{Hooked, WriteHook};
 
 /// A local store that fails on command, the way a full disk or a lost reply would.
-struct Faulty {
-    inner: LocalStore,
+type Faulty = Hooked<Failures>;
+
+struct Failures {
     /// The n-th data file written from now on (1-based) gets half its bytes, then ENOSPC.
     fail_part: AtomicUsize,
     /// Manifests are written, then the call reports an error anyway.
     fail_after_manifest: std::sync::atomic::AtomicBool,
 }
 
-impl Store for Faulty {
-    fn put(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
-        self.inner.put(key, bytes)?;
+impl WriteHook for Failures {
+    fn put(&self, inner: &dyn Store, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
+        inner.put(key, bytes)?;
         if key.starts_with("manifests/") && self.fail_after_manifest.load(Ordering::SeqCst) {
             return Err(CkptError::Io {
                 path: key.into(),
@@ -30,58 +33,25 @@ impl Store for Faulty {
         }
         Ok(())
     }
-    fn put_part(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
+    fn put_part(&self, inner: &dyn Store, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
         if self.fail_part.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.inner.put_part(key, &bytes[..bytes.len() / 2])?;
+            inner.put_part(key, &bytes[..bytes.len() / 2])?;
             return Err(CkptError::Io {
                 path: key.into(),
                 error: std::io::Error::new(std::io::ErrorKind::StorageFull, "no space left"),
             });
         }
-        self.inner.put_part(key, bytes)
-    }
-    fn sync_parts(&self, prefix: &str) -> Result<(), CkptError> {
-        self.inner.sync_parts(prefix)
-    }
-    fn get(&self, key: &str) -> Result<Vec<u8>, CkptError> {
-        self.inner.get(key)
-    }
-    fn open_reader(&self, key: &str) -> Result<Option<ObjectReader>, CkptError> {
-        self.inner.open_reader(key)
-    }
-    fn get_range(&self, key: &str, offset: u64, len: usize) -> Result<Vec<u8>, CkptError> {
-        self.inner.get_range(key, offset, len)
-    }
-    fn get_versioned(&self, key: &str) -> Result<Option<(Vec<u8>, String)>, CkptError> {
-        self.inner.get_versioned(key)
-    }
-    fn put_versioned(
-        &self,
-        key: &str,
-        bytes: &[u8],
-        expected: Option<&str>,
-    ) -> Result<String, CkptError> {
-        self.inner.put_versioned(key, bytes, expected)
-    }
-    fn modified_unix_ms(&self, key: &str) -> Result<Option<u64>, CkptError> {
-        self.inner.modified_unix_ms(key)
-    }
-    fn list(&self, prefix: &str) -> Result<Vec<String>, CkptError> {
-        self.inner.list(prefix)
-    }
-    fn delete(&self, key: &str) -> Result<(), CkptError> {
-        self.inner.delete(key)
-    }
-    fn describe(&self, key: &str) -> String {
-        self.inner.describe(key)
+        inner.put_part(key, bytes)
     }
 }
 
 fn faulty(dir: &Path) -> (Checkpoints, Arc<Faulty>) {
     let store = Arc::new(Faulty {
-        inner: LocalStore::open(dir).unwrap(),
-        fail_part: AtomicUsize::new(0),
-        fail_after_manifest: false.into(),
+        inner: Arc::new(LocalStore::open(dir).unwrap()),
+        hook: Failures {
+            fail_part: AtomicUsize::new(0),
+            fail_after_manifest: false.into(),
+        },
     });
     (Checkpoints::from_arc(store.clone()), store)
 }
@@ -105,7 +75,7 @@ fn a_write_that_runs_out_of_space_removes_every_file_it_made() {
     let a = state(1);
     let first = ck.write_full(&a, 10, serde_json::json!({})).unwrap();
     // The second data file of the next checkpoint gets half written, then ENOSPC.
-    store.fail_part.store(2, Ordering::SeqCst);
+    store.hook.fail_part.store(2, Ordering::SeqCst);
     let e = ck
         .write_full(&state(2), 20, serde_json::json!({}))
         .unwrap_err();
@@ -125,7 +95,7 @@ fn a_commit_whose_outcome_is_unclear_keeps_its_files_when_the_manifest_landed() 
     let dir = tempfile::tempdir().unwrap();
     let (ck, store) = faulty(dir.path());
     let a = state(3);
-    store.fail_after_manifest.store(true, Ordering::SeqCst);
+    store.hook.fail_after_manifest.store(true, Ordering::SeqCst);
     let e = ck.write_full(&a, 10, serde_json::json!({})).unwrap_err();
     assert!(e.to_string().contains("fsync"), "{e}");
     // The manifest is there, so the checkpoint is committed: its data must be too.

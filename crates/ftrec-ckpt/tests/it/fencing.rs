@@ -9,10 +9,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ftrec_ckpt::lease::LeaseOptions;
-use ftrec_ckpt::{BranchStart, Checkpoints, CkptError, LocalStore, Manifest, ObjectReader, Store};
+use ftrec_ckpt::{BranchStart, Checkpoints, CkptError, LocalStore, Manifest, Store};
 use ftrec_model::{ModelConfig, ModelState, Optimizer};
 use proptest::prelude::*;
 use serde_json::json;
+
+use crate::hooked::{Hooked, WriteHook};
 
 fn state(seed: u64) -> ModelState {
     let config = ModelConfig {
@@ -39,8 +41,9 @@ fn slot() -> LeaseOptions {
 /// and its PUT: the writer sees its commit succeed, and the manifest lands when the test
 /// says. It can also stamp every manifest with a clock that runs backwards (each commit
 /// looks a second older than the one before), so that no pick by wall clock can pass.
-pub struct Frozen {
-    inner: Arc<dyn Store>,
+pub type Frozen = Hooked<Freezer>;
+
+pub struct Freezer {
     hold_next: AtomicBool,
     held: Mutex<Vec<(String, Vec<u8>)>>,
     /// When nonzero, the `created_unix_ms` of the next manifest (then one second less).
@@ -49,23 +52,26 @@ pub struct Frozen {
 
 impl Frozen {
     pub fn new(inner: Arc<dyn Store>) -> Self {
-        Self {
+        Hooked {
             inner,
-            hold_next: AtomicBool::new(false),
-            held: Mutex::default(),
-            clock: AtomicU64::new(0),
+            hook: Freezer {
+                hold_next: AtomicBool::new(false),
+                held: Mutex::default(),
+                clock: AtomicU64::new(0),
+            },
         }
     }
 
     /// The next manifest PUT is held back (until [`Frozen::land`]).
     pub fn hold_next_manifest(&self) {
-        self.hold_next.store(true, Ordering::SeqCst);
+        self.hook.hold_next.store(true, Ordering::SeqCst);
     }
 
     /// Ids of the manifests held back, and no more holding.
     fn held_ids(&self) -> Vec<String> {
-        self.hold_next.store(false, Ordering::SeqCst);
-        self.held
+        self.hook.hold_next.store(false, Ordering::SeqCst);
+        self.hook
+            .held
             .lock()
             .unwrap()
             .iter()
@@ -75,7 +81,7 @@ impl Frozen {
 
     /// Every held manifest lands now.
     pub fn land(&self) {
-        for (key, bytes) in self.held.lock().unwrap().drain(..) {
+        for (key, bytes) in self.hook.held.lock().unwrap().drain(..) {
             self.inner.put(&key, &bytes).unwrap();
         }
     }
@@ -83,14 +89,14 @@ impl Frozen {
     /// Manifests written from now on claim to be created at `start`, then each one second
     /// earlier than the one before.
     pub fn clock_runs_backwards_from(&self, start: u64) {
-        self.clock.store(start, Ordering::SeqCst);
+        self.hook.clock.store(start, Ordering::SeqCst);
     }
 }
 
-impl Store for Frozen {
-    fn put(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
+impl WriteHook for Freezer {
+    fn put(&self, inner: &dyn Store, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
         if !key.starts_with("manifests/") {
-            return self.inner.put(key, bytes);
+            return inner.put(key, bytes);
         }
         let mut bytes = bytes.to_vec();
         let clock = self.clock.load(Ordering::SeqCst);
@@ -103,45 +109,7 @@ impl Store for Frozen {
             self.held.lock().unwrap().push((key.to_string(), bytes));
             return Ok(());
         }
-        self.inner.put(key, &bytes)
-    }
-    fn put_part(&self, key: &str, bytes: &[u8]) -> Result<(), CkptError> {
-        self.inner.put_part(key, bytes)
-    }
-    fn sync_parts(&self, prefix: &str) -> Result<(), CkptError> {
-        self.inner.sync_parts(prefix)
-    }
-    fn get(&self, key: &str) -> Result<Vec<u8>, CkptError> {
-        self.inner.get(key)
-    }
-    fn open_reader(&self, key: &str) -> Result<Option<ObjectReader>, CkptError> {
-        self.inner.open_reader(key)
-    }
-    fn get_range(&self, key: &str, offset: u64, len: usize) -> Result<Vec<u8>, CkptError> {
-        self.inner.get_range(key, offset, len)
-    }
-    fn get_versioned(&self, key: &str) -> Result<Option<(Vec<u8>, String)>, CkptError> {
-        self.inner.get_versioned(key)
-    }
-    fn put_versioned(
-        &self,
-        key: &str,
-        bytes: &[u8],
-        expected: Option<&str>,
-    ) -> Result<String, CkptError> {
-        self.inner.put_versioned(key, bytes, expected)
-    }
-    fn modified_unix_ms(&self, key: &str) -> Result<Option<u64>, CkptError> {
-        self.inner.modified_unix_ms(key)
-    }
-    fn list(&self, prefix: &str) -> Result<Vec<String>, CkptError> {
-        self.inner.list(prefix)
-    }
-    fn delete(&self, key: &str) -> Result<(), CkptError> {
-        self.inner.delete(key)
-    }
-    fn describe(&self, key: &str) -> String {
-        self.inner.describe(key)
+        inner.put(key, &bytes)
     }
 }
 

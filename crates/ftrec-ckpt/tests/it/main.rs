@@ -8,6 +8,7 @@ mod deck;
 mod failures;
 mod fencing;
 mod full;
+mod hooked;
 mod incrcp_reset;
 mod object_suite;
 mod s3;
