@@ -227,16 +227,19 @@ async fn coordinate(c: Coordinators, index: usize, host: String, standby: bool) 
 fn leased_leader(etcd: &MemoryEtcd, key: &str) -> Option<String> {
     let kv = etcd.get(key.as_bytes())?;
     let deadline = etcd.lease_deadline(kv.lease)?;
-    if deadline <= tokio::time::Instant::now() {
-        return None;
-    }
-    leader(etcd, key)
+    (deadline > tokio::time::Instant::now())
+        .then(|| leader_named(&kv.value))
+        .flatten()
 }
 
 /// The coordinator that leads now, by the leader key.
 fn leader(etcd: &MemoryEtcd, key: &str) -> Option<String> {
-    let kv = etcd.get(key.as_bytes())?;
-    let info: ftrec_etcd::LeaderInfo = serde_json::from_slice(&kv.value).ok()?;
+    leader_named(&etcd.get(key.as_bytes())?.value)
+}
+
+/// The coordinator a leader key's value names.
+fn leader_named(value: &[u8]) -> Option<String> {
+    let info: ftrec_etcd::LeaderInfo = serde_json::from_slice(value).ok()?;
     Some(info.id)
 }
 

@@ -131,3 +131,14 @@ pub fn reference_digest(config: &JobConfig) -> Result<String, SimError> {
         .map_err(|e| reference(&e))?;
     Ok(trainer.digest().to_string())
 }
+
+/// `FTREC_SIM_LOG=FILTER` (a tracing filter, `info` say) shows the simulated members' logs
+/// in a test's output; without it, nothing is logged.
+pub fn logs_from_env() {
+    if let Ok(filter) = std::env::var("FTREC_SIM_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_test_writer()
+            .try_init();
+    }
+}

@@ -48,16 +48,6 @@ fn reference(steps: u64) -> String {
         .clone()
 }
 
-/// `FTREC_SIM_LOG=info` (a tracing filter) shows the members' logs.
-fn logs() {
-    if let Ok(filter) = std::env::var("FTREC_SIM_LOG") {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_test_writer()
-            .try_init();
-    }
-}
-
 /// The seeds of a sweep: `count` of them, or the one `FTREC_SIM_SEED` names (a replay).
 fn seeds(count: u64) -> Vec<u64> {
     match std::env::var("FTREC_SIM_SEED") {
@@ -135,7 +125,7 @@ fn fails_with_seeds(
 
 #[test]
 fn two_coordinators_under_etcd_end_exact_without_faults() {
-    logs();
+    ftrec_sim::logs_from_env();
     let failures = fails_with_seeds(
         "two_coordinators_under_etcd_end_exact_without_faults",
         seeds(2)
@@ -147,7 +137,7 @@ fn two_coordinators_under_etcd_end_exact_without_faults() {
 
 #[test]
 fn the_standby_takes_over_a_leader_killed_mid_run_and_the_run_ends_exact() {
-    logs();
+    ftrec_sim::logs_from_env();
     let schedule = ControlSchedule {
         control: Some((Duration::from_millis(500), ControlFault::LeaderCrash)),
         member: None,
@@ -176,7 +166,7 @@ fn the_standby_takes_over_a_leader_killed_mid_run_and_the_run_ends_exact() {
 
 #[test]
 fn etcd_paused_for_a_minute_while_a_server_crashes_ends_exact() {
-    logs();
+    ftrec_sim::logs_from_env();
     let schedule = ControlSchedule {
         control: Some((
             Duration::from_millis(400),
@@ -206,7 +196,7 @@ fn etcd_paused_for_a_minute_while_a_server_crashes_ends_exact() {
 #[test]
 fn seeded_control_plane_schedules_keep_their_promises() {
     const NAME: &str = "seeded_control_plane_schedules_keep_their_promises";
-    logs();
+    ftrec_sim::logs_from_env();
     let started = std::time::Instant::now();
     // `FTREC_SIM_SCHEDULES=N` runs the first N seeds (to time the sweep).
     let count = std::env::var("FTREC_SIM_SCHEDULES")
@@ -253,7 +243,7 @@ fn seeded_control_plane_schedules_keep_their_promises() {
 /// past that deadline (`STEPS` ends in about a simulated second, within the lease).
 #[test]
 fn a_leader_that_grants_without_its_lease_is_caught() {
-    logs();
+    ftrec_sim::logs_from_env();
     const LONG: u64 = 250;
     let schedule = ControlSchedule {
         control: Some((
@@ -299,7 +289,7 @@ fn a_leader_that_grants_without_its_lease_is_caught() {
 /// coordinator heard from someone else after the member's deadline.
 #[test]
 fn a_leader_frozen_past_its_lease_is_survived() {
-    logs();
+    ftrec_sim::logs_from_env();
     let schedule = ControlSchedule {
         control: Some((
             Duration::from_millis(440),
@@ -326,7 +316,7 @@ fn a_leader_frozen_past_its_lease_is_survived() {
 /// again (`Spawner::exited`).
 #[test]
 fn slow_etcd_beside_a_worker_crash_is_survived() {
-    logs();
+    ftrec_sim::logs_from_env();
     let schedule = ControlSchedule {
         control: Some((
             Duration::from_millis(371),
@@ -354,7 +344,7 @@ fn slow_etcd_beside_a_worker_crash_is_survived() {
 /// leader crashed). Fixed as the test above.
 #[test]
 fn a_member_crashed_before_training_then_the_leader_is_survived() {
-    logs();
+    ftrec_sim::logs_from_env();
     let schedule = ControlSchedule {
         control: Some((Duration::from_millis(252), ControlFault::LeaderCrash)),
         member: Some((Duration::ZERO, Member::Worker(0))),
@@ -376,7 +366,7 @@ fn a_member_crashed_before_training_then_the_leader_is_survived() {
 /// parameters moved since, the dense replicas parted. Seeds 0 and 1 crash nothing.
 #[test]
 fn a_worker_crash_with_asynchronous_workers_keeps_the_replicas_equal() {
-    logs();
+    ftrec_sim::logs_from_env();
     let runs = seeds(4).into_iter().map(|s| {
         let schedule = ControlSchedule {
             control: None,
@@ -404,7 +394,7 @@ fn a_worker_crash_with_asynchronous_workers_keeps_the_replicas_equal() {
 /// (before orphan resolution aborted unapplied steps everywhere).
 #[test]
 fn a_worker_killed_before_its_push_or_between_its_phases_is_survived() {
-    logs();
+    ftrec_sim::logs_from_env();
     let cases = [
         (WorkerPoint::Push, false),
         (WorkerPoint::Push, true),
@@ -448,7 +438,7 @@ fn a_worker_killed_before_its_push_or_between_its_phases_is_survived() {
 /// the first leader, restarted as a standby, takes over and finishes.
 #[test]
 fn a_leader_killed_mid_recovery_or_its_successor_mid_takeover_is_survived() {
-    logs();
+    ftrec_sim::logs_from_env();
     let cases = [
         (
             ControlSchedule {

@@ -37,16 +37,6 @@ fn checkpoint_dir() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
 }
 
-/// `FTREC_SIM_LOG=info` (a tracing filter) shows the members' logs.
-fn logs() {
-    if let Ok(filter) = std::env::var("FTREC_SIM_LOG") {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_test_writer()
-            .try_init();
-    }
-}
-
 /// The seeds of a sweep: `count` of them, or the one `FTREC_SIM_SEED` names (a replay).
 fn seeds(count: u64) -> Vec<u64> {
     match std::env::var("FTREC_SIM_SEED") {
@@ -83,7 +73,7 @@ fn schedules_of_a_variant_keep_their_promises(
     test: &str,
     variant: fn(&mut ftrec_config::JobConfig),
 ) {
-    logs();
+    ftrec_sim::logs_from_env();
     let started = std::time::Instant::now();
     let mut failures = Vec::new();
     let mut recoveries = 0;
@@ -382,7 +372,7 @@ fn one_fault_on_server_1(
 #[test]
 fn a_thawed_server_is_refused_as_a_zombie() {
     use ftrec_sim::{Fault, Member};
-    logs();
+    ftrec_sim::logs_from_env();
     for mode in [FaultTolerance::Ec, FaultTolerance::Checkpoint] {
         let freeze = Fault::Freeze {
             member: Member::Server(1),
@@ -405,7 +395,7 @@ fn a_thawed_server_is_refused_as_a_zombie() {
 #[test]
 fn training_goes_on_right_after_the_resume() {
     use ftrec_sim::{Fault, Member};
-    logs();
+    ftrec_sim::logs_from_env();
     for mode in [FaultTolerance::Ec, FaultTolerance::Checkpoint] {
         let (config, o) = one_fault_on_server_1(mode, Fault::Crash(Member::Server(1)), 5, false);
         let timeout = config.cluster.failure_timeout_ms as f64 / 1e3;
@@ -427,7 +417,7 @@ fn training_goes_on_right_after_the_resume() {
 #[test]
 fn a_worker_cut_off_from_one_server_gets_it_replaced() {
     use ftrec_sim::Member;
-    logs();
+    ftrec_sim::logs_from_env();
     for mode in [
         FaultTolerance::Ec,
         FaultTolerance::EcCheckpoint,
@@ -461,7 +451,7 @@ fn a_worker_cut_off_from_one_server_gets_it_replaced() {
 #[test]
 fn a_server_cut_off_from_a_peer_gets_the_peer_replaced() {
     use ftrec_sim::Member;
-    logs();
+    ftrec_sim::logs_from_env();
     for mode in [FaultTolerance::Ec, FaultTolerance::EcCheckpoint] {
         let o = partitioned(mode, None, Member::Server(0), Member::Server(1));
         let trace = o.trace.join("\n");

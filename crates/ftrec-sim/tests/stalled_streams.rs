@@ -16,19 +16,10 @@ use ftrec_sim::{
 
 const STEPS: u64 = 60;
 
-fn logs() {
-    if let Ok(filter) = std::env::var("FTREC_SIM_LOG") {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_test_writer()
-            .try_init();
-    }
-}
-
 /// Servers 0 and 1 crash at 300 ms and restart on their hosts; `events` and `armed` add
 /// the stall. The run must end, exact, having re-derived the parity.
 fn two_crashes_and_a_rollback(events: Vec<Event>, armed: Vec<(Member, FaultSpec)>) -> Outcome {
-    logs();
+    ftrec_sim::logs_from_env();
     let data = tempfile::tempdir().unwrap();
     ftrec_sim::generate_dataset(data.path()).unwrap();
     let ck = tempfile::tempdir().unwrap();

@@ -10,15 +10,6 @@ use ftrec_sim::{Member, RunOptions, Schedule, check, job_config, reference_diges
 
 const STEPS: u64 = 40;
 
-fn logs() {
-    if let Ok(filter) = std::env::var("FTREC_SIM_LOG") {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_test_writer()
-            .try_init();
-    }
-}
-
 fn delay(point: &str, step: u64, ms: u64) -> FaultSpec {
     FaultSpec::new(point, Some(step), FaultAction::Delay { ms })
 }
@@ -26,7 +17,7 @@ fn delay(point: &str, step: u64, ms: u64) -> FaultSpec {
 /// Runs an erasure-coded job with `armed` and no scheduled fault; checks the mode's
 /// invariants and that every armed point fired. Returns the outcome.
 fn run_armed(armed: Vec<(Member, FaultSpec)>) -> ftrec_sim::Outcome {
-    logs();
+    ftrec_sim::logs_from_env();
     let data = tempfile::tempdir().unwrap();
     ftrec_sim::generate_dataset(data.path()).unwrap();
     let ck = tempfile::tempdir().unwrap();
