@@ -86,7 +86,10 @@ fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
     let dir = tempfile::tempdir().unwrap();
     let data = FTREC.setup(dir.path());
     let etcd = ftrec_testkit::etcd::start(&dir.path().join("etcd"));
-    let steps = 1500;
+    // Long enough to outlast the failover and the 12 s wait below with steps to spare on
+    // an idle machine (about 100 steps/s): at 1500 steps the job once ended before the
+    // server was killed.
+    let steps = 4000;
     let job = hand_job(
         FTREC,
         dir.path(),
@@ -155,6 +158,11 @@ fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
     // Past the spares' old patience (the control deadline, 10 s): before the fix they
     // had exited by now.
     std::thread::sleep(Duration::from_secs(12));
+    let settled = record().and_then(|r| r["settled_through"].as_u64());
+    assert!(
+        settled < Some(steps - 200),
+        "the job must still be training when server 1 is killed: settled through {settled:?}"
+    );
     signal(&members.0[1], "KILL");
     let status = wait_exit(&mut coordinators.0[1], Duration::from_secs(120));
     assert!(status.success(), "c2 finished the job");
