@@ -126,6 +126,18 @@ pub struct ClusterSection {
     /// waits until etcd records the job's end or an operator stops it.
     #[serde(default = "default_control_plane_grace_s")]
     pub control_plane_grace_s: u64,
+    /// A lost server slot that waits this long with no replacement (no spare, no
+    /// `ftrec server --id N`, and a coordinator without `--spawn`) gets one on a survivor's
+    /// host: the coordinator asks a live server to start a spare beside itself, and the
+    /// job trains on with that host holding two shards. In `ec` and `ec+checkpoint` the
+    /// slot moves to a spare from elsewhere as soon as one joins (rebuilt exactly from
+    /// parity); in the checkpoint modes it stays (moving it would roll it back).
+    #[serde(default = "default_survivor_spare_after_s")]
+    pub survivor_spare_after_s: u64,
+    /// `false`: a lost slot waits for a replacement however long it takes (the
+    /// coordinator says every minute which process it waits for).
+    #[serde(default = "yes")]
+    pub survivor_spares: bool,
 }
 
 /// `[cluster.deadlines]`: how long each kind of call may take before its callee counts as
@@ -304,6 +316,12 @@ fn default_failure_timeout_ms() -> u64 {
 fn default_control_plane_grace_s() -> u64 {
     600
 }
+/// Long enough for an operator's or an orchestrator's replacement to come first (a
+/// second move of the slot costs a second recovery), short enough that a job does not
+/// stand still for long.
+fn default_survivor_spare_after_s() -> u64 {
+    30
+}
 
 impl Default for ClusterSection {
     fn default() -> Self {
@@ -322,6 +340,8 @@ impl Default for ClusterSection {
             etcd_lease_ttl_s: default_lease_ttl_s(),
             etcd_flush_ms: default_flush_ms(),
             control_plane_grace_s: default_control_plane_grace_s(),
+            survivor_spare_after_s: default_survivor_spare_after_s(),
+            survivor_spares: true,
         }
     }
 }

@@ -187,7 +187,7 @@ fn say_if_cut_off(s: &mut State, timeout: Duration, heard: Option<Instant>) {
 
 /// Declares server `id` dead for `why`: a new epoch, its steps in flight set aside, and
 /// a replacement asked for.
-fn server_failed(shared: &Shared, s: &mut State, id: usize, why: &str) {
+pub(crate) fn server_failed(shared: &Shared, s: &mut State, id: usize, why: &str) {
     declare_server_dead(shared, s, id, why);
     replace_server(shared, s, id);
 }
@@ -255,13 +255,28 @@ fn worker_failed(shared: &Shared, s: &mut State, id: usize) -> bool {
     true
 }
 
+/// Gives server slot `id` a waiting spare, if one is there.
+pub(crate) fn give_spare(s: &mut State, id: usize, now: Instant) -> bool {
+    let Some((token, address)) = s.members.assign_spare(id, now) else {
+        return false;
+    };
+    s.placement.assign(id, address.clone());
+    let on = s
+        .members
+        .spares
+        .iter()
+        .find(|sp| sp.token == token)
+        .and_then(|sp| sp.hosted_by)
+        .map_or(String::new(), |j| format!(" on server {j}'s host"));
+    s.timeline.event(
+        EventKind::Replacement,
+        format!("spare {token} at {address}{on} takes server {id}"),
+    );
+    true
+}
+
 pub(super) fn replace_server(shared: &Shared, s: &mut State, id: usize) {
-    if let Some((token, address)) = s.members.assign_spare(id, Instant::now()) {
-        s.placement.assign(id, address.clone());
-        s.timeline.event(
-            EventKind::Replacement,
-            format!("spare {token} at {address} takes server {id}"),
-        );
+    if give_spare(s, id, Instant::now()) {
         return;
     }
     match &shared.spawner {
@@ -291,6 +306,9 @@ pub(crate) fn plan_for_test(shared: &Shared, s: &mut State) -> Option<Task> {
 }
 
 fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
+    if s.phase == Phase::Running && crate::hosting::hand_over(shared, s) {
+        return None;
+    }
     match s.phase {
         Phase::Starting => {
             if s.members.all_joined() {
@@ -307,11 +325,15 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
             })
         }
         Phase::Recovering => {
-            if s.recovery.backing_off(Instant::now()) {
+            let now = Instant::now();
+            // A spare that joined since the failure (none was there then), or one asked of
+            // a survivor's host once the slot waited long enough.
+            crate::hosting::fill_lost_slots(shared, s, now);
+            if s.recovery.backing_off(now) {
                 return None;
             }
             if !s.members.servers_ready() {
-                say_who_is_awaited(shared, s, Instant::now());
+                say_who_is_awaited(shared, s, now);
                 return None;
             }
             s.recovery.awaited_said = None;
@@ -366,14 +388,22 @@ pub(crate) fn say_who_is_awaited(shared: &Shared, s: &mut State, now: Instant) {
             }
         })
         .collect();
+    let c = &shared.job.config.cluster;
     let text = format!(
         "the recovery of epoch {} waits for {}{}",
         s.epoch,
         awaited.join("; "),
-        if shared.spawner.is_some() {
-            ""
-        } else {
-            ". This coordinator starts none itself (it was started without --spawn)"
+        match (shared.spawner.is_some(), c.survivor_spares) {
+            (true, _) => String::new(),
+            (false, true) => format!(
+                ". This coordinator starts none itself (it was started without --spawn); a \
+                 slot that waits {} s (cluster.survivor_spare_after_s) gets a spare on a \
+                 survivor's host",
+                c.survivor_spare_after_s
+            ),
+            (false, false) => ". This coordinator starts none itself (it was started \
+                               without --spawn), and cluster.survivor_spares is off"
+                .to_string(),
         }
     );
     tracing::warn!("{text}");

@@ -82,6 +82,7 @@ async fn join_server(shared: &Arc<Shared>, id: u32) -> Result<JoinReply, tonic::
         pid: 4242,
         metrics_address: String::new(),
         spare: false,
+        hosted_by: None,
     };
     Service(shared.clone())
         .join(Request::new(request))
@@ -181,4 +182,101 @@ async fn a_recovery_without_a_replacement_says_who_it_waits_for() {
     assert_eq!(said(&shared).len(), 1, "said again within the minute");
     at(67);
     assert_eq!(said(&shared).len(), 2, "said again after a minute");
+}
+
+async fn beat(shared: &Arc<Shared>, id: u32, spare: bool, incarnation: u64) -> HeartbeatReply {
+    let request = HeartbeatRequest {
+        role: Role::Server as i32,
+        id,
+        spare,
+        ready: true,
+        incarnation,
+        ..Default::default()
+    };
+    Service(shared.clone())
+        .heartbeat(Request::new(request))
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+async fn join_spare(shared: &Arc<Shared>, hosted_by: Option<u32>) -> JoinReply {
+    let request = JoinRequest {
+        role: Role::Server as i32,
+        address: format!("127.0.0.1:{}", 7200 + hosted_by.unwrap_or(9)),
+        fingerprint: shared.job.fingerprint(),
+        pid: 5000 + hosted_by.unwrap_or(9),
+        spare: true,
+        hosted_by,
+        ..Default::default()
+    };
+    Service(shared.clone())
+        .join(Request::new(request))
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// Hole 8, training on with no replacement: past `cluster.survivor_spare_after_s` a live
+/// server is told (once) to start a spare on its host; that spare takes the lost slot;
+/// a spare from elsewhere that joins later takes the slot over (an `ec` job: a recovery
+/// rebuilt from parity), and the hosted process is told to stop, not fenced.
+#[tokio::test]
+async fn a_lost_slot_gets_a_spare_on_a_survivors_host_and_moves_to_one_from_elsewhere() {
+    let shared = shared();
+    with_members(&shared, Phase::Running, true);
+    let after = Duration::from_secs(shared.job.config.cluster.survivor_spare_after_s);
+    let t0 = Instant::now();
+    {
+        let mut s = shared.lock();
+        control::declare_server_dead(&shared, &mut s, 1, "killed");
+        crate::hosting::fill_lost_slots(&shared, &mut s, t0);
+        assert_eq!(s.members.hosting.ask, None, "asked before the wait is long");
+        crate::hosting::fill_lost_slots(&shared, &mut s, t0 + after);
+        assert_eq!(s.members.hosting.ask.as_ref().map(|a| a.server), Some(0));
+    }
+    assert!(
+        !beat(&shared, 2, false, 102).await.start_spare,
+        "server 2 was not asked"
+    );
+    assert!(beat(&shared, 0, false, 100).await.start_spare);
+    assert!(
+        !beat(&shared, 0, false, 100).await.start_spare,
+        "told once per ask"
+    );
+
+    let hosted = join_spare(&shared, Some(0)).await.spare_token;
+    {
+        let mut s = shared.lock();
+        crate::hosting::fill_lost_slots(&shared, &mut s, t0 + after);
+        assert_eq!(s.members.servers[1].incarnation, u64::from(hosted));
+        // Its recovery done: slot 1 serves from server 0's host.
+        s.members.servers[1].ready = true;
+        s.recovery.failed.clear();
+        s.phase = Phase::Running;
+        assert!(
+            !crate::hosting::hand_over(&shared, &mut s),
+            "no spare from elsewhere yet"
+        );
+    }
+    let events = shared.timeline().events;
+    assert!(
+        events.iter().any(|e| e.detail.contains(&format!(
+            "spare {hosted} at 127.0.0.1:7200 on server 0's host takes server 1"
+        ))),
+        "{events:?}"
+    );
+
+    let elsewhere = join_spare(&shared, None).await.spare_token;
+    {
+        let mut s = shared.lock();
+        let epoch = s.epoch;
+        assert!(crate::hosting::hand_over(&shared, &mut s));
+        assert_eq!(s.phase, Phase::Recovering);
+        assert!(s.epoch > epoch, "the move is a recovery in a new epoch");
+        assert_eq!(s.members.servers[1].incarnation, u64::from(elsewhere));
+    }
+    let reply = beat(&shared, 1, false, u64::from(hosted)).await;
+    assert!(reply.stop, "the hosted process is told to stop");
+    assert_eq!(shared.lock().members.zombies.len(), 0, "and is no zombie");
 }

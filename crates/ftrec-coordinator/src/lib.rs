@@ -19,6 +19,7 @@
 
 mod control;
 mod cpr;
+mod hosting;
 #[cfg(test)]
 mod join_tests;
 mod leader;

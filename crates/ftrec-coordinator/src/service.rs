@@ -51,14 +51,17 @@ impl Coordinator for Service {
             match (req.role(), req.spare) {
                 (Role::Server, true) => {
                     spare_token = incarnation;
+                    let hosted_by = req.hosted_by.map(|j| j as usize);
                     s.members.spares.push(Spare {
                         token: spare_token,
                         member,
                         assigned: None,
+                        hosted_by,
                     });
+                    let on = hosted_by.map_or(String::new(), |j| format!(" on server {j}'s host"));
                     s.timeline.event(
                         EventKind::SpareJoined,
-                        format!("spare {spare_token} at {}", req.address),
+                        format!("spare {spare_token} at {}{on}", req.address),
                     );
                 }
                 (Role::Server, false) => {
@@ -161,6 +164,9 @@ impl Coordinator for Service {
         let stop = s.stopping;
         let mut assign = None;
         let id = req.id as usize;
+        if let Some(reply) = crate::hosting::beat_of_a_moved_or_unwanted_host(&mut s, &req) {
+            return Ok(Response::new(reply));
+        }
         let member = match (req.role(), req.spare) {
             (Role::Server, true) => {
                 let Some(spare) = s.members.spares.iter_mut().find(|sp| sp.token == req.id) else {
@@ -198,10 +204,13 @@ impl Coordinator for Service {
                 .served
                 .insert(req.incarnation, (req.rpcs_served, req.rpc_bytes_served));
         }
+        let start_spare =
+            req.role() == Role::Server && !req.spare && !stop && s.members.hosting.tell(id);
         Ok(Response::new(HeartbeatReply {
             epoch: s.epoch,
             stop,
             assign,
+            start_spare,
         }))
     }
 

@@ -47,7 +47,19 @@ pub struct ServerOptions {
     pub host: String,
     /// This server's fault points (tests, `cluster run --kill server:J@commit:N`).
     pub faults: ftrec_faults::Faults,
+    /// A spare: the live server that started it on its host while a lost slot waited
+    /// (`HeartbeatReply.start_spare`); the coordinator hands the slot it takes to a spare
+    /// from elsewhere once one joins.
+    pub hosted_by: Option<usize>,
+    /// How this server starts a spare on its host when the coordinator asks; `None`
+    /// refuses (the request is logged).
+    pub start_spare: Option<StartSpare>,
 }
+
+/// Starts a spare server of this job beside this one, given this server's slot; returns
+/// what to log about it (its pid and log file). The binary builds it from its own command
+/// line; a simulation starts a spare in its own world.
+pub type StartSpare = Arc<dyn Fn(usize) -> Result<String, PsError> + Send + Sync>;
 
 /// The server's state: what identifies it, shared by every part, and the parts by role.
 /// A module takes the part it needs (checkpoint code a [`CheckpointContext`] and the
@@ -265,6 +277,7 @@ async fn heartbeat_loop(
     core: Arc<Core>,
     period: Duration,
     when_cut_off: WhenCutOff,
+    start_spare: Option<StartSpare>,
 ) -> Result<(), PsError> {
     let mut last_ok = Instant::now();
     let mut cut_off = CutOff::new();
@@ -291,9 +304,12 @@ async fn heartbeat_loop(
             .await;
         match reply.map_err(|s| PsError::rpc("heartbeat", &s)) {
             Ok(r) if r.get_ref().stop => return Ok(()),
-            Ok(_) => {
+            Ok(r) => {
                 last_ok = Instant::now();
                 cut_off = CutOff::new();
+                if r.get_ref().start_spare {
+                    start_spare_here(start_spare.as_ref(), core.id);
+                }
             }
             Err(e @ PsError::Fenced(_)) => {
                 return Err(PsError::Fenced(format!(
@@ -309,5 +325,22 @@ async fn heartbeat_loop(
                 }
             }
         }
+    }
+}
+
+/// The coordinator asked this server to start a spare on its host: a lost slot has no
+/// replacement coming (issue 42, hole 8). The coordinator asks again, or asks another
+/// server, if no spare joins; so a failure here is only logged.
+fn start_spare_here(start_spare: Option<&StartSpare>, id: usize) {
+    match start_spare.map(|start| start(id)) {
+        Some(Ok(what)) => tracing::warn!(
+            "server {id}: started a spare on this host for a lost slot with no replacement \
+             ({what}); this host holds two shards until a replacement joins elsewhere"
+        ),
+        Some(Err(e)) => tracing::warn!("server {id}: could not start a spare on this host: {e}"),
+        None => tracing::warn!(
+            "server {id}: the coordinator asked for a spare on this host, and this server \
+             was started without a way to start one"
+        ),
     }
 }

@@ -35,6 +35,7 @@ pub(crate) struct Started {
     beats: HeartbeatClient,
     heartbeat: Duration,
     when_cut_off: WhenCutOff,
+    start_spare: Option<crate::StartSpare>,
 }
 
 /// Everything up to serving: joined, in its slot, its parts built.
@@ -50,7 +51,14 @@ pub(crate) async fn start(opts: ServerOptions) -> Result<Started, PsError> {
         .unwrap_or_default();
     let locator = Locator::start(&job, &opts.coordinator).await?;
     let coordinator = locator.link(job.connector()?).await?;
-    let joined = join(&coordinator, &job, opts.id, &address, metrics_address).await?;
+    let joined = join(
+        &coordinator,
+        &job,
+        (opts.id, opts.hosted_by),
+        &address,
+        metrics_address,
+    )
+    .await?;
     let heartbeat = Duration::from_millis(job.config.cluster.heartbeat_ms);
     let (id, reserve) = take_slot(
         &job,
@@ -81,13 +89,14 @@ pub(crate) async fn start(opts: ServerOptions) -> Result<Started, PsError> {
         beats,
         heartbeat,
         when_cut_off: WhenCutOff::of(&job, &locator),
+        start_spare: opts.start_spare.clone(),
     })
 }
 
 async fn join(
     coordinator: &CoordinatorLink,
     job: &Job,
-    id: Option<usize>,
+    (id, hosted_by): (Option<usize>, Option<usize>),
     address: &str,
     metrics_address: String,
 ) -> Result<JoinReply, PsError> {
@@ -101,6 +110,7 @@ async fn join(
             pid: job.network().pid(),
             metrics_address,
             spare: id.is_none(),
+            hosted_by: hosted_by.map(|j| j as u32),
         })
         .await
         .map_err(|s| PsError::rpc(format!("joining coordinator {}", coordinator.address()), &s))?
@@ -318,6 +328,7 @@ impl Started {
             beats,
             heartbeat,
             when_cut_off,
+            start_spare,
         } = self;
         if let Some(bulk) = &core.rebuilding.bulk {
             let source: std::sync::Weak<dyn bulk::RangeSource> = Arc::downgrade(&core) as _;
@@ -342,7 +353,7 @@ impl Started {
                 .serve_with_incoming_shutdown(incoming, async move { serve_stop.notified().await })
                 .await
         });
-        heartbeat_loop(&beats, core, heartbeat, when_cut_off).await?;
+        heartbeat_loop(&beats, core, heartbeat, when_cut_off, start_spare).await?;
         stop.notify_waiters();
         let _ = tokio::time::timeout(Duration::from_secs(2), serving).await;
         Ok(())

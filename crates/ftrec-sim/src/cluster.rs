@@ -205,6 +205,9 @@ impl Hosts {
                             coordinator,
                             host: "0.0.0.0".into(),
                             faults,
+                            hosted_by: None,
+                            // The simulation's schedules bring their replacements.
+                            start_spare: None,
                         })
                         .await
                     }

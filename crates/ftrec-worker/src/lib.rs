@@ -192,6 +192,7 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
             pid: network.pid(),
             metrics_address,
             spare: false,
+            hosted_by: None,
         })
         .await
         .map_err(|s| PsError::rpc(format!("worker {} joining", opts.id), &s))?

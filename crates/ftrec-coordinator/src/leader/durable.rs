@@ -51,6 +51,9 @@ pub(crate) struct SpareRecord {
     pub pid: u32,
     /// The slot it was given, which it may not have heard of yet.
     pub assigned: Option<usize>,
+    /// The live server that started it on its host (`Spare::hosted_by`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hosted_by: Option<usize>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -186,6 +189,7 @@ impl Record {
                     address: sp.member.address.clone(),
                     pid: sp.member.pid,
                     assigned: sp.assigned,
+                    hosted_by: sp.hosted_by,
                 })
                 .collect(),
             next_token: s.members.next_token,
@@ -448,6 +452,7 @@ mod tests {
                     address: "127.0.0.1:7009".into(),
                     pid: 43,
                     assigned: Some(1),
+                    hosted_by: Some(0),
                 }]
             } else {
                 Vec::new()

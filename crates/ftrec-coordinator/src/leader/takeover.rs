@@ -304,6 +304,7 @@ pub(crate) fn restore(
                 false,
             ),
             assigned: sp.assigned,
+            hosted_by: sp.hosted_by,
         })
         .collect();
     // The members learn of the new leader from etcd while their calls to the old one (which

@@ -56,6 +56,9 @@ pub(crate) struct Spare {
     pub(crate) token: u32,
     pub(crate) member: Member,
     pub(crate) assigned: Option<usize>,
+    /// Started by this live server on its host while a lost slot waited
+    /// (`JoinRequest.hosted_by`): its slot moves to a spare from elsewhere once one joins.
+    pub(crate) hosted_by: Option<usize>,
 }
 
 /// Lost steps in a row, each because its worker could not reach the same server, after
@@ -83,6 +86,8 @@ pub(crate) struct Membership {
     pub(crate) probe_requested: bool,
     /// Processes of each slot that exited before they joined, started again since.
     pub(crate) early_exits: BTreeMap<(Role, usize), u32>,
+    /// Spares asked of survivors' hosts for a lost slot with no replacement.
+    pub(crate) hosting: super::Hosting,
 }
 
 impl Membership {
@@ -98,6 +103,7 @@ impl Membership {
             served: HashMap::new(),
             early_exits: BTreeMap::new(),
             probe_requested: false,
+            hosting: super::Hosting::default(),
         }
     }
 
@@ -131,10 +137,15 @@ impl Membership {
     /// becomes the spare's process, not ready (it has no shard yet) and with a fresh
     /// failure timeout from `now`. Returns the spare's token and address.
     pub(crate) fn assign_spare(&mut self, id: usize, now: Instant) -> Option<(u32, String)> {
-        let spare = self
+        // A spare on a host of its own first: one on a survivor's host doubles that
+        // host's load and its loss costs two shards.
+        let free = |sp: &Spare| sp.assigned.is_none() && sp.member.alive;
+        let first_free = self
             .spares
-            .iter_mut()
-            .find(|sp| sp.assigned.is_none() && sp.member.alive)?;
+            .iter()
+            .position(|sp| free(sp) && sp.hosted_by.is_none())
+            .or_else(|| self.spares.iter().position(free))?;
+        let spare = &mut self.spares[first_free];
         spare.assigned = Some(id);
         let member = Member {
             ready: false,
@@ -325,6 +336,7 @@ mod tests {
                     ..live(&format!("spare{k}:1"), 100 + k as u32)
                 },
                 assigned: None,
+                hosted_by: None,
             });
         }
         m

@@ -4,7 +4,8 @@
 //! the control loop's, and read as calls on the groups.
 //!
 //! - [`Membership`]: who holds each slot, spares, incarnations and zombies, and the
-//!   evidence against a server (probes, workers' unreachable reports).
+//!   evidence against a server (probes, workers' unreachable reports); spares asked of
+//!   survivors' hosts ([`Hosting`]).
 //! - [`LeaderState`]: etcd membership's view of this coordinator's leadership: deposed,
 //!   the takeovers over the job's life, training time under earlier leaders.
 //! - [`Recoveries`]: slots waiting for a replacement, background rebuilds, the recoveries
@@ -17,6 +18,7 @@
 //!   orphan resolution's retry timer, step-triggered kills.
 
 mod cuts;
+mod hosting;
 mod leadership;
 mod membership;
 mod recoveries;
@@ -24,6 +26,7 @@ mod saves;
 mod steps;
 
 pub(crate) use cuts::{CutSchedule, SaveDue};
+pub(crate) use hosting::Hosting;
 pub(crate) use leadership::LeaderState;
 pub(crate) use membership::{Member, Membership, Spare};
 pub(crate) use recoveries::{AttemptFailed, Recoveries};

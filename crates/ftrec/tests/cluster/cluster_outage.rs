@@ -11,8 +11,8 @@ use ftrec_proto::timeline::EventKind;
 
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::by_hand::{
-    Reaped, etcd_coordinator, hand_job, pids_with_args, signal, signal_pid, spawn, spawn_members,
-    wait_exit,
+    Reaped, etcd_coordinator, hand_job, listening_address, pids_with_args, signal, signal_pid,
+    spawn, spawn_members, wait_exit,
 };
 
 use crate::FTREC;
@@ -222,4 +222,126 @@ fn a_leader_killed_during_a_background_rebuild_with_async_workers_ends_consisten
             .any(|r| r["mode"] == "rebuild" && r["rebuild_bytes"].as_u64() > Some(0)),
         "the new leader's rebuild finished: {report}"
     );
+}
+
+/// Hole 8: a server SIGKILLed with no replacement anywhere (no spare, no `--spawn`, by-hand
+/// members). The job used to stand still in silence. Now, once the slot has waited
+/// `cluster.survivor_spare_after_s`, the coordinator asks a live server to start a spare
+/// on its host, and training goes on with that host holding two shards. A spare started
+/// later elsewhere then takes the slot over (rebuilt exactly from parity), the hosted
+/// spare is told to exit, and the run ends bit-exact with nothing lost.
+#[test]
+fn a_lost_server_with_no_replacement_gets_a_spare_on_a_survivors_host_until_one_comes() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = FTREC.setup(dir.path());
+    let steps = 3000;
+    let job = hand_job(
+        FTREC,
+        dir.path(),
+        &data,
+        "job",
+        steps,
+        &["--set", "cluster.survivor_spare_after_s=1"],
+    );
+    let job_s = job.to_str().unwrap();
+    let out = dir.path().join("coordinator");
+    let out_s = out.to_str().unwrap();
+    let file = |ext: &str| std::fs::File::create(out.with_extension(ext)).unwrap();
+    // Its events are logged at `info`: the test waits for the start of training.
+    let mut coordinator = Reaped(vec![
+        FTREC
+            .command()
+            .args(["coordinator", "--job", job_s, "--host", "127.0.0.1"])
+            .args(["--port", "0", "--json", "--out", out_s])
+            .env("FTREC_LOG", "info")
+            .stdout(file("json"))
+            .stderr(file("log"))
+            .spawn()
+            .unwrap(),
+    ]);
+    let address = listening_address(&out.with_extension("log"));
+    let find = ["--coordinator", address.as_str()];
+    let mut members = Reaped(spawn_members(FTREC, dir.path(), job_s, &find));
+    // Killed before training starts, the slot would be one the start waits for.
+    let started = format!("{}: ", EventKind::TrainingStart);
+    let launched = Instant::now();
+    while !std::fs::read_to_string(out.with_extension("log")).is_ok_and(|l| l.contains(&started)) {
+        assert!(
+            launched.elapsed() < Duration::from_secs(60),
+            "training never started"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    signal(&members.0[1], "KILL");
+    let hosted = || pids_with_args(&["--hosted-by", job_s]);
+    let killed = Instant::now();
+    while hosted().is_empty() {
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "no server started a spare on its host: {}\n{}",
+            std::fs::read_to_string(out.with_extension("log")).unwrap_or_default(),
+            std::fs::read_to_string(dir.path().join("server-0.log")).unwrap_or_default(),
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Training goes on through the hosted slot for a while before a spare comes.
+    std::thread::sleep(Duration::from_secs(4));
+    let mut args = vec!["server", "--job", job_s, "--spare"];
+    args.extend(find);
+    members
+        .0
+        .push(spawn(FTREC, &args, &dir.path().join("spare")));
+    let status = wait_exit(&mut coordinator.0[0], Duration::from_secs(180));
+    assert!(status.success(), "the coordinator finished the job");
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(out.with_extension("json")).unwrap()).unwrap();
+    assert_eq!(
+        report["state_digest"],
+        FTREC.single_process_digest(&data, &steps.to_string()),
+        "{report}"
+    );
+    assert_eq!(report["lost_samples"], 0, "{report}");
+    assert_eq!(report["parity_mismatches"], 0, "{report}");
+    assert_eq!(report["zombies_refused"], 0, "{report}");
+    let recoveries = report["recoveries"].as_array().unwrap();
+    assert_eq!(
+        recoveries.iter().filter(|r| r["server"] == 1).count(),
+        2,
+        "slot 1 recovered into the hosted spare, then into the spare from elsewhere: {report}"
+    );
+    let events = ftrec_testkit::cluster::events(&out);
+    let said = |kind: EventKind, words: &[&str]| {
+        events
+            .iter()
+            .any(|(k, text)| *k == kind && words.iter().all(|w| text.contains(w)))
+    };
+    assert!(
+        said(
+            EventKind::Replacement,
+            &["asked to start a spare on its host"]
+        ),
+        "{events:?}"
+    );
+    assert!(
+        said(EventKind::Replacement, &["'s host takes server 1"]),
+        "the hosted spare took the slot: {events:?}"
+    );
+    assert!(
+        said(EventKind::FailureDetected, &["server 1 moves to spare"]),
+        "the slot moved to the spare from elsewhere: {events:?}"
+    );
+    // Every member ends, the hosted spare (a child of a survivor) included.
+    for (n, m) in members.0.iter_mut().enumerate().filter(|(n, _)| *n != 1) {
+        let status = wait_exit(m, Duration::from_secs(30));
+        assert!(status.success(), "member {n} of spawn order: {status}");
+    }
+    let ended = Instant::now();
+    while !hosted().is_empty() {
+        assert!(
+            ended.elapsed() < Duration::from_secs(30),
+            "the hosted spare outlived the job"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

@@ -16,6 +16,7 @@ use serde_json::json;
 
 pub mod auto;
 mod coordinator;
+mod survivor_spare;
 mod verify;
 
 pub use auto::FtArg;
@@ -159,6 +160,11 @@ pub struct ServerArgs {
     /// Interface to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
+    /// A spare that live server ID started on its host because a lost slot waited with no
+    /// replacement (the coordinator asks for it; see cluster.survivor_spare_after_s). The
+    /// slot it takes moves to a spare from elsewhere once one joins (`ec` jobs).
+    #[arg(long, requires = "spare", value_name = "ID")]
+    pub hosted_by: Option<usize>,
     /// Arm a fault point in this server, NAME[:STEP][=kill|skip|flip|delay-MS] (prepare,
     /// commit, rebuild, fold-parity, install); it fires once. `cluster run --kill
     /// server:J@commit:N` passes these.
@@ -554,6 +560,7 @@ pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
 
 pub fn server(a: ServerArgs) -> Result<()> {
     launch::die_with_launcher()?;
+    let start_spare = survivor_spare::starter(&absolute(&a.job)?, &a.coordinator, &a.host);
     let (job, coordinator) = a.coordinator.resolve(Job::load(&a.job)?);
     // The job file may come from a larger host: refuse before allocating (an allocation
     // failure aborts without saying which key to change) and before joining.
@@ -564,6 +571,8 @@ pub fn server(a: ServerArgs) -> Result<()> {
         coordinator,
         host: a.host,
         faults: ftrec_faults::Faults::parse_all(a.faults.iter().map(String::as_str))?,
+        hosted_by: a.hosted_by,
+        start_spare: Some(start_spare),
     }))?;
     Ok(())
 }
