@@ -348,8 +348,14 @@ pub async fn verify_parity(
                 "verify-parity: table {t} parity of server {s} ({})",
                 addresses[s]
             );
-            let bytes =
-                ftrec_rpc::gather::fetch_all(client, epoch, t, true, &what, silence).await?;
+            let stream = ftrec_rpc::gather::TableStream {
+                epoch,
+                table: t,
+                parity: true,
+                what: &what,
+                silence,
+            };
+            let bytes = stream.read_all(client, row_bytes).await?;
             stored.push(bytes);
         }
         for j in 0..stripes.stripes(rows) {

@@ -12,6 +12,15 @@ use futures::{Stream, StreamExt};
 
 use crate::PsError;
 
+/// What [`Progressing::next_or_stall`] read.
+pub enum Read<T> {
+    Message(T),
+    /// The stream ended.
+    End,
+    /// No message within the deadline: the error a reader that gives up returns.
+    Stalled(PsError),
+}
+
 /// A stream of replies whose next message must come within `deadline`.
 pub struct Progressing<S> {
     stream: S,
@@ -69,6 +78,18 @@ where
                 .transpose()
                 .map_err(|status| PsError::rpc(self.what.clone(), &status)),
             Err(_) => Err(PsError::Unavailable(self.silence())),
+        }
+    }
+
+    /// [`Progressing::next_message`] with a silence past the deadline told apart: the
+    /// sender answered and then stalled, which a reader that can ask again from where the
+    /// stream stopped may take as a hiccup rather than a failure.
+    pub async fn next_or_stall(&mut self) -> Result<Read<T>, PsError> {
+        match tokio::time::timeout(self.deadline, self.stream.next()).await {
+            Ok(Some(Ok(message))) => Ok(Read::Message(message)),
+            Ok(None) => Ok(Read::End),
+            Ok(Some(Err(status))) => Err(PsError::rpc(self.what.clone(), &status)),
+            Err(_) => Ok(Read::Stalled(PsError::Unavailable(self.silence()))),
         }
     }
 

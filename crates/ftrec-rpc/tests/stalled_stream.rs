@@ -249,7 +249,8 @@ async fn keepalive_closes_a_connection_whose_link_died_under_an_open_stream() {
 }
 
 /// The end of a run's gather, from a server stalled mid-stream: the job's own deadline
-/// (`cluster.deadlines.stream_progress_ms`) bounds it.
+/// (`cluster.deadlines.stream_progress_ms`) bounds each ask, and a sender that stalls
+/// again each time it is asked again (an empty piece is no progress) is given up.
 #[tokio::test]
 async fn the_final_gather_from_a_server_stalled_mid_stream_fails_within_the_jobs_deadline() {
     let address = serve(Rows::OneThenSilence).await;

@@ -245,10 +245,16 @@ impl Hosts {
     }
 
     pub(crate) fn thaw(&mut self, sim: &turmoil::Sim<'_>, host: &str) {
-        for other in self.all.iter().filter(|h| *h != host) {
-            sim.release(host, other.as_str());
-        }
         self.frozen.retain(|h| h != host);
+        // A link to a host still frozen stays held: releasing it let a frozen leader hear
+        // a thawed server, and only that one, so it declared the other two dead at once
+        // (the control-plane sweep, seed 175 with a server freeze); a stopped process
+        // hears no one.
+        for other in self.all.iter().filter(|h| *h != host) {
+            if !self.frozen.contains(other) {
+                sim.release(host, other.as_str());
+            }
+        }
     }
 }
 

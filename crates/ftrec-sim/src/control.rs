@@ -307,6 +307,19 @@ pub fn run_control(opts: ControlRun) -> Result<ControlOutcome, SimError> {
             FaultAction::Kill,
         ));
     }
+    if let Some((server, stall)) = opts.schedule.stalled_stream
+        && let Some((_, faults)) = registries
+            .iter()
+            .find(|(m, _)| *m == Member::Server(server))
+    {
+        faults.arm(FaultSpec::new(
+            ftrec_faults::points::SEND_ROWS,
+            None,
+            FaultAction::Delay {
+                ms: stall.as_millis() as u64,
+            },
+        ));
+    }
     let mut all = vec![ETCD.to_string(), OBSERVER.to_string()];
     all.extend((0..COORDINATORS).map(coordinator_host));
     let mut hosts = Hosts {
@@ -393,7 +406,14 @@ pub fn run_control(opts: ControlRun) -> Result<ControlOutcome, SimError> {
             && at <= now
         {
             member = None;
-            hosts.crash(&mut sim, m, &shared_requests);
+            match opts.schedule.member_frozen_for {
+                Some(lasting) => {
+                    let host = hosts.of(m).to_string();
+                    hosts.freeze(&sim, &host);
+                    undo.thaw.push((now + lasting, host));
+                }
+                None => hosts.crash(&mut sim, m, &shared_requests),
+            }
         }
         undo_due(&mut sim, &mut hosts, &etcd, &mut undo, now);
         hosts.serve(&mut sim, &shared_requests);

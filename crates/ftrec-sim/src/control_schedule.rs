@@ -1,5 +1,6 @@
 //! Control-plane fault schedules: one fault of the leader or of etcd, alone or beside a
-//! member crash, drawn from a seed.
+//! member crash or freeze, a worker or coordinator killed at a fault point, and a stream
+//! stalled mid-way, drawn from a seed.
 
 use std::fmt;
 use std::time::Duration;
@@ -110,6 +111,13 @@ pub struct ControlSchedule {
     pub worker_kill: Option<WorkerKill>,
     /// A coordinator killed at a fault point (a recovery, a takeover), beside the rest.
     pub coordinator_kill: Option<CoordinatorPoint>,
+    /// The member fault is a freeze (SIGSTOP) of this long, not a crash (servers only):
+    /// past the failure timeout the server is replaced, and when it thaws it is a late
+    /// writer (a step's commit, a cut's part) that must change nothing.
+    pub member_frozen_for: Option<Duration>,
+    /// A server stalls each stream it sends (a rebuild's rows, the final gather) once,
+    /// for this long, while it otherwise lives on.
+    pub stalled_stream: Option<(usize, Duration)>,
 }
 
 impl fmt::Display for ControlSchedule {
@@ -119,7 +127,14 @@ impl fmt::Display for ControlSchedule {
             parts.push(format!("{fault} at {:.3}s", at.as_secs_f64()));
         }
         if let Some((at, m)) = self.member {
-            parts.push(format!("crash {m} at {:.3}s", at.as_secs_f64()));
+            let at = at.as_secs_f64();
+            match self.member_frozen_for {
+                Some(d) => parts.push(format!(
+                    "freeze {m} at {at:.3}s for {:.3}s",
+                    d.as_secs_f64()
+                )),
+                None => parts.push(format!("crash {m} at {at:.3}s")),
+            }
         }
         if parts.is_empty() {
             parts.push("no faults".into());
@@ -134,6 +149,10 @@ impl fmt::Display for ControlSchedule {
         if let Some(p) = self.coordinator_kill {
             let name = p.name();
             parts.push(format!("kill coordinator-{} at {name}", p.coordinator()));
+        }
+        if let Some((server, d)) = self.stalled_stream {
+            let d = d.as_secs_f64();
+            parts.push(format!("server-{server} stalls its first stream {d:.3}s"));
         }
         if self.checkpoints {
             parts.push("ec+checkpoint".into());
@@ -197,7 +216,27 @@ impl ControlSchedule {
                     CoordinatorPoint::Takeover
                 }
             }),
+            // Drawn last, so that a seed's other faults are the ones it always drew.
+            member_frozen_for: None,
+            stalled_stream: None,
         }
+        .with_freeze_and_stall(&mut rng, servers)
+    }
+
+    /// A third of the server faults become freezes, from within the failure timeout (1 s)
+    /// to well past it; a fifth of the runs stall a server's first stream, from a hiccup
+    /// to past the stream progress deadline.
+    fn with_freeze_and_stall(mut self, rng: &mut StdRng, servers: usize) -> Self {
+        let ms = |rng: &mut StdRng, lo: u64, hi: u64| Duration::from_millis(rng.gen_range(lo..hi));
+        let freeze = rng.gen_bool(1.0 / 3.0);
+        let lasting = ms(rng, 300, 4_000);
+        if freeze && matches!(self.member, Some((_, Member::Server(_)))) {
+            self.member_frozen_for = Some(lasting);
+        }
+        let server = rng.gen_range(0..servers);
+        let stall = ms(rng, 200, 8_000);
+        self.stalled_stream = rng.gen_bool(0.2).then_some((server, stall));
+        self
     }
 }
 
@@ -267,5 +306,13 @@ mod tests {
             (40..120).contains(&leaders_killed),
             "{leaders_killed} coordinator kills"
         );
+        let frozen = (0..400)
+            .filter_map(|seed| ControlSchedule::random(seed, 3, 2).member_frozen_for)
+            .count();
+        assert!((25..90).contains(&frozen), "{frozen} server freezes");
+        let stalled = (0..400)
+            .filter_map(|seed| ControlSchedule::random(seed, 3, 2).stalled_stream)
+            .count();
+        assert!((50..120).contains(&stalled), "{stalled} stalled streams");
     }
 }

@@ -145,6 +145,7 @@ fn the_standby_takes_over_a_leader_killed_mid_run_and_the_run_ends_exact() {
         checkpoints: false,
         worker_kill: None,
         coordinator_kill: None,
+        ..Default::default()
     };
     for seed in seeds(2) {
         let (outcome, violations) = simulate(seed, schedule, false, STEPS);
@@ -179,6 +180,7 @@ fn etcd_paused_for_a_minute_while_a_server_crashes_ends_exact() {
         checkpoints: false,
         worker_kill: None,
         coordinator_kill: None,
+        ..Default::default()
     };
     let failures = fails_with_seeds(
         "etcd_paused_for_a_minute_while_a_server_crashes_ends_exact",
@@ -257,6 +259,7 @@ fn a_leader_that_grants_without_its_lease_is_caught() {
         checkpoints: false,
         worker_kill: None,
         coordinator_kill: None,
+        ..Default::default()
     };
     let unleased = |v: &[Violation]| {
         v.iter().any(|v| {
@@ -302,6 +305,7 @@ fn a_leader_frozen_past_its_lease_is_survived() {
         checkpoints: false,
         worker_kill: None,
         coordinator_kill: None,
+        ..Default::default()
     };
     let failures = fails_with_seeds(
         "a_leader_frozen_past_its_lease_is_survived",
@@ -330,6 +334,7 @@ fn slow_etcd_beside_a_worker_crash_is_survived() {
         checkpoints: false,
         worker_kill: None,
         coordinator_kill: None,
+        ..Default::default()
     };
     let failures = fails_with_seeds(
         "slow_etcd_beside_a_worker_crash_is_survived",
@@ -352,6 +357,7 @@ fn a_member_crashed_before_training_then_the_leader_is_survived() {
         checkpoints: false,
         worker_kill: None,
         coordinator_kill: None,
+        ..Default::default()
     };
     let failures = fails_with_seeds(
         "a_member_crashed_before_training_then_the_leader_is_survived",
@@ -375,6 +381,7 @@ fn a_worker_crash_with_asynchronous_workers_keeps_the_replicas_equal() {
             checkpoints: false,
             worker_kill: None,
             coordinator_kill: None,
+            ..Default::default()
         };
         (s, schedule)
     });

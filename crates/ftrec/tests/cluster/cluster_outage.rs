@@ -17,8 +17,9 @@ use ftrec_testkit::by_hand::{
 
 use crate::FTREC;
 
-/// Hole 2 of issue 42, the acceptance run: etcd frozen (SIGSTOP) 12 s after launch for
-/// 60 s, and server 1 SIGKILLed by pid 4 s into the freeze, under `--ft ec` with
+/// Hole 2 of issue 42: etcd frozen (SIGSTOP) 12 s after launch for 28 s (the acceptance
+/// run's 60 s is `tools/netns-control.sh`'s CI trial; every give-up this pins came within
+/// 10 s), and server 1 SIGKILLed by pid 4 s into the freeze, under `--ft ec` with
 /// asynchronous workers and a standby coordinator. Before the fix the leader went on
 /// granting steps that the dead server lost until 64 in a row ended the job, every
 /// server gave up on the coordinator 10 s later, the launcher's new standbys exited at
@@ -26,7 +27,7 @@ use crate::FTREC;
 /// nothing it cannot decide about, the servers hold on to their shards, the standby waits
 /// for etcd, and when etcd returns the dead server is recovered with nothing lost.
 #[test]
-fn etcd_frozen_for_a_minute_while_a_server_dies_loses_nothing() {
+fn etcd_frozen_for_half_a_minute_while_a_server_dies_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let data = FTREC.setup(dir.path());
     let etcd = ftrec_testkit::etcd::start(&dir.path().join("etcd"));
@@ -59,7 +60,7 @@ fn etcd_frozen_for_a_minute_while_a_server_dies_loses_nothing() {
     let server_1 = pids_with_args(&["server", job, "--id", "1"]);
     assert_eq!(server_1.len(), 1, "server 1 of {job}: {server_1:?}");
     signal_pid(server_1[0], "KILL");
-    at(72);
+    at(40);
     signal_pid(etcd.pid(), "CONT");
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -87,9 +88,9 @@ fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
     let data = FTREC.setup(dir.path());
     let etcd = ftrec_testkit::etcd::start(&dir.path().join("etcd"));
     // Long enough to outlast the failover and the 12 s wait below with steps to spare on
-    // an idle machine (about 100 steps/s): at 1500 steps the job once ended before the
-    // server was killed.
-    let steps = 4000;
+    // an idle machine (about 100 steps/s; the kill comes about 17 s in): at 1500 steps the
+    // job once ended before the server was killed.
+    let steps = 3000;
     let job = hand_job(
         FTREC,
         dir.path(),
