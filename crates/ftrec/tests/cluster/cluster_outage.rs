@@ -17,9 +17,8 @@ use ftrec_testkit::by_hand::{
 
 use crate::FTREC;
 
-/// Hole 2 of issue 42: etcd frozen (SIGSTOP) 12 s after launch for 28 s (the acceptance
-/// run's 60 s is `tools/netns-control.sh`'s CI trial; every give-up this pins came within
-/// 10 s), and server 1 SIGKILLed by pid 4 s into the freeze, under `--ft ec` with
+/// Hole 2 of issue 42, the acceptance run: etcd frozen (SIGSTOP) 12 s after launch for
+/// 60 s, and server 1 SIGKILLed by pid 4 s into the freeze, under `--ft ec` with
 /// asynchronous workers and a standby coordinator. Before the fix the leader went on
 /// granting steps that the dead server lost until 64 in a row ended the job, every
 /// server gave up on the coordinator 10 s later, the launcher's new standbys exited at
@@ -27,7 +26,7 @@ use crate::FTREC;
 /// nothing it cannot decide about, the servers hold on to their shards, the standby waits
 /// for etcd, and when etcd returns the dead server is recovered with nothing lost.
 #[test]
-fn etcd_frozen_for_half_a_minute_while_a_server_dies_loses_nothing() {
+fn etcd_frozen_for_a_minute_while_a_server_dies_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let data = FTREC.setup(dir.path());
     let etcd = ftrec_testkit::etcd::start(&dir.path().join("etcd"));
@@ -60,7 +59,7 @@ fn etcd_frozen_for_half_a_minute_while_a_server_dies_loses_nothing() {
     let server_1 = pids_with_args(&["server", job, "--id", "1"]);
     assert_eq!(server_1.len(), 1, "server 1 of {job}: {server_1:?}");
     signal_pid(server_1[0], "KILL");
-    at(40);
+    at(72);
     signal_pid(etcd.pid(), "CONT");
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
