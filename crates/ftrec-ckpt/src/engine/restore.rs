@@ -9,6 +9,14 @@ use crate::chunklist::ListChunk;
 use crate::manifest::{CheckpointKind, FileEntry, Manifest};
 use crate::{CkptError, chunk, dense};
 
+/// Merges a restore may meet in a row before it gives up, each with a changed plan: a
+/// bound on a merger that never stops, far above what one merge pass does.
+const MAX_MERGE_RACES: u32 = 64;
+
+fn chain_ids(chain: &[Manifest]) -> Vec<String> {
+    chain.iter().map(|m| m.id.clone()).collect()
+}
+
 impl Checkpoints {
     /// Restores the exact state of checkpoint `id` into a fresh [`ModelState`]: its full
     /// ancestor, then every delta on the way to it, newer rows overwriting older ones; the
@@ -19,13 +27,28 @@ impl Checkpoints {
         // merged checkpoint; planning again then finds the replacement. When the target
         // delta itself was merged away, the merged checkpoint ending at its step stands in
         // for it: same rows, and the target's own dense state (found by a proptest seed).
+        // A merger works through its groups one after another, so a slow restore can meet
+        // several merges in a row (CI met four, with three retries allowed): it plans again
+        // as long as each failure came with a changed plan, and fails at once when the
+        // plan it read is still the plan (a file really missing).
         let mut attempts = 0;
         let mut target = id.to_string();
         loop {
-            match self.on_io_pool(|| self.restore_once(&target)) {
-                Err(CkptError::NotFound(m)) if attempts < 3 => {
+            let chain = self.lineage(&target);
+            let planned = chain.as_ref().ok().map(|c| chain_ids(c));
+            let result = match chain {
+                Ok(chain) => self.on_io_pool(|| self.restore_once(&target, chain)),
+                Err(e) => Err(e),
+            };
+            match result {
+                Err(CkptError::NotFound(m)) if attempts < MAX_MERGE_RACES => {
                     match self.manifest(&target) {
-                        Ok(t) if t.deck.is_some() => {}
+                        Ok(t) if t.deck.is_some() => {
+                            let now = self.lineage(&target).ok().map(|c| chain_ids(&c));
+                            if planned.is_some() && now == planned {
+                                return Err(CkptError::NotFound(m));
+                            }
+                        }
                         Err(CkptError::NotFound(_)) => match self.merged_stand_in(&target)? {
                             Some(stand_in) => target = stand_in,
                             None => return Err(CkptError::NotFound(m)),
@@ -62,8 +85,11 @@ impl Checkpoints {
         chain.iter().try_for_each(|m| fences.check(m))
     }
 
-    fn restore_once(&self, id: &str) -> Result<(ModelState, Manifest), CkptError> {
-        let chain = self.lineage(id)?;
+    fn restore_once(
+        &self,
+        id: &str,
+        chain: Vec<Manifest>,
+    ) -> Result<(ModelState, Manifest), CkptError> {
         // A DECK restore may read a merged checkpoint in place of the target's deltas;
         // the dense state and trainer progress are always the target's own.
         let target = match chain.last() {

@@ -17,7 +17,9 @@ pub enum KillAt {
     FreezeAfter(Duration),
     /// As soon as the coordinator grants this global step (exact, for tests).
     Step(u64),
-    /// The server kills itself at this fault point (armed in its registry, `ftrec-faults`).
+    /// The member kills itself at this fault point (armed in its registry,
+    /// `ftrec-faults`): a server's `prepare:N`, `commit:N` or `rebuild`, a worker's
+    /// `push:N`, `prepared-first:N` or `prepared:N`.
     Point(FaultSpec),
 }
 
@@ -31,14 +33,17 @@ pub struct KillSpec {
     pub at: KillAt,
 }
 
-/// `prepare:N`, `commit:N` or `rebuild`: the points a `--kill` may name (a kill, not a
-/// planted skip).
-fn is_kill_point(when: &str) -> bool {
+/// The points a `--kill` may name (a kill, not a planted skip): a server's `prepare:N`,
+/// `commit:N` or `rebuild`, a worker's `push:N`, `prepared-first:N` or `prepared:N`.
+fn is_kill_point(role: Role, when: &str) -> bool {
     FaultSpec::parse(when).is_ok_and(|spec| {
         spec.action == FaultAction::Kill
-            && match spec.point.as_str() {
-                points::REBUILD => spec.step.is_none(),
-                points::PREPARE | points::COMMIT => spec.step.is_some(),
+            && match (role, spec.point.as_str()) {
+                (Role::Server, points::REBUILD) => spec.step.is_none(),
+                (Role::Server, points::PREPARE | points::COMMIT) => spec.step.is_some(),
+                (Role::Worker, points::PUSH | points::PREPARED | points::PREPARED_FIRST) => {
+                    spec.step.is_some()
+                }
                 _ => false,
             }
     })
@@ -49,9 +54,10 @@ impl std::str::FromStr for KillSpec {
     fn from_str(s: &str) -> Result<Self, String> {
         let bad = || {
             format!(
-                "--kill {s:?}: expected ROLE:ID@SECONDS, ROLE:ID@SECONDS=freeze, ROLE:ID@step:N \
-                 or (servers of an erasure-coded run) ROLE:ID@prepare:N, @commit:N or @rebuild, \
-                 e.g. server:1@10s, server:1@10s=freeze, server:1@step:8 or server:1@commit:8"
+                "--kill {s:?}: expected ROLE:ID@SECONDS, ROLE:ID@SECONDS=freeze, ROLE:ID@step:N, \
+                 (servers of an erasure-coded run) server:ID@prepare:N, @commit:N or @rebuild, \
+                 or worker:ID@push:N, @prepared-first:N or @prepared:N, e.g. server:1@10s, \
+                 server:1@10s=freeze, server:1@step:8, server:1@commit:8 or worker:0@prepared:8"
             )
         };
         let (who, when) = s.split_once('@').ok_or_else(bad)?;
@@ -65,10 +71,7 @@ impl std::str::FromStr for KillSpec {
         }
         let at = match when.strip_prefix("step:") {
             Some(step) => KillAt::Step(step.parse().map_err(|_| bad())?),
-            None if is_kill_point(when) => {
-                if role != Role::Server {
-                    return Err(bad());
-                }
+            None if is_kill_point(role, when) => {
                 KillAt::Point(FaultSpec::parse(when).map_err(|_| bad())?)
             }
             None => KillAt::After(parse_seconds(when).ok_or_else(bad)?),
@@ -185,12 +188,12 @@ pub(super) fn check_members(
     Ok(())
 }
 
-/// The fault points to arm, by server slot.
-pub(super) fn fault_points(kills: &[KillSpec]) -> Vec<(usize, FaultSpec)> {
+/// The fault points to arm, by member slot.
+pub(super) fn fault_points(kills: &[KillSpec]) -> Vec<(Role, usize, FaultSpec)> {
     kills
         .iter()
         .filter_map(|k| match &k.at {
-            KillAt::Point(p) => Some((k.id, p.clone())),
+            KillAt::Point(p) => Some((k.role, k.id, p.clone())),
             _ => None,
         })
         .collect()
@@ -209,6 +212,25 @@ mod tests {
         for s in ["server:2@1.5s=freeze", "worker:0@3s", "server:1@step:8"] {
             let spec: KillSpec = s.parse().unwrap();
             assert_eq!(spec.to_string().parse::<KillSpec>().unwrap(), spec, "{s}");
+        }
+    }
+
+    #[test]
+    fn worker_fault_points_parse_for_workers_only_and_are_armed_by_slot() {
+        let spec: KillSpec = "worker:1@prepared:8".parse().unwrap();
+        assert_eq!(spec.role, Role::Worker);
+        assert_eq!(spec.to_string(), "worker:1@prepared:8");
+        let server: KillSpec = "server:0@commit:5".parse().unwrap();
+        let armed = fault_points(&[spec, server]);
+        assert_eq!(armed.len(), 2);
+        assert_eq!((armed[0].0, armed[0].1), (Role::Worker, 1));
+        assert_eq!(armed[0].2.point, points::PREPARED);
+        assert_eq!((armed[1].0, armed[1].1), (Role::Server, 0));
+        // A server's point on a worker, a worker's on a server, and a point without its
+        // step are refused, naming both kinds.
+        for bad in ["worker:0@commit:5", "server:0@push:3", "worker:0@prepared"] {
+            let err = bad.parse::<KillSpec>().unwrap_err();
+            assert!(err.contains("worker:ID@push:N"), "{bad}: {err}");
         }
     }
 

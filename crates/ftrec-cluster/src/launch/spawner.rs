@@ -48,8 +48,8 @@ pub(super) struct LocalSpawner {
     pub(super) job_file: PathBuf,
     pub(super) logs: PathBuf,
     pub(super) children: Mutex<Vec<(String, Child)>>,
-    /// Planned deaths not yet handed to a process, by server slot.
-    pub(super) faults: Mutex<Vec<(usize, FaultSpec)>>,
+    /// Planned deaths not yet handed to a process, by member slot.
+    pub(super) faults: Mutex<Vec<(Role, usize, FaultSpec)>>,
     /// Processes started per server slot so far.
     pub(super) spawned: Mutex<Vec<usize>>,
     /// etcd membership: children find the coordinator through these endpoints
@@ -87,8 +87,8 @@ pub fn replacement_spawner(
 }
 
 impl LocalSpawner {
-    /// The `--fault` flags of the next process of slot `id`: phase points go to its first
-    /// process, a rebuild death to its first replacement (the process that rebuilds).
+    /// The `--fault` flags of the next process of server slot `id`: phase points go to its
+    /// first process, a rebuild death to its first replacement (the process that rebuilds).
     fn faults_for(&self, id: usize) -> Vec<String> {
         let Ok(mut spawned) = self.spawned.lock() else {
             return Vec::new();
@@ -98,16 +98,24 @@ impl LocalSpawner {
         }
         let replacement = spawned[id] > 0;
         spawned[id] += 1;
+        self.take_faults(Role::Server, id, |spec| {
+            (spec.point == points::REBUILD) == replacement
+        })
+    }
+
+    /// The `--fault` flags of the planned deaths of slot `role` `id` that `due` picks,
+    /// each handed to one process only (a worker's go to its first process).
+    fn take_faults(&self, role: Role, id: usize, due: impl Fn(&FaultSpec) -> bool) -> Vec<String> {
         let Ok(mut faults) = self.faults.lock() else {
             return Vec::new();
         };
         let mut mine = Vec::new();
-        faults.retain(|(slot, spec)| {
-            let due = *slot == id && (spec.point == points::REBUILD) == replacement;
-            if due {
+        faults.retain(|(r, slot, spec)| {
+            let taken = *r == role && *slot == id && due(spec);
+            if taken {
                 mine.extend(["--fault".to_string(), spec.to_string()]);
             }
-            !due
+            !taken
         });
         mine
     }
@@ -327,7 +335,8 @@ impl Spawner for LocalSpawner {
     fn spawn_worker(&self, id: usize, coordinator: &str) -> Result<(), PsError> {
         let mut args = self.base_args("worker", coordinator);
         args.extend(["--id".into(), id.to_string()]);
-        self.spawn(format!("worker-{id}"), &args)
+        let faults = self.take_faults(Role::Worker, id, |_| true);
+        self.spawn_with(format!("worker-{id}"), &args, faults)
     }
 
     fn exited(&self, role: Role, id: usize) -> bool {

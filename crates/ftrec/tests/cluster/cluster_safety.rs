@@ -150,6 +150,43 @@ fn sigkilled_workers_lose_no_step_sweep() {
     worker_kills_lose_nothing(20);
 }
 
+/// `cluster run --kill worker:J@prepared:N`: the worker dies with its step prepared on
+/// every server and committed on none (2PC between its phases), by its own fault point.
+/// The step is resolved, trained again, and the run ends bit-exact.
+#[test]
+fn a_worker_killed_between_the_commit_phases_by_cluster_run_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = FTREC.setup(dir.path());
+    let run = dir.path().join("run");
+    let steps = "300";
+    let args = ClusterRun::new(&data)
+        .run_dir(&run)
+        .steps(steps)
+        .no_eval()
+        .servers(3)
+        // One worker takes every step, so step 41 is surely its own.
+        .workers(1)
+        .deterministic()
+        .ft("ec")
+        .kill("worker:0@prepared:41")
+        .args();
+    let out = json_of(&FTREC.run(&args));
+    let kinds = events(&run);
+    assert_eq!(out["lost_samples"], 0, "{out}");
+    assert_eq!(out["parity_mismatches"], 0, "{out}");
+    assert_eq!(
+        out["state_digest"],
+        FTREC.single_process_digest(&data, steps),
+        "{kinds:?}"
+    );
+    assert!(
+        kinds
+            .iter()
+            .any(|(k, text)| *k == EventKind::WorkerFailureDetected && text.contains("worker 0")),
+        "the worker died at its fault point: {kinds:?}"
+    );
+}
+
 #[test]
 fn asynchronous_workers_killed_mid_run_train_every_step_exactly_once() {
     let dir = tempfile::tempdir().unwrap();
