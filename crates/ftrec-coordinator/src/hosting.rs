@@ -13,13 +13,18 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::Shared;
-use crate::state::State;
+use crate::state::{Phase, State};
 use ftrec_proto::proto::{HeartbeatReply, HeartbeatRequest, Role};
 use ftrec_proto::timeline::EventKind;
 
 /// While a recovery waits: gives each slot without a process a waiting spare, else, past
 /// the delay, asks a live server to start one on its host.
 pub(crate) fn fill_lost_slots(shared: &Shared, s: &mut State, now: Instant) {
+    // A coordinator whose lease is not surely its own gives no slot and asks for no
+    // process: a newer leader may be deciding about the same slots.
+    if !shared.may_decide() {
+        return;
+    }
     for id in lost_slots(s) {
         crate::control::give_spare(s, id, now);
     }
@@ -35,20 +40,18 @@ pub(crate) fn fill_lost_slots(shared: &Shared, s: &mut State, now: Instant) {
     {
         return;
     }
-    // A server that hosts a slot already carries two shards: ask another.
-    let hosting: BTreeSet<usize> = s
-        .members
-        .spares
-        .iter()
-        .filter(|sp| sp.assigned.is_some() && sp.member.alive)
-        .filter_map(|sp| sp.hosted_by)
+    // A server that hosts a slot already carries two shards, and a hosted slot runs on
+    // such a host: ask another.
+    let busy_hosts: BTreeSet<usize> = hosted_slots(s)
+        .into_iter()
+        .flat_map(|(slot, host)| [slot, host])
         .collect();
     let candidates: Vec<usize> = s
         .members
         .servers
         .iter()
         .enumerate()
-        .filter(|(j, m)| m.joined && m.alive && m.ready && !hosting.contains(j))
+        .filter(|(j, m)| m.joined && m.alive && m.ready && !busy_hosts.contains(j))
         .map(|(j, _)| j)
         .collect();
     let Some(server) = s.members.hosting.pick(&candidates) else {
@@ -71,6 +74,20 @@ pub(crate) fn fill_lost_slots(shared: &Shared, s: &mut State, now: Instant) {
     s.timeline.event(EventKind::Replacement, text);
 }
 
+/// Slots held by a process that a live server started on its host, with that server:
+/// `(slot, host)`.
+fn hosted_slots(s: &State) -> Vec<(usize, usize)> {
+    s.members
+        .spares
+        .iter()
+        .filter_map(|sp| {
+            let (slot, host) = (sp.assigned?, sp.hosted_by?);
+            let m = s.members.servers.get(slot)?;
+            (m.alive && m.incarnation == sp.member.incarnation).then_some((slot, host))
+        })
+        .collect()
+}
+
 /// Server slots whose process was declared dead and that none holds yet.
 fn lost_slots(s: &State) -> Vec<usize> {
     s.members
@@ -86,30 +103,36 @@ fn lost_slots(s: &State) -> Vec<usize> {
 /// moves a slot held by a process on a survivor's host to a spare that joined from
 /// elsewhere. True when it did (the job is then recovering).
 pub(crate) fn hand_over(shared: &Shared, s: &mut State) -> bool {
-    if !shared.job.config.cluster.ft.erasure_coded()
-        || !s.recovery.rebuilding.is_empty()
-        || !s.recovery.failed.is_empty()
-        || !s.members.servers_ready()
-    {
+    let now = Instant::now();
+    // A move we choose waits for a quiet moment, and for a coordinator that may decide:
+    // no rebuild, recovery, suspicion, cut or step to resolve under way, training not
+    // over. A second loss during the move's rebuild would cost the group two servers.
+    let quiet = s.recovery.rebuilding.is_empty()
+        && s.recovery.failed.is_empty()
+        && !s.recovery.suspecting(now)
+        && s.saves.pending().is_none()
+        && s.steps.ledger.orphans().is_empty()
+        && !s.steps.ledger.done()
+        && s.members.servers_ready();
+    if !shared.job.config.cluster.ft.erasure_coded() || !quiet || !shared.may_decide() {
         return false;
     }
-    let Some(free) = s
-        .members
-        .spares
-        .iter()
-        .find(|sp| sp.assigned.is_none() && sp.member.alive && sp.hosted_by.is_none())
-    else {
+    // A spare that waits is heard only through its heartbeats: one silent past the
+    // failure timeout may be gone, and moving the slot to it would cost a recovery.
+    let timeout = Duration::from_millis(shared.job.config.cluster.failure_timeout_ms);
+    let Some(free) = s.members.spares.iter().find(|sp| {
+        sp.assigned.is_none()
+            && sp.member.alive
+            && sp.hosted_by.is_none()
+            && sp.member.silent_for() < timeout
+    }) else {
         return false;
     };
     let (token, address) = (free.token, free.member.address.clone());
-    let hosted = s.members.spares.iter().find_map(|sp| {
-        let (slot, host) = (sp.assigned?, sp.hosted_by?);
-        let m = s.members.servers.get(slot)?;
-        (m.alive && m.incarnation == sp.member.incarnation).then_some((slot, host, m.incarnation))
-    });
-    let Some((slot, host, incarnation)) = hosted else {
+    let Some((slot, host)) = hosted_slots(s).first().copied() else {
         return false;
     };
+    let incarnation = s.members.servers[slot].incarnation;
     s.members.hosting.handed_over.insert(incarnation);
     let why = format!(
         "moves to spare {token} at {address}: it ran on server {host}'s host while no \
@@ -138,8 +161,9 @@ pub(crate) fn beat_of_a_moved_or_unwanted_host(
         return (req.incarnation != 0 && s.members.hosting.handed_over.contains(&req.incarnation))
             .then_some(stop);
     }
-    let slot_waits = s.members.servers.iter().any(|m| !m.alive);
-    if !s.steps.started || slot_waits {
+    // Unneeded only once every slot serves: a replacement still building may fail, and
+    // its slot would then need this spare.
+    if !s.steps.started || s.phase != Phase::Running || !s.members.servers_ready() {
         return None;
     }
     let spare = s

@@ -52,6 +52,9 @@ impl Coordinator for Service {
                 (Role::Server, true) => {
                     spare_token = incarnation;
                     let hosted_by = req.hosted_by.map(|j| j as usize);
+                    if let Some(host) = hosted_by {
+                        s.members.hosting.answered_by(host);
+                    }
                     s.members.spares.push(Spare {
                         token: spare_token,
                         member,
@@ -204,8 +207,10 @@ impl Coordinator for Service {
                 .served
                 .insert(req.incarnation, (req.rpcs_served, req.rpc_bytes_served));
         }
-        let start_spare =
-            req.role() == Role::Server && !req.spare && !stop && s.members.hosting.tell(id);
+        let start_spare = req.role() == Role::Server
+            && !req.spare
+            && !stop
+            && s.members.hosting.tell(id, Instant::now());
         Ok(Response::new(HeartbeatReply {
             epoch: s.epoch,
             stop,

@@ -19,3 +19,10 @@ pub mod stream;
 
 pub use error::PsError;
 pub use job::Job;
+
+/// How long a server asked to start a spare on its host (`HeartbeatReply.start_spare`) has
+/// for that spare to join. The coordinator says so on every heartbeat of that server until
+/// the spare joins or this passes (a heartbeat goes over two links at once, and the reply
+/// that wins may be the other one's), and asks another server after it; the server starts
+/// at most one spare in this long.
+pub const SPARE_ASK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(15);

@@ -281,6 +281,9 @@ async fn heartbeat_loop(
 ) -> Result<(), PsError> {
     let mut last_ok = Instant::now();
     let mut cut_off = CutOff::new();
+    // The coordinator says "start a spare" on every beat until that spare joins: one
+    // spare per `SPARE_ASK_PATIENCE`.
+    let mut spare_started: Option<Instant> = None;
     // The first beat goes at once: a replacement's "ready" starts the recovery.
     let mut wait = Duration::ZERO;
     loop {
@@ -307,7 +310,10 @@ async fn heartbeat_loop(
             Ok(r) => {
                 last_ok = Instant::now();
                 cut_off = CutOff::new();
-                if r.get_ref().start_spare {
+                if r.get_ref().start_spare
+                    && spare_started.is_none_or(|t| t.elapsed() >= ftrec_rpc::SPARE_ASK_PATIENCE)
+                {
+                    spare_started = Some(Instant::now());
                     start_spare_here(start_spare.as_ref(), core.id);
                 }
             }

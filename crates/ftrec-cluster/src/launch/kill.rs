@@ -184,8 +184,39 @@ pub(super) fn check_members(
                 count.saturating_sub(1)
             )));
         }
+        if let KillAt::Point(p) = &k.at {
+            check_worker_point(job, k, p)?;
+        }
     }
     Ok(())
+}
+
+/// A worker's fault point the job never passes is refused, not armed to fire never:
+/// `prepared` and `prepared-first` are 2PC's (an erasure-coded job with
+/// `ec.two_phase_commit`), and `prepared-first` is asynchronous workers' (deterministic
+/// ones prepare every server at once).
+fn check_worker_point(
+    job: &ftrec_rpc::Job,
+    k: &KillSpec,
+    p: &FaultSpec,
+) -> Result<(), ftrec_rpc::PsError> {
+    let c = &job.config;
+    let two_phase = c.cluster.ft.erasure_coded() && c.ec.two_phase_commit;
+    let why = match p.point.as_str() {
+        points::PREPARED | points::PREPARED_FIRST if !two_phase => {
+            "it is a point of the two-phase commit: an erasure-coded job (--ft ec or \
+             ec+checkpoint) with ec.two_phase_commit"
+        }
+        points::PREPARED_FIRST if c.cluster.deterministic => {
+            "deterministic workers prepare every server at once: use prepared:N, or \
+             asynchronous workers"
+        }
+        _ => return Ok(()),
+    };
+    Err(ftrec_rpc::PsError::Config(format!(
+        "--kill {k}: this job never passes {}: {why}",
+        p.point
+    )))
 }
 
 /// The fault points to arm, by member slot.
@@ -232,6 +263,28 @@ mod tests {
             let err = bad.parse::<KillSpec>().unwrap_err();
             assert!(err.contains("worker:ID@push:N"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn a_worker_point_the_job_never_passes_is_refused() {
+        let job = |ft: ftrec_config::FaultTolerance, deterministic: bool| {
+            let mut c = ftrec_config::JobConfig::preset("tiny").unwrap();
+            c.cluster.servers = 3;
+            c.cluster.ft = ft;
+            c.cluster.deterministic = deterministic;
+            c.data.dir = Some(std::env::temp_dir());
+            ftrec_rpc::Job::new(c).unwrap()
+        };
+        use ftrec_config::FaultTolerance::{Checkpoint, Ec};
+        let kill = |s: &str| vec![s.parse::<KillSpec>().unwrap()];
+        let refused = |job: &ftrec_rpc::Job, s: &str| check_members(job, &kill(s)).unwrap_err();
+        let e = refused(&job(Checkpoint, true), "worker:0@prepared:5").to_string();
+        assert!(e.contains("two-phase commit"), "{e}");
+        let e = refused(&job(Ec, true), "worker:0@prepared-first:5").to_string();
+        assert!(e.contains("deterministic"), "{e}");
+        check_members(&job(Ec, true), &kill("worker:0@prepared:5")).unwrap();
+        check_members(&job(Ec, false), &kill("worker:1@prepared-first:5")).unwrap();
+        check_members(&job(Checkpoint, true), &kill("worker:0@push:5")).unwrap();
     }
 
     #[test]

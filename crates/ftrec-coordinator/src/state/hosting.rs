@@ -12,14 +12,14 @@ use tokio::time::Instant;
 /// How long a server asked to start a spare has for that spare to join before the ask
 /// goes to another server: a spare joins before it allocates anything, so this covers a
 /// process start and a refused memory check with room to spare.
-pub(crate) const ASK_PATIENCE: Duration = Duration::from_secs(15);
+pub(crate) const ASK_PATIENCE: Duration = ftrec_rpc::SPARE_ASK_PATIENCE;
 
-/// One ask: `server` is to start a spare; `told` once its heartbeat reply said so.
+/// One ask: `server` is to start a spare; `answered` once a spare it started joined.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct HostAsk {
     pub(crate) server: usize,
     pub(crate) at: Instant,
-    pub(crate) told: bool,
+    pub(crate) answered: bool,
 }
 
 #[derive(Debug, Default)]
@@ -76,18 +76,25 @@ impl Hosting {
         self.ask = Some(HostAsk {
             server,
             at: now,
-            told: false,
+            answered: false,
         });
     }
 
-    /// Whether `server`'s heartbeat reply is to say "start a spare" (once per ask).
-    pub(crate) fn tell(&mut self, server: usize) -> bool {
-        match &mut self.ask {
-            Some(ask) if ask.server == server && !ask.told => {
-                ask.told = true;
-                true
-            }
-            _ => false,
+    /// Whether `server`'s heartbeat reply is to say "start a spare": on every beat of the
+    /// server asked until a spare it started joins or the ask is [`ASK_PATIENCE`] old. A
+    /// heartbeat goes over two links at once and the reply of either may win, so a flag
+    /// sent once was lost in one CI run; the server starts at most one spare per
+    /// [`ASK_PATIENCE`] however often it is told.
+    pub(crate) fn tell(&self, server: usize, now: Instant) -> bool {
+        self.ask.as_ref().is_some_and(|ask| {
+            ask.server == server && !ask.answered && now.duration_since(ask.at) < ASK_PATIENCE
+        })
+    }
+
+    /// A spare that `host` started joined: its ask is answered.
+    pub(crate) fn answered_by(&mut self, host: usize) {
+        if let Some(ask) = self.ask.as_mut().filter(|a| a.server == host) {
+            ask.answered = true;
         }
     }
 }
@@ -107,10 +114,19 @@ mod tests {
         assert_eq!(h.pick(&[0, 2]), Some(0));
         h.asked_of(0, t0 + after);
         assert!(!h.due(t0 + after + Duration::from_secs(1), true, after));
-        // Told once, on server 0's next beat only.
-        assert!(!h.tell(2));
-        assert!(h.tell(0));
-        assert!(!h.tell(0));
+        // Told on each of server 0's beats until its spare joins, and only it.
+        let soon = t0 + after + Duration::from_secs(1);
+        assert!(!h.tell(2, soon));
+        assert!(h.tell(0, soon));
+        assert!(h.tell(0, soon));
+        assert!(
+            !h.tell(0, t0 + after + ASK_PATIENCE),
+            "an expired ask is not told"
+        );
+        h.answered_by(2);
+        assert!(h.tell(0, soon), "another server's spare answers nothing");
+        h.answered_by(0);
+        assert!(!h.tell(0, soon));
         // No spare came: the next ask goes to server 2, then back to 0.
         let later = t0 + after + ASK_PATIENCE;
         assert!(h.due(later, true, after));

@@ -1,10 +1,12 @@
 //! How `ftrec server` starts a spare on its own host when the coordinator asks (a lost
 //! slot waited past `cluster.survivor_spare_after_s` with no replacement; issue 42,
 //! hole 8): this same binary, `server --spare --hosted-by ID`, with the same job file and
-//! the same way to the coordinator. The spare is a process of its own, not a task in this
-//! one: it outlives this server if this server dies, and it is stopped on its own when
-//! its slot moves to a spare from elsewhere.
+//! the same way to the coordinator. The spare is a process of its own, in a process group
+//! of its own, not a task in this one: it outlives this server if this server dies (not
+//! a restart of the whole container or cgroup), and it is stopped on its own when its
+//! slot moves to a spare from elsewhere.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -46,7 +48,10 @@ fn start(job: &Path, find: &[String], host: &str, id: usize) -> Result<String, P
         .stdout(file)
         .stderr(stderr)
         // Its parent is this server, not a launcher.
-        .env_remove(ftrec_cluster::launch::LAUNCHER_PID_ENV);
+        .env_remove(ftrec_cluster::launch::LAUNCHER_PID_ENV)
+        // A process group of its own: a Ctrl-C or a signal to this server's group does
+        // not take the slot it holds down with this server.
+        .process_group(0);
     let mut child = command.spawn().map_err(|e| io(&exe, e))?;
     let pid = child.id();
     // Reaped when it exits, so that it never lingers as a zombie under this server.
