@@ -56,6 +56,7 @@ impl BenchRun<'_> {
                 exe: self.host.exe()?,
                 time_limit: Duration::from_secs(1800),
                 evaluate: self.evaluate.then(|| self.host.evaluator()),
+                save: None,
             },
             |_| {},
         )?;

@@ -285,6 +285,9 @@ impl Shared {
         if s.phase == Phase::Running
             && let Some(due) = self.cut_due(s)
         {
+            if s.steps.ledger.next_step() >= s.steps.ledger.total() {
+                s.cuts.final_cut_tries += 1;
+            }
             match due {
                 // Own saves pause nothing: the control loop asks the servers now, and
                 // granting goes on.
@@ -322,9 +325,27 @@ impl Shared {
         }
         // A background rebuild finishes before the run ends, so the model gathered and
         // its parity verified are whole, and the report has the rebuild's figures.
-        if s.steps.ledger.done() && s.recovery.rebuilding.is_empty() {
+        // So does the final cut: the end of the job is kept.
+        if s.steps.ledger.done()
+            && s.recovery.rebuilding.is_empty()
+            && !self.final_cut_outstanding(s)
+        {
             s.phase = Phase::Done;
             let steps = s.steps.ledger.next_step();
+            if !self.final_cut_kept(s) {
+                let newest = s
+                    .saves
+                    .last_checkpoint
+                    .map_or("none".to_string(), |c| format!("step {c}"));
+                s.timeline.event(
+                    EventKind::Error,
+                    format!(
+                        "the final cut of step {steps} failed {} times; the job's newest \
+                         cut is {newest}",
+                        state::FINAL_CUT_TRIES
+                    ),
+                );
+            }
             s.timeline
                 .event(EventKind::TrainingEnd, format!("{steps} steps"));
             self.done.send_replace(true);
@@ -352,16 +373,68 @@ impl Shared {
     /// Which checkpoint, if any, is due at the next fresh step.
     fn cut_due(&self, s: &State) -> Option<SaveDue> {
         let next = s.steps.ledger.next_step();
+        if next >= s.steps.ledger.total() {
+            return self.final_cut_due(s);
+        }
         let may_save = self.job.config.cluster.ft.checkpoints()
             && next > 0
             && s.saves.last_save != Some(next)
             && s.saves.pending().is_none()
             // A slot rebuilding in the background has no complete shard to cut yet.
-            && s.recovery.rebuilding.is_empty()
-            && next < s.steps.ledger.total();
+            && s.recovery.rebuilding.is_empty();
         let have_cut = s.saves.last_checkpoint.is_some();
         s.cuts
             .due(&self.job, next, Instant::now(), may_save, have_cut)
+    }
+}
+
+impl Shared {
+    /// The final cut, of the state after the job's last step, is due: every step has
+    /// settled, none of its attempts is under way, and tries are left. A resume, an export
+    /// or `ckpt restore` then starts from the end of the job, not its last scheduled cut.
+    /// With `cpr.uncoordinated` it is every server's own save, asked of those whose newest
+    /// is older: after the last step they are all saves of one state.
+    fn final_cut_due(&self, s: &State) -> Option<SaveDue> {
+        let total = s.steps.ledger.total();
+        let ready = self.final_cut_outstanding(s)
+            && !self.final_cut_in_flight(s)
+            && s.steps.ledger.done()
+            && s.recovery.rebuilding.is_empty()
+            && s.cuts.final_cut_may_start(Instant::now());
+        if !ready {
+            return None;
+        }
+        match &s.cuts.own_saves {
+            Some(own) => Some(SaveDue::Own(own.not_saved_at(total))),
+            None => Some(SaveDue::Cut { priority: false }),
+        }
+    }
+
+    /// The job checkpoints, and its final cut has neither committed nor used up its
+    /// tries: the run does not end yet.
+    fn final_cut_outstanding(&self, s: &State) -> bool {
+        !self.final_cut_kept(s)
+            && (self.final_cut_in_flight(s) || s.cuts.final_cut_tries < state::FINAL_CUT_TRIES)
+    }
+
+    /// The final cut committed, or the job takes none (no checkpoints, or no steps).
+    fn final_cut_kept(&self, s: &State) -> bool {
+        let total = s.steps.ledger.total();
+        if !self.job.config.cluster.ft.checkpoints() || total == 0 {
+            return true;
+        }
+        match &s.cuts.own_saves {
+            Some(own) => own.not_saved_at(total).is_empty() && !own.any_busy(),
+            None => s.saves.last_checkpoint == Some(total),
+        }
+    }
+
+    /// An attempt at a save is under way: a cut pausing the grants, one committing in the
+    /// background, or own saves asked for or being taken.
+    fn final_cut_in_flight(&self, s: &State) -> bool {
+        s.phase == Phase::Checkpointing
+            || s.saves.pending().is_some()
+            || s.cuts.own_saves.as_ref().is_some_and(|o| o.any_busy())
     }
 }
 

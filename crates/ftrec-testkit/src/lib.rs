@@ -1,7 +1,6 @@
 //! What the workspace's integration tests share, as one crate instead of source files
-//! included across crates: the servers tests start (moto's S3, Azurite, etcd), the `ftrec`
-//! binary's helpers, the one `cluster run` argument builder, and the model states the
-//! checkpoint tests save.
+//! included across crates: the servers tests start (moto's S3, Azurite, etcd), the `ftrec` binary's helpers, the one `cluster run` argument builder, and the
+//! model states the checkpoint tests save.
 //!
 //! A dependency that a test needs and this machine lacks fails the test, naming the
 //! missing piece and `./scripts/test-deps`: a test never skips itself ([`deps`]).

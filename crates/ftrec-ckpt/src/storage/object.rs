@@ -1,6 +1,7 @@
 //! Checkpoints in object storage (S3 and S3-compatible servers, Google Cloud Storage,
-//! Azure Blob Storage) through the `object_store` crate. A single PUT is atomic, and the manifest is written after every file it names,
-//! so the commit rule is the same as on a local disk.
+//! Azure Blob Storage) through the `object_store` crate. A single PUT is atomic, and the
+//! manifest is written after every file it names, so the commit rule is the same as on a
+//! local disk.
 
 use std::sync::Arc;
 
@@ -101,7 +102,7 @@ impl ObjectStoreBackend {
         }
     }
 
-    /// One PUT with `mode` (a conditional create or update); returns the new ETag.
+    /// One PUT with `mode` (a conditional create or update); returns the new version tag.
     fn put_mode(&self, key: &str, bytes: &[u8], mode: PutMode) -> Result<String, CkptError> {
         let path = self.path(key)?;
         let payload = PutPayload::from(bytes.to_vec());
@@ -109,7 +110,32 @@ impl ObjectStoreBackend {
             .runtime
             .block_on(self.inner.put_opts(&path, payload, PutOptions::from(mode)))
             .map_err(|e| self.error(key, e))?;
-        Ok(result.e_tag.unwrap_or_default())
+        Ok(version_tag(result.e_tag, result.version))
+    }
+}
+
+/// Separates the ETag from the version in a [`Store::get_versioned`] tag.
+const TAG_SEPARATOR: char = '\u{1f}';
+
+/// The opaque tag of one version of an object: its ETag and its version both, as
+/// `object_store` asks callers to keep. Services condition an update on different ones:
+/// S3 and Azure on the ETag (`If-Match`), GCS on the generation
+/// (`x-goog-if-generation-match`); an update with the ETag alone fails on GCS.
+fn version_tag(e_tag: Option<String>, version: Option<String>) -> String {
+    format!(
+        "{}{TAG_SEPARATOR}{}",
+        e_tag.unwrap_or_default(),
+        version.unwrap_or_default()
+    )
+}
+
+/// The update condition a [`version_tag`] names.
+fn update_version(tag: &str) -> UpdateVersion {
+    let (e_tag, version) = tag.split_once(TAG_SEPARATOR).unwrap_or((tag, ""));
+    let some = |s: &str| (!s.is_empty()).then(|| s.to_string());
+    UpdateVersion {
+        e_tag: some(e_tag),
+        version: some(version),
     }
 }
 
@@ -124,7 +150,7 @@ impl Store for ObjectStoreBackend {
         let path = self.path(key)?;
         let got = self.runtime.block_on(async {
             let r = self.inner.get(&path).await?;
-            let tag = r.meta.e_tag.clone().unwrap_or_default();
+            let tag = version_tag(r.meta.e_tag.clone(), r.meta.version.clone());
             Ok::<_, object_store::Error>((r.bytes().await?.to_vec(), tag))
         });
         match got {
@@ -142,10 +168,7 @@ impl Store for ObjectStoreBackend {
     ) -> Result<String, CkptError> {
         let mode = match expected {
             None => PutMode::Create,
-            Some(tag) => PutMode::Update(UpdateVersion {
-                e_tag: Some(tag.to_string()),
-                version: None,
-            }),
+            Some(tag) => PutMode::Update(update_version(tag)),
         };
         self.put_mode(key, bytes, mode).map_err(|e| match e {
             CkptError::AlreadyExists { key } => {
@@ -293,5 +316,19 @@ mod tests {
         assert!(e.contains("unsupported scheme ftp://"), "{e}");
         let e = split_url("s3:///p").unwrap_err().to_string();
         assert!(e.contains("missing bucket"), "{e}");
+    }
+
+    proptest::proptest! {
+        /// An update is conditioned on exactly the ETag and version the read returned,
+        /// whichever of them the service gave.
+        #[test]
+        fn a_version_tag_gives_back_the_etag_and_version_it_was_made_of(
+            e_tag in proptest::option::of("[!-~]{1,40}"),
+            version in proptest::option::of("[0-9]{1,20}"),
+        ) {
+            let back = update_version(&version_tag(e_tag.clone(), version.clone()));
+            proptest::prop_assert_eq!(back.e_tag, e_tag);
+            proptest::prop_assert_eq!(back.version, version);
+        }
     }
 }

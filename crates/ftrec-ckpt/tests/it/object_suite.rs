@@ -1,6 +1,7 @@
 //! The checkpoint engine's contract with an object store, run against each real server the
-//! tests start (moto for S3, Azurite for Azure): store operations, every strategy restoring
-//! every checkpoint exactly, and damage found and named by URL.
+//! tests start (moto for S3, Azurite for Azure): store operations,
+//! conditional writes and the fencing built on them, every strategy restoring every
+//! checkpoint exactly, and damage found and named by URL.
 
 use ftrec_ckpt::{Checkpointer, Checkpoints, ObjectStoreBackend, Store, Strategy};
 use ftrec_model::{ModelConfig, ModelState, Optimizer};
@@ -43,6 +44,9 @@ pub fn run(root: &str, open: impl Fn(&str) -> ObjectStoreBackend) {
     crate::fencing::a_manifest_that_slipped_past_a_takeover_is_never_restored(std::sync::Arc::new(
         open(&format!("{root}/fencing-late")),
     ));
+    a_crash_between_upload_and_manifest_loses_nothing(std::sync::Arc::new(open(&format!(
+        "{root}/crash"
+    ))));
 
     for (i, strategy) in [
         Strategy::Full,
@@ -110,6 +114,41 @@ pub fn run(root: &str, open: impl Fn(&str) -> ObjectStoreBackend) {
         e.contains(&format!("{root}/damage/")) && e.contains(&m.chunks[0].key),
         "{e}"
     );
+}
+
+/// A writer that dies between uploading a checkpoint's data and its manifest (its
+/// manifest PUT never lands): the checkpoint before stays the newest and restores, and `gc`
+/// with no writer left deletes what the dead write uploaded.
+fn a_crash_between_upload_and_manifest_loses_nothing(store: std::sync::Arc<dyn Store>) {
+    let frozen = std::sync::Arc::new(crate::fencing::Frozen::new(store.clone()));
+    let writer = Checkpoints::from_arc(frozen.clone());
+    let kept = state(1);
+    let first = writer
+        .write_full(&kept, 1, serde_json::Value::Null)
+        .unwrap();
+    frozen.hold_next_manifest();
+    let lost = writer
+        .write_full(&state(2), 2, serde_json::Value::Null)
+        .unwrap();
+    drop(writer);
+    let uploaded = &lost.chunks[0].key;
+    assert!(store.get(uploaded).is_ok(), "the data was uploaded");
+    let reader = Checkpoints::from_arc(store.clone());
+    let ids: Vec<String> = reader.list().unwrap().into_iter().map(|m| m.id).collect();
+    assert_eq!(ids, std::slice::from_ref(&first.id));
+    let (restored, _) = reader.restore(&first.id).unwrap();
+    assert!(
+        restored == kept,
+        "the committed checkpoint restores exactly"
+    );
+    let report = reader.gc(None).unwrap();
+    assert!(report.files > 0, "{report:?}");
+    assert!(matches!(
+        store.get(uploaded),
+        Err(ftrec_ckpt::CkptError::NotFound(_))
+    ));
+    let (restored, _) = reader.restore(&first.id).unwrap();
+    assert!(restored == kept, "gc kept the committed checkpoint");
 }
 
 /// Conditional writes on the real server: a create never replaces, a compare-and-swap

@@ -28,6 +28,8 @@ pub struct EtcdLaunch {
     pub coordinators: usize,
     /// `--kill coordinator@...`: SIGKILL the leader.
     pub coordinator_kills: Vec<CoordinatorKill>,
+    /// `--save`: every coordinator is told the file; the one that ends the job writes it.
+    pub save: Option<PathBuf>,
 }
 
 pub struct EtcdRunOptions {
@@ -138,7 +140,7 @@ async fn supervise(
         let name = format!("coordinator-{}", coordinators.len());
         let out = run_dir.join(&name);
         let report = run_dir.join(format!("{name}.json"));
-        spawner.spawn_coordinator(&name, standby, &out, &report)?;
+        spawner.spawn_coordinator(&name, standby, &out, &report, etcd.save.as_deref())?;
         coordinators.push(Coordinator { name, report, out });
         Ok::<_, PsError>(())
     };

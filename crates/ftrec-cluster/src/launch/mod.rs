@@ -13,7 +13,7 @@ mod spawner;
 
 pub use cpu::CpuWindow;
 pub use kill::{CoordinatorKill, KillAt, KillSpec, coordinator_kill, parse_member};
-pub use report::final_report;
+pub use report::{check_save_path, final_report};
 pub use run_dir::private_run_dir;
 use spawner::LocalSpawner;
 pub use spawner::{LAUNCHER_PID_ENV, die_with_launcher, replacement_spawner};
@@ -45,6 +45,9 @@ pub struct LaunchOptions {
     /// Evaluates the final model (the caller's trainer on the test split, say); the
     /// cluster itself has no evaluation of its own to depend on.
     pub evaluate: Option<Evaluator>,
+    /// `--save`: the final model goes to this snapshot file (`.ftm`, as `train --save`
+    /// writes), gathered once the last step committed.
+    pub save: Option<PathBuf>,
 }
 
 /// Metrics of the gathered final model, or why they could not be computed.
@@ -103,6 +106,9 @@ pub struct LaunchReport {
     pub auc: Option<f64>,
     pub logloss: Option<f64>,
     pub eval_samples: Option<usize>,
+    /// `--save`: the snapshot file the final model was written to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub saved_model: Option<PathBuf>,
     pub run_dir: PathBuf,
     /// The caller removed the run directory after the run (a temporary one).
     pub run_dir_removed: bool,
@@ -137,6 +143,7 @@ async fn run_async(
         exe,
         time_limit,
         evaluate,
+        save,
     } = opts;
     kill::check_members(&job, &kills)?;
     let logs = run_dir.join("logs");
@@ -199,8 +206,15 @@ async fn run_async(
             .unwrap_or_else(|p| p.into_inner())
             .sample(shared.now(), pids);
         let kill_times = kill_times?;
-        let mut report =
-            report::final_report(&job, &shared, kill_times, evaluate, &run_dir).await?;
+        let mut report = report::final_report(
+            &job,
+            &shared,
+            kill_times,
+            evaluate,
+            &run_dir,
+            save.as_deref(),
+        )
+        .await?;
         // The servers still serve: gathering the model for the report is part of the run.
         peaks.sample(|role, id| shared.pid_of(role, id));
         peaks.sample_spares(&shared.waiting_spare_pids());

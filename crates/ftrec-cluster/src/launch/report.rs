@@ -4,19 +4,23 @@
 use std::path::Path;
 
 use ftrec_coordinator::Shared;
+use ftrec_model::ModelState;
 use ftrec_proto::timeline::{EventKind, Subject, TimelineData};
 use ftrec_rpc::{Job, PsError};
+use ftrec_train::{Progress, TrainError};
 
 use super::{Evaluator, LaunchReport};
 
 /// The report of a finished run: the summary, the gathered model's digests, the parity
-/// check (erasure coding), the evaluation. The servers must still serve.
+/// check (erasure coding), the evaluation; the model is saved to `save` first. The servers
+/// must still serve.
 pub async fn final_report(
     job: &Job,
     shared: &Shared,
     mut kill_times: Vec<f64>,
     evaluate: Option<Evaluator>,
     run_dir: &Path,
+    save: Option<&Path>,
 ) -> Result<LaunchReport, PsError> {
     let mut summary = shared.summary();
     let timeline = shared.timeline();
@@ -53,6 +57,9 @@ pub async fn final_report(
         parity_mismatch_details = Some(report.details);
     }
     let digest = state.digest().to_string();
+    if let Some(path) = save {
+        save_model(path, &state, summary.steps)?;
+    }
     let (mut auc, mut logloss, mut eval_samples) = (None, None, None);
     if let Some(evaluate) = evaluate {
         let metrics = evaluate(job, state).map_err(PsError::Fatal)?;
@@ -79,8 +86,49 @@ pub async fn final_report(
         auc,
         logloss,
         eval_samples,
+        saved_model: save.map(Path::to_path_buf),
         run_dir: run_dir.to_path_buf(),
         run_dir_removed: false,
+    })
+}
+
+/// Refuses a `--save` path that cannot be written, before a run whose end it would keep:
+/// its folder must exist, and the path must not name a folder.
+pub fn check_save_path(path: &Path) -> Result<(), PsError> {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        return Err(PsError::Config(format!(
+            "--save {}: the folder {} does not exist",
+            path.display(),
+            parent.display()
+        )));
+    }
+    if path.is_dir() {
+        return Err(PsError::Config(format!(
+            "--save {}: a folder, not a file",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Writes the gathered model as a snapshot, as `train --save` does. The progress holds
+/// the step: the workers' data positions are theirs (the cut keeps them), and a snapshot
+/// serves `eval` and export, not a resume.
+fn save_model(path: &Path, state: &ModelState, steps: u64) -> Result<(), PsError> {
+    let progress = Progress {
+        step: steps,
+        ..Progress::default()
+    };
+    ftrec_train::snapshot::save(path, state, progress).map_err(|e| match e {
+        TrainError::Io { path, error } => PsError::Io {
+            path: path.display().to_string(),
+            error,
+        },
+        other => PsError::Fatal(format!("saving the model to {}: {other}", path.display())),
     })
 }
 

@@ -189,6 +189,7 @@ impl LocalSpawner {
         standby: bool,
         out: &std::path::Path,
         report: &std::path::Path,
+        save: Option<&std::path::Path>,
     ) -> Result<u32, PsError> {
         let endpoints = self.etcd.clone().unwrap_or_default();
         let mut args: Vec<String> = vec![
@@ -210,6 +211,9 @@ impl LocalSpawner {
         ];
         if standby {
             args.push("--standby".into());
+        }
+        if let Some(save) = save {
+            args.extend(["--save".into(), save.display().to_string()]);
         }
         let io = |path: &std::path::Path| {
             let path = path.display().to_string();

@@ -95,6 +95,19 @@ impl OwnSaves {
         }
     }
 
+    /// Some server's save is asked for or being taken.
+    pub(crate) fn any_busy(&self) -> bool {
+        (0..self.running.len()).any(|j| self.busy(j))
+    }
+
+    /// The idle servers whose newest save is not of `step`: those the final cut still
+    /// asks (the job's last step, where every save is a save of the same state).
+    pub(crate) fn not_saved_at(&self, step: u64) -> Vec<usize> {
+        (0..self.retained.len())
+            .filter(|&j| !self.busy(j) && self.newest(j) != Some(step))
+            .collect()
+    }
+
     /// Server `j`'s save is asked for or being taken: no other of its own is due.
     fn busy(&self, j: usize) -> bool {
         self.running.get(j).copied().unwrap_or(false) || self.requested.contains(&j)

@@ -16,6 +16,10 @@ use crate::replan::Replan;
 /// The first wait after a failed cut; it doubles on each failure in a row up to the cap.
 const FIRST_CUT_BACKOFF: Duration = Duration::from_secs(2);
 const MAX_CUT_BACKOFF: Duration = Duration::from_secs(300);
+/// Attempts at the final cut (at the job's last step) before the job ends without it: a
+/// cut fails for a dead server (recovered, then tried again) or a full disk (which no
+/// wait mends, and the model is still written by `--save`).
+pub(crate) const FINAL_CUT_TRIES: u32 = 3;
 
 pub(crate) struct CutSchedule {
     /// The cut being taken is a CPR prioritised save.
@@ -43,6 +47,8 @@ pub(crate) struct CutSchedule {
     pub(crate) own_saves: Option<OwnSaves>,
     /// `cluster.ft = "partial"`: PLS, interval and the full-or-partial choice.
     pub(crate) cpr: Option<CprState>,
+    /// Attempts started at the final cut, the one at the job's last step.
+    pub(crate) final_cut_tries: u32,
 }
 
 /// What [`CutSchedule::due`] found due.
@@ -79,6 +85,7 @@ impl CutSchedule {
             replan,
             own_saves,
             cpr: CprState::new(job, total_samples)?,
+            final_cut_tries: 0,
         })
     }
 
@@ -121,6 +128,12 @@ impl CutSchedule {
                 .as_ref()
                 .is_some_and(|cpr| cpr.priority_due(now, next, every));
         (may_save && (cut || priority)).then_some(SaveDue::Cut { priority })
+    }
+
+    /// Another attempt at the final cut may start at `now`: tries are left, and no
+    /// backoff after a failed one holds it.
+    pub(crate) fn final_cut_may_start(&self, now: Instant) -> bool {
+        self.final_cut_tries < FINAL_CUT_TRIES && self.backoff.is_none_or(|(until, _)| now >= until)
     }
 
     /// Training starts (or a cut committed) at `now`: the interval in seconds counts
@@ -205,6 +218,7 @@ mod tests {
             replan: None,
             own_saves: None,
             cpr: None,
+            final_cut_tries: 0,
         }
     }
 

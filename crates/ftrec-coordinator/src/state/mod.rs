@@ -25,7 +25,7 @@ mod recoveries;
 mod saves;
 mod steps;
 
-pub(crate) use cuts::{CutSchedule, SaveDue};
+pub(crate) use cuts::{CutSchedule, FINAL_CUT_TRIES, SaveDue};
 pub(crate) use hosting::Hosting;
 pub(crate) use leadership::LeaderState;
 pub(crate) use membership::{Member, Membership, Spare};

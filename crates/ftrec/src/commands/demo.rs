@@ -119,6 +119,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
             exe: std::env::current_exe()?,
             time_limit: std::time::Duration::from_secs(3600),
             evaluate: Some(crate::commands::cluster::evaluator()),
+            save: None,
         },
         |p| {
             pb.set_position(p.steps);

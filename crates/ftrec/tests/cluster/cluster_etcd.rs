@@ -14,6 +14,7 @@ use ftrec_testkit::ClusterRun;
 use ftrec_testkit::by_hand::{
     etcd_coordinator, hand_job, listening_address, signal, spawn, spawn_members, wait_exit,
 };
+use ftrec_testkit::cli::json_of;
 use ftrec_testkit::etcd::LocalEtcd;
 
 use crate::FTREC;
@@ -63,14 +64,33 @@ fn a_leader_killed_mid_run_or_mid_rebuild_is_replaced_and_the_run_is_exact() {
     let etcd = etcd(dir.path());
     let expected = FTREC.single_process_digest(&data, "1500");
 
+    // The leader that ends the job writes `--save`: here the one that took over.
+    let saved = dir.path().join("mid-run.ftm");
     let report = run_with_etcd(
         &data,
         &dir.path().join("mid-run"),
         &etcd.endpoint,
         "1500",
-        &["--ft", "ec", "--kill", "coordinator@1.5s"],
+        &[
+            "--ft",
+            "ec",
+            "--kill",
+            "coordinator@1.5s",
+            "--save",
+            saved.to_str().unwrap(),
+        ],
     );
     assert_eq!(report["state_digest"], expected, "{report}");
+    let model = json_of(&FTREC.run(&[
+        "eval",
+        "--model",
+        saved.to_str().unwrap(),
+        "--data",
+        &data,
+        "--json",
+    ]));
+    assert_eq!(model["state_digest"], expected, "{model}");
+    assert_eq!(model["model_step"], 1500, "{model}");
     assert_eq!(report["lost_samples"], 0);
     assert_eq!(report["parity_mismatches"], 0);
     assert_eq!(report["replica_mismatches"], 0);

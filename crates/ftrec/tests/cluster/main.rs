@@ -9,6 +9,7 @@ mod cluster;
 mod cluster_auto;
 mod cluster_ec;
 mod cluster_etcd;
+mod cluster_lifecycle;
 mod cluster_outage;
 mod cluster_partial;
 mod cluster_safety;

@@ -46,6 +46,10 @@ pub struct CoordinatorArgs {
     /// fences any server); it fires once.
     #[arg(long = "fault", value_name = "SPEC")]
     pub faults: Vec<String>,
+    /// Write the final model to this snapshot file (`.ftm`, as `train --save`) once the
+    /// last step has committed; whichever coordinator leads at the end writes it.
+    #[arg(long, value_name = "FILE")]
+    pub save: Option<PathBuf>,
 }
 
 pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
@@ -53,6 +57,9 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
     let mut job = Job::load(&a.job)?;
     if let Some(endpoints) = a.etcd.clone() {
         job = job.with_etcd(endpoints);
+    }
+    if let Some(save) = &a.save {
+        launch::check_save_path(save)?;
     }
     let faults = ftrec_faults::Faults::parse_all(a.faults.iter().map(String::as_str))?;
     let rt = runtime()?;
@@ -95,7 +102,9 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
             return Ok((shared.summary(), None));
         }
         // Gathered, and the parity checked, while the servers still serve.
-        let report = launch::final_report(&job, &shared, Vec::new(), None, &a.out).await?;
+        let report =
+            launch::final_report(&job, &shared, Vec::new(), None, &a.out, a.save.as_deref())
+                .await?;
         shared.timeline().write(&a.out)?;
         shared.stop();
         // Let the heartbeats carry `stop` to every server before exiting.

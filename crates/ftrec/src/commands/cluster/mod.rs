@@ -140,6 +140,10 @@ pub struct ClusterRunArgs {
     /// Skip the final evaluation on the test split.
     #[arg(long)]
     pub no_eval: bool,
+    /// Write the final model to this snapshot file (`.ftm`, as `train --save`) once the
+    /// last step has committed, under every `--ft`; `ftrec eval --model FILE` reads it.
+    #[arg(long, value_name = "FILE")]
+    pub save: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
 }
@@ -258,6 +262,12 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
 fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Result<()> {
     let data = a.data.as_deref().map(absolute).transpose()?;
     let checkpoint_dir = a.checkpoint_dir.as_deref().map(absolute).transpose()?;
+    // Checked before the run whose end it keeps; absolute, as coordinators are processes
+    // of their own under etcd.
+    let save = a.save.as_deref().map(absolute).transpose()?;
+    if let Some(save) = &save {
+        launch::check_save_path(save)?;
+    }
     let mut extra = run_overrides(a.steps, data.as_deref(), checkpoint_dir.as_deref());
     if let Some(n) = a.servers {
         extra.push(format!("cluster.servers={n}"));
@@ -331,6 +341,7 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
                     endpoints,
                     coordinators: a.coordinators,
                     coordinator_kills,
+                    save,
                 },
             },
             a.json,
@@ -354,6 +365,7 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
             exe: std::env::current_exe().context("locating the ftrec binary")?,
             time_limit: Duration::from_secs_f64(a.time_limit),
             evaluate: (!a.no_eval).then(evaluator),
+            save,
         },
         |p| {
             if !announced.replace(true) {
