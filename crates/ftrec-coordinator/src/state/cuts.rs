@@ -20,6 +20,9 @@ const MAX_CUT_BACKOFF: Duration = Duration::from_secs(300);
 /// cut fails for a dead server (recovered, then tried again) or a full disk (which no
 /// wait mends, and the model is still written by `--save`).
 pub(crate) const FINAL_CUT_TRIES: u32 = 3;
+/// The wait after a failed final cut. Not the cut backoff, which cuts failing all run long
+/// (a full disk) leave at minutes: the job's end would wait that long for each try.
+const FINAL_CUT_RETRY: Duration = Duration::from_secs(2);
 
 pub(crate) struct CutSchedule {
     /// The cut being taken is a CPR prioritised save.
@@ -49,6 +52,8 @@ pub(crate) struct CutSchedule {
     pub(crate) cpr: Option<CprState>,
     /// Attempts started at the final cut, the one at the job's last step.
     pub(crate) final_cut_tries: u32,
+    /// After a failed final cut: no other attempt before this instant.
+    final_cut_retry_at: Option<Instant>,
 }
 
 /// What [`CutSchedule::due`] found due.
@@ -86,6 +91,7 @@ impl CutSchedule {
             own_saves,
             cpr: CprState::new(job, total_samples)?,
             final_cut_tries: 0,
+            final_cut_retry_at: None,
         })
     }
 
@@ -130,10 +136,15 @@ impl CutSchedule {
         (may_save && (cut || priority)).then_some(SaveDue::Cut { priority })
     }
 
-    /// Another attempt at the final cut may start at `now`: tries are left, and no
-    /// backoff after a failed one holds it.
+    /// Another attempt at the final cut may start at `now`: tries are left, and the
+    /// last failed one was [`FINAL_CUT_RETRY`] ago.
     pub(crate) fn final_cut_may_start(&self, now: Instant) -> bool {
-        self.final_cut_tries < FINAL_CUT_TRIES && self.backoff.is_none_or(|(until, _)| now >= until)
+        self.final_cut_tries < FINAL_CUT_TRIES && self.final_cut_retry_at.is_none_or(|t| now >= t)
+    }
+
+    /// An attempt at the final cut failed at `now`.
+    pub(crate) fn final_cut_failed(&mut self, now: Instant) {
+        self.final_cut_retry_at = Some(now + FINAL_CUT_RETRY);
     }
 
     /// Training starts (or a cut committed) at `now`: the interval in seconds counts
@@ -219,6 +230,7 @@ mod tests {
             own_saves: None,
             cpr: None,
             final_cut_tries: 0,
+            final_cut_retry_at: None,
         }
     }
 
@@ -280,6 +292,24 @@ mod tests {
         c.checkpoint.every_steps = every_steps;
         c.cluster.ft = ftrec_config::FaultTolerance::Checkpoint;
         Job::new(c).unwrap()
+    }
+
+    #[test]
+    fn the_final_cut_is_tried_a_bounded_number_of_times_whatever_the_backoff() {
+        let mut c = schedule();
+        let now = Instant::now();
+        // Cuts that failed all run long left a long backoff: the final cut ignores it.
+        for _ in 0..8 {
+            c.failed(now);
+        }
+        assert!(c.final_cut_may_start(now));
+        for tried in 1..=FINAL_CUT_TRIES {
+            c.final_cut_tries = tried;
+            c.final_cut_failed(now);
+            assert!(!c.final_cut_may_start(now));
+            let later = now + FINAL_CUT_RETRY;
+            assert_eq!(c.final_cut_may_start(later), tried < FINAL_CUT_TRIES);
+        }
     }
 
     #[test]

@@ -185,6 +185,9 @@ fn coordinated_cut_failed(s: &mut State, step: u64, priority: bool, why: &str) {
 /// waits (doubling, bounded), so a full disk is neither hammered nor logged in a loop.
 pub(super) fn cut_failed(s: &mut State, step: u64, why: &str) {
     let wait = s.cuts.failed(Instant::now());
+    if step >= s.steps.ledger.total() {
+        s.cuts.final_cut_failed(Instant::now());
+    }
     let fallback = s
         .saves
         .last_checkpoint

@@ -191,8 +191,14 @@ fn prioritised_saves_between_cuts_are_what_a_partial_restore_reloads_for_mfu_ssu
             .collect();
         assert_eq!(
             saves,
-            vec![(20, false), (30, true), (40, false), (50, true)],
-            "no save before the first cut; cuts stay cuts"
+            vec![
+                (20, false),
+                (30, true),
+                (40, false),
+                (50, true),
+                (56, false)
+            ],
+            "no save before the first cut; cuts stay cuts; a final cut at the last step"
         );
         let r = &report["recoveries"][0];
         assert_eq!(r["mode"], "partial");
@@ -271,11 +277,13 @@ fn uncoordinated_saves_are_staggered_and_a_replacement_reloads_its_own() {
         })
         .collect();
     for (j, turn) in [(0u64, 0u64), (1, 6), (2, 13)] {
-        let steps: Vec<u64> = saves
+        // The job ends with every server's own save of its last step (the final cut).
+        let mut steps: Vec<u64> = saves
             .iter()
             .filter(|&&(server, _, _)| server == j)
             .map(|&(_, step, _)| step)
             .collect();
+        assert_eq!(steps.pop(), Some(56), "server {j}: {saves:?}");
         let turns: Vec<u64> = (1..56).filter(|s| s % 20 == turn).collect();
         assert!(
             !steps.is_empty() && steps.len() <= turns.len(),

@@ -277,8 +277,8 @@ fn only_the_newest_cuts_are_kept_and_rollback_still_finds_its_cut() {
     json_of(&FTREC.run(&args));
     assert_eq!(
         checkpoint_ids(&all.join("checkpoints/server-0")).len(),
-        5,
-        "cuts at 10, 20, ..., 50"
+        6,
+        "cuts at 10, 20, ..., 50, and the final one at 60"
     );
 }
 
@@ -310,16 +310,24 @@ fn a_failing_cut_is_reported_backs_off_and_training_goes_on() {
         stderr.contains("checkpoint of step 5 failed") && stderr.contains("Training goes on"),
         "{stderr}"
     );
-    let failed = events(&run)
+    let events = events(&run);
+    let failed = events
         .iter()
         .filter(|(k, _)| *k == EventKind::CheckpointFailed)
         .count();
     let seconds = report["train_seconds"].as_f64().unwrap();
-    // Backing off 2 s, 4 s, 8 s ...: a handful, not one every 20 ms.
-    let bound = 2 + (seconds / 2.0).log2().max(0.0).ceil() as usize;
+    // Backing off 2 s, 4 s, 8 s ...: a handful, not one every 20 ms; then the final cut's
+    // 3 tries, 2 s apart, and the job ends saying so.
+    let bound = 2 + (seconds / 2.0).log2().max(0.0).ceil() as usize + 3;
     assert!(
-        (1..=bound).contains(&failed),
+        (4..=bound).contains(&failed),
         "{failed} failed cuts in {seconds:.1}s"
+    );
+    assert!(
+        events.iter().any(|(k, d)| *k == EventKind::Error
+            && d.contains("the final cut of step 3000 failed 3 times")
+            && d.contains("newest cut is none")),
+        "{events:?}"
     );
 }
 
