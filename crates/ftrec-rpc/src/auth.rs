@@ -204,9 +204,9 @@ impl TlsMaterial {
         let (Some(cert), Some(key), Some(ca)) = (&s.tls_cert, &s.tls_key, &s.tls_ca) else {
             return Ok(None);
         };
-        // rustls picks its crypto per process, and this binary links two providers (the
-        // object-store clients bring aws-lc): name one before any TLS config is built. A
-        // provider installed already (by an earlier job in this process) is kept.
+        // rustls picks its crypto per process: name it (ring, the one provider the build
+        // links) before any TLS config is built. A provider installed already (by an
+        // object store, or an earlier job in this process) is kept.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let read = |key: &str, file: &Path| {
             let path = resolve(file, job_dir);

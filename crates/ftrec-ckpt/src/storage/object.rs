@@ -38,6 +38,11 @@ impl ObjectStoreBackend {
     /// path)` for GCS, `("azure_storage_endpoint", url)` for Azure; `allow_http` for all.
     /// An unknown key or a bad value is an error naming it.
     pub fn open_with_options(url: &str, options: &[(&str, &str)]) -> Result<Self, CkptError> {
+        // The HTTP client's TLS takes the process's rustls provider, and this build links
+        // ring's only (the workspace's `object_store` line): it is named before any client
+        // is built. One installed already (by `ftrec-rpc`'s TLS, or an earlier store) is
+        // kept, which is why the result is ignored.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let bad = |m: String| CkptError::Invalid(format!("{url}: {m}"));
         let (scheme, bucket, prefix) = split_url(url)?;
         let store: Arc<dyn ObjectStore> = match scheme {
