@@ -128,6 +128,18 @@ fn a_job_with_checkpoints_ends_with_a_cut_at_its_last_step() {
         assert_eq!(out["state_digest"], expected, "{name}: {out}");
         let location = run.join("checkpoints");
         assert_eq!(newest_steps(&location, 2), [60, 60], "{name}: {out}");
+        // The location lists its cuts, each with the servers that hold a part of it.
+        let listed = json_of(&FTREC.run(&["ckpt", "ls", location.to_str().unwrap(), "--json"]));
+        let cuts = listed["cuts"].as_array().unwrap();
+        let last = cuts.last().unwrap();
+        assert_eq!(last["step"], 60, "{name}: {listed}");
+        assert_eq!(last["servers"], 2, "{name}: {listed}");
+        assert_eq!(last["complete"], true, "{name}: {listed}");
+        assert_eq!(listed["servers"].as_array().unwrap().len(), 2, "{listed}");
+        if name == "own-saves" {
+            // Each server saves on its own turn: those steps are no cut of the job.
+            assert!(cuts.iter().any(|c| c["complete"] == false), "{listed}");
+        }
         assert_eq!(eval(&saved, &data)["state_digest"], expected, "{name}");
         if name == "deck" {
             // The final cut reassembles into the trainer's model at the end.

@@ -457,22 +457,47 @@ fn the_launcher_stops_its_processes_on_sigterm_or_sighup_and_they_die_with_it_on
 }
 
 #[test]
-fn a_temporary_run_directory_is_removed_after_a_successful_run() {
+fn a_temporary_run_directory_is_removed_after_a_successful_run_unless_it_holds_cuts() {
     let dir = tempfile::tempdir().unwrap();
     let data = FTREC.setup(dir.path());
     // No --run-dir: the launcher makes a temporary one.
-    let out = ClusterRun::new(&data)
-        .steps(30)
-        .no_time_limit()
-        .servers(1)
-        .workers(1)
-        .ft("checkpoint")
-        .set("checkpoint.every_steps=10")
-        .no_eval()
-        .report(FTREC);
+    let run = |ft: &str, extra: &[&str]| {
+        ClusterRun::new(&data)
+            .steps(30)
+            .no_time_limit()
+            .servers(1)
+            .workers(1)
+            .ft(ft)
+            .set("checkpoint.every_steps=10")
+            .no_eval()
+            .extend(extra)
+            .report(FTREC)
+    };
+    let out = run("none", &[]);
     assert_eq!(out["run_dir_removed"], true);
     let run_dir = out["run_dir"].as_str().unwrap();
     assert!(!Path::new(run_dir).exists(), "{run_dir} is still there");
+    // Cuts elsewhere: the scratch goes, the cuts stay.
+    let elsewhere = dir.path().join("ck");
+    let out = run(
+        "checkpoint",
+        &["--checkpoint-dir", elsewhere.to_str().unwrap()],
+    );
+    assert_eq!(out["run_dir_removed"], true);
+    assert!(elsewhere.join("server-0").is_dir());
+    // Cuts in the run directory: nothing committed is deleted on the way out.
+    let out = run("checkpoint", &[]);
+    assert_eq!(out["run_dir_removed"], false);
+    let kept = Path::new(out["run_dir"].as_str().unwrap()).join("checkpoints/server-0");
+    let listed = json_of(&FTREC.run(&["ckpt", "ls", kept.to_str().unwrap(), "--json"]));
+    let steps: Vec<u64> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps.last(), Some(&30), "the final cut: {listed}");
+    std::fs::remove_dir_all(kept.parent().unwrap().parent().unwrap()).unwrap();
 }
 
 /// The standard failure: a server host that goes silent (SIGSTOP: no refusal ever comes).

@@ -50,6 +50,39 @@ pub fn each_server(servers: &[String], f: impl Fn(&Path) -> Result<()>) -> Resul
     Ok(())
 }
 
+/// One step some server holds a checkpoint of, and how many of the `of` servers do.
+pub struct CutParts {
+    pub step: u64,
+    pub servers: usize,
+    pub of: usize,
+}
+
+impl CutParts {
+    /// Every server holds its part: the cut can be restored.
+    pub fn complete(&self) -> bool {
+        self.servers == self.of
+    }
+}
+
+/// Every step any server holds a readable checkpoint of, oldest first.
+pub fn cuts(servers: &[String]) -> Result<Vec<CutParts>> {
+    let mut held = std::collections::BTreeMap::<u64, std::collections::BTreeSet<usize>>::new();
+    for (i, location) in servers.iter().enumerate() {
+        let ck = Checkpoints::new(open_store(location)?);
+        for m in ck.list_readable()? {
+            held.entry(m.step).or_default().insert(i);
+        }
+    }
+    Ok(held
+        .into_iter()
+        .map(|(step, holders)| CutParts {
+            step,
+            servers: holders.len(),
+            of: servers.len(),
+        })
+        .collect())
+}
+
 /// The global model at a cut: `step` (a number, optionally `step:N`), or the newest step
 /// every server holds a checkpoint of. Each server's part is its checkpoint at that step
 /// committed last (by fencing token, not clock), as a cluster rollback picks it. Returns a name for the cut, the state and

@@ -145,38 +145,94 @@ fn require_history(dir: &Path, good: usize, damaged: usize) -> Result<()> {
     Ok(())
 }
 
-/// `ckpt ls`: the branches (with where each forked), then every checkpoint by branch;
-/// a damaged manifest is reported and the rest still listed.
-fn list(dir: &Path, json: bool) -> Result<()> {
+/// `ckpt ls --json`'s entries: one per checkpoint, each with its branch and where that
+/// branch forked; a damaged manifest is an entry with its error (their count is returned).
+fn list_entries(dir: &Path) -> Result<(Vec<serde_json::Value>, usize)> {
     let ck = open(dir)?;
     let (all, damaged) = ck.list_lenient()?;
     require_history(dir, all.len(), damaged.len())?;
     let branches = ftrec_ckpt::branch::list(ck.store())?;
-    if json {
-        // One entry per checkpoint, each with its branch and where that branch forked;
-        // a damaged manifest is an entry with its error.
-        let fork_of = |b: u32| {
-            branches
-                .iter()
-                .find(|r| r.branch == b)
-                .and_then(|r| r.parent.as_ref())
-                .map(|f| f.checkpoint.clone())
-        };
-        let mut entries: Vec<serde_json::Value> = all
+    let fork_of = |b: u32| {
+        branches
             .iter()
-            .map(|m| {
-                let mut e = summary(m);
-                e["branch_forked_from"] = json!(fork_of(m.branch));
-                e
-            })
+            .find(|r| r.branch == b)
+            .and_then(|r| r.parent.as_ref())
+            .map(|f| f.checkpoint.clone())
+    };
+    let mut entries: Vec<serde_json::Value> = all
+        .iter()
+        .map(|m| {
+            let mut e = summary(m);
+            e["branch_forked_from"] = json!(fork_of(m.branch));
+            e
+        })
+        .collect();
+    entries.extend(
+        damaged
+            .iter()
+            .map(|(id, e)| json!({"id": id, "error": e.to_string()})),
+    );
+    Ok((entries, damaged.len()))
+}
+
+/// `ckpt ls` of a cluster's location: every server's checkpoints, then the cuts, each
+/// with the number of servers holding a part of it. Only a complete cut (every server's
+/// part) can be exported or rolled back to. `--json`: one object, `servers` (each
+/// location and its entries) and `cuts` (`step`, `servers`, `complete`).
+fn list_cluster(servers: &[String], json: bool) -> Result<()> {
+    let cuts = cluster::cuts(servers)?;
+    if json {
+        let mut listed = Vec::with_capacity(servers.len());
+        let mut damaged = 0;
+        for location in servers {
+            let (entries, bad) = list_entries(Path::new(location))?;
+            damaged += bad;
+            listed.push(json!({"location": location, "checkpoints": entries}));
+        }
+        let cuts: Vec<serde_json::Value> = cuts
+            .iter()
+            .map(|c| json!({"step": c.step, "servers": c.servers, "complete": c.complete()}))
             .collect();
-        entries.extend(
-            damaged
-                .iter()
-                .map(|(id, e)| json!({"id": id, "error": e.to_string()})),
+        outln!("{}", json!({"servers": listed, "cuts": cuts}));
+        if damaged > 0 {
+            bail!("{damaged} manifests are damaged");
+        }
+        return Ok(());
+    }
+    cluster::each_server(servers, |d| list(d, false))?;
+    outln!("cuts of {} servers:", servers.len());
+    for c in &cuts {
+        let state = if c.complete() {
+            "complete"
+        } else {
+            "incomplete: not every server holds a part"
+        };
+        outln!(
+            "  step {:>8}  {}/{} servers  {state}",
+            c.step,
+            c.servers,
+            c.of
         );
+    }
+    Ok(())
+}
+
+/// `ckpt ls`: the branches (with where each forked), then every checkpoint by branch;
+/// a damaged manifest is reported and the rest still listed.
+fn list(dir: &Path, json: bool) -> Result<()> {
+    if json {
+        let (entries, damaged) = list_entries(dir)?;
         outln!("{}", serde_json::to_string(&entries)?);
-    } else {
+        if damaged > 0 {
+            bail!("{damaged} manifests are damaged");
+        }
+        return Ok(());
+    }
+    let ck = open(dir)?;
+    let (all, damaged) = ck.list_lenient()?;
+    require_history(dir, all.len(), damaged.len())?;
+    let branches = ftrec_ckpt::branch::list(ck.store())?;
+    {
         let mut numbers: Vec<u32> = all.iter().map(|m| m.branch).collect();
         numbers.extend(branches.iter().map(|b| b.branch));
         numbers.sort_unstable();
@@ -273,7 +329,7 @@ fn verify(dir: &Path, id: Option<String>, json: bool) -> Result<()> {
 pub fn run(command: CkptCommand) -> Result<()> {
     match command {
         CkptCommand::Ls { dir, json } => match cluster::servers_of(&dir)? {
-            Some(servers) => cluster::each_server(&servers, |d| list(d, json))?,
+            Some(servers) => list_cluster(&servers, json)?,
             None => list(&dir, json)?,
         },
         CkptCommand::Show { dir, id } => {

@@ -298,9 +298,20 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
         )?),
         _ => None,
     };
+    // A temporary run directory is scratch, unless the job's cuts went into it: a
+    // committed checkpoint is deleted only by an explicit policy, never by the way out.
+    let mut temporary_run_dir = temporary_run_dir;
     if config.cluster.ft.checkpoints() {
         if config.checkpoint.dir.is_none() {
             config.checkpoint.dir = Some(run_dir.join("checkpoints"));
+            if temporary_run_dir {
+                temporary_run_dir = false;
+                eprintln!(
+                    "checkpoints go to {}; the run directory is kept (--checkpoint-dir puts \
+                     them elsewhere)",
+                    run_dir.join("checkpoints").display()
+                );
+            }
         }
         if config.checkpoint.every_steps == 0 {
             config.checkpoint.every_steps = 10;
