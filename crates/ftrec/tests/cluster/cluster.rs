@@ -128,20 +128,16 @@ fn asynchronous_workers_survive_a_kill_with_a_spare_and_without_rollback() {
     assert_eq!(out["steps"], 2500);
     assert_eq!(out["recoveries"].as_array().unwrap().len(), 1, "{out}");
     assert_eq!(out["recoveries"][0]["steps_rolled_back"], 0);
-    let timeline: Value =
-        serde_json::from_slice(&std::fs::read(run.join("timeline.json")).unwrap()).unwrap();
-    let replacement = timeline["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["kind"] == "replacement")
-        .expect("a replacement event");
-    assert!(
-        replacement["detail"].as_str().unwrap().contains("spare"),
-        "the spare took the slot: {replacement}"
-    );
     // A killed worker is stateless: it is detected, respawned, and training completes.
     let kinds = events(&run);
+    let (_, replacement) = ftrec_testkit::cluster::events(&run)
+        .into_iter()
+        .find(|(k, _)| *k == EventKind::Replacement)
+        .expect("a replacement event");
+    assert!(
+        replacement.contains("spare"),
+        "the spare took the slot: {replacement}"
+    );
     assert!(
         kinds.contains(&EventKind::WorkerFailureDetected),
         "{kinds:?}"
