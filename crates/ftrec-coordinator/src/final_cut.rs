@@ -7,7 +7,7 @@
 use tokio::time::Instant;
 
 use crate::Shared;
-use crate::state::{self, Phase, SaveDue, State};
+use crate::state::{Phase, SaveDue, State};
 
 impl Shared {
     /// The final cut, of the state after the job's last step, is due: every step has
@@ -17,7 +17,7 @@ impl Shared {
     /// is older: after the last step they are all saves of one state.
     pub(crate) fn final_cut_due(&self, s: &State) -> Option<SaveDue> {
         let total = s.steps.ledger.total();
-        let ready = self.final_cut_outstanding(s)
+        let ready = !self.final_cut_kept(s)
             && !self.final_cut_in_flight(s)
             && s.steps.ledger.done()
             && s.recovery.rebuilding.is_empty()
@@ -34,8 +34,7 @@ impl Shared {
     /// The job checkpoints, and its final cut has neither committed nor used up its
     /// tries: the run does not end yet.
     pub(crate) fn final_cut_outstanding(&self, s: &State) -> bool {
-        !self.final_cut_kept(s)
-            && (self.final_cut_in_flight(s) || s.cuts.final_cut_tries < state::FINAL_CUT_TRIES)
+        !self.final_cut_kept(s) && (self.final_cut_in_flight(s) || s.cuts.final_cut_tries_left())
     }
 
     /// The final cut committed, or the job takes none (no checkpoints, or no steps).

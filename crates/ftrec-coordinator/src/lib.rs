@@ -287,7 +287,7 @@ impl Shared {
             && let Some(due) = self.cut_due(s)
         {
             if s.steps.ledger.next_step() >= s.steps.ledger.total() {
-                s.cuts.final_cut_tries += 1;
+                s.cuts.final_cut_started();
             }
             match due {
                 // Own saves pause nothing: the control loop asks the servers now, and

@@ -51,7 +51,7 @@ pub(crate) struct CutSchedule {
     /// `cluster.ft = "partial"`: PLS, interval and the full-or-partial choice.
     pub(crate) cpr: Option<CprState>,
     /// Attempts started at the final cut, the one at the job's last step.
-    pub(crate) final_cut_tries: u32,
+    final_cut_tries: u32,
     /// After a failed final cut: no other attempt before this instant.
     final_cut_retry_at: Option<Instant>,
 }
@@ -139,7 +139,17 @@ impl CutSchedule {
     /// Another attempt at the final cut may start at `now`: tries are left, and the
     /// last failed one was [`FINAL_CUT_RETRY`] ago.
     pub(crate) fn final_cut_may_start(&self, now: Instant) -> bool {
-        self.final_cut_tries < FINAL_CUT_TRIES && self.final_cut_retry_at.is_none_or(|t| now >= t)
+        self.final_cut_tries_left() && self.final_cut_retry_at.is_none_or(|t| now >= t)
+    }
+
+    /// An attempt at the final cut starts.
+    pub(crate) fn final_cut_started(&mut self) {
+        self.final_cut_tries += 1;
+    }
+
+    /// Tries of the final cut are left.
+    pub(crate) fn final_cut_tries_left(&self) -> bool {
+        self.final_cut_tries < FINAL_CUT_TRIES
     }
 
     /// An attempt at the final cut failed at `now`.
@@ -304,7 +314,7 @@ mod tests {
         }
         assert!(c.final_cut_may_start(now));
         for tried in 1..=FINAL_CUT_TRIES {
-            c.final_cut_tries = tried;
+            c.final_cut_started();
             c.final_cut_failed(now);
             assert!(!c.final_cut_may_start(now));
             let later = now + FINAL_CUT_RETRY;

@@ -64,23 +64,22 @@ impl CutParts {
     }
 }
 
-/// Every step any server holds a readable checkpoint of, oldest first.
-pub fn cuts(servers: &[String]) -> Result<Vec<CutParts>> {
+/// Every step any server holds a readable checkpoint of, oldest first, from each
+/// server's checkpoint steps (one list per server, in server order).
+pub fn cuts(steps_by_server: &[Vec<u64>]) -> Vec<CutParts> {
     let mut held = std::collections::BTreeMap::<u64, std::collections::BTreeSet<usize>>::new();
-    for (i, location) in servers.iter().enumerate() {
-        let ck = Checkpoints::new(open_store(location)?);
-        for m in ck.list_readable()? {
-            held.entry(m.step).or_default().insert(i);
+    for (i, steps) in steps_by_server.iter().enumerate() {
+        for &step in steps {
+            held.entry(step).or_default().insert(i);
         }
     }
-    Ok(held
-        .into_iter()
+    held.into_iter()
         .map(|(step, holders)| CutParts {
             step,
             servers: holders.len(),
-            of: servers.len(),
+            of: steps_by_server.len(),
         })
-        .collect())
+        .collect()
 }
 
 /// The global model at a cut: `step` (a number, optionally `step:N`), or the newest step

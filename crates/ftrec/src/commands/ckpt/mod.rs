@@ -145,63 +145,136 @@ fn require_history(dir: &Path, good: usize, damaged: usize) -> Result<()> {
     Ok(())
 }
 
-/// `ckpt ls --json`'s entries: one per checkpoint, each with its branch and where that
-/// branch forked; a damaged manifest is an entry with its error (their count is returned).
-fn list_entries(dir: &Path) -> Result<(Vec<serde_json::Value>, usize)> {
-    let ck = open(dir)?;
-    let (all, damaged) = ck.list_lenient()?;
-    require_history(dir, all.len(), damaged.len())?;
-    let branches = ftrec_ckpt::branch::list(ck.store())?;
-    let fork_of = |b: u32| {
-        branches
-            .iter()
-            .find(|r| r.branch == b)
-            .and_then(|r| r.parent.as_ref())
-            .map(|f| f.checkpoint.clone())
-    };
-    let mut entries: Vec<serde_json::Value> = all
-        .iter()
-        .map(|m| {
-            let mut e = summary(m);
-            e["branch_forked_from"] = json!(fork_of(m.branch));
-            e
+/// What `ckpt ls` reads of one location: the readable manifests, the damaged ones with
+/// their errors, and the branch records.
+struct Listing {
+    all: Vec<Manifest>,
+    damaged: Vec<(String, ftrec_ckpt::CkptError)>,
+    branches: Vec<ftrec_ckpt::branch::BranchRecord>,
+}
+
+impl Listing {
+    fn read(dir: &Path) -> Result<Self> {
+        let ck = open(dir)?;
+        let (all, damaged) = ck.list_lenient()?;
+        require_history(dir, all.len(), damaged.len())?;
+        let branches = ftrec_ckpt::branch::list(ck.store())?;
+        Ok(Self {
+            all,
+            damaged,
+            branches,
         })
-        .collect();
-    entries.extend(
-        damaged
+    }
+
+    /// `--json`'s entries: one per checkpoint, each with its branch and where that branch
+    /// forked; a damaged manifest is an entry with its error.
+    fn entries(&self) -> Vec<serde_json::Value> {
+        let fork_of = |b: u32| {
+            self.branches
+                .iter()
+                .find(|r| r.branch == b)
+                .and_then(|r| r.parent.as_ref())
+                .map(|f| f.checkpoint.clone())
+        };
+        let mut entries: Vec<serde_json::Value> = self
+            .all
             .iter()
-            .map(|(id, e)| json!({"id": id, "error": e.to_string()})),
-    );
-    Ok((entries, damaged.len()))
+            .map(|m| {
+                let mut e = summary(m);
+                e["branch_forked_from"] = json!(fork_of(m.branch));
+                e
+            })
+            .collect();
+        entries.extend(
+            self.damaged
+                .iter()
+                .map(|(id, e)| json!({"id": id, "error": e.to_string()})),
+        );
+        entries
+    }
+
+    /// The text listing: each branch with where it forked, then its checkpoints; each
+    /// damaged manifest with its error.
+    fn print(&self) -> Result<()> {
+        let mut numbers: Vec<u32> = self.all.iter().map(|m| m.branch).collect();
+        numbers.extend(self.branches.iter().map(|b| b.branch));
+        numbers.sort_unstable();
+        numbers.dedup();
+        for b in numbers {
+            let record = self.branches.iter().find(|r| r.branch == b);
+            let origin = match record.and_then(|r| r.parent.as_ref()) {
+                Some(f) => format!("forked from {} (branch {})", f.checkpoint, f.branch),
+                None => "independent".into(),
+            };
+            outln!("branch {b}: {origin}");
+            for m in self.all.iter().filter(|m| m.branch == b) {
+                outln!(
+                    "  {}  {:?}  step {:>8}  {:>12} bytes",
+                    m.id,
+                    m.kind,
+                    m.step,
+                    m.bytes()
+                );
+            }
+        }
+        for (id, e) in &self.damaged {
+            outln!("{id}: DAMAGED MANIFEST: {e}");
+        }
+        Ok(())
+    }
+
+    /// Fails, after the listing was shown, when a manifest is damaged.
+    fn check(&self) -> Result<()> {
+        if !self.damaged.is_empty() {
+            bail!("{} manifests are damaged", self.damaged.len());
+        }
+        Ok(())
+    }
 }
 
 /// `ckpt ls` of a cluster's location: every server's checkpoints, then the cuts, each
 /// with the number of servers holding a part of it. Only a complete cut (every server's
 /// part) can be exported or rolled back to. `--json`: one object, `servers` (each
-/// location and its entries) and `cuts` (`step`, `servers`, `complete`).
+/// location and its entries) and `cuts` (`step`, `servers`, `complete`). Each location
+/// is read once, for its listing and the cuts.
 fn list_cluster(servers: &[String], json: bool) -> Result<()> {
-    let cuts = cluster::cuts(servers)?;
     if json {
-        let mut listed = Vec::with_capacity(servers.len());
-        let mut damaged = 0;
-        for location in servers {
-            let (entries, bad) = list_entries(Path::new(location))?;
-            damaged += bad;
-            listed.push(json!({"location": location, "checkpoints": entries}));
-        }
-        let cuts: Vec<serde_json::Value> = cuts
+        let listings: Vec<Listing> = servers
+            .iter()
+            .map(|l| Listing::read(Path::new(l)))
+            .collect::<Result<_>>()?;
+        let listed: Vec<serde_json::Value> = servers
+            .iter()
+            .zip(&listings)
+            .map(|(location, l)| json!({"location": location, "checkpoints": l.entries()}))
+            .collect();
+        let steps: Vec<Vec<u64>> = listings
+            .iter()
+            .map(|l| l.all.iter().map(|m| m.step).collect())
+            .collect();
+        let cuts: Vec<serde_json::Value> = cluster::cuts(&steps)
             .iter()
             .map(|c| json!({"step": c.step, "servers": c.servers, "complete": c.complete()}))
             .collect();
         outln!("{}", json!({"servers": listed, "cuts": cuts}));
+        let damaged: usize = listings.iter().map(|l| l.damaged.len()).sum();
         if damaged > 0 {
             bail!("{damaged} manifests are damaged");
         }
         return Ok(());
     }
-    cluster::each_server(servers, |d| list(d, false))?;
+    // Each server listed under its header, the others still listed when one fails.
+    let steps = std::cell::RefCell::new(vec![Vec::new(); servers.len()]);
+    let index = std::cell::Cell::new(0);
+    cluster::each_server(servers, |d| {
+        let i = index.replace(index.get() + 1);
+        let listing = Listing::read(d)?;
+        steps.borrow_mut()[i] = listing.all.iter().map(|m| m.step).collect();
+        listing.print()?;
+        listing.check()
+    })?;
     outln!("cuts of {} servers:", servers.len());
-    for c in &cuts {
+    for c in cluster::cuts(&steps.into_inner()) {
         let state = if c.complete() {
             "complete"
         } else {
@@ -220,48 +293,13 @@ fn list_cluster(servers: &[String], json: bool) -> Result<()> {
 /// `ckpt ls`: the branches (with where each forked), then every checkpoint by branch;
 /// a damaged manifest is reported and the rest still listed.
 fn list(dir: &Path, json: bool) -> Result<()> {
+    let listing = Listing::read(dir)?;
     if json {
-        let (entries, damaged) = list_entries(dir)?;
-        outln!("{}", serde_json::to_string(&entries)?);
-        if damaged > 0 {
-            bail!("{damaged} manifests are damaged");
-        }
-        return Ok(());
+        outln!("{}", serde_json::to_string(&listing.entries())?);
+    } else {
+        listing.print()?;
     }
-    let ck = open(dir)?;
-    let (all, damaged) = ck.list_lenient()?;
-    require_history(dir, all.len(), damaged.len())?;
-    let branches = ftrec_ckpt::branch::list(ck.store())?;
-    {
-        let mut numbers: Vec<u32> = all.iter().map(|m| m.branch).collect();
-        numbers.extend(branches.iter().map(|b| b.branch));
-        numbers.sort_unstable();
-        numbers.dedup();
-        for b in numbers {
-            let record = branches.iter().find(|r| r.branch == b);
-            let origin = match record.and_then(|r| r.parent.as_ref()) {
-                Some(f) => format!("forked from {} (branch {})", f.checkpoint, f.branch),
-                None => "independent".into(),
-            };
-            outln!("branch {b}: {origin}");
-            for m in all.iter().filter(|m| m.branch == b) {
-                outln!(
-                    "  {}  {:?}  step {:>8}  {:>12} bytes",
-                    m.id,
-                    m.kind,
-                    m.step,
-                    m.bytes()
-                );
-            }
-        }
-        for (id, e) in &damaged {
-            outln!("{id}: DAMAGED MANIFEST: {e}");
-        }
-    }
-    if !damaged.is_empty() {
-        bail!("{} manifests are damaged", damaged.len());
-    }
-    Ok(())
+    listing.check()
 }
 
 /// What a restore of an IncrCP checkpoint reads: its rectangle of the 2-D chunk list.
