@@ -57,6 +57,7 @@ impl BenchRun<'_> {
                 time_limit: Duration::from_secs(1800),
                 evaluate: self.evaluate.then(|| self.host.evaluator()),
                 save: None,
+                resume: None,
             },
             |_| {},
         )?;

@@ -6,4 +6,5 @@ pub mod auto;
 pub mod failure_schedule;
 pub mod launch;
 pub mod parity_check;
+pub mod resume;
 pub mod scrub;

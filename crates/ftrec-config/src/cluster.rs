@@ -90,6 +90,12 @@ pub struct ClusterSection {
     /// push): bit-reproducible, and with one worker equal to `ftrec train`.
     #[serde(default)]
     pub deterministic: bool,
+    /// Start from another job's cut instead of the seed: `DIR` (its newest cut that every
+    /// server committed) or `DIR@STEP`, where `DIR` is that job's checkpoint location
+    /// (`server-<i>` beneath it). `cluster run --resume` and `coordinator --resume` set it;
+    /// the job's server and worker counts and `train.steps` may differ from the cut's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume_from: Option<String>,
     #[serde(default = "default_heartbeat_ms")]
     pub heartbeat_ms: u64,
     /// A member silent this long is declared dead.
@@ -330,6 +336,7 @@ impl Default for ClusterSection {
             workers: 2,
             ft: FaultTolerance::None,
             deterministic: false,
+            resume_from: None,
             heartbeat_ms: default_heartbeat_ms(),
             failure_timeout_ms: default_failure_timeout_ms(),
             rpc_timeout_ms: None,

@@ -71,6 +71,8 @@ pub trait Spawner: Send + Sync {
 
 pub struct Shared {
     job: Job,
+    /// A resumed job's cut (told to every server as it joins).
+    resume: Option<ResumePoint>,
     schedule: Schedule,
     address: String,
     state: Mutex<State>,
@@ -171,6 +173,9 @@ impl Shared {
         let seconds = (end - start + s.leader.train_seconds_before).max(1e-9);
         RunSummary {
             steps: s.steps.ledger.next_step(),
+            resumed_from_step: self.resume.as_ref().map_or(0, |r| r.step),
+            resumed_from_servers: self.resume.as_ref().map(|r| r.servers),
+            resumed_from: self.resume.as_ref().map(|r| r.location.clone()),
             samples: s.steps.samples,
             lost_samples: s.steps.lost_samples,
             zombies_refused: s.members.zombies.len() as u64,

@@ -148,6 +148,7 @@ impl Coordinator for Service {
                 spare_token,
                 incarnation: u64::from(incarnation),
                 replacement: s.steps.started,
+                resume: shared.resume.clone(),
             }
         };
         // etcd membership: a join is recorded before it is answered, so a new leader

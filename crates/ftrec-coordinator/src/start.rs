@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use ftrec_proto::proto::ResumePoint;
 use ftrec_proto::proto::coordinator_server::CoordinatorServer;
 use ftrec_proto::timeline::EventKind;
 use ftrec_rpc::PsError;
@@ -29,6 +30,9 @@ pub struct CoordinatorOptions {
     pub id: Option<String>,
     /// This coordinator's fault points (`ftrec_faults::points::RECOVERY`, `TAKEOVER`).
     pub faults: ftrec_faults::Faults,
+    /// A resumed job (`cluster.resume_from`, resolved to one cut by the caller): training
+    /// starts at its step, and every server starts from its share of it.
+    pub resume: Option<ResumePoint>,
 }
 
 /// Knobs and observers for tests (the simulation, `ftrec-sim`): `Default` is production
@@ -130,14 +134,22 @@ pub async fn start_with(opts: CoordinatorOptions, testing: TestHooks) -> Result<
     );
     let metrics_address = metrics::start(&network, &opts.host, metrics.clone()).await;
     let (done_tx, done_rx) = watch::channel(false);
+    let mut state = State::new(&job, total_steps, schedule.samples_before(total_steps))?;
+    if let Some(point) = &opts.resume {
+        if point.step >= total_steps {
+            return Err(PsError::Config(format!(
+                "resuming from the cut at step {} of {}: the job trains {total_steps} steps \
+                 (train.steps), so nothing is left to train",
+                point.step, point.location
+            )));
+        }
+        state.steps.ledger.rewind(point.step);
+    }
     let shared = Arc::new(Shared {
+        resume: opts.resume,
         schedule,
         address: address.clone(),
-        state: Mutex::new(State::new(
-            &job,
-            total_steps,
-            schedule.samples_before(total_steps),
-        )?),
+        state: Mutex::new(state),
         spawner: opts.spawner,
         metrics,
         done: done_tx,

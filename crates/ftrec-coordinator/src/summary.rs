@@ -82,7 +82,13 @@ pub struct CheckpointRecord {
 /// What a finished run reports.
 #[derive(Clone, Debug, Serialize)]
 pub struct RunSummary {
+    /// The step reached: every step below it is trained.
     pub steps: u64,
+    /// A resumed job: the step of the cut it started from (0 for a fresh start), the
+    /// server count that wrote it, and where it is (`null` for a fresh start).
+    pub resumed_from_step: u64,
+    pub resumed_from_servers: Option<u32>,
+    pub resumed_from: Option<String>,
     pub samples: u64,
     /// Samples whose updates a lost shard no longer holds, summed over shards: under
     /// `none` all a replaced shard had trained, under `partial` what it trained since its

@@ -14,6 +14,7 @@ mod degraded;
 mod ec;
 mod pipeline;
 mod rebuild;
+pub mod resume;
 mod service;
 pub mod shard;
 mod start;

@@ -8,7 +8,7 @@ use tonic::{Request, Response, Status};
 
 use crate::Core;
 use crate::pipeline::{CommitMode, Pushed};
-use crate::shard::{Shard, Update};
+use crate::shard::Update;
 use ftrec_proto::applied::AppliedSteps;
 use ftrec_proto::proto::parameter_server_server::ParameterServer;
 use ftrec_proto::proto::*;
@@ -242,9 +242,19 @@ impl ParameterServer for Service {
                     None => {
                         core.ckpt.restart_history()?;
                         let c = &core.job.config;
-                        let shard =
-                            Shard::initial(&c.model_config()?, c.seed, core.layout, core.id)?;
-                        (shard.state().clone(), "initial".to_string(), Vec::new())
+                        let (shard, _) = crate::resume::starting_shard(
+                            &c.model_config()?,
+                            c.seed,
+                            core.layout,
+                            core.id,
+                            core.ckpt.resume(),
+                            None,
+                        )?;
+                        let name = match core.ckpt.resume() {
+                            Some(r) => format!("{}@{}", r.location, r.step),
+                            None => "initial".to_string(),
+                        };
+                        (shard.state().clone(), name, Vec::new())
                     }
                 };
                 core.rebuilding.cancel_background();
@@ -252,7 +262,8 @@ impl ParameterServer for Service {
                 shard.replace_state(state)?;
                 core.ckpt.reset_priority(&shard);
                 core.pipeline.publish(req.epoch, |steps| {
-                    *steps = AppliedSteps::from_parts(req.step.unwrap_or(0), ahead)
+                    *steps =
+                        AppliedSteps::from_parts(req.step.unwrap_or(core.ckpt.first_step()), ahead)
                 });
                 core.metrics.add("ftrec_restores_total", 1);
                 core.metrics.set("ftrec_epoch", req.epoch as f64);

@@ -16,8 +16,10 @@ use crate::pipeline::UpdatePipeline;
 use crate::rebuild::RebuildContext;
 use crate::rebuild::boost::RebuildBoost;
 use crate::rebuild::reserve::{Reserve, SpareReserve};
+use crate::resume::ResumeSource;
 use crate::shard::Shard;
 use crate::{Core, CountServed, ServerOptions, WhenCutOff, bulk, ec, heartbeat_loop};
+use ftrec_proto::applied::AppliedSteps;
 use ftrec_proto::placement::Layout;
 use ftrec_proto::proto::parameter_server_server::ParameterServerServer;
 use ftrec_proto::proto::*;
@@ -77,12 +79,13 @@ pub(crate) async fn start(opts: ServerOptions) -> Result<Started, PsError> {
         id,
         joined: &joined,
     };
-    let (shard, beats) = slot
+    let (shard, own_part, beats) = slot
         .build_shard(&locator, opts.id.is_none(), heartbeat)
         .await?;
     let core = slot
         .assemble(shard, &opts, &coordinator, metrics, reserve)
         .await?;
+    core.ckpt.continue_from_part(own_part);
     Ok(Started {
         core: Arc::new(core),
         incoming,
@@ -158,7 +161,7 @@ impl Slot<'_> {
         locator: &Locator,
         spare: bool,
         heartbeat: Duration,
-    ) -> Result<(Shard, HeartbeatClient), PsError> {
+    ) -> Result<(Shard, Option<String>, HeartbeatClient), PsError> {
         let (job, id) = (self.job, self.id);
         let c = &job.config;
         let model = c.model_config()?;
@@ -180,18 +183,36 @@ impl Slot<'_> {
         // An erasure-coded slot taken after a failure (or by a spare) is rebuilt from the
         // survivors before it serves: generating the initial tables would be wasted time.
         let replacement = c.cluster.ft.erasure_coded() && (self.joined.replacement || spare);
+        let resume = self.resume();
+        let own_location = checkpoint_location_name(job, id);
         let shard = job
             .network()
             .blocking(move || {
                 if replacement {
-                    Shard::awaiting_rebuild(&model, seed, host_layout, id)
+                    Ok((
+                        Shard::awaiting_rebuild(&model, seed, host_layout, id)?,
+                        None,
+                    ))
                 } else {
-                    Shard::initial(&model, seed, host_layout, id)
+                    crate::resume::starting_shard(
+                        &model,
+                        seed,
+                        host_layout,
+                        id,
+                        resume.as_ref(),
+                        own_location.as_deref(),
+                    )
                 }
             })
             .await;
         starting.abort();
-        Ok((shard??, beats))
+        let (shard, own_part) = shard??;
+        Ok((shard, own_part, beats))
+    }
+
+    /// The cut the coordinator says this job resumes from.
+    fn resume(&self) -> Option<ResumeSource> {
+        self.joined.resume.as_ref().map(ResumeSource::from_proto)
     }
 
     /// The parts of [`Core`], around `shard`.
@@ -206,7 +227,8 @@ impl Slot<'_> {
         let (job, layout, id) = (self.job, self.layout, self.id);
         let location = checkpoint_location(job, id)?;
         let priority = PriorityState::for_job(job, &shard, id);
-        let ckpt = CheckpointContext::new(job.clone(), id, layout, location, priority);
+        let ckpt =
+            CheckpointContext::new(job.clone(), id, layout, location, priority, self.resume());
         let mut pipeline = UpdatePipeline::new(
             shard,
             self.joined.epoch,
@@ -214,6 +236,11 @@ impl Slot<'_> {
             metrics.clone(),
             opts.faults.clone(),
         );
+        // A resumed job's steps below its cut are in the shard already.
+        let first_step = ckpt.first_step();
+        pipeline.publish(self.joined.epoch, |steps| {
+            *steps = AppliedSteps::from_parts(first_step, Vec::new())
+        });
         let peers = self.add_parity_propagator(&mut pipeline, coordinator)?;
         for observer in ckpt.observers() {
             pipeline.add_post_commit(observer);
@@ -271,16 +298,19 @@ impl Slot<'_> {
 
 /// The shard's checkpoint location, if the job keeps checkpoints.
 fn checkpoint_location(job: &Job, id: usize) -> Result<Option<Checkpoints>, PsError> {
-    match &job.config.checkpoint.dir {
-        Some(dir) => {
-            let location = format!(
-                "{}/server-{id}",
-                dir.to_string_lossy().trim_end_matches('/')
-            );
-            Ok(Some(Checkpoints::new(open_store(&location)?)))
-        }
+    match checkpoint_location_name(job, id) {
+        Some(location) => Ok(Some(Checkpoints::new(open_store(&location)?))),
         None => Ok(None),
     }
+}
+
+fn checkpoint_location_name(job: &Job, id: usize) -> Option<String> {
+    job.config.checkpoint.dir.as_ref().map(|dir| {
+        format!(
+            "{}/server-{id}",
+            dir.to_string_lossy().trim_end_matches('/')
+        )
+    })
 }
 
 /// The rebuild context: the bulk transport where it can run, and the boost.

@@ -52,7 +52,7 @@ pub(crate) fn core(job: &Job, id: usize, epoch: u64) -> Core {
         faults,
         pipeline,
         rebuilding: RebuildContext::new(None, None, None, None, Default::default()),
-        ckpt: CheckpointContext::new(job.clone(), id, layout, None, None),
+        ckpt: CheckpointContext::new(job.clone(), id, layout, None, None, None),
     }
 }
 

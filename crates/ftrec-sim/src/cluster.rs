@@ -429,6 +429,7 @@ async fn coordinate(
         standby: false,
         id: None,
         faults: Default::default(),
+        resume: None,
     })
     .await
     .map_err(|e| format!("coordinator: {e}"))?;

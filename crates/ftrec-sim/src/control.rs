@@ -163,6 +163,7 @@ async fn coordinate(c: Coordinators, index: usize, host: String, standby: bool) 
             standby,
             id: Some(host.clone()),
             faults: c.faults[index].clone(),
+            resume: None,
         },
         hooks,
     )

@@ -63,6 +63,26 @@ impl Checkpoints {
         }
     }
 
+    /// Only the dense state of checkpoint `id` (its own dense file, checksum checked),
+    /// with its manifest: for a reader that needs none of its rows (a resumed job's server
+    /// whose dense range overlaps an old server's, but none of whose rows it holds).
+    pub fn restore_dense(
+        &self,
+        id: &str,
+    ) -> Result<(ftrec_model::DenseState, Manifest), CkptError> {
+        let target = self.manifest(id)?;
+        self.check_unfenced(std::slice::from_ref(&target))?;
+        let mut dense = ftrec_model::DenseState::initial(&target.model, 0)?;
+        let bytes = self.fetch(&target.dense)?;
+        dense.step = dense::decode(
+            &self.store.describe(&target.dense.key),
+            &bytes,
+            &mut dense.params,
+            &mut dense.optimizer_state,
+        )?;
+        Ok((dense, target))
+    }
+
     /// The merged checkpoint that replaced DECK delta `id` (gone): the one ending at the
     /// delta's step, committed last.
     fn merged_stand_in(&self, id: &str) -> Result<Option<String>, CkptError> {

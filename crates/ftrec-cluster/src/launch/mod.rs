@@ -48,6 +48,8 @@ pub struct LaunchOptions {
     /// `--save`: the final model goes to this snapshot file (`.ftm`, as `train --save`
     /// writes), gathered once the last step committed.
     pub save: Option<PathBuf>,
+    /// The cut `cluster.resume_from` names, resolved and checked ([`crate::resume`]).
+    pub resume: Option<ftrec_proto::proto::ResumePoint>,
 }
 
 /// Metrics of the gathered final model, or why they could not be computed.
@@ -144,6 +146,7 @@ async fn run_async(
         time_limit,
         evaluate,
         save,
+        resume,
     } = opts;
     kill::check_members(&job, &kills)?;
     let logs = run_dir.join("logs");
@@ -169,6 +172,7 @@ async fn run_async(
         standby: false,
         id: None,
         faults: Default::default(),
+        resume,
     })
     .await?;
     let shared = handle.shared.clone();

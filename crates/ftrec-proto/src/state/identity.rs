@@ -44,10 +44,17 @@ pub struct ShardIdentity {
     /// restore counts them applied, so a re-sent push of one is not applied twice.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub applied_ahead: Vec<u64>,
+    /// The data position (version 2 on): the global batch size of the schedule that `step`
+    /// indexes. A cut at `step` was taken when steps `0..step` were trained, so the next
+    /// sample is the first of batch `step` of that schedule; a job resumed from it must
+    /// have the same batch size for that to hold (`None` before version 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<u64>,
 }
 
 impl ShardIdentity {
-    pub const VERSION: u32 = 1;
+    /// 2: the data position (`batch_size`) is recorded.
+    pub const VERSION: u32 = 2;
 
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::to_value(self).unwrap_or_default()
@@ -109,6 +116,7 @@ mod tests {
             }),
             cpr_priority: None,
             applied_ahead: Vec::new(),
+            batch_size: Some(64),
         }
     }
 

@@ -21,6 +21,7 @@ use ftrec_rpc::job::Job;
 use super::own_save::OwnSaveSlot;
 use super::priority::{PriorityTracking, SharedPriority};
 use super::{SharedCheckpointer, Tracking};
+use crate::resume::ResumeSource;
 use crate::shard::PostCommit;
 
 pub(crate) struct CheckpointContext {
@@ -37,6 +38,11 @@ pub(crate) struct CheckpointContext {
     pub(super) location: Option<Checkpoints>,
     /// The handle that writes there, holding the location's writer lease (module docs).
     pub(super) writer: Mutex<Option<Checkpoints>>,
+    /// A resumed job: the cut it started from, which its slots' initial state is.
+    pub(super) resume: Option<ResumeSource>,
+    /// A resumed job's first writer continues this slot's own part of that cut (same
+    /// layout, same location); taken by that writer.
+    pub(super) resume_part: Mutex<Option<String>>,
 }
 
 impl CheckpointContext {
@@ -48,6 +54,7 @@ impl CheckpointContext {
         layout: Layout,
         location: Option<Checkpoints>,
         priority: Option<SharedPriority>,
+        resume: Option<ResumeSource>,
     ) -> Self {
         Self {
             job,
@@ -58,7 +65,24 @@ impl CheckpointContext {
             priority,
             location,
             writer: Mutex::new(None),
+            resume,
+            resume_part: Mutex::new(None),
         }
+    }
+
+    /// The cut a resumed job started from.
+    pub(crate) fn resume(&self) -> Option<&ResumeSource> {
+        self.resume.as_ref()
+    }
+
+    /// The first step this job trains: every step below is in its initial state.
+    pub(crate) fn first_step(&self) -> u64 {
+        self.resume.as_ref().map_or(0, |r| r.step)
+    }
+
+    /// A resumed slot's own part of its cut, which its first writer continues.
+    pub(crate) fn continue_from_part(&self, id: Option<String>) {
+        *self.resume_part.lock().unwrap_or_else(|p| p.into_inner()) = id;
     }
 
     /// The post-commit observers that feed the checkpoints: the strategy's delta tracker,

@@ -92,6 +92,7 @@ impl CheckpointContext {
             }),
             cpr_priority: None,
             applied_ahead: Vec::new(),
+            batch_size: Some(self.job.config.train.batch_size as u64),
         }
     }
 
@@ -115,8 +116,20 @@ impl CheckpointContext {
         if let Some(w) = writer.as_ref() {
             return Ok(w.clone());
         }
-        let start = BranchStart::Fresh {
-            new_branch: self.job.config.checkpoint.new_branch,
+        let part = self
+            .resume_part
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let start = match (part, &self.resume) {
+            // A resumed slot continues its own part's history (a fork when newer
+            // checkpoints exist there); one whose shard was re-placed starts a branch of
+            // its own beside the old job's, which stays as it was.
+            (Some(from), _) => BranchStart::Resume { from },
+            (None, Some(_)) => BranchStart::Fresh { new_branch: true },
+            (None, None) => BranchStart::Fresh {
+                new_branch: self.job.config.checkpoint.new_branch,
+            },
         };
         let (w, _) = checkpoints.start_writing(start, &self.lease_options())?;
         *writer = Some(w.clone());
@@ -251,6 +264,7 @@ impl CheckpointContext {
         let mut own_save = own_save::lock(&self.own_save);
         own_save.forget_history();
         *lock(&self.checkpointer) = None;
+        self.continue_from_part(None);
         if let Some(checkpoints) = &self.location {
             let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
             *writer = None;
@@ -342,9 +356,17 @@ impl CheckpointContext {
         let _own_save = own_save::lock(&self.own_save);
         let writer = self.writer(checkpoints)?;
         let all = writer.list_readable()?;
+        // Another job's checkpoints in this location (the cut a resumed job started
+        // from, and everything of that job) are not this job's to prune.
+        let fingerprint = self.job.fingerprint();
+        let others = all.iter().filter(|m| {
+            ShardIdentity::from_json(&m.trainer, &m.id)
+                .map_or(true, |i| i.fingerprint != fingerprint)
+        });
         let keep: Vec<String> = keep_steps
             .iter()
             .filter_map(|&step| self.cut_checkpoint(&all, step))
+            .chain(others.map(|m| m.id.clone()))
             .collect();
         writer.set_pinned_steps(keep_steps)?;
         let report = writer.gc_with(&GcOptions {

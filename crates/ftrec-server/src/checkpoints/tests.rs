@@ -32,7 +32,7 @@ fn parts(dir: &std::path::Path) -> (CheckpointContext, UpdatePipeline, Checkpoin
         Arc::new(crate::server_metrics("0")),
         ftrec_faults::Faults::default(),
     );
-    let ckpt = CheckpointContext::new(job, 0, layout, Some(location.clone()), None);
+    let ckpt = CheckpointContext::new(job, 0, layout, Some(location.clone()), None, None);
     (ckpt, pipeline, location)
 }
 

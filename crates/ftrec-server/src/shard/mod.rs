@@ -72,6 +72,33 @@ pub(crate) fn packed_dense(
     Ok(dense)
 }
 
+/// The optimizer state of the dense parameters in `range`, laid out as the optimizer lays
+/// out a model of that many parameters (Adam: `m` of the range, then `v`), from the
+/// global model's `full` state (each state vector over every parameter, one after another).
+pub(crate) fn dense_range_state(
+    global: &ModelConfig,
+    full: &DenseState,
+    range: Range<usize>,
+) -> Result<Vec<f32>, PsError> {
+    let total = full.params.len();
+    let per_param = global.dense_optimizer.dense_state_len(1)?;
+    let mut state = Vec::with_capacity(per_param * range.len());
+    for j in 0..per_param {
+        let vector = full
+            .optimizer_state
+            .get(j * total + range.start..j * total + range.end)
+            .ok_or_else(|| {
+                PsError::Internal(format!(
+                    "dense optimizer state of {} values is short of {} vectors of {total}",
+                    full.optimizer_state.len(),
+                    per_param
+                ))
+            })?;
+        state.extend_from_slice(vector);
+    }
+    Ok(state)
+}
+
 impl Shard {
     /// The configuration of `server`'s shard: the global model with each table holding the
     /// rows the placement gives the server.
@@ -101,6 +128,27 @@ impl Shard {
         layout: Layout,
         server: usize,
     ) -> Result<Self, PsError> {
+        Self::from_global_rows(global, seed, layout, server, |sink| {
+            for t in 0..global.tables() {
+                redundancy::for_each_initial_row(global, seed, t, |r, row| sink(t, r, row));
+            }
+            Ok(DenseState::initial(global, seed)?)
+        })
+    }
+
+    /// `server`'s shard of the global model whose rows `rows` hands to its sink, each
+    /// once and in any order, as `(table, global row, row)`, and then returns the global
+    /// dense state of: the rows it owns, and under erasure coding the parity of its
+    /// stripes and its dense replica and parity, all derived here. The initial model's
+    /// rows come from the seed; a resumed job's from another job's cut (`resume.rs`).
+    /// `seed` only shapes the dense buffers, which are overwritten.
+    pub(crate) fn from_global_rows(
+        global: &ModelConfig,
+        seed: u64,
+        layout: Layout,
+        server: usize,
+        rows: impl FnOnce(&mut dyn FnMut(usize, usize, &[f32])) -> Result<DenseState, PsError>,
+    ) -> Result<Self, PsError> {
         let config = Self::shard_config(global, layout, server)?;
         let stride = global.row_stride();
         let stripes = layout.stripes();
@@ -108,34 +156,35 @@ impl Shard {
             Some(_) => Some(Redundancy::empty(global, layout, server)?),
             None => None,
         };
-        let mut tables = Vec::with_capacity(global.tables());
-        for t in 0..global.tables() {
-            let local_rows = config.table_rows[t];
-            let mut data = vec![0.0f32; local_rows * stride];
-            redundancy::for_each_initial_row(global, seed, t, |r, row| {
-                let g = GlobalRow(r as u32);
-                let (owner, local) = layout.primary(t, g);
-                if owner == server {
-                    let local = local.index();
-                    data[local * stride..(local + 1) * stride].copy_from_slice(row);
-                }
-                if let (Some(red), Some(stripes)) = (&mut redundancy, &stripes) {
-                    red.fold_initial(stripes, server, t, r, bytemuck::cast_slice(row));
-                }
-            });
-            tables.push(
+        let mut data: Vec<Vec<f32>> = config
+            .table_rows
+            .iter()
+            .map(|&local_rows| vec![0.0f32; local_rows * stride])
+            .collect();
+        let full = rows(&mut |t, r, row| {
+            let (owner, local) = layout.primary(t, GlobalRow(r as u32));
+            if owner == server {
+                let local = local.index();
+                data[t][local * stride..(local + 1) * stride].copy_from_slice(row);
+            }
+            if let (Some(red), Some(stripes)) = (&mut redundancy, &stripes) {
+                red.fold_initial(stripes, server, t, r, bytemuck::cast_slice(row));
+            }
+        })?;
+        let tables = data
+            .into_iter()
+            .zip(&config.table_rows)
+            .map(|(data, &local_rows)| {
                 EmbeddingTable::from_data(local_rows, global.dim, stride, data)
-                    .ok_or_else(|| PsError::Config("shard table shape".into()))?,
-            );
-        }
-        let full = DenseState::initial(global, seed)?;
+                    .ok_or_else(|| PsError::Config("shard table shape".into()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         if let Some(red) = &mut redundancy {
             red.replica = Redundancy::initial_replica(global, layout, server, &full)?;
             red.init_dense_parity(global, layout, server, &full)?;
         }
         let range = layout.dense_range(server, full.params.len());
-        let mut range_state = vec![0.0f32; global.dense_optimizer.dense_state_len(range.len())?];
-        global.dense_optimizer.init_dense_state(&mut range_state);
+        let range_state = dense_range_state(global, &full, range.clone())?;
         let dense = packed_dense(&config, seed, &full.params[range], &range_state, full.step)?;
         let state = ModelState::from_parts(config, tables, dense)?;
         let mut shard = Self::from_state(global, layout, server, state)?;

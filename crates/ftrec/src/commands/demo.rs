@@ -120,6 +120,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
             time_limit: std::time::Duration::from_secs(3600),
             evaluate: Some(crate::commands::cluster::evaluator()),
             save: None,
+            resume: None,
         },
         |p| {
             pb.set_position(p.steps);

@@ -50,42 +50,12 @@ pub fn each_server(servers: &[String], f: impl Fn(&Path) -> Result<()>) -> Resul
     Ok(())
 }
 
-/// One step some server holds a checkpoint of, and how many of the `of` servers do.
-pub struct CutParts {
-    pub step: u64,
-    pub servers: usize,
-    pub of: usize,
-}
-
-impl CutParts {
-    /// Every server holds its part: the cut can be restored.
-    pub fn complete(&self) -> bool {
-        self.servers == self.of
-    }
-}
-
-/// Every step any server holds a readable checkpoint of, oldest first, from each
-/// server's checkpoint steps (one list per server, in server order).
-pub fn cuts(steps_by_server: &[Vec<u64>]) -> Vec<CutParts> {
-    let mut held = std::collections::BTreeMap::<u64, std::collections::BTreeSet<usize>>::new();
-    for (i, steps) in steps_by_server.iter().enumerate() {
-        for &step in steps {
-            held.entry(step).or_default().insert(i);
-        }
-    }
-    held.into_iter()
-        .map(|(step, holders)| CutParts {
-            step,
-            servers: holders.len(),
-            of: steps_by_server.len(),
-        })
-        .collect()
-}
-
-/// The global model at a cut: `step` (a number, optionally `step:N`), or the newest step
-/// every server holds a checkpoint of. Each server's part is its checkpoint at that step
-/// committed last (by fencing token, not clock), as a cluster rollback picks it. Returns a name for the cut, the state and
-/// the step.
+/// The global model at a cut: `step` (a number, optionally `step:N`), or the newest cut
+/// every server of its job committed. Each server's part is its checkpoint at that step
+/// committed last (by fencing token, not clock), as a cluster rollback picks it; a
+/// location that also holds a job of another size (one resumed from it) is read by the
+/// server count each part names ([`ftrec_cluster::resume::cuts_of`]). Returns a name for
+/// the cut, the state and the step.
 pub fn restore_cut(servers: &[String], step: Option<&str>) -> Result<(String, ModelState, u64)> {
     let cks: Vec<Checkpoints> = servers
         .iter()
@@ -95,22 +65,35 @@ pub fn restore_cut(servers: &[String], step: Option<&str>) -> Result<(String, Mo
         .iter()
         .map(|c| c.list_readable())
         .collect::<Result<_, _>>()?;
-    let step = match step {
-        Some(s) => s
-            .trim_start_matches("step:")
-            .parse::<u64>()
-            .with_context(|| format!("--id {s:?}: a cluster location takes a cut's step"))?,
-        None => listed[0]
+    let cuts = ftrec_cluster::resume::cuts_of(&listed);
+    let cut = match step {
+        Some(s) => {
+            let step = s
+                .trim_start_matches("step:")
+                .parse::<u64>()
+                .with_context(|| format!("--id {s:?}: a cluster location takes a cut's step"))?;
+            let at: Vec<_> = cuts.iter().filter(|c| c.step == step).collect();
+            match (at.iter().rev().find(|c| c.complete()), at.last()) {
+                (Some(c), _) => *c,
+                (None, Some(c)) => bail!(
+                    "the cut at step {step} is incomplete: servers {:?} of its {} hold no part",
+                    c.missing(),
+                    c.servers
+                ),
+                (None, None) => bail!("no server holds a checkpoint of step {step}"),
+            }
+        }
+        None => cuts
             .iter()
             .rev()
-            .map(|m| m.step)
-            .find(|&s| listed.iter().all(|l| l.iter().any(|m| m.step == s)))
-            .context("no step has a checkpoint on every server")?,
+            .find(|c| c.complete())
+            .context("no step has a checkpoint on every server of its job")?,
     };
-    let mut shards = Vec::with_capacity(cks.len());
+    let step = cut.step;
+    let mut shards = Vec::with_capacity(cut.servers);
     let mut striped: Option<(ftrec_ec::EcParams, Vec<usize>)> = None;
-    for (i, (ck, all)) in cks.iter().zip(&listed).enumerate() {
-        let Some(part) = Manifest::last_at_step(all, step) else {
+    for (i, ck) in cks.iter().enumerate().take(cut.servers) {
+        let Some(part) = cut.parts.get(&i) else {
             bail!(
                 "server {i} ({}) has no checkpoint of step {step}",
                 servers[i]

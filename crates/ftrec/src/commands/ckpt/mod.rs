@@ -248,13 +248,13 @@ fn list_cluster(servers: &[String], json: bool) -> Result<()> {
             .zip(&listings)
             .map(|(location, l)| json!({"location": location, "checkpoints": l.entries()}))
             .collect();
-        let steps: Vec<Vec<u64>> = listings
+        let all: Vec<Vec<Manifest>> = listings.iter().map(|l| l.all.clone()).collect();
+        let cuts: Vec<serde_json::Value> = ftrec_cluster::resume::cuts_of(&all)
             .iter()
-            .map(|l| l.all.iter().map(|m| m.step).collect())
-            .collect();
-        let cuts: Vec<serde_json::Value> = cluster::cuts(&steps)
-            .iter()
-            .map(|c| json!({"step": c.step, "servers": c.servers, "complete": c.complete()}))
+            .map(|c| {
+                json!({"step": c.step, "servers": c.servers, "held": c.parts.len(),
+                       "complete": c.complete()})
+            })
             .collect();
         outln!("{}", json!({"servers": listed, "cuts": cuts}));
         let damaged: usize = listings.iter().map(|l| l.damaged.len()).sum();
@@ -264,27 +264,27 @@ fn list_cluster(servers: &[String], json: bool) -> Result<()> {
         return Ok(());
     }
     // Each server listed under its header, the others still listed when one fails.
-    let steps = std::cell::RefCell::new(vec![Vec::new(); servers.len()]);
+    let all = std::cell::RefCell::new(vec![Vec::new(); servers.len()]);
     let index = std::cell::Cell::new(0);
     cluster::each_server(servers, |d| {
         let i = index.replace(index.get() + 1);
         let listing = Listing::read(d)?;
-        steps.borrow_mut()[i] = listing.all.iter().map(|m| m.step).collect();
+        all.borrow_mut()[i] = listing.all.clone();
         listing.print()?;
         listing.check()
     })?;
-    outln!("cuts of {} servers:", servers.len());
-    for c in cluster::cuts(&steps.into_inner()) {
+    outln!("cuts (parts held / the servers of the job that wrote them):");
+    for c in ftrec_cluster::resume::cuts_of(&all.into_inner()) {
         let state = if c.complete() {
-            "complete"
+            "complete".to_string()
         } else {
-            "incomplete: not every server holds a part"
+            format!("incomplete: servers {:?} hold no part", c.missing())
         };
         outln!(
             "  step {:>8}  {}/{} servers  {state}",
             c.step,
-            c.servers,
-            c.of
+            c.parts.len(),
+            c.servers
         );
     }
     Ok(())

@@ -62,6 +62,10 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
         launch::check_save_path(save)?;
     }
     let faults = ftrec_faults::Faults::parse_all(a.faults.iter().map(String::as_str))?;
+    // A resumed job names its cut in the job file (`cluster.resume_from`), which every
+    // member reads, so all of them are of one job; the coordinator checks the cut and
+    // tells the servers which one it is.
+    let resume = ftrec_cluster::resume::resolve(&job.config, false)?;
     let rt = runtime()?;
     let report = rt.block_on(async {
         if a.standby {
@@ -85,6 +89,7 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
             standby: a.standby,
             id: a.id.clone(),
             faults,
+            resume,
         })
         .await?;
         eprintln!("coordinator listening on {}", handle.shared.address());
