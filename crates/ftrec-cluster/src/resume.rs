@@ -52,11 +52,16 @@ impl Cut {
         self.missing().is_empty()
     }
 
-    /// The identity of a part (every part of a cut has one, else it is not listed).
-    fn identity(&self, slot: usize) -> Option<ShardIdentity> {
-        self.parts
-            .get(&slot)
-            .and_then(|m| ShardIdentity::from_json(&m.trainer, &m.id).ok())
+    /// The identity of a part: an error names what is wrong with it (none, or a format
+    /// version newer than this ftrec reads).
+    fn identity(&self, slot: usize) -> Result<ShardIdentity, PsError> {
+        let Some(m) = self.parts.get(&slot) else {
+            return Err(PsError::Config(format!(
+                "server {slot} holds no part of the cut at step {}",
+                self.step
+            )));
+        };
+        Ok(ShardIdentity::from_json(&m.trainer, &m.id)?)
     }
 }
 
@@ -234,10 +239,15 @@ fn check_compatible(
     spec: &str,
     cut: &Cut,
 ) -> Result<(), PsError> {
-    let (Some(part), Some(identity)) = (cut.parts.get(&0), cut.identity(0)) else {
+    let identity = cut.identity(0).map_err(|e| {
+        PsError::Config(format!(
+            "cluster.resume_from = {spec:?}: the cut at step {} cannot be re-placed: {e}",
+            cut.step
+        ))
+    })?;
+    let Some(part) = cut.parts.get(&0) else {
         return Err(PsError::Config(format!(
-            "cluster.resume_from = {spec:?}: the cut at step {} has no identity (written by \
-             an ftrec before shard identities); it cannot be re-placed",
+            "cluster.resume_from = {spec:?}: server 0 holds no part of the cut at step {}",
             cut.step
         )));
     };

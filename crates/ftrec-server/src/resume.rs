@@ -263,9 +263,7 @@ pub(crate) fn load_shard(
         Ok(full)
     })?;
     tracing::info!(
-        "server {server}: resumed from {what}: read the parts of old servers {parts_read:?} \
-         of {} in {:.2}s",
-        old.servers(),
+        "server {server}: resumed from {what} in {:.2}s",
         started.elapsed().as_secs_f64()
     );
     Ok(Resumed {
@@ -316,6 +314,11 @@ pub(crate) fn starting_shard(
         None => Ok((Shard::initial(global, seed, layout, server)?, None)),
         Some(source) => {
             let resumed = load_shard(source, global, seed, layout, server, own_location)?;
+            tracing::info!(
+                "server {server}: the rows of old servers {:?} of {} re-placed",
+                resumed.parts_read,
+                source.servers
+            );
             Ok((resumed.shard, resumed.own_part))
         }
     }

@@ -12,6 +12,7 @@ mod cluster_etcd;
 mod cluster_lifecycle;
 mod cluster_outage;
 mod cluster_partial;
+mod cluster_resume;
 mod cluster_safety;
 mod cluster_scrub;
 mod cluster_security;

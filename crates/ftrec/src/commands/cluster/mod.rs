@@ -308,7 +308,16 @@ pub fn run(a: ClusterRunArgs) -> Result<()> {
 
 fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Result<()> {
     let data = a.data.as_deref().map(absolute).transpose()?;
-    let checkpoint_dir = a.checkpoint_dir.as_deref().map(absolute).transpose()?;
+    // An object-store location (`s3://...`) is kept as it is; a local one made absolute,
+    // as every member reads it from its own working directory.
+    let checkpoint_dir = a
+        .checkpoint_dir
+        .as_deref()
+        .map(|d| match d.to_str() {
+            Some(url) if url.contains("://") => Ok(d.to_path_buf()),
+            _ => absolute(d),
+        })
+        .transpose()?;
     // Checked before the run whose end it keeps; absolute, as coordinators are processes
     // of their own under etcd.
     let save = a.save.as_deref().map(absolute).transpose()?;
