@@ -14,6 +14,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use ftrec_model::ModelState;
 use rayon::prelude::*;
 
+use crate::format::quant::Quant;
 use crate::lease::Lease;
 use crate::manifest::{CheckpointKind, FileEntry, Manifest};
 use crate::parts::Parts;
@@ -102,6 +103,9 @@ pub struct Checkpoints {
     pub(crate) branch: u32,
     /// The writer lease, when this handle writes: checked before every commit.
     pub(crate) lease: Option<Arc<Lease>>,
+    /// How the rows it writes are stored (`checkpoint.quantize`); reads follow each
+    /// chunk's own header whatever this says.
+    pub(crate) quant: Quant,
 }
 
 impl Checkpoints {
@@ -124,6 +128,26 @@ impl Checkpoints {
             io: io.map(Arc::new),
             branch: 0,
             lease: None,
+            quant: Quant::NONE,
+        }
+    }
+
+    /// This handle writes rows stored as `quant` says (its `dim` is filled in from each
+    /// model written). Lossy unless `QuantKind::None`: a restore is then close to the
+    /// saved state, not equal to it.
+    pub fn with_quant(mut self, quant: Quant) -> Self {
+        self.quant = quant;
+        self
+    }
+
+    /// How this handle stores the rows of `state`'s model.
+    pub(crate) fn quant_for(&self, config: &ftrec_model::ModelConfig) -> Quant {
+        if self.quant.is_none() {
+            return Quant::NONE;
+        }
+        Quant {
+            dim: config.dim as u16,
+            ..self.quant
         }
     }
 
@@ -245,9 +269,12 @@ impl Checkpoints {
             }
         };
         let jobs = chunk_jobs(state, rows, CHUNK_BYTES)?;
+        let quant = self.quant_for(state.config());
         let row_bytes: u64 = jobs
             .iter()
-            .map(|&(t, _, part)| part.len() as u64 * (4 + 4 * state.tables()[t].stride() as u64))
+            .map(|&(t, _, part)| {
+                part.len() as u64 * (4 + quant.row_bytes(state.tables()[t].stride()) as u64)
+            })
             .sum();
         self.check_free_space(&format!("checkpoint {id}"), row_bytes + dense_bytes(state))?;
         let parts = Parts::new(self, &id);
@@ -257,9 +284,9 @@ impl Checkpoints {
                     .map(|&(t, n, part)| {
                         let table = &state.tables()[t];
                         let (bytes, crc) =
-                            chunk::encode_with_crc(t as u32, table.stride(), part, |r| {
+                            chunk::encode_with_crc(t as u32, table.stride(), quant, part, |r| {
                                 table.row(r as usize)
-                            });
+                            })?;
                         let key = format!("data/{id}/t{t:04}-{n:06}.chunk");
                         parts.put(&key, &bytes)?;
                         Ok(FileEntry {
@@ -290,6 +317,7 @@ impl Checkpoints {
                 deck: None,
                 branch: self.branch,
                 fence: None,
+                quantize: quant,
             };
             self.commit_manifest(&manifest)
         })();

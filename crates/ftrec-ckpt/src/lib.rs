@@ -17,6 +17,7 @@ pub mod strategies;
 
 // Every module keeps its path at the crate root (`ftrec_ckpt::chunk`, `crate::store`):
 // the folders group files by role without changing what users and siblings name.
+pub use format::quant::{Quant, QuantKind};
 pub use format::{chunk, chunklist, dense, manifest};
 pub(crate) use format::{envelope, parts};
 pub use history::{branch, fence, lease};

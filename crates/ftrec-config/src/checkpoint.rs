@@ -55,6 +55,19 @@ pub struct CheckpointSection {
     /// deleted once a newer cut commits (0 keeps every cut).
     #[serde(default = "default_keep")]
     pub keep: usize,
+    /// `none` (f32, exact), `int8` or `int4`: embedding rows stored row-wise quantized
+    /// with an fp16 scale and bias per row, as FBGEMM's fused row-wise formats, in every
+    /// strategy's checkpoints. Lossy: a restore is close to the state saved, not equal.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub quantize: ftrec_ckpt::QuantKind,
+    /// With `quantize`: quantize the optimizer state too (in segments of `model.dim`
+    /// values, each with its own scale and bias); else it stays f32.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub quantize_optimizer: bool,
+}
+
+fn is_default<T: Default + PartialEq>(value: &T) -> bool {
+    *value == T::default()
 }
 
 fn default_keep() -> usize {
@@ -78,6 +91,8 @@ impl Default for CheckpointSection {
             deck: Default::default(),
             new_branch: false,
             keep: default_keep(),
+            quantize: Default::default(),
+            quantize_optimizer: false,
         }
     }
 }
@@ -124,6 +139,17 @@ mod strategy_setting {
 }
 
 impl CheckpointSection {
+    /// How checkpoints store rows (`dim` is filled in from the model as each is written).
+    pub fn quant(&self) -> ftrec_ckpt::Quant {
+        ftrec_ckpt::Quant {
+            kind: self.quantize,
+            optimizer: self.quantize_optimizer,
+            dim: 0,
+        }
+    }
+}
+
+impl CheckpointSection {
     /// The strategy in effect: none without a directory, full by default with one.
     pub fn effective_strategy(&self) -> Option<Strategy> {
         match (self.strategy, &self.dir) {
@@ -139,6 +165,13 @@ impl CheckpointSection {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.quantize_optimizer && self.quantize == ftrec_ckpt::QuantKind::None {
+            return Err(ConfigError::Invalid(
+                "checkpoint.quantize_optimizer = true needs checkpoint.quantize = \"int8\" or \
+                 \"int4\""
+                    .into(),
+            ));
+        }
         self.deck
             .validate()
             .map_err(|e| ConfigError::Invalid(format!("checkpoint.deck: {e}")))?;

@@ -299,7 +299,9 @@ impl Slot<'_> {
 /// The shard's checkpoint location, if the job keeps checkpoints.
 fn checkpoint_location(job: &Job, id: usize) -> Result<Option<Checkpoints>, PsError> {
     match checkpoint_location_name(job, id) {
-        Some(location) => Ok(Some(Checkpoints::new(open_store(&location)?))),
+        Some(location) => Ok(Some(
+            Checkpoints::new(open_store(&location)?).with_quant(job.config.checkpoint.quant()),
+        )),
         None => Ok(None),
     }
 }

@@ -202,6 +202,7 @@ impl Trainer {
                 },
             };
             let (checkpoints, started) = Checkpoints::new(open_store(&location)?)
+                .with_quant(c.quant())
                 .start_writing(start, &LeaseOptions::new("ftrec train"))?;
             if started.new_branch || started.cleaned > 0 {
                 tracing::info!(

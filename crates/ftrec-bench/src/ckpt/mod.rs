@@ -12,6 +12,7 @@
 //!   checkpoint's write and cold restore.
 
 mod plot;
+pub mod quantize;
 pub mod report;
 
 use std::path::{Path, PathBuf};

@@ -192,8 +192,9 @@ impl Checkpoints {
                     let at = at + (c.offset - file_start) as usize;
                     let bytes = buffer.get(at..at + c.len as usize).unwrap_or_default();
                     let where_ = self.store.describe(&c.key);
+                    let quant = chunk::header(&where_, bytes)?.quant;
                     let (header, crc) = chunk::decode_with_crc(&where_, bytes, |row, payload| {
-                        store_row(table, t, &where_, row, payload)
+                        store_row(table, t, &where_, quant, row, payload)
                     })?;
                     if crc != c.crc32c {
                         return Err(c.mismatch(&*self.store));
@@ -271,6 +272,7 @@ impl Checkpoints {
                     for entry in files {
                         self.fetch_unchecked(entry, bytes)?;
                         let where_ = self.store.describe(&entry.key);
+                        let quant = chunk::header(&where_, bytes)?.quant;
                         let (header, crc) =
                             chunk::decode_with_crc(&where_, bytes, |row, payload| {
                                 let r = row as usize;
@@ -283,7 +285,7 @@ impl Checkpoints {
                                     ));
                                 }
                                 next_row = r + 1;
-                                store_row(table, t, &where_, row, payload)
+                                store_row(table, t, &where_, quant, row, payload)
                             })?;
                         check_named_chunk(&where_, entry, t, &header, crc)?;
                     }
@@ -389,23 +391,28 @@ pub(crate) fn check_named_chunk(
     Ok(())
 }
 
-/// Writes one row's little-endian payload into table `t`.
+/// Writes one row's stored payload (f32, or quantized as `quant` says) into table `t`.
 pub(crate) fn store_row(
     table: &mut EmbeddingTable,
     t: usize,
     where_: &str,
+    quant: crate::Quant,
     row: u32,
     payload: &[u8],
 ) -> Result<(), CkptError> {
     let row = row as usize;
-    if row >= table.rows() || payload.len() != table.stride() * 4 {
+    if row >= table.rows() || payload.len() != quant.row_bytes(table.stride()) {
         return Err(CkptError::corrupt(
             where_,
             format!("row {row} does not fit table {t}"),
         ));
     }
-    // The format is little-endian f32, as memory is on every target this crate builds
-    // for (lib.rs refuses big-endian), so a row is one copy.
-    bytemuck::cast_slice_mut::<f32, u8>(table.row_mut(row)).copy_from_slice(payload);
+    if quant.is_none() {
+        // The format is little-endian f32, as memory is on every target this crate
+        // builds for (lib.rs refuses big-endian), so a row is one copy.
+        bytemuck::cast_slice_mut::<f32, u8>(table.row_mut(row)).copy_from_slice(payload);
+    } else {
+        quant.decode_row(payload, table.row_mut(row));
+    }
     Ok(())
 }

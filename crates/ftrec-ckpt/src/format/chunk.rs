@@ -1,10 +1,16 @@
 //! Row chunk files: one table's rows (sorted ids, then each row's embedding and optimizer
-//! state as little-endian f32), in blocks that each carry a CRC32C. See FORMAT.md.
+//! state as little-endian f32, or row-wise quantized, `quant.rs`), in blocks that each
+//! carry a CRC32C. See FORMAT.md.
 
+use super::quant::Quant;
 use crate::CkptError;
 
 const MAGIC: &[u8; 8] = b"FTRECCHK";
+/// Version 1: f32 rows (header bytes 32..36 zero). Version 2: quantized rows, described
+/// by header bytes 32..36. Unquantized chunks are still written as version 1, so a reader
+/// that predates quantization reads them.
 const VERSION: u32 = 1;
+const VERSION_QUANTIZED: u32 = 2;
 pub const HEADER_LEN: usize = 40;
 /// Rows per checksummed block: small enough that damage is located precisely, large
 /// enough that the CRC costs nothing.
@@ -18,17 +24,25 @@ pub struct ChunkHeader {
     pub stride: u32,
     pub block_rows: u32,
     pub rows: u64,
+    /// How each row is stored.
+    pub quant: Quant,
 }
 
 impl ChunkHeader {
     fn encode(&self) -> [u8; HEADER_LEN] {
         let mut h = [0u8; HEADER_LEN];
         h[0..8].copy_from_slice(MAGIC);
-        h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        let version = if self.quant.is_none() {
+            VERSION
+        } else {
+            VERSION_QUANTIZED
+        };
+        h[8..12].copy_from_slice(&version.to_le_bytes());
         h[12..16].copy_from_slice(&self.table.to_le_bytes());
         h[16..20].copy_from_slice(&self.stride.to_le_bytes());
         h[20..24].copy_from_slice(&self.block_rows.to_le_bytes());
         h[24..32].copy_from_slice(&self.rows.to_le_bytes());
+        h[32..36].copy_from_slice(&self.quant.encode());
         let crc = crc32c::crc32c(&h[..36]);
         h[36..40].copy_from_slice(&crc.to_le_bytes());
         h
@@ -54,10 +68,26 @@ impl ChunkHeader {
                 "header checksum mismatch (bytes 0..40)",
             ));
         }
-        if u32_at(8) != VERSION {
+        if u32_at(8) != VERSION && u32_at(8) != VERSION_QUANTIZED {
             return Err(CkptError::corrupt(
                 key,
-                format!("unsupported chunk version {}", u32_at(8)),
+                format!(
+                    "unsupported chunk version {} (this ftrec reads {VERSION} and \
+                     {VERSION_QUANTIZED})",
+                    u32_at(8)
+                ),
+            ));
+        }
+        let quant = Quant::decode([b[32], b[33], b[34], b[35]])
+            .map_err(|e| CkptError::corrupt(key, format!("header bytes 32..36: {e}")))?;
+        if (u32_at(8) == VERSION) != quant.is_none() {
+            return Err(CkptError::corrupt(
+                key,
+                format!(
+                    "chunk version {} disagrees with its quantization {:?}",
+                    u32_at(8),
+                    quant.kind
+                ),
             ));
         }
         let h = Self {
@@ -65,6 +95,7 @@ impl ChunkHeader {
             stride: u32_at(16),
             block_rows: u32_at(20),
             rows: u64::from_le_bytes(b[24..32].try_into().unwrap_or_default()),
+            quant,
         };
         if h.stride == 0 || h.block_rows == 0 {
             return Err(CkptError::corrupt(
@@ -78,7 +109,7 @@ impl ChunkHeader {
     /// Exact file length this header implies; `u64::MAX`, which no file has, when a
     /// damaged header's counts overflow it (found by fuzzing), so the length check fails.
     pub fn file_len(&self) -> u64 {
-        let row_bytes = 4 + 4 * self.stride as u64;
+        let row_bytes = 4 + self.row_bytes() as u64;
         let blocks = self.rows.div_ceil(self.block_rows as u64);
         self.rows
             .checked_mul(row_bytes)
@@ -88,14 +119,24 @@ impl ChunkHeader {
     }
 }
 
-/// Encodes `rows` (sorted, unique) of `table`; `row_data(r)` gives row `r`'s `stride` words.
+impl ChunkHeader {
+    /// Stored bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.quant.row_bytes(self.stride as usize)
+    }
+}
+
+/// Encodes `rows` (sorted, unique) of `table`; `row_data(r)` gives row `r`'s `stride`
+/// words, stored as `quant` says. Fails only for a quantized row that cannot be stored
+/// (`Quant::encode_row`).
 pub fn encode<'a>(
     table: u32,
     stride: usize,
+    quant: Quant,
     rows: &[u32],
     row_data: impl Fn(u32) -> &'a [f32],
-) -> Vec<u8> {
-    encode_with_crc(table, stride, rows, row_data).0
+) -> Result<Vec<u8>, CkptError> {
+    Ok(encode_with_crc(table, stride, quant, rows, row_data)?.0)
 }
 
 /// [`encode`], also returning the CRC32C of the whole chunk, combined from the block
@@ -103,28 +144,46 @@ pub fn encode<'a>(
 pub fn encode_with_crc<'a>(
     table: u32,
     stride: usize,
+    quant: Quant,
     rows: &[u32],
     row_data: impl Fn(u32) -> &'a [f32],
-) -> (Vec<u8>, u32) {
-    encode_bytes_with_crc(table, stride, rows, |i| {
-        bytemuck::cast_slice(row_data(rows[i]))
-    })
+) -> Result<(Vec<u8>, u32), CkptError> {
+    if quant.is_none() {
+        return Ok(encode_bytes_with_crc(table, stride, quant, rows, |i| {
+            bytemuck::cast_slice(row_data(rows[i]))
+        }));
+    }
+    let row_bytes = quant.row_bytes(stride);
+    let mut stored = Vec::with_capacity(rows.len() * row_bytes);
+    for &r in rows {
+        quant.encode_row(row_data(r), &mut stored).map_err(|e| {
+            CkptError::Invalid(format!(
+                "table {table} row {r}: {e}; checkpoint.quantize = \"none\" stores it exactly"
+            ))
+        })?;
+    }
+    Ok(encode_bytes_with_crc(table, stride, quant, rows, |i| {
+        &stored[i * row_bytes..(i + 1) * row_bytes]
+    }))
 }
 
-/// Like [`encode`], with the `i`-th row's payload given as little-endian bytes (as
-/// [`decode`] delivers them), so chunks can be split without converting floats.
+/// Like [`encode`], with the `i`-th row's stored bytes given as [`decode`] delivers them
+/// (f32 little-endian, or quantized as `quant` says), so chunks can be split and merged
+/// without converting, or quantizing again, a single value.
 pub fn encode_bytes<'a>(
     table: u32,
     stride: usize,
+    quant: Quant,
     rows: &[u32],
     payload: impl Fn(usize) -> &'a [u8],
 ) -> Vec<u8> {
-    encode_bytes_with_crc(table, stride, rows, payload).0
+    encode_bytes_with_crc(table, stride, quant, rows, payload).0
 }
 
 fn encode_bytes_with_crc<'a>(
     table: u32,
     stride: usize,
+    quant: Quant,
     rows: &[u32],
     payload: impl Fn(usize) -> &'a [u8],
 ) -> (Vec<u8>, u32) {
@@ -133,6 +192,7 @@ fn encode_bytes_with_crc<'a>(
         stride: stride as u32,
         block_rows: BLOCK_ROWS as u32,
         rows: rows.len() as u64,
+        quant,
     };
     let mut out = Vec::with_capacity(header.file_len() as usize);
     out.extend_from_slice(&header.encode());
@@ -156,9 +216,15 @@ fn encode_bytes_with_crc<'a>(
     (out, file_crc)
 }
 
-/// Checks a whole chunk and calls `visit(row, little-endian row bytes)` for each row, in
-/// ascending row order. Nothing is visited from a block before its checksum is verified, so
-/// a damaged chunk never delivers wrong rows.
+/// The header of the chunk `bytes` begins with (what [`decode`] will visit rows as).
+pub fn header(key: &str, bytes: &[u8]) -> Result<ChunkHeader, CkptError> {
+    ChunkHeader::decode(key, bytes)
+}
+
+/// Checks a whole chunk and calls `visit(row, stored row bytes)` for each row, in
+/// ascending row order: little-endian f32, or quantized as the header's `quant` says
+/// ([`header`]; `Quant::decode_row` turns them into values). Nothing is visited from a
+/// block before its checksum is verified, so a damaged chunk never delivers wrong rows.
 pub fn decode<'b>(
     key: &str,
     bytes: &'b [u8],
@@ -198,6 +264,9 @@ pub fn read_consecutive_into(
     read_exact_at(key, reader, &mut head, 0)?;
     let h = ChunkHeader::decode(key, &head)?;
     let row_bytes = 4 * h.stride as usize;
+    if !h.quant.is_none() {
+        return read_quantized_into(key, reader, h, head, first_row, stride, out);
+    }
     if h.stride as usize != stride || (h.rows as usize).checked_mul(row_bytes) != Some(out.len()) {
         return Err(CkptError::corrupt(
             key,
@@ -254,6 +323,52 @@ pub fn read_consecutive_into(
     Ok((h, file_crc))
 }
 
+/// [`read_consecutive_into`] of a quantized chunk: the whole chunk is read and checked,
+/// then each row decoded into its place.
+fn read_quantized_into(
+    key: &str,
+    reader: &mut dyn std::io::Read,
+    h: ChunkHeader,
+    head: [u8; HEADER_LEN],
+    first_row: u64,
+    stride: usize,
+    out: &mut [u8],
+) -> Result<(ChunkHeader, u32), CkptError> {
+    let len = h.file_len();
+    if h.stride as usize != stride
+        || (h.rows as usize).checked_mul(4 * stride) != Some(out.len())
+        || len == u64::MAX
+    {
+        return Err(CkptError::corrupt(
+            key,
+            format!(
+                "holds {} rows of {} words; the manifest and the table need {} of {stride}",
+                h.rows,
+                h.stride,
+                out.len() / (4 * stride.max(1))
+            ),
+        ));
+    }
+    let mut bytes = head.to_vec();
+    bytes.resize(len as usize, 0);
+    read_exact_at(key, reader, &mut bytes[HEADER_LEN..], HEADER_LEN)?;
+    let values: &mut [f32] = bytemuck::cast_slice_mut(out);
+    let mut due = first_row;
+    let decoded = decode_with_crc(key, &bytes, |row, stored| {
+        if u64::from(row) != due {
+            return Err(CkptError::corrupt(
+                key,
+                format!("row {row} out of order: row {due} was due"),
+            ));
+        }
+        let at = (due - first_row) as usize * stride;
+        h.quant.decode_row(stored, &mut values[at..at + stride]);
+        due += 1;
+        Ok(())
+    })?;
+    Ok(decoded)
+}
+
 /// [`decode`], also returning the CRC32C of the whole chunk, combined from the block
 /// checksums it verifies anyway, so checking it against a manifest costs no extra pass.
 pub fn decode_with_crc<'b>(
@@ -272,7 +387,7 @@ pub fn decode_with_crc<'b>(
             ),
         ));
     }
-    let row_bytes = 4 * h.stride as usize;
+    let row_bytes = h.row_bytes();
     let mut at = HEADER_LEN;
     let mut file_crc = crc32c::crc32c(&bytes[..HEADER_LEN]);
     let mut remaining = h.rows as usize;
@@ -324,7 +439,7 @@ mod crc_tests {
     fn combined_crc_equals_the_crc_of_the_whole_chunk() {
         let rows: Vec<u32> = (0..(2 * BLOCK_ROWS as u32 + 17)).map(|r| r * 3).collect();
         let data = vec![1.5f32; 5];
-        let (bytes, crc) = encode_with_crc(2, 5, &rows, |_| &data);
+        let (bytes, crc) = encode_with_crc(2, 5, Quant::NONE, &rows, |_| &data).unwrap();
         assert_eq!(crc, crc32c::crc32c(&bytes));
         let (_, decoded) = decode_with_crc("k", &bytes, |_, _| Ok(())).unwrap();
         assert_eq!(decoded, crc);
@@ -348,7 +463,7 @@ mod tests {
             let rows: Vec<u32> = rows.into_iter().collect();
             let data = |r: u32| -> Vec<f32> { (0..stride).map(|k| r as f32 + k as f32 * 0.5).collect() };
             let owned: Vec<Vec<f32>> = rows.iter().map(|&r| data(r)).collect();
-            let bytes = encode(7, stride, &rows, |r| &owned[rows.binary_search(&r).unwrap()]);
+            let bytes = encode(7, stride, Quant::NONE, &rows, |r| &owned[rows.binary_search(&r).unwrap()]).unwrap();
             let mut seen = Vec::new();
             let h = decode("k", &bytes, |r, b| {
                 let v: Vec<f32> = b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
@@ -377,10 +492,10 @@ mod tests {
         ) {
             let rows: Vec<u32> = (first..first + n as u32).collect();
             let data: Vec<f32> = (0..n * stride).map(|i| i as f32 * 0.25 - 3.0).collect();
-            let (bytes, crc) = encode_with_crc(3, stride, &rows, |r| {
+            let (bytes, crc) = encode_with_crc(3, stride, Quant::NONE, &rows, |r| {
                 let i = (r - first) as usize;
                 &data[i * stride..(i + 1) * stride]
-            });
+            }).unwrap();
             let mut out = vec![0u8; n * stride * 4];
             let (h, got) =
                 read_consecutive_into("k", &mut bytes.as_slice(), first as u64, stride, &mut out)

@@ -4,6 +4,7 @@
 use ftrec_model::ModelConfig;
 use serde::{Deserialize, Serialize};
 
+use crate::format::quant::Quant;
 use crate::{CkptError, envelope};
 
 const MAGIC: &[u8; 8] = b"FTRECMAN";
@@ -84,6 +85,10 @@ pub struct Manifest {
     /// existed, or by a handle that holds no writer lease.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fence: Option<FenceToken>,
+    /// How its rows are stored (`checkpoint.quantize`); absent: f32, exact. Each chunk's
+    /// header says so too, and a reader follows the header.
+    #[serde(default, skip_serializing_if = "Quant::is_none")]
+    pub quantize: Quant,
 }
 
 /// A commit's fencing token: the writer lease's generation (one more at every

@@ -7,3 +7,4 @@ pub mod dense;
 pub(crate) mod envelope;
 pub mod manifest;
 pub(crate) mod parts;
+pub mod quant;

@@ -256,6 +256,7 @@ impl Stager {
         chunk_bytes: usize,
     ) -> Result<Manifest, CkptError> {
         let tables = state.tables();
+        let quant = self.checkpoints.quant_for(state.config());
         if rows.is_some_and(|r| r.len() != tables.len()) {
             return Err(CkptError::Invalid(
                 "row lists do not match the tables".into(),
@@ -302,6 +303,9 @@ impl Stager {
             });
             // Chunks are encoded in parallel (the copy out of the live tables is the part
             // training waits for); the budget bounds how many exist at once.
+            // A row quantization refuses (beyond fp16) fails the checkpoint once the
+            // writer has stopped.
+            let refused = std::sync::Mutex::new(None::<CkptError>);
             self.checkpoints.on_io_pool(|| {
                 specs
                     .par_iter()
@@ -309,10 +313,18 @@ impl Stager {
                     .for_each_with(tx, |tx, (n, (t, part))| {
                         budget.acquire();
                         let table = &tables[*t];
-                        let (bytes, crc) =
-                            chunk::encode_with_crc(*t as u32, table.stride(), part, |r| {
+                        let encoded =
+                            chunk::encode_with_crc(*t as u32, table.stride(), quant, part, |r| {
                                 table.row(r as usize)
                             });
+                        let (bytes, crc) = match encoded {
+                            Ok(encoded) => encoded,
+                            Err(e) => {
+                                budget.release();
+                                *refused.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                                return;
+                            }
+                        };
                         let staged = StagedChunk {
                             path: dir.join(format!("{n:06}.chunk")),
                             entry: FileEntry {
@@ -331,6 +343,9 @@ impl Stager {
             let mut staged = writer
                 .join()
                 .map_err(|_| CkptError::Invalid("staging writer panicked".into()))??;
+            if let Some(e) = refused.into_inner().unwrap_or_else(|p| p.into_inner()) {
+                return Err(e);
+            }
             // The manifest lists chunks in key order.
             staged.sort_by(|a, b| a.entry.key.cmp(&b.entry.key));
             Ok(staged)

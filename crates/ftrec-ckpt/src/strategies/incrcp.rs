@@ -60,6 +60,8 @@ pub struct IncrementPlace<'a> {
     pub step: u64,
     pub baseline: &'a str,
     pub column: u32,
+    /// How its rows are stored (`Checkpoints::with_quant`).
+    pub quant: crate::Quant,
 }
 
 /// Copies `rows` (per table, sorted and unique) and the dense state out of `state` in
@@ -77,18 +79,29 @@ pub fn copy_increment(
         step,
         baseline,
         column,
+        quant,
     } = place;
+    let quant = if quant.is_none() {
+        quant
+    } else {
+        crate::Quant {
+            dim: state.config().dim as u16,
+            ..quant
+        }
+    };
     let chunks = chunk_jobs(state, rows, chunk_bytes)?
         .par_iter()
         .map(|&(t, _, part)| {
             let table = &state.tables()[t];
-            EncodedChunk {
+            Ok(EncodedChunk {
                 table: t as u32,
                 rows: part.to_vec(),
-                bytes: chunk::encode(t as u32, table.stride(), part, |r| table.row(r as usize)),
-            }
+                bytes: chunk::encode(t as u32, table.stride(), quant, part, |r| {
+                    table.row(r as usize)
+                })?,
+            })
         })
-        .collect::<Vec<_>>();
+        .collect::<Result<Vec<_>, CkptError>>()?;
     let (dense, dense_bytes) = dense_entry(state, &id);
     let manifest = Manifest {
         id,
@@ -107,6 +120,7 @@ pub fn copy_increment(
         deck: None,
         branch: crate::branch::branch_of_id(baseline),
         fence: None,
+        quantize: quant,
     };
     Ok(Increment {
         manifest,
@@ -493,7 +507,10 @@ impl IncrcpChain {
         }
         let encode = |part: &[(u32, &[u8])]| {
             let rows: Vec<u32> = part.iter().map(|(r, _)| *r).collect();
-            let bytes = chunk::encode_bytes(c.table, header.stride as usize, &rows, |i| part[i].1);
+            let bytes =
+                chunk::encode_bytes(c.table, header.stride as usize, header.quant, &rows, |i| {
+                    part[i].1
+                });
             EncodedChunk {
                 table: c.table,
                 rows,

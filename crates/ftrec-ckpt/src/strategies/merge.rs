@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::engine::now_unix_ms;
+use crate::format::quant::Quant;
 use crate::lease::{self, Lease, LeaseOptions};
 use crate::manifest::{CheckpointKind, DeckRef, FileEntry, Manifest};
 use crate::parts::Parts;
@@ -259,7 +260,7 @@ fn merge_into(
     let tables = first.model.table_rows.len();
     let outputs = (0..tables)
         .into_par_iter()
-        .map(|t| merge_table(parts, inputs, t, id, chunk_bytes))
+        .map(|t| merge_table(parts, inputs, t, id, chunk_bytes, last.quantize))
         .collect::<Result<Vec<_>, CkptError>>()?;
     let mut chunks = Vec::new();
     let mut bytes_in = 0;
@@ -294,6 +295,7 @@ fn merge_into(
         // A merger without the writer lease (`ftrec ckpt merge`) keeps its newest input's
         // token: the merged rows are that commit's, and fenced with it if it is.
         fence: last.fence,
+        quantize: last.quantize,
     };
     Ok((ck.commit_manifest(&manifest)?, bytes_in))
 }
@@ -308,6 +310,8 @@ struct RowStream<'a> {
     rows: Vec<(u32, usize)>,
     pos: usize,
     stride: usize,
+    /// How the loaded chunk stores its rows.
+    quant: Quant,
     bytes_read: u64,
 }
 
@@ -326,6 +330,7 @@ impl<'a> RowStream<'a> {
                 Ok(())
             })?;
             self.stride = header.stride as usize;
+            self.quant = header.quant;
             self.bytes_read += bytes.len() as u64;
             self.bytes = bytes;
             self.rows = rows;
@@ -336,7 +341,7 @@ impl<'a> RowStream<'a> {
 
     fn payload(&self) -> &[u8] {
         let offset = self.rows[self.pos].1;
-        &self.bytes[offset..offset + 4 * self.stride]
+        &self.bytes[offset..offset + self.quant.row_bytes(self.stride)]
     }
 }
 
@@ -346,6 +351,7 @@ fn merge_table(
     t: usize,
     id: &str,
     chunk_bytes: usize,
+    out: Quant,
 ) -> Result<(Vec<FileEntry>, u64), CkptError> {
     let ck = parts.checkpoints();
     let mut streams: Vec<RowStream> = inputs
@@ -362,21 +368,28 @@ fn merge_table(
             rows: Vec::new(),
             pos: 0,
             stride: 0,
+            quant: Quant::NONE,
             bytes_read: 0,
         })
         .collect();
+    // Rows are moved as stored, never quantized twice; the output takes the newest
+    // input's storage (`out`), and a row of an input stored otherwise (the job changed
+    // `checkpoint.quantize` between them) is converted once.
+    let mut values = Vec::new();
     let (mut rows, mut payload) = (Vec::new(), Vec::new());
     let mut entries = Vec::new();
     let mut stride = 0;
     let flush = |rows: &mut Vec<u32>,
                  payload: &mut Vec<u8>,
                  stride: usize,
+                 quant: Quant,
                  entries: &mut Vec<FileEntry>| {
         if rows.is_empty() {
             return Ok(());
         }
-        let bytes = chunk::encode_bytes(t as u32, stride, rows, |i| {
-            &payload[i * 4 * stride..(i + 1) * 4 * stride]
+        let row_bytes = quant.row_bytes(stride);
+        let bytes = chunk::encode_bytes(t as u32, stride, quant, rows, |i| {
+            &payload[i * row_bytes..(i + 1) * row_bytes]
         });
         let key = format!("data/{id}/t{t:04}-{:06}.chunk", entries.len());
         parts.put(&key, &bytes)?;
@@ -414,16 +427,25 @@ fn merge_table(
         }
         stride = streams[w].stride;
         rows.push(row);
-        payload.extend_from_slice(streams[w].payload());
+        if streams[w].quant == out {
+            payload.extend_from_slice(streams[w].payload());
+        } else {
+            values.resize(stride, 0.0);
+            streams[w]
+                .quant
+                .decode_row(streams[w].payload(), &mut values);
+            out.encode_row(&values, &mut payload)
+                .map_err(|e| CkptError::Invalid(format!("merging table {t}, row {row}: {e}")))?;
+        }
         for s in streams.iter_mut() {
             if s.peek()? == Some(row) {
                 s.pos += 1;
             }
         }
-        if rows.len() >= (chunk_bytes / (4 + 4 * stride)).max(1) {
-            flush(&mut rows, &mut payload, stride, &mut entries)?;
+        if rows.len() >= (chunk_bytes / (4 + out.row_bytes(stride))).max(1) {
+            flush(&mut rows, &mut payload, stride, out, &mut entries)?;
         }
     }
-    flush(&mut rows, &mut payload, stride, &mut entries)?;
+    flush(&mut rows, &mut payload, stride, out, &mut entries)?;
     Ok((entries, streams.iter().map(|s| s.bytes_read).sum()))
 }

@@ -59,11 +59,11 @@ impl Checkpoints {
         rows: &Range<u32>,
         into: &mut EmbeddingTable,
     ) -> Result<u64, CkptError> {
-        let mut store_in_range = |where_: &str, row: u32, payload: &[u8]| {
+        let mut store_in_range = |where_: &str, quant, row: u32, payload: &[u8]| {
             if !rows.contains(&row) {
                 return Ok(());
             }
-            store_row(into, table, where_, row, payload)
+            store_row(into, table, where_, quant, row, payload)
         };
         let mut read = 0;
         if manifest.kind == CheckpointKind::Incrcp {
@@ -77,8 +77,9 @@ impl Checkpoints {
                 let bytes = self.store().get_range(&c.key, c.offset, c.len as usize)?;
                 read += bytes.len() as u64;
                 let where_ = self.store().describe(&c.key);
+                let quant = chunk::header(&where_, &bytes)?.quant;
                 let (_, crc) = chunk::decode_with_crc(&where_, &bytes, |row, payload| {
-                    store_in_range(&where_, row, payload)
+                    store_in_range(&where_, quant, row, payload)
                 })?;
                 if crc != c.crc32c {
                     return Err(c.mismatch(self.store()));
@@ -104,8 +105,9 @@ impl Checkpoints {
             self.fetch_unchecked(entry, &mut bytes)?;
             read += bytes.len() as u64;
             let where_ = self.store().describe(&entry.key);
+            let quant = chunk::header(&where_, &bytes)?.quant;
             let (header, crc) = chunk::decode_with_crc(&where_, &bytes, |row, payload| {
-                store_in_range(&where_, row, payload)
+                store_in_range(&where_, quant, row, payload)
             })?;
             check_named_chunk(&where_, entry, table, &header, crc)?;
         }

@@ -542,6 +542,7 @@ impl Checkpointer {
             step,
             baseline: &baseline,
             column: i.column,
+            quant: self.checkpoints.quant,
         };
         let inc = incrcp::copy_increment(state, place, &rows, trainer, i.chunk_bytes)?;
         let manifest = inc.manifest.clone();
@@ -595,6 +596,7 @@ impl Checkpointer {
             deck,
             branch: checkpoints.branch(),
             fence: None,
+            quantize: checkpoints.quant_for(state.config()),
         };
         let manifest = match self.baseline.clone().filter(|_| !due) {
             None => {

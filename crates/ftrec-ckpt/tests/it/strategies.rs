@@ -1,11 +1,15 @@
 //! For random update sequences and every strategy, restoring each retained checkpoint
-//! yields exactly the state at that point.
+//! yields exactly the state at that point; with quantized checkpoints, exactly that
+//! state with each row quantized once (merges and extractions move stored rows, never
+//! quantizing them again).
 
 use std::collections::HashMap;
 
 use ftrec_ckpt::chunklist::ChunkList;
 use ftrec_ckpt::deck::DeckOptions;
-use ftrec_ckpt::{Checkpointer, Checkpoints, LocalStore, Strategy as CkptStrategy};
+use ftrec_ckpt::{
+    Checkpointer, Checkpoints, LocalStore, Quant, QuantKind, Strategy as CkptStrategy,
+};
 use ftrec_model::{ModelConfig, ModelState, Optimizer};
 use proptest::prelude::*;
 
@@ -48,15 +52,47 @@ fn config() -> ModelConfig {
     }
 }
 
+/// `state` as a checkpoint stored as `quant` restores it: each row through the codec.
+fn as_stored(state: &ModelState, quant: Quant) -> ModelState {
+    let mut out = state.clone();
+    if quant.is_none() {
+        return out;
+    }
+    let quant = Quant {
+        dim: state.config().dim as u16,
+        ..quant
+    };
+    for t in 0..out.tables().len() {
+        for r in 0..out.tables()[t].rows() {
+            let mut stored = Vec::new();
+            quant
+                .encode_row(state.tables()[t].row(r), &mut stored)
+                .unwrap();
+            quant.decode_row(&stored, out.tables_mut()[t].row_mut(r));
+        }
+    }
+    out
+}
+
 fn run(
     strategy: CkptStrategy,
     full_every: u64,
     threshold: f64,
     ops: &[Op],
 ) -> Result<(), TestCaseError> {
+    run_stored(strategy, full_every, threshold, ops, Quant::NONE)
+}
+
+fn run_stored(
+    strategy: CkptStrategy,
+    full_every: u64,
+    threshold: f64,
+    ops: &[Op],
+    quant: Quant,
+) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
     let store = LocalStore::open(dir.path()).unwrap();
-    let checkpoints = Checkpoints::new(Box::new(store));
+    let checkpoints = Checkpoints::new(Box::new(store)).with_quant(quant);
     let mut ck = if strategy == CkptStrategy::Deck {
         // The random knobs map onto DECK's: full interval, live-volume factor, stride.
         let options = DeckOptions {
@@ -86,8 +122,16 @@ fn run(
                 rows.dedup();
                 for &r in &rows {
                     let stride = state.tables()[t].stride();
+                    // Quantized rows keep fp16 scales: values of an embedding's size.
                     let vals: Vec<f32> = (0..stride)
                         .map(|k| (v.wrapping_add(k as u32 * 31 + r)) as f32)
+                        .map(|x| {
+                            if quant.is_none() {
+                                x
+                            } else {
+                                (x % 4096.0) / 64.0
+                            }
+                        })
                         .collect();
                     state.set_row(t, r as u64, &vals).unwrap();
                 }
@@ -103,13 +147,13 @@ fn run(
                 let m = ck
                     .checkpoint(&state, step, serde_json::json!({"step": step}))
                     .unwrap();
-                expected.insert(m.step, state.clone());
+                expected.insert(m.step, as_stored(&state, quant));
                 step += 1; // distinct ids
                 // The newest checkpoint restores exactly between extraction rounds too.
                 ck.flush().unwrap();
                 let (restored, _) = ck.checkpoints().restore(&m.id).unwrap();
                 prop_assert!(
-                    restored == state,
+                    restored == as_stored(&state, quant),
                     "{:?} newest {} restored wrong",
                     strategy,
                     m.id
@@ -196,6 +240,28 @@ proptest! {
             CkptStrategy::Deck,
         ] {
             run(strategy, full_every, threshold, &ops)?;
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(8))]
+    #[test]
+    fn every_strategy_restores_quantized_rows_as_stored(
+        ops in proptest::collection::vec(op(), 1..40),
+        full_every in prop_oneof![Just(0u64), 1u64..5],
+        threshold in prop_oneof![Just(0.0), Just(0.3)],
+        kind in prop_oneof![Just(QuantKind::Int8), Just(QuantKind::Int4)],
+        optimizer in any::<bool>(),
+    ) {
+        let quant = Quant { kind, optimizer, dim: 0 };
+        for strategy in [
+            CkptStrategy::Full,
+            CkptStrategy::Differential,
+            CkptStrategy::Incrcp,
+            CkptStrategy::Deck,
+        ] {
+            run_stored(strategy, full_every, threshold, &ops, quant)?;
         }
     }
 }

@@ -54,8 +54,67 @@ pub struct BenchCkptArgs {
         default_value = "full,differential,naive-incremental,incrcp"
     )]
     pub strategies: Vec<ftrec_ckpt::Strategy>,
+    /// Instead of the strategies' experiment: quantized checkpoints against f32, over
+    /// `--cycles` save/restore cycles of a `--preset` job (bytes per checkpoint, held-out
+    /// AUC after the restores). int8 or int4.
+    #[arg(long, value_parser = parse_quantize)]
+    pub quantize: Option<ftrec_ckpt::QuantKind>,
+    /// With --quantize: the optimizer state is quantized too.
+    #[arg(long, requires = "quantize")]
+    pub quantize_optimizer: bool,
+    /// With --quantize: the job's preset.
+    #[arg(long, default_value = "demo", requires = "quantize")]
+    pub preset: String,
+    /// With --quantize: save/restore cycles, and training steps in each.
+    #[arg(long, default_value_t = 10, requires = "quantize")]
+    pub cycles: u64,
+    #[arg(long, default_value_t = 50, requires = "quantize")]
+    pub steps_per_cycle: u64,
+    /// With --quantize: the dataset (generated there, Criteo-shaped, when absent;
+    /// default OUT/data).
+    #[arg(long, requires = "quantize")]
+    pub data: Option<PathBuf>,
+    /// With --quantize: samples to generate.
+    #[arg(long, default_value_t = 400_000, requires = "quantize")]
+    pub rows: u64,
     #[arg(long)]
     pub json: bool,
+}
+
+fn parse_quantize(s: &str) -> Result<ftrec_ckpt::QuantKind, String> {
+    match s {
+        "int8" => Ok(ftrec_ckpt::QuantKind::Int8),
+        "int4" => Ok(ftrec_ckpt::QuantKind::Int4),
+        _ => Err(format!("--quantize {s:?}: expected int8 or int4")),
+    }
+}
+
+/// `--quantize`: the quantization study (`ftrec_bench::ckpt::quantize`).
+fn quantize_study(a: &BenchCkptArgs, quantize: ftrec_ckpt::QuantKind) -> Result<()> {
+    let config = ftrec_bench::ckpt::quantize::QuantStudyConfig {
+        preset: a.preset.clone(),
+        data: a.data.clone().unwrap_or_else(|| a.out.join("data")),
+        rows: a.rows,
+        dir: a.dir.clone(),
+        quantize,
+        quantize_optimizer: a.quantize_optimizer,
+        cycles: a.cycles,
+        steps_per_cycle: a.steps_per_cycle,
+        seed: a.seed,
+        threads: a.threads,
+    };
+    let report = ftrec_bench::ckpt::quantize::study(&config)?;
+    let _ = std::fs::remove_dir_all(&a.dir);
+    std::fs::create_dir_all(&a.out)?;
+    let json = serde_json::to_string_pretty(&report)?;
+    std::fs::write(a.out.join("quantize.json"), &json)?;
+    if a.json {
+        outln!("{}", serde_json::to_string(&report)?);
+    } else {
+        outln!("{json}");
+        outln!("wrote {}", a.out.join("quantize.json").display());
+    }
+    Ok(())
 }
 
 fn parse_experiment_strategy(s: &str) -> Result<ftrec_ckpt::Strategy, String> {
@@ -70,6 +129,9 @@ fn parse_experiment_strategy(s: &str) -> Result<ftrec_ckpt::Strategy, String> {
 }
 
 pub fn run(a: BenchCkptArgs) -> Result<()> {
+    if let Some(quantize) = a.quantize {
+        return quantize_study(&a, quantize);
+    }
     let config = CkptBenchConfig {
         dir: a.dir.clone(),
         scale: a.scale,
