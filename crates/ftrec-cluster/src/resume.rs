@@ -270,6 +270,14 @@ fn check_compatible(
             cut.step
         ),
     }
+    if !part.quantize.is_none() {
+        tracing::warn!(
+            "the cut at step {} is stored {:?}-quantized: the resumed job starts close to \
+             its state, not bit-identical to it",
+            cut.step,
+            part.quantize.kind
+        );
+    }
     if differences.is_empty() {
         return Ok(());
     }
