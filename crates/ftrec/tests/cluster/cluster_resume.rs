@@ -25,8 +25,18 @@ fn complete_cuts(location: &Path) -> Vec<(u64, usize)> {
         .collect()
 }
 
-/// `cluster run --resume` of `resume` with these servers and extra settings.
+/// `cluster run --resume` of `resume` on these servers and one worker.
 fn resumed(data: &str, resume: &Path, at: Option<u64>, servers: usize) -> ClusterRun {
+    resumed_on(data, resume, at, servers, 1)
+}
+
+fn resumed_on(
+    data: &str,
+    resume: &Path,
+    at: Option<u64>,
+    servers: usize,
+    workers: usize,
+) -> ClusterRun {
     let spec = match at {
         Some(step) => format!("{}@{step}", resume.display()),
         None => resume.display().to_string(),
@@ -34,7 +44,7 @@ fn resumed(data: &str, resume: &Path, at: Option<u64>, servers: usize) -> Cluste
     ClusterRun::new(data)
         .steps(STEPS)
         .servers(servers)
-        .workers(1)
+        .workers(workers)
         .deterministic()
         .no_eval()
         .arg("--resume", spec)
@@ -162,8 +172,10 @@ fn a_deck_job_resumes_on_fewer_servers_from_a_named_cut() {
     );
 }
 
-/// Erasure coded with k = 2 in one group of 3 servers, resumed on two groups of 3: the
-/// parity of the new layout is derived as the servers load the cut, and checks out.
+/// Erasure coded with k = 2 in one group of 3 servers and one worker, resumed on two
+/// groups of 3 and two workers: the parity of the new layout is derived as the servers
+/// load the cut, and checks out; the remaining batches are shared by the two workers, and
+/// (deterministic) none is read twice or skipped.
 #[test]
 fn an_erasure_coded_job_resumes_on_another_group_count() {
     let dir = tempfile::tempdir().unwrap();
@@ -184,7 +196,7 @@ fn an_erasure_coded_job_resumes_on_another_group_count() {
         .no_eval())
     .arg("--checkpoint-dir", ck.display())
     .report(FTREC);
-    let out = ec(resumed(&data, &ck, None, 6))
+    let out = ec(resumed_on(&data, &ck, None, 6, 2))
         .set("ec.groups=2")
         .report(FTREC);
     assert_eq!(out["state_digest"], expected, "{out}");
