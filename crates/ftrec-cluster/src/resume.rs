@@ -304,6 +304,91 @@ fn verify_parts(location: &str, cut: &Cut) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ftrec_ckpt::LocalStore;
+    use ftrec_proto::placement::Layout;
+    use ftrec_server::shard::Shard;
+
+    fn job() -> ftrec_config::JobConfig {
+        let mut c = ftrec_config::JobConfig::preset("micro").unwrap();
+        c.model.rows_per_table = 40;
+        c
+    }
+
+    /// The job's initial model as a cut of `servers` at `step` under `dir`, each part's
+    /// identity passed through `edit` first.
+    fn write_cut(dir: &Path, servers: usize, step: u64, edit: impl Fn(&mut serde_json::Value)) {
+        let c = job();
+        let global = c.model_config().unwrap();
+        let layout = Layout::new(servers).unwrap();
+        for j in 0..servers {
+            let shard = Shard::initial(&global, c.seed, layout, j).unwrap();
+            let mut identity = ShardIdentity {
+                version: ShardIdentity::VERSION,
+                fingerprint: 1,
+                server: j,
+                servers,
+                epoch: 1,
+                placement: layout.scheme(),
+                global_table_rows: global.table_rows.clone(),
+                step,
+                ec: None,
+                cpr_priority: None,
+                applied_ahead: Vec::new(),
+                batch_size: Some(c.train.batch_size as u64),
+            }
+            .to_json();
+            edit(&mut identity);
+            let store = LocalStore::open(&dir.join(format!("server-{j}"))).unwrap();
+            Checkpoints::new(Box::new(store))
+                .write_full(shard.state(), step, identity)
+                .unwrap();
+        }
+    }
+
+    fn resolve_in(dir: &Path, config: &mut ftrec_config::JobConfig) -> Result<ResumePoint, String> {
+        config.cluster.resume_from = Some(dir.display().to_string());
+        resolve(config, false)
+            .map(|p| p.unwrap())
+            .map_err(|e| e.to_string())
+    }
+
+    use std::path::Path;
+
+    /// A cut written before data positions were recorded (identity version 1, as 824e953
+    /// wrote) still resumes; one of a newer format is refused, naming its version; one of
+    /// another batch size is refused, naming the key; and the newest complete cut wins
+    /// over a newer incomplete one.
+    #[test]
+    fn cuts_of_older_and_newer_formats_and_of_another_schedule() {
+        let dir = tempfile::tempdir().unwrap();
+        write_cut(dir.path(), 3, 20, |id| {
+            id["version"] = 1.into();
+            id.as_object_mut().unwrap().remove("batch_size");
+        });
+        let point = resolve_in(dir.path(), &mut job()).unwrap();
+        assert_eq!((point.step, point.servers), (20, 3));
+
+        let mut other = job();
+        other.train.batch_size = 32;
+        let newer = tempfile::tempdir().unwrap();
+        write_cut(newer.path(), 2, 30, |id| {
+            id["version"] = (ShardIdentity::VERSION + 1).into();
+        });
+        let e = resolve_in(newer.path(), &mut job()).unwrap_err();
+        assert!(e.contains("newer than this ftrec reads"), "{e}");
+
+        let schedule = tempfile::tempdir().unwrap();
+        write_cut(schedule.path(), 2, 30, |_| {});
+        let e = resolve_in(schedule.path(), &mut other).unwrap_err();
+        assert!(e.contains("train.batch_size: cut 64, job 32"), "{e}");
+
+        // A newer cut that only server 0 of 2 committed: the older complete one is taken.
+        write_cut(schedule.path(), 1, 40, |id| {
+            id["servers"] = 2.into();
+        });
+        let point = resolve_in(schedule.path(), &mut job()).unwrap();
+        assert_eq!(point.step, 30);
+    }
 
     #[test]
     fn a_spec_names_a_location_and_maybe_a_step() {
