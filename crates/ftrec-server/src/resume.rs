@@ -327,30 +327,8 @@ pub(crate) fn starting_shard(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shard::tests::model;
     use ftrec_ckpt::LocalStore;
-    use ftrec_model::Optimizer;
-
-    fn model() -> ModelConfig {
-        ModelConfig {
-            num_dense: 3,
-            table_rows: vec![41, 30, 17],
-            dim: 4,
-            bottom: vec![8, 4],
-            top: vec![8, 1],
-            sparse_optimizer: Optimizer::Adam {
-                lr: 0.01,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            },
-            dense_optimizer: Optimizer::Adam {
-                lr: 0.01,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            },
-        }
-    }
 
     /// Writes the seed's initial model, split by `old`, as a cut at `step` under `dir`.
     fn write_cut(dir: &std::path::Path, global: &ModelConfig, seed: u64, old: Layout, step: u64) {

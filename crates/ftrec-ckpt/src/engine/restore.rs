@@ -73,6 +73,16 @@ impl Checkpoints {
         let target = self.manifest(id)?;
         self.check_unfenced(std::slice::from_ref(&target))?;
         let mut dense = ftrec_model::DenseState::initial(&target.model, 0)?;
+        self.read_dense(&target, &mut dense)?;
+        Ok((dense, target))
+    }
+
+    /// Fills `dense` (shaped for `target`'s model) from `target`'s dense file.
+    fn read_dense(
+        &self,
+        target: &Manifest,
+        dense: &mut ftrec_model::DenseState,
+    ) -> Result<(), CkptError> {
         let bytes = self.fetch(&target.dense)?;
         dense.step = dense::decode(
             &self.store.describe(&target.dense.key),
@@ -80,7 +90,7 @@ impl Checkpoints {
             &mut dense.params,
             &mut dense.optimizer_state,
         )?;
-        Ok((dense, target))
+        Ok(())
     }
 
     /// The merged checkpoint that replaced DECK delta `id` (gone): the one ending at the
@@ -122,14 +132,7 @@ impl Checkpoints {
         for manifest in &chain {
             self.apply_rows(manifest, &mut state)?;
         }
-        let dense_bytes = self.fetch(&target.dense)?;
-        let dense = &mut state.dense;
-        dense.step = dense::decode(
-            &self.store.describe(&target.dense.key),
-            &dense_bytes,
-            &mut dense.params,
-            &mut dense.optimizer_state,
-        )?;
+        self.read_dense(&target, &mut state.dense)?;
         Ok((state, target))
     }
 

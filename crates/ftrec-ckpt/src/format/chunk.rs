@@ -263,10 +263,8 @@ pub fn read_consecutive_into(
     let mut head = [0u8; HEADER_LEN];
     read_exact_at(key, reader, &mut head, 0)?;
     let h = ChunkHeader::decode(key, &head)?;
+    // `out` holds the rows as f32 whatever the chunk stores them as.
     let row_bytes = 4 * h.stride as usize;
-    if !h.quant.is_none() {
-        return read_quantized_into(key, reader, h, head, first_row, stride, out);
-    }
     if h.stride as usize != stride || (h.rows as usize).checked_mul(row_bytes) != Some(out.len()) {
         return Err(CkptError::corrupt(
             key,
@@ -277,6 +275,9 @@ pub fn read_consecutive_into(
                 out.len() / (4 * stride.max(1))
             ),
         ));
+    }
+    if !h.quant.is_none() {
+        return read_quantized_into(key, reader, h, head, first_row, out);
     }
     let block_rows = h.block_rows as usize;
     let mut ids = vec![0u8; 4 * block_rows.min(h.rows as usize)];
@@ -323,31 +324,20 @@ pub fn read_consecutive_into(
     Ok((h, file_crc))
 }
 
-/// [`read_consecutive_into`] of a quantized chunk: the whole chunk is read and checked,
-/// then each row decoded into its place.
+/// [`read_consecutive_into`] of a quantized chunk whose shape it checked: the whole chunk
+/// is read and checked, then each row decoded into its place.
 fn read_quantized_into(
     key: &str,
     reader: &mut dyn std::io::Read,
     h: ChunkHeader,
     head: [u8; HEADER_LEN],
     first_row: u64,
-    stride: usize,
     out: &mut [u8],
 ) -> Result<(ChunkHeader, u32), CkptError> {
+    let stride = h.stride as usize;
     let len = h.file_len();
-    if h.stride as usize != stride
-        || (h.rows as usize).checked_mul(4 * stride) != Some(out.len())
-        || len == u64::MAX
-    {
-        return Err(CkptError::corrupt(
-            key,
-            format!(
-                "holds {} rows of {} words; the manifest and the table need {} of {stride}",
-                h.rows,
-                h.stride,
-                out.len() / (4 * stride.max(1))
-            ),
-        ));
+    if len == u64::MAX {
+        return Err(CkptError::corrupt(key, "the header's counts overflow"));
     }
     let mut bytes = head.to_vec();
     bytes.resize(len as usize, 0);

@@ -16,6 +16,7 @@ use serde_json::json;
 
 pub mod auto;
 mod coordinator;
+mod resume;
 mod survivor_spare;
 mod verify;
 
@@ -252,42 +253,6 @@ fn absolute(p: &Path) -> Result<PathBuf> {
         .with_context(|| format!("{}: cannot make the path absolute", p.display()))
 }
 
-/// `--resume`: the cut it names, resolved and checked, recorded in the job as
-/// `CKDIR@STEP` so that every member (and a standby coordinator) starts from the same
-/// one; new cuts go to CKDIR when no checkpoint directory is set.
-fn resume_point(
-    config: &mut ftrec_config::JobConfig,
-    resume: Option<&str>,
-    fallback: bool,
-) -> Result<Option<ftrec_proto::proto::ResumePoint>> {
-    if let Some(spec) = resume {
-        let (location, step) = ftrec_cluster::resume::parse(spec);
-        let location = if location.contains("://") {
-            location
-        } else {
-            absolute(Path::new(&location))?
-                .to_string_lossy()
-                .into_owned()
-        };
-        config.cluster.resume_from = Some(match step {
-            Some(step) => format!("{location}@{step}"),
-            None => location,
-        });
-    }
-    let Some(point) = ftrec_cluster::resume::resolve(config, fallback)? else {
-        return Ok(None);
-    };
-    config.cluster.resume_from = Some(format!("{}@{}", point.location, point.step));
-    if config.cluster.ft.checkpoints() && config.checkpoint.dir.is_none() {
-        config.checkpoint.dir = Some(PathBuf::from(&point.location));
-    }
-    eprintln!(
-        "resuming from the cut at step {} of {} ({} servers)",
-        point.step, point.location, point.servers
-    );
-    Ok(Some(point))
-}
-
 pub fn run(a: ClusterRunArgs) -> Result<()> {
     // A run directory of our own choosing is scratch: removed after a successful run.
     let temporary_run_dir = a.run_dir.is_none();
@@ -344,7 +309,7 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
     if let Some(data) = config.data.dir.clone() {
         config.data.dir = Some(absolute(&data)?);
     }
-    let resume = resume_point(&mut config, a.resume.as_deref(), a.fallback)?;
+    let resume = resume::resume_point(&mut config, a.resume.as_deref(), a.fallback)?;
     let auto = match a.ft {
         Some(FtArg::Auto) => Some(choose_ft(
             &mut config,
