@@ -370,7 +370,11 @@ mod tests {
     /// the old parts that hold something of it.
     #[test]
     fn a_cut_re_placed_on_another_layout_is_the_shard_that_layout_starts_with() {
-        let global = model();
+        // Tables of at least 2 rows per server for the 6-server layout.
+        let global = ModelConfig {
+            table_rows: vec![41, 30, 17],
+            ..model()
+        };
         let seed = 11;
         let cases = [
             (Layout::new(4).unwrap(), Layout::new(2).unwrap()),
