@@ -32,6 +32,17 @@ pub(super) fn resume_point(
     let Some(point) = ftrec_cluster::resume::resolve(config, fallback)? else {
         return Ok(None);
     };
+    // Refused here, before any process starts (the coordinator refuses it too, but a
+    // standby under etcd would only die of it).
+    let steps = config.train.steps;
+    if steps > 0 && point.step >= steps {
+        anyhow::bail!(
+            "--resume {}: its cut is at step {}, and the job trains {steps} steps \
+             (--steps counts from step 0, as in the first run): nothing is left to train",
+            point.location,
+            point.step
+        );
+    }
     config.cluster.resume_from = Some(format!("{}@{}", point.location, point.step));
     if config.cluster.ft.checkpoints() && config.checkpoint.dir.is_none() {
         config.checkpoint.dir = Some(PathBuf::from(&point.location));
