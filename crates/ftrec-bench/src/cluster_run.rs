@@ -58,6 +58,7 @@ impl BenchRun<'_> {
                 evaluate: self.evaluate.then(|| self.host.evaluator()),
                 save: None,
                 resume: None,
+                scale_at: Vec::new(),
             },
             |_| {},
         )?;

@@ -309,7 +309,7 @@ pub async fn verify_parity(
     epoch: u64,
     state: &ModelState,
 ) -> Result<ParityReport, PsError> {
-    let layout = job.layout()?;
+    let layout = job.layout_for(addresses.len())?;
     let Some(stripes) = layout.stripes() else {
         return Ok(ParityReport::default());
     };
@@ -400,7 +400,7 @@ async fn check_dense_stripes(
     report: &mut ParityReport,
 ) -> Result<(), PsError> {
     use ftrec_server::shard::dense_code;
-    let layout = job.layout()?;
+    let layout = job.layout_for(clients.len())?;
     let Some(stripes) = layout.stripes() else {
         return Ok(());
     };

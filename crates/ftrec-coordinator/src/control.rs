@@ -199,6 +199,18 @@ pub(crate) fn declare_server_dead(shared: &Shared, s: &mut State, id: usize, why
     let c = &shared.job.config.cluster;
     s.members.servers[id].alive = false;
     s.members.servers[id].ready = false;
+    if s.scaling.joining {
+        // A move's new server, lost before its layout trained a step: nothing of the new
+        // layout is lost (every server's initial state is the move's cut), so its slot is
+        // started again and loads the cut like the others; no recovery, no new epoch.
+        s.timeline.event_about(
+            EventKind::FailureDetected,
+            Subject::Server(id as u32),
+            None,
+            format!("server {id} {why}, before the new layout trained; started again"),
+        );
+        return;
+    }
     s.epoch += 1;
     shared.epoch_moved(s.epoch);
     shared.metrics.add("ftrec_failures_total", 1);
@@ -276,7 +288,9 @@ pub(crate) fn give_spare(s: &mut State, id: usize, now: Instant) -> bool {
 }
 
 pub(super) fn replace_server(shared: &Shared, s: &mut State, id: usize) {
-    if give_spare(s, id, Instant::now()) {
+    // A spare given a slot rebuilds it from its group (erasure coding); a move's new slot
+    // has no group to rebuild from yet, so it gets a process that loads the cut.
+    if !s.scaling.joining && give_spare(s, id, Instant::now()) {
         return;
     }
     match &shared.spawner {
@@ -307,6 +321,10 @@ pub(crate) fn plan_for_test(shared: &Shared, s: &mut State) -> Option<Task> {
 
 fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
     if s.phase == Phase::Running && crate::hosting::hand_over(shared, s) {
+        return None;
+    }
+    crate::scale::forget_lost_cut(s);
+    if crate::scale::switch(shared, s) {
         return None;
     }
     match s.phase {
@@ -453,6 +471,10 @@ fn restart_early_exits(shared: &Shared, s: &mut State) {
 
 /// Every member is in: training starts, and with it the save schedule's clocks.
 fn start_training(shared: &Shared, s: &mut State) {
+    // After a move, the new layout's servers are in: training goes on where it stopped.
+    if crate::scale::trained_again(s) {
+        return;
+    }
     s.phase = Phase::Running;
     s.steps.started = true;
     let total = s.steps.ledger.total();
@@ -508,10 +530,15 @@ fn plan_recovery(shared: &Shared, s: &mut State) -> Task {
             Cause::ServersLost(failed.iter().map(|(id, _)| *id).collect())
         },
         last_cut: s.saves.last_checkpoint,
-        last_save: s.saves.last_save,
+        // A save of an older layout is no state of this one's servers: before their first
+        // save, their initial state (the move's cut) is what a partial restore reloads.
+        last_save: s
+            .saves
+            .last_save
+            .filter(|&step| s.scaling.base.is_none() || step > s.scaling.first_step()),
         unsettled: s.steps.ledger.unsettled(),
         next_step: s.steps.ledger.next_step(),
-        ec: shared.job.layout().ok().and_then(|l| l.stripes()),
+        ec: s.layout(&shared.job).ok().and_then(|l| l.stripes()),
         rebuilding: s.recovery.rebuilding.iter().map(|&(r, _)| r).collect(),
         replicate_dense: shared.job.config.dense_replicated(),
         partial: s.cuts.cpr.as_ref().is_some_and(|cpr| cpr.partial()),

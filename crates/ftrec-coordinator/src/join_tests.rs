@@ -34,10 +34,9 @@ fn shared() -> Arc<Shared> {
         batch_size: job.config.train.batch_size as u64,
     };
     Arc::new(Shared {
-        resume: None,
         schedule,
         address: "127.0.0.1:7000".into(),
-        state: Mutex::new(State::new(&job, 100, schedule.samples_before(100)).unwrap()),
+        state: Mutex::new(State::new(&job, 100, schedule.samples_before(100), None).unwrap()),
         spawner: None,
         metrics: Arc::new(Metrics::new("role=\"coordinator\"".into())),
         done: watch::channel(false).0,

@@ -28,6 +28,7 @@ pub mod ledger;
 pub mod planner;
 mod recovery;
 pub mod replan;
+mod scale;
 mod service;
 #[cfg(test)]
 mod sim_tests;
@@ -52,7 +53,7 @@ use ftrec_rpc::PsError;
 use ftrec_rpc::job::{Job, Schedule};
 use ftrec_rpc::metrics::Metrics;
 pub use start::{CoordinatorOptions, Handle, TestHooks, start, start_with};
-pub use state::Phase;
+pub use state::{MoveRecord, Phase};
 use state::{SaveDue, State};
 pub use summary::{CheckpointRecord, Failover, Recovery, RecoveryMode, RunSummary};
 
@@ -71,8 +72,6 @@ pub trait Spawner: Send + Sync {
 
 pub struct Shared {
     job: Job,
-    /// A resumed job's cut (told to every server as it joins).
-    resume: Option<ResumePoint>,
     schedule: Schedule,
     address: String,
     state: Mutex<State>,
@@ -173,9 +172,11 @@ impl Shared {
         let seconds = (end - start + s.leader.train_seconds_before).max(1e-9);
         RunSummary {
             steps: s.steps.ledger.next_step(),
-            resumed_from_step: self.resume.as_ref().map_or(0, |r| r.step),
-            resumed_from_servers: self.resume.as_ref().map(|r| r.servers),
-            resumed_from: self.resume.as_ref().map(|r| r.location.clone()),
+            resumed_from_step: s.scaling.resumed_from.as_ref().map_or(0, |r| r.step),
+            resumed_from_servers: s.scaling.resumed_from.as_ref().map(|r| r.servers),
+            resumed_from: s.scaling.resumed_from.as_ref().map(|r| r.location.clone()),
+            servers: s.scaling.servers,
+            moves: s.scaling.moves.clone(),
             samples: s.steps.samples,
             lost_samples: s.steps.lost_samples,
             zombies_refused: s.members.zombies.len() as u64,
@@ -214,6 +215,12 @@ impl Shared {
     /// an exact point of the schedule, for tests and benchmarks).
     pub fn kill_at_step(&self, role: Role, id: usize, step: u64) {
         self.lock().steps.kill_at(role, id, step);
+    }
+
+    /// Asks for a move to `servers` servers once step `step` is reached (as `ftrec
+    /// cluster scale` would, at an exact point of the schedule, for tests and benchmarks).
+    pub fn scale_at_step(&self, step: u64, servers: usize) {
+        self.lock().scaling.scheduled.push((step, servers));
     }
 
     /// Fires the step kills that `granted` reached.
@@ -288,7 +295,18 @@ impl Shared {
         if !granting || s.recovery.suspecting(Instant::now()) {
             return wait(epoch, version);
         }
+        // A move to another server count takes its cut at this boundary when it may, and
+        // holds fresh steps back from then until its switch.
         if s.phase == Phase::Running
+            && s.scaling.pending.is_none()
+            && let Some(to) = s.scaling.scheduled_due(s.steps.ledger.next_step())
+            && let Err(e) = scale::ask(self, s, to)
+        {
+            s.timeline.event(EventKind::Error, e.to_string());
+        }
+        let held = s.phase == Phase::Running && scale::take_cut(s);
+        if s.phase == Phase::Running
+            && !held
             && let Some(due) = self.cut_due(s)
         {
             if s.steps.ledger.next_step() >= s.steps.ledger.total() {
@@ -314,7 +332,9 @@ impl Shared {
         // Regrants go out even while a cut waits: the cut needs them settled.
         // In deterministic mode steps apply strictly in order: a fresh step granted while
         // an earlier one waits to be resolved would wait on it forever.
+        let moving = held || s.scaling.holds_steps();
         let fresh = s.phase == Phase::Running
+            && !moving
             && !(self.job.config.cluster.deterministic && s.steps.ledger.has_orphans());
         if let Some(step) = s.steps.ledger.take(worker, epoch, fresh) {
             self.fire_step_kills(s, step);

@@ -71,7 +71,7 @@ impl Coordinator for Service {
                     let Some(slot) = s.members.servers.get(id) else {
                         return Err(Status::invalid_argument(format!(
                             "server id {id} is outside this cluster's {} servers",
-                            c.servers
+                            s.scaling.servers
                         )));
                     };
                     if slot.joined && slot.alive && slot.silent_for() < timeout {
@@ -143,12 +143,14 @@ impl Coordinator for Service {
             }
             JoinReply {
                 epoch: s.epoch,
-                servers: c.servers as u32,
+                servers: s.scaling.servers as u32,
                 workers: c.workers as u32,
                 spare_token,
                 incarnation: u64::from(incarnation),
-                replacement: s.steps.started,
-                resume: shared.resume.clone(),
+                // The new layout's servers joining after a move take fresh slots: they
+                // load the move's cut, as a resumed job's do.
+                replacement: s.steps.started && !s.scaling.joining,
+                resume: s.scaling.base.clone(),
             }
         };
         // etcd membership: a join is recorded before it is answered, so a new leader
@@ -170,6 +172,16 @@ impl Coordinator for Service {
         let id = req.id as usize;
         if let Some(reply) = crate::hosting::beat_of_a_moved_or_unwanted_host(&mut s, &req) {
             return Ok(Response::new(reply));
+        }
+        // A server of a layout the job moved off: its shard is in the move's cut, and it
+        // is done.
+        if req.role() == Role::Server && !req.spare && s.members.retired.contains(&req.incarnation)
+        {
+            return Ok(Response::new(HeartbeatReply {
+                epoch: s.epoch,
+                stop: true,
+                ..Default::default()
+            }));
         }
         let member = match (req.role(), req.spare) {
             (Role::Server, true) => {
@@ -212,11 +224,14 @@ impl Coordinator for Service {
             && !req.spare
             && !stop
             && s.members.hosting.tell(id, Instant::now());
+        let given = assign.is_some();
         Ok(Response::new(HeartbeatReply {
             epoch: s.epoch,
             stop,
             assign,
             start_spare,
+            servers: if given { s.scaling.servers as u32 } else { 0 },
+            resume: s.scaling.base.clone().filter(|_| given),
         }))
     }
 
@@ -316,6 +331,21 @@ impl Coordinator for Service {
         Ok(Response::new(PlacementReply {
             version: s.placement.version,
             servers: s.placement.servers.clone(),
+        }))
+    }
+
+    async fn scale(&self, req: Request<ScaleRequest>) -> Result<Response<ScaleReply>, Status> {
+        let shared = &self.0;
+        shared.check_leading()?;
+        let servers = req.into_inner().servers as usize;
+        let (from_servers, from_step) = {
+            let mut s = shared.lock();
+            crate::scale::ask(shared, &mut s, servers)?
+        };
+        shared.sync_durable().await?;
+        Ok(Response::new(ScaleReply {
+            from_servers: from_servers as u32,
+            from_step,
         }))
     }
 

@@ -134,7 +134,12 @@ pub async fn start_with(opts: CoordinatorOptions, testing: TestHooks) -> Result<
     );
     let metrics_address = metrics::start(&network, &opts.host, metrics.clone()).await;
     let (done_tx, done_rx) = watch::channel(false);
-    let mut state = State::new(&job, total_steps, schedule.samples_before(total_steps))?;
+    let mut state = State::new(
+        &job,
+        total_steps,
+        schedule.samples_before(total_steps),
+        opts.resume.clone(),
+    )?;
     if let Some(point) = &opts.resume {
         if point.step >= total_steps {
             return Err(PsError::Config(format!(
@@ -146,7 +151,6 @@ pub async fn start_with(opts: CoordinatorOptions, testing: TestHooks) -> Result<
         state.steps.ledger.rewind(point.step);
     }
     let shared = Arc::new(Shared {
-        resume: opts.resume,
         schedule,
         address: address.clone(),
         state: Mutex::new(state),

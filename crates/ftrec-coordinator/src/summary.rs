@@ -89,6 +89,12 @@ pub struct RunSummary {
     pub resumed_from_step: u64,
     pub resumed_from_servers: Option<u32>,
     pub resumed_from: Option<String>,
+    /// The servers the job ended on (`cluster scale` may have moved it). Not serialised
+    /// here: `cluster run`'s report carries it as `servers`.
+    #[serde(skip)]
+    pub servers: usize,
+    /// Every move to another server count (`cluster scale`), in order.
+    pub moves: Vec<crate::state::MoveRecord>,
     pub samples: u64,
     /// Samples whose updates a lost shard no longer holds, summed over shards: under
     /// `none` all a replaced shard had trained, under `partial` what it trained since its

@@ -40,6 +40,10 @@ pub mod points {
     /// anything (a cut that another server's death leaves abandoned).
     pub const CUT: &str = "cut";
 
+    /// A server of a resumed or moved job (`cluster scale`), joined, before it loads its
+    /// rows from the cut: a new server lost in the middle of a move.
+    pub const LOAD: &str = "load";
+
     /// A server, before each piece of a table it streams (`FetchRows`: to a replacement
     /// rebuilding, the final gather, verify-parity): `delay-MS` stalls the stream there
     /// while the server otherwise lives on (a stream stalled mid-way).
@@ -63,13 +67,14 @@ pub mod points {
     pub const TAKEOVER: &str = "takeover";
 
     /// Every point, for validating specs.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 13] = [
         PREPARE,
         COMMIT,
         REBUILD,
         FOLD_PARITY,
         INSTALL,
         CUT,
+        LOAD,
         SEND_ROWS,
         PUSH,
         PREPARED,

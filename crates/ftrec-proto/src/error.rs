@@ -72,6 +72,9 @@ pub enum BadPlacement {
     NoServers,
     #[error("no shards to assemble")]
     NoShards,
+    /// The erasure code's parameters do not fit this many servers.
+    #[error("{servers} servers: {why}")]
+    Code { servers: usize, why: String },
     #[error("{shards} shards for a placement over {servers} servers")]
     ShardCount { shards: usize, servers: usize },
     #[error("server {server}'s table {table} has {rows} rows; the placement gives it {placed}")]

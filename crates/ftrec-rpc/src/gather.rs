@@ -23,7 +23,9 @@ pub async fn gather_state(
     epoch: u64,
 ) -> Result<(ModelState, Vec<String>), PsError> {
     let config = job.config.model_config()?;
-    let layout = job.layout()?;
+    // The servers the job runs on now: a move (`cluster scale`) may have left the job
+    // file's count.
+    let layout = job.layout_for(addresses.len())?;
     let stride = config.row_stride();
     let connector = job.connector()?;
     let mut clients = addresses

@@ -265,15 +265,20 @@ impl Job {
     /// The placement arithmetic: striped with rotating parity when rows are erasure
     /// coded, row-modulo otherwise.
     pub fn layout(&self) -> Result<Layout, PsError> {
-        let cluster = &self.config.cluster;
-        if cluster.ft.erasure_coded() {
-            let stripes = ftrec_ec::StripeLayout::new(self.config.ec.params(), cluster.servers)
-                .map_err(|e| PsError::Config(e.to_string()))?;
+        self.layout_for(self.config.cluster.servers)
+    }
+
+    /// The same placement scheme over `servers` servers: the layout a job runs on after
+    /// `ftrec cluster scale` (or a resume) moved it from the count its file names.
+    pub fn layout_for(&self, servers: usize) -> Result<Layout, PsError> {
+        if self.config.cluster.ft.erasure_coded() {
+            let stripes = ftrec_ec::StripeLayout::new(self.config.ec.params(), servers)
+                .map_err(|e| PsError::Config(format!("{servers} servers: {e}")))?;
             return Ok(
                 Layout::striped(stripes).with_replicated_dense(self.config.dense_replicated())
             );
         }
-        Ok(Layout::new(cluster.servers)?)
+        Ok(Layout::new(servers)?)
     }
 
     /// What server `id` holds (the largest server's share for a spare, which may be given
@@ -375,6 +380,10 @@ impl Job {
             Some(id) => format!("server {id} of this job"),
             None => "a spare server of this job".to_string(),
         };
+        // A slot past the job file's count is one of a layout the job moved to (`cluster
+        // scale`): sized as the largest share of the file's layout, as a spare is; the
+        // coordinator's layout is known only at the join.
+        let id = id.filter(|&id| id < self.config.cluster.servers);
         Ok(parts_fit_in_memory(&subject, &self.server_memory(id)?)?)
     }
 

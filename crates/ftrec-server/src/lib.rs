@@ -139,12 +139,19 @@ pub async fn run(opts: ServerOptions) -> Result<(), PsError> {
     started.serve().await
 }
 
+/// A spare's slot, with the job's layout as it is when the slot is given.
+struct Assignment {
+    slot: usize,
+    servers: u32,
+    resume: Option<ResumePoint>,
+}
+
 async fn wait_for_assignment(
     coordinator: &CoordinatorLink,
     token: u32,
     period: Duration,
     job: &Job,
-) -> Result<usize, PsError> {
+) -> Result<Assignment, PsError> {
     let mut silent_since = Instant::now();
     // A spare asks often: how soon it hears of its slot bounds how soon a failed
     // server's slot serves again.
@@ -179,7 +186,11 @@ async fn wait_for_assignment(
                     return Err(PsError::Stopped("while a spare".into()));
                 }
                 if let Some(slot) = r.assign {
-                    return Ok(slot as usize);
+                    return Ok(Assignment {
+                        slot: slot as usize,
+                        servers: r.servers,
+                        resume: r.resume,
+                    });
                 }
                 silent_since = Instant::now();
             }

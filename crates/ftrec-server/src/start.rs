@@ -53,7 +53,7 @@ pub(crate) async fn start(opts: ServerOptions) -> Result<Started, PsError> {
         .unwrap_or_default();
     let locator = Locator::start(&job, &opts.coordinator).await?;
     let coordinator = locator.link(job.connector()?).await?;
-    let joined = join(
+    let mut joined = join(
         &coordinator,
         &job,
         (opts.id, opts.hosted_by),
@@ -66,12 +66,18 @@ pub(crate) async fn start(opts: ServerOptions) -> Result<Started, PsError> {
         &job,
         layout,
         &coordinator,
-        &joined,
+        &mut joined,
         opts.id,
         heartbeat,
         &address,
     )
     .await?;
+    // The layout the job runs on now: a move (`cluster scale`) or a resume may have left
+    // the count the job file names.
+    let layout = match joined.servers {
+        0 => layout,
+        n => job.layout_for(n as usize)?,
+    };
     tracing::info!("server {id} at {address}, epoch {}", joined.epoch);
     let slot = Slot {
         job: &job,
@@ -79,6 +85,9 @@ pub(crate) async fn start(opts: ServerOptions) -> Result<Started, PsError> {
         id,
         joined: &joined,
     };
+    if joined.resume.is_some() && opts.faults.kill_at(ftrec_faults::points::LOAD, None) {
+        std::future::pending::<()>().await;
+    }
     let (shard, own_part, beats) = slot
         .build_shard(&locator, opts.id.is_none(), heartbeat)
         .await?;
@@ -126,7 +135,7 @@ async fn take_slot(
     job: &Job,
     layout: Layout,
     coordinator: &CoordinatorLink,
-    joined: &JoinReply,
+    joined: &mut JoinReply,
     id: Option<usize>,
     heartbeat: Duration,
     address: &str,
@@ -140,8 +149,12 @@ async fn take_slot(
         (c.cluster.ft.erasure_coded() && c.ec.spare_reserve && !job.network().is_simulated())
             .then(|| Ok::<_, PsError>(SpareReserve::start(c.model_config()?, layout)))
             .transpose()?;
-    let id = crate::wait_for_assignment(coordinator, joined.spare_token, heartbeat, job).await?;
-    Ok((id, building.map(|b| b.take()).unwrap_or_default()))
+    let given = crate::wait_for_assignment(coordinator, joined.spare_token, heartbeat, job).await?;
+    if given.servers != 0 {
+        joined.servers = given.servers;
+        joined.resume = given.resume;
+    }
+    Ok((given.slot, building.map(|b| b.take()).unwrap_or_default()))
 }
 
 /// The slot taken, and what the coordinator said when this process joined.

@@ -162,6 +162,10 @@ impl ShardClient {
 
     async fn refresh_placement(&mut self) -> Result<(), PsError> {
         let p = self.coordinator.placement().await?;
+        // A move (`cluster scale`) changes the server count, and the rows' places with it.
+        if p.servers.len() != self.layout.servers() {
+            self.layout = self.layout.resized(p.servers.len())?;
+        }
         self.servers = p
             .servers
             .iter()

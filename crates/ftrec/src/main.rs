@@ -111,6 +111,7 @@ fn run(cli: Cli) -> Result<()> {
             job,
             member,
         }) => cluster::kill(&coordinator, job.as_deref(), &member),
+        Command::Cluster(cluster::ClusterCommand::Scale(a)) => cluster::scale(a),
         Command::Cluster(cluster::ClusterCommand::VerifyParity(a)) => cluster::verify_parity(a),
         Command::Server(a) => cluster::server(a),
         Command::Worker(a) => cluster::worker(a),

@@ -72,7 +72,7 @@ async fn run_async(
         etcd,
     } = opts;
     let job = job.with_etcd(etcd.endpoints.clone());
-    kill::check_members(&job, &kills)?;
+    kill::check_members(&job, &kills, &[])?;
     if kills.iter().any(|k| !matches!(k.at, KillAt::After(_))) {
         return Err(PsError::Config(
             "with --etcd, --kill takes ROLE:ID@SECONDS or coordinator@SECONDS (step and fault \

@@ -166,14 +166,20 @@ pub fn parse_member(s: &str) -> Result<(Role, usize), String> {
     Ok((role, id))
 }
 
-/// Every `--kill` names a member the cluster has.
+/// Every `--kill` names a member the cluster has, on the layouts it will run on (the job
+/// file's, then those of `--scale-at`).
 pub(super) fn check_members(
     job: &ftrec_rpc::Job,
     kills: &[KillSpec],
+    scale_at: &[(u64, usize)],
 ) -> Result<(), ftrec_rpc::PsError> {
+    let servers = scale_at
+        .iter()
+        .map(|&(_, n)| n)
+        .fold(job.config.cluster.servers, usize::max);
     for k in kills {
         let (what, count) = match k.role {
-            Role::Server => ("servers", job.config.cluster.servers),
+            Role::Server => ("servers", servers),
             _ => ("workers", job.config.cluster.workers),
         };
         if k.id >= count {
@@ -277,14 +283,21 @@ mod tests {
         };
         use ftrec_config::FaultTolerance::{Checkpoint, Ec};
         let kill = |s: &str| vec![s.parse::<KillSpec>().unwrap()];
-        let refused = |job: &ftrec_rpc::Job, s: &str| check_members(job, &kill(s)).unwrap_err();
+        let refused =
+            |job: &ftrec_rpc::Job, s: &str| check_members(job, &kill(s), &[]).unwrap_err();
         let e = refused(&job(Checkpoint, true), "worker:0@prepared:5").to_string();
         assert!(e.contains("two-phase commit"), "{e}");
         let e = refused(&job(Ec, true), "worker:0@prepared-first:5").to_string();
         assert!(e.contains("deterministic"), "{e}");
-        check_members(&job(Ec, true), &kill("worker:0@prepared:5")).unwrap();
-        check_members(&job(Ec, false), &kill("worker:1@prepared-first:5")).unwrap();
-        check_members(&job(Checkpoint, true), &kill("worker:0@push:5")).unwrap();
+        check_members(&job(Ec, true), &kill("worker:0@prepared:5"), &[]).unwrap();
+        check_members(&job(Ec, false), &kill("worker:1@prepared-first:5"), &[]).unwrap();
+        check_members(&job(Checkpoint, true), &kill("worker:0@push:5"), &[]).unwrap();
+        // A slot of a layout the job moves to (`--scale-at`) may be named; no other.
+        let load = kill("server:4@load=kill");
+        let e = check_members(&job(Checkpoint, true), &load, &[]).unwrap_err();
+        assert!(e.to_string().contains("3 servers"), "{e}");
+        check_members(&job(Checkpoint, true), &load, &[(80, 5)]).unwrap();
+        check_members(&job(Checkpoint, true), &load, &[(80, 4)]).unwrap_err();
     }
 
     #[test]

@@ -50,6 +50,9 @@ pub struct LaunchOptions {
     pub save: Option<PathBuf>,
     /// The cut `cluster.resume_from` names, resolved and checked ([`crate::resume`]).
     pub resume: Option<ftrec_proto::proto::ResumePoint>,
+    /// `--scale-at STEP:SERVERS`: the job asks to move to `SERVERS` servers once step
+    /// `STEP` is reached (as `ftrec cluster scale` would, at an exact point).
+    pub scale_at: Vec<(u64, usize)>,
 }
 
 /// Metrics of the gathered final model, or why they could not be computed.
@@ -147,8 +150,9 @@ async fn run_async(
         evaluate,
         save,
         resume,
+        scale_at,
     } = opts;
-    kill::check_members(&job, &kills)?;
+    kill::check_members(&job, &kills, &scale_at)?;
     let logs = run_dir.join("logs");
     std::fs::create_dir_all(&logs).map_err(io(&logs))?;
     let job_file = run_dir.join("job.toml");
@@ -190,6 +194,7 @@ async fn run_async(
         let supervised = Supervised {
             spawner: &spawner,
             kills: &kills,
+            scale_at: &scale_at,
             time_limit,
             run_dir: &run_dir,
         };
@@ -290,6 +295,7 @@ async fn sample_server_cpu(
 struct Supervised<'a> {
     spawner: &'a LocalSpawner,
     kills: &'a [KillSpec],
+    scale_at: &'a [(u64, usize)],
     time_limit: Duration,
     run_dir: &'a Path,
 }
@@ -315,6 +321,9 @@ impl Supervised<'_> {
                 KillAt::Step(step) => shared.kill_at_step(k.role, k.id, step),
                 KillAt::Point(_) => {}
             }
+        }
+        for &(step, servers) in self.scale_at {
+            shared.scale_at_step(step, servers);
         }
         timed.sort_by_key(|k| k.0);
         let mut kill_times = Vec::new();

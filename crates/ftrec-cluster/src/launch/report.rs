@@ -68,6 +68,7 @@ pub async fn final_report(
         eval_samples = Some(metrics.samples);
     }
     let cluster = &job.config.cluster;
+    let servers = summary.servers;
     Ok(LaunchReport {
         summary,
         state_digest: digest,
@@ -75,7 +76,9 @@ pub async fn final_report(
         parity_mismatches,
         replica_mismatches,
         parity_mismatch_details,
-        servers: cluster.servers,
+        // The servers the job ended on: a move (`--scale-at`, `cluster scale`) may have
+        // left the job file's count.
+        servers,
         workers: cluster.workers,
         kill_to_resume_seconds: kill_to_resume,
         // The launcher samples `/proc` as the run goes; it fills these in.

@@ -102,6 +102,41 @@ pub(crate) struct Record {
     pub recoveries: Vec<Recovery>,
     pub worker_respawns: Vec<u32>,
     pub failovers: Vec<Failover>,
+    /// The cut the current servers' shards came from (a resume or a move), and the moves
+    /// done (an older record has neither: the job file's layout, from the seed).
+    #[serde(default)]
+    pub base: Option<BaseCut>,
+    #[serde(default)]
+    pub moves: Vec<crate::state::MoveRecord>,
+    /// Incarnations of the servers a move retired (told to stop).
+    #[serde(default)]
+    pub retired: Vec<u64>,
+}
+
+/// [`ftrec_proto::proto::ResumePoint`] in the record.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct BaseCut {
+    pub location: String,
+    pub step: u64,
+    pub servers: u32,
+}
+
+impl BaseCut {
+    pub fn of(p: &ftrec_proto::proto::ResumePoint) -> Self {
+        Self {
+            location: p.location.clone(),
+            step: p.step,
+            servers: p.servers,
+        }
+    }
+
+    pub fn point(&self) -> ftrec_proto::proto::ResumePoint {
+        ftrec_proto::proto::ResumePoint {
+            location: self.location.clone(),
+            step: self.step,
+            servers: self.servers,
+        }
+    }
 }
 
 /// This coordinator's leadership, and the writes of its record.
@@ -214,6 +249,9 @@ impl Record {
             recoveries: tail(&s.recovery.recoveries),
             worker_respawns: s.members.worker_respawns.clone(),
             failovers: s.leader.failovers.clone(),
+            base: s.scaling.base.as_ref().map(BaseCut::of),
+            moves: s.scaling.moves.clone(),
+            retired: s.members.retired.iter().copied().collect(),
         }
     }
 
@@ -226,7 +264,9 @@ impl Record {
                 self.format
             )));
         }
-        if self.servers.len() != servers || self.workers.len() != workers {
+        // A move (`cluster scale`) leaves the job on another server count than its file's.
+        let servers_differ = self.servers.len() != servers && self.moves.is_empty();
+        if servers_differ || self.workers.len() != workers {
             return Err(PsError::Config(format!(
                 "etcd key {key} records {} servers and {} workers; the job has {servers} \
                  and {workers}",
@@ -484,6 +524,13 @@ mod tests {
                 term: 9,
                 first_step_at_unix: None,
             }],
+            base: reports.then(|| BaseCut {
+                location: "s3://b/ck".into(),
+                step: 80,
+                servers: 3,
+            }),
+            moves: Vec::new(),
+            retired: if reports { vec![4, 5] } else { Vec::new() },
         }
     }
 

@@ -278,6 +278,12 @@ pub(crate) fn restore(
     let mut s = shared.lock();
     s.epoch = epoch;
     s.placement = record.placement;
+    s.scaling.servers = record.servers.len();
+    if let Some(base) = &record.base {
+        s.scaling.base = Some(base.point());
+    }
+    s.scaling.moves = record.moves.clone();
+    s.members.retired = record.retired.iter().copied().collect();
     s.members.servers = record
         .servers
         .iter()

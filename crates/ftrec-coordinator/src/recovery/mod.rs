@@ -177,7 +177,11 @@ struct Resumed {
 /// Training resumes: the ledger rewinds to the cut after a rollback, the save schedule
 /// gets over the failure, and granting starts again.
 fn resume(s: &mut State, action: &RecoveryAction) -> Resumed {
-    let applied = action.resume_step();
+    let applied = match action {
+        // The initial state of a resumed job's (or a moved job's) servers is its base cut.
+        RecoveryAction::Rollback { cut: None } => s.scaling.first_step(),
+        _ => action.resume_step(),
+    };
     let rolled_back = s.steps.ledger.next_step().saturating_sub(applied);
     s.recovery.steps_rolled_back += rolled_back;
     if let RecoveryAction::Rollback { .. } = action {

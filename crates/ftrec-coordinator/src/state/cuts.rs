@@ -214,6 +214,11 @@ impl CutSchedule {
 
     /// The next save is tried on time: own saves went through, or the failure that made
     /// a cut fail (most likely a dead server's) has been recovered from.
+    /// A failed cut's backoff still runs at `now`.
+    pub(crate) fn backing_off(&self, now: Instant) -> bool {
+        self.backoff.is_some_and(|(until, _)| now < until)
+    }
+
     pub(crate) fn clear_backoff(&mut self) {
         self.backoff = None;
     }

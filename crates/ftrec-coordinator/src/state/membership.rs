@@ -72,6 +72,9 @@ pub(crate) struct Membership {
     pub(crate) workers: Vec<Member>,
     /// Incarnations of processes refused after being declared dead.
     pub(crate) zombies: BTreeSet<u64>,
+    /// Incarnations of the servers of a layout the job moved off (`cluster scale`): told
+    /// to stop.
+    pub(crate) retired: BTreeSet<u64>,
     /// Lost steps in a row whose worker could not reach this server (reset by any step
     /// that finishes).
     pub(crate) unreachable_reports: BTreeMap<usize, u32>,
@@ -97,6 +100,7 @@ impl Membership {
             spares: Vec::new(),
             workers: vec![Member::default(); workers],
             zombies: BTreeSet::new(),
+            retired: BTreeSet::new(),
             unreachable_reports: BTreeMap::new(),
             next_token: 1,
             worker_respawns: vec![0; workers],
@@ -105,6 +109,17 @@ impl Membership {
             probe_requested: false,
             hosting: super::Hosting::default(),
         }
+    }
+
+    /// Retires every server of the current layout (their processes are told to stop) and
+    /// opens `servers` empty slots for the next layout.
+    pub(crate) fn retire_servers(&mut self, servers: usize) {
+        let old = std::mem::replace(&mut self.servers, vec![Member::default(); servers]);
+        self.retired
+            .extend(old.iter().filter(|m| m.joined).map(|m| m.incarnation));
+        self.unreachable_reports.clear();
+        self.early_exits
+            .retain(|(role, _), _| *role != Role::Server);
     }
 
     /// A new join's incarnation: never one given before (0 means "none" on the wire).

@@ -23,6 +23,7 @@ mod leadership;
 mod membership;
 mod recoveries;
 mod saves;
+mod scaling;
 mod steps;
 
 pub(crate) use cuts::{CutSchedule, FINAL_CUT_TRIES, SaveDue};
@@ -31,11 +32,14 @@ pub(crate) use leadership::LeaderState;
 pub(crate) use membership::{Member, Membership, Spare};
 pub(crate) use recoveries::{AttemptFailed, Recoveries};
 pub(crate) use saves::Saves;
+pub use scaling::MoveRecord;
+pub(crate) use scaling::{PendingMove, Scaling};
 pub(crate) use steps::Steps;
 
 use serde::Serialize;
 
-use ftrec_proto::placement::PlacementMap;
+use ftrec_proto::placement::{Layout, PlacementMap};
+use ftrec_proto::proto::ResumePoint;
 use ftrec_proto::timeline::{EventKind, Timeline};
 use ftrec_rpc::PsError;
 use ftrec_rpc::job::Job;
@@ -66,12 +70,18 @@ pub(crate) struct State {
     pub(crate) cuts: CutSchedule,
     pub(crate) saves: Saves,
     pub(crate) steps: Steps,
+    pub(crate) scaling: Scaling,
 }
 
 impl State {
     /// A coordinator's state before any member joined: `total_steps` to train,
     /// `total_samples` in them.
-    pub(crate) fn new(job: &Job, total_steps: u64, total_samples: u64) -> Result<Self, PsError> {
+    pub(crate) fn new(
+        job: &Job,
+        total_steps: u64,
+        total_samples: u64,
+        resumed_from: Option<ResumePoint>,
+    ) -> Result<Self, PsError> {
         let cluster = &job.config.cluster;
         // The layout is checked before CPR's settings, as it always was.
         let placement = PlacementMap::new(&job.layout()?);
@@ -88,7 +98,13 @@ impl State {
             cuts: CutSchedule::new(job, total_samples)?,
             saves: Saves::default(),
             steps: Steps::new(total_steps),
+            scaling: Scaling::new(cluster.servers, resumed_from),
         })
+    }
+
+    /// The placement arithmetic of the servers the job runs on now.
+    pub(crate) fn layout(&self, job: &Job) -> Result<Layout, PsError> {
+        job.layout_for(self.scaling.servers)
     }
 
     /// Seconds since training started (0 before).

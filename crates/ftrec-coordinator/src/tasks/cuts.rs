@@ -145,6 +145,10 @@ fn commit_cut(
     );
     s.cuts.committed(step, priority, Instant::now());
     let kept = s.saves.commit(record, shared.job.config.checkpoint.keep);
+    if !priority && s.scaling.cut_committed(step) {
+        // A move went through this cut: its switch is due now, not at the next tick.
+        shared.wake.notify_one();
+    }
     shared.metrics.add("ftrec_checkpoints_total", 1);
     let kind = if priority {
         " (CPR prioritised save)"

@@ -114,6 +114,21 @@ impl Layout {
         self
     }
 
+    /// The same scheme and parameters over `servers` servers: the layout after a move to
+    /// another server count (`cluster scale`).
+    pub fn resized(&self, servers: usize) -> Result<Self, ProtoError> {
+        let resized = match &self.stripes {
+            Some(s) => Self::striped(StripeLayout::new(s.params, servers).map_err(|e| {
+                BadPlacement::Code {
+                    servers,
+                    why: e.to_string(),
+                }
+            })?),
+            None => Self::new(servers)?,
+        };
+        Ok(resized.with_replicated_dense(self.replicate_dense))
+    }
+
     /// Dense ranges travel as differences to dense-stripe parity holders.
     pub fn dense_coded(&self) -> bool {
         self.stripes.is_some() && !self.replicate_dense

@@ -323,6 +323,15 @@ impl CheckpointContext {
         let what = checkpoints.store().describe(&id);
         let identity = ShardIdentity::from_json(&manifest.trainer, &what)?;
         identity.check_owner(self.id, &what)?;
+        // A slot's folder also holds the parts of the layouts the job moved off (or
+        // resumed from): a part of another server count holds other rows.
+        if identity.servers != self.layout.servers() {
+            return Err(PsError::Config(format!(
+                "{what}: a part of a {}-server layout; this server is one of {}",
+                identity.servers,
+                self.layout.servers()
+            )));
+        }
         // The tracked history is gone with the state it described.
         *lock(&self.checkpointer) = None;
         let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());

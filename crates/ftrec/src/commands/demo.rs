@@ -121,6 +121,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
             evaluate: Some(crate::commands::cluster::evaluator()),
             save: None,
             resume: None,
+            scale_at: Vec::new(),
         },
         |p| {
             pb.set_position(p.steps);

@@ -14,6 +14,7 @@ mod cluster_outage;
 mod cluster_partial;
 mod cluster_resume;
 mod cluster_safety;
+mod cluster_scale;
 mod cluster_scrub;
 mod cluster_security;
 mod cluster_strategies;

@@ -1,4 +1,4 @@
-//! `ftrec cluster run|kill`, `ftrec server|worker|coordinator` and `ftrec plot timeline`.
+//! `ftrec cluster run|kill|scale`, `ftrec server|worker|coordinator` and `ftrec plot timeline`.
 
 use clap::{Args, Subcommand};
 use std::path::{Path, PathBuf};
@@ -17,6 +17,7 @@ use serde_json::json;
 pub mod auto;
 mod coordinator;
 mod resume;
+mod scale;
 mod survivor_spare;
 mod verify;
 
@@ -46,6 +47,10 @@ pub enum ClusterCommand {
         /// `server:ID` or `worker:ID`.
         member: String,
     },
+    /// Move a running job to another number of servers, at its next step boundary and
+    /// through a consistent cut; training goes on where it stopped (`--ft checkpoint`,
+    /// `partial` or `ec+checkpoint`).
+    Scale(scale::ScaleArgs),
     /// Scrub a running erasure-coded cluster without stopping it: every stripe's parity
     /// re-encoded from its data rows and compared, every dense replica with its primary,
     /// each range read at equal applied steps on every server. Exits non-zero when a
@@ -112,6 +117,11 @@ pub struct ClusterRunArgs {
     /// `coordinator@rebuild` the leader as soon as a server rebuilds in the background.
     #[arg(long = "kill", value_name = "ROLE:ID@SECONDS")]
     pub kills: Vec<String>,
+    /// Move the job to SERVERS servers once step STEP is reached, as `ftrec cluster scale`
+    /// would (repeatable), e.g. `80:5`: the move's cut is at step 80 when a cut may start
+    /// there.
+    #[arg(long = "scale-at", value_name = "STEP:SERVERS", value_parser = parse_scale_at)]
+    pub scale_at: Vec<(u64, usize)>,
     /// Arm a fault point in a server, `server:J@POINT[:STEP][=kill|skip|flip|delay-MS]`
     /// (repeatable): prepare, commit, rebuild, fold-parity or install.
     /// `server:1@fold-parity:20=skip` drops one parity difference, `=flip` folds it with a
@@ -239,6 +249,18 @@ pub enum PlotCommand {
         #[arg(long, default_value = "ftrec cluster throughput")]
         title: String,
     },
+}
+
+/// `STEP:SERVERS` of `--scale-at`.
+fn parse_scale_at(text: &str) -> Result<(u64, usize), String> {
+    let bad = || format!("--scale-at {text}: expected STEP:SERVERS, e.g. 80:5");
+    let (step, servers) = text.split_once(':').ok_or_else(bad)?;
+    let step = step.trim().parse().map_err(|_| bad())?;
+    let servers: usize = servers.trim().parse().map_err(|_| bad())?;
+    if servers == 0 {
+        return Err(format!("--scale-at {text}: a job needs at least 1 server"));
+    }
+    Ok((step, servers))
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -400,6 +422,7 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
             evaluate: (!a.no_eval).then(evaluator),
             save,
             resume,
+            scale_at: a.scale_at.clone(),
         },
         |p| {
             if !announced.replace(true) {
@@ -569,9 +592,12 @@ fn redundancy_damage(report: &ftrec_cluster::launch::LaunchReport) -> Option<Str
     })
 }
 
-pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
-    let (role, id) = launch::parse_member(member).map_err(anyhow::Error::msg)?;
-    let connector = match job {
+pub use scale::scale;
+
+/// A connector for an operator's call to a running job's coordinator: the job file's
+/// secret and TLS settings, or `FTREC_JOB_SECRET` without one.
+fn admin_connector(job: Option<&Path>) -> Result<client::Connector> {
+    Ok(match job {
         // The job's own secret and TLS settings.
         Some(path) => Job::load(path)?
             .connector()?
@@ -587,7 +613,12 @@ pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
             })?;
             client::Connector::new(Duration::from_secs(10), &secret, None, Default::default())?
         }
-    };
+    })
+}
+
+pub fn kill(coordinator: &str, job: Option<&Path>, member: &str) -> Result<()> {
+    let (role, id) = launch::parse_member(member).map_err(anyhow::Error::msg)?;
+    let connector = admin_connector(job)?;
     let rt = runtime()?;
     let pid = rt.block_on(async {
         let mut c = connector.coordinator(coordinator).await?;
