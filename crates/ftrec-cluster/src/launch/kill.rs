@@ -293,7 +293,7 @@ mod tests {
         check_members(&job(Ec, false), &kill("worker:1@prepared-first:5"), &[]).unwrap();
         check_members(&job(Checkpoint, true), &kill("worker:0@push:5"), &[]).unwrap();
         // A slot of a layout the job moves to (`--scale-at`) may be named; no other.
-        let load = kill("server:4@load=kill");
+        let load = kill("server:4@step:90");
         let e = check_members(&job(Checkpoint, true), &load, &[]).unwrap_err();
         assert!(e.to_string().contains("3 servers"), "{e}");
         check_members(&job(Checkpoint, true), &load, &[(80, 5)]).unwrap();
