@@ -145,6 +145,25 @@ fn a_server_killed_in_the_moves_cut_leaves_the_old_layout() {
     assert_eq!(out["servers"], 5, "{out}");
 }
 
+/// A new server SIGKILLed at step 85, before the new layout's first cut (at 100): every
+/// server goes back to its initial state, the move's cut, and training to step 80 (not to
+/// step 0, and never to a cut of the old layout).
+#[test]
+fn a_rollback_before_the_new_layouts_first_cut_goes_back_to_the_moves_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = FTREC.setup(dir.path());
+    let expected = FTREC.single_process_digest(&data, STEPS);
+    let out = job(&data, dir.path(), 3, "checkpoint", "incrcp")
+        .arg("--scale-at", "80:5")
+        .kill("server:2@step:85")
+        .report(FTREC);
+    assert_eq!(out["state_digest"], expected, "{out}");
+    assert_eq!(the_move(&out), (3, 5, 80), "{out}");
+    let recoveries = out["recoveries"].as_array().unwrap();
+    assert_eq!(recoveries.len(), 1, "{out}");
+    assert_eq!(recoveries[0]["resumed_step"], 80, "{out}");
+}
+
 /// A new server SIGKILLed after it joined, before it loaded its rows: its slot is started
 /// again and loads the cut like the others; nothing rolls back.
 #[test]
