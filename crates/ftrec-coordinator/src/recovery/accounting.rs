@@ -31,8 +31,10 @@ pub(super) fn account_partial_restore(shared: &Shared, s: &mut State, action: &R
         return;
     };
     let mut lines = Vec::new();
+    // A resumed or moved layout's initial state is its base cut, not step 0.
+    let base = s.scaling.first_step();
     for (&server, &cut) in servers.iter().zip(cuts) {
-        let s_ckpt = schedule.samples_before(cut.unwrap_or(0));
+        let s_ckpt = schedule.samples_before(cut.unwrap_or(base));
         let increment = cpr.on_partial_restore(s_i, s_ckpt);
         lines.push(format!(
             "server {server} reloads its shard from {} (S_last_ckpt {s_ckpt} samples); \
@@ -58,6 +60,9 @@ pub(super) fn account_partial_restore(shared: &Shared, s: &mut State, action: &R
 /// lose nothing (a rollback retrains, counted in `steps_rolled_back`).
 pub(super) fn account_lost_samples(shared: &Shared, s: &mut State, action: &RecoveryAction) {
     let schedule = shared.schedule;
+    // A resumed or moved layout's initial state is its base cut: what a shard reset to it
+    // loses was trained since.
+    let base = s.scaling.first_step();
     let settled_before = |next_step: u64, unsettled: &[u64]| {
         let in_flight: u64 = unsettled.iter().map(|&u| schedule.batch(u).1).sum();
         schedule.samples_before(next_step).saturating_sub(in_flight)
@@ -75,7 +80,9 @@ pub(super) fn account_lost_samples(shared: &Shared, s: &mut State, action: &Reco
                 .collect();
             lost.sort_unstable();
             lost.dedup();
-            (settled_before(*next_step, unsettled), lost.len() as u64)
+            let trained =
+                settled_before(*next_step, unsettled).saturating_sub(schedule.samples_before(base));
+            (trained, lost.len() as u64)
         }
         RecoveryAction::PartialRestore {
             cuts,
@@ -86,7 +93,7 @@ pub(super) fn account_lost_samples(shared: &Shared, s: &mut State, action: &Reco
             let settled = settled_before(*next_step, unsettled);
             let lost: u64 = cuts
                 .iter()
-                .map(|cut| settled.saturating_sub(schedule.samples_before(cut.unwrap_or(0))))
+                .map(|cut| settled.saturating_sub(schedule.samples_before(cut.unwrap_or(base))))
                 .sum();
             (lost, 1)
         }

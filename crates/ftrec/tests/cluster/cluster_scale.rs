@@ -164,6 +164,24 @@ fn a_rollback_before_the_new_layouts_first_cut_goes_back_to_the_moves_cut() {
     assert_eq!(recoveries[0]["resumed_step"], 80, "{out}");
 }
 
+/// Partial recovery (CPR) after a move to 4 servers: server 3, SIGKILLed at step 90
+/// before its first save, reloads its initial state (the move's cut at 80); the samples
+/// counted lost are those of steps 80..90, not everything since step 0.
+#[test]
+fn a_moved_partial_job_counts_only_what_its_lost_shard_trained_since_the_move() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = FTREC.setup(dir.path());
+    let out = job(&data, dir.path(), 3, "partial", "full")
+        .arg("--scale-at", "80:4")
+        .kill("server:3@step:90")
+        .report(FTREC);
+    assert_eq!(the_move(&out), (3, 4, 80), "{out}");
+    let recoveries = out["recoveries"].as_array().unwrap();
+    assert_eq!(recoveries.len(), 1, "{out}");
+    assert_eq!(recoveries[0]["mode"], "partial", "{out}");
+    assert_eq!(out["lost_samples"], 10 * 128, "{out}");
+}
+
 /// A new server SIGKILLed after it joined, before it loaded its rows: its slot is started
 /// again and loads the cut like the others; nothing rolls back.
 #[test]
