@@ -324,8 +324,9 @@ fn plan(shared: &Shared, s: &mut State) -> Option<Task> {
         return None;
     }
     crate::scale::forget_lost_cut(s);
-    if crate::scale::switch(shared, s) {
-        return None;
+    if crate::scale::switch_due(s) {
+        s.busy = true;
+        return Some(Task::Switch { epoch: s.epoch });
     }
     match s.phase {
         Phase::Starting => {

@@ -145,10 +145,35 @@ pub(crate) fn forget_lost_cut(s: &mut State) {
     }
 }
 
+/// The move's cut committed and nothing is in flight: the switch is due.
+pub(crate) fn switch_due(s: &State) -> bool {
+    s.scaling.pending.as_ref().is_some_and(|m| m.committed) && s.steps.ledger.quiet()
+}
+
+/// The switch as a task of the control loop. With etcd membership the decision (the move
+/// and its committed cut) is recorded before anything changes, and the switch after: a
+/// leader lost at any moment leaves its successor the move to make, or the layout made.
+pub(crate) async fn switch_recorded(shared: &Shared, epoch: u64) {
+    if let Err(e) = shared.sync_durable().await {
+        tracing::warn!("the move's switch waits for etcd: {e}");
+        return;
+    }
+    shared.die_at(ftrec_faults::points::SWITCH).await;
+    {
+        let mut s = shared.lock();
+        if s.epoch != epoch || !switch(shared, &mut s) {
+            return;
+        }
+    }
+    if let Err(e) = shared.sync_durable().await {
+        tracing::warn!("recording the move's switch: {e}; the flush loop retries");
+    }
+}
+
 /// The switch, once the move's cut committed: one decision under the lock. True when it
 /// happened.
 pub(crate) fn switch(shared: &Shared, s: &mut State) -> bool {
-    if !s.scaling.pending.as_ref().is_some_and(|m| m.committed) || !s.steps.ledger.quiet() {
+    if !switch_due(s) {
         return false;
     }
     let Some(location) = shared.job.config.checkpoint.dir.as_ref() else {

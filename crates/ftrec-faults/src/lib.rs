@@ -62,12 +62,15 @@ pub mod points {
     /// A coordinator, with a recovery decided (and, with etcd, recorded), before it sends
     /// the servers anything: a leader lost in the middle of a recovery.
     pub const RECOVERY: &str = "recovery";
+    /// A coordinator, with a move's cut committed and the move recorded, before it
+    /// switches to the new layout: a leader lost in the middle of a move.
+    pub const SWITCH: &str = "switch";
     /// A coordinator just elected, before it fences any server: a new leader lost in the
     /// middle of its takeover.
     pub const TAKEOVER: &str = "takeover";
 
     /// Every point, for validating specs.
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 14] = [
         PREPARE,
         COMMIT,
         REBUILD,
@@ -80,6 +83,7 @@ pub mod points {
         PREPARED,
         PREPARED_FIRST,
         RECOVERY,
+        SWITCH,
         TAKEOVER,
     ];
 }

@@ -111,6 +111,22 @@ pub(crate) struct Record {
     /// Incarnations of the servers a move retired (told to stop).
     #[serde(default)]
     pub retired: Vec<u64>,
+    /// A move asked for and not yet switched to (its cut, once taken, and whether that
+    /// committed: a new leader then switches itself).
+    #[serde(default)]
+    pub pending_move: Option<PendingMoveRecord>,
+    /// The new layout's servers were joining after a switch: a new leader starts the slots
+    /// no process joined, and joins stay fresh slots that load the base cut.
+    #[serde(default)]
+    pub joining: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct PendingMoveRecord {
+    pub to: usize,
+    pub asked_at: f64,
+    pub cut: Option<u64>,
+    pub committed: bool,
 }
 
 /// [`ftrec_proto::proto::ResumePoint`] in the record.
@@ -252,6 +268,13 @@ impl Record {
             base: s.scaling.base.as_ref().map(BaseCut::of),
             moves: s.scaling.moves.clone(),
             retired: s.members.retired.iter().copied().collect(),
+            pending_move: s.scaling.pending.as_ref().map(|m| PendingMoveRecord {
+                to: m.to,
+                asked_at: m.asked_at,
+                cut: m.cut,
+                committed: m.committed,
+            }),
+            joining: s.scaling.joining,
         }
     }
 
@@ -531,6 +554,13 @@ mod tests {
             }),
             moves: Vec::new(),
             retired: if reports { vec![4, 5] } else { Vec::new() },
+            pending_move: reports.then_some(PendingMoveRecord {
+                to: 5,
+                asked_at: 1.5,
+                cut: Some(80),
+                committed: true,
+            }),
+            joining: reports,
         }
     }
 

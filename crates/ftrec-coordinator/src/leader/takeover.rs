@@ -145,6 +145,9 @@ async fn attempt(shared: &Arc<Shared>, settled_through: u64) -> Result<(), PsErr
     s.steps.samples = s.steps.samples.saturating_sub(recount);
     s.phase = if !s.recovery.failed.is_empty() {
         Phase::Recovering
+    } else if s.scaling.joining {
+        // A move's new layout, still joining: training goes on once every slot is in.
+        Phase::Starting
     } else if s.steps.started {
         Phase::Running
     } else {
@@ -283,6 +286,16 @@ pub(crate) fn restore(
         s.scaling.base = Some(base.point());
     }
     s.scaling.moves = record.moves.clone();
+    s.scaling.pending = record
+        .pending_move
+        .as_ref()
+        .map(|m| crate::state::PendingMove {
+            to: m.to,
+            asked_at: m.asked_at,
+            cut: m.cut,
+            committed: m.committed,
+        });
+    s.scaling.joining = record.joining;
     s.members.retired = record.retired.iter().copied().collect();
     s.members.servers = record
         .servers
@@ -392,6 +405,16 @@ pub(crate) fn restore(
     s.busy = true;
     for id in failed {
         if !s.members.servers[id].alive {
+            control::replace_server(shared, &mut s, id);
+        }
+    }
+    // A move's new layout that was joining: the slots no process joined are started (a
+    // process the old leader started may still join; a second one is then refused).
+    if s.scaling.joining {
+        let vacant: Vec<usize> = (0..s.members.servers.len())
+            .filter(|&id| !s.members.servers[id].joined)
+            .collect();
+        for id in vacant {
             control::replace_server(shared, &mut s, id);
         }
     }

@@ -46,6 +46,10 @@ pub(super) enum Task {
         epoch: u64,
         step: u64,
     },
+    /// A move's cut committed: switch to its layout (`scale.rs`).
+    Switch {
+        epoch: u64,
+    },
 }
 
 pub(super) async fn run_task(shared: &std::sync::Arc<Shared>, task: Task) {
@@ -95,5 +99,6 @@ pub(super) async fn run_task(shared: &std::sync::Arc<Shared>, task: Task) {
         }
         Task::Resolve { epoch, steps } => resolve(shared, clients, epoch, steps).await,
         Task::ConfirmCut { epoch, step } => confirm_cut(shared, clients, epoch, step).await,
+        Task::Switch { epoch } => crate::scale::switch_recorded(shared, epoch).await,
     }
 }
