@@ -42,7 +42,8 @@ pub struct CoordinatorArgs {
     #[arg(long)]
     pub json: bool,
     /// Arm a fault point in this coordinator, NAME[=kill|delay-MS] (recovery: with a
-    /// recovery decided, before it calls any server; takeover: just elected, before it
+    /// recovery decided, before it calls any server; switch: with a move's cut committed
+    /// and the move recorded, before it switches layout; takeover: just elected, before it
     /// fences any server); it fires once.
     #[arg(long = "fault", value_name = "SPEC")]
     pub faults: Vec<String>,
