@@ -230,3 +230,26 @@ pub fn announced(
         }
     }
 }
+
+/// `ftrec args` (a `cluster run`) started in the background with `stdout`, once it
+/// announced its coordinator, the rest of its stderr drained: the process and the
+/// coordinator's address.
+pub fn launch_announced(
+    ftrec: crate::Ftrec,
+    args: &[String],
+    stdout: std::process::Stdio,
+) -> (std::process::Child, String) {
+    let mut child = ftrec
+        .command()
+        .args(args)
+        .stdout(stdout)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (coordinator, _, mut stderr) = announced(&mut child);
+    std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+    });
+    (child, coordinator)
+}

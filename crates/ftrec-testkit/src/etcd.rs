@@ -28,3 +28,15 @@ pub fn start_cluster(dir: &Path, members: usize) -> Vec<LocalEtcd> {
     require_etcd();
     ftrec_etcd::local::start_cluster(dir, members).unwrap_or_else(|e| panic!("etcd: {e}"))
 }
+
+/// A client of the etcd at `endpoint` under the job prefix `prefix`, as a test reads a
+/// job's record and leader with it.
+#[track_caller]
+pub fn client(rt: &tokio::runtime::Runtime, endpoint: &str, prefix: &str) -> ftrec_etcd::Etcd {
+    rt.block_on(ftrec_etcd::Etcd::connect(&ftrec_etcd::EtcdOptions {
+        endpoints: vec![endpoint.to_string()],
+        prefix: prefix.into(),
+        request_timeout: std::time::Duration::from_secs(3),
+    }))
+    .unwrap_or_else(|e| panic!("etcd at {endpoint}: {e}"))
+}

@@ -237,13 +237,7 @@ fn a_frozen_leader_is_deposed_and_changes_nothing_when_it_wakes() {
     let job_s = job.to_str().unwrap();
     let e = etcd.endpoint.as_str();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = rt
-        .block_on(ftrec_etcd::Etcd::connect(&ftrec_etcd::EtcdOptions {
-            endpoints: vec![e.to_string()],
-            prefix: "/ftrec/frozen".into(),
-            request_timeout: Duration::from_secs(3),
-        }))
-        .unwrap();
+    let client = ftrec_testkit::etcd::client(&rt, e, "/ftrec/frozen");
     let coordinator =
         |id: &str, standby: bool| etcd_coordinator(FTREC, dir.path(), job_s, e, id, standby);
     let mut first = coordinator("c1", false);
@@ -399,13 +393,7 @@ fn an_unreachable_etcd_another_jobs_prefix_and_a_changed_job_file_are_refused() 
         .spawn()
         .unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = rt
-        .block_on(ftrec_etcd::Etcd::connect(&ftrec_etcd::EtcdOptions {
-            endpoints: vec![etcd.endpoint.clone()],
-            prefix: "/ftrec/shared".into(),
-            request_timeout: Duration::from_secs(3),
-        }))
-        .unwrap();
+    let client = ftrec_testkit::etcd::client(&rt, &etcd.endpoint, "/ftrec/shared");
     let started = Instant::now();
     while leader_id(&client, &rt).is_none() {
         assert!(
@@ -474,13 +462,7 @@ fn training_pauses_while_etcd_is_frozen_and_nothing_is_lost_when_it_returns() {
         )
     });
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = rt
-        .block_on(ftrec_etcd::Etcd::connect(&ftrec_etcd::EtcdOptions {
-            endpoints: vec![etcd.endpoint.clone()],
-            prefix: prefix.into(),
-            request_timeout: Duration::from_secs(2),
-        }))
-        .unwrap();
+    let client = ftrec_testkit::etcd::client(&rt, &etcd.endpoint, prefix);
     let started = Instant::now();
     let before = loop {
         if let Some(steps) = record(&client, &rt).and_then(|r| r["settled_through"].as_u64())
@@ -668,13 +650,7 @@ fn a_leader_lost_in_the_middle_of_a_move_leaves_the_move_to_its_successor() {
     let job_s = job.to_str().unwrap();
     let e = etcd.endpoint.as_str();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = rt
-        .block_on(ftrec_etcd::Etcd::connect(&ftrec_etcd::EtcdOptions {
-            endpoints: vec![e.to_string()],
-            prefix: "/ftrec/move".into(),
-            request_timeout: Duration::from_secs(3),
-        }))
-        .unwrap();
+    let client = ftrec_testkit::etcd::client(&rt, e, "/ftrec/move");
     let c1_out = dir.path().join("c1");
     let mut first = spawn(
         FTREC,

@@ -101,13 +101,7 @@ fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
     let job_s = job.to_str().unwrap();
     let e = etcd.endpoint.as_str();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = rt
-        .block_on(ftrec_etcd::Etcd::connect(&ftrec_etcd::EtcdOptions {
-            endpoints: vec![e.to_string()],
-            prefix: "/ftrec/spares".into(),
-            request_timeout: Duration::from_secs(3),
-        }))
-        .unwrap();
+    let client = ftrec_testkit::etcd::client(&rt, e, "/ftrec/spares");
     let record = || {
         rt.block_on(client.get_json::<Value>("state"))
             .ok()

@@ -16,7 +16,7 @@ use crate::FTREC;
 const STEPS: &str = "200";
 
 /// The complete cuts of a cluster location, as the resume reads them: `(step, servers)`.
-fn complete_cuts(location: &Path) -> Vec<(u64, usize)> {
+pub(crate) fn complete_cuts(location: &Path) -> Vec<(u64, usize)> {
     let listings = ftrec_cluster::resume::list_slots(location.to_str().unwrap()).unwrap();
     ftrec_cluster::resume::cuts_of(&listings)
         .into_iter()

@@ -10,22 +10,13 @@ use std::time::{Duration, Instant};
 
 use ftrec_proto::timeline::EventKind;
 use ftrec_testkit::ClusterRun;
-use ftrec_testkit::cluster::{announced, event_kinds};
+use ftrec_testkit::cluster::{event_kinds, launch_announced};
 use serde_json::Value;
 
 use crate::FTREC;
+use crate::cluster_resume::complete_cuts;
 
 const STEPS: &str = "200";
-
-/// The complete cuts of a cluster location: `(step, servers)`.
-fn complete_cuts(location: &Path) -> Vec<(u64, usize)> {
-    let listings = ftrec_cluster::resume::list_slots(location.to_str().unwrap()).unwrap();
-    ftrec_cluster::resume::cuts_of(&listings)
-        .into_iter()
-        .filter(|c| c.complete())
-        .map(|c| (c.step, c.servers))
-        .collect()
-}
 
 /// A deterministic one-worker job of 200 steps with cuts every 25 steps.
 fn job(data: &str, dir: &Path, servers: usize, ft: &str, strategy: &str) -> ClusterRun {
@@ -218,18 +209,7 @@ fn cluster_scale_moves_a_running_job() {
     let args = job(&data, dir.path(), 3, "checkpoint", "incrcp")
         .fault("server:0@install:40=delay-3000")
         .args();
-    let mut child = FTREC
-        .command()
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (coordinator, _, mut stderr) = announced(&mut child);
-    std::thread::spawn(move || {
-        let mut rest = String::new();
-        let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
-    });
+    let (child, coordinator) = launch_announced(FTREC, &args, Stdio::piped());
     let job_file = dir.path().join("run").join("job.toml");
     let scale = |servers: &str, job: Option<&Path>| {
         let mut args = vec![

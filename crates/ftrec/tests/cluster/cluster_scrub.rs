@@ -9,7 +9,7 @@
 //! scrubbed while it trains must show no mismatch at all.
 
 use ftrec_testkit::ClusterRun;
-use ftrec_testkit::cluster::announced;
+use ftrec_testkit::cluster::launch_announced;
 
 use crate::FTREC;
 
@@ -211,18 +211,7 @@ impl Live {
             .no_eval()
             .extend(extra)
             .args();
-        let mut child = FTREC
-            .command()
-            .args(&args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (coordinator, _, mut stderr) = announced(&mut child);
-        std::thread::spawn(move || {
-            let mut rest = String::new();
-            let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
-        });
+        let (child, coordinator) = launch_announced(FTREC, &args, Stdio::null());
         Self {
             child,
             coordinator,
