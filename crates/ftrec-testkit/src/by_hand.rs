@@ -186,3 +186,29 @@ pub fn etcd_coordinator(
     }
     spawn(ftrec, &args, &out)
 }
+
+/// Waits for the coordinator `child` to finish the job and reads its report (`ID.json`
+/// beside `dir/ID`, as [`etcd_coordinator`] writes it); asserts that it succeeded and that
+/// the model it ended with is `ftrec train`'s after `steps` steps of `data`.
+pub fn finished_exact(
+    ftrec: Ftrec,
+    child: &mut Child,
+    report: &Path,
+    data: &str,
+    steps: u64,
+) -> serde_json::Value {
+    let status = wait_exit(child, Duration::from_secs(120));
+    assert!(
+        status.success(),
+        "{} did not finish the job",
+        report.display()
+    );
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(report).unwrap()).unwrap();
+    assert_eq!(
+        report["state_digest"],
+        ftrec.single_process_digest(data, &steps.to_string()),
+        "{report}"
+    );
+    report
+}

@@ -12,7 +12,8 @@ use serde_json::Value;
 
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::by_hand::{
-    etcd_coordinator, hand_job, listening_address, signal, spawn, spawn_members, wait_exit,
+    etcd_coordinator, finished_exact, hand_job, listening_address, signal, spawn, spawn_members,
+    wait_exit,
 };
 use ftrec_testkit::cli::json_of;
 use ftrec_testkit::etcd::LocalEtcd;
@@ -277,14 +278,12 @@ fn a_frozen_leader_is_deposed_and_changes_nothing_when_it_wakes() {
         .read_to_string(&mut log)
         .unwrap();
     assert!(log.contains("no longer leads the job"), "{log}");
-    let status = wait_exit(&mut second, Duration::from_secs(120));
-    assert!(status.success(), "c2 finished the job");
-    let report: Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("c2.json")).unwrap()).unwrap();
-    assert_eq!(
-        report["state_digest"],
-        FTREC.single_process_digest(&data, &steps.to_string()),
-        "{report}"
+    let report = finished_exact(
+        FTREC,
+        &mut second,
+        &dir.path().join("c2.json"),
+        &data,
+        steps,
     );
     assert_eq!(report["lost_samples"], 0);
     assert_eq!(report["parity_mismatches"], 0);
@@ -729,14 +728,12 @@ fn a_leader_lost_in_the_middle_of_a_move_leaves_the_move_to_its_successor() {
             &out,
         ));
     }
-    let status = wait_exit(&mut second, Duration::from_secs(120));
-    assert!(status.success(), "c2 finished the job");
-    let report: Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("c2.json")).unwrap()).unwrap();
-    assert_eq!(
-        report["state_digest"],
-        FTREC.single_process_digest(&data, &steps.to_string()),
-        "{report}"
+    let report = finished_exact(
+        FTREC,
+        &mut second,
+        &dir.path().join("c2.json"),
+        &data,
+        steps,
     );
     assert_eq!(report["servers"], 4, "{report}");
     assert_eq!(report["parity_mismatches"], 0, "{report}");

@@ -11,8 +11,8 @@ use ftrec_proto::timeline::EventKind;
 
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::by_hand::{
-    Reaped, etcd_coordinator, hand_job, listening_address, pids_with_args, signal, signal_pid,
-    spawn, spawn_members, wait_exit,
+    Reaped, etcd_coordinator, finished_exact, hand_job, listening_address, pids_with_args, signal,
+    signal_pid, spawn, spawn_members, wait_exit,
 };
 
 use crate::FTREC;
@@ -158,14 +158,12 @@ fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
         "the job must still be training when server 1 is killed: settled through {settled:?}"
     );
     signal(&members.0[1], "KILL");
-    let status = wait_exit(&mut coordinators.0[1], Duration::from_secs(120));
-    assert!(status.success(), "c2 finished the job");
-    let report: Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("c2.json")).unwrap()).unwrap();
-    assert_eq!(
-        report["state_digest"],
-        FTREC.single_process_digest(&data, &steps.to_string()),
-        "{report}"
+    let report = finished_exact(
+        FTREC,
+        &mut coordinators.0[1],
+        &dir.path().join("c2.json"),
+        &data,
+        steps,
     );
     assert_eq!(report["lost_samples"], 0, "{report}");
     assert_eq!(report["parity_mismatches"], 0, "{report}");
