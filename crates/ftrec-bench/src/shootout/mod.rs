@@ -37,6 +37,39 @@ pub const STRATEGIES: [&str; 9] = [
     "auto",
 ];
 
+/// Strategies run only when `--strategies` names them: the checkpoint strategies with their
+/// embedding rows stored int8 (`checkpoint.quantize`), beside the f32 ones.
+pub const QUANTIZED_STRATEGIES: [&str; 2] = ["checkpoint-incrcp-int8", "checkpoint-deck-int8"];
+
+/// The strategies a run compares: `names`, each checked, or every default one.
+pub fn chosen_strategies(names: &[String]) -> Result<Vec<String>> {
+    if names.is_empty() {
+        return Ok(STRATEGIES.iter().map(|s| s.to_string()).collect());
+    }
+    for name in names {
+        if !STRATEGIES.contains(&name.as_str()) && !QUANTIZED_STRATEGIES.contains(&name.as_str()) {
+            return Err(BenchError::Usage(format!(
+                "--strategies: unknown strategy {name:?} (one of {}, {})",
+                STRATEGIES.join(", "),
+                QUANTIZED_STRATEGIES.join(", ")
+            )));
+        }
+    }
+    Ok(names.to_vec())
+}
+
+/// The strategies a summary compares, in its order (every default one for a summary
+/// written before the list was recorded).
+pub fn strategies_of(summary: &Value) -> Vec<String> {
+    match summary["strategies"].as_array() {
+        Some(list) => list
+            .iter()
+            .filter_map(|s| s.as_str().map(String::from))
+            .collect(),
+        None => STRATEGIES.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
 /// `ftrec bench shootout`'s flags.
 #[derive(Clone, Debug)]
 pub struct ShootoutOptions {
@@ -66,6 +99,8 @@ pub struct ShootoutOptions {
     pub set: Vec<String>,
     /// No progress lines.
     pub quiet: bool,
+    /// The strategies to compare (empty: every one of [`STRATEGIES`]).
+    pub strategies: Vec<String>,
 }
 
 /// A failure rate of the comparison.
@@ -96,6 +131,16 @@ fn configure(base: &JobConfig, strategy: &str, every: u64) -> Result<(JobConfig,
         }
         "checkpoint-incrcp" => {
             checkpoint(&mut c, Strategy::Incrcp);
+            every
+        }
+        "checkpoint-incrcp-int8" => {
+            checkpoint(&mut c, Strategy::Incrcp);
+            c.checkpoint.quantize = ftrec_ckpt::QuantKind::Int8;
+            every
+        }
+        "checkpoint-deck-int8" => {
+            checkpoint(&mut c, Strategy::Deck);
+            c.checkpoint.quantize = ftrec_ckpt::QuantKind::Int8;
             every
         }
         "partial" => {
@@ -149,6 +194,7 @@ fn launch(
 /// Runs the bench, draws its plots and writes `shootout.json`; the summary (the caller
 /// writes `summary.json`).
 pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
+    let chosen = chosen_strategies(&a.strategies)?;
     let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 3 });
     if rounds == 0 {
         return Err(BenchError::Usage("--rounds must be at least 1".into()));
@@ -206,7 +252,7 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
         .collect::<Result<Vec<_>>>()?;
 
     // figures[rate][strategy][round]
-    let mut runs: Vec<Vec<Vec<RunFigures>>> = vec![vec![Vec::new(); STRATEGIES.len()]; 2];
+    let mut runs: Vec<Vec<Vec<RunFigures>>> = vec![vec![Vec::new(); chosen.len()]; 2];
     let mut choices: Vec<Vec<auto::Choice>> = vec![Vec::new(), Vec::new()];
     for round in 1..=rounds {
         if round > 1 {
@@ -228,9 +274,9 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
                 .iter()
                 .map(|k| k.to_string())
                 .collect();
-            for (si, strategy) in STRATEGIES.iter().enumerate() {
+            for (si, strategy) in chosen.iter().enumerate() {
                 let name = format!("{}-{}-r{round}", rate.name, strategy.replace('+', "-"));
-                let (config, every, ft) = if *strategy == "auto" {
+                let (config, every, ft) = if strategy == "auto" {
                     let mut c = base.clone();
                     let choice = host
                         .choose_ft(
@@ -267,8 +313,8 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
     let mut by_rate = serde_json::Map::new();
     for (ri, rate) in rates.iter().enumerate() {
         let mut strategies = serde_json::Map::new();
-        for (si, strategy) in STRATEGIES.iter().enumerate() {
-            strategies.insert(strategy.to_string(), figures::over_rounds(&runs[ri][si]));
+        for (si, strategy) in chosen.iter().enumerate() {
+            strategies.insert(strategy.clone(), figures::over_rounds(&runs[ri][si]));
         }
         let choice = choices[ri].first();
         let verdict = auto_verdict(&strategies, failure_free["auc"].as_f64());
@@ -302,6 +348,7 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
         "workers": a.workers,
         "spares": a.spares,
         "checkpoint_every": a.checkpoint_every,
+        "strategies": chosen,
         "deterministic": !a.asynchronous,
         "min_gap_seconds": a.min_gap,
         "ett_definition": "steps whose updates survive into the final model (steps less \
@@ -316,6 +363,7 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
     for rate in &rates {
         plot::plot_throughput(
             &a.out,
+            &chosen,
             rate.name,
             &rate.schedule,
             &a.out.join(format!("timeline-{}.png", rate.name)),

@@ -9,7 +9,7 @@ use ftrec_proto::timeline::{EventKind, TimelineData};
 use plotters::prelude::*;
 use serde_json::Value;
 
-use super::STRATEGIES;
+use super::strategies_of;
 use crate::error::{BenchError, Result};
 
 fn err(out: &Path) -> impl Fn(String) -> BenchError + '_ {
@@ -47,22 +47,26 @@ pub fn plot_bars(summary: &Value, out: &Path) -> Result<()> {
     let root = BitMapBackend::new(out, (1800, 820)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let (legend, body) = root.split_vertically(40);
-    for (i, (name, color)) in STRATEGIES.iter().zip(COLORS).enumerate() {
-        let x = 20 + i as i32 * 195;
+    let chosen = strategies_of(summary);
+    // Every strategy a colour of its own, up to ten; past that, colours come round again.
+    let legend_step = (1800 / chosen.len().max(1) as i32).min(195);
+    for (i, name) in chosen.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let x = 20 + i as i32 * legend_step;
         legend
             .draw(&Rectangle::new([(x, 12), (x + 18, 30)], color.filled()))
             .map_err(|e| err(e.to_string()))?;
         legend
-            .draw(&Text::new(*name, (x + 24, 14), ("sans-serif", 18)))
+            .draw(&Text::new(name.as_str(), (x + 24, 14), ("sans-serif", 18)))
             .map_err(|e| err(e.to_string()))?;
     }
     let rows = body.split_evenly((2, BARS.len()));
     for (r, rate) in ["rare", "frequent"].iter().enumerate() {
         let strategies = &summary["by_rate"][rate]["strategies"];
         for (m, (key, label, scale)) in BARS.iter().enumerate() {
-            let values: Vec<f64> = STRATEGIES
+            let values: Vec<f64> = chosen
                 .iter()
-                .map(|s| strategies[s][key].as_f64().unwrap_or(0.0) * scale)
+                .map(|s| strategies[s.as_str()][key].as_f64().unwrap_or(0.0) * scale)
                 .collect();
             let highest = values.iter().copied().fold(0.0, f64::max).max(1e-9);
             // AUC differences are in the third decimal: the axis spans the values, not 0..1.
@@ -82,7 +86,7 @@ pub fn plot_bars(summary: &Value, out: &Path) -> Result<()> {
                 .margin(8)
                 .y_label_area_size(55)
                 .x_label_area_size(10)
-                .build_cartesian_2d(0f64..STRATEGIES.len() as f64, bottom..top)
+                .build_cartesian_2d(0f64..chosen.len() as f64, bottom..top)
                 .map_err(|e| err(e.to_string()))?;
             chart
                 .configure_mesh()
@@ -94,7 +98,7 @@ pub fn plot_bars(summary: &Value, out: &Path) -> Result<()> {
                 .draw_series(values.iter().enumerate().map(|(i, &v)| {
                     Rectangle::new(
                         [(i as f64 + 0.1, bottom), (i as f64 + 0.9, v.max(bottom))],
-                        COLORS[i].filled(),
+                        COLORS[i % COLORS.len()].filled(),
                     )
                 }))
                 .map_err(|e| err(e.to_string()))?;
@@ -119,13 +123,14 @@ fn throughput_points(t: &TimelineData) -> Vec<(f64, f64)> {
 /// schedule's failures marked (red: SIGKILL, purple: freeze).
 pub fn plot_throughput(
     runs: &Path,
+    chosen: &[String],
     rate: &str,
     schedule: &FailureSchedule,
     out: &Path,
 ) -> Result<()> {
     let err = err(out);
     let mut lines = Vec::new();
-    for strategy in STRATEGIES {
+    for strategy in chosen {
         let dir = runs.join(format!("{rate}-{}-r1", strategy.replace('+', "-")));
         let Ok(t) = TimelineData::read(&dir.join("timeline.json")) else {
             continue;
@@ -163,7 +168,7 @@ pub fn plot_throughput(
         .draw()
         .map_err(|e| err(e.to_string()))?;
     for (i, (name, points)) in lines.into_iter().enumerate() {
-        let color = COLORS[STRATEGIES.iter().position(|s| *s == name).unwrap_or(i) % COLORS.len()];
+        let color = COLORS[chosen.iter().position(|s| s == name).unwrap_or(i) % COLORS.len()];
         chart
             .draw_series(LineSeries::new(points, color.stroke_width(2)))
             .map_err(|e| err(e.to_string()))?

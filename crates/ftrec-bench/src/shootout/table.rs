@@ -2,7 +2,7 @@
 
 use serde_json::Value;
 
-use super::STRATEGIES;
+use super::strategies_of;
 
 /// The table BENCHMARKS.md quotes, one block per rate, a line each.
 pub fn table(summary: &Value) -> Vec<String> {
@@ -25,8 +25,8 @@ pub fn table(summary: &Value) -> Vec<String> {
                 .to_string(),
         );
         lines.push("|---|---|---|---|---|---|---|---|---|".to_string());
-        for s in STRATEGIES {
-            let v = &r["strategies"][s];
+        for s in strategies_of(summary) {
+            let v = &r["strategies"][&s];
             let mb = |k: &str| {
                 v[k].as_f64()
                     .map_or("-".into(), |x| format!("{:.0}", x / 1e6))
@@ -53,10 +53,24 @@ mod tests {
     use serde_json::json;
 
     #[test]
+    fn the_strategies_chosen_are_checked_and_tabled_in_their_order() {
+        use super::super::{QUANTIZED_STRATEGIES, STRATEGIES, chosen_strategies};
+        assert_eq!(chosen_strategies(&[]).unwrap().len(), STRATEGIES.len());
+        let two = vec!["checkpoint-incrcp-int8".to_string(), "ec".to_string()];
+        assert_eq!(chosen_strategies(&two).unwrap(), two);
+        let e = chosen_strategies(&["int8".to_string()]).unwrap_err().to_string();
+        assert!(e.contains("\"int8\"") && e.contains(QUANTIZED_STRATEGIES[0]), "{e}");
+        let lines = table(&json!({ "strategies": two }));
+        assert_eq!(lines.len(), 2 * (3 + 2));
+        assert!(lines[3].starts_with("| checkpoint-incrcp-int8 |"), "{}", lines[3]);
+        assert!(lines[4].starts_with("| ec |"), "{}", lines[4]);
+    }
+
+    #[test]
     fn an_empty_summary_prints_dashes_not_a_panic() {
         let lines = table(&json!({}));
         // Per rate: the heading, the table's two header lines and a row per strategy.
-        assert_eq!(lines.len(), 2 * (3 + STRATEGIES.len()));
+        assert_eq!(lines.len(), 2 * (3 + super::super::STRATEGIES.len()));
         assert_eq!(
             lines[0],
             "rare: MTBF - s, 0 failures; failure-free AUC -; auto chose -"

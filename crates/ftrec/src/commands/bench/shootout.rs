@@ -71,6 +71,12 @@ pub struct BenchShootoutArgs {
     /// Override a configuration key (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// The strategies to compare, comma-separated (default: every one but the quantized
+    /// ones): none, checkpoint-full, checkpoint-deck, checkpoint-incrcp, partial,
+    /// partial-uncoordinated, ec, ec+checkpoint, auto, and checkpoint-incrcp-int8 and
+    /// checkpoint-deck-int8 (embedding rows stored int8).
+    #[arg(long, value_delimiter = ',')]
+    pub strategies: Vec<String>,
     #[arg(long)]
     pub json: bool,
 }
@@ -98,6 +104,7 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
             out: a.out.clone(),
             set: a.set,
             quiet: a.json,
+            strategies: a.strategies,
         },
     )?;
     if !a.json {
