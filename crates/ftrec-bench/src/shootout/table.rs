@@ -58,11 +58,20 @@ mod tests {
         assert_eq!(chosen_strategies(&[]).unwrap().len(), STRATEGIES.len());
         let two = vec!["checkpoint-incrcp-int8".to_string(), "ec".to_string()];
         assert_eq!(chosen_strategies(&two).unwrap(), two);
-        let e = chosen_strategies(&["int8".to_string()]).unwrap_err().to_string();
-        assert!(e.contains("\"int8\"") && e.contains(QUANTIZED_STRATEGIES[0]), "{e}");
+        let e = chosen_strategies(&["int8".to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("\"int8\"") && e.contains(QUANTIZED_STRATEGIES[0]),
+            "{e}"
+        );
         let lines = table(&json!({ "strategies": two }));
         assert_eq!(lines.len(), 2 * (3 + 2));
-        assert!(lines[3].starts_with("| checkpoint-incrcp-int8 |"), "{}", lines[3]);
+        assert!(
+            lines[3].starts_with("| checkpoint-incrcp-int8 |"),
+            "{}",
+            lines[3]
+        );
         assert!(lines[4].starts_with("| ec |"), "{}", lines[4]);
     }
 
