@@ -207,14 +207,14 @@ fn a_new_leader_rolls_back_to_a_cut_the_old_one_committed() {
     );
 }
 
-fn record(client: &ftrec_etcd::Etcd, rt: &tokio::runtime::Runtime) -> Option<Value> {
+pub(crate) fn record(client: &ftrec_etcd::Etcd, rt: &tokio::runtime::Runtime) -> Option<Value> {
     rt.block_on(client.get_json::<Value>("state"))
         .ok()
         .flatten()
         .map(|(v, _)| v)
 }
 
-fn leader_id(client: &ftrec_etcd::Etcd, rt: &tokio::runtime::Runtime) -> Option<String> {
+pub(crate) fn leader_id(client: &ftrec_etcd::Etcd, rt: &tokio::runtime::Runtime) -> Option<String> {
     rt.block_on(client.leader())
         .ok()
         .flatten()
@@ -609,136 +609,5 @@ fn a_coordinator_frozen_past_the_failure_timeout_fences_no_one_when_it_wakes() {
     );
     for mut m in members {
         assert!(wait_exit(&mut m, Duration::from_secs(30)).success());
-    }
-}
-
-/// A move (`cluster scale`, 3 servers to 4, erasure coded with cuts) whose leader dies
-/// with the move's cut committed and the move recorded, before it switches: the standby
-/// takes over, finds the move in the record and switches itself; the new layout's servers
-/// (started by hand, as the coordinator asks) load the cut, and the job ends exact with
-/// its parity whole.
-#[test]
-fn a_leader_lost_in_the_middle_of_a_move_leaves_the_move_to_its_successor() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = FTREC.setup(dir.path());
-    let etcd = etcd(dir.path());
-    let steps = 600;
-    let ck = dir.path().join("ck");
-    let job = hand_job(
-        FTREC,
-        dir.path(),
-        &data,
-        "job",
-        steps,
-        &[
-            "--set",
-            "cluster.etcd_prefix=\"/ftrec/move\"",
-            "--checkpoint-dir",
-            ck.to_str().unwrap(),
-            "--set",
-            "checkpoint.every_steps=50",
-        ],
-    );
-    let text = std::fs::read_to_string(&job).unwrap();
-    assert!(text.contains("ft = \"ec\"\n"), "{text}");
-    std::fs::write(
-        &job,
-        text.replace("ft = \"ec\"\n", "ft = \"ec+checkpoint\"\n"),
-    )
-    .unwrap();
-    let job_s = job.to_str().unwrap();
-    let e = etcd.endpoint.as_str();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = ftrec_testkit::etcd::client(&rt, e, "/ftrec/move");
-    let c1_out = dir.path().join("c1");
-    let mut first = spawn(
-        FTREC,
-        &[
-            "coordinator",
-            "--job",
-            job_s,
-            "--etcd",
-            e,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--id",
-            "c1",
-            "--json",
-            "--out",
-            c1_out.to_str().unwrap(),
-            "--fault",
-            "switch=kill",
-        ],
-        &c1_out,
-    );
-    let started = Instant::now();
-    while leader_id(&client, &rt).as_deref() != Some("c1") {
-        assert!(started.elapsed() < Duration::from_secs(20), "c1 never led");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let address = listening_address(&c1_out.with_extension("log"));
-    let mut second = etcd_coordinator(FTREC, dir.path(), job_s, e, "c2", true);
-    let mut members = spawn_members(FTREC, dir.path(), job_s, &["--etcd", e]);
-    let started = Instant::now();
-    while record(&client, &rt).is_none_or(|r| r["settled_through"].as_u64() < Some(60)) {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "training never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let asked = FTREC.run(&[
-        "cluster",
-        "scale",
-        "--coordinator",
-        &address,
-        "--job",
-        job_s,
-        "--servers",
-        "4",
-    ]);
-    assert!(
-        asked.status.success(),
-        "{}",
-        String::from_utf8_lossy(&asked.stderr)
-    );
-    let status = wait_exit(&mut first, Duration::from_secs(60));
-    assert!(!status.success(), "c1 dies at its switch");
-    // The standby switches: the record names the move, and the new slots wait for servers.
-    let started = Instant::now();
-    while record(&client, &rt)
-        .is_none_or(|r| r["leader"] != "c2" || r["moves"].as_array().is_none_or(Vec::is_empty))
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "c2 never switched"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let moved = record(&client, &rt).unwrap();
-    assert_eq!(moved["moves"][0]["to_servers"], 4, "{moved}");
-    for id in 0..4 {
-        let id = id.to_string();
-        let out = dir.path().join(format!("new-server-{id}"));
-        members.push(spawn(
-            FTREC,
-            &["server", "--job", job_s, "--etcd", e, "--id", &id],
-            &out,
-        ));
-    }
-    let report = finished_exact(
-        FTREC,
-        &mut second,
-        &dir.path().join("c2.json"),
-        &data,
-        steps,
-    );
-    assert_eq!(report["servers"], 4, "{report}");
-    assert_eq!(report["parity_mismatches"], 0, "{report}");
-    assert_eq!(report["replica_mismatches"], 0, "{report}");
-    for mut m in members {
-        let _ = wait_exit(&mut m, Duration::from_secs(30));
     }
 }

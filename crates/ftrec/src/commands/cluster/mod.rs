@@ -120,7 +120,7 @@ pub struct ClusterRunArgs {
     /// Move the job to SERVERS servers once step STEP is reached, as `ftrec cluster scale`
     /// would (repeatable), e.g. `80:5`: the move's cut is at step 80 when a cut may start
     /// there.
-    #[arg(long = "scale-at", value_name = "STEP:SERVERS", value_parser = parse_scale_at)]
+    #[arg(long = "scale-at", value_name = "STEP:SERVERS", value_parser = scale::parse_scale_at)]
     pub scale_at: Vec<(u64, usize)>,
     /// Arm a fault point in a server, `server:J@POINT[:STEP][=kill|skip|flip|delay-MS]`
     /// (repeatable): prepare, commit, rebuild, fold-parity, install, cut, load or send-rows.
@@ -249,18 +249,6 @@ pub enum PlotCommand {
         #[arg(long, default_value = "ftrec cluster throughput")]
         title: String,
     },
-}
-
-/// `STEP:SERVERS` of `--scale-at`.
-fn parse_scale_at(text: &str) -> Result<(u64, usize), String> {
-    let bad = || format!("--scale-at {text}: expected STEP:SERVERS, e.g. 80:5");
-    let (step, servers) = text.split_once(':').ok_or_else(bad)?;
-    let step = step.trim().parse().map_err(|_| bad())?;
-    let servers: usize = servers.trim().parse().map_err(|_| bad())?;
-    if servers == 0 {
-        return Err(format!("--scale-at {text}: a job needs at least 1 server"));
-    }
-    Ok((step, servers))
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {

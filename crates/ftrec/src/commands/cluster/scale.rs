@@ -43,3 +43,15 @@ pub fn scale(a: ScaleArgs) -> Result<()> {
     );
     Ok(())
 }
+
+/// `STEP:SERVERS` of `--scale-at`.
+pub(super) fn parse_scale_at(text: &str) -> Result<(u64, usize), String> {
+    let bad = || format!("--scale-at {text}: expected STEP:SERVERS, e.g. 80:5");
+    let (step, servers) = text.split_once(':').ok_or_else(bad)?;
+    let step = step.trim().parse().map_err(|_| bad())?;
+    let servers: usize = servers.trim().parse().map_err(|_| bad())?;
+    if servers == 0 {
+        return Err(format!("--scale-at {text}: a job needs at least 1 server"));
+    }
+    Ok((step, servers))
+}
