@@ -18,7 +18,7 @@ use ftrec_rpc::job::Job;
 pub const MAX_DETAILS: usize = 1000;
 
 /// A parity row whose stored bytes differ from the encoding of its stripe's data rows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ParityRow {
     pub server: usize,
     /// Its local parity slot on that server.
@@ -28,7 +28,7 @@ pub struct ParityRow {
 }
 
 /// A data row of a stripe: the global row, the server holding it and its local slot.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DataRow {
     pub row: usize,
     pub server: usize,
@@ -36,7 +36,7 @@ pub struct DataRow {
 }
 
 /// A parity row of a dense stripe that differs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DenseParityRow {
     pub server: usize,
     pub p: usize,
@@ -47,7 +47,7 @@ pub struct DenseParityRow {
 /// the parity rows that differ and every data row of the stripe, and any of them may be
 /// the wrong one. (With `r >= 2` a wrong data row breaks every parity row of its stripe,
 /// a wrong parity row only itself.)
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
 pub enum Mismatch {
     /// A stripe of an embedding table.

@@ -279,3 +279,33 @@ async fn a_lost_slot_gets_a_spare_on_a_survivors_host_and_moves_to_one_from_else
     assert!(reply.stop, "the hosted process is told to stop");
     assert_eq!(shared.lock().members.zombies.len(), 0, "and is no zombie");
 }
+
+/// A coordinator's summary reads back as written: the `--etcd` launcher takes the
+/// finishing coordinator's report from its JSON.
+#[test]
+fn a_summary_reads_back_as_written() {
+    let shared = shared();
+    shared.lock().recovery.recoveries.push(crate::Recovery {
+        server: 1,
+        detected_at: 1.0,
+        resumed_at: 1.5,
+        resumed_step: 7,
+        steps_rolled_back: 0,
+        rebuild_seconds: 0.1,
+        rebuild_bytes: 4096,
+        degraded_seconds: 0.2,
+        background_rebuild: true,
+        steps_while_degraded: 2,
+        steps_committed_while_degraded: 2,
+        kill_to_resume_seconds: Some(1.2),
+        first_step_at: Some(1.6),
+        kill_to_first_step_seconds: Some(1.3),
+        epoch: 2,
+        mode: crate::RecoveryMode::Rebuild,
+        shard_digests: Vec::new(),
+    });
+    let written = serde_json::to_value(shared.summary()).unwrap();
+    let back: crate::RunSummary = serde_json::from_value(written.clone()).unwrap();
+    assert_eq!(serde_json::to_value(&back).unwrap(), written);
+    assert_eq!(back.recoveries[0].mode, crate::RecoveryMode::Rebuild);
+}

@@ -52,6 +52,7 @@ use ftrec_proto::timeline::{EventKind, Subject, TimelineData};
 use ftrec_rpc::PsError;
 use ftrec_rpc::job::{Job, Schedule};
 use ftrec_rpc::metrics::Metrics;
+pub use leader::progress::{JobProgress, STATE_KEY, SlotProcess};
 pub use start::{CoordinatorOptions, Handle, TestHooks, start, start_with};
 pub use state::{MoveRecord, Phase};
 use state::{SaveDue, State};
@@ -201,7 +202,13 @@ impl Shared {
                 .cuts
                 .cpr
                 .as_ref()
-                .map(|c| if c.partial() { "partial" } else { "full" }),
+                .map(|c| {
+                    if c.partial() {
+                        ftrec_cpr::Recovery::Partial
+                    } else {
+                        ftrec_cpr::Recovery::Full
+                    }
+                }),
             cpr_decision: s.cuts.cpr.as_ref().and_then(|c| c.decision().cloned()),
             replan: s.cuts.replan.clone(),
             cpr_priority: s.cuts.cpr.as_ref().and_then(|c| c.priority_report()),
@@ -249,6 +256,12 @@ impl Shared {
                 ),
             };
         }
+    }
+
+    /// Whether this coordinator learned that another one leads the job now: its run ended
+    /// without changing anything, and the job goes on under the new leader.
+    pub fn is_deposed(&self) -> bool {
+        self.lock().leader.deposed
     }
 
     /// Tells every process to exit (heartbeat replies carry `stop`).

@@ -12,7 +12,7 @@
 //! the first failure it stays too, since the plan already priced the planned MTBF.
 
 /// The re-planned interval, and what it was planned from.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Replan {
     pub planned_mtbf_seconds: f64,
     pub planned_every_seconds: f64,

@@ -80,7 +80,7 @@ pub struct CheckpointRecord {
 }
 
 /// What a finished run reports.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RunSummary {
     /// The step reached: every step below it is trained.
     pub steps: u64,
@@ -129,7 +129,7 @@ pub struct RunSummary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pls: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub recovery_mode: Option<&'static str>,
+    pub recovery_mode: Option<ftrec_cpr::Recovery>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpr_decision: Option<ftrec_cpr::Decision>,
     /// `checkpoint.planned_mtbf_seconds`: the MTBF measured and the interval in force.

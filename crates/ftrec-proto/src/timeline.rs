@@ -57,6 +57,7 @@ event_kinds! {
     CheckpointStart => "checkpoint-start",
     CheckpointEnd => "checkpoint-end",
     CheckpointFailed => "checkpoint-failed",
+    CutCollided => "cut-collided",
     CheckpointAbandoned => "checkpoint-abandoned",
     CheckpointCopied => "checkpoint-copied",
     CheckpointsPruned => "checkpoints-pruned",

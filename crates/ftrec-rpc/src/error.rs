@@ -133,6 +133,15 @@ impl PsError {
         }
     }
 
+    /// The checkpoint name a write found taken (committed history is never overwritten),
+    /// for a caller without `ftrec-ckpt` of its own.
+    pub fn taken_name(&self) -> Option<&str> {
+        match self {
+            Self::Checkpoint(ftrec_ckpt::CkptError::AlreadyExists { key }) => Some(key),
+            _ => None,
+        }
+    }
+
     /// An erasure-coding error with what was being coded.
     pub fn ec(what: impl Into<String>, error: ftrec_ec::EcError) -> Self {
         Self::Ec {
@@ -235,6 +244,9 @@ impl PsError {
                 Some(Kind::Superseded(_)) => {
                     return Self::Superseded(format!("{what}: {}", status.message()));
                 }
+                Some(Kind::CheckpointExists(c)) => {
+                    return Self::Checkpoint(ftrec_ckpt::CkptError::AlreadyExists { key: c.key });
+                }
                 None => {}
             }
         }
@@ -270,8 +282,8 @@ impl PsError {
     fn detail(&self) -> Option<ftrec_proto::proto::ErrorDetail> {
         use ftrec_proto::proto::error_detail::Kind;
         use ftrec_proto::proto::{
-            AlreadyApplied, Fenced, NotLeader, NotOwner, NotPrepared, Overloaded, Recovering,
-            StaleEpoch, Superseded, Unavailable,
+            AlreadyApplied, CheckpointExists, Fenced, NotLeader, NotOwner, NotPrepared, Overloaded,
+            Recovering, StaleEpoch, Superseded, Unavailable,
         };
         let kind = match *self {
             Self::NotOwner { table, row, owner } => Kind::NotOwner(NotOwner { table, row, owner }),
@@ -305,6 +317,9 @@ impl PsError {
                 epoch,
             }),
             Self::Superseded(_) => Kind::Superseded(Superseded {}),
+            Self::Checkpoint(ftrec_ckpt::CkptError::AlreadyExists { ref key }) => {
+                Kind::CheckpointExists(CheckpointExists { key: key.clone() })
+            }
             _ => return None,
         };
         Some(ftrec_proto::proto::ErrorDetail { kind: Some(kind) })
@@ -417,6 +432,9 @@ mod tests {
                 step: 40,
                 epoch: 3,
             },
+            PsError::Checkpoint(ftrec_ckpt::CkptError::AlreadyExists {
+                key: "server-1/ckpt-000040".into(),
+            }),
         ];
         for e in cases {
             let shown = e.to_string();
@@ -445,6 +463,13 @@ mod tests {
         assert!(matches!(busy, PsError::Overloaded(_)) && busy.is_retryable());
         let old = PsError::rpc("rebuild", &PsError::Superseded("a restore".into()).into());
         assert!(matches!(old, PsError::Superseded(_)));
+        // A cut whose name was taken: the coordinator tells it from any other failed write.
+        let taken = PsError::Checkpoint(ftrec_ckpt::CkptError::AlreadyExists { key: "k".into() });
+        let back = PsError::rpc("cut committed", &taken.into());
+        assert!(
+            matches!(back, PsError::Checkpoint(ftrec_ckpt::CkptError::AlreadyExists { ref key }) if key == "k"),
+            "{back:?}"
+        );
         let stranger = PsError::rpc("pull", &tonic::Status::unauthenticated("no secret"));
         assert!(matches!(stranger, PsError::Unauthenticated(_)));
         let plain = PsError::rpc("pull", &tonic::Status::internal("boom"));

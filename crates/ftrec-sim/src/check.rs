@@ -4,6 +4,7 @@ use std::fmt;
 
 use ftrec_config::{FaultTolerance, JobConfig};
 use ftrec_coordinator::RecoveryMode;
+use ftrec_proto::timeline::EventKind;
 
 use crate::Outcome;
 
@@ -135,12 +136,8 @@ pub fn check(
             violations.push(Violation::ReplicaMismatches(parity.replica_mismatches));
         }
     }
-    if let Some(event) = o
-        .trace
-        .iter()
-        .find(|line| line.contains(" checkpoint-failed ") && line.contains("already exists"))
-    {
-        violations.push(Violation::CutCollided(event.clone()));
+    if let Some(event) = o.events.iter().find(|e| e.kind == EventKind::CutCollided) {
+        violations.push(Violation::CutCollided(event.detail.clone()));
     }
     match mode {
         FaultTolerance::Ec | FaultTolerance::EcCheckpoint | FaultTolerance::Checkpoint => {

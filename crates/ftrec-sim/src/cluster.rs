@@ -63,6 +63,8 @@ pub struct Outcome {
     /// The coordinator's timeline, one line per event (simulated time, kind, subject,
     /// step, detail): equal across two runs of one seed.
     pub trace: Vec<String>,
+    /// The same timeline's events, typed, for the checks.
+    pub events: Vec<ftrec_proto::timeline::Event>,
     /// The planted fault points that fired, per member.
     pub fired: Vec<(Member, FaultSpec)>,
     pub simulated_seconds: f64,
@@ -445,7 +447,8 @@ async fn coordinate(
     let finished = handle.wait_done(limit).await;
     watch.abort();
     steps_done.store(u64::MAX, Ordering::SeqCst);
-    let trace = trace_of(&shared.timeline());
+    let timeline = shared.timeline();
+    let trace = trace_of(&timeline);
     let checked = async {
         finished?;
         let summary = shared.summary();
@@ -461,6 +464,7 @@ async fn coordinate(
             state_digest: state.digest().to_string(),
             parity,
             trace: trace.clone(),
+            events: timeline.events,
             fired: Vec::new(),
             simulated_seconds: 0.0,
         })

@@ -188,13 +188,14 @@ async fn coordinate(c: Coordinators, index: usize, host: String, standby: bool) 
     let finished = handle.wait_done(c.limit).await;
     watch.abort();
     if let Err(e) = &finished
-        && e.to_string().contains("no longer leads")
+        && shared.is_deposed()
     {
         tracing::info!("{host}: {e}");
         return std::future::pending().await;
     }
     c.progress.store(u64::MAX, Ordering::SeqCst);
-    let trace = trace_of(&shared.timeline());
+    let timeline = shared.timeline();
+    let trace = trace_of(&timeline);
     let checked = async {
         finished?;
         let summary = shared.summary();
@@ -210,6 +211,7 @@ async fn coordinate(c: Coordinators, index: usize, host: String, standby: bool) 
             state_digest: state.digest().to_string(),
             parity,
             trace: trace.clone(),
+            events: timeline.events,
             fired: Vec::new(),
             simulated_seconds: 0.0,
         })

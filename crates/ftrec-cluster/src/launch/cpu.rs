@@ -19,7 +19,7 @@ pub(super) struct CpuSeries {
 }
 
 /// Server CPU over a window of the timeline.
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Copy, Debug, Serialize, serde::Deserialize)]
 pub struct CpuWindow {
     pub from: f64,
     pub to: f64,

@@ -10,15 +10,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
 
-use ftrec_coordinator::{Spawner, sigkill};
+use ftrec_coordinator::{JobProgress, STATE_KEY, Spawner, sigkill};
 use ftrec_proto::proto::Role;
 use ftrec_rpc::PsError;
 use ftrec_rpc::job::Job;
 
 use super::spawner::LocalSpawner;
-use super::{CoordinatorKill, KillAt, KillSpec, Progress, io, kill};
+use super::{CoordinatorKill, KillAt, KillSpec, LaunchReport, Progress, io, kill};
 
 /// What `--etcd` adds to a launch.
 #[derive(Clone, Debug)]
@@ -41,28 +41,43 @@ pub struct EtcdRunOptions {
     pub etcd: EtcdLaunch,
 }
 
+/// One SIGKILL of the coordinator that led at the time.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LeaderKill {
+    pub coordinator: String,
+    pub pid: u32,
+    /// The term it led in.
+    pub term: u64,
+    pub killed_at_unix: f64,
+    /// Fired while a server was rebuilding in the background (`coordinator@rebuild`).
+    #[serde(default)]
+    pub during_rebuild: bool,
+    /// To the first step settled under the next leader (the takeover of a later term);
+    /// none when no step settled after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kill_to_first_step_seconds: Option<f64>,
+}
+
 fn unix_now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// Runs the job to the end; returns the finishing coordinator's report (the keys of a
-/// `cluster run --json` report), with `coordinator_kills` (each SIGKILL of a leader, with
-/// the time to the first step settled under the next one) added.
-pub fn run(opts: EtcdRunOptions, on_progress: impl Fn(&Progress)) -> Result<Value, PsError> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(io(Path::new("tokio runtime")))?;
-    rt.block_on(run_async(opts, on_progress))
+/// Runs the job to the end; returns the finishing coordinator's report (a `cluster run`
+/// report without an evaluation: the model stays with the servers), with each SIGKILL of
+/// a leader in `coordinator_kills`.
+pub fn run(
+    opts: EtcdRunOptions,
+    on_progress: impl Fn(&Progress),
+) -> Result<LaunchReport, PsError> {
+    super::block_on(run_async(opts, on_progress))
 }
 
 async fn run_async(
     opts: EtcdRunOptions,
     on_progress: impl Fn(&Progress),
-) -> Result<Value, PsError> {
+) -> Result<LaunchReport, PsError> {
     let EtcdRunOptions {
         job,
         run_dir,
@@ -133,7 +148,7 @@ async fn supervise(
     etcd: &EtcdLaunch,
     time_limit: Duration,
     on_progress: &impl Fn(&Progress),
-) -> Result<Value, PsError> {
+) -> Result<LaunchReport, PsError> {
     let started = Instant::now();
     let mut coordinators: Vec<Coordinator> = Vec::new();
     let start_coordinator = |coordinators: &mut Vec<Coordinator>, standby: bool| {
@@ -190,25 +205,27 @@ async fn supervise(
         .iter()
         .filter(|k| **k == CoordinatorKill::DuringRebuild)
         .count();
-    let mut coordinator_kills: Vec<Value> = Vec::new();
+    let mut coordinator_kills: Vec<LeaderKill> = Vec::new();
     let mut training_start: Option<Instant> = None;
     let mut address = leader.address;
     loop {
         spawner.reap_exited();
+        // A record this launcher cannot read (a newer leader's format, say) is read again
+        // on the next turn; it never stops the run.
         let record = client
-            .get_json::<Value>("state")
+            .get_json::<JobProgress>(STATE_KEY)
             .await
             .ok()
             .flatten()
             .map(|(v, _)| v);
-        if let Some(why) = record.as_ref().and_then(|r| r["fatal"].as_str()) {
+        if let Some(why) = record.as_ref().and_then(|r| r.fatal.as_deref()) {
             return Err(PsError::Fatal(format!(
                 "{why}; logs in {}",
                 run_dir.join("logs").display()
             )));
         }
         if let Some(r) = &record {
-            if training_start.is_none() && r["started"].as_bool() == Some(true) {
+            if training_start.is_none() && r.started {
                 training_start = Some(Instant::now());
             }
             if let Ok(Some((l, _))) = client.leader().await {
@@ -217,20 +234,17 @@ async fn supervise(
             on_progress(&Progress {
                 coordinator: address.clone(),
                 coordinator_metrics: None,
-                steps: r["settled_through"].as_u64().unwrap_or(0),
-                samples: r["samples_settled"].as_u64().unwrap_or(0),
-                epoch: r["epoch"].as_u64().unwrap_or(0),
+                steps: r.settled_through,
+                samples: r.samples_settled,
+                epoch: r.epoch,
                 seconds: started.elapsed().as_secs_f64(),
             });
         }
-        let rebuilding = record
-            .as_ref()
-            .and_then(|r| r["rebuilding"].as_array())
-            .is_some_and(|r| !r.is_empty());
+        let rebuilding = record.as_ref().is_some_and(|r| !r.rebuilding.is_empty());
         if rebuilding && during_rebuild > 0 {
             during_rebuild -= 1;
             if let Some(mut kill) = kill_leader(client).await? {
-                kill["during_rebuild"] = json!(true);
+                kill.during_rebuild = true;
                 coordinator_kills.push(kill);
             }
         }
@@ -257,14 +271,14 @@ async fn supervise(
             };
             if !status.success() {
                 dead += 1;
-            } else if has_digest(&c.report) {
-                finished = Some((c.report.clone(), c.out.clone()));
+            } else if let Some(report) = job_report(&c.report)? {
+                finished = Some((report, c.out.clone()));
                 break;
             }
             // A standby that found the job done exits too: the leader reports.
         }
         if let Some((report, out)) = finished {
-            return finish(&report, &out, run_dir, coordinator_kills);
+            return Ok(finish(report, &out, run_dir, coordinator_kills));
         }
         // Deaths beyond the planned kills and a few more are a crash loop: say so rather
         // than start coordinators until the time limit.
@@ -289,17 +303,29 @@ async fn supervise(
     }
 }
 
-/// Whether a coordinator's report is the job's (a standby that found the job finished
-/// reports nothing of the model).
-fn has_digest(report: &Path) -> bool {
-    std::fs::read(report)
-        .ok()
-        .and_then(|t| serde_json::from_slice::<Value>(&t).ok())
-        .is_some_and(|v| v["state_digest"].is_string())
+/// The report of a coordinator that exited successfully, if it is the job's: a standby
+/// that found the job finished reports `already_done` and nothing of the model. Anything
+/// else that does not read as a report is an error, not a run that never ends.
+fn job_report(path: &Path) -> Result<Option<LaunchReport>, PsError> {
+    #[derive(Deserialize)]
+    struct AlreadyDone {
+        already_done: bool,
+    }
+    let text = std::fs::read(path).map_err(io(path))?;
+    match serde_json::from_slice::<LaunchReport>(&text) {
+        Ok(report) => Ok(Some(report)),
+        Err(_) if serde_json::from_slice::<AlreadyDone>(&text).is_ok_and(|d| d.already_done) => {
+            Ok(None)
+        }
+        Err(e) => Err(PsError::Fatal(format!(
+            "{}: not a coordinator report: {e}",
+            path.display()
+        ))),
+    }
 }
 
 /// SIGKILLs the coordinator that leads now; what the report says of the kill.
-async fn kill_leader(client: &ftrec_etcd::Etcd) -> Result<Option<Value>, PsError> {
+async fn kill_leader(client: &ftrec_etcd::Etcd) -> Result<Option<LeaderKill>, PsError> {
     let Some((leader, term)) = client.leader().await? else {
         tracing::warn!("coordinator kill: no coordinator leads right now; skipped");
         return Ok(None);
@@ -311,26 +337,22 @@ async fn kill_leader(client: &ftrec_etcd::Etcd) -> Result<Option<Value>, PsError
         leader.id,
         leader.pid
     );
-    Ok(Some(json!({
-        "coordinator": leader.id,
-        "pid": leader.pid,
-        "term": term,
-        "killed_at_unix": at,
-    })))
+    Ok(Some(LeaderKill {
+        coordinator: leader.id,
+        pid: leader.pid,
+        // An etcd revision: never negative.
+        term: u64::try_from(term).unwrap_or(0),
+        killed_at_unix: at,
+        during_rebuild: false,
+        kill_to_first_step_seconds: None,
+    }))
 }
 
-fn kill_member(record: Option<&Value>, role: Role, id: usize) -> Result<(), PsError> {
-    let slots = match role {
-        Role::Server => "servers",
-        _ => "workers",
-    };
-    let pid = record
-        .and_then(|r| r[slots][id]["pid"].as_u64())
-        .filter(|&p| p != 0);
-    match pid {
-        Some(pid) => sigkill(pid as u32).map_err(io(Path::new("kill"))),
+fn kill_member(record: Option<&JobProgress>, role: Role, id: usize) -> Result<(), PsError> {
+    match record.and_then(|r| r.pid_of(role, id)) {
+        Some(pid) => sigkill(pid).map_err(io(Path::new("kill"))),
         None => {
-            tracing::warn!("{slots} {id}: no process recorded yet; kill skipped");
+            tracing::warn!("{role:?} {id}: no process recorded yet; kill skipped");
             Ok(())
         }
     }
@@ -339,41 +361,33 @@ fn kill_member(record: Option<&Value>, role: Role, id: usize) -> Result<(), PsEr
 /// The finishing coordinator's report, with the run directory, its timeline copied where
 /// `plot timeline` looks, and each leader kill's time to the first step settled after it.
 fn finish(
-    report: &Path,
+    mut report: LaunchReport,
     out: &Path,
     run_dir: &Path,
-    mut coordinator_kills: Vec<Value>,
-) -> Result<Value, PsError> {
-    let text = std::fs::read(report).map_err(io(report))?;
-    let mut v: Value = serde_json::from_slice(&text).map_err(|e| {
-        PsError::Fatal(format!(
-            "{}: not a coordinator report: {e}",
-            report.display()
-        ))
-    })?;
-    let failovers = v["coordinator_failovers"]
-        .as_array()
-        .cloned()
+    mut coordinator_kills: Vec<LeaderKill>,
+) -> LaunchReport {
+    let failovers = report
+        .summary
+        .coordinator_failovers
+        .clone()
         .unwrap_or_default();
     for kill in &mut coordinator_kills {
-        let term = kill["term"].as_u64().unwrap_or(0);
-        let at = kill["killed_at_unix"].as_f64().unwrap_or(0.0);
         // The takeover that followed this kill: the first with a later term.
         let next = failovers
             .iter()
-            .filter(|f| f["term"].as_u64().unwrap_or(0) > term)
-            .min_by_key(|f| f["term"].as_u64().unwrap_or(0));
-        if let Some(first) = next.and_then(|f| f["first_step_at_unix"].as_f64()) {
-            kill["kill_to_first_step_seconds"] = json!(first - at);
-        }
+            .filter(|f| f.term > kill.term)
+            .min_by_key(|f| f.term);
+        kill.kill_to_first_step_seconds = next
+            .and_then(|f| f.first_step_at_unix)
+            .map(|first| first - kill.killed_at_unix);
     }
-    v["coordinator_kills"] = json!(coordinator_kills);
-    v["run_dir"] = json!(run_dir);
+    report.coordinator_kills = coordinator_kills;
+    report.run_dir = run_dir.to_path_buf();
     let timeline = out.join("timeline.json");
     if timeline.exists() {
         for name in ["timeline.json", "timeline.csv"] {
             let _ = std::fs::copy(out.join(name), run_dir.join(name));
         }
     }
-    Ok(v)
+    report
 }

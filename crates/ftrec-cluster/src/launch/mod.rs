@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ftrec_model::ModelState;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use ftrec_coordinator::{self as coordinator, CoordinatorOptions, RunSummary, Spawner, sigkill};
 use ftrec_proto::proto::Role;
@@ -72,7 +72,10 @@ pub struct Progress {
     pub seconds: f64,
 }
 
-#[derive(Clone, Debug, Serialize)]
+/// What a launch reports (`cluster run --json`). A coordinator process writes the same
+/// report (`ftrec coordinator --json`), and the `--etcd` launcher reads the finishing
+/// coordinator's back.
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LaunchReport {
     #[serde(flatten)]
     pub summary: RunSummary,
@@ -116,7 +119,11 @@ pub struct LaunchReport {
     pub saved_model: Option<PathBuf>,
     pub run_dir: PathBuf,
     /// The caller removed the run directory after the run (a temporary one).
+    #[serde(default)]
     pub run_dir_removed: bool,
+    /// `--etcd`: each SIGKILL of the leading coordinator (empty without).
+    #[serde(default)]
+    pub coordinator_kills: Vec<etcd::LeaderKill>,
 }
 
 pub(crate) fn io(path: &Path) -> impl Fn(std::io::Error) -> PsError + '_ {
@@ -128,12 +135,17 @@ pub(crate) fn io(path: &Path) -> impl Fn(std::io::Error) -> PsError + '_ {
 
 /// Runs the cluster to the end and reports. `on_progress` is called a few times a second.
 pub fn run(opts: LaunchOptions, on_progress: impl Fn(&Progress)) -> Result<LaunchReport, PsError> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    block_on(run_async(opts, on_progress))
+}
+
+/// A launcher's own runtime: two threads are enough to supervise the processes.
+fn block_on<T>(launch: impl Future<Output = Result<T, PsError>>) -> Result<T, PsError> {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(io(Path::new("tokio runtime")))?;
-    rt.block_on(run_async(opts, on_progress))
+        .map_err(io(Path::new("tokio runtime")))?
+        .block_on(launch)
 }
 
 async fn run_async(

@@ -92,6 +92,7 @@ pub async fn final_report(
         saved_model: save.map(Path::to_path_buf),
         run_dir: run_dir.to_path_buf(),
         run_dir_removed: false,
+        coordinator_kills: Vec::new(),
     })
 }
 

@@ -19,10 +19,10 @@ use ftrec_rpc::PsError;
 pub const MIN_BENEFIT: f64 = 0.1;
 
 /// What the prioritised saves cost (cpr.txt Table 1), summed over the servers.
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct PriorityReport {
     /// `mfu`, `ssu` or `scar`.
-    pub priority: &'static str,
+    pub priority: ftrec_cpr::CprPriority,
     pub saves: u64,
     /// The trackers' memory beside the tables, all servers, at the last save.
     pub tracker_bytes: u64,
@@ -103,7 +103,7 @@ impl CprState {
         };
         let priority =
             (c.cpr.priority != ftrec_config::CprPriority::None).then(|| PriorityReport {
-                priority: c.cpr.priority.name(),
+                priority: c.cpr.priority,
                 ..PriorityReport::default()
             });
         Ok(Some(Self {

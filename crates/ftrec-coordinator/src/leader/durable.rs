@@ -22,7 +22,7 @@ use crate::state::{Member, Phase, State};
 use crate::summary::{CheckpointRecord, Failover, Recovery};
 
 /// The record's key under the job's prefix.
-pub(crate) const STATE_KEY: &str = "state";
+pub const STATE_KEY: &str = "state";
 /// The record's format; a coordinator refuses one it does not know.
 const FORMAT: u32 = 1;
 /// Reports kept in the record (the newest): a month-long job takes thousands of cuts, and
@@ -452,11 +452,11 @@ pub(crate) async fn watch_leadership(shared: Arc<Shared>) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// A record as a leader writes it, with every optional part present and absent.
-    fn record(reports: bool) -> Record {
+    pub(crate) fn record(reports: bool) -> Record {
         let recovery = Recovery {
             server: 1,
             detected_at: 1.5,

@@ -3,4 +3,5 @@
 //! (`takeover.rs`).
 
 pub(crate) mod durable;
+pub mod progress;
 pub(crate) mod takeover;

@@ -10,6 +10,7 @@ use crate::{CheckpointRecord, Shared};
 use ftrec_proto::proto::*;
 use ftrec_proto::timeline::EventKind;
 use ftrec_rpc::client::ServerClient;
+use ftrec_rpc::PsError;
 
 pub(super) async fn checkpoint(
     shared: &Shared,
@@ -221,6 +222,7 @@ pub(super) async fn confirm_cut(
         .map(|mut c| async move { c.cut_committed(CutCommittedRequest { epoch, step }).await });
     let mut all = true;
     let mut failed = None;
+    let mut collided = None;
     for (i, r) in futures::future::join_all(calls)
         .await
         .into_iter()
@@ -228,7 +230,12 @@ pub(super) async fn confirm_cut(
     {
         match r {
             Ok(r) => all &= r.into_inner().committed,
-            Err(e) => failed = Some(format!("server {i}: {}", e.message())),
+            Err(status) => {
+                if let Some(key) = PsError::rpc(format!("server {i}"), &status).taken_name() {
+                    collided = Some(format!("server {i}: {key}"));
+                }
+                failed = Some(format!("server {i}: {}", status.message()));
+            }
         }
     }
     let prune = {
@@ -237,6 +244,11 @@ pub(super) async fn confirm_cut(
             return;
         }
         if let Some(e) = failed {
+            // Two writers chose one name: never expected (each cut's step is new on its
+            // branch), so it is an event of its own for the checks to find.
+            if let Some(key) = collided {
+                s.timeline.event(EventKind::CutCollided, key);
+            }
             let priority = s.saves.take_pending().is_some_and(|c| c.priority);
             coordinated_cut_failed(&mut s, step, priority, &e);
             return;

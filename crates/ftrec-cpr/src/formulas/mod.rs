@@ -16,7 +16,7 @@
 //!   2·PLS·N_emb·T_fail`. With `k` servers per failure the same derivation gives
 //!   `E[PLS] = 0.5·T_save·k / (T_fail·N_emb)` and `T_save,part = 2·PLS·N_emb·T_fail / k`.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::CprError;
 
@@ -40,7 +40,7 @@ fn non_negative(name: &str, v: f64) -> Result<f64, CprError> {
 }
 
 /// The measured or configured system parameters of Eq. 1 and Eq. 2, in seconds.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CostInputs {
     /// Time to save one checkpoint.
     pub o_save: f64,
@@ -163,7 +163,7 @@ impl Pls {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Recovery {
     Full,
@@ -171,7 +171,7 @@ pub enum Recovery {
 }
 
 /// The full-or-partial choice of §4.2 with every input it was made from, for the log.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Decision {
     /// Set when partial recovery saves prioritised rows: what those saves cost, and Eq. 2
     /// was priced with them ([`prioritized::decide_prioritized`]).

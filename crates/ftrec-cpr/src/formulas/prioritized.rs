@@ -16,13 +16,13 @@
 //! time spent recording accesses. `T_step` is the shortest interval saves can have (one
 //! step): with many failures, Eq. 4 asks for saves more often than that.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::{CostInputs, Decision, non_negative, positive};
 use crate::CprError;
 
 /// What one prioritised strategy's saves cost, measured by its caller.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PrioritizedCosts {
     /// Saves come every `r·T_save`, each at most `r` of a prioritised table.
     pub r: f64,

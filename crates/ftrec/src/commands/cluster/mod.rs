@@ -5,14 +5,13 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use ftrec_cluster::launch::{self, KillSpec, LaunchOptions};
+use ftrec_cluster::launch::{self, KillSpec, LaunchOptions, LaunchReport};
 use ftrec_proto::proto::KillRequest;
 use ftrec_proto::timeline::TimelineData;
 use ftrec_rpc::leader::CoordinatorSource;
 use ftrec_rpc::{Job, client};
 use ftrec_server::ServerOptions;
 use ftrec_worker::WorkerOptions;
-use serde_json::json;
 
 pub mod auto;
 mod coordinator;
@@ -373,7 +372,7 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
     }
     let job = Job::new(config)?;
     if let Some(endpoints) = a.etcd.clone() {
-        return run_with_etcd(
+        let report = run_with_etcd(
             launch::etcd::EtcdRunOptions {
                 job,
                 run_dir,
@@ -388,9 +387,8 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
                 },
             },
             a.json,
-            temporary_run_dir,
-            auto.as_ref(),
-        );
+        )?;
+        return report_run(report, a.json, temporary_run_dir, auto.as_ref());
     }
     let total = job.config.train.steps;
     let pb = bar(total, "cluster");
@@ -428,7 +426,17 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
         },
     );
     pb.finish_and_clear();
-    let mut report = report?;
+    report_run(report?, a.json, temporary_run_dir, auto.as_ref())
+}
+
+/// Says what a run did (`--json`: the report), and fails it when its redundancy is
+/// wrong at the end.
+fn report_run(
+    mut report: LaunchReport,
+    json: bool,
+    temporary_run_dir: bool,
+    auto: Option<&ftrec_cluster::auto::Choice>,
+) -> Result<()> {
     if temporary_run_dir {
         std::fs::remove_dir_all(&report.run_dir)
             .with_context(|| format!("removing the run directory {}", report.run_dir.display()))?;
@@ -437,9 +445,9 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
     // A run whose redundancy is wrong failed, whatever the rest says: a later failure
     // would rebuild from the wrong bytes.
     let damaged = redundancy_damage(&report);
-    if a.json {
+    if json {
         let mut value = serde_json::to_value(&report)?;
-        if let Some(choice) = &auto {
+        if let Some(choice) = auto {
             value["auto"] = serde_json::to_value(choice)?;
         }
         print_json(value)?;
@@ -480,6 +488,14 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
     for k in &report.kill_to_resume_seconds {
         outln!("SIGKILL to training resumed: {k:.2}s");
     }
+    for f in s.coordinator_failovers.iter().flatten() {
+        outln!(
+            "coordinator {} took over from {} in {:.2}s",
+            f.to,
+            f.from,
+            f.failover_seconds
+        );
+    }
     if let (Some(auc), Some(ll)) = (report.auc, report.logloss) {
         outln!(
             "held-out ({} samples): AUC {auc:.4}, logloss {ll:.4}",
@@ -513,22 +529,15 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
     Ok(())
 }
 
-/// Why the end-of-run parity check fails the run, if it does.
 /// `cluster run --etcd`: coordinators as processes of their own; the report is the
 /// finishing coordinator's. No evaluation: the model stays with the servers it was
 /// gathered from.
-fn run_with_etcd(
-    opts: launch::etcd::EtcdRunOptions,
-    json: bool,
-    temporary_run_dir: bool,
-    auto: Option<&ftrec_cluster::auto::Choice>,
-) -> Result<()> {
+fn run_with_etcd(opts: launch::etcd::EtcdRunOptions, json: bool) -> Result<LaunchReport> {
     let total = opts.job.config.train.steps;
     let pb = bar(total, "cluster");
     if json {
         pb.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let run_dir = opts.run_dir.clone();
     let report = launch::etcd::run(opts, |p| {
         pb.set_position(p.steps);
         pb.set_message(format!(
@@ -537,39 +546,11 @@ fn run_with_etcd(
         ));
     });
     pb.finish_and_clear();
-    let mut report = report?;
-    if temporary_run_dir {
-        std::fs::remove_dir_all(&run_dir)
-            .with_context(|| format!("removing the run directory {}", run_dir.display()))?;
-        report["run_dir_removed"] = json!(true);
-    }
-    if let Some(choice) = auto {
-        report["auto"] = serde_json::to_value(choice)?;
-    }
-    let mismatches = report["parity_mismatches"].as_u64().unwrap_or(0)
-        + report["replica_mismatches"].as_u64().unwrap_or(0);
-    if json {
-        print_json(report.clone())?;
-    } else {
-        outln!(
-            "{} steps, {} samples at {:.0} samples/s; state digest {}; {} coordinator \
-             failover(s)",
-            report["steps"],
-            report["samples"],
-            report["samples_per_sec"].as_f64().unwrap_or(0.0),
-            report["state_digest"].as_str().unwrap_or("-"),
-            report["coordinator_failovers"]
-                .as_array()
-                .map_or(0, |f| f.len())
-        );
-    }
-    if mismatches > 0 {
-        bail!("{mismatches} parity or replica mismatches at the end of the run");
-    }
-    Ok(())
+    Ok(report?)
 }
 
-fn redundancy_damage(report: &ftrec_cluster::launch::LaunchReport) -> Option<String> {
+/// Why the end-of-run parity check fails the run, if it does.
+fn redundancy_damage(report: &LaunchReport) -> Option<String> {
     let parity = report.parity_mismatches.unwrap_or(0);
     let replicas = report.replica_mismatches.unwrap_or(0);
     (parity + replicas > 0).then(|| {
