@@ -198,17 +198,13 @@ impl Shared {
             recoveries: s.recovery.recoveries.clone(),
             steps_rolled_back: s.recovery.steps_rolled_back,
             pls: s.cuts.cpr.as_ref().map(|c| c.pls()),
-            recovery_mode: s
-                .cuts
-                .cpr
-                .as_ref()
-                .map(|c| {
-                    if c.partial() {
-                        ftrec_cpr::Recovery::Partial
-                    } else {
-                        ftrec_cpr::Recovery::Full
-                    }
-                }),
+            recovery_mode: s.cuts.cpr.as_ref().map(|c| {
+                if c.partial() {
+                    ftrec_cpr::Recovery::Partial
+                } else {
+                    ftrec_cpr::Recovery::Full
+                }
+            }),
             cpr_decision: s.cuts.cpr.as_ref().and_then(|c| c.decision().cloned()),
             replan: s.cuts.replan.clone(),
             cpr_priority: s.cuts.cpr.as_ref().and_then(|c| c.priority_report()),

@@ -67,10 +67,7 @@ fn unix_now() -> f64 {
 /// Runs the job to the end; returns the finishing coordinator's report (a `cluster run`
 /// report without an evaluation: the model stays with the servers), with each SIGKILL of
 /// a leader in `coordinator_kills`.
-pub fn run(
-    opts: EtcdRunOptions,
-    on_progress: impl Fn(&Progress),
-) -> Result<LaunchReport, PsError> {
+pub fn run(opts: EtcdRunOptions, on_progress: impl Fn(&Progress)) -> Result<LaunchReport, PsError> {
     super::block_on(run_async(opts, on_progress))
 }
 

@@ -9,8 +9,8 @@ use crate::state::{Phase, State};
 use crate::{CheckpointRecord, Shared};
 use ftrec_proto::proto::*;
 use ftrec_proto::timeline::EventKind;
-use ftrec_rpc::client::ServerClient;
 use ftrec_rpc::PsError;
+use ftrec_rpc::client::ServerClient;
 
 pub(super) async fn checkpoint(
     shared: &Shared,

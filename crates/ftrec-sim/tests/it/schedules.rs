@@ -111,7 +111,7 @@ fn schedules_of_a_variant_keep_their_promises(
         if !violations.is_empty() {
             let list: Vec<String> = violations.iter().map(|v| v.to_string()).collect();
             failures.push(format!(
-                "seed {seed} ({schedule}): {}\n  replay: FTREC_SIM_SEED={seed} cargo test -p ftrec-sim --test schedules {test}",
+                "seed {seed} ({schedule}): {}\n  replay: FTREC_SIM_SEED={seed} cargo test -p ftrec-sim --test it schedules::{test}",
                 list.join("; ")
             ));
         }

@@ -115,7 +115,7 @@ fn fails_with_seeds(
             let list: Vec<String> = v.iter().map(|v| v.to_string()).collect();
             failures.push(format!(
                 "seed {seed} ({schedule}): {}\n  replay: FTREC_SIM_SEED={seed} cargo test -p \
-                 ftrec-sim --test control_plane {test}",
+                 ftrec-sim --test it control_plane::{test}",
                 list.join("; ")
             ));
         }
@@ -152,7 +152,7 @@ fn the_standby_takes_over_a_leader_killed_mid_run_and_the_run_ends_exact() {
         assert!(
             violations.is_empty(),
             "seed {seed}: {violations:?}\n  replay: FTREC_SIM_SEED={seed} cargo test -p \
-             ftrec-sim --test control_plane the_standby"
+             ftrec-sim --test it control_plane::the_standby"
         );
         let mut deciders: Vec<usize> = outcome.grants.iter().map(|g| g.coordinator).collect();
         deciders.dedup();
