@@ -310,7 +310,7 @@ fn concurrent_mergers_and_gc_take_turns_and_lose_nothing() {
             "checkpoint.deck.live_factor=0.0",
         ],
     )));
-    let mergers: Vec<_> = (0..2)
+    let mut mergers: Vec<_> = (0..2)
         .map(|_| {
             FTREC
                 .command()
@@ -342,7 +342,17 @@ fn concurrent_mergers_and_gc_take_turns_and_lose_nothing() {
         "{}",
         String::from_utf8_lossy(&waited.stderr)
     );
+    // It ran between the mergers' turns, not after them: both still run.
+    let gc = json_of(&waited);
+    assert!(gc["checkpoints"].is_array(), "{gc}");
+    for m in &mut mergers {
+        assert!(
+            m.try_wait().unwrap().is_none(),
+            "a merger exited during the gc"
+        );
+    }
     gc_ran += 1;
+    assert!(gc_ran > 0 && gc_ran + gc_refused > 1);
     for mut m in mergers {
         let _ = m.kill();
         let out = m.wait_with_output().unwrap();
