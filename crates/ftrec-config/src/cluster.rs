@@ -169,7 +169,19 @@ pub struct DeadlinesSection {
     /// (`TCP_USER_TIMEOUT`) may wait before a connection is closed. Default: 5 x the
     /// failure timeout.
     pub stream_progress_ms: Option<u64>,
+    /// TCP's minimum retransmission timeout and longest delayed ACK on the job's RPC
+    /// connections (Linux 6.15+: `TCP_RTO_MIN_US`, `TCP_DELACK_MAX_US`). The kernel's
+    /// 200 ms minimum is what a lost packet of a small call costs, since such a call has
+    /// too few packets in flight for a fast retransmit: on a lossy link nearly every step
+    /// waited it out. At least 5 (the kernel's floor); 0 keeps the kernel's own. A kernel
+    /// without the options keeps its own too (said once). Default 5.
+    pub retransmit_min_ms: Option<u64>,
 }
+
+/// `cluster.deadlines.retransmit_min_ms` when unset.
+pub const DEFAULT_RETRANSMIT_MIN_MS: u64 = 5;
+/// The least the kernel takes for `TCP_RTO_MIN_US` and `TCP_DELACK_MAX_US`, in ms.
+const KERNEL_RETRANSMIT_FLOOR_MS: u64 = 5;
 
 /// Every deadline of a job, resolved (see [`DeadlinesSection`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -180,6 +192,8 @@ pub struct Deadlines {
     pub checkpoint_io: std::time::Duration,
     pub control: std::time::Duration,
     pub stream_progress: std::time::Duration,
+    /// None: the kernel's own.
+    pub retransmit_min: Option<std::time::Duration>,
 }
 
 /// `[ec]`: erasure coding (`cluster.ft = "ec"` or `"ec+checkpoint"`).
@@ -388,6 +402,16 @@ impl ClusterSection {
                 )));
             }
         }
+        if let Some(v) = d.retransmit_min_ms
+            && v != 0
+            && !(KERNEL_RETRANSMIT_FLOOR_MS..200).contains(&v)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "cluster.deadlines.retransmit_min_ms = {v}: must be 0 (the kernel's own) or \
+                 from {KERNEL_RETRANSMIT_FLOOR_MS} to 199 (the kernel's floor, and below its \
+                 default of 200)"
+            )));
+        }
         if self.control_plane_grace_s == 0 {
             return Err(ConfigError::Invalid(
                 "cluster.control_plane_grace_s = 0: a member needs some time to wait for the \
@@ -417,6 +441,9 @@ impl ClusterSection {
             checkpoint_io: ms(d.checkpoint_io_ms.unwrap_or(60 * failure)),
             control: ms(self.rpc_timeout_ms.unwrap_or(10 * failure)),
             stream_progress: ms(d.stream_progress_ms.unwrap_or(5 * failure)),
+            retransmit_min: Some(d.retransmit_min_ms.unwrap_or(DEFAULT_RETRANSMIT_MIN_MS))
+                .filter(|&v| v > 0)
+                .map(ms),
         }
     }
 }

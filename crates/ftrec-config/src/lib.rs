@@ -400,7 +400,23 @@ mod tests {
         .unwrap();
         assert_eq!(c.cluster.deadlines().step, ms(700));
         assert_eq!(c.cluster.deadlines().control, ms(9000));
+        assert_eq!(c.cluster.deadlines().retransmit_min, Some(ms(5)));
+        let kernel = JobConfig::load(
+            Some("tiny"),
+            None,
+            &["cluster.deadlines.retransmit_min_ms=0".into()],
+        )
+        .unwrap();
+        assert_eq!(kernel.cluster.deadlines().retransmit_min, None);
         for (key, named) in [
+            (
+                "cluster.deadlines.retransmit_min_ms=2",
+                "cluster.deadlines.retransmit_min_ms = 2",
+            ),
+            (
+                "cluster.deadlines.retransmit_min_ms=200",
+                "cluster.deadlines.retransmit_min_ms = 200",
+            ),
             (
                 "cluster.deadlines.rebuild_stall_ms=50",
                 "cluster.deadlines.rebuild_stall_ms = 50",

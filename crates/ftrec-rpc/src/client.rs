@@ -17,6 +17,7 @@ use ftrec_proto::proto::parameter_server_client;
 use ftrec_proto::proto::{HeartbeatRequest, coordinator_client};
 
 pub type AuthChannel = InterceptedService<Channel, AttachSecret>;
+type TcpIo = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
 pub type CoordinatorClient = coordinator_client::CoordinatorClient<AuthChannel>;
 pub type ServerClient = parameter_server_client::ParameterServerClient<AuthChannel>;
 
@@ -39,6 +40,10 @@ pub struct Liveness {
     /// The connection is closed when a PING goes unanswered this long, or sent data stays
     /// unacknowledged this long (`TCP_USER_TIMEOUT`, where the platform has it).
     pub give_up_after: Duration,
+    /// TCP's minimum retransmission timeout and longest delayed ACK on the connection
+    /// (`cluster.deadlines.retransmit_min_ms`, Linux 6.15+; see `retransmit.rs`). None:
+    /// the kernel's own.
+    pub retransmit_min: Option<Duration>,
 }
 
 impl Liveness {
@@ -47,12 +52,13 @@ impl Liveness {
         Self {
             ping_after: deadlines.heartbeat,
             give_up_after: deadlines.stream_progress,
+            retransmit_min: deadlines.retransmit_min,
         }
     }
 
-    /// Sets `TCP_USER_TIMEOUT` on an accepted or connected socket, where the platform has
-    /// it: unacknowledged data then closes the connection after `give_up_after`, rather
-    /// than after TCP's own retransmission limit.
+    /// Sets `TCP_USER_TIMEOUT` on an accepted socket, where the platform has it:
+    /// unacknowledged data then closes the connection after `give_up_after`, rather than
+    /// after TCP's own retransmission limit. And [`Liveness::tune_retransmits`].
     pub fn tune(&self, socket: &tokio::net::TcpStream) {
         #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
         {
@@ -61,6 +67,16 @@ impl Liveness {
                 tracing::warn!("TCP_USER_TIMEOUT not set: {e}");
             }
         }
+        self.tune_retransmits(socket);
+    }
+
+    /// Lowers TCP's retransmission floor on a connected or accepted socket
+    /// (`retransmit_min`), where the kernel allows it.
+    pub fn tune_retransmits(&self, socket: &tokio::net::TcpStream) {
+        #[cfg(target_os = "linux")]
+        crate::retransmit::tune(socket, self.retransmit_min);
+        #[cfg(not(target_os = "linux"))]
+        let _ = socket;
         #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "fuchsia")))]
         let _ = socket;
     }
@@ -147,9 +163,14 @@ impl Connector {
     }
 
     /// The host's TCP dialer as tonic's own (no Nagle, the endpoint's connect timeout is
-    /// applied around it), with keepalive probes and `TCP_USER_TIMEOUT`, which tonic's
-    /// endpoint does not set.
-    fn tcp(&self) -> HttpConnector {
+    /// applied around it), with keepalive probes, `TCP_USER_TIMEOUT` and the
+    /// retransmission floor, which tonic's endpoint does not set.
+    fn tcp(
+        &self,
+    ) -> tower::util::MapResponse<
+        HttpConnector,
+        impl FnOnce(TcpIo) -> TcpIo + Clone + Send + Sync + 'static,
+    > {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
@@ -157,7 +178,11 @@ impl Connector {
         http.set_keepalive_interval(Some(self.liveness.ping_after));
         #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
         http.set_tcp_user_timeout(Some(self.liveness.give_up_after));
-        http
+        let liveness = self.liveness;
+        tower::ServiceExt::map_response(http, move |io: TcpIo| {
+            liveness.tune_retransmits(io.inner());
+            io
+        })
     }
 
     /// Connects at once (an error if no one listens there).
@@ -344,12 +369,53 @@ mod tests {
         let liveness = Liveness {
             ping_after: Duration::from_millis(400),
             give_up_after: Duration::from_millis(2_500),
+            retransmit_min: None,
         };
         liveness.tune(&accepted);
         assert_eq!(
             rustix::net::sockopt::tcp_user_timeout(&accepted).unwrap(),
             2_500
         );
+    }
+
+    /// Both ends of a job's connection lower TCP's retransmission floor: the accepted
+    /// socket when the listener tunes it, the dialled one in the connector's dialer.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn both_ends_of_a_connection_lower_the_retransmission_floor() {
+        use tower::{Service, ServiceExt};
+        let kernel_floor = Duration::from_millis(200);
+        let (listener, address) = bind("127.0.0.1", 0).await.unwrap();
+        let deadlines = ftrec_config::ClusterSection::default().deadlines();
+        let liveness = Liveness::of(&deadlines);
+        assert_eq!(liveness.retransmit_min, Some(Duration::from_millis(5)));
+        let secret = crate::auth::JobSecret::generate();
+        let connector = Connector::new(Duration::from_secs(5), &secret, None, Network::default())
+            .unwrap()
+            .with_liveness(liveness);
+        let mut dialer = connector.tcp();
+        let uri: Uri = format!("http://{address}").parse().unwrap();
+        let dialled = dialer.ready().await.unwrap().call(uri).await.unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        let Ok(before) = crate::retransmit::rto_min(&accepted) else {
+            // A kernel before 6.15: tuning must leave the connection as it was.
+            liveness.tune(&accepted);
+            eprintln!("this kernel has no TCP_RTO_MIN_US: checked only that tuning is harmless");
+            return;
+        };
+        assert_eq!(
+            before, kernel_floor,
+            "an untuned socket has the kernel's floor"
+        );
+        liveness.tune(&accepted);
+        for (end, socket) in [("accepted", &accepted), ("dialled", dialled.inner())] {
+            let floor = crate::retransmit::rto_min(socket).unwrap();
+            // The kernel rounds up to whole jiffies (8 ms at HZ = 250).
+            assert!(
+                floor >= Duration::from_millis(5) && floor < Duration::from_millis(20),
+                "{end}: {floor:?}"
+            );
+        }
     }
 
     #[test]
@@ -364,6 +430,7 @@ mod tests {
             Liveness {
                 ping_after: Duration::from_millis(400),
                 give_up_after: Duration::from_millis(2_000),
+                retransmit_min: Some(Duration::from_millis(5)),
             }
         );
     }

@@ -7,6 +7,8 @@
 //! needs.
 
 mod error;
+#[cfg(target_os = "linux")]
+mod retransmit;
 
 pub mod auth;
 pub mod client;

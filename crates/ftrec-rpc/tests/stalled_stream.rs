@@ -223,6 +223,7 @@ async fn keepalive_closes_a_connection_whose_link_died_under_an_open_stream() {
         .with_liveness(Liveness {
             ping_after: Duration::from_millis(200),
             give_up_after: SILENCE,
+            retransmit_min: None,
         })
         .server(&relay)
         .unwrap();
