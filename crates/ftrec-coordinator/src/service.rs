@@ -301,8 +301,12 @@ impl Coordinator for Service {
             if let Some(server) = req.unreachable_server
                 && req.epoch == s.epoch
             {
-                s.members
-                    .report_unreachable(server as usize, worker, &req.lost_reason);
+                s.members.report_unreachable(
+                    server as usize,
+                    worker,
+                    &req.lost_reason,
+                    req.unreachable_confirmed,
+                );
             }
             // A loss in this epoch may mean a member is failing: grants wait for the
             // failure detector. A loss from an older epoch says nothing of the members

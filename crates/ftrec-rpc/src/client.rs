@@ -14,7 +14,7 @@ use crate::network::{Network, Transport};
 use crate::PsError;
 use crate::auth::{AttachSecret, JobSecret, TlsMaterial};
 use ftrec_proto::proto::parameter_server_client;
-use ftrec_proto::proto::{HeartbeatRequest, coordinator_client};
+use ftrec_proto::proto::{AppliedRequest, HeartbeatRequest, coordinator_client};
 
 pub type AuthChannel = InterceptedService<Channel, AttachSecret>;
 type TcpIo = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
@@ -206,6 +206,25 @@ impl Connector {
                 .max_decoding_message_size(usize::MAX)
                 .max_encoding_message_size(usize::MAX),
         )
+    }
+
+    /// Whether the server at `address` answers a call on a connection of its own within
+    /// `within`. Any answer counts, a refusal too; silence or a failed transport does not.
+    /// It tells a peer that is cut off or frozen from one that is only slow, which a call
+    /// waiting on the pooled connection cannot: a fresh connection's packets get through a
+    /// slow link, and none gets through a partition.
+    pub async fn reaches(&self, address: &str, within: Duration) -> bool {
+        let probe = async {
+            let endpoint = self.endpoint(address).ok()?.timeout(within);
+            let channel = self.connect(&endpoint).await.ok()?;
+            let mut client =
+                ServerClient::new(InterceptedService::new(channel, self.secret.clone()));
+            Some(match client.applied(AppliedRequest::default()).await {
+                Ok(_) => true,
+                Err(status) => !matches!(PsError::rpc("probe", &status), PsError::Unavailable(_)),
+            })
+        };
+        matches!(tokio::time::timeout(within, probe).await, Ok(Some(true)))
     }
 
     /// A coordinator client that connects on first use (a new leader, found in etcd).

@@ -3,6 +3,7 @@
 //! server, computes gradients and pushes each server its part.
 
 pub mod shard_client;
+pub mod suspicion;
 
 use ftrec_rpc::leader::{CoordinatorLink, CoordinatorSource, Locator};
 use std::sync::Arc;
@@ -43,7 +44,7 @@ struct Loss {
     /// coordinator caused, so it must end the run rather than retry forever.
     ahead_epoch: Option<u64>,
     /// The server whose calls failed in transport (it may be cut off from this worker).
-    unreachable_server: Option<usize>,
+    unreachable: Option<shard_client::Unreachable>,
 }
 
 impl Loss {
@@ -65,7 +66,7 @@ impl Loss {
         Self {
             reason,
             ahead_epoch,
-            unreachable_server: None,
+            unreachable: None,
         }
     }
 }
@@ -222,7 +223,10 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
         job.connector_for(job.deadlines().step)?,
     )
     .with_protocol(protocol)
-    .with_faults(opts.faults.clone());
+    .with_faults(opts.faults.clone())
+    .with_suspicion(suspicion::Suspicion::of(Duration::from_millis(
+        cluster.failure_timeout_ms,
+    )));
     let mut worker = Worker {
         shards,
         schedule: Schedule {
@@ -289,8 +293,12 @@ impl Worker {
                 incarnation: self.incarnation,
                 unreachable_server: loss
                     .as_ref()
-                    .and_then(|l| l.unreachable_server)
-                    .map(|s| s as u32),
+                    .and_then(|l| l.unreachable)
+                    .map(|u| u.server as u32),
+                unreachable_confirmed: loss
+                    .as_ref()
+                    .and_then(|l| l.unreachable)
+                    .is_some_and(|u| u.confirmed),
             };
             let asked = Instant::now();
             let reply = match self.coordinator.client() {
@@ -351,7 +359,7 @@ impl Worker {
                             self.metrics.add("ftrec_lost_steps_total", 1);
                             tracing::warn!("worker {}: step {} lost: {e}", self.id, reply.step);
                             loss = Some(Loss {
-                                unreachable_server: self.shards.take_unreachable(),
+                                unreachable: self.shards.take_unreachable(),
                                 ..Loss::of(&e, reply.epoch)
                             });
                             Outcome::Lost(reply.step)

@@ -22,6 +22,8 @@ use ftrec_rpc::PsError;
 use ftrec_rpc::client::{Connector, ServerClient};
 use ftrec_rpc::leader::CoordinatorLink;
 
+use crate::suspicion::{CallTimes, Suspicion, Watch, within};
+
 /// Calls sent per server and step before the step is given up. All of them share one
 /// deadline (the connector's, `cluster.deadlines.step_ms`): a server that does not answer
 /// costs the step one deadline, not one per attempt.
@@ -79,9 +81,19 @@ pub enum CommitProtocol {
     TwoPhase { ordered: bool },
 }
 
+/// A server this worker's calls could not reach, as the step's loss report names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Unreachable {
+    pub server: usize,
+    /// This worker's own connection to it got no answer either ([`crate::suspicion`]).
+    pub confirmed: bool,
+}
+
 pub struct ShardClient {
     coordinator: CoordinatorLink,
     servers: Vec<ServerClient>,
+    /// The servers' addresses, in slot order, for a probe's connection of its own.
+    addresses: Vec<String>,
     placement_version: Option<u64>,
     layout: Layout,
     dim: usize,
@@ -89,7 +101,11 @@ pub struct ShardClient {
     /// Payload bytes sent and received since the last [`ShardClient::take_bytes`].
     bytes: u64,
     protocol: CommitProtocol,
-    unreachable: Option<usize>,
+    unreachable: Option<Unreachable>,
+    /// How long each kind of call took lately, and when one is suspected (none: calls
+    /// wait out the step deadline).
+    times: CallTimes,
+    suspicion: Option<Suspicion>,
     /// The step whose phase 2 (commit) this client has begun: some server may have
     /// installed it, so it must never be aborted anywhere (the recovery finishes it where
     /// it is prepared).
@@ -108,6 +124,7 @@ impl ShardClient {
         Self {
             coordinator,
             servers: Vec::new(),
+            addresses: Vec::new(),
             placement_version: None,
             layout,
             dim,
@@ -115,9 +132,27 @@ impl ShardClient {
             bytes: 0,
             protocol: CommitProtocol::OneRound,
             unreachable: None,
+            times: CallTimes::default(),
+            suspicion: None,
             committing: None,
             faults: Faults::default(),
         }
+    }
+
+    /// Suspects calls that take far longer than their kind usually does, and probes their
+    /// server ([`crate::suspicion`]).
+    pub fn with_suspicion(mut self, suspicion: Suspicion) -> Self {
+        self.suspicion = Some(suspicion);
+        self
+    }
+
+    /// The watch for a call of `kind` to server `s`, if it is to be suspected before the
+    /// deadline.
+    fn watch(&self, kind: &str, s: usize) -> Option<Watch> {
+        let suspicion = self.suspicion.as_ref()?;
+        let after = suspicion.after(&self.times, kind, self.connector.timeout())?;
+        let address = self.addresses.get(s)?;
+        Some(Watch::new(suspicion, after, &self.connector, address))
     }
 
     pub fn with_protocol(mut self, protocol: CommitProtocol) -> Self {
@@ -143,8 +178,19 @@ impl ShardClient {
     /// ([`PsError::unreachable_server`]); taken once. The worker names it when it reports
     /// the step lost, so the coordinator can tell a server cut off from the workers from one
     /// that is merely slow.
-    pub fn take_unreachable(&mut self) -> Option<usize> {
+    pub fn take_unreachable(&mut self) -> Option<Unreachable> {
         self.unreachable.take()
+    }
+
+    /// Blames server `s` for error `e` of a call to it ([`PsError::unreachable_server`]);
+    /// confirmed when this worker's own probe of `s` got no answer either.
+    fn blame(&mut self, s: usize, e: &PsError, confirmed: bool) {
+        if let Some(server) = e.unreachable_server(s) {
+            self.unreachable = Some(Unreachable {
+                server,
+                confirmed: confirmed && server == s,
+            });
+        }
     }
 
     /// Payload bytes moved since the last call.
@@ -171,6 +217,7 @@ impl ShardClient {
             .iter()
             .map(|a| self.connector.server(a))
             .collect::<Result<_, _>>()?;
+        self.addresses = p.servers;
         self.placement_version = Some(p.version);
         Ok(())
     }
@@ -336,9 +383,12 @@ impl ShardClient {
             // before this worker can report it (a partition took 5 s longer to detect).
             let unreachable = self.unreachable;
             let _ = self
-                .each_server_except("abort", decision, unreachable, |mut c, d| async move {
-                    c.abort_step(d).await
-                })
+                .each_server_except(
+                    "abort",
+                    decision,
+                    unreachable.map(|u| u.server),
+                    |mut c, d| async move { c.abort_step(d).await },
+                )
                 .await;
             if unreachable.is_some() {
                 self.unreachable = unreachable;
@@ -383,8 +433,9 @@ impl ShardClient {
                     give_up,
                     &what,
                     client.abort_step(StepDecision { epoch, step }),
+                    None,
                 );
-                if let Err(e) = reply.await {
+                if let Err(e) = reply.await.result {
                     tracing::debug!("{e}");
                 }
             })
@@ -400,17 +451,24 @@ impl ShardClient {
             loop {
                 let mut client = self.servers[s].clone();
                 let what = format!("prepare to server {s}");
-                match within(give_up, &what, client.push(push.clone())).await {
+                let watch = self.watch("prepare", s);
+                let called = within(give_up, &what, client.push(push.clone()), watch).await;
+                if let Some(took) = called.took {
+                    self.times.record("prepare", took);
+                }
+                match called.result {
                     Ok(_) if s == 0 => {
                         self.die_at(points::PREPARED_FIRST, push.step).await;
                         break;
                     }
                     Ok(_) => break,
                     Err(e) => {
-                        if !e.is_retryable() || attempt == ATTEMPTS || Instant::now() >= give_up {
-                            if let Some(blamed) = e.unreachable_server(s) {
-                                self.unreachable = Some(blamed);
-                            }
+                        if called.confirmed_unreachable
+                            || !e.is_retryable()
+                            || attempt == ATTEMPTS
+                            || Instant::now() >= give_up
+                        {
+                            self.blame(s, &e, called.confirmed_unreachable);
                             return Err(e);
                         }
                         if matches!(e, PsError::NotOwner { .. }) {
@@ -430,7 +488,7 @@ impl ShardClient {
     /// call failed for a reason that may pass (module docs), up to [`ATTEMPTS`] times.
     async fn each_server<Req, Rep, F, Fut>(
         &mut self,
-        what: &str,
+        what: &'static str,
         requests: Vec<Req>,
         call: F,
     ) -> Result<Vec<Rep>, PsError>
@@ -445,7 +503,7 @@ impl ShardClient {
     /// [`ShardClient::each_server`] without server `skip` (its reply is left out).
     async fn each_server_except<Req, Rep, F, Fut>(
         &mut self,
-        what: &str,
+        what: &'static str,
         requests: Vec<Req>,
         skip: Option<usize>,
         call: F,
@@ -463,22 +521,33 @@ impl ShardClient {
                 .collect();
             let calls = pending.iter().map(|&s| {
                 let client = self.servers[s].clone();
-                let what = format!("{what} to server {s}");
+                let label = format!("{what} to server {s}");
                 let call = call(client, requests[s].clone());
-                async move { within(give_up, &what, call).await }
+                let watch = self.watch(what, s);
+                async move { within(give_up, &label, call, watch).await }
             });
             let mut failure: Option<PsError> = None;
             let mut failed_server = None;
+            let mut confirmed = false;
             let mut stale_map = false;
-            for (&s, result) in pending.iter().zip(join_all(calls).await) {
-                match result {
+            for (&s, called) in pending.iter().zip(join_all(calls).await) {
+                if let Some(took) = called.took {
+                    self.times.record(what, took);
+                }
+                match called.result {
                     Ok(r) => replies[s] = Some(r),
                     Err(e) => {
                         stale_map |= matches!(e, PsError::NotOwner { .. });
-                        // A cause that will not pass decides; otherwise keep the first.
-                        if failure.as_ref().is_none_or(PsError::is_retryable) {
+                        // A confirmed unreachable server decides (asking it again would
+                        // only wait out the deadline); then a cause that will not pass;
+                        // otherwise the first.
+                        if !confirmed
+                            && (called.confirmed_unreachable
+                                || failure.as_ref().is_none_or(PsError::is_retryable))
+                        {
                             failure = Some(e);
                             failed_server = Some(s);
+                            confirmed = called.confirmed_unreachable;
                         }
                     }
                 }
@@ -486,10 +555,13 @@ impl ShardClient {
             match failure {
                 None => break,
                 Some(e)
-                    if !e.is_retryable() || attempt == ATTEMPTS || Instant::now() >= give_up =>
+                    if confirmed
+                        || !e.is_retryable()
+                        || attempt == ATTEMPTS
+                        || Instant::now() >= give_up =>
                 {
-                    if let Some(blamed) = failed_server.and_then(|s| e.unreachable_server(s)) {
-                        self.unreachable = Some(blamed);
+                    if let Some(s) = failed_server {
+                        self.blame(s, &e, confirmed);
                     }
                     return Err(e);
                 }
@@ -504,22 +576,6 @@ impl ShardClient {
             }
         }
         Ok(replies.into_iter().flatten().collect())
-    }
-}
-
-/// One call, bounded by the deadline its step's calls share; a call still unanswered then
-/// is `Unavailable`: its server is silent (frozen, cut off), as far as this step can tell.
-async fn within<Rep>(
-    give_up: Instant,
-    what: &str,
-    call: impl std::future::Future<Output = Result<tonic::Response<Rep>, tonic::Status>>,
-) -> Result<Rep, PsError> {
-    match tokio::time::timeout_at(give_up, call).await {
-        Ok(Ok(reply)) => Ok(reply.into_inner()),
-        Ok(Err(status)) => Err(PsError::rpc(what, &status)),
-        Err(_) => Err(PsError::Unavailable(format!(
-            "{what}: no answer within the step deadline (cluster.deadlines.step_ms)"
-        ))),
     }
 }
 

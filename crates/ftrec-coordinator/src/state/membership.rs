@@ -252,23 +252,40 @@ impl Membership {
 
     /// Worker `worker` lost a step because it could not reach `server`: after
     /// `UNREACHABLE_REPORTS` such losses in a row the server is marked cut off (declared
-    /// dead by the failure detector), and its count starts over.
-    pub(crate) fn report_unreachable(&mut self, server: usize, worker: usize, reason: &str) {
+    /// dead by the failure detector), and its count starts over. One report is enough when
+    /// the worker `confirmed` it: a connection of its own got no answer either, so the
+    /// server is not merely slow, and the coordinator, which still hears it, sees a
+    /// partition whose server side must go (workers are cheap to route around).
+    pub(crate) fn report_unreachable(
+        &mut self,
+        server: usize,
+        worker: usize,
+        reason: &str,
+        confirmed: bool,
+    ) {
         let count = self.unreachable_reports.entry(server).or_default();
         *count += 1;
         let count = *count;
-        if count < UNREACHABLE_REPORTS {
+        if count < UNREACHABLE_REPORTS && !confirmed {
             return;
         }
         if let Some(m) = self.servers.get_mut(server)
             && m.alive
             && m.cut_off.is_none()
         {
-            m.cut_off = Some(format!(
-                "is cut off from the workers: {count} steps in a row lost because worker \
-                 {worker}'s calls could not reach it, directly or through another server \
-                 ({reason}), though it answers the coordinator"
-            ));
+            m.cut_off = Some(if confirmed {
+                format!(
+                    "is cut off from worker {worker}: a step was lost because its calls got no \
+                     answer, and neither did a connection of the worker's own ({reason}), \
+                     though it answers the coordinator"
+                )
+            } else {
+                format!(
+                    "is cut off from the workers: {count} steps in a row lost because worker \
+                     {worker}'s calls could not reach it, directly or through another server \
+                     ({reason}), though it answers the coordinator"
+                )
+            });
             self.unreachable_reports.remove(&server);
         }
     }
@@ -385,9 +402,9 @@ mod tests {
     fn two_unreachable_reports_in_a_row_cut_a_live_server_off() {
         let mut m = Membership::new(2, 1);
         m.servers[1] = live("s1:1", 7);
-        m.report_unreachable(1, 0, "timeout");
+        m.report_unreachable(1, 0, "timeout", false);
         assert!(m.servers[1].cut_off.is_none());
-        m.report_unreachable(1, 0, "timeout");
+        m.report_unreachable(1, 0, "timeout", false);
         assert!(m.servers[1].cut_off.is_some());
         assert!(m.server_failure(1, Duration::from_secs(60), None).is_some());
         // Its count started over.
@@ -397,9 +414,19 @@ mod tests {
             alive: false,
             ..live("s0:1", 8)
         };
-        m.report_unreachable(0, 0, "timeout");
-        m.report_unreachable(0, 0, "timeout");
+        m.report_unreachable(0, 0, "timeout", false);
+        m.report_unreachable(0, 0, "timeout", false);
         assert!(m.servers[0].cut_off.is_none());
+    }
+
+    #[test]
+    fn one_confirmed_report_cuts_a_live_server_off() {
+        let mut m = Membership::new(2, 1);
+        m.servers[1] = live("s1:1", 7);
+        m.report_unreachable(1, 0, "no answer; the probe got none", true);
+        let why = m.servers[1].cut_off.clone().unwrap();
+        assert!(why.contains("cut off from worker 0"), "{why}");
+        assert!(m.server_failure(1, Duration::from_secs(60), None).is_some());
     }
 
     #[test]

@@ -411,9 +411,11 @@ fn training_goes_on_right_after_the_resume() {
 }
 
 /// The nasty partition: the worker cannot reach a server that the coordinator still
-/// sees. The worker names the server in its loss reports; after two lost steps in a row
-/// the coordinator declares the server dead, fences it and recovers, and the old process
-/// (still talking to the coordinator) is refused as a zombie.
+/// sees. The worker names the server in its loss report; once a connection of its own got
+/// no answer either (or after two lost steps in a row, before the worker has timed enough
+/// calls to suspect one early), the coordinator declares the server dead, fences it and
+/// recovers, and the old process (still talking to the coordinator) is refused as a
+/// zombie.
 #[test]
 fn a_worker_cut_off_from_one_server_gets_it_replaced() {
     use ftrec_sim::Member;
@@ -433,9 +435,7 @@ fn a_worker_cut_off_from_one_server_gets_it_replaced() {
             o.trace.join("\n")
         );
         assert!(
-            o.trace
-                .iter()
-                .any(|l| l.contains("cut off from the workers")),
+            o.trace.iter().any(|l| l.contains("cut off from")),
             "{mode:?}"
         );
     }
