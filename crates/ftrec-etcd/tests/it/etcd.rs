@@ -6,13 +6,7 @@ use std::time::Duration;
 use ftrec_etcd::{Etcd, EtcdError, EtcdOptions, JobClaim, LeaderInfo};
 use ftrec_testkit::etcd;
 
-fn options(endpoint: &str, prefix: &str) -> EtcdOptions {
-    EtcdOptions {
-        endpoints: vec![endpoint.to_string()],
-        prefix: prefix.to_string(),
-        request_timeout: Duration::from_secs(2),
-    }
-}
+use crate::options;
 
 fn me(id: &str) -> LeaderInfo {
     LeaderInfo {

@@ -9,16 +9,10 @@
 use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
-use ftrec_etcd::{Etcd, EtcdError, EtcdOptions, LeaderInfo, Leadership};
+use ftrec_etcd::{Etcd, EtcdError, LeaderInfo, Leadership};
 use ftrec_testkit::etcd;
 
-fn options(endpoint: &str, prefix: &str) -> EtcdOptions {
-    EtcdOptions {
-        endpoints: vec![endpoint.to_string()],
-        prefix: prefix.to_string(),
-        request_timeout: Duration::from_secs(2),
-    }
-}
+use crate::options;
 
 fn me(id: &str) -> LeaderInfo {
     LeaderInfo {

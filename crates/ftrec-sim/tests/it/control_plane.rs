@@ -5,7 +5,7 @@
 //! most one leader deciding at a time. `FTREC_SIM_SEED=N` replays one seed.
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use ftrec_config::FaultTolerance;
@@ -16,6 +16,8 @@ use ftrec_sim::{
     run_control,
 };
 
+use crate::data_dir;
+
 /// Long enough (about a simulated second of training, within one epoch of the dataset) for every fault to land while
 /// training runs.
 const STEPS: u64 = 85;
@@ -25,16 +27,6 @@ const SCHEDULES: u64 = 300;
 const MODE: FaultTolerance = FaultTolerance::Ec;
 /// An etcd pause lasts up to 60 s, and the run goes on after it.
 const TIME_LIMIT: Duration = Duration::from_secs(120);
-
-fn data_dir() -> &'static std::path::Path {
-    static DATA: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DATA.get_or_init(|| {
-        let data = tempfile::tempdir().unwrap();
-        ftrec_sim::generate_dataset(data.path()).unwrap();
-        data
-    })
-    .path()
-}
 
 /// `ftrec train`'s digest after `steps` steps (computed once per count).
 fn reference(steps: u64) -> String {

@@ -3,26 +3,17 @@
 //! in a child process of its own, so that two run at once on two cores
 //! (`ftrec_sim::processes`).
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use ftrec_config::FaultTolerance;
 use ftrec_sim::{RunOptions, SERVERS, Schedule, WORKERS, check, job_config, reference_digest, run};
 
+use crate::data_dir;
+
 const STEPS: u64 = 60;
 /// Seeds per mode: 40 random schedules (200 in all) and 8 freezes.
 const RANDOM_PER_MODE: u64 = 40;
 const FREEZES_PER_MODE: u64 = 8;
-
-fn data_dir() -> &'static std::path::Path {
-    static DATA: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DATA.get_or_init(|| {
-        let data = tempfile::tempdir().unwrap();
-        ftrec_sim::generate_dataset(data.path()).unwrap();
-        data
-    })
-    .path()
-}
 
 /// Checkpoints in memory where the machine has a tmpfs: the schedules test the cluster's
 /// logic, and fsync on a real disk would make them slow, not more thorough (the
