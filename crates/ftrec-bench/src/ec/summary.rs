@@ -89,6 +89,7 @@ pub(super) fn summary(
         "detection_seconds": across(&|f| f.detection),
         "checkpoint_kill_to_resume_seconds": across(&|f| f.ckpt_resume),
         "checkpoint_step_seconds": across(&|f| Some(f.ckpt_step_seconds)),
+        "failure_free_step_seconds": across(&|f| Some(f.failure_free_step_seconds)),
         "checkpoint_recovery_seconds_average_case": across(&|f| f.ckpt_recovery),
         // Checkpoint recovery (restore, then retraining half an interval) against ECRec's
         // time until training goes on (degraded), and against its time until the cluster
