@@ -38,7 +38,7 @@
 # namespaces and processes up for inspection (`ip netns`; delete them by hand).
 #
 # ci asserts: the baseline exact; link down exact and at most 6 s slower than the baseline;
-# the partition finishes exact; SIGSTOP for good and SIGSTOP 8 s + SIGCONT exact with 0
+# the partition finishes exact and is found within 3 s; a 20 Mbit/s link starts no recovery; SIGSTOP for good and SIGSTOP 8 s + SIGCONT exact with 0
 # mismatches; 5% loss exact with no recovery. It prints `SKIPPED: ...` and passes where
 # namespaces need root. CI_STEPS (3000), CI_LOSS_STEPS (400), CI_TIME_LIMIT (90 s per run).
 #
@@ -744,7 +744,7 @@ cmd_ci() {
     local steps=${CI_STEPS:-3000} loss_steps=${CI_LOSS_STEPS:-400} limit=${CI_TIME_LIMIT:-90}
     WORK=$(mktemp -d "${TMPDIR:-/tmp}/ftrec-netns-ci.XXXX")
     export WORK
-    local base link part frozen zombie base_small loss
+    local base link part frozen zombie base_small loss slow
     base=$(trial --steps "$steps" --fault none --ft ec --time-limit "$limit")
     echo "$base"
     link=$(trial --steps "$steps" --fault link-down --ft ec --at 1.5 --time-limit "$limit")
@@ -761,10 +761,16 @@ cmd_ci() {
     echo "$base_small"
     loss=$(trial --steps "$loss_steps" --fault loss --ft ec --at 1 --time-limit "$limit")
     echo "$loss"
+    # A slow link that loses nothing (a 20 Mbit/s token bucket: several times slower here):
+    # its calls are suspected and probed, and the probes get through, so no recovery.
+    slow=$(trial --steps "$loss_steps" --fault loss --loss 0 --rate 20mbit --ft ec --at 1 \
+        --time-limit "$limit")
+    echo "$slow"
     local rc=0
-    python3 - "$base" "$link" "$part" "$frozen" "$zombie" "$base_small" "$loss" << 'PY' || rc=$?
+    python3 - "$base" "$link" "$part" "$frozen" "$zombie" "$base_small" "$loss" "$slow" \
+        << 'PY' || rc=$?
 import json, sys
-base, link, part, frozen, zombie, base_small, loss = (json.loads(a) for a in sys.argv[1:])
+base, link, part, frozen, zombie, base_small, loss, slow = (json.loads(a) for a in sys.argv[1:])
 failed = 0
 def goal(name, run, checks):
     global failed
@@ -790,9 +796,12 @@ goal("baseline (no fault) exact", base, [exact(base)])
 d = slower(link, base)
 goal(f"link down, one spare, --ft ec: exact, at most 6 s slower (slower by {d} s)", link,
      [exact(link), (d is not None and d <= 6, f"{d} s slower than the baseline")])
-goal(f"worker <-> server partitioned, coordinator sees both: finishes exact "
-     f"(slower by {slower(part, base)} s, detected after {part.get('detect_seconds')} s)", part,
-     [exact(part)])
+# Issue 44's goal is the failure timeout (1 s) + 1 s; 3 s leaves room for a loaded host and
+# still fails a return to two step deadlines (11 s).
+detect = part.get("detect_seconds")
+goal(f"worker <-> server partitioned, coordinator sees both: finishes exact, found within 3 s "
+     f"(slower by {slower(part, base)} s, detected after {detect} s)", part,
+     [exact(part), (detect is not None and detect <= 3, f"detected after {detect} s")])
 goal(f"SIGSTOP for good: exact, 0 mismatches (slower by {slower(frozen, base)} s)", frozen,
      [exact(frozen), no_mismatch(frozen)])
 goal(f"SIGSTOP 8 s then SIGCONT: exact, 0 mismatches ({zombie.get('steps')} steps in "
@@ -804,6 +813,10 @@ goal("5% loss on one server, both directions: exact, no recovery "
      f"{base_small.get('steps_per_sec')} without; slower by {slower(loss, base_small)} s)", loss,
      [exact(base_small), exact(loss),
       (loss.get("recoveries") == 0, f"{loss.get('recoveries')} recoveries")])
+goal("a slow link (20 Mbit/s, no loss) on one server: exact, no recovery "
+     f"({slow.get('fault_window_steps_per_sec')} steps/s against "
+     f"{base_small.get('steps_per_sec')} without)", slow,
+     [exact(slow), (slow.get("recoveries") == 0, f"{slow.get('recoveries')} recoveries")])
 sys.exit(1 if failed else 0)
 PY
     ci_done "$rc" "$started"
