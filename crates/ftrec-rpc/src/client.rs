@@ -77,8 +77,6 @@ impl Liveness {
         crate::retransmit::tune(socket, self.retransmit_min);
         #[cfg(not(target_os = "linux"))]
         let _ = socket;
-        #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "fuchsia")))]
-        let _ = socket;
     }
 }
 

@@ -9,6 +9,7 @@
 //! sent twice is harmless, as servers ignore a step they applied. ECRec's degraded reads
 //! (decoding a dead server's rows from its stripe) belong here too.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
@@ -93,7 +94,7 @@ pub struct ShardClient {
     coordinator: CoordinatorLink,
     servers: Vec<ServerClient>,
     /// The servers' addresses, in slot order, for a probe's connection of its own.
-    addresses: Vec<String>,
+    addresses: Vec<Arc<str>>,
     placement_version: Option<u64>,
     layout: Layout,
     dim: usize,
@@ -105,7 +106,8 @@ pub struct ShardClient {
     /// How long each kind of call took lately, and when one is suspected (none: calls
     /// wait out the step deadline).
     times: CallTimes,
-    suspicion: Option<Suspicion>,
+    /// With the connector the probes dial through, shared by every watch.
+    suspicion: Option<(Suspicion, Arc<Connector>)>,
     /// The step whose phase 2 (commit) this client has begun: some server may have
     /// installed it, so it must never be aborted anywhere (the recovery finishes it where
     /// it is prepared).
@@ -142,17 +144,25 @@ impl ShardClient {
     /// Suspects calls that take far longer than their kind usually does, and probes their
     /// server ([`crate::suspicion`]).
     pub fn with_suspicion(mut self, suspicion: Suspicion) -> Self {
-        self.suspicion = Some(suspicion);
+        self.suspicion = Some((suspicion, Arc::new(self.connector.clone())));
         self
     }
 
-    /// The watch for a call of `kind` to server `s`, if it is to be suspected before the
-    /// deadline.
-    fn watch(&self, kind: &str, s: usize) -> Option<Watch> {
-        let suspicion = self.suspicion.as_ref()?;
-        let after = suspicion.after(&self.times, kind, self.connector.timeout())?;
-        let address = self.addresses.get(s)?;
-        Some(Watch::new(suspicion, after, &self.connector, address))
+    /// When a call of `kind` is suspected, if before the deadline.
+    fn suspect_after(&self, kind: &str) -> Option<Duration> {
+        let (suspicion, _) = self.suspicion.as_ref()?;
+        suspicion.after(&self.times, kind, self.connector.timeout())
+    }
+
+    /// The watch for a call to server `s` suspected `after` ([`Self::suspect_after`]).
+    fn watch(&self, after: Option<Duration>, s: usize) -> Option<Watch> {
+        let (suspicion, connector) = self.suspicion.as_ref()?;
+        Some(Watch::new(
+            suspicion,
+            after?,
+            connector,
+            self.addresses.get(s)?,
+        ))
     }
 
     pub fn with_protocol(mut self, protocol: CommitProtocol) -> Self {
@@ -217,7 +227,7 @@ impl ShardClient {
             .iter()
             .map(|a| self.connector.server(a))
             .collect::<Result<_, _>>()?;
-        self.addresses = p.servers;
+        self.addresses = p.servers.into_iter().map(Arc::from).collect();
         self.placement_version = Some(p.version);
         Ok(())
     }
@@ -451,7 +461,7 @@ impl ShardClient {
             loop {
                 let mut client = self.servers[s].clone();
                 let what = format!("prepare to server {s}");
-                let watch = self.watch("prepare", s);
+                let watch = self.watch(self.suspect_after("prepare"), s);
                 let called = within(give_up, &what, client.push(push.clone()), watch).await;
                 if let Some(took) = called.took {
                     self.times.record("prepare", took);
@@ -519,11 +529,12 @@ impl ShardClient {
             let pending: Vec<usize> = (0..replies.len())
                 .filter(|&s| replies[s].is_none() && Some(s) != skip)
                 .collect();
+            let after = self.suspect_after(what);
             let calls = pending.iter().map(|&s| {
                 let client = self.servers[s].clone();
                 let label = format!("{what} to server {s}");
                 let call = call(client, requests[s].clone());
-                let watch = self.watch(what, s);
+                let watch = self.watch(after, s);
                 async move { within(give_up, &label, call, watch).await }
             });
             let mut failure: Option<PsError> = None;

@@ -15,6 +15,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -102,14 +103,16 @@ pub(crate) struct Watch {
 }
 
 impl Watch {
+    /// Built for every watched call and polled only for a suspected one: two reference
+    /// counts, not a copy of the connector (its TLS settings) per call.
     pub(crate) fn new(
         suspicion: &Suspicion,
         after: Duration,
-        connector: &Connector,
-        address: &str,
+        connector: &Arc<Connector>,
+        address: &Arc<str>,
     ) -> Self {
-        let connector = connector.clone();
-        let address = address.to_string();
+        let connector = Arc::clone(connector);
+        let address = Arc::clone(address);
         let within = suspicion.probe_within;
         Self {
             after,
