@@ -31,6 +31,7 @@ pub mod loopback;
 pub mod rounds;
 pub mod run_record;
 pub mod shootout;
+pub mod soak;
 pub mod timeline_plot;
 pub mod train_step;
 

@@ -280,8 +280,10 @@ pub(crate) fn give_spare(s: &mut State, id: usize, now: Instant) -> bool {
         .find(|sp| sp.token == token)
         .and_then(|sp| sp.hosted_by)
         .map_or(String::new(), |j| format!(" on server {j}'s host"));
-    s.timeline.event(
+    s.timeline.event_about(
         EventKind::Replacement,
+        Subject::Server(id as u32),
+        None,
         format!("spare {token} at {address}{on} takes server {id}"),
     );
     true

@@ -94,6 +94,15 @@ pub enum Subject {
     Worker(u32),
 }
 
+impl std::fmt::Display for Subject {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Subject::Server(id) => write!(f, "server-{id}"),
+            Subject::Worker(id) => write!(f, "worker-{id}"),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Event {
     /// Seconds since the timeline started.
@@ -165,7 +174,12 @@ impl Timeline {
         detail: String,
     ) -> f64 {
         let t = self.now();
-        tracing::info!("[{t:7.2}s] {kind}: {detail}");
+        // The subject as a field of its own, so that a reader of the log (the soak bench
+        // follows the coordinators' logs live) need not parse the detail.
+        match subject {
+            Some(subject) => tracing::info!(%subject, "[{t:7.2}s] {kind}: {detail}"),
+            None => tracing::info!("[{t:7.2}s] {kind}: {detail}"),
+        }
         self.data.events.push(Event {
             t,
             kind,

@@ -101,6 +101,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(bench::BenchCommand::Ec(a)) => bench::ec::run(a),
         Command::Bench(bench::BenchCommand::Cpr(a)) => bench::cpr::run(a),
         Command::Bench(bench::BenchCommand::Faults(a)) => bench::faults::bench_faults(a),
+        Command::Bench(bench::BenchCommand::Soak(a)) => bench::soak::bench_soak(a),
         Command::Bench(bench::BenchCommand::Coordinator(a)) => bench::coordinator::run(a),
         Command::Bench(bench::BenchCommand::Shootout(a)) => bench::shootout::run(a),
         Command::Demo(a) => demo::run(a),

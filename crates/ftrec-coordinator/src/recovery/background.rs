@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ftrec_proto::proto::*;
-use ftrec_proto::timeline::EventKind;
+use ftrec_proto::timeline::{EventKind, Subject};
 use ftrec_rpc::PsError;
 
 use super::calls::{RebuildStream, report_progress};
@@ -42,9 +42,12 @@ pub(super) async fn follow_background(
                 if !s.recovery.rebuild_ended(server, epoch) {
                     return;
                 }
-                let now = s
-                    .timeline
-                    .event(EventKind::RebuildEnd, rebuild_end_event(server, &reply));
+                let now = s.timeline.event_about(
+                    EventKind::RebuildEnd,
+                    Subject::Server(server as u32),
+                    None,
+                    rebuild_end_event(server, &reply),
+                );
                 let next_step = s.steps.ledger.next_step();
                 let unsettled = s.steps.ledger.unsettled();
                 for r in s

@@ -4,7 +4,7 @@
 //! background one), a partial restore's reloads, and under 2PC the survivors' fence first.
 
 use ftrec_proto::proto::*;
-use ftrec_proto::timeline::EventKind;
+use ftrec_proto::timeline::{EventKind, Subject};
 use ftrec_rpc::client::ServerClient;
 use ftrec_rpc::stream::{ProgressDeadline, Progressing};
 
@@ -217,8 +217,10 @@ async fn rebuild(
     {
         let mut s = shared.lock();
         for &server in servers {
-            s.timeline.event(
+            s.timeline.event_about(
                 EventKind::RebuildStart,
+                Subject::Server(server as u32),
+                None,
                 format!(
                     "server {server} decodes its rows and parity from the survivors{}",
                     if background { " in the background" } else { "" }

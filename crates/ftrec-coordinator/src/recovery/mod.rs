@@ -17,7 +17,7 @@ use crate::planner::RecoveryAction;
 use crate::state::{AttemptFailed, Phase, State};
 use crate::summary::Recovery;
 use ftrec_proto::proto::*;
-use ftrec_proto::timeline::EventKind;
+use ftrec_proto::timeline::{EventKind, Subject};
 use ftrec_rpc::client::ServerClient;
 
 use accounting::{account_lost_samples, account_partial_restore};
@@ -154,8 +154,12 @@ fn rebuild_figures(
             Ok(Some(r)) => {
                 rebuild_seconds = rebuild_seconds.max(r.seconds);
                 rebuild_bytes += r.bytes;
-                s.timeline
-                    .event(EventKind::RebuildEnd, rebuild_end_event(server, &r));
+                s.timeline.event_about(
+                    EventKind::RebuildEnd,
+                    Subject::Server(server as u32),
+                    None,
+                    rebuild_end_event(server, &r),
+                );
             }
             _ => {}
         }

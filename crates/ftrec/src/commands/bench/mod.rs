@@ -27,6 +27,7 @@ pub mod cpr;
 pub mod ec;
 pub mod faults;
 pub mod shootout;
+pub mod soak;
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
@@ -60,6 +61,11 @@ pub enum BenchCommand {
     /// ETT, AUC, lost samples, bytes written, peak RSS, time to resume and to full
     /// redundancy; `auto` runs what `cluster run --ft auto` chooses. shootout.json, PNGs.
     Shootout(shootout::BenchShootoutArgs),
+    /// Rolling faults of every kind across network namespaces (a 3-member etcd, two
+    /// coordinators, servers two to a rack with spares, workers), one every --every
+    /// seconds, against the same job without faults: faults survived, detect and resume
+    /// seconds, the longest stall, exactness and training_time_ratio. Needs root.
+    Soak(soak::BenchSoakArgs),
 }
 
 #[derive(Args, Debug)]
