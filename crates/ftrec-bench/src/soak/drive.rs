@@ -170,6 +170,7 @@ fn drive(spec: &RunSpec<'_>, cluster: &mut Cluster) -> Result<RunOutcome> {
         let mut still = Vec::new();
         for mut a in active.drain(..) {
             if a.advance(cluster, &after)? {
+                a.record.over_at = Some(cluster.now() - origin);
                 done.push(a.record);
             } else {
                 still.push(a);
@@ -243,6 +244,33 @@ fn drive(spec: &RunSpec<'_>, cluster: &mut Cluster) -> Result<RunOutcome> {
         r.notes
             .push("still being followed when the job ended".into());
         done.push(r);
+    }
+    let steps_at = |t: f64| {
+        progress
+            .iter()
+            .take_while(|(at, _)| *at <= origin + t)
+            .last()
+            .map_or(0, |(_, n)| *n)
+    };
+    for f in &mut done {
+        // A fault can be over (its slot rebuilt) before the soak saw a step after its
+        // recovery: its resume is read here, from the whole run.
+        if f.resume_seconds.is_none()
+            && let Some(d) = f.detect_seconds
+        {
+            let detected = origin + f.injected_at + d;
+            let from = if f.kind.control_plane() && f.kind.servers_lost() == 0 {
+                Some(detected)
+            } else {
+                cluster.events_since(EventKind::RecoveryEnd, None, detected)
+            };
+            if let Some(r) = from.and_then(|r| progress.iter().find(|(at, _)| *at > r)) {
+                f.resume_seconds = Some(r.0 - origin - f.injected_at);
+            }
+        }
+        if let Some(over) = f.over_at {
+            f.steps_during = Some(steps_at(over).saturating_sub(steps_at(f.injected_at)));
+        }
     }
     let report = ended.and_then(|i| report_of(&cluster.coordinators[i].out));
     let stall = progress

@@ -45,6 +45,14 @@ pub struct FaultRecord {
     pub redundant_seconds: Option<f64>,
     /// Over, and the job went on.
     pub over: bool,
+    /// When the soak saw it over (seconds after training started).
+    pub over_at: Option<f64>,
+    /// Steps the job committed from the injection to `over_at`.
+    pub steps_during: Option<u64>,
+    /// `over_at` less `injected_at`, less the time the failure-free run takes for
+    /// `steps_during`: the training time this fault cost (the report fills it in; faults
+    /// that overlap share their windows, so their sum can exceed the soak's whole loss).
+    pub lost_training_seconds: Option<f64>,
     pub notes: Vec<String>,
 }
 
@@ -126,6 +134,9 @@ pub fn strike(
             resume_seconds: None,
             redundant_seconds: None,
             over: false,
+            over_at: None,
+            steps_during: None,
+            lost_training_seconds: None,
             notes: Vec::new(),
         },
         t0,

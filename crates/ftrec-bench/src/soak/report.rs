@@ -32,6 +32,9 @@ fn spread(v: Vec<f64>) -> Spread {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct KindSeconds {
+    /// Training seconds the kind cost, summed over its faults (see
+    /// [`FaultRecord::lost_training_seconds`]).
+    pub lost_training_seconds: f64,
     pub detect_seconds: Spread,
     pub resume_seconds: Spread,
     pub redundant_seconds: Spread,
@@ -94,9 +97,24 @@ impl SoakReport {
         steps: u64,
         batch_size: u64,
         plan: Vec<Planned>,
-        runs: Vec<RunOutcome>,
+        mut runs: Vec<RunOutcome>,
         reference: Option<String>,
     ) -> Self {
+        let free_steps_per_sec = median_mid(
+            runs.iter()
+                .filter(|r| {
+                    r.name.starts_with("fault-free") && r.result == "ok" && r.train_seconds > 0.0
+                })
+                .map(|r| r.steps as f64 / r.train_seconds)
+                .collect(),
+        );
+        if let Some(rate) = free_steps_per_sec {
+            for f in runs.iter_mut().flat_map(|r| r.faults.iter_mut()) {
+                if let (Some(over), Some(steps)) = (f.over_at, f.steps_during) {
+                    f.lost_training_seconds = Some(over - f.injected_at - steps as f64 / rate);
+                }
+            }
+        }
         let soaks: Vec<&RunOutcome> = runs.iter().filter(|r| r.name.starts_with("soak")).collect();
         let free: Vec<&RunOutcome> = runs
             .iter()
@@ -129,6 +147,7 @@ impl SoakReport {
             by_kind_seconds.insert(
                 kind.name().to_string(),
                 KindSeconds {
+                    lost_training_seconds: of.iter().filter_map(|f| f.lost_training_seconds).sum(),
                     detect_seconds: pick(|f| f.detect_seconds),
                     resume_seconds: pick(|f| f.resume_seconds),
                     redundant_seconds: pick(|f| f.redundant_seconds),
@@ -213,20 +232,21 @@ impl SoakReport {
     /// The lines a person reads.
     pub fn table(&self) -> Vec<String> {
         let mut lines = vec![format!(
-            "{:<18} {:>8} {:>8} {:>10} {:>10} {:>10}",
-            "fault", "injected", "survived", "detect s", "resume s", "full s"
+            "{:<18} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10}",
+            "fault", "injected", "survived", "detect s", "resume s", "full s", "lost s"
         )];
         let med = |s: &Spread| s.median.map_or("-".into(), |v| format!("{v:.2}"));
         for (kind, n) in &self.faults_injected {
             let s = self.by_kind.get(kind);
             lines.push(format!(
-                "{:<18} {:>8} {:>8} {:>10} {:>10} {:>10}",
+                "{:<18} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10}",
                 kind,
                 n,
                 self.faults_survived.get(kind).copied().unwrap_or(0),
                 s.map_or("-".into(), |s| med(&s.detect_seconds)),
                 s.map_or("-".into(), |s| med(&s.resume_seconds)),
                 s.map_or("-".into(), |s| med(&s.redundant_seconds)),
+                s.map_or("-".into(), |s| format!("{:.1}", s.lost_training_seconds)),
             ));
         }
         lines.push(format!(
@@ -299,6 +319,9 @@ mod tests {
             resume_seconds: detect.map(|d| d + 0.1),
             redundant_seconds: detect.map(|d| d + 0.5),
             over: true,
+            over_at: Some(20.0),
+            steps_during: Some(100),
+            lost_training_seconds: None,
             notes: notes.iter().map(|n| n.to_string()).collect(),
         }
     }
@@ -361,6 +384,8 @@ mod tests {
         assert_eq!(r.faults_survived["partition"], 0);
         assert_eq!(r.by_kind["server-kill"].detect_seconds.median, Some(2.0));
         assert_eq!(r.by_kind["server-kill"].detect_seconds.max, Some(3.0));
+        // 10 s windows of 100 steps each, at the failure-free 12.5 steps/s: 2 s lost each.
+        assert!((r.by_kind["server-kill"].lost_training_seconds - 4.0).abs() < 1e-9);
         assert_eq!(r.failures(), vec!["partition: 0 of 1 survived".to_string()]);
     }
 
