@@ -408,6 +408,62 @@ impl Cluster {
         self.coordinators.get_mut(i)
     }
 
+    /// Starts again, on its own host, every member that left on its own while no fault
+    /// holds the host: a standby coordinator, a spare server, an etcd member on its data.
+    /// Returns what it started, and why.
+    pub fn supervise(&mut self, held: &[String]) -> Result<Vec<String>> {
+        let mut started = Vec::new();
+        for slot in 0..2 {
+            let host = coordinator_host(slot);
+            if held.contains(&host) {
+                continue;
+            }
+            let mut gone = None;
+            let mut running = false;
+            for c in self.coordinators.iter_mut().filter(|c| c.host == host) {
+                if c.alive() {
+                    running = true;
+                } else {
+                    gone = Some(format!("{} exited {:?}", c.name, c.exited));
+                }
+            }
+            if !running {
+                self.start_coordinator(slot, true)?;
+                started.push(format!(
+                    "standby on {host} ({})",
+                    gone.unwrap_or_else(|| "none ran".into())
+                ));
+            }
+        }
+        let hosts: Vec<String> = self.servers.keys().cloned().collect();
+        for host in hosts {
+            if held.contains(&host) {
+                continue;
+            }
+            let gone = self
+                .servers
+                .get_mut(&host)
+                .and_then(|p| (!p.alive()).then(|| format!("{} exited {:?}", p.name, p.exited)));
+            if let Some(why) = gone {
+                let index = host.trim_start_matches('h').parse().unwrap_or(0);
+                self.start_server(index, None)?;
+                started.push(format!("spare on {host} ({why})"));
+            }
+        }
+        for i in 0..3 {
+            let host = etcd_host(i);
+            let gone = self.etcd[i].proc.as_mut().is_none_or(|p| !p.alive());
+            if gone && !held.contains(&host) {
+                self.start_etcd(i, true)?;
+                started.push(format!("etcd {host}"));
+            }
+        }
+        for s in &started {
+            tracing::info!("soak: the supervisor started {s}");
+        }
+        Ok(started)
+    }
+
     /// Reads every live process's resources.
     pub fn sample(&mut self) {
         for p in self.all_procs() {

@@ -53,12 +53,14 @@ pub struct RunOutcome {
     pub scrubs: u64,
     pub scrubs_unfinished: u64,
     pub max_stall_seconds: f64,
+    /// Members the supervisor started again after they left on their own.
+    pub supervisor_restarts: Vec<String>,
     pub faults: Vec<FaultRecord>,
     /// Faults of the schedule the job ended before (they waited for a recovery).
     pub not_injected: Vec<Planned>,
     pub members: Vec<MemberUsage>,
     pub run_dir: PathBuf,
-    #[serde(skip)]
+    /// Committed samples per second, and the faults' and recoveries' moments.
     pub timeline: TimelineData,
 }
 
@@ -134,6 +136,7 @@ fn drive(spec: &RunSpec<'_>, cluster: &mut Cluster) -> Result<RunOutcome> {
     let mut last_sample = cluster.now();
     let mut ended: Option<usize> = None;
     let mut result = "ok".to_string();
+    let mut restarts: Vec<String> = Vec::new();
     loop {
         std::thread::sleep(Duration::from_millis(100));
         let total = cluster.poll();
@@ -177,6 +180,11 @@ fn drive(spec: &RunSpec<'_>, cluster: &mut Cluster) -> Result<RunOutcome> {
             }
         }
         active = still;
+        // The operator's supervisor: a member that left on its own (a coordinator deposed
+        // by a quorum loss, a spare told to stop) is started again on its host, unless a
+        // fault still holds the host.
+        let held: Vec<String> = active.iter().flat_map(Active::held).collect();
+        restarts.extend(cluster.supervise(&held)?);
         if let Some(next) = pending.front().copied() {
             let in_flight = InFlight {
                 servers_lost: active.iter().map(Active::servers_lost).sum(),
@@ -184,7 +192,7 @@ fn drive(spec: &RunSpec<'_>, cluster: &mut Cluster) -> Result<RunOutcome> {
                 lossy: active.iter().any(Active::lossy),
             };
             if now - origin >= next.at && admissible(next.kind, in_flight, spec.tolerance) {
-                let busy: Vec<String> = active.iter().flat_map(|a| a.hosts().to_vec()).collect();
+                let busy: Vec<String> = active.iter().flat_map(Active::held).collect();
                 if let Some(a) = strike(
                     cluster,
                     &mut rng,
@@ -314,6 +322,7 @@ fn drive(spec: &RunSpec<'_>, cluster: &mut Cluster) -> Result<RunOutcome> {
         scrubs,
         scrubs_unfinished: unfinished,
         max_stall_seconds: stall,
+        supervisor_restarts: restarts,
         faults: done,
         not_injected: pending.into_iter().collect(),
         members: Vec::new(),

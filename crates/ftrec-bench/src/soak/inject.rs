@@ -90,8 +90,11 @@ impl Active {
         self.record.kind == FaultKind::Loss
     }
 
-    pub fn hosts(&self) -> &[String] {
-        &self.hosts
+    /// The hosts it holds: the supervisor leaves them to it.
+    pub fn held(&self) -> Vec<String> {
+        let mut held = self.hosts.clone();
+        held.extend(self.etcd.iter().map(|i| format!("e{i}")));
+        held
     }
 }
 

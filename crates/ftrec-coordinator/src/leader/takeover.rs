@@ -330,8 +330,16 @@ pub(crate) fn restore(
     // may be frozen, not gone) wait out their deadlines: their silence counts from one
     // lease TTL after the takeover. Without it, a loaded host let a new leader declare
     // live servers dead before they had found it, and they exited (cluster_etcd's
-    // frozen-leader test, about one run in two with its tests in parallel).
-    let grace_until = tokio::time::Instant::now() + d.leadership.ttl();
+    // frozen-leader test, about one run in two with its tests in parallel). A member
+    // whose read of the leader key hung on an etcd member that was frozen or cut off
+    // learns of the takeover one etcd request timeout later still: after a quorum loss,
+    // a new leader declared two live servers dead 4.0 s after taking over, and one of
+    // them had found it at 4.7 s (`bench soak`, issue 44 §1).
+    let member_read = shared
+        .job
+        .etcd_options()
+        .map_or(std::time::Duration::ZERO, |o| o.request_timeout);
+    let grace_until = tokio::time::Instant::now() + d.leadership.ttl() + member_read;
     // The record's members, spares included, are forgiven.
     s.members.forgive_silence(grace_until);
     s.members.next_token = record.next_token;
