@@ -413,6 +413,13 @@ impl Cluster {
     /// Returns what it started, and why.
     pub fn supervise(&mut self, held: &[String]) -> Result<Vec<String>> {
         let mut started = Vec::new();
+        // Once training ended, members leave because the job is over.
+        if self
+            .events_since(EventKind::TrainingEnd, None, 0.0)
+            .is_some()
+        {
+            return Ok(started);
+        }
         for slot in 0..2 {
             let host = coordinator_host(slot);
             if held.contains(&host) {
@@ -440,10 +447,11 @@ impl Cluster {
             if held.contains(&host) {
                 continue;
             }
-            let gone = self
-                .servers
-                .get_mut(&host)
-                .and_then(|p| (!p.alive()).then(|| format!("{} exited {:?}", p.name, p.exited)));
+            // Exit code 0: it left because the job finished, not because it failed.
+            let gone = self.servers.get_mut(&host).and_then(|p| {
+                (!p.alive() && p.exited != Some(0))
+                    .then(|| format!("{} exited {:?}", p.name, p.exited))
+            });
             if let Some(why) = gone {
                 let index = host.trim_start_matches('h').parse().unwrap_or(0);
                 self.start_server(index, None)?;
