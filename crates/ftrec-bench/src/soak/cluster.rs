@@ -238,18 +238,25 @@ impl Cluster {
         Ok(())
     }
 
+    /// `ftrec ROLE --job JOB --etcd ENDPOINTS`: what every member's command starts with.
+    fn role_args(&self, role: &str) -> Vec<String> {
+        vec![
+            role.into(),
+            "--job".into(),
+            self.job.display().to_string(),
+            "--etcd".into(),
+            self.endpoints.clone(),
+        ]
+    }
+
     /// A coordinator on `host` (`standby`: it waits for the leader's lease to lapse).
     pub fn start_coordinator(&mut self, slot: usize, standby: bool) -> Result<()> {
         let host = coordinator_host(slot);
         let ip = self.net.host(&host).ip.clone();
         let id = self.unique(&format!("coordinator-c{slot}"));
         let out = self.dir.join(&id);
-        let mut args = vec![
-            "coordinator".into(),
-            "--job".into(),
-            self.job.display().to_string(),
-            "--etcd".into(),
-            self.endpoints.clone(),
+        let mut args = self.role_args("coordinator");
+        args.extend([
             "--id".into(),
             id.clone(),
             "--host".into(),
@@ -259,7 +266,7 @@ impl Cluster {
             "--out".into(),
             out.display().to_string(),
             "--json".into(),
-        ];
+        ]);
         if standby {
             args.push("--standby".into());
         }
@@ -272,15 +279,8 @@ impl Cluster {
     pub fn start_server(&mut self, h: usize, slot: Option<usize>) -> Result<()> {
         let host = server_host(h);
         let ip = self.net.host(&host).ip.clone();
-        let mut args = vec![
-            "server".into(),
-            "--job".into(),
-            self.job.display().to_string(),
-            "--etcd".into(),
-            self.endpoints.clone(),
-            "--host".into(),
-            ip,
-        ];
+        let mut args = self.role_args("server");
+        args.extend(["--host".into(), ip]);
         match slot {
             Some(id) => args.extend(["--id".into(), id.to_string()]),
             None => args.push("--spare".into()),
@@ -294,15 +294,8 @@ impl Cluster {
     }
 
     pub fn start_worker(&mut self, id: usize) -> Result<()> {
-        let args = vec![
-            "worker".into(),
-            "--job".into(),
-            self.job.display().to_string(),
-            "--etcd".into(),
-            self.endpoints.clone(),
-            "--id".into(),
-            id.to_string(),
-        ];
+        let mut args = self.role_args("worker");
+        args.extend(["--id".into(), id.to_string()]);
         let name = format!("worker-{id}");
         let proc = self.start(&worker_host(id), &name, args, Vec::new())?;
         self.workers.push(proc);

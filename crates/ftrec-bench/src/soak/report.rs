@@ -33,8 +33,8 @@ fn spread(v: Vec<f64>) -> Spread {
 #[derive(Clone, Debug, Serialize)]
 pub struct KindSeconds {
     /// Training seconds the kind cost, summed over its faults (see
-    /// [`FaultRecord::lost_training_seconds`]).
-    pub lost_training_seconds: f64,
+    /// [`FaultRecord::lost_training_seconds`]); none without a failure-free run.
+    pub lost_training_seconds: Option<f64>,
     pub detect_seconds: Spread,
     pub resume_seconds: Spread,
     pub redundant_seconds: Spread,
@@ -147,7 +147,11 @@ impl SoakReport {
             by_kind_seconds.insert(
                 kind.name().to_string(),
                 KindSeconds {
-                    lost_training_seconds: of.iter().filter_map(|f| f.lost_training_seconds).sum(),
+                    lost_training_seconds: {
+                        let lost: Vec<f64> =
+                            of.iter().filter_map(|f| f.lost_training_seconds).collect();
+                        (!lost.is_empty()).then(|| lost.iter().sum())
+                    },
                     detect_seconds: pick(|f| f.detect_seconds),
                     resume_seconds: pick(|f| f.resume_seconds),
                     redundant_seconds: pick(|f| f.redundant_seconds),
@@ -246,7 +250,8 @@ impl SoakReport {
                 s.map_or("-".into(), |s| med(&s.detect_seconds)),
                 s.map_or("-".into(), |s| med(&s.resume_seconds)),
                 s.map_or("-".into(), |s| med(&s.redundant_seconds)),
-                s.map_or("-".into(), |s| format!("{:.1}", s.lost_training_seconds)),
+                s.and_then(|s| s.lost_training_seconds)
+                    .map_or("-".into(), |v| format!("{v:.1}")),
             ));
         }
         lines.push(format!(
@@ -385,7 +390,8 @@ mod tests {
         assert_eq!(r.by_kind["server-kill"].detect_seconds.median, Some(2.0));
         assert_eq!(r.by_kind["server-kill"].detect_seconds.max, Some(3.0));
         // 10 s windows of 100 steps each, at the failure-free 12.5 steps/s: 2 s lost each.
-        assert!((r.by_kind["server-kill"].lost_training_seconds - 4.0).abs() < 1e-9);
+        let lost = r.by_kind["server-kill"].lost_training_seconds;
+        assert!(lost.is_some_and(|v| (v - 4.0).abs() < 1e-9), "{lost:?}");
         assert_eq!(r.failures(), vec!["partition: 0 of 1 survived".to_string()]);
     }
 

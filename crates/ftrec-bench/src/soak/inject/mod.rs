@@ -11,9 +11,12 @@ use serde::Serialize;
 
 use ftrec_proto::timeline::EventKind;
 
+mod leader;
+
 use super::cluster::{Cluster, server_host, worker_host};
 use super::schedule::FaultKind;
 use crate::error::Result;
+use leader::etcd_rules;
 
 /// How long a zombie stays frozen, a lossy server lossy, the leader cut off from etcd,
 /// quorum lost, and an etcd member down.
@@ -310,16 +313,6 @@ pub fn strike(
     Ok(Some(a))
 }
 
-/// DROP between `host` and every etcd member, both ways, in both namespaces.
-fn etcd_rules(cluster: &Cluster, host: &str, insert: bool) -> Result<()> {
-    let h = cluster.net.host(host).clone();
-    for i in 0..3 {
-        let e = cluster.net.host(&format!("e{i}")).clone();
-        cluster.net.partition(&h, &e, true, true, insert)?;
-    }
-    Ok(())
-}
-
 impl Active {
     fn rel(&self, t: f64) -> f64 {
         t - self.t0
@@ -529,73 +522,6 @@ impl Active {
             let index = h.trim_start_matches('h').parse().unwrap_or(0);
             debug_assert_eq!(server_host(index), h);
             cluster.start_server(index, None)?;
-        }
-        Ok(())
-    }
-
-    fn advance_leader(
-        &mut self,
-        cluster: &mut Cluster,
-        now: f64,
-        since: f64,
-        first_progress_after: &dyn Fn(f64) -> Option<f64>,
-    ) -> Result<()> {
-        let Some((slot, old)) = self.coordinator.clone() else {
-            self.record.over = true;
-            return Ok(());
-        };
-        let led = cluster.new_leader_since(&old, self.t0);
-        if let Some(t) = led {
-            self.record.detect_seconds.get_or_insert(self.rel(t));
-            if self.record.resume_seconds.is_none()
-                && let Some(r) = first_progress_after(t)
-            {
-                self.record.resume_seconds = Some(self.rel(r));
-            }
-        }
-        let cut = self.record.kind == FaultKind::LeaderEtcdCut;
-        if cut && !self.undone && since >= LEADER_CUT_SECONDS {
-            etcd_rules(cluster, &self.hosts[0], false)?;
-            self.undone = true;
-        }
-        if !cut {
-            self.undone = true;
-        }
-        if led.is_none() && since >= DETECT_WITHIN {
-            self.record
-                .notes
-                .push(format!("no new leader within {DETECT_WITHIN} s"));
-            if cut && !self.undone {
-                etcd_rules(cluster, &self.hosts[0], false)?;
-                self.undone = true;
-            }
-            self.record.over = true;
-            return Ok(());
-        }
-        if led.is_some() && self.undone && !self.repaired {
-            let old_proc = cluster.coordinators.iter_mut().find(|c| c.name == old);
-            if let Some(p) = old_proc {
-                if p.alive() {
-                    if since < LEADER_CUT_SECONDS + 10.0 {
-                        return Ok(());
-                    }
-                    self.record
-                        .notes
-                        .push("the old leader still ran 10 s after the cut healed; killed".into());
-                    p.kill();
-                } else if cut {
-                    self.record.notes.push(format!(
-                        "the old leader exited by itself (code {:?})",
-                        p.exited
-                    ));
-                }
-            }
-            cluster.start_coordinator(slot, true)?;
-            self.repaired = true;
-        }
-        if self.repaired && self.record.resume_seconds.is_some() {
-            self.record.redundant_seconds = Some(self.rel(now));
-            self.record.over = true;
         }
         Ok(())
     }
