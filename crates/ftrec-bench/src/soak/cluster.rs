@@ -379,15 +379,6 @@ impl Cluster {
             .map(|s| s.at)
     }
 
-    /// When a server process on another host than `old_host` began serving `slot`, after
-    /// `since`.
-    pub fn served_since(&self, slot: usize, since: f64) -> Option<f64> {
-        self.seen
-            .iter()
-            .find(|s| s.at >= since && s.seen == Seen::Serves(slot))
-            .map(|s| s.at)
-    }
-
     /// Whether etcd member `i` runs and is not frozen.
     pub fn etcd_up(&mut self, i: usize) -> bool {
         self.etcd[i]

@@ -195,19 +195,16 @@ pub fn run(host: &dyn Host, a: &SoakOptions) -> Result<report::SoakReport> {
     };
     let seconds = a.minutes * 60.0;
     let time_limit = Duration::from_secs_f64(seconds * 4.0 + 300.0);
-    let spec = |name: &str, steps: u64, plan: Vec<schedule::Planned>, stop_after: Option<f64>| {
-        let dir = out.join(name);
-        let prefix = format!("/ftrec/soak-{}-{name}", std::process::id());
-        (dir, job_text(a, &data, steps, &prefix), plan, stop_after)
-    };
     let one = |name: &str,
                steps: u64,
                plan: Vec<schedule::Planned>,
                stop_after: Option<f64>|
      -> Result<RunOutcome> {
-        let (dir, text, plan, stop_after) = spec(name, steps, plan, stop_after);
-        let checked = job_file_text(text(""), &a.sets, &out.join("scratch.toml")).map(|_| ());
-        checked?;
+        let dir = out.join(name);
+        let prefix = format!("/ftrec/soak-{}-{name}", std::process::id());
+        let text = job_text(a, &data, steps, &prefix);
+        // `--set` is checked once here, so that applying it per endpoint list cannot fail.
+        job_file_text(text(""), &a.sets, &out.join("scratch.toml"))?;
         let sets = a.sets.clone();
         let scratch = dir.join("scratch.toml");
         let job_text = move |endpoints: &str| {
