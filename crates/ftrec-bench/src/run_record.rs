@@ -6,7 +6,7 @@ use ftrec_cluster::launch::LaunchReport;
 use ftrec_coordinator::{CheckpointRecord, Recovery};
 use serde::Deserialize;
 
-/// Server CPU over a window of the timeline: only its total is used.
+/// The job's CPU over a window of the timeline: only its total is used.
 #[derive(Clone, Copy, Debug, Default, Deserialize)]
 pub struct CpuSeconds {
     pub cpu_seconds: f64,
@@ -33,8 +33,14 @@ pub struct RunRecord {
     /// From each injected SIGKILL to training resumed.
     pub kill_to_resume_seconds: Vec<f64>,
     pub server_peak_rss_bytes: Vec<Option<u64>>,
-    pub server_cpu_training: Option<CpuSeconds>,
-    pub server_cpu_rebuilds: Vec<Option<CpuSeconds>>,
+    /// A spare's peak resident set while it waited (its `ec.spare_reserve` is paid there).
+    pub waiting_spare_peak_rss_bytes: Option<u64>,
+    /// Every job process's CPU (servers, workers, the launcher); recorded runs from before
+    /// issue 45 counted the servers only, under the old names.
+    #[serde(alias = "server_cpu_training")]
+    pub cpu_training: Option<CpuSeconds>,
+    #[serde(alias = "server_cpu_rebuilds")]
+    pub cpu_rebuilds: Vec<Option<CpuSeconds>>,
     pub parity_mismatches: Option<u64>,
     pub replica_mismatches: Option<u64>,
     pub auc: Option<f64>,
@@ -64,12 +70,9 @@ impl From<&LaunchReport> for RunRecord {
             pls: s.pls,
             kill_to_resume_seconds: r.kill_to_resume_seconds.clone(),
             server_peak_rss_bytes: r.server_peak_rss_bytes.clone(),
-            server_cpu_training: r.server_cpu_training.as_ref().map(cpu),
-            server_cpu_rebuilds: r
-                .server_cpu_rebuilds
-                .iter()
-                .map(|w| w.as_ref().map(cpu))
-                .collect(),
+            waiting_spare_peak_rss_bytes: r.waiting_spare_peak_rss_bytes,
+            cpu_training: r.cpu_training.as_ref().map(cpu),
+            cpu_rebuilds: r.cpu_rebuilds.iter().map(|w| w.as_ref().map(cpu)).collect(),
             parity_mismatches: r.parity_mismatches,
             replica_mismatches: r.replica_mismatches,
             auc: r.auc,
@@ -122,8 +125,9 @@ pub(crate) mod fixtures {
             "recoveries": [{ "mode": "rollback" }],
         }));
         assert_eq!(r.steps, 10);
-        assert_eq!(r.server_cpu_training.map(|c| c.cpu_seconds), Some(3.0));
-        assert_eq!(r.server_cpu_rebuilds[1].map(|c| c.cpu_seconds), Some(0.5));
+        // Recorded under the old names, read under the new.
+        assert_eq!(r.cpu_training.map(|c| c.cpu_seconds), Some(3.0));
+        assert_eq!(r.cpu_rebuilds[1].map(|c| c.cpu_seconds), Some(0.5));
         assert_eq!(r.recoveries[0].mode, RecoveryMode::Rollback);
         assert!(r.auc.is_none() && r.kill_to_resume_seconds.is_empty());
     }

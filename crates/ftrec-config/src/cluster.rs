@@ -223,18 +223,25 @@ pub struct EcSection {
     /// decodes at once.
     #[serde(default = "default_groups")]
     pub rebuild_locks: usize,
-    /// Caps a background rebuild's decoding rate (bytes of rows per second) so that it
-    /// takes less from training; 0: as fast as it goes. Rows a pull or push needs are
-    /// decoded at once whatever the cap.
+    /// Caps a background rebuild's decoding rate (bytes of rows per second); 0: no cap,
+    /// the rebuild paces itself (`ec.rebuild_training_share`). Rows a pull or push needs
+    /// are decoded at once whatever the cap.
     #[serde(default)]
     pub rebuild_bytes_per_sec: u64,
-    /// Rebuild first: the nice value (-20 to 19) that the replacement and the survivors
-    /// sending to it run at while an uncapped rebuild lasts (`rebuild_bytes_per_sec = 0`,
-    /// over the bulk stream), then put back. The rebuild's core-seconds come out of
-    /// training whenever they are spent; spent first, the window without redundancy ends
-    /// sooner. 0 leaves priorities alone. A negative value needs `CAP_SYS_NICE`; without
-    /// it the servers log a warning and rebuild at the normal priority.
-    #[serde(default = "default_rebuild_nice")]
+    /// A background rebuild paces itself from what it measures: it runs as fast as it
+    /// goes while training commits at least this share of the steps per second it
+    /// committed before the failure, and backs off (down to a floor that still ends the
+    /// rebuild) when training falls below it. On a host whose cores training fills, the
+    /// rebuild's core-seconds come out of training whenever they are spent, so a low share
+    /// ends the window without redundancy sooner for about the same training lost; a high
+    /// one spreads the rebuild out. 0 turns the pacing off (as fast as it goes).
+    #[serde(default = "default_rebuild_training_share")]
+    pub rebuild_training_share: f64,
+    /// The nice value (-20 to 19) that the replacement and the survivors sending to it run
+    /// at while an uncapped rebuild lasts, then put back. 0 (the default) leaves
+    /// priorities alone. A negative value needs `CAP_SYS_NICE`, which a container rarely
+    /// has; without it the servers log a warning and rebuild at the normal priority.
+    #[serde(default)]
     pub rebuild_nice: i32,
     /// How a survivor's cycle ranges reach a replacement: `bulk` (a raw TCP stream from
     /// the survivor's bulk port, claimed with a one-time ticket issued over the job's
@@ -272,8 +279,8 @@ fn default_groups() -> usize {
 fn yes() -> bool {
     true
 }
-fn default_rebuild_nice() -> i32 {
-    -10
+fn default_rebuild_training_share() -> f64 {
+    0.5
 }
 
 impl Default for EcSection {
@@ -286,7 +293,8 @@ impl Default for EcSection {
             two_phase_commit: true,
             rebuild_locks: default_groups(),
             rebuild_bytes_per_sec: 0,
-            rebuild_nice: default_rebuild_nice(),
+            rebuild_training_share: default_rebuild_training_share(),
+            rebuild_nice: 0,
             rebuild_transport: RebuildTransport::Bulk,
             spare_reserve: true,
         }
@@ -319,6 +327,12 @@ impl EcSection {
             return Err(ConfigError::Invalid(format!(
                 "ec.rebuild_nice = {}: a nice value is from -20 to 19",
                 self.rebuild_nice
+            )));
+        }
+        if !(0.0..1.0).contains(&self.rebuild_training_share) {
+            return Err(ConfigError::Invalid(format!(
+                "ec.rebuild_training_share = {}: a share of training's rate, from 0 (no pacing) to below 1",
+                self.rebuild_training_share
             )));
         }
         Ok(())

@@ -586,7 +586,23 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("ec.groups = 2"), "{e}");
-        assert_eq!(c.ec.rebuild_nice, -10);
+        assert_eq!(
+            c.ec.rebuild_nice, 0,
+            "a renice needs a privilege: off by default"
+        );
+        assert_eq!(c.ec.rebuild_training_share, 0.5);
+        let e = JobConfig::load(
+            Some("tiny"),
+            None,
+            &[
+                base[0].clone(),
+                "cluster.servers=3".into(),
+                "ec.rebuild_training_share=1.0".into(),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("ec.rebuild_training_share = 1"), "{e}");
         let e = JobConfig::load(
             Some("tiny"),
             None,

@@ -43,8 +43,6 @@ pub struct EcOptions {
     pub rounds: usize,
     /// Also the SIGKILL under erasure coding with every table's rows times each factor.
     pub scale: Vec<usize>,
-    /// The rebuild's cap in the throttled SIGKILL run.
-    pub throttle: u64,
     /// No progress lines.
     pub quiet: bool,
 }
@@ -62,9 +60,9 @@ pub(crate) struct Round {
     pub ec: RunRecord,
     pub ec_no_2pc: RunRecord,
     pub ec_no_replication: RunRecord,
+    /// The SIGKILL with the job's own rebuild settings (by default self-paced, no cap and
+    /// no renice): every recovery figure comes from this one run.
     pub ec_kill: RunRecord,
-    /// The same SIGKILL with the rebuild capped at `--throttle`.
-    pub ec_kill_throttled: RunRecord,
     pub ckpt_kill: RunRecord,
     /// `--scale`: the same SIGKILL at each factor of the rows.
     pub scaled: Vec<RunRecord>,
@@ -125,8 +123,6 @@ pub fn run(host: &dyn Host, a: &EcOptions) -> Result<Value> {
     };
     let mut coded_dense = with(FaultTolerance::Ec, true);
     coded_dense.ec.replicate_dense = false;
-    let mut throttled = with(FaultTolerance::Ec, true);
-    throttled.ec.rebuild_bytes_per_sec = a.throttle;
     let loopback_bytes_per_sec = crate::loopback::bytes_per_sec()?;
     let scaled_configs: Vec<JobConfig> = a
         .scale
@@ -143,7 +139,6 @@ pub fn run(host: &dyn Host, a: &EcOptions) -> Result<Value> {
             ec_no_2pc: one(&with(FaultTolerance::Ec, false), "ec-no-2pc", false)?,
             ec_no_replication: one(&coded_dense, "ec-no-replication", false)?,
             ec_kill: one(&with(FaultTolerance::Ec, true), "ec-kill", true)?,
-            ec_kill_throttled: one(&throttled, "ec-kill-throttled", true)?,
             ckpt_kill: one(
                 &with(FaultTolerance::Checkpoint, true),
                 "checkpoint-kill",
@@ -181,6 +176,29 @@ fn scaled(config: &JobConfig, factor: usize) -> Result<JobConfig> {
     c.model.num_tables = rows.len();
     c.fits_in_memory(0)?;
     Ok(c)
+}
+
+/// The reserve one waiting spare writes (`ec.spare_reserve`): per table, the largest data
+/// rows and the largest parity rows any slot holds (the spare does not know which slot it
+/// will take). 0 where no spare reserves (not erasure coded, or the reserve off).
+fn spare_reserve_bytes(config: &JobConfig) -> Result<u64> {
+    if !(config.cluster.ft.erasure_coded() && config.ec.spare_reserve) {
+        return Ok(0);
+    }
+    let model = config.model_config()?;
+    let layout = ftrec_rpc::Job::new(config.clone())?.layout()?;
+    let row_bytes = (model.row_stride() * 4) as u64;
+    let largest =
+        |of: &dyn Fn(usize) -> usize| (0..config.cluster.servers).map(of).max().unwrap_or(0) as u64;
+    Ok(model
+        .table_rows
+        .iter()
+        .enumerate()
+        .map(|(t, &rows)| {
+            largest(&|s| layout.local_rows(t, s, rows)) + largest(&|s| layout.parity_rows(s, rows))
+        })
+        .sum::<u64>()
+        * row_bytes)
 }
 
 /// Bytes the redundancy takes beside the model: parity rows on every server plus one

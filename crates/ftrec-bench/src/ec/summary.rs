@@ -5,7 +5,7 @@ use ftrec_config::JobConfig;
 use serde_json::{Value, json};
 
 use super::figures::{RoundFigures, round_figures, rpcs_per_step, server_bytes_per_sample};
-use super::{EcOptions, Round, redundancy_bytes};
+use super::{EcOptions, Round, redundancy_bytes, spare_reserve_bytes};
 use crate::error::Result;
 use crate::rounds::over_rounds;
 use crate::run_record::RunRecord;
@@ -22,14 +22,25 @@ pub(super) fn summary(
 ) -> Result<Value> {
     let figures: Vec<RoundFigures> = rounds
         .iter()
-        .map(|r| round_figures(r, config.train.batch_size as f64, a.checkpoint_every))
+        .map(|r| {
+            round_figures(
+                r,
+                config.train.batch_size as f64,
+                a.checkpoint_every,
+                a.spares,
+            )
+        })
         .collect();
     let across =
         |f: &dyn Fn(&RoundFigures) -> Option<f64>| over_rounds(figures.iter().map(f).collect());
     let per_run = |run: &dyn Fn(&Round) -> &RunRecord, f: &dyn Fn(&RunRecord) -> f64| {
         over_rounds(rounds.iter().map(|r| Some(f(run(r)))).collect())
     };
-    let (model_bytes, extra_bytes) = redundancy_bytes(ec_config)?;
+    let (model_bytes, parity_and_replica_bytes) = redundancy_bytes(ec_config)?;
+    // Every waiting spare writes its reserve before training starts, and only erasure
+    // coding needs one: it is part of what the redundancy costs.
+    let spare_reserve = spare_reserve_bytes(ec_config)? * a.spares as u64;
+    let extra_bytes = parity_and_replica_bytes + spare_reserve;
     let model = config.model_config()?;
     // The rebuild's figures, flat beside the others (one `json!` for all of them passes
     // the macro's recursion limit).
@@ -41,22 +52,30 @@ pub(super) fn summary(
         // installed is two bytes moved, so the rebuild's ceiling is about half of it.
         "loopback_bytes_per_sec": loopback_bytes_per_sec,
         "rebuild_fraction_of_loopback": across(&|f| Some(f.rebuild_bytes as f64 / f.rebuild_seconds.max(1e-9) / loopback_bytes_per_sec)),
-        // CPU the servers spent from the resume to full redundancy (`/proc`, every server
-        // process summed), less what the steps committed meanwhile cost them at the
-        // failure-free run's CPU per step, over the gigabytes rebuilt.
+        // CPU every job process spent from the resume to full redundancy (`/proc`: the
+        // servers with the replacement, the workers, the launcher and its coordinator),
+        // less what the steps committed meanwhile cost them at the failure-free `ec` run's
+        // CPU per step, over the gigabytes rebuilt.
         "rebuild_core_seconds_per_gb": across(&|f| f.rebuild_core_seconds_per_gb()),
-        "rebuild_server_cpu_seconds": across(&|f| f.rebuild_cpu),
-        "server_cpu_seconds_per_step": across(&|f| f.cpu_per_step),
-        // The throttled run: steps committed (not merely granted) while the replacement
-        // rebuilt, against the same run shape with no failure.
-        "rebuild_throughput_ratio": across(&|f| f.throttled.degraded_rate.map(|d| d / f.rate_ec)),
-        "rebuild_bytes_per_sec_throttled": across(&|f| f.throttled.rebuild_rate()),
-        "rebuild_throttle_bytes_per_sec": a.throttle,
-        "degraded_samples_per_sec": across(&|f| f.throttled.degraded_rate),
-        "steps_committed_while_degraded": across(&|f| f.throttled.committed_while_degraded),
-        // The unthrottled run, where the rebuild takes what it can from training.
-        "rebuild_throughput_ratio_unthrottled": across(&|f| f.degraded_rate.map(|d| d / f.rate_ec)),
-        "steps_committed_while_degraded_unthrottled": across(&|f| f.committed_while_degraded),
+        "rebuild_cpu_seconds": across(&|f| f.rebuild_cpu),
+        "cpu_seconds_per_step": across(&|f| f.cpu_per_step),
+        // Steps committed (not merely granted) while the replacement rebuilt, against the
+        // same job with no failure: the rebuild paces itself (`ec.rebuild_training_share`)
+        // unless `--set` changes it, in the same run as every other recovery figure.
+        "rebuild_throughput_ratio": across(&|f| f.degraded_rate.map(|d| d / f.rate_ec)),
+        "rebuild_training_share": ec_config.ec.rebuild_training_share,
+        "rebuild_cap_bytes_per_sec": ec_config.ec.rebuild_bytes_per_sec,
+        "rebuild_nice": ec_config.ec.rebuild_nice,
+        "degraded_samples_per_sec": across(&|f| f.degraded_rate),
+        "steps_committed_while_degraded": across(&|f| f.committed_while_degraded),
+        // Kill to full redundancy: 1 - committed / failure-free rate, integrated, plus any
+        // retrained steps; against checkpoints' restore, retrained steps at the
+        // failure-free step and the pause of the interval's cut, for the same SIGKILL.
+        "lost_training_seconds": across(&|f| f.lost_training_seconds),
+        "checkpoint_lost_training_seconds": across(&|f| f.ckpt_lost_training_seconds),
+        "lost_training_ratio": across(&|f| f.lost_training_seconds.zip(f.ckpt_lost_training_seconds).map(|(e, c)| e / c.max(1e-9))),
+        "checkpoint_retrained_steps": across(&|f| Some(f.ckpt_retrained_steps as f64)),
+        "checkpoint_pause_seconds": across(&|f| f.ckpt_pause_seconds),
     });
     let mut summary = json!({
         "preset": a.preset,
@@ -75,7 +94,6 @@ pub(super) fn summary(
             "ec_no_2pc": across(&|f| Some(f.rate_ec_no_2pc)),
             "ec_no_replication": across(&|f| Some(f.rate_ec_no_replication)),
             "ec_kill": across(&|f| Some(f.rate_ec_kill)),
-            "ec_kill_throttled": across(&|f| Some(f.throttled.rate)),
             "checkpoint_kill": across(&|f| Some(f.rate_ckpt_kill)),
         },
         "overhead": across(&|f| Some(1.0 - f.rate_ec / f.rate_none)),
@@ -97,19 +115,23 @@ pub(super) fn summary(
         // for redundancy; the first is what a user waits.
         "resume_speedup": across(&|f| f.ckpt_recovery.zip(f.kill_to_resume).map(|(c, e)| c / e)),
         "full_redundancy_speedup": across(&|f| f.ckpt_recovery.zip(f.kill_to_full_redundancy).map(|(c, e)| c / e)),
+        // Parity, the dense replica and every waiting spare's reserve, over the model.
         "memory_overhead": extra_bytes as f64 / model_bytes as f64,
-        // The same, measured: what the servers' peak resident sets (`/proc`, VmHWM,
-        // summed over the servers) grew by from `none` to `ec` in the same round, over
-        // the model's bytes. It counts what the layout leaves out (2PC's staged
-        // differences, buffers, allocator slack).
-        "memory_overhead_measured": across(&|f| f.rss_none.zip(f.rss_ec).map(|(none, ec)| {
-            (ec as f64 - none as f64) / model_bytes as f64
-        })),
+        // The same, measured: what the servers' and a waiting spare's peak resident sets
+        // (`/proc`, VmHWM) grew by from `none` to `ec` in the same round, over the model's
+        // bytes. It counts what the layout leaves out (2PC's staged differences, buffers,
+        // allocator slack).
+        "memory_overhead_measured": across(&|f| f.redundancy_rss_bytes().map(|b| b / model_bytes as f64)),
         "model_bytes": model_bytes,
         "redundancy_bytes": extra_bytes,
+        "spare_reserve_bytes": spare_reserve,
         "server_peak_rss_bytes": {
             "none": across(&|f| f.rss_none.map(|b| b as f64)),
             "ec": across(&|f| f.rss_ec.map(|b| b as f64)),
+        },
+        "waiting_spare_peak_rss_bytes": {
+            "none": across(&|f| f.spare_rss_none.map(|b| b as f64)),
+            "ec": across(&|f| f.spare_rss_ec.map(|b| b as f64)),
         },
         // Every data-plane RPC the servers served (workers' and peers': 2PC, parity
         // updates) per step, and their payload bytes per sample, side by side.
@@ -130,7 +152,6 @@ pub(super) fn summary(
             r.ec_no_2pc.parity_mismatches,
             r.ec_no_replication.parity_mismatches,
             r.ec_kill.parity_mismatches,
-            r.ec_kill_throttled.parity_mismatches,
         ]).collect::<Vec<_>>(),
         // Dense replicas that differ from their primary at the end. One-round mode with
         // asynchronous workers lets the primary and its replica apply pushes in different
@@ -140,9 +161,8 @@ pub(super) fn summary(
             r.ec_no_2pc.replica_mismatches,
             r.ec_no_replication.replica_mismatches,
             r.ec_kill.replica_mismatches,
-            r.ec_kill_throttled.replica_mismatches,
         ]).collect::<Vec<_>>(),
-        "lost_samples": rounds.iter().map(|r| [r.ec_kill.lost_samples, r.ec_kill_throttled.lost_samples]).collect::<Vec<_>>(),
+        "lost_samples": rounds.iter().map(|r| r.ec_kill.lost_samples).collect::<Vec<_>>(),
         "scale": scale_figures(&a.scale, rounds, scaled_configs)?,
     });
     if let (Some(all), serde_json::Value::Object(rebuild)) = (summary.as_object_mut(), rebuild) {

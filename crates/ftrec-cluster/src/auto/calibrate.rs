@@ -18,15 +18,10 @@ use super::model::{Costs, Measured};
 /// `bench-results/ec/summary-issue23-s37-rebuild-first.json`): used when no summary is given.
 pub const EC_OVERHEAD: f64 = 0.047;
 pub const EC_RESUME_SECONDS: f64 = 0.24;
-/// The unthrottled rebuild's rate, and the share of training it takes meanwhile
-/// (1 − `rebuild_throughput_ratio_unthrottled`, 0.132). An uncapped rebuild goes first
-/// (`ec.rebuild_nice`), so it takes most of training for a short time.
+/// The self-paced rebuild's rate, and the share of training it takes meanwhile
+/// (1 − `rebuild_throughput_ratio`), from the same run.
 pub const EC_REBUILD_BYTES_PER_SEC: f64 = 1416e6;
 pub const EC_REBUILD_SLOWDOWN: f64 = 0.868;
-/// The throttled run: its cap, and the share of training the rebuild takes at that cap
-/// (1 − `rebuild_throughput_ratio`, 0.954).
-pub const EC_REBUILD_THROTTLE_BYTES_PER_SEC: f64 = 60e6;
-pub const EC_REBUILD_SLOWDOWN_THROTTLED: f64 = 0.046;
 /// A replacement server process started and joined: `bench cluster`'s SIGKILL to resume
 /// less its detection, on loopback.
 pub const RESTART_SECONDS: f64 = 0.5;
@@ -115,31 +110,27 @@ pub fn calibrate(config: &JobConfig, opts: &CalibrateOptions<'_>) -> Result<Cost
 struct EcFigures {
     overhead: Measured,
     resume: Measured,
-    /// The unthrottled rebuild's rate, and the share of training it took meanwhile.
+    /// The rebuild's rate, and the share of training it took meanwhile, from one run.
     rebuild_rate: Measured,
     slowdown: Measured,
-    /// The throttled run's cap, and the share of training the rebuild took at it.
-    throttle: f64,
-    slowdown_throttled: Measured,
 }
 
 impl EcFigures {
-    /// The share of training a rebuild takes at the job's cap (0: none). Unthrottled, as
-    /// measured unthrottled; capped, the throttled run's share scaled by the cap over the
-    /// bench's (the rebuild's CPU grows with its rate), never above the unthrottled share.
-    /// The rate and the slowdown must come from the same run: an unthrottled rate priced
-    /// with a throttled slowdown leaves out what a fast rebuild costs training.
+    /// The share of training a rebuild takes at the job's cap (0: none). At or above the
+    /// measured rate, as measured; below it, scaled by the cap over that rate (the
+    /// rebuild's CPU grows with its rate). The rate and the slowdown come from the same
+    /// run: a fast rate priced with a slow run's slowdown leaves out what it costs.
     fn slowdown_at(&self, cap: u64) -> Measured {
-        if cap == 0 || self.throttle <= 0.0 {
+        let rate = self.rebuild_rate.value;
+        if cap == 0 || rate <= 0.0 || cap as f64 >= rate {
             return self.slowdown.clone();
         }
-        let scaled = self.slowdown_throttled.value * cap as f64 / self.throttle;
         Measured::new(
-            scaled.min(self.slowdown.value),
+            self.slowdown.value * cap as f64 / rate,
             format!(
-                "{}, scaled from its cap of {:.0} MB/s to ec.rebuild_bytes_per_sec = {:.0} MB/s",
-                self.slowdown_throttled.source,
-                self.throttle / 1e6,
+                "{}, scaled from its {:.0} MB/s to ec.rebuild_bytes_per_sec = {:.0} MB/s",
+                self.slowdown.source,
+                rate / 1e6,
                 cap as f64 / 1e6
             ),
         )
@@ -153,12 +144,7 @@ fn ec_figures(summary: Option<&Path>) -> Result<EcFigures, PsError> {
             overhead: Measured::new(EC_OVERHEAD, BENCH),
             resume: Measured::new(EC_RESUME_SECONDS, BENCH),
             rebuild_rate: Measured::new(EC_REBUILD_BYTES_PER_SEC, BENCH),
-            slowdown: Measured::new(EC_REBUILD_SLOWDOWN, format!("{BENCH}, unthrottled")),
-            throttle: EC_REBUILD_THROTTLE_BYTES_PER_SEC,
-            slowdown_throttled: Measured::new(
-                EC_REBUILD_SLOWDOWN_THROTTLED,
-                format!("{BENCH}, throttled"),
-            ),
+            slowdown: Measured::new(EC_REBUILD_SLOWDOWN, BENCH),
         });
     };
     let text = std::fs::read_to_string(path).map_err(crate::launch::io(path))?;
@@ -177,19 +163,13 @@ fn ec_figures(summary: Option<&Path>) -> Result<EcFigures, PsError> {
             })
     };
     let source = format!("measured: {} (bench ec)", path.display());
-    let share = |ratio: f64| (1.0 - ratio).clamp(0.0, 1.0);
     Ok(EcFigures {
         overhead: Measured::new(key("overhead")?.max(0.0), source.clone()),
         resume: Measured::new(key("kill_to_resume_seconds")?, source.clone()),
         rebuild_rate: Measured::new(key("rebuild_bytes_per_sec")?, source.clone()),
         slowdown: Measured::new(
-            share(key("rebuild_throughput_ratio_unthrottled")?),
-            format!("{source}, unthrottled"),
-        ),
-        throttle: key("rebuild_throttle_bytes_per_sec")?,
-        slowdown_throttled: Measured::new(
-            share(key("rebuild_throughput_ratio")?),
-            format!("{source}, throttled"),
+            (1.0 - key("rebuild_throughput_ratio")?).clamp(0.0, 1.0),
+            source,
         ),
     })
 }
@@ -244,51 +224,43 @@ pub fn scratch_dir(config: &JobConfig, run_dir: &Path) -> PathBuf {
 mod tests {
     use super::*;
 
-    fn summary(dir: &Path, unthrottled: Option<f64>) -> PathBuf {
+    fn summary(dir: &Path, ratio: Option<f64>) -> PathBuf {
         let mut v = serde_json::json!({
             "overhead": {"median": 0.05},
             "kill_to_resume_seconds": {"median": 0.25},
             "rebuild_bytes_per_sec": {"median": 8e8},
-            "rebuild_throughput_ratio": {"median": 0.98},
-            "rebuild_throttle_bytes_per_sec": 6e7,
         });
-        if let Some(ratio) = unthrottled {
-            v["rebuild_throughput_ratio_unthrottled"] = serde_json::json!({"median": ratio});
+        if let Some(ratio) = ratio {
+            v["rebuild_throughput_ratio"] = serde_json::json!({"median": ratio});
         }
         let path = dir.join("summary.json");
         std::fs::write(&path, v.to_string()).unwrap();
         path
     }
 
-    /// An unthrottled rebuild is priced with what it took unthrottled, a capped one with
-    /// the throttled run's share scaled to the cap, never more than unthrottled.
+    /// A rebuild at the measured rate is priced with what it took in that run; one capped
+    /// below it, with that share scaled to the cap.
     #[test]
     fn the_slowdown_comes_from_the_run_whose_rate_is_used() {
         let dir = tempfile::tempdir().unwrap();
         let ec = ec_figures(Some(&summary(dir.path(), Some(0.35)))).unwrap();
         let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
         assert!(close(ec.slowdown_at(0).value, 0.65));
-        assert!(close(ec.slowdown_at(60_000_000).value, 0.02));
-        assert!(close(ec.slowdown_at(120_000_000).value, 0.04));
+        assert!(close(ec.slowdown_at(200_000_000).value, 0.65 / 4.0));
         assert!(close(ec.slowdown_at(10_000_000_000).value, 0.65));
-        assert!(ec.slowdown_at(120_000_000).source.contains("scaled"));
+        assert!(ec.slowdown_at(200_000_000).source.contains("scaled"));
         let recorded = ec_figures(None).unwrap();
         assert!(close(recorded.slowdown_at(0).value, EC_REBUILD_SLOWDOWN));
-        assert!(close(
-            recorded.slowdown_at(60_000_000).value,
-            EC_REBUILD_SLOWDOWN_THROTTLED
-        ));
     }
 
     #[test]
-    fn a_summary_without_the_unthrottled_ratio_is_refused_by_name() {
+    fn a_summary_without_the_throughput_ratio_is_refused_by_name() {
         let dir = tempfile::tempdir().unwrap();
         let err = ec_figures(Some(&summary(dir.path(), None)))
             .err()
             .expect("refused");
         assert!(
-            err.to_string()
-                .contains("rebuild_throughput_ratio_unthrottled"),
+            err.to_string().contains("rebuild_throughput_ratio"),
             "{err}"
         );
     }

@@ -1,13 +1,14 @@
-//! CPU time of the server processes, read from `/proc` as the run goes: what a rebuild
-//! really costs the cluster (`bench ec`'s `rebuild_core_seconds_per_gb`), in the time the
-//! servers spent on the CPU rather than in what the rebuild's own clock says.
+//! CPU time of the job's processes (servers, workers, the launcher), read from `/proc` as
+//! the run goes: what a rebuild really costs the cluster (`bench ec`'s
+//! `rebuild_core_seconds_per_gb`), in the time every process spent on the CPU rather than
+//! in what the rebuild's own clock says.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use serde::Serialize;
 
-/// The servers' summed CPU seconds since the run began, sampled over time. A process that
+/// The job processes' summed CPU seconds since the run began, sampled over time. A process that
 /// exits between samples loses its last few milliseconds; a process counts from the first
 /// sample that sees it in a slot.
 #[derive(Debug, Default)]
@@ -18,12 +19,12 @@ pub(super) struct CpuSeries {
     points: Vec<(f64, f64)>,
 }
 
-/// Server CPU over a window of the timeline.
+/// The job's CPU over a window of the timeline.
 #[derive(Clone, Copy, Debug, Serialize, serde::Deserialize)]
 pub struct CpuWindow {
     pub from: f64,
     pub to: f64,
-    /// CPU seconds the server processes used in the window, summed.
+    /// CPU seconds the job's processes used in the window, summed.
     pub cpu_seconds: f64,
 }
 
@@ -56,7 +57,7 @@ impl CpuSeries {
         Some(c0 + (c1 - c0) * (t - t0) / (t1 - t0))
     }
 
-    /// The servers' CPU seconds in `[from, to]`, or `None` if no sample covers it.
+    /// The processes' CPU seconds in `[from, to]`, or `None` if no sample covers it.
     pub(super) fn window(&self, from: f64, to: f64) -> Option<CpuWindow> {
         let first = self.points.first()?.0;
         let last = self.points.last()?.0;

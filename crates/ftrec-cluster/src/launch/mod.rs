@@ -105,12 +105,15 @@ pub struct LaunchReport {
     /// spares): a spare's memory reserve (`ec.spare_reserve`) is paid here, before any
     /// failure.
     pub waiting_spare_peak_rss_bytes: Option<u64>,
-    /// The server processes' CPU time (`/proc`, summed over the servers) while training
+    /// Every job process's CPU time (`/proc`, summed: the servers, a promoted spare from
+    /// its promotion, the workers, and this launcher with its coordinator) while training
     /// ran, and in each recovery's background rebuild (from the resume to full
-    /// redundancy; null for a recovery with none).
+    /// redundancy; null for a recovery with none). A rebuild's cost is what it adds to
+    /// all of them: the replacement decodes, the survivors send, and the workers' steps
+    /// wait or go degraded meanwhile.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub server_cpu_training: Option<cpu::CpuWindow>,
-    pub server_cpu_rebuilds: Vec<Option<cpu::CpuWindow>>,
+    pub cpu_training: Option<cpu::CpuWindow>,
+    pub cpu_rebuilds: Vec<Option<cpu::CpuWindow>>,
     pub auc: Option<f64>,
     pub logloss: Option<f64>,
     pub eval_samples: Option<usize>,
@@ -212,17 +215,15 @@ async fn run_async(
         };
         let mut peaks = rss::PeakRss::new(cluster.servers);
         let cpu = Arc::new(Mutex::new(cpu::CpuSeries::default()));
-        let sampler = tokio::spawn(sample_server_cpu(
+        let sampler = tokio::spawn(sample_job_cpu(
             shared.clone(),
-            cluster.servers,
+            (cluster.servers, cluster.workers),
             cpu.clone(),
         ));
         let kill_times = supervised.run(&mut handle, &on_progress, &mut peaks).await;
         sampler.abort();
         // A last sample after training ended, so that the training window is covered.
-        let pids: Vec<u32> = (0..cluster.servers)
-            .filter_map(|id| shared.pid_of(Role::Server, id))
-            .collect();
+        let pids = job_pids(&shared, cluster.servers, cluster.workers);
         cpu.lock()
             .unwrap_or_else(|p| p.into_inner())
             .sample(shared.now(), pids);
@@ -247,9 +248,9 @@ async fn run_async(
             .of(EventKind::TrainingStart)
             .next()
             .map(|e| e.t);
-        report.server_cpu_training =
+        report.cpu_training =
             training_start.and_then(|t| cpu.window(t, t + report.summary.train_seconds));
-        report.server_cpu_rebuilds = report
+        report.cpu_rebuilds = report
             .summary
             .recoveries
             .iter()
@@ -281,20 +282,28 @@ async fn run_async(
     }
 }
 
-/// Samples the server slots' CPU time every 20 ms until aborted: a rebuild of a second
+/// The job's processes now: every server slot's and worker's, and this launcher's (its
+/// coordinator runs here).
+fn job_pids(shared: &coordinator::Shared, servers: usize, workers: usize) -> Vec<u32> {
+    (0..servers)
+        .filter_map(|id| shared.pid_of(Role::Server, id))
+        .chain((0..workers).filter_map(|id| shared.pid_of(Role::Worker, id)))
+        .chain(std::iter::once(std::process::id()))
+        .collect()
+}
+
+/// Samples the job processes' CPU time every 20 ms until aborted: a rebuild of a second
 /// or two needs finer steps than the supervisor's loop.
-async fn sample_server_cpu(
+async fn sample_job_cpu(
     shared: Arc<coordinator::Shared>,
-    servers: usize,
+    (servers, workers): (usize, usize),
     series: Arc<Mutex<cpu::CpuSeries>>,
 ) {
     let mut tick = tokio::time::interval(Duration::from_millis(20));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let pids: Vec<u32> = (0..servers)
-            .filter_map(|id| shared.pid_of(Role::Server, id))
-            .collect();
+        let pids = job_pids(&shared, servers, workers);
         let now = shared.now();
         series
             .lock()

@@ -84,8 +84,8 @@ pub async fn final_report(
         // The launcher samples `/proc` as the run goes; it fills these in.
         server_peak_rss_bytes: Vec::new(),
         waiting_spare_peak_rss_bytes: None,
-        server_cpu_training: None,
-        server_cpu_rebuilds: Vec::new(),
+        cpu_training: None,
+        cpu_rebuilds: Vec::new(),
         auc,
         logloss,
         eval_samples,

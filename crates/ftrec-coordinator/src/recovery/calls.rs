@@ -186,6 +186,7 @@ async fn rollback(
             lost: Vec::new(),
             parity_only: true,
             background: false,
+            failure_free_steps_per_sec: 0.0,
         };
         async move {
             (
@@ -233,6 +234,7 @@ async fn rebuild(
         .chain(unreadable)
         .map(|&s| s as u32)
         .collect();
+    let failure_free_steps_per_sec = shared.lock().steps.recent_steps_per_sec();
     let rebuilds = servers.iter().map(|&server| {
         let mut c = clients[server].clone();
         let request = RebuildRequest {
@@ -241,6 +243,7 @@ async fn rebuild(
             lost: lost.clone(),
             parity_only: false,
             background,
+            failure_free_steps_per_sec,
         };
         async move {
             let r = follow_rebuild(shared, server, &mut c, request, true).await;

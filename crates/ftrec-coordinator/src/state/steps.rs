@@ -2,6 +2,7 @@
 //! steps count (samples, the time of the last), lost steps in a row, the retry timer of
 //! orphan resolution, and the kills that fire when a step is granted.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -13,6 +14,11 @@ use crate::ledger::StepLedger;
 /// How long to wait before asking the servers about orphan steps again after one did not
 /// answer.
 const RESOLVE_RETRY: Duration = Duration::from_millis(200);
+
+/// Settled steps the job's recent rate is measured over: enough to smooth a step's
+/// jitter, few enough that the rate is the last second or two of training, not the
+/// warm-up's.
+const RATE_WINDOW: usize = 32;
 
 pub(crate) struct Steps {
     pub(crate) ledger: StepLedger,
@@ -30,6 +36,8 @@ pub(crate) struct Steps {
     step_kills: Vec<(Role, usize, u64)>,
     /// When the last step so far was counted, on the timeline's clock.
     pub(crate) last_step_at: Option<f64>,
+    /// When the last `RATE_WINDOW` steps were settled (timeline seconds), oldest first.
+    recent: VecDeque<f64>,
     /// Training has started, under this leader or an earlier one: a server that joins
     /// from now on takes a slot whose state comes from elsewhere (a rebuild, a cut), never
     /// from the seed. Not the phase: a new leader is `Recovering` during its takeover
@@ -49,6 +57,7 @@ impl Steps {
             resolve_after: None,
             step_kills: Vec::new(),
             last_step_at: None,
+            recent: VecDeque::with_capacity(RATE_WINDOW),
             started: false,
         }
     }
@@ -57,6 +66,23 @@ impl Steps {
     pub(crate) fn settled(&mut self, samples: u64, t: f64) {
         self.samples += samples;
         self.last_step_at = Some(t);
+        if self.recent.len() == RATE_WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(t);
+    }
+
+    /// Steps per second over the last settled steps, or 0 with fewer than two (unknown).
+    /// Read when a recovery starts, it is the failure-free rate a background rebuild paces
+    /// itself against: no step settles while a lost server's steps wait, so the window
+    /// ends at the failure.
+    pub(crate) fn recent_steps_per_sec(&self) -> f64 {
+        match (self.recent.front(), self.recent.back()) {
+            (Some(&first), Some(&last)) if last > first => {
+                (self.recent.len() - 1) as f64 / (last - first)
+            }
+            _ => 0.0,
+        }
     }
 
     /// Orphan resolution waits: a server did not answer the last time.
@@ -115,6 +141,23 @@ mod tests {
         s.resolve_later(now);
         assert!(s.resolving_waits(now));
         assert!(!s.resolving_waits(now + RESOLVE_RETRY));
+    }
+
+    #[test]
+    fn the_recent_rate_is_over_the_last_window_of_settled_steps() {
+        let mut s = Steps::new(1000);
+        assert_eq!(s.recent_steps_per_sec(), 0.0);
+        s.settled(1, 0.0);
+        assert_eq!(s.recent_steps_per_sec(), 0.0, "one step is no rate");
+        // A slow warm-up (a step a second), then 10 steps a second: once the window has
+        // moved past the warm-up, only the fast steps count.
+        for i in 1..10 {
+            s.settled(1, i as f64);
+        }
+        for i in 1..=RATE_WINDOW {
+            s.settled(1, 9.0 + i as f64 / 10.0);
+        }
+        assert!((s.recent_steps_per_sec() - 10.0).abs() < 1e-9);
     }
 
     #[test]

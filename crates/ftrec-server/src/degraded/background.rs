@@ -12,8 +12,6 @@
 //! replacement does not need (it sends whole cycles); `n = k + r` and `r = 1`, the default,
 //! waste nothing.
 
-use std::time::Duration;
-
 use bytes::Bytes;
 use tokio::time::Instant;
 
@@ -25,6 +23,7 @@ use ftrec_rpc::PsError;
 use super::{Background, Rounds, Sorted, decode_row, rows_as_asked};
 use crate::Core;
 use crate::bulk::RangeAsk;
+use crate::rebuild::pace::Pace;
 
 /// Bytes each survivor sends per range: small enough that a range fits the bulk
 /// connection's send buffer, so the survivor hands it all to the kernel under its read
@@ -434,18 +433,29 @@ impl Core {
     }
 
     /// The background part of a rebuild: every pending slot, cycle range by cycle range,
-    /// at most `ec.rebuild_locks` ranges at once, at most `ec.rebuild_bytes_per_sec`.
-    /// `progress` hears of each table. Returns the bytes and slots installed.
+    /// at most `ec.rebuild_locks` ranges at once, paced against training's committed rate
+    /// (`rebuild/pace.rs`: `failure_free_steps_per_sec` is the job's before the failure)
+    /// and at most `ec.rebuild_bytes_per_sec`. `progress` hears of each table. Returns the
+    /// bytes and slots installed.
     pub(crate) async fn rebuild_in_background(
         &self,
         tables: usize,
         started: Instant,
         totals: RebuildReply,
+        failure_free_steps_per_sec: f64,
         progress: &tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
     ) -> Result<RebuildReply, PsError> {
         // Rebuild first (`rebuild/boost.rs`), for as long as the rebuild runs, whatever its end.
         let boosted = self.rebuilding.boost.as_ref().map(|b| b.hold());
-        let result = self.rebuild_ranges(tables, started, totals, progress).await;
+        let result = self
+            .rebuild_ranges(
+                tables,
+                started,
+                totals,
+                failure_free_steps_per_sec,
+                progress,
+            )
+            .await;
         if let Some(bulk) = &self.rebuilding.bulk_client {
             bulk.close_all();
         }
@@ -458,11 +468,20 @@ impl Core {
         tables: usize,
         started: Instant,
         mut totals: RebuildReply,
+        failure_free_steps_per_sec: f64,
         progress: &tokio::sync::mpsc::Sender<Result<RebuildReply, tonic::Status>>,
     ) -> Result<RebuildReply, PsError> {
         use futures::StreamExt;
-        let parallel = self.job.config.ec.rebuild_locks.max(1);
-        let cap = self.job.config.ec.rebuild_bytes_per_sec;
+        let ec = &self.job.config.ec;
+        let parallel = ec.rebuild_locks.max(1);
+        let mut pace = Pace::new(
+            failure_free_steps_per_sec,
+            ec.rebuild_training_share,
+            ec.rebuild_bytes_per_sec,
+            Instant::now(),
+            self.pipeline.live().applied,
+            totals.bytes,
+        );
         let mine = self.rebuilding.background().map(|b| b.id);
         let superseded = || {
             PsError::Superseded(format!(
@@ -502,12 +521,9 @@ impl Core {
                 rereads += cost.rereads;
                 totals.bytes += cost.bytes;
                 totals.rows += cost.bytes / row_bytes as u64;
-                if cap > 0 {
-                    // Ahead of the cap: wait until the bytes so far are due.
-                    let due = Duration::from_secs_f64(totals.bytes as f64 / cap as f64);
-                    if let Some(early) = due.checked_sub(started.elapsed()) {
-                        tokio::time::sleep(early).await;
-                    }
+                let wait = pace.after(Instant::now(), totals.bytes, self.pipeline.live().applied);
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
                 }
             }
             self.faults.kill_at(points::REBUILD, None);
@@ -530,10 +546,12 @@ impl Core {
         totals.serving = true;
         totals.seconds = started.elapsed().as_secs_f64();
         tracing::info!(
-            "rebuilt {} bytes in the background in {:.3} s ({:.0} MB/s); snapshots read again: {rereads}",
+            "rebuilt {} bytes in the background in {:.3} s ({:.0} MB/s); snapshots read again: {rereads}; paced back {} times (training against {:.1} failure-free steps/s)",
             totals.bytes,
             totals.seconds,
-            totals.bytes as f64 / totals.seconds.max(1e-9) / 1e6
+            totals.bytes as f64 / totals.seconds.max(1e-9) / 1e6,
+            pace.backoffs,
+            failure_free_steps_per_sec,
         );
         Ok(totals)
     }

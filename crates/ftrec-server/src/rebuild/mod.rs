@@ -7,6 +7,7 @@
 pub(crate) mod boost;
 mod context;
 mod dense;
+pub(crate) mod pace;
 pub(crate) mod reserve;
 mod tables;
 pub(crate) mod ticks;
@@ -84,7 +85,13 @@ impl Core {
             // Serving: updates go on while the rest decodes.
             drop(turn);
             return self
-                .rebuild_in_background(global.tables(), started, totals, &progress)
+                .rebuild_in_background(
+                    global.tables(),
+                    started,
+                    totals,
+                    req.failure_free_steps_per_sec,
+                    &progress,
+                )
                 .await;
         }
         let whole = WholeRebuild {

@@ -36,6 +36,7 @@ async fn a_rebuild_in_a_newer_epoch_is_not_held_up_by_a_step_prepared_in_an_olde
         lost: vec![0],
         parity_only: false,
         background: true,
+        failure_free_steps_per_sec: 0.0,
     };
     let rebuilt = tokio::time::timeout(Duration::from_secs(20), core.rebuild(request, progress))
         .await

@@ -46,14 +46,6 @@ pub struct BenchEcArgs {
     /// with the shard, and the rebuild rate should not fall.
     #[arg(long, value_delimiter = ',')]
     pub scale: Vec<usize>,
-    /// The rebuild's cap (`ec.rebuild_bytes_per_sec`) in the throttled SIGKILL run, the
-    /// one judged by throughput while rebuilding: 2 cores cannot both rebuild at full
-    /// speed and train at full speed, so the unthrottled run measures the rebuild and this
-    /// one what training keeps. 60 MB/s: the fastest cap that kept about 0.95 of training in
-    /// a sweep of 20-200 MB/s (`bench/ec-throttle/sweep.sh`, BENCHMARKS.md); faster takes
-    /// the cores from training.
-    #[arg(long, default_value_t = 60_000_000)]
-    pub throttle: u64,
     #[arg(long)]
     pub json: bool,
 }
@@ -75,7 +67,6 @@ pub fn run(a: BenchEcArgs) -> Result<()> {
             set: a.set,
             rounds: a.rounds,
             scale: a.scale,
-            throttle: a.throttle,
             quiet: a.json,
         },
     )?;
