@@ -44,7 +44,9 @@ fn setup(dir: &std::path::Path) -> (StudyConfig, Dataset, Dataset) {
         costs: CostOverrides {
             o_save: Some(0.5),
             o_load: Some(0.5),
-            o_res: 0.1,
+            o_save_fixed: Some(0.05),
+            o_load_fixed: None,
+            o_res: Some(0.1),
             job_seconds: Some(100.0),
             storage_dir: None,
         },
@@ -125,7 +127,24 @@ fn tiny_study_end_to_end() {
             assert!(r.overhead_seconds.tracking > 0.0, "{r:?}");
             assert!(r.overhead_fraction_all_costs > r.overhead_fraction, "{r:?}");
         }
+        // A save's fixed part (0.05 of the frame here) is paid by every save: priced by
+        // bytes alone, a strategy that saved pays exactly that much less per save, and a
+        // full save of the whole model the same either way.
+        let saves = r.overhead_seconds.save - r.overhead_seconds.save_bytes_only;
+        if r.strategy == Strategy::Full.name() {
+            assert!(saves.abs() < 1e-9, "{r:?}");
+        } else if r.checkpoints > 0 && r.bytes < r.checkpoints * report.costs.model_bytes {
+            assert!(
+                saves > 0.0 && saves <= 0.05 * r.checkpoints as f64 + 1e-9,
+                "{r:?}"
+            );
+        }
+        // No fixed load part was given: loads cost the same both ways.
+        assert!((r.overhead_seconds.load - r.overhead_seconds.load_bytes_only).abs() < 1e-9);
     }
+    assert_eq!(report.costs.o_save_fixed, 0.05);
+    assert_eq!(report.costs.o_res, 0.1);
+    assert!(!report.costs.o_res_measured);
     assert!(json["auc_pls_correlation"].is_number());
     // The correlation counts independent runs: 2 seeds x 2 Poisson schedules, each once,
     // each scored against its own seed's failure-free AUC.
@@ -342,9 +361,9 @@ fn tiny_study_end_to_end() {
         let mut v = serde_json::to_value(&r.by_fraction).unwrap();
         for runs in v.as_object_mut().unwrap().values_mut() {
             for run in runs.as_object_mut().unwrap().values_mut() {
-                run.as_object_mut()
-                    .unwrap()
-                    .remove("overhead_fraction_all_costs");
+                let run = run.as_object_mut().unwrap();
+                run.remove("overhead_fraction_all_costs");
+                run.remove("overhead_fraction_all_costs_bytes_only");
             }
         }
         v

@@ -168,6 +168,7 @@ impl<'a> Run<'a> {
                     rolled_back += at.step - saved_at.step;
                     at = saved_at;
                     cost.load += frame.o_load;
+                    cost.load_bytes_only += frame.o_load;
                     continue;
                 }
                 for &s in lost {
@@ -177,6 +178,7 @@ impl<'a> Run<'a> {
                 let reset = reset_servers(&mut state, &saved, servers, lost);
                 let rows: usize = reset.iter().map(Vec::len).sum();
                 cost.load += frame.load_cost(rows as u64 * row_bytes);
+                cost.load_bytes_only += frame.load_cost_bytes_only(rows as u64 * row_bytes);
                 for (t, (sel, rows)) in selectors.iter_mut().zip(&reset).enumerate() {
                     if let Some(sel) = sel {
                         sel.forget(&state.tables()[t], rows);
@@ -201,6 +203,7 @@ impl<'a> Run<'a> {
                         checkpoints += 1;
                         bytes += written;
                         cost.save += frame.save_cost(written);
+                        cost.save_bytes_only += frame.save_cost_bytes_only(written);
                         *last_save = at.samples;
                     }
                 }
@@ -230,6 +233,7 @@ impl<'a> Run<'a> {
             checkpoints += 1;
             bytes += written;
             cost.save += frame.save_cost(written);
+            cost.save_bytes_only += frame.save_cost_bytes_only(written);
             last_save_samples.fill(at.samples);
         }
         if let Some(frame) = self.frame {
@@ -271,6 +275,7 @@ impl<'a> Run<'a> {
                 pls: pls.value,
                 overhead_fraction: cost.total() / t_total,
                 overhead_fraction_all_costs: cost.total_all() / t_total,
+                overhead_fraction_all_costs_bytes_only: cost.total_all_bytes_only() / t_total,
                 overhead_fraction_expected: expected,
                 overhead_seconds: cost,
                 checkpoints,

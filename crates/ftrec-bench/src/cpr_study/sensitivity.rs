@@ -79,7 +79,9 @@ fn in_frame(config: &StudyConfig, frame: &CostFrame) -> StudyConfig {
     c.costs = CostOverrides {
         o_save: Some(frame.o_save),
         o_load: Some(frame.o_load),
-        o_res: frame.o_res,
+        o_save_fixed: Some(frame.o_save_fixed),
+        o_load_fixed: Some(frame.o_load_fixed),
+        o_res: Some(frame.o_res),
         job_seconds: Some(frame.t_total),
         storage_dir: None,
     };

@@ -39,6 +39,8 @@ pub(crate) struct Pace {
     /// The user's cap in bytes per second (0: none).
     cap: f64,
     window: Duration,
+    started: Instant,
+    bytes_at_start: u64,
     from: Instant,
     applied_from: u64,
     bytes_from: u64,
@@ -79,6 +81,8 @@ impl Pace {
             share,
             cap: cap_bytes_per_sec as f64,
             window,
+            started: now,
+            bytes_at_start: bytes,
             from: now,
             applied_from: applied,
             bytes_from: bytes,
@@ -90,25 +94,26 @@ impl Pace {
     }
 
     /// After a range installed: how long to wait before the next, with `bytes` rebuilt so
-    /// far and steps below `applied` committed, at `now`.
+    /// far and steps below `applied` committed, at `now`. The slower of the pace and the
+    /// user's cap holds; the cap is kept over the whole rebuild (a range is larger than a
+    /// low cap allows in one window).
     pub(crate) fn after(&mut self, now: Instant, bytes: u64, applied: u64) -> Duration {
         let elapsed = now.saturating_duration_since(self.from);
+        let mut wait = Duration::ZERO;
         if elapsed >= self.window {
             self.close_window(elapsed.as_secs_f64(), bytes, applied);
             self.from = now;
             self.applied_from = applied;
             self.bytes_from = bytes;
-            return Duration::ZERO;
+        } else if let Some(limit) = self.limit {
+            wait = due(bytes.saturating_sub(self.bytes_from), limit).saturating_sub(elapsed);
         }
-        let rate = match (self.limit, self.cap > 0.0) {
-            (Some(l), true) => l.min(self.cap),
-            (Some(l), false) => l,
-            (None, true) => self.cap,
-            (None, false) => return Duration::ZERO,
-        };
-        let due = bytes.saturating_sub(self.bytes_from) as f64 / rate.max(1.0);
-        // Never past the window's end: the next window measures again.
-        Duration::from_secs_f64(due.min(self.window.as_secs_f64())).saturating_sub(elapsed)
+        if self.cap > 0.0 {
+            let capped = due(bytes.saturating_sub(self.bytes_at_start), self.cap)
+                .saturating_sub(now.saturating_duration_since(self.started));
+            wait = wait.max(capped);
+        }
+        wait
     }
 
     /// The limit the pace holds now (`None`: as fast as it goes), in bytes per second.
@@ -141,6 +146,11 @@ impl Pace {
             };
         }
     }
+}
+
+/// When `bytes` are due at `bytes_per_sec`.
+fn due(bytes: u64, bytes_per_sec: f64) -> Duration {
+    Duration::from_secs_f64(bytes as f64 / bytes_per_sec.max(1.0))
 }
 
 #[cfg(test)]
@@ -232,14 +242,29 @@ mod tests {
     }
 
     #[test]
-    fn a_users_cap_bounds_the_paces_own_limit() {
+    fn the_slower_of_the_users_cap_and_the_pace_holds() {
         let (mut p, t0) = pace(0.5, 100 * MB);
-        // The pace cuts to 200 MB/s (training at a quarter); the cap of 100 holds below it:
-        // 10 MB more is due 0.1 s into the window.
-        p.after(at(t0, 0.4), 160 * MB, 101);
-        assert!((p.limit().unwrap() - 200e6).abs() < 1.0);
-        let wait = p.after(at(t0, 0.41), 170 * MB, 101);
+        // Unpaced, the cap holds over the whole rebuild: 30 MB is due at 0.3 s.
+        assert_eq!(p.after(at(t0, 0.2), 20 * MB, 101), Duration::ZERO);
+        let wait = p.after(at(t0, 0.21), 30 * MB, 101);
         assert!((wait.as_secs_f64() - 0.09).abs() < 1e-6, "{wait:?}");
+        // Training at a quarter of failure-free: the pace halves the window's 100 MB/s...
+        p.after(at(t0, 0.4), 40 * MB, 101);
+        assert!((p.limit().unwrap() - 50e6).abs() < 1.0);
+        // ...and its 50 MB/s, slower than the cap, holds: 10 MB more is due 0.2 s in.
+        let wait = p.after(at(t0, 0.41), 50 * MB, 101);
+        assert!((wait.as_secs_f64() - 0.19).abs() < 1e-6, "{wait:?}");
+    }
+
+    #[test]
+    fn a_low_cap_holds_with_ranges_larger_than_a_window_allows() {
+        // 1 MB/s with 6 MB ranges: each range waits its whole 6 s, window or not.
+        let t0 = Instant::now();
+        let mut p = Pace::new(10.0, 0.5, MB, t0, 0, 0);
+        let wait = p.after(at(t0, 0.01), 6 * MB, 0);
+        assert!((wait.as_secs_f64() - 5.99).abs() < 1e-6, "{wait:?}");
+        let wait = p.after(at(t0, 6.0), 12 * MB, 60);
+        assert!((wait.as_secs_f64() - 6.0).abs() < 1e-6, "{wait:?}");
     }
 
     #[test]

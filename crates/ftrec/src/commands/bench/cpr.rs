@@ -57,9 +57,18 @@ pub struct BenchCprArgs {
     /// measured).
     #[arg(long)]
     pub o_load: Option<f64>,
-    /// Seconds to reschedule a failed node.
-    #[arg(long, default_value_t = 0.0)]
-    pub o_res: f64,
+    /// Seconds to reschedule a failed node (default: measured, a process of this binary
+    /// started and waited for, median of 5, scaled like the other costs).
+    #[arg(long)]
+    pub o_res: Option<f64>,
+    /// The fixed part of every save, whatever its size (default: measured beside
+    /// `--o-save`, with a checkpoint of the same tables at two rows each; 0 when
+    /// `--o-save` is given).
+    #[arg(long)]
+    pub o_save_fixed: Option<f64>,
+    /// The fixed part of every load (as `--o-save-fixed`).
+    #[arg(long)]
+    pub o_load_fixed: Option<f64>,
     /// Length of the emulated job in seconds (default: the measured failure-free epoch);
     /// measured costs are scaled to it (§5.1). T_fail is `cpr.mtbf_seconds`, else this
     /// over `--failures`.
@@ -129,6 +138,8 @@ pub fn run(a: BenchCprArgs) -> Result<()> {
             o_save: a.o_save,
             o_load: a.o_load,
             o_res: a.o_res,
+            o_save_fixed: a.o_save_fixed,
+            o_load_fixed: a.o_load_fixed,
             job_seconds: a.job_seconds,
             storage_dir: (!a.memory_costs)
                 .then(|| a.storage_dir.clone().unwrap_or_else(|| a.out.clone())),
