@@ -38,6 +38,14 @@ pub struct ScheduleShape {
     pub min_gap_seconds: f64,
     /// Share of the failures that freeze their server rather than kill it.
     pub freeze_share: f64,
+    /// Every schedule holds at least one SIGKILL and one freeze (so at least two
+    /// failures), whatever the draw: a comparison at a rate must meet both kinds.
+    pub both_kinds: bool,
+    /// Also strike the first SIGKILLed slot again this long after it, while it recovers
+    /// (its replacement rebuilds, or restores): a second failure during a recovery, which
+    /// the minimum gap rules out otherwise. The slot's survivors still hold its state, so
+    /// every strategy can survive it.
+    pub during_recovery_seconds: Option<f64>,
 }
 
 /// Draws of a schedule with no failure in the horizon before one is placed by hand.
@@ -46,7 +54,10 @@ const MAX_DRAWS: u32 = 1000;
 impl FailureSchedule {
     /// Exponential gaps of mean `mtbf_seconds` (stretched to `min_gap_seconds` where
     /// shorter), a uniformly drawn server each, at least one failure, and at least one
-    /// freeze among them (the last, if the draw gave none).
+    /// freeze among them (the last, if the draw gave none). With `both_kinds`, draws are
+    /// repeated until one has two failures (placed by hand after `MAX_DRAWS`), and the
+    /// first is a SIGKILL if none was; with `during_recovery_seconds`, the first SIGKILL's
+    /// slot is struck again that long after it.
     pub fn poisson(seed: u64, mtbf_seconds: f64, shape: ScheduleShape) -> Result<Self, String> {
         if !(mtbf_seconds > 0.0 && mtbf_seconds.is_finite()) {
             return Err(format!("mtbf {mtbf_seconds} s: must be a positive number"));
@@ -60,25 +71,46 @@ impl FailureSchedule {
             ));
         }
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+        let wanted = if shape.both_kinds { 2 } else { 1 };
         let mut failures = Vec::new();
         for _ in 0..MAX_DRAWS {
             failures = draw(&mut rng, mtbf_seconds, &shape);
-            if !failures.is_empty() {
+            if failures.len() >= wanted {
                 break;
             }
         }
-        if failures.is_empty() {
-            failures.push(ScheduledFailure {
-                at_seconds: (shape.start_seconds + shape.horizon_seconds) / 2.0,
-                server: rng.gen_range(0..shape.servers),
-                freeze: false,
-            });
+        if failures.len() < wanted {
+            // The draws kept missing the horizon: evenly spaced by hand instead.
+            failures = (0..wanted)
+                .map(|i| ScheduledFailure {
+                    at_seconds: shape.start_seconds + window * (i + 1) as f64 / (wanted + 1) as f64,
+                    server: rng.gen_range(0..shape.servers),
+                    freeze: false,
+                })
+                .collect();
         }
-        if shape.freeze_share > 0.0
+        if (shape.freeze_share > 0.0 || shape.both_kinds)
             && !failures.iter().any(|f| f.freeze)
             && let Some(last) = failures.last_mut()
         {
             last.freeze = true;
+        }
+        if shape.both_kinds
+            && !failures.iter().any(|f| !f.freeze)
+            && let Some(first) = failures.first_mut()
+        {
+            first.freeze = false;
+        }
+        if let Some(after) = shape.during_recovery_seconds
+            && let Some(kill) = failures.iter().find(|f| !f.freeze).cloned()
+        {
+            let again = ScheduledFailure {
+                at_seconds: kill.at_seconds + after,
+                server: kill.server,
+                freeze: false,
+            };
+            let at = failures.partition_point(|f| f.at_seconds <= again.at_seconds);
+            failures.insert(at, again);
         }
         Ok(Self {
             seed,
@@ -147,6 +179,8 @@ mod tests {
             horizon_seconds: horizon,
             min_gap_seconds: 3.0,
             freeze_share: 0.3,
+            both_kinds: false,
+            during_recovery_seconds: None,
         }
     }
 
@@ -190,6 +224,39 @@ mod tests {
     }
 
     proptest! {
+        /// With both kinds asked for, a schedule has a SIGKILL and a freeze even at a rate
+        /// that draws less than one failure in the horizon; a strike during the recovery
+        /// hits the first SIGKILL's slot again, that long after it, and the rest keep
+        /// their gaps.
+        #[test]
+        fn both_kinds_and_a_strike_during_recovery(seed in 0u64..2_000, mtbf in 5.0f64..400.0) {
+            let shape = ScheduleShape {
+                both_kinds: true,
+                during_recovery_seconds: Some(0.6),
+                ..shape(40.0)
+            };
+            let s = FailureSchedule::poisson(seed, mtbf, shape).unwrap();
+            prop_assert!(s.failures.iter().any(|f| f.freeze));
+            prop_assert!(s.failures.iter().any(|f| !f.freeze));
+            prop_assert!(s.failures.windows(2).all(|w| w[0].at_seconds <= w[1].at_seconds));
+            let kill = s.failures.iter().find(|f| !f.freeze).unwrap();
+            let again: Vec<_> = s
+                .failures
+                .iter()
+                .filter(|f| {
+                    f.server == kill.server
+                        && !f.freeze
+                        && (f.at_seconds - kill.at_seconds - 0.6).abs() < 1e-9
+                })
+                .collect();
+            prop_assert_eq!(again.len(), 1);
+            let drawn: Vec<_> = s.failures.iter().filter(|f| !std::ptr::eq(*f, again[0])).collect();
+            prop_assert!(drawn.len() >= 2);
+            for w in drawn.windows(2) {
+                prop_assert!(w[1].at_seconds - w[0].at_seconds >= 3.0 - 1e-9);
+            }
+        }
+
         /// Every schedule has a failure and a freeze, inside the window, in order, with
         /// the minimum gap, and its kill specs say the same.
         #[test]

@@ -91,6 +91,9 @@ pub struct ShootoutOptions {
     pub seed: u64,
     pub freeze_share: f64,
     pub min_gap: f64,
+    /// The frequent rate's schedules also strike their first SIGKILLed slot again this
+    /// long after it, mid-recovery (0: never).
+    pub during_recovery: f64,
     /// Steps in any order instead of deterministic runs.
     pub asynchronous: bool,
     pub checkpoint_every: u64,
@@ -103,10 +106,17 @@ pub struct ShootoutOptions {
     pub strategies: Vec<String>,
 }
 
-/// A failure rate of the comparison.
+/// A failure rate of the comparison: one schedule per round, each drawn from its own seed.
 struct Rate {
     name: &'static str,
-    schedule: FailureSchedule,
+    mtbf_seconds: f64,
+    schedules: Vec<FailureSchedule>,
+}
+
+/// The seed of rate `rate`'s schedule in round `round` (from 1): round 1 keeps the seeds
+/// of the runs before schedules were drawn per round.
+fn schedule_seed(seed: u64, rate: usize, round: usize) -> u64 {
+    seed + rate as u64 + 1000 * (round as u64 - 1)
 }
 
 /// The job under `strategy`.
@@ -232,24 +242,42 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
     let horizon = free_runs[0].train_seconds;
     let rare_mtbf = a.rare_mtbf.unwrap_or(horizon);
     let frequent_mtbf = a.frequent_mtbf.unwrap_or(horizon / 4.0);
-    let shape = ScheduleShape {
+    // Both rates meet a SIGKILL and a freeze in every round; the frequent one also a
+    // second failure during a recovery.
+    let shape = |during_recovery: bool| ScheduleShape {
         servers: a.servers,
         start_seconds: 1.0,
         horizon_seconds: horizon,
         min_gap_seconds: a.min_gap,
         freeze_share: a.freeze_share,
+        both_kinds: true,
+        during_recovery_seconds: (during_recovery && a.during_recovery > 0.0)
+            .then_some(a.during_recovery),
     };
-    let rates = [("rare", rare_mtbf), ("frequent", frequent_mtbf)]
-        .into_iter()
-        .enumerate()
-        .map(|(i, (name, mtbf))| {
-            Ok(Rate {
-                name,
-                schedule: FailureSchedule::poisson(a.seed + i as u64, mtbf, shape)
-                    .map_err(BenchError::Usage)?,
+    let rates = [
+        ("rare", rare_mtbf, false),
+        ("frequent", frequent_mtbf, true),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (name, mtbf, during_recovery))| {
+        let schedules = (1..=rounds)
+            .map(|round| {
+                FailureSchedule::poisson(
+                    schedule_seed(a.seed, i, round),
+                    mtbf,
+                    shape(during_recovery),
+                )
+                .map_err(BenchError::Usage)
             })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Rate {
+            name,
+            mtbf_seconds: mtbf,
+            schedules,
         })
-        .collect::<Result<Vec<_>>>()?;
+    })
+    .collect::<Result<Vec<_>>>()?;
 
     // figures[rate][strategy][round]
     let mut runs: Vec<Vec<Vec<RunFigures>>> = vec![vec![Vec::new(); chosen.len()]; 2];
@@ -268,8 +296,7 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
         let free = &free_runs[round - 1];
         let ref_step = free.train_seconds / free.steps.max(1) as f64;
         for (ri, rate) in rates.iter().enumerate() {
-            let kills: Vec<String> = rate
-                .schedule
+            let kills: Vec<String> = rate.schedules[round - 1]
                 .kills()
                 .iter()
                 .map(|k| k.to_string())
@@ -282,7 +309,7 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
                         .choose_ft(
                             &mut c,
                             &a.out.join("auto-calibration"),
-                            Some(rate.schedule.mtbf_seconds),
+                            Some(rate.mtbf_seconds),
                         )
                         .map_err(BenchError::Host)?;
                     let ft = c.cluster.ft;
@@ -321,8 +348,10 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
         by_rate.insert(
             rate.name.into(),
             json!({
-                "mtbf_seconds": rate.schedule.mtbf_seconds,
-                "schedule": rate.schedule,
+                "mtbf_seconds": rate.mtbf_seconds,
+                // Round 1's, and every round's (each drawn from its own seed).
+                "schedule": rate.schedules[0],
+                "schedules": rate.schedules,
                 "failure_free_auc": failure_free["auc"],
                 "failure_free_logloss": failure_free["logloss"],
                 "auto_choice": choice.map(|c| json!({
@@ -351,6 +380,7 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
         "strategies": chosen,
         "deterministic": !a.asynchronous,
         "min_gap_seconds": a.min_gap,
+        "during_recovery_seconds": a.during_recovery,
         "ett_definition": "steps whose updates survive into the final model (steps less \
             those lost with a shard, as samples lost / samples per step), costed at the \
             failure-free run's seconds per step of the same round, over the run's wall time \
@@ -365,7 +395,7 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
             &a.out,
             &chosen,
             rate.name,
-            &rate.schedule,
+            &rate.schedules[0],
             &a.out.join(format!("timeline-{}.png", rate.name)),
         )?;
     }

@@ -13,10 +13,24 @@ pub fn table(summary: &Value) -> Vec<String> {
     let mut lines = Vec::new();
     for rate in ["rare", "frequent"] {
         let r = &summary["by_rate"][rate];
+        // Failures per round's schedule (a summary from before per-round schedules has
+        // one).
+        let per_round: Vec<String> = match r["schedules"].as_array() {
+            Some(list) => list
+                .iter()
+                .map(|s| s["failures"].as_array().map_or(0, Vec::len).to_string())
+                .collect(),
+            None => vec![
+                r["schedule"]["failures"]
+                    .as_array()
+                    .map_or(0, Vec::len)
+                    .to_string(),
+            ],
+        };
         lines.push(format!(
             "{rate}: MTBF {} s, {} failures; failure-free AUC {}; auto chose {}",
             num(&r["mtbf_seconds"], 1),
-            r["schedule"]["failures"].as_array().map_or(0, Vec::len),
+            per_round.join(" / "),
             num(&r["failure_free_auc"], 4),
             r["auto_choice"]["strategy"].as_str().unwrap_or("-")
         ));
@@ -105,5 +119,20 @@ mod tests {
             .find(|l| l.starts_with("| ec |"))
             .map(String::as_str);
         assert_eq!(ec, Some("| ec | 0.912 | - | - | 0 | 2 | - | 1.00 | - |"));
+    }
+
+    #[test]
+    fn each_rounds_schedule_is_counted() {
+        let summary = json!({ "by_rate": { "frequent": {
+            "mtbf_seconds": 5.0, "schedule": { "failures": [{}, {}] },
+            "schedules": [{ "failures": [{}, {}] }, { "failures": [{}, {}, {}] }],
+        } } });
+        let lines = table(&summary);
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with("frequent: MTBF 5.0 s, 2 / 3 failures;")),
+            "{lines:?}"
+        );
     }
 }

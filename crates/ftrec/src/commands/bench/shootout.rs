@@ -51,6 +51,13 @@ pub struct BenchShootoutArgs {
     /// of a group mid-rebuild (a study of its own).
     #[arg(long, default_value_t = 2.5)]
     pub min_gap: f64,
+    /// The frequent rate's schedules strike their first SIGKILLed server again this long
+    /// after it, while it recovers (a replacement rebuilding, or a restore): a second
+    /// failure during a recovery, that every strategy can survive since the slot's
+    /// survivors still hold its state. 0: never. Every schedule of both rates also holds
+    /// a SIGKILL and a freeze, and each round draws its own from its own seed.
+    #[arg(long, default_value_t = 0.4)]
+    pub during_recovery: f64,
     /// Let steps run asynchronously instead of in strict order. By default the runs are
     /// deterministic, so an exact strategy ends with the failure-free model bit for bit and
     /// AUC differences are the strategies', not the noise of async training (about ±0.01
@@ -98,6 +105,7 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
             seed: a.seed,
             freeze_share: a.freeze_share,
             min_gap: a.min_gap,
+            during_recovery: a.during_recovery,
             asynchronous: a.asynchronous,
             checkpoint_every: a.checkpoint_every,
             spares: a.spares,
