@@ -230,8 +230,10 @@ pub struct EcSection {
     pub rebuild_bytes_per_sec: u64,
     /// A background rebuild paces itself from what it measures: it runs as fast as it
     /// goes while training commits at least this share of the steps per second it
-    /// committed before the failure, and backs off (down to a floor that still ends the
-    /// rebuild) when training falls below it. On a host whose cores training fills, the
+    /// committed before the failure, and backs off (to no less than half its fastest rate) when
+    /// training falls below it. Only where the group survives another loss meanwhile
+    /// (fewer of its members lost than `ec.r`): with r = 1 a rebuild is never slowed, as
+    /// a second loss before it ends loses the model. On a host whose cores training fills, the
     /// rebuild's core-seconds come out of training whenever they are spent, so a low share
     /// ends the window without redundancy sooner for about the same training lost; a high
     /// one spreads the rebuild out. 0 turns the pacing off (as fast as it goes).

@@ -39,6 +39,9 @@ pub mod points {
     /// A server, asked for its part of the coordinated cut of step N, before it writes
     /// anything (a cut that another server's death leaves abandoned).
     pub const CUT: &str = "cut";
+    /// A server, asked to restore a cut (a rollback's part), before it loads anything: a
+    /// member lost in the middle of another's recovery.
+    pub const RESTORE: &str = "restore";
 
     /// A server of a resumed or moved job (`cluster scale`), joined, before it loads its
     /// rows from the cut: a new server lost in the middle of a move.
@@ -70,13 +73,14 @@ pub mod points {
     pub const TAKEOVER: &str = "takeover";
 
     /// Every point, for validating specs.
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 15] = [
         PREPARE,
         COMMIT,
         REBUILD,
         FOLD_PARITY,
         INSTALL,
         CUT,
+        RESTORE,
         LOAD,
         SEND_ROWS,
         PUSH,

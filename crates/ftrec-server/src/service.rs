@@ -220,6 +220,7 @@ impl ParameterServer for Service {
         let core = self.0.clone();
         let req = req.into_inner();
         let started = Instant::now();
+        core.faults.kill_at(ftrec_faults::points::RESTORE, None);
         // Steps an older epoch prepared hold the commit turn: the rollback decided them.
         if req.epoch >= core.pipeline.live().epoch {
             core.settle_older_epochs(req.epoch, &[])?;

@@ -34,12 +34,13 @@ pub struct KillSpec {
 }
 
 /// The points a `--kill` may name (a kill, not a planted skip): a server's `prepare:N`,
-/// `commit:N` or `rebuild`, a worker's `push:N`, `prepared-first:N` or `prepared:N`.
+/// `commit:N`, `rebuild` or `restore`, a worker's `push:N`, `prepared-first:N` or
+/// `prepared:N`.
 fn is_kill_point(role: Role, when: &str) -> bool {
     FaultSpec::parse(when).is_ok_and(|spec| {
         spec.action == FaultAction::Kill
             && match (role, spec.point.as_str()) {
-                (Role::Server, points::REBUILD) => spec.step.is_none(),
+                (Role::Server, points::REBUILD | points::RESTORE) => spec.step.is_none(),
                 (Role::Server, points::PREPARE | points::COMMIT) => spec.step.is_some(),
                 (Role::Worker, points::PUSH | points::PREPARED | points::PREPARED_FIRST) => {
                     spec.step.is_some()

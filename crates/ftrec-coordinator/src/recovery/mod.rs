@@ -87,6 +87,11 @@ pub(super) async fn recover(
 /// failure and every tenth; a cause that does not pass (a missing cut, a shard of another
 /// server) ends the run with it rather than looping.
 fn attempt_failed(shared: &Shared, s: &mut State, epoch: u64, why: &str) {
+    // A member whose part failed may be dead (a replacement SIGKILLed mid-restore): every
+    // server's port is probed, as after a worker's lost step, so a refused one is declared
+    // at once instead of after its failure timeout, while this recovery retries in vain.
+    // The shoot-out's second strike during a rollback waited 1.2 s for it (issue 45).
+    s.members.probe_requested = true;
     match s.recovery.attempt_failed(Instant::now()) {
         AttemptFailed::Retry { say } => {
             if say {

@@ -243,7 +243,7 @@ impl Membership {
             why.clone()
         } else if m.refused {
             format!(
-                "its port refused a connection after a worker's call failed (silent for {silent:?})"
+                "its port refused a connection after a call to it failed (silent for {silent:?})"
             )
         } else {
             format!("silent for {silent:?}")

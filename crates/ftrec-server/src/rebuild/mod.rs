@@ -78,6 +78,22 @@ impl Core {
         let config = Shard::shard_config(&global, layout, self.id)?;
         if req.background && !parity_only {
             let codec = Codec::new(k, r).map_err(|e| PsError::Config(e.to_string()))?;
+            // The pace stretches the window in which this group has less redundancy: only
+            // where it survives another loss meanwhile. With r = 1 (this slot lost, none
+            // to spare) a second loss before the rebuild ends loses the model, and a rebuild
+            // slowed for a cause it did not make (a slow link slows training whatever the
+            // rebuild does; `ftrec-sim` schedules::ec, seed 11) met one.
+            let (group, _) = stripes.group_of_server(self.id);
+            let (first, members) = stripes.group(group);
+            let lost_in_group = lost
+                .iter()
+                .filter(|&&s| (first..first + members).contains(&s))
+                .count();
+            let pace_against = if lost_in_group < r {
+                req.failure_free_steps_per_sec
+            } else {
+                0.0
+            };
             let totals = self
                 .serve_degraded(&clients, epoch, &global, config, lost, codec, started)
                 .await?;
@@ -85,13 +101,7 @@ impl Core {
             // Serving: updates go on while the rest decodes.
             drop(turn);
             return self
-                .rebuild_in_background(
-                    global.tables(),
-                    started,
-                    totals,
-                    req.failure_free_steps_per_sec,
-                    &progress,
-                )
+                .rebuild_in_background(global.tables(), started, totals, pace_against, &progress)
                 .await;
         }
         let whole = WholeRebuild {

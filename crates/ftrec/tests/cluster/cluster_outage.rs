@@ -14,6 +14,8 @@ use ftrec_testkit::by_hand::{
     Reaped, etcd_coordinator, finished_exact, hand_job, listening_address, pids_with_args, signal,
     signal_pid, spawn, spawn_members, wait_exit,
 };
+use ftrec_testkit::cli::json_of;
+use ftrec_testkit::cluster::timed_events;
 
 use crate::FTREC;
 
@@ -336,4 +338,51 @@ fn a_lost_server_with_no_replacement_gets_a_spare_on_a_survivors_host_until_one_
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// A survivor lost in the middle of another's rollback (issue 45's shoot-out struck a
+/// second time 0.4 s into a recovery). Server 0 dies; while every server restores the last
+/// cut, server 1 dies at its restore. Its part of the recovery fails on the transport, and
+/// the probe that failure asks for finds its port refused: it is declared at once, not after
+/// its failure timeout (3 s here, while the recovery retried in vain), and the run ends
+/// exact.
+#[test]
+fn a_survivor_killed_mid_rollback_is_declared_at_once_and_the_run_ends_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = FTREC.setup(dir.path());
+    let expected = FTREC.single_process_digest(&data, "300");
+    let run = dir.path().join("run");
+    let args = ClusterRun::new(&data)
+        .run_dir(&run)
+        .steps(300)
+        .no_eval()
+        .servers(2)
+        .workers(1)
+        .deterministic()
+        .ft("checkpoint")
+        .set("checkpoint.every_steps=10")
+        .set("cluster.failure_timeout_ms=3000")
+        .kill("server:0@step:30")
+        .kill("server:1@restore")
+        .args();
+    let out = json_of(&FTREC.run(&args));
+    assert_eq!(out["state_digest"], expected, "{out}");
+    let events = timed_events(&run);
+    let retried = events
+        .iter()
+        .find(|(_, kind, _)| *kind == EventKind::RecoveryRetry)
+        .map(|(t, _, _)| *t)
+        .unwrap_or_else(|| panic!("the rollback never failed: {events:?}"));
+    let declared = events
+        .iter()
+        .find(|(t, kind, detail)| {
+            *t >= retried && *kind == EventKind::FailureDetected && detail.starts_with("server 1 ")
+        })
+        .map(|(t, _, _)| *t)
+        .unwrap_or_else(|| panic!("server 1 never declared: {events:?}"));
+    assert!(
+        declared - retried < 1.0,
+        "server 1 declared {:.2} s after its restore failed (failure timeout 3 s): {events:?}",
+        declared - retried
+    );
 }

@@ -122,7 +122,7 @@ pub struct ClusterRunArgs {
     #[arg(long = "scale-at", value_name = "STEP:SERVERS", value_parser = scale::parse_scale_at)]
     pub scale_at: Vec<(u64, usize)>,
     /// Arm a fault point in a server, `server:J@POINT[:STEP][=kill|skip|flip|delay-MS]`
-    /// (repeatable): prepare, commit, rebuild, fold-parity, install, cut, load or send-rows.
+    /// (repeatable): prepare, commit, rebuild, fold-parity, install, cut, restore, load or send-rows.
     /// `server:1@fold-parity:20=skip` drops one parity difference, `=flip` folds it with a
     /// bit flipped; `server:2@install:20=flip` flips a bit of a row step 20 installs:
     /// planted bugs the parity checks must report.
@@ -191,7 +191,7 @@ pub struct ServerArgs {
     #[arg(long, requires = "spare", value_name = "ID")]
     pub hosted_by: Option<usize>,
     /// Arm a fault point in this server, NAME[:STEP][=kill|skip|flip|delay-MS] (prepare,
-    /// commit, rebuild, fold-parity, install, cut, load, send-rows); it fires once. `cluster run --kill
+    /// commit, rebuild, fold-parity, install, cut, restore, load, send-rows); it fires once. `cluster run --kill
     /// server:J@commit:N` passes these.
     #[arg(long = "fault", value_name = "SPEC")]
     pub faults: Vec<String>,
