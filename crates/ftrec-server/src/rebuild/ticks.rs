@@ -2,7 +2,7 @@
 //! reads a stream silent for the progress deadline as its sender frozen or cut off, and
 //! a rebuild may legitimately say nothing for longer: it sends one message per table, a
 //! large table takes a while to stream in and decode, and a background rebuild's tables
-//! are paced by `ec.rebuild_bytes_per_sec`. So the last progress goes out again whenever
+//! may be paced (`pace.rs`) or capped by `ec.rebuild_bytes_per_sec`. So the last progress goes out again whenever
 //! a tick passes without news.
 
 use std::time::Duration;
