@@ -143,28 +143,32 @@ impl CostFrame {
         let o = &config.costs;
         let model_bytes = src.bytes() as u64;
         let measure_costs = o.o_save.is_none() || o.o_load.is_none();
-        // The same tables at two rows each: what a save costs beyond its bytes.
-        let small = ModelState::new(&small_config(&mc), config.job.seed)?;
-        let small_share = small.bytes() as f64 / model_bytes.max(1) as f64;
-        let fixed_part = |small: f64, whole: f64| (small - whole * small_share).max(0.0);
         let real = match &o.storage_dir {
             Some(dir) if measure_costs => Some(time_real_checkpoints(&src, dir)?),
             _ => None,
         };
         let (save, load) = real.unwrap_or((copy, copy));
-        let (save_fixed, load_fixed) = match (&o.storage_dir, real) {
-            (Some(dir), Some(_)) => {
-                let (s, l) = time_real_checkpoints(&small, dir)?;
-                (fixed_part(s, save), fixed_part(l, load))
+        let (save_fixed, load_fixed) = if measure_costs {
+            // The same tables at two rows each: what a save costs beyond its bytes.
+            let small_config = small_config(&mc);
+            let small = ModelState::new(&small_config, config.job.seed)?;
+            let small_share = small.bytes() as f64 / model_bytes.max(1) as f64;
+            let fixed_part = |small: f64, whole: f64| (small - whole * small_share).max(0.0);
+            match (&o.storage_dir, real) {
+                (Some(dir), Some(_)) => {
+                    let (s, l) = time_real_checkpoints(&small, dir)?;
+                    (fixed_part(s, save), fixed_part(l, load))
+                }
+                _ => {
+                    let mut into = ModelState::zeroed(&small_config)?;
+                    let t = Instant::now();
+                    copy_state(&mut into, &small, true);
+                    let f = fixed_part(t.elapsed().as_secs_f64(), copy);
+                    (f, f)
+                }
             }
-            (_, None) if measure_costs => {
-                let mut into = ModelState::zeroed(&small_config(&mc))?;
-                let t = Instant::now();
-                copy_state(&mut into, &small, true);
-                let f = fixed_part(t.elapsed().as_secs_f64(), copy);
-                (f, f)
-            }
-            _ => (0.0, 0.0),
+        } else {
+            (0.0, 0.0)
         };
         let restart = match o.o_res {
             Some(_) => None,
