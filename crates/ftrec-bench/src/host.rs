@@ -20,13 +20,15 @@ pub trait Host {
     fn generate(&self, config: &GenConfig, dir: &Path, quiet: bool) -> Result<(), Boxed>;
     /// Evaluates a cluster's final model on the job's test split.
     fn evaluator(&self) -> Evaluator;
-    /// `--ft auto`: measures the costs of `config` (scratch files under `scratch`),
-    /// chooses for `mtbf`, and applies the choice to `config`.
+    /// `--ft auto`: calibrates on `config` with `spares` spares (scratch files and the
+    /// calibration cache under `scratch`), chooses for `mtbf`, and applies the choice to
+    /// `config`.
     fn choose_ft(
         &self,
         config: &mut JobConfig,
         scratch: &Path,
         mtbf: Option<f64>,
+        spares: usize,
     ) -> Result<Choice, Boxed>;
     /// A progress line for a person (stderr in the binary).
     fn note(&self, line: &str);

@@ -144,6 +144,16 @@ pub struct ClusterSection {
     /// coordinator says every minute which process it waits for).
     #[serde(default = "yes")]
     pub survivor_spares: bool,
+    /// Each server's memory budget in bytes (0: whatever its host has available). A
+    /// server whose share (rows, optimizer state, parity, replicas) exceeds it refuses to
+    /// start, naming the parts; `--ft auto` rules out erasure coding when the parity does
+    /// not fit.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub server_memory_bytes: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// `[cluster.deadlines]`: how long each kind of call may take before its callee counts as
@@ -379,6 +389,7 @@ impl Default for ClusterSection {
             control_plane_grace_s: default_control_plane_grace_s(),
             survivor_spare_after_s: default_survivor_spare_after_s(),
             survivor_spares: true,
+            server_memory_bytes: 0,
         }
     }
 }

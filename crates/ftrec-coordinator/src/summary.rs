@@ -66,6 +66,31 @@ pub struct Recovery {
     pub shard_digests: Vec<String>,
 }
 
+impl Recovery {
+    /// When this recovery stopped costing training: full redundancy restored, or the run's
+    /// last step (`last_step_at`) if that came first.
+    pub fn degraded_until(&self, last_step_at: Option<f64>) -> f64 {
+        let redundant_at = self.detected_at + self.degraded_seconds;
+        last_step_at.map_or(redundant_at, |t| t.min(redundant_at))
+    }
+
+    /// A background rebuild's committed samples per second, from the resume to
+    /// [`Self::degraded_until`], with `batch` samples a step; `None` without one. (A slow
+    /// rebuild can outlast the steps, and the run then waits for it: counting that wait as
+    /// degraded training put the ratio at 0.886 for runs that trained at full speed while
+    /// degraded; issue 23.)
+    pub fn committed_rate_while_degraded(
+        &self,
+        last_step_at: Option<f64>,
+        batch: f64,
+    ) -> Option<f64> {
+        self.background_rebuild.then(|| {
+            let window = self.degraded_until(last_step_at) - self.resumed_at;
+            self.steps_committed_while_degraded as f64 * batch / window.max(1e-9)
+        })
+    }
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct CheckpointRecord {
     pub step: u64,

@@ -384,7 +384,15 @@ impl Job {
         // scale`): sized as the largest share of the file's layout, as a spare is; the
         // coordinator's layout is known only at the join.
         let id = id.filter(|&id| id < self.config.cluster.servers);
-        Ok(parts_fit_in_memory(&subject, &self.server_memory(id)?)?)
+        let parts = self.server_memory(id)?;
+        match self.config.cluster.server_memory_bytes {
+            0 => Ok(parts_fit_in_memory(&subject, &parts)?),
+            budget => {
+                let available = ftrec_config::available_memory().map_or(budget, |a| a.min(budget));
+                let subject = format!("{subject} (cluster.server_memory_bytes = {budget})");
+                Ok(ftrec_config::check_parts(&subject, &parts, 0, available)?)
+            }
+        }
     }
 
     /// Refuses to start a worker this host cannot hold.

@@ -67,26 +67,13 @@ impl RoundFigures {
     }
 }
 
-/// When recovery `x` of run `r` stopped costing training: full redundancy, or the last
-/// step if that came first.
-fn degraded_until(r: &RunRecord, x: &ftrec_coordinator::Recovery) -> f64 {
-    let redundant_at = x.detected_at + x.degraded_seconds;
-    r.last_step_at.map_or(redundant_at, |t| t.min(redundant_at))
-}
-
 /// Steps committed while the replacement rebuilt in the background, as samples per second
 /// over the window from the resume to full redundancy, or to the last step if that came
-/// first. (A slow rebuild can outlast the steps, and the run then waits for it: counting
-/// that wait as degraded training put the ratio at 0.886 for runs that trained at full
-/// speed while degraded; issue 23.)
+/// first ([`ftrec_coordinator::Recovery::committed_rate_while_degraded`]), and their count.
 pub(crate) fn rate_while_degraded(r: &RunRecord, batch: f64) -> (Option<f64>, Option<f64>) {
     let background = r.recoveries.first().filter(|x| x.background_rebuild);
     (
-        background.map(|x| {
-            let end = degraded_until(r, x);
-            let window = end - x.resumed_at;
-            x.steps_committed_while_degraded as f64 * batch / window.max(1e-9)
-        }),
+        background.and_then(|x| x.committed_rate_while_degraded(r.last_step_at, batch)),
         background.map(|x| x.steps_committed_while_degraded as f64),
     )
 }
@@ -103,7 +90,7 @@ pub(crate) fn lost_training_seconds(
     failure_free_rate: f64,
 ) -> Option<f64> {
     let x = r.recoveries.first().filter(|x| x.background_rebuild)?;
-    let end = degraded_until(r, x);
+    let end = x.degraded_until(r.last_step_at);
     let window = kill_to_resume? + (end - x.resumed_at).max(0.0);
     let step = batch / failure_free_rate.max(1e-9);
     let committed = x.steps_committed_while_degraded as f64 * step;

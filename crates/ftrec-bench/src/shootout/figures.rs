@@ -38,6 +38,29 @@ pub struct RunFigures {
     /// Partial recovery: the run's portion of lost samples (CPR Eq. 3), the key the CPR
     /// emulation (`bench cpr`) reports, from real processes and real checkpoint writes.
     pub pls: Option<f64>,
+    /// `auto`: the seconds this run spent choosing (its calibration, 0 where a cached one
+    /// was found, and the timing checkpoint), counted in `ett`; and the ETT it would have
+    /// had paying the whole calibration (the first run of a configuration).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub choosing_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ett_first_run: Option<f64>,
+}
+
+impl RunFigures {
+    /// `auto`'s figures with the time it spent choosing (`paid`) counted in its wall time,
+    /// and with the calibration's whole cost (`measured`) for `ett_first_run`.
+    pub fn charge_choosing(mut self, paid: f64, measured: f64) -> Self {
+        let kept_seconds = self.ett * self.train_seconds;
+        let over = |extra: f64| {
+            let wall = self.train_seconds + extra;
+            if wall > 0.0 { kept_seconds / wall } else { 0.0 }
+        };
+        self.ett_first_run = Some(over(measured));
+        self.ett = over(paid);
+        self.choosing_seconds = Some(paid);
+        self
+    }
 }
 
 /// Figures of `s`, with `ref_step_seconds` the failure-free run's wall time per step.
@@ -85,6 +108,8 @@ pub fn figures(s: &RunRecord, ft: FaultTolerance, ref_step_seconds: f64) -> RunF
         failures_injected: s.kill_to_resume_seconds.len(),
         recoveries: s.recoveries.len(),
         pls: s.pls,
+        choosing_seconds: None,
+        ett_first_run: None,
     }
 }
 
@@ -105,6 +130,9 @@ pub const KEYS: [&str; 8] = [
     "full_redundancy_seconds",
 ];
 
+/// Keys only `auto` has, medians over the rounds beside the headline keys.
+const AUTO_KEYS: [&str; 2] = ["choosing_seconds", "ett_first_run"];
+
 /// A strategy's figures over the rounds: each headline key's median, and under
 /// `spread.{key}` its minimum, maximum and every round's value.
 pub fn over_rounds(runs: &[RunFigures]) -> Value {
@@ -114,13 +142,17 @@ pub fn over_rounds(runs: &[RunFigures]) -> Value {
         .collect();
     let mut out = serde_json::Map::new();
     let mut spread = serde_json::Map::new();
-    for key in KEYS.iter().chain(&[
+    let more = [
         "train_seconds",
         "steps_lost",
         "steps_rolled_back",
         "recoveries",
-    ]) {
+    ];
+    for key in KEYS.iter().chain(&more).chain(&AUTO_KEYS) {
         let column: Vec<Option<f64>> = values.iter().map(|v| v[*key].as_f64()).collect();
+        if AUTO_KEYS.contains(key) && column.iter().all(Option::is_none) {
+            continue;
+        }
         let s = rounds::over_rounds(column);
         out.insert(key.to_string(), s["median"].clone());
         spread.insert(key.to_string(), s);
@@ -182,7 +214,13 @@ mod tests {
             failures_injected: 1,
             recoveries: 1,
             pls: None,
+            choosing_seconds: None,
+            ett_first_run: None,
         };
+        let charged = run(0.5).charge_choosing(1.0, 3.0);
+        assert!((charged.ett - 0.25).abs() < 1e-12, "{}", charged.ett);
+        assert_eq!(charged.ett_first_run, Some(0.125));
+        assert_eq!(charged.choosing_seconds, Some(1.0));
         let v = over_rounds(&[run(0.5), run(0.9), run(0.7)]);
         assert_eq!(v["ett"].as_f64(), Some(0.7));
         assert_eq!(v["auc"].as_f64(), Some(0.7));

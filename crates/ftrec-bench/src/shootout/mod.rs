@@ -104,6 +104,9 @@ pub struct ShootoutOptions {
     pub quiet: bool,
     /// The strategies to compare (empty: every one of [`STRATEGIES`]).
     pub strategies: Vec<String>,
+    /// With `auto` among them: also the frequent rate under a memory budget the parity
+    /// does not fit, where `auto` must choose checkpoints.
+    pub capped: bool,
 }
 
 /// A failure rate of the comparison: one schedule per round, each drawn from its own seed.
@@ -203,6 +206,90 @@ fn launch(
 
 /// Runs the bench, draws its plots and writes `shootout.json`; the summary (the caller
 /// writes `summary.json`).
+/// `auto`'s choice for `config` at `mtbf`, calibrated (once per configuration: the
+/// cache is the bench's own) with the bench's spares.
+fn choose(
+    host: &dyn Host,
+    a: &ShootoutOptions,
+    config: &mut JobConfig,
+    mtbf: f64,
+) -> Result<auto::Choice> {
+    host.choose_ft(
+        config,
+        &a.out.join("auto-calibration"),
+        Some(mtbf),
+        a.spares,
+    )
+    .map_err(BenchError::Host)
+}
+
+/// What choosing cost the run (0 for the calibration where it was cached) and what the
+/// calibration cost when it was measured.
+fn choosing_seconds(choice: &auto::Choice) -> (f64, f64) {
+    let c = &choice.costs;
+    let paid = c.calibration_seconds.value;
+    (paid, c.calibration_measured_seconds.max(paid))
+}
+
+/// The largest server's bytes of `config` under `ft`.
+fn server_need(config: &JobConfig, ft: FaultTolerance) -> Result<u64> {
+    let mut c = config.clone();
+    c.cluster.ft = ft;
+    let job = ftrec_rpc::Job::new(c)?;
+    let mut largest = 0u128;
+    for id in 0..config.cluster.servers {
+        largest = largest.max(job.server_memory(Some(id))?.iter().map(|p| p.bytes).sum());
+    }
+    Ok(largest.min(u64::MAX as u128) as u64)
+}
+
+/// The frequent rate again, with every server's memory budget halfway between what its
+/// share needs under checkpoints and under erasure coding: the parity does not fit, so
+/// `auto` must choose checkpoints where, unconstrained, it chose erasure coding. Its run
+/// meets round 1's frequent schedule.
+fn capped_case(
+    host: &dyn Host,
+    a: &ShootoutOptions,
+    base: &JobConfig,
+    rate: &Rate,
+    free: &RunRecord,
+) -> Result<Value> {
+    let plain = server_need(base, FaultTolerance::Checkpoint)?;
+    let coded = server_need(base, FaultTolerance::Ec)?;
+    if coded <= plain {
+        return Ok(json!({ "skipped": "erasure coding needs no more memory than checkpoints" }));
+    }
+    let budget = plain + (coded - plain) / 2;
+    let mut c = base.clone();
+    c.cluster.server_memory_bytes = budget;
+    let choice = choose(host, a, &mut c, rate.mtbf_seconds)?;
+    let kills: Vec<String> = rate.schedules[0]
+        .kills()
+        .iter()
+        .map(|k| k.to_string())
+        .collect();
+    let ft = c.cluster.ft;
+    let report = launch(host, a, &c, "capped-auto-r1", &kills, a.checkpoint_every)?;
+    let (paid, measured) = choosing_seconds(&choice);
+    let ref_step = free.train_seconds / free.steps.max(1) as f64;
+    let f = figures::figures(&report, ft, ref_step).charge_choosing(paid, measured);
+    Ok(json!({
+        "rate": rate.name,
+        "mtbf_seconds": rate.mtbf_seconds,
+        "server_memory_bytes": budget,
+        "server_need_checkpoint_bytes": plain,
+        "server_need_ec_bytes": coded,
+        "auto_chose_checkpoints": choice.strategy == "checkpoint",
+        "auto_choice": {
+            "strategy": choice.strategy,
+            "every_seconds": choice.every_seconds,
+            "predicted_ett": choice.predicted_ett,
+            "why": choice.why,
+        },
+        "figures": f,
+    }))
+}
+
 pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
     let chosen = chosen_strategies(&a.strategies)?;
     let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 3 });
@@ -303,16 +390,12 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
                 .collect();
             for (si, strategy) in chosen.iter().enumerate() {
                 let name = format!("{}-{}-r{round}", rate.name, strategy.replace('+', "-"));
+                let mut choosing = None;
                 let (config, every, ft) = if strategy == "auto" {
                     let mut c = base.clone();
-                    let choice = host
-                        .choose_ft(
-                            &mut c,
-                            &a.out.join("auto-calibration"),
-                            Some(rate.mtbf_seconds),
-                        )
-                        .map_err(BenchError::Host)?;
+                    let choice = choose(host, a, &mut c, rate.mtbf_seconds)?;
                     let ft = c.cluster.ft;
+                    choosing = Some(choosing_seconds(&choice));
                     choices[ri].push(choice);
                     (c, a.checkpoint_every, ft)
                 } else {
@@ -321,10 +404,20 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
                     (c, every, ft)
                 };
                 let report = launch(host, a, &config, &name, &kills, every)?;
-                runs[ri][si].push(figures::figures(&report, ft, ref_step));
+                let mut f = figures::figures(&report, ft, ref_step);
+                if let Some((paid, measured)) = choosing {
+                    f = f.charge_choosing(paid, measured);
+                }
+                runs[ri][si].push(f);
             }
         }
     }
+
+    let capped = if chosen.iter().any(|s| s == "auto") && a.capped {
+        Some(capped_case(host, a, &base, &rates[1], &free_runs[0])?)
+    } else {
+        None
+    };
 
     let free_figures: Vec<RunFigures> = free_runs
         .iter()
@@ -387,6 +480,7 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
             of training",
         "failure_free": failure_free,
         "by_rate": by_rate,
+        "capped": capped,
         "seconds": started.elapsed().as_secs_f64(),
     });
     plot::plot_bars(&summary, &a.out.join("shootout.png"))?;

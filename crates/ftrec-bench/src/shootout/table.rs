@@ -57,6 +57,29 @@ pub fn table(summary: &Value) -> Vec<String> {
                 num(&v["full_redundancy_seconds"], 2)
             ));
         }
+        let auto = &r["strategies"]["auto"];
+        if auto["choosing_seconds"].is_number() {
+            lines.push(format!(
+                "auto: {} s choosing counted in its ETT (median); {} if every run paid the \
+                 whole calibration",
+                num(&auto["choosing_seconds"], 1),
+                num(&auto["ett_first_run"], 3)
+            ));
+        }
+    }
+    let capped = &summary["capped"];
+    if capped["auto_choice"].is_object() {
+        lines.push(format!(
+            "capped ({} rate, cluster.server_memory_bytes = {:.0} MB against {:.0} MB under \
+             ec): auto chose {} (ETT {}, AUC {}): {}",
+            capped["rate"].as_str().unwrap_or("-"),
+            capped["server_memory_bytes"].as_f64().unwrap_or(0.0) / 1e6,
+            capped["server_need_ec_bytes"].as_f64().unwrap_or(0.0) / 1e6,
+            capped["auto_choice"]["strategy"].as_str().unwrap_or("-"),
+            num(&capped["figures"]["ett"], 3),
+            num(&capped["figures"]["auc"], 4),
+            capped["auto_choice"]["why"].as_str().unwrap_or("-"),
+        ));
     }
     lines
 }
@@ -119,6 +142,37 @@ mod tests {
             .find(|l| l.starts_with("| ec |"))
             .map(String::as_str);
         assert_eq!(ec, Some("| ec | 0.912 | - | - | 0 | 2 | - | 1.00 | - |"));
+    }
+
+    #[test]
+    fn autos_choosing_and_the_capped_case_get_a_line_each() {
+        let summary = json!({
+            "strategies": ["auto"],
+            "by_rate": { "rare": { "strategies": { "auto": {
+                "ett": 0.8, "choosing_seconds": 12.04, "ett_first_run": 0.61,
+            } } } },
+            "capped": {
+                "rate": "frequent", "server_memory_bytes": 2.5e8, "server_need_ec_bytes": 3e8,
+                "auto_choice": { "strategy": "checkpoint", "why": "ec is out" },
+                "figures": { "ett": 0.7, "auc": 0.8 },
+            },
+        });
+        let lines = table(&summary);
+        assert!(
+            lines.contains(
+                &"auto: 12.0 s choosing counted in its ETT (median); 0.610 if every \
+                run paid the whole calibration"
+                    .to_string()
+            ),
+            "{lines:?}"
+        );
+        assert_eq!(
+            lines.last().map(String::as_str),
+            Some(
+                "capped (frequent rate, cluster.server_memory_bytes = 250 MB against 300 MB \
+                under ec): auto chose checkpoint (ETT 0.700, AUC 0.8000): ec is out"
+            )
+        );
     }
 
     #[test]

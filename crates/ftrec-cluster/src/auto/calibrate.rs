@@ -1,46 +1,105 @@
 //! The costs `--ft auto` chooses from, measured on this host for this job before it
-//! starts: a real full checkpoint of the model written to the checkpoint directory's file
-//! system and restored cold, and the memory erasure coding would take against what the
-//! host has. The model's pace is the caller's to measure (the CLI times the single-process
-//! trainer: the cluster crates do not depend on it). Erasure coding's own costs (normal-mode
-//! overhead, resume, rebuild rate) need a cluster to measure: they come from a `bench ec`
-//! summary when one is given, else from the figures BENCHMARKS.md records.
+//! starts: a calibration of the job itself ([`super::probe`]: its failure-free step,
+//! erasure coding's overhead, resume, rebuild rate and slowdown, the checkpoints' pause
+//! and restore), cached per configuration fingerprint ([`super::cache`]); a full checkpoint
+//! of the model restored cold from the checkpoint directory's file system; and the memory
+//! erasure coding would take against each server's budget. No cost is a constant from
+//! another job: the calibration's own time is counted in the ETT it predicts.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use ftrec_config::{FaultTolerance, JobConfig};
 use ftrec_model::ModelState;
 use ftrec_rpc::{Job, PsError};
 
+use super::cache;
 use super::model::{Costs, Measured};
-
-/// `bench ec`'s medians on this 2-core host (BENCHMARKS.md, issue 23; the run of
-/// `bench-results/ec/summary-issue23-s37-rebuild-first.json`): used when no summary is given.
-pub const EC_OVERHEAD: f64 = 0.047;
-pub const EC_RESUME_SECONDS: f64 = 0.24;
-/// The self-paced rebuild's rate, and the share of training it takes meanwhile
-/// (1 − `rebuild_throughput_ratio`), from the same run.
-pub const EC_REBUILD_BYTES_PER_SEC: f64 = 1416e6;
-pub const EC_REBUILD_SLOWDOWN: f64 = 0.868;
-/// A replacement server process started and joined: `bench cluster`'s SIGKILL to resume
-/// less its detection, on loopback.
-pub const RESTART_SECONDS: f64 = 0.5;
-const BENCH: &str = "bench ec (BENCHMARKS.md)";
+use super::probe::{self, ProbeFigures, ProbeOptions};
 
 /// What to calibrate against.
 pub struct CalibrateOptions<'a> {
     /// Mean time between failures of the whole cluster, if the user knows it.
     pub mtbf_seconds: Option<f64>,
-    /// A `bench ec --json` summary.json whose medians replace the recorded EC figures.
-    pub ec_summary: Option<&'a Path>,
-    /// Scratch for the timing checkpoint (the job's checkpoint directory, or the run's).
+    /// Scratch for the timing checkpoint and the calibration's runs (the job's checkpoint
+    /// directory, or the run's).
     pub scratch: &'a Path,
-    /// Seconds per step of the model (measured by the caller), and how.
-    pub step_seconds: Measured,
+    /// The `ftrec` binary the calibration's processes are started from.
+    pub exe: &'a Path,
+    /// Spares the job starts with (the calibration starts as many).
+    pub spares: usize,
+    /// Steps of each calibration run ([`default_probe_steps`] unless told otherwise).
+    pub probe_steps: u64,
+    /// Where calibrations are kept per fingerprint (`None`: measured every time).
+    pub cache: Option<&'a Path>,
+    /// Measure again even where the cache holds this job's calibration.
+    pub recalibrate: bool,
+}
+
+/// Steps of each calibration run unless told otherwise: an eighth of the job's, between 20
+/// and 60. 60 steps are about 3 s of the demo job, enough for its rebuild (0.7-1.4 s) to
+/// end inside the run; a short job calibrates with fewer, as the calibration is paid
+/// before it (a 240-step job's took 15 s with 60).
+pub fn default_probe_steps(train_steps: u64) -> u64 {
+    (train_steps / 8).clamp(20, 60)
 }
 
 /// With no MTBF given: a server fails once a week, so a cluster of `n` once per week / n.
 pub const DEFAULT_SERVER_MTBF_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
+
+/// The calibration, measured now or found in the cache, and what this run paid for it.
+struct Calibration {
+    figures: ProbeFigures,
+    /// "measured: ..." or "cached: FILE (...)".
+    source: String,
+    paid_seconds: f64,
+}
+
+fn calibration(
+    config: &JobConfig,
+    opts: &CalibrateOptions<'_>,
+    ec_refused: Option<&str>,
+) -> Result<Calibration, PsError> {
+    let key = cache::key(config, opts.probe_steps, opts.spares, opts.exe)?;
+    if let Some(dir) = opts.cache.filter(|_| !opts.recalibrate)
+        && let Some(hit) = cache::load(dir, &key)
+    {
+        return Ok(Calibration {
+            source: format!(
+                "cached: {} (a calibration of this job's fingerprint {}, {:.1} s when measured)",
+                hit.path.display(),
+                key.fingerprint,
+                hit.figures.seconds
+            ),
+            figures: hit.figures,
+            paid_seconds: 0.0,
+        });
+    }
+    let figures = probe::probe(
+        config,
+        &ProbeOptions {
+            exe: opts.exe,
+            dir: opts.scratch,
+            spares: opts.spares,
+            steps: opts.probe_steps,
+        },
+        ec_refused,
+    )?;
+    let kept = match opts.cache {
+        Some(dir) => format!(", kept in {}", cache::store(dir, &key, &figures)?.display()),
+        None => String::new(),
+    };
+    Ok(Calibration {
+        source: format!(
+            "measured: a calibration of this job ({} runs of {} steps, {:.1} s{kept})",
+            if figures.ec.is_some() { 4 } else { 2 },
+            figures.steps,
+            figures.seconds
+        ),
+        paid_seconds: figures.seconds,
+        figures,
+    })
+}
 
 pub fn calibrate(config: &JobConfig, opts: &CalibrateOptions<'_>) -> Result<Costs, PsError> {
     let servers = config.cluster.servers.max(1);
@@ -56,121 +115,98 @@ pub fn calibrate(config: &JobConfig, opts: &CalibrateOptions<'_>) -> Result<Cost
             format!("assumed: one failure per server per week, {servers} servers (pass --mtbf)"),
         ),
     };
+    let started = Instant::now();
     let model = config.model_config()?;
     let state = ModelState::new(&model, config.seed)?;
     std::fs::create_dir_all(opts.scratch).map_err(crate::launch::io(opts.scratch))?;
     let timing = ftrec_ckpt::timing::time_full_checkpoint(&state, opts.scratch, 3)
         .map_err(|e| PsError::Fatal(format!("timing a checkpoint: {e}")))?;
     drop(state);
+    let timing_seconds = started.elapsed().as_secs_f64();
     let fs = format!(
-        "measured: a full checkpoint of {:.1} MB in {}, median of 3",
+        "measured: a full checkpoint of {:.1} MB in {}, cold, median of 3",
         timing.bytes as f64 / 1e6,
         opts.scratch.display()
     );
-    let step_seconds = opts.step_seconds.value;
-    let ec = ec_figures(opts.ec_summary)?;
-    let ec_rebuild_slowdown = ec.slowdown_at(config.ec.rebuild_bytes_per_sec);
     let (ec_shard_bytes, ec_refused) = ec_memory(config);
+    let cal = calibration(config, opts, ec_refused.as_deref())?;
+    let f = &cal.figures;
+    let src = |what: &str| format!("{} ({what})", cal.source);
+    let not_measured = |value: f64| {
+        Measured::new(
+            value,
+            "not measured: erasure coding cannot run this job".to_string(),
+        )
+    };
+    let ec = f.ec.as_ref();
+    // The calibration's restore holds the new process and every server's load; the cold
+    // load of the whole model is the part that grows with the model.
+    let restart = (f.checkpoint_restore_seconds - timing.load_seconds).max(0.0);
     Ok(Costs {
         mtbf_seconds: mtbf,
         job_seconds: Measured::new(
-            step_seconds * config.train.steps as f64,
+            f.step_seconds * config.train.steps as f64,
             format!(
-                "{} ({:.2} ms), times train.steps = {}",
-                opts.step_seconds.source,
-                step_seconds * 1e3,
+                "{}, times train.steps = {}",
+                src(&format!("failure-free step {:.2} ms", f.step_seconds * 1e3)),
                 config.train.steps
             ),
         ),
-        checkpoint_save_seconds: Measured::new(timing.save_seconds, fs.clone()),
-        checkpoint_load_seconds: Measured::new(timing.load_seconds, format!("{fs}, cold")),
+        checkpoint_save_seconds: Measured::new(
+            f.checkpoint_pause_seconds,
+            src("the checkpoint run's mean cut pause"),
+        ),
+        checkpoint_load_seconds: Measured::new(timing.load_seconds, fs),
         detection_seconds: Measured::new(
             config.cluster.failure_timeout_ms as f64 / 1e3,
             "config: cluster.failure_timeout_ms (a silent server)",
         ),
-        restart_seconds: Measured::new(RESTART_SECONDS, "bench cluster (BENCHMARKS.md)"),
-        ec_resume_seconds: ec.resume,
-        ec_overhead: ec.overhead,
+        restart_seconds: Measured::new(
+            restart,
+            src(&format!(
+                "the checkpoint run's SIGKILL to resume, {:.2} s, less the cold load",
+                f.checkpoint_restore_seconds
+            )),
+        ),
+        ec_resume_seconds: ec.map_or_else(
+            || not_measured(0.0),
+            |e| Measured::new(e.resume_seconds, src("SIGKILL to degraded resume")),
+        ),
+        ec_overhead: ec.map_or_else(
+            || not_measured(0.0),
+            |e| Measured::new(e.overhead, src("ec against none, failure-free")),
+        ),
         ec_shard_bytes: Measured::new(
             ec_shard_bytes as f64,
             "computed: the largest server's rows, parity and dense state under ec",
         ),
-        ec_rebuild_bytes_per_sec: match config.ec.rebuild_bytes_per_sec {
-            0 => ec.rebuild_rate,
-            cap => Measured::new(
-                (cap as f64).min(ec.rebuild_rate.value),
-                "config: ec.rebuild_bytes_per_sec",
-            ),
-        },
-        ec_rebuild_slowdown,
-        ec_refused,
-    })
-}
-
-struct EcFigures {
-    overhead: Measured,
-    resume: Measured,
-    /// The rebuild's rate, and the share of training it took meanwhile, from one run.
-    rebuild_rate: Measured,
-    slowdown: Measured,
-}
-
-impl EcFigures {
-    /// The share of training a rebuild takes at the job's cap (0: none). At or above the
-    /// measured rate, as measured; below it, scaled by the cap over that rate (the
-    /// rebuild's CPU grows with its rate). The rate and the slowdown come from the same
-    /// run: a fast rate priced with a slow run's slowdown leaves out what it costs.
-    fn slowdown_at(&self, cap: u64) -> Measured {
-        let rate = self.rebuild_rate.value;
-        if cap == 0 || rate <= 0.0 || cap as f64 >= rate {
-            return self.slowdown.clone();
-        }
-        Measured::new(
-            self.slowdown.value * cap as f64 / rate,
-            format!(
-                "{}, scaled from its {:.0} MB/s to ec.rebuild_bytes_per_sec = {:.0} MB/s",
-                self.slowdown.source,
-                rate / 1e6,
-                cap as f64 / 1e6
-            ),
-        )
-    }
-}
-
-/// From `bench ec`'s summary.json (its medians), or the recorded figures.
-fn ec_figures(summary: Option<&Path>) -> Result<EcFigures, PsError> {
-    let Some(path) = summary else {
-        return Ok(EcFigures {
-            overhead: Measured::new(EC_OVERHEAD, BENCH),
-            resume: Measured::new(EC_RESUME_SECONDS, BENCH),
-            rebuild_rate: Measured::new(EC_REBUILD_BYTES_PER_SEC, BENCH),
-            slowdown: Measured::new(EC_REBUILD_SLOWDOWN, BENCH),
-        });
-    };
-    let text = std::fs::read_to_string(path).map_err(crate::launch::io(path))?;
-    let v: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| PsError::Config(format!("{}: not JSON: {e}", path.display())))?;
-    let key = |name: &str| -> Result<f64, PsError> {
-        let field = &v[name];
-        field["median"]
-            .as_f64()
-            .or_else(|| field.as_f64())
-            .ok_or_else(|| {
-                PsError::Config(format!(
-                    "{}: no number at {name} (a `bench ec --json` summary has one)",
-                    path.display()
-                ))
-            })
-    };
-    let source = format!("measured: {} (bench ec)", path.display());
-    Ok(EcFigures {
-        overhead: Measured::new(key("overhead")?.max(0.0), source.clone()),
-        resume: Measured::new(key("kill_to_resume_seconds")?, source.clone()),
-        rebuild_rate: Measured::new(key("rebuild_bytes_per_sec")?, source.clone()),
-        slowdown: Measured::new(
-            (1.0 - key("rebuild_throughput_ratio")?).clamp(0.0, 1.0),
-            source,
+        ec_rebuild_bytes_per_sec: ec.map_or_else(
+            || not_measured(1.0),
+            |e| {
+                Measured::new(
+                    e.rebuild_bytes_per_sec,
+                    src("the rebuild's bytes over its time"),
+                )
+            },
         ),
+        ec_rebuild_slowdown: ec.map_or_else(
+            || not_measured(1.0),
+            |e| {
+                Measured::new(
+                    e.rebuild_slowdown,
+                    src("1 - committed rate while rebuilding over ec's failure-free rate"),
+                )
+            },
+        ),
+        ec_refused,
+        calibration_seconds: Measured::new(
+            cal.paid_seconds + timing_seconds,
+            format!(
+                "{}; with the timing checkpoint's {:.2} s",
+                cal.source, timing_seconds
+            ),
+        ),
+        calibration_measured_seconds: f.seconds + timing_seconds,
     })
 }
 
@@ -194,6 +230,11 @@ fn ec_memory(config: &JobConfig) -> (u64, Option<String>) {
                 largest = largest.max(bytes);
             }
             Err(e) => return (0, Some(e.to_string())),
+        }
+        // What the server itself would refuse at its start: its share against its budget
+        // (`cluster.server_memory_bytes`) and its host.
+        if let Err(e) = job.check_server_memory(Some(id)) {
+            return (largest.min(u64::MAX as u128) as u64, Some(e.to_string()));
         }
     }
     let refused = ftrec_config::available_memory().and_then(|available| {
@@ -224,44 +265,47 @@ pub fn scratch_dir(config: &JobConfig, run_dir: &Path) -> PathBuf {
 mod tests {
     use super::*;
 
-    fn summary(dir: &Path, ratio: Option<f64>) -> PathBuf {
-        let mut v = serde_json::json!({
-            "overhead": {"median": 0.05},
-            "kill_to_resume_seconds": {"median": 0.25},
-            "rebuild_bytes_per_sec": {"median": 8e8},
-        });
-        if let Some(ratio) = ratio {
-            v["rebuild_throughput_ratio"] = serde_json::json!({"median": ratio});
-        }
-        let path = dir.join("summary.json");
-        std::fs::write(&path, v.to_string()).unwrap();
-        path
+    fn tiny(set: &[&str]) -> JobConfig {
+        // A cluster job names its dataset; these ones are never run.
+        let o: Vec<String> = std::iter::once("data.dir=\"/data\"")
+            .chain(set.iter().copied())
+            .map(String::from)
+            .collect();
+        JobConfig::load(Some("tiny"), None, &o).unwrap()
     }
 
-    /// A rebuild at the measured rate is priced with what it took in that run; one capped
-    /// below it, with that share scaled to the cap.
+    /// A budget that holds a server's share without parity rules erasure coding out, by
+    /// the key that sets it; the same job with no budget (or a roomy one) may use it.
     #[test]
-    fn the_slowdown_comes_from_the_run_whose_rate_is_used() {
-        let dir = tempfile::tempdir().unwrap();
-        let ec = ec_figures(Some(&summary(dir.path(), Some(0.35)))).unwrap();
-        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
-        assert!(close(ec.slowdown_at(0).value, 0.65));
-        assert!(close(ec.slowdown_at(200_000_000).value, 0.65 / 4.0));
-        assert!(close(ec.slowdown_at(10_000_000_000).value, 0.65));
-        assert!(ec.slowdown_at(200_000_000).source.contains("scaled"));
-        let recorded = ec_figures(None).unwrap();
-        assert!(close(recorded.slowdown_at(0).value, EC_REBUILD_SLOWDOWN));
-    }
-
-    #[test]
-    fn a_summary_without_the_throughput_ratio_is_refused_by_name() {
-        let dir = tempfile::tempdir().unwrap();
-        let err = ec_figures(Some(&summary(dir.path(), None)))
-            .err()
-            .expect("refused");
-        assert!(
-            err.to_string().contains("rebuild_throughput_ratio"),
-            "{err}"
-        );
+    fn a_server_memory_budget_without_room_for_parity_rules_erasure_coding_out() {
+        let plain = tiny(&["cluster.servers=3"]);
+        let share: u128 = Job::new(plain.clone())
+            .unwrap()
+            .server_memory(Some(0))
+            .unwrap()
+            .iter()
+            .map(|p| p.bytes)
+            .sum();
+        let (coded, refused) = ec_memory(&plain);
+        assert!(refused.is_none(), "{refused:?}");
+        assert!(coded as u128 > share, "{coded} against {share}");
+        let budget = (share + (coded as u128 - share) / 4) as u64;
+        let capped = tiny(&[
+            "cluster.servers=3",
+            &format!("cluster.server_memory_bytes={budget}"),
+        ]);
+        let (_, refused) = ec_memory(&capped);
+        let refused = refused.expect("refused");
+        assert!(refused.contains("cluster.server_memory_bytes"), "{refused}");
+        // The job itself, without parity, still fits its budget.
+        Job::new(capped)
+            .unwrap()
+            .check_server_memory(Some(0))
+            .unwrap();
+        let roomy = tiny(&[
+            "cluster.servers=3",
+            &format!("cluster.server_memory_bytes={}", coded * 2),
+        ]);
+        assert!(ec_memory(&roomy).1.is_none());
     }
 }

@@ -1,9 +1,12 @@
 //! `--ft auto`: the system picks the fault tolerance and its interval from measured costs
 //! and a mean time between failures (`model` for the arithmetic, `calibrate` for the
-//! measurements), and says what it chose and why.
+//! measurements, `probe` for the calibration runs on the job itself, `cache` to keep them
+//! per configuration), and says what it chose and why.
 
+pub mod cache;
 pub mod calibrate;
 pub mod model;
+pub mod probe;
 
 pub use calibrate::{CalibrateOptions, calibrate};
 pub use model::{Choice, Costs, Measured, Prediction, choose};

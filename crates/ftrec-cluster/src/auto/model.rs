@@ -25,7 +25,8 @@ use serde::Serialize;
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Measured {
     pub value: f64,
-    /// How it was obtained: "measured: ...", "config: KEY", or "bench ec (BENCHMARKS.md)".
+    /// How it was obtained: "measured: ...", "cached: FILE ...", "config: KEY" or
+    /// "given: --mtbf".
     pub source: String,
 }
 
@@ -63,6 +64,22 @@ pub struct Costs {
     pub ec_rebuild_slowdown: Measured,
     /// Why erasure coding cannot run this job, if it cannot (memory, too few servers).
     pub ec_refused: Option<String>,
+    /// What choosing cost this run: the calibration (0 when cached) and the timing
+    /// checkpoint. Paid whatever is chosen, so it lowers the ETT auto predicts, not the
+    /// choice.
+    pub calibration_seconds: Measured,
+    /// The calibration's cost when it was measured (what a job that finds no cached one
+    /// pays).
+    pub calibration_measured_seconds: f64,
+}
+
+/// An ETT with `overhead_seconds` of wall time spent before the job's `job_seconds`.
+pub fn with_calibration(ett: f64, job_seconds: f64, overhead_seconds: f64) -> f64 {
+    if overhead_seconds <= 0.0 {
+        return ett;
+    }
+    let job = job_seconds.max(1e-9);
+    ett * job / (job + overhead_seconds)
 }
 
 /// One strategy's predicted ETT (and, for checkpoints, the interval it assumes).
@@ -85,7 +102,10 @@ pub struct Choice {
     /// The cut interval, for `checkpoint`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub every_seconds: Option<f64>,
+    /// The chosen strategy's ETT with this run's calibration counted.
     pub predicted_ett: f64,
+    /// The same without it (the predictions' own).
+    pub predicted_ett_before_calibration: f64,
     pub predictions: Vec<Prediction>,
     pub costs: Costs,
     pub why: String,
@@ -209,10 +229,24 @@ pub fn choose(costs: Costs) -> Choice {
             100.0 * costs.ec_overhead.value
         ),
     };
+    let predicted_ett = with_calibration(
+        best.ett,
+        costs.job_seconds.value,
+        costs.calibration_seconds.value,
+    );
+    let why = if costs.calibration_seconds.value > 0.0 {
+        format!(
+            "{why}; the {:.1} s spent choosing makes it {predicted_ett:.3}",
+            costs.calibration_seconds.value
+        )
+    } else {
+        why
+    };
     Choice {
         strategy: best.strategy,
         every_seconds: best.every_seconds,
-        predicted_ett: best.ett,
+        predicted_ett,
+        predicted_ett_before_calibration: best.ett,
         predictions: vec![checkpoint, ec, none],
         costs,
         why,
@@ -240,7 +274,28 @@ mod tests {
             ec_rebuild_bytes_per_sec: m(3.5e8),
             ec_rebuild_slowdown: m(0.1),
             ec_refused: None,
+            calibration_seconds: m(0.0),
+            calibration_measured_seconds: 12.0,
         }
+    }
+
+    /// What choosing cost is paid whatever is chosen: it lowers the predicted ETT by the
+    /// job's share, never changes the choice.
+    #[test]
+    fn the_calibration_lowers_the_predicted_ett_not_the_choice() {
+        let free = choose(costs(8.0));
+        let mut c = costs(8.0);
+        c.calibration_seconds = Measured::new(60.0, "test");
+        let paid = choose(c);
+        assert_eq!(paid.strategy, free.strategy);
+        assert_eq!(paid.predicted_ett_before_calibration, free.predicted_ett);
+        let expected = free.predicted_ett * 600.0 / 660.0;
+        assert!(
+            (paid.predicted_ett - expected).abs() < 1e-12,
+            "{}",
+            paid.predicted_ett
+        );
+        assert!(paid.why.contains("60.0 s spent choosing"), "{}", paid.why);
     }
 
     #[test]
@@ -308,7 +363,7 @@ mod tests {
                 .filter(|p| p.excluded.is_none())
                 .map(|p| p.ett)
                 .fold(0.0, f64::max);
-            prop_assert_eq!(choice.predicted_ett, best);
+            prop_assert_eq!(choice.predicted_ett_before_calibration, best);
         }
     }
 }

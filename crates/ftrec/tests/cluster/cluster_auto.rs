@@ -1,22 +1,26 @@
-//! `--ft auto` choosing by the failure rate, time-based cuts (`checkpoint.every_seconds`),
+//! `--ft auto` calibrating on the job and choosing by the failure rate, time-based cuts (`checkpoint.every_seconds`),
 //! and a frozen server (SIGSTOP, silent rather than gone) fenced and rolled back exactly.
 
 use ftrec_proto::timeline::EventKind;
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::cluster::event_kinds;
+use serde_json::Value;
 
 use crate::FTREC;
 
+/// `--ft auto` calibrates on the job itself (4 short runs: none, ec, ec with a SIGKILL,
+/// checkpoints with a SIGKILL), keeps the calibration per configuration, counts what
+/// choosing cost in the ETT it predicts, and chooses the strategy whose prediction is
+/// best; a memory budget without room for the parity rules erasure coding out.
 #[test]
-fn auto_chooses_by_the_failure_rate_and_says_why() {
+fn auto_calibrates_on_the_job_caches_it_and_chooses_by_the_failure_rate() {
     let dir = tempfile::tempdir().unwrap();
     let data = FTREC.setup(dir.path());
     let expected = FTREC.single_process_digest(&data, "40");
-    let mut chosen = Vec::new();
-    for mtbf in ["2", "1000000"] {
-        let run = dir.path().join(format!("run-{mtbf}"));
-        let out = ClusterRun::new(&data)
-            .run_dir(&run)
+    let cache = dir.path().join("calibrations");
+    let auto_run = |name: &str, mtbf: &str, set: Option<String>| {
+        let mut run = ClusterRun::new(&data)
+            .run_dir(&dir.path().join(name))
             .steps(40)
             .servers(3)
             .workers(1)
@@ -24,27 +28,94 @@ fn auto_chooses_by_the_failure_rate_and_says_why() {
             .no_eval()
             .ft("auto")
             .arg("--mtbf", mtbf)
-            .report(FTREC);
-        let auto = &out["auto"];
-        let save = &auto["costs"]["checkpoint_save_seconds"];
-        assert!(save["value"].as_f64().unwrap() > 0.0, "{auto}");
-        assert!(
-            save["source"].as_str().unwrap().starts_with("measured"),
-            "{auto}"
-        );
-        assert_eq!(
-            auto["costs"]["mtbf_seconds"]["value"].as_f64(),
-            mtbf.parse().ok()
-        );
-        assert!(!auto["why"].as_str().unwrap().is_empty());
+            .arg("--calibration-cache", cache.display())
+            .arg("--calibration-steps", 24);
+        if let Some(set) = set {
+            run = run.set(&set);
+        }
+        let out = run.report(FTREC);
         // Whatever it chose trains the same model.
-        assert_eq!(out["state_digest"], expected, "mtbf {mtbf}: {auto}");
-        chosen.push((auto["strategy"].clone(), auto["every_seconds"].clone()));
+        assert_eq!(out["state_digest"], expected, "{name}: {}", out["auto"]);
+        out["auto"].clone()
+    };
+    let source =
+        |auto: &Value, key: &str| auto["costs"][key]["source"].as_str().unwrap().to_string();
+    let value = |auto: &Value, key: &str| auto["costs"][key]["value"].as_f64().unwrap();
+
+    let first = auto_run("frequent", "2", None);
+    for key in [
+        "job_seconds",
+        "checkpoint_save_seconds",
+        "restart_seconds",
+        "ec_overhead",
+        "ec_resume_seconds",
+        "ec_rebuild_bytes_per_sec",
+        "ec_rebuild_slowdown",
+    ] {
+        assert!(
+            source(&first, key).starts_with("measured: a calibration of this job (4 runs"),
+            "{key}: {first}"
+        );
     }
-    // A failure every 2 s: erasure coding. One per 11 days: checkpoints, far apart.
-    assert_eq!(chosen[0].0, "ec", "{chosen:?}");
-    assert_eq!(chosen[1].0, "checkpoint", "{chosen:?}");
-    assert!(chosen[1].1.as_f64().unwrap() > 0.0, "{chosen:?}");
+    assert!(value(&first, "ec_resume_seconds") > 0.0, "{first}");
+    assert!(value(&first, "ec_rebuild_bytes_per_sec") > 0.0, "{first}");
+    // What choosing cost is in the prediction.
+    let paid = value(&first, "calibration_seconds");
+    assert!(paid > 0.0, "{first}");
+    let before = first["predicted_ett_before_calibration"].as_f64().unwrap();
+    assert!(first["predicted_ett"].as_f64().unwrap() < before, "{first}");
+    // The choice is the candidates' best prediction.
+    let best = first["predictions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["excluded"].is_null())
+        .max_by(|a, b| {
+            a["ett"]
+                .as_f64()
+                .unwrap()
+                .total_cmp(&b["ett"].as_f64().unwrap())
+        })
+        .unwrap()
+        .clone();
+    assert_eq!(first["strategy"], best["strategy"], "{first}");
+
+    // The same job at another rate finds its calibration: nothing measured again.
+    let rare = auto_run("rare", "1000000", None);
+    assert!(
+        source(&rare, "ec_overhead").starts_with("cached: "),
+        "{rare}"
+    );
+    assert_eq!(value(&rare, "ec_overhead"), value(&first, "ec_overhead"));
+    assert!(value(&rare, "calibration_seconds") < paid, "{rare}");
+    // One failure per 11 days: checkpoints, far apart.
+    assert_eq!(rare["strategy"], "checkpoint", "{rare}");
+    assert!(rare["every_seconds"].as_f64().unwrap() > 0.0, "{rare}");
+
+    // Each server's budget one byte short of its share under erasure coding: checkpoints,
+    // and erasure coding's runs are not even tried.
+    let coded = value(&first, "ec_shard_bytes") as u64;
+    let capped = auto_run(
+        "capped",
+        "2",
+        Some(format!("cluster.server_memory_bytes={}", coded - 1)),
+    );
+    assert_eq!(capped["strategy"], "checkpoint", "{capped}");
+    assert!(
+        capped["why"]
+            .as_str()
+            .unwrap()
+            .contains("cluster.server_memory_bytes"),
+        "{capped}"
+    );
+    assert!(
+        source(&capped, "ec_overhead").starts_with("not measured"),
+        "{capped}"
+    );
+    assert!(
+        source(&capped, "restart_seconds").contains("2 runs"),
+        "{capped}"
+    );
 }
 
 #[test]

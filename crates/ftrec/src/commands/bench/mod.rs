@@ -131,9 +131,22 @@ impl ftrec_bench::Host for Cli {
         config: &mut JobConfig,
         scratch: &Path,
         mtbf: Option<f64>,
+        spares: usize,
     ) -> Result<Choice, Boxed> {
-        Ok(crate::commands::cluster::auto::choose_and_apply(
-            config, scratch, mtbf, None,
+        use crate::commands::cluster::auto;
+        let probe_steps = ftrec_cluster::auto::calibrate::default_probe_steps(config.train.steps);
+        Ok(auto::choose_and_apply(
+            config,
+            scratch,
+            &auto::AutoArgs {
+                mtbf,
+                spares,
+                // Kept beside the bench's runs: measured once per bench, reused by its
+                // other rates and rounds.
+                cache: Some(scratch.join("cache")),
+                recalibrate: false,
+                probe_steps,
+            },
         )?)
     }
 

@@ -84,6 +84,11 @@ pub struct BenchShootoutArgs {
     /// checkpoint-deck-int8 (embedding rows stored int8).
     #[arg(long, value_delimiter = ',')]
     pub strategies: Vec<String>,
+    /// Leave out the capped case: auto at the frequent rate with every server's memory
+    /// budget (cluster.server_memory_bytes) too small for the parity, where it must
+    /// choose checkpoints.
+    #[arg(long)]
+    pub no_capped: bool,
     #[arg(long)]
     pub json: bool,
 }
@@ -113,6 +118,7 @@ pub fn run(a: BenchShootoutArgs) -> Result<()> {
             set: a.set,
             quiet: a.json,
             strategies: a.strategies,
+            capped: !a.no_capped,
         },
     )?;
     if !a.json {

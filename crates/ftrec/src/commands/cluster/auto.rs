@@ -1,52 +1,50 @@
-//! `--ft auto` in the CLI: the model's pace timed with the single-process trainer (the
-//! cluster crates do not depend on it), the rest of the costs measured by
-//! `ftrec_cluster::auto::calibrate`, and the choice applied to the job.
+//! `--ft auto` in the CLI: where the calibration cache lives, this binary as the one the
+//! calibration starts, and the choice applied to the job.
 
-use std::path::Path;
-use std::time::Instant;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Result, bail};
-use ftrec_cluster::auto::{self, Choice, Measured};
+use anyhow::{Context, Result};
+use ftrec_cluster::auto::{self, Choice};
 use ftrec_config::JobConfig;
 
-/// Steps of the model timed for its pace (after one untimed step).
-const PROBE_STEPS: u64 = 20;
-
-/// Seconds per step of `config`'s model on its training data: single process, one thread.
-pub fn step_seconds(config: &JobConfig) -> Result<Measured> {
-    let mut c = config.clone();
-    c.threads = 1;
-    c.checkpoint.dir = None;
-    c.checkpoint.strategy = None;
-    let Some(dir) = c.data.dir.clone() else {
-        bail!("no dataset: pass --data DIR or set data.dir (--ft auto times the model on it)");
-    };
-    let data = ftrec_data::Dataset::open_split(&dir, ftrec_data::TRAIN_FILE)?;
-    let mut trainer = ftrec_train::Trainer::new(&c)?;
-    // The first step pays for allocation and page faults.
-    trainer.train(&data, 1, |_| {})?;
-    let started = Instant::now();
-    let report = trainer.train(&data, 1 + PROBE_STEPS, |_| {})?;
-    Ok(Measured::new(
-        started.elapsed().as_secs_f64() / report.steps.max(1) as f64,
-        format!("measured: {PROBE_STEPS} single-process steps on one thread"),
-    ))
+/// `--ft auto`'s inputs beside the job.
+pub struct AutoArgs {
+    pub mtbf: Option<f64>,
+    /// Spares the job starts with.
+    pub spares: usize,
+    /// Where calibrations are kept (`None`: measured every time).
+    pub cache: Option<PathBuf>,
+    pub recalibrate: bool,
+    pub probe_steps: u64,
 }
 
-/// Measures the costs, chooses for `mtbf`, and applies the choice to `config`.
-pub fn choose_and_apply(
-    config: &mut JobConfig,
-    scratch: &Path,
-    mtbf: Option<f64>,
-    ec_costs: Option<&Path>,
-) -> Result<Choice> {
+/// `--calibration-cache`, else `$FTREC_CACHE_DIR`, else `$XDG_CACHE_HOME/ftrec`, else
+/// `~/.cache/ftrec`; `none` keeps none.
+pub fn cache_dir(flag: Option<&Path>) -> Option<PathBuf> {
+    let env = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    let dir = match flag {
+        Some(dir) => dir.to_path_buf(),
+        None => env("FTREC_CACHE_DIR")
+            .map(PathBuf::from)
+            .or_else(|| env("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("ftrec")))
+            .or_else(|| env("HOME").map(|h| PathBuf::from(h).join(".cache").join("ftrec")))?,
+    };
+    (dir.as_os_str() != "none").then_some(dir)
+}
+
+/// Measures the costs (or finds them cached), chooses, and applies the choice to `config`.
+pub fn choose_and_apply(config: &mut JobConfig, scratch: &Path, args: &AutoArgs) -> Result<Choice> {
+    let exe = std::env::current_exe().context("locating the ftrec binary")?;
     let costs = auto::calibrate(
         config,
         &auto::CalibrateOptions {
-            mtbf_seconds: mtbf,
-            ec_summary: ec_costs,
+            mtbf_seconds: args.mtbf,
             scratch,
-            step_seconds: step_seconds(config)?,
+            exe: &exe,
+            spares: args.spares,
+            probe_steps: args.probe_steps,
+            cache: args.cache.as_deref(),
+            recalibrate: args.recalibrate,
         },
     )?;
     let choice = auto::choose(costs);
@@ -77,12 +75,17 @@ impl std::str::FromStr for FtArg {
 pub(super) fn choose_ft(
     config: &mut ftrec_config::JobConfig,
     run_dir: &Path,
-    mtbf: Option<f64>,
-    ec_costs: Option<&Path>,
+    args: &AutoArgs,
     json: bool,
 ) -> Result<ftrec_cluster::auto::Choice> {
     let scratch = ftrec_cluster::auto::calibrate::scratch_dir(config, run_dir);
-    let choice = choose_and_apply(config, &scratch, mtbf, ec_costs)?;
+    if !json {
+        outln!(
+            "--ft auto: calibrating on this job ({} steps a run; cached per configuration)",
+            args.probe_steps
+        );
+    }
+    let choice = choose_and_apply(config, &scratch, args)?;
     if !json {
         outln!("--ft auto: {}", choice.why);
     }

@@ -104,10 +104,18 @@ pub struct ClusterRunArgs {
     /// failure per server per week).
     #[arg(long, requires = "ft")]
     pub mtbf: Option<f64>,
-    /// With --ft auto: erasure coding's costs from a `bench ec --json` summary.json
-    /// (default: the figures BENCHMARKS.md records).
-    #[arg(long, value_name = "FILE", requires = "ft")]
-    pub ec_costs: Option<PathBuf>,
+    /// With --ft auto: where calibrations are kept per job fingerprint (default:
+    /// $FTREC_CACHE_DIR, else $XDG_CACHE_HOME/ftrec, else ~/.cache/ftrec; `none`: keep
+    /// none).
+    #[arg(long, value_name = "DIR", requires = "ft")]
+    pub calibration_cache: Option<PathBuf>,
+    /// With --ft auto: calibrate again even where this job's calibration is cached.
+    #[arg(long, requires = "ft")]
+    pub recalibrate: bool,
+    /// With --ft auto: steps of each of the calibration's runs (default: an eighth of the
+    /// job's, between 20 and 60).
+    #[arg(long, value_name = "N", requires = "ft")]
+    pub calibration_steps: Option<u64>,
     /// Steps in strict order: bit-reproducible (overrides cluster.deterministic).
     #[arg(long)]
     pub deterministic: bool,
@@ -308,8 +316,10 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
     if let Some(FtArg::Fixed(ft)) = a.ft {
         extra.push(format!("cluster.ft=\"{}\"", ft.name()));
     }
-    if a.ft != Some(FtArg::Auto) && (a.mtbf.is_some() || a.ec_costs.is_some()) {
-        bail!("--mtbf and --ec-costs are the inputs of --ft auto");
+    if a.ft != Some(FtArg::Auto)
+        && (a.mtbf.is_some() || a.calibration_cache.is_some() || a.recalibrate)
+    {
+        bail!("--mtbf, --calibration-cache and --recalibrate are the inputs of --ft auto");
     }
     if a.deterministic {
         extra.push("cluster.deterministic=true".into());
@@ -319,12 +329,20 @@ fn run_in(a: ClusterRunArgs, run_dir: PathBuf, temporary_run_dir: bool) -> Resul
         config.data.dir = Some(absolute(&data)?);
     }
     let resume = resume::resume_point(&mut config, a.resume.as_deref(), a.fallback)?;
+    let probe_steps = a
+        .calibration_steps
+        .unwrap_or_else(|| ftrec_cluster::auto::calibrate::default_probe_steps(config.train.steps));
     let auto = match a.ft {
         Some(FtArg::Auto) => Some(choose_ft(
             &mut config,
             &run_dir,
-            a.mtbf,
-            a.ec_costs.as_deref(),
+            &auto::AutoArgs {
+                mtbf: a.mtbf,
+                spares: a.spares,
+                cache: auto::cache_dir(a.calibration_cache.as_deref()),
+                recalibrate: a.recalibrate,
+                probe_steps,
+            },
             a.json,
         )?),
         _ => None,
