@@ -479,4 +479,32 @@ mod tests {
             }
         }
     }
+
+    /// A server whose share exceeds its budget refuses to start, naming the key; a spare
+    /// is held to the same budget; with room it starts.
+    #[test]
+    fn a_server_over_its_memory_budget_refuses_to_start_by_the_key() {
+        let job = |budget: u64| {
+            let set = [
+                "data.dir=\"/data\"".to_string(),
+                "cluster.servers=3".to_string(),
+                "cluster.ft=\"ec\"".to_string(),
+                format!("cluster.server_memory_bytes={budget}"),
+            ];
+            Job::new(JobConfig::load(Some("tiny"), None, &set).unwrap()).unwrap()
+        };
+        let share: u128 = job(0)
+            .server_memory(Some(1))
+            .unwrap()
+            .iter()
+            .map(|p| p.bytes)
+            .sum();
+        let tight = job(share as u64 - 1);
+        for id in [Some(1), None] {
+            let e = tight.check_server_memory(id).unwrap_err().to_string();
+            assert!(e.contains("cluster.server_memory_bytes"), "{e}");
+            assert!(e.contains("parity rows"), "{e}");
+        }
+        job(share as u64 * 2).check_server_memory(Some(1)).unwrap();
+    }
 }
