@@ -21,9 +21,11 @@ use super::probe::{self, ProbeFigures, ProbeOptions};
 pub struct CalibrateOptions<'a> {
     /// Mean time between failures of the whole cluster, if the user knows it.
     pub mtbf_seconds: Option<f64>,
-    /// Scratch for the timing checkpoint and the calibration's runs (the job's checkpoint
-    /// directory, or the run's).
+    /// Scratch for the timing checkpoint (the job's checkpoint directory, or the run's).
     pub scratch: &'a Path,
+    /// Where the calibration's runs go (each removed after it): the job's run directory,
+    /// never its checkpoint location.
+    pub runs_dir: &'a Path,
     /// The `ftrec` binary the calibration's processes are started from.
     pub exe: &'a Path,
     /// Spares the job starts with (the calibration starts as many).
@@ -79,7 +81,7 @@ fn calibration(
         config,
         &ProbeOptions {
             exe: opts.exe,
-            dir: opts.scratch,
+            dir: opts.runs_dir,
             spares: opts.spares,
             steps: opts.probe_steps,
         },

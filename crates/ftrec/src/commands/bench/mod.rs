@@ -138,6 +138,7 @@ impl ftrec_bench::Host for Cli {
         Ok(auto::choose_and_apply(
             config,
             scratch,
+            scratch,
             &auto::AutoArgs {
                 mtbf,
                 spares,

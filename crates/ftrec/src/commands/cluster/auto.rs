@@ -33,13 +33,20 @@ pub fn cache_dir(flag: Option<&Path>) -> Option<PathBuf> {
 }
 
 /// Measures the costs (or finds them cached), chooses, and applies the choice to `config`.
-pub fn choose_and_apply(config: &mut JobConfig, scratch: &Path, args: &AutoArgs) -> Result<Choice> {
+/// The timing checkpoint goes to `scratch`, the calibration's runs under `runs_dir`.
+pub fn choose_and_apply(
+    config: &mut JobConfig,
+    scratch: &Path,
+    runs_dir: &Path,
+    args: &AutoArgs,
+) -> Result<Choice> {
     let exe = std::env::current_exe().context("locating the ftrec binary")?;
     let costs = auto::calibrate(
         config,
         &auto::CalibrateOptions {
             mtbf_seconds: args.mtbf,
             scratch,
+            runs_dir,
             exe: &exe,
             spares: args.spares,
             probe_steps: args.probe_steps,
@@ -85,7 +92,7 @@ pub(super) fn choose_ft(
             args.probe_steps
         );
     }
-    let choice = choose_and_apply(config, &scratch, args)?;
+    let choice = choose_and_apply(config, &scratch, run_dir, args)?;
     if !json {
         outln!("--ft auto: {}", choice.why);
     }
