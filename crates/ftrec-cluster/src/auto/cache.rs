@@ -141,6 +141,7 @@ pub fn store(dir: &Path, key: &CacheKey, figures: &ProbeFigures) -> Result<PathB
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auto::tests::tiny;
 
     fn figures() -> ProbeFigures {
         ProbeFigures {
@@ -151,15 +152,6 @@ mod tests {
             checkpoint_restore_seconds: 0.4,
             seconds: 9.5,
         }
-    }
-
-    fn tiny(set: &[&str]) -> JobConfig {
-        // A cluster job names its dataset; these ones are never run.
-        let o: Vec<String> = std::iter::once("data.dir=\"/data\"")
-            .chain(set.iter().copied())
-            .map(String::from)
-            .collect();
-        JobConfig::load(Some("tiny"), None, &o).unwrap()
     }
 
     #[test]

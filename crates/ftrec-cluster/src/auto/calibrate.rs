@@ -266,15 +266,7 @@ pub fn scratch_dir(config: &JobConfig, run_dir: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn tiny(set: &[&str]) -> JobConfig {
-        // A cluster job names its dataset; these ones are never run.
-        let o: Vec<String> = std::iter::once("data.dir=\"/data\"")
-            .chain(set.iter().copied())
-            .map(String::from)
-            .collect();
-        JobConfig::load(Some("tiny"), None, &o).unwrap()
-    }
+    use crate::auto::tests::tiny;
 
     /// A budget that holds a server's share without parity rules erasure coding out, by
     /// the key that sets it; the same job with no budget (or a roomy one) may use it.

@@ -28,3 +28,18 @@ pub fn apply(config: &mut JobConfig, choice: &Choice) {
         }
     }
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use ftrec_config::JobConfig;
+
+    /// The `tiny` preset with `set` over it, as a cluster job (it names a dataset; the
+    /// tests that use it never run it).
+    pub(crate) fn tiny(set: &[&str]) -> JobConfig {
+        let o: Vec<String> = std::iter::once("data.dir=\"/data\"")
+            .chain(set.iter().copied())
+            .map(String::from)
+            .collect();
+        JobConfig::load(Some("tiny"), None, &o).unwrap()
+    }
+}

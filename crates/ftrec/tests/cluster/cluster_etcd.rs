@@ -38,6 +38,29 @@ fn run_with_etcd(data: &str, run_dir: &Path, endpoint: &str, steps: &str, extra:
         .report(FTREC)
 }
 
+/// The last lines of every coordinator's log under the report's run directory: a slow
+/// takeover is read from them (the test's directory is gone once it fails).
+fn coordinator_logs(report: &Value) -> String {
+    let logs = Path::new(report["run_dir"].as_str().unwrap_or("")).join("logs");
+    let mut names: Vec<_> = std::fs::read_dir(&logs)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    names.retain(|p: &std::path::PathBuf| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("coordinator-"))
+    });
+    names.sort();
+    let mut out = String::new();
+    for path in names {
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        out += &format!("\n--- {} (last 60 lines)\n", path.display());
+        out += &lines[lines.len().saturating_sub(60)..].join("\n");
+    }
+    out
+}
+
 /// Every leader kill was followed by a takeover whose first step settled, and the report
 /// says which coordinator finished.
 fn assert_failovers(report: &Value, kills: usize) {
@@ -54,7 +77,11 @@ fn assert_failovers(report: &Value, kills: usize) {
         let seconds = k["kill_to_first_step_seconds"].as_f64().unwrap();
         // The goal is TTL + 1 s (measured by `ftrec bench coordinator`); a loaded test
         // machine gets slack, a takeover that never happened gets none.
-        assert!(seconds > 0.0 && seconds < ttl + 10.0, "{report}");
+        assert!(
+            seconds > 0.0 && seconds < ttl + 10.0,
+            "{report}{}",
+            coordinator_logs(report)
+        );
     }
 }
 
