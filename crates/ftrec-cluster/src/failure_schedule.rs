@@ -12,10 +12,15 @@ use ftrec_proto::proto::Role;
 /// One failure: a server SIGKILLed, or frozen for good (SIGSTOP: silent, not gone).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ScheduledFailure {
-    /// Seconds after training starts.
+    /// Seconds after training starts (with `during_recovery`: not before then).
     pub at_seconds: f64,
     pub server: usize,
     pub freeze: bool,
+    /// SIGKILL the slot's process at the first moment from `at_seconds` on that it
+    /// recovers (`--kill server:J@Ts=recovering`): its replacement rebuilding, or its
+    /// recovery (a restore) under way.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub during_recovery: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -41,10 +46,11 @@ pub struct ScheduleShape {
     /// Every schedule holds at least one SIGKILL and one freeze (so at least two
     /// failures), whatever the draw: a comparison at a rate must meet both kinds.
     pub both_kinds: bool,
-    /// Also strike the first SIGKILLed slot again this long after it, while it recovers
-    /// (its replacement rebuilds, or restores): a second failure during a recovery, which
-    /// the minimum gap rules out otherwise. The slot's survivors still hold its state, so
-    /// every strategy can survive it.
+    /// Also strike the first SIGKILLed slot again while it recovers (its replacement
+    /// rebuilds, or restores), at the first such moment at least this long after the
+    /// first strike: a second failure during a recovery, which the minimum gap rules out
+    /// otherwise. The slot's survivors still hold its state, so every strategy can
+    /// survive it. A strike at a fixed delay missed erasure coding's 0.1 s rebuild.
     pub during_recovery_seconds: Option<f64>,
 }
 
@@ -86,6 +92,7 @@ impl FailureSchedule {
                     at_seconds: shape.start_seconds + window * (i + 1) as f64 / (wanted + 1) as f64,
                     server: rng.gen_range(0..shape.servers),
                     freeze: false,
+                    during_recovery: false,
                 })
                 .collect();
         }
@@ -108,6 +115,7 @@ impl FailureSchedule {
                 at_seconds: kill.at_seconds + after,
                 server: kill.server,
                 freeze: false,
+                during_recovery: true,
             };
             let at = failures.partition_point(|f| f.at_seconds <= again.at_seconds);
             failures.insert(at, again);
@@ -128,7 +136,9 @@ impl FailureSchedule {
                 KillSpec {
                     role: Role::Server,
                     id: f.server,
-                    at: if f.freeze {
+                    at: if f.during_recovery {
+                        KillAt::DuringRecovery(after)
+                    } else if f.freeze {
                         KillAt::FreezeAfter(after)
                     } else {
                         KillAt::After(after)
@@ -163,6 +173,7 @@ fn draw(
             at_seconds: t,
             server: rng.gen_range(0..shape.servers),
             freeze: rng.r#gen::<f64>() < shape.freeze_share,
+            during_recovery: false,
         });
     }
 }
@@ -250,6 +261,10 @@ mod tests {
                 })
                 .collect();
             prop_assert_eq!(again.len(), 1);
+            prop_assert!(again[0].during_recovery);
+            prop_assert_eq!(s.failures.iter().filter(|f| f.during_recovery).count(), 1);
+            let spelled: Vec<String> = s.kills().iter().map(|k| k.to_string()).collect();
+            prop_assert_eq!(spelled.iter().filter(|k| k.ends_with("=recovering")).count(), 1);
             let drawn: Vec<_> = s.failures.iter().filter(|f| !std::ptr::eq(*f, again[0])).collect();
             prop_assert!(drawn.len() >= 2);
             for w in drawn.windows(2) {

@@ -144,6 +144,26 @@ impl Shared {
         self.lock().members.pid_of(role, id)
     }
 
+    /// The process of server slot `id` while it recovers: rebuilding in the background
+    /// (erasure coding with 2PC: the slot serves degraded meanwhile), else in its running
+    /// recovery (a restore, a blocking rebuild). `None` when the slot is not recovering or
+    /// has no process. It may still be the dead process until the replacement is known:
+    /// the caller compares it with the one it killed.
+    pub fn recovering_pid(&self, id: usize) -> Option<u32> {
+        let s = self.lock();
+        let background = self.job.config.two_phase_commit();
+        // Not a slot merely declared dead: its recovery task is running (`busy`), so a
+        // restore or a blocking rebuild is under way.
+        let recovering = if background {
+            s.recovery.rebuilding.iter().any(|&(r, _)| r == id)
+        } else {
+            s.busy && s.recovery.failed.iter().any(|&(f, _)| f == id)
+        };
+        recovering
+            .then(|| s.members.pid_of(Role::Server, id))
+            .flatten()
+    }
+
     /// The pids of the spares that wait for a slot (not yet given one).
     pub fn waiting_spare_pids(&self) -> Vec<u32> {
         self.lock().members.waiting_spare_pids()

@@ -91,8 +91,8 @@ pub struct ShootoutOptions {
     pub seed: u64,
     pub freeze_share: f64,
     pub min_gap: f64,
-    /// The frequent rate's schedules also strike their first SIGKILLed slot again this
-    /// long after it, mid-recovery (0: never).
+    /// The frequent rate's schedules also strike their first SIGKILLed slot again while
+    /// it recovers, at least this long after the first strike (negative: never).
     pub during_recovery: f64,
     /// Steps in any order instead of deterministic runs.
     pub asynchronous: bool,
@@ -338,7 +338,7 @@ pub fn run(host: &dyn Host, a: &ShootoutOptions) -> Result<Value> {
         min_gap_seconds: a.min_gap,
         freeze_share: a.freeze_share,
         both_kinds: true,
-        during_recovery_seconds: (during_recovery && a.during_recovery > 0.0)
+        during_recovery_seconds: (during_recovery && a.during_recovery >= 0.0)
             .then_some(a.during_recovery),
     };
     let rates = [

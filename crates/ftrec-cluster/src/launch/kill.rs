@@ -15,6 +15,12 @@ pub enum KillAt {
     /// rather than gone (its connections stay open), until the cluster fences it and the
     /// launcher SIGKILLs the superseded process.
     FreezeAfter(Duration),
+    /// SIGKILL a server slot's process at the first moment, this long after training
+    /// starts or later, that it recovers: a replacement rebuilding in the background
+    /// (erasure coding with 2PC), else a slot waiting for its recovery (a restore, a
+    /// blocking rebuild) with a process of its own. A second failure during a recovery,
+    /// whatever the strategy's recovery takes; it never strikes the process it finds dead.
+    DuringRecovery(Duration),
     /// As soon as the coordinator grants this global step (exact, for tests).
     Step(u64),
     /// The member kills itself at this fault point (armed in its registry,
@@ -55,7 +61,8 @@ impl std::str::FromStr for KillSpec {
     fn from_str(s: &str) -> Result<Self, String> {
         let bad = || {
             format!(
-                "--kill {s:?}: expected ROLE:ID@SECONDS, ROLE:ID@SECONDS=freeze, ROLE:ID@step:N, \
+                "--kill {s:?}: expected ROLE:ID@SECONDS, ROLE:ID@SECONDS=freeze, \
+                 server:ID@SECONDS=recovering, ROLE:ID@step:N, \
                  (servers of an erasure-coded run) server:ID@prepare:N, @commit:N or @rebuild, \
                  or worker:ID@push:N, @prepared-first:N or @prepared:N, e.g. server:1@10s, \
                  server:1@10s=freeze, server:1@step:8, server:1@commit:8 or worker:0@prepared:8"
@@ -68,6 +75,16 @@ impl std::str::FromStr for KillSpec {
                 role,
                 id,
                 at: KillAt::FreezeAfter(parse_seconds(secs).ok_or_else(bad)?),
+            });
+        }
+        if let Some(secs) = when.strip_suffix("=recovering") {
+            if role != Role::Server {
+                return Err(bad());
+            }
+            return Ok(Self {
+                role,
+                id,
+                at: KillAt::DuringRecovery(parse_seconds(secs).ok_or_else(bad)?),
             });
         }
         let at = match when.strip_prefix("step:") {
@@ -97,6 +114,9 @@ impl std::fmt::Display for KillSpec {
         match &self.at {
             KillAt::After(t) => write!(f, "{who}:{}@{}s", self.id, t.as_secs_f64()),
             KillAt::FreezeAfter(t) => write!(f, "{who}:{}@{}s=freeze", self.id, t.as_secs_f64()),
+            KillAt::DuringRecovery(t) => {
+                write!(f, "{who}:{}@{}s=recovering", self.id, t.as_secs_f64())
+            }
             KillAt::Step(step) => write!(f, "{who}:{}@step:{step}", self.id),
             KillAt::Point(p) => write!(f, "{who}:{}@{p}", self.id),
         }
@@ -247,7 +267,15 @@ mod tests {
         assert_eq!(spec.role, Role::Server);
         assert_eq!(spec.id, 2);
         assert_eq!(spec.at, KillAt::FreezeAfter(Duration::from_millis(1500)));
-        for s in ["server:2@1.5s=freeze", "worker:0@3s", "server:1@step:8"] {
+        let during: KillSpec = "server:1@2s=recovering".parse().unwrap();
+        assert_eq!(during.at, KillAt::DuringRecovery(Duration::from_secs(2)));
+        assert!("worker:1@2s=recovering".parse::<KillSpec>().is_err());
+        for s in [
+            "server:2@1.5s=freeze",
+            "worker:0@3s",
+            "server:1@step:8",
+            "server:1@2.5s=recovering",
+        ] {
             let spec: KillSpec = s.parse().unwrap();
             assert_eq!(spec.to_string().parse::<KillSpec>().unwrap(), spec, "{s}");
         }

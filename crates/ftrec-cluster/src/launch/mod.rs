@@ -335,10 +335,13 @@ impl Supervised<'_> {
         let started = Instant::now();
         let mut stop_signals = StopSignals::new()?;
         let mut timed = Vec::new();
+        // Kills that wait for their slot's recovery: (not before, slot).
+        let mut during_recovery: Vec<(Duration, usize)> = Vec::new();
         for k in self.kills {
             match k.at {
                 KillAt::After(after) => timed.push((after, k.role, k.id, Injected::Kill)),
                 KillAt::FreezeAfter(after) => timed.push((after, k.role, k.id, Injected::Freeze)),
+                KillAt::DuringRecovery(after) => during_recovery.push((after, k.id)),
                 KillAt::Step(step) => shared.kill_at_step(k.role, k.id, step),
                 KillAt::Point(_) => {}
             }
@@ -348,6 +351,9 @@ impl Supervised<'_> {
         }
         timed.sort_by_key(|k| k.0);
         let mut kill_times = Vec::new();
+        // The last process each server slot lost to an injected failure: a kill during a
+        // recovery strikes the slot's next process, never the one found dead.
+        let mut struck: std::collections::HashMap<usize, u32> = Default::default();
         let mut training_start: Option<Instant> = None;
         loop {
             self.spawner.reap_exited();
@@ -387,11 +393,47 @@ impl Supervised<'_> {
             if let Some(t0) = training_start {
                 while timed.first().is_some_and(|k| t0.elapsed() >= k.0) {
                     let (_, role, id, how) = timed.remove(0);
+                    if role == Role::Server
+                        && let Some(pid) = shared.pid_of(role, id)
+                    {
+                        struck.insert(id, pid);
+                    }
                     kill_times.extend(fail_now(&shared, role, id, how)?);
                 }
+                let mut fired = Vec::new();
+                for (i, &(after, id)) in during_recovery.iter().enumerate() {
+                    if t0.elapsed() < after {
+                        continue;
+                    }
+                    let Some(pid) = shared.recovering_pid(id) else {
+                        continue;
+                    };
+                    if struck.get(&id) == Some(&pid) {
+                        continue;
+                    }
+                    sigkill(pid).map_err(io(Path::new("kill")))?;
+                    struck.insert(id, pid);
+                    kill_times.push(shared.event_about(
+                        EventKind::Killed,
+                        coordinator::subject(Role::Server, id),
+                        None,
+                        format!("server {id} (pid {pid}) by SIGKILL while it recovered"),
+                    ));
+                    fired.push(i);
+                }
+                for i in fired.into_iter().rev() {
+                    during_recovery.remove(i);
+                }
             }
+            // A kill that waits for a recovery looks often: a rebuild can be over in
+            // 0.1 s.
+            let tick = if during_recovery.is_empty() {
+                Duration::from_millis(200)
+            } else {
+                Duration::from_millis(5)
+            };
             let waited = tokio::select! {
-                waited = handle.wait_done(Duration::from_millis(200)) => waited,
+                waited = handle.wait_done(tick) => waited,
                 signal = stop_signals.recv() => {
                     shared.event(EventKind::Interrupted, format!("{signal}: stopping every process"));
                     return Err(PsError::Stopped(format!(

@@ -386,3 +386,64 @@ fn a_survivor_killed_mid_rollback_is_declared_at_once_and_the_run_ends_exact() {
         declared - retried
     );
 }
+
+/// `--kill server:J@Ts=recovering`, the shoot-out's second strike: slot 1's replacement
+/// (the spare) is SIGKILLed while it recovers, whatever its strategy's recovery takes.
+/// Under erasure coding that is inside its background rebuild (a fixed delay missed the
+/// 0.1 s rebuild); under checkpoints, inside the restore that recovery started. Each run
+/// recovers twice and ends exact.
+#[test]
+fn a_replacement_killed_while_it_recovers_is_replaced_again_and_the_run_ends_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = FTREC.setup(dir.path());
+    let expected = FTREC.single_process_digest(&data, "300");
+    for ft in ["ec", "checkpoint"] {
+        let run = dir.path().join(ft);
+        let out = ClusterRun::new(&data)
+            .run_dir(&run)
+            .steps(300)
+            .no_eval()
+            .servers(3)
+            .workers(1)
+            .deterministic()
+            .ft(ft)
+            .arg("--spares", 1)
+            .kill("server:1@1s")
+            .kill("server:1@1s=recovering")
+            .report(FTREC);
+        assert_eq!(out["state_digest"], expected, "{ft}: {out}");
+        assert_eq!(
+            out["recoveries"].as_array().map(Vec::len),
+            Some(2),
+            "{ft}: {out}"
+        );
+        let events = timed_events(&run);
+        let at = |kind: EventKind, from: f64| {
+            events
+                .iter()
+                .find(|(t, k, _)| *k == kind && *t >= from)
+                .map(|(t, _, _)| *t)
+        };
+        let struck = events
+            .iter()
+            .find(|(_, k, d)| *k == EventKind::Killed && d.ends_with("while it recovered"))
+            .map(|(t, _, _)| *t)
+            .unwrap_or_else(|| panic!("{ft}: no strike during the recovery: {events:?}"));
+        // The strike came after the first recovery began and before it was over.
+        let (began, over) = if ft == "ec" {
+            (EventKind::RebuildStart, EventKind::RebuildEnd)
+        } else {
+            (EventKind::RecoveryStart, EventKind::RecoveryEnd)
+        };
+        let began = at(began, 0.0).unwrap_or_else(|| panic!("{ft}: {events:?}"));
+        assert!(
+            began <= struck,
+            "{ft}: struck at {struck} before {began}: {events:?}"
+        );
+        let first_over = at(over, began).unwrap_or(f64::INFINITY);
+        assert!(
+            struck <= first_over,
+            "{ft}: struck at {struck}, after the recovery ended at {first_over}: {events:?}"
+        );
+    }
+}

@@ -51,12 +51,14 @@ pub struct BenchShootoutArgs {
     /// of a group mid-rebuild (a study of its own).
     #[arg(long, default_value_t = 2.5)]
     pub min_gap: f64,
-    /// The frequent rate's schedules strike their first SIGKILLed server again this long
-    /// after it, while it recovers (a replacement rebuilding, or a restore): a second
-    /// failure during a recovery, that every strategy can survive since the slot's
-    /// survivors still hold its state. 0: never. Every schedule of both rates also holds
-    /// a SIGKILL and a freeze, and each round draws its own from its own seed.
-    #[arg(long, default_value_t = 0.4)]
+    /// The frequent rate's schedules strike their first SIGKILLed server again while it
+    /// recovers (its replacement rebuilding, or its restore under way), at the first such
+    /// moment at least this long after the first strike (`--kill
+    /// server:J@Ts=recovering`): a second failure during a recovery, that every strategy
+    /// can survive since the slot's survivors still hold its state. Negative: never.
+    /// Every schedule of both rates also holds a SIGKILL and a freeze, and each round
+    /// draws its own from its own seed.
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     pub during_recovery: f64,
     /// Let steps run asynchronously instead of in strict order. By default the runs are
     /// deterministic, so an exact strategy ends with the failure-free model bit for bit and
