@@ -75,6 +75,11 @@ pub(super) async fn follow_background(
             },
         }
     };
+    // The stream broke: the replacement may be dead (SIGKILLed mid-rebuild). Every
+    // server's port is probed, as after a worker's lost step, so a refused one is declared
+    // at once: its silence alone took the failure timeout, with no step committed
+    // meanwhile (the shoot-out's strike during a rebuild, issue 45).
+    shared.lock().members.probe_requested = true;
     // Give the failure detector time to tell a dead server from a failed rebuild.
     let wait = Duration::from_millis(shared.job.config.cluster.failure_timeout_ms * 2);
     // A recovery under way decides the slot's fate (a rollback clears `rebuilding`).

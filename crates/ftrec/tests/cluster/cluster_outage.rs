@@ -391,7 +391,9 @@ fn a_survivor_killed_mid_rollback_is_declared_at_once_and_the_run_ends_exact() {
 /// (the spare) is SIGKILLed while it recovers, whatever its strategy's recovery takes.
 /// Under erasure coding that is inside its background rebuild (a fixed delay missed the
 /// 0.1 s rebuild); under checkpoints, inside the restore that recovery started. Each run
-/// recovers twice and ends exact.
+/// recovers twice and ends exact, and the struck replacement is declared at once (under
+/// ec its silence alone took the failure timeout before the broken rebuild stream asked
+/// for a probe).
 #[test]
 fn a_replacement_killed_while_it_recovers_is_replaced_again_and_the_run_ends_exact() {
     let dir = tempfile::tempdir().unwrap();
@@ -408,6 +410,8 @@ fn a_replacement_killed_while_it_recovers_is_replaced_again_and_the_run_ends_exa
             .deterministic()
             .ft(ft)
             .arg("--spares", 1)
+            // Long enough that a death found by silence alone shows.
+            .set("cluster.failure_timeout_ms=3000")
             .kill("server:1@1s")
             .kill("server:1@1s=recovering")
             .report(FTREC);
@@ -444,6 +448,15 @@ fn a_replacement_killed_while_it_recovers_is_replaced_again_and_the_run_ends_exa
         assert!(
             struck <= first_over,
             "{ft}: struck at {struck}, after the recovery ended at {first_over}: {events:?}"
+        );
+        // The struck replacement is declared at once, not after its 3 s of silence: a
+        // broken rebuild stream, like a failed restore, has every port probed.
+        let declared = at(EventKind::FailureDetected, struck)
+            .unwrap_or_else(|| panic!("{ft}: the replacement never declared: {events:?}"));
+        assert!(
+            declared - struck < 1.0,
+            "{ft}: declared {:.2} s after the strike: {events:?}",
+            declared - struck
         );
     }
 }
