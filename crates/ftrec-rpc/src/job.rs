@@ -373,6 +373,13 @@ impl Job {
         ])
     }
 
+    /// Each server slot's bytes ([`Self::server_memory`] summed), in slot order.
+    pub fn server_bytes(&self) -> Result<Vec<u128>, PsError> {
+        (0..self.config.cluster.servers)
+            .map(|id| Ok(self.server_memory(Some(id))?.iter().map(|p| p.bytes).sum()))
+            .collect()
+    }
+
     /// Refuses to start server `id` (a spare: `None`) that this host cannot hold, before
     /// it allocates anything or joins the cluster.
     pub fn check_server_memory(&self, id: Option<usize>) -> Result<(), PsError> {

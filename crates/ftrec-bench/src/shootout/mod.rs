@@ -235,12 +235,8 @@ fn choosing_seconds(choice: &auto::Choice) -> (f64, f64) {
 fn server_need(config: &JobConfig, ft: FaultTolerance) -> Result<u64> {
     let mut c = config.clone();
     c.cluster.ft = ft;
-    let job = ftrec_rpc::Job::new(c)?;
-    let mut largest = 0u128;
-    for id in 0..config.cluster.servers {
-        largest = largest.max(job.server_memory(Some(id))?.iter().map(|p| p.bytes).sum());
-    }
-    Ok(largest.min(u64::MAX as u128) as u64)
+    let largest = ftrec_rpc::Job::new(c)?.server_bytes()?.into_iter().max();
+    Ok(largest.unwrap_or(0).min(u64::MAX as u128) as u64)
 }
 
 /// The frequent rate again, with every server's memory budget halfway between what its

@@ -222,21 +222,22 @@ fn ec_memory(config: &JobConfig) -> (u64, Option<String>) {
         Err(e) => return (0, Some(e.to_string())),
     };
     let servers = job.config.cluster.servers;
-    let mut total: u128 = 0;
-    let mut largest: u128 = 0;
+    let bytes = match job.server_bytes() {
+        Ok(bytes) => bytes,
+        Err(e) => return (0, Some(e.to_string())),
+    };
+    let total: u128 = bytes.iter().sum();
+    let largest = bytes
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .min(u64::MAX as u128) as u64;
+    // What each server itself would refuse at its start: its share against its budget
+    // (`cluster.server_memory_bytes`) and its host.
     for id in 0..servers {
-        match job.server_memory(Some(id)) {
-            Ok(parts) => {
-                let bytes: u128 = parts.iter().map(|p| p.bytes).sum();
-                total += bytes;
-                largest = largest.max(bytes);
-            }
-            Err(e) => return (0, Some(e.to_string())),
-        }
-        // What the server itself would refuse at its start: its share against its budget
-        // (`cluster.server_memory_bytes`) and its host.
         if let Err(e) = job.check_server_memory(Some(id)) {
-            return (largest.min(u64::MAX as u128) as u64, Some(e.to_string()));
+            return (largest, Some(e.to_string()));
         }
     }
     let refused = ftrec_config::available_memory().and_then(|available| {
@@ -250,7 +251,7 @@ fn ec_memory(config: &JobConfig) -> (u64, Option<String>) {
             )
         })
     });
-    (largest.min(u64::MAX as u128) as u64, refused)
+    (largest, refused)
 }
 
 /// Where the timing checkpoint goes: the job's checkpoint directory (the file system cuts

@@ -411,14 +411,15 @@ impl Supervised<'_> {
                     if struck.get(&id) == Some(&pid) {
                         continue;
                     }
-                    sigkill(pid).map_err(io(Path::new("kill")))?;
                     struck.insert(id, pid);
-                    kill_times.push(shared.event_about(
-                        EventKind::Killed,
-                        coordinator::subject(Role::Server, id),
-                        None,
-                        format!("server {id} (pid {pid}) by SIGKILL while it recovered"),
-                    ));
+                    kill_times.push(fail_pid(
+                        &shared,
+                        Role::Server,
+                        id,
+                        pid,
+                        Injected::Kill,
+                        " while it recovered",
+                    )?);
                     fired.push(i);
                 }
                 for i in fired.into_iter().rev() {
@@ -478,14 +479,27 @@ fn fail_now(
     id: usize,
     how: Injected,
 ) -> Result<Option<f64>, PsError> {
-    let who = coordinator::role_name(role);
     let Some(pid) = shared.pid_of(role, id) else {
         shared.event(
             EventKind::KillSkipped,
-            format!("{who} {id}: no such process"),
+            format!("{} {id}: no such process", coordinator::role_name(role)),
         );
         return Ok(None);
     };
+    fail_pid(shared, role, id, pid, how, "").map(Some)
+}
+
+/// SIGKILLs (or SIGSTOPs) process `pid` of `role` `id`, and records it (`why` follows
+/// the event's text); its timeline time.
+fn fail_pid(
+    shared: &coordinator::Shared,
+    role: Role,
+    id: usize,
+    pid: u32,
+    how: Injected,
+    why: &str,
+) -> Result<f64, PsError> {
+    let who = coordinator::role_name(role);
     let (kind, text) = match how {
         Injected::Kill => {
             sigkill(pid).map_err(io(Path::new("kill")))?;
@@ -496,12 +510,12 @@ fn fail_now(
             (EventKind::Frozen, "SIGSTOP: frozen, silent but not gone")
         }
     };
-    Ok(Some(shared.event_about(
+    Ok(shared.event_about(
         kind,
         coordinator::subject(role, id),
         None,
-        format!("{who} {id} (pid {pid}) by {text}"),
-    )))
+        format!("{who} {id} (pid {pid}) by {text}{why}"),
+    ))
 }
 
 /// SIGTERM, SIGINT and SIGHUP (the terminal that started the run closed), which stop the
