@@ -96,7 +96,12 @@ impl Shared {
     /// A kill armed at `point`: a process is gone at once; a simulated coordinator stops
     /// here for good (its host is crashed between ticks), doing nothing more.
     pub(crate) async fn die_at(&self, point: &str) {
-        if self.faults.kill_at(point, None) {
+        self.die_at_step(point, None).await;
+    }
+
+    /// [`Self::die_at`] at a point that passes a step (a spec naming one fires there only).
+    pub(crate) async fn die_at_step(&self, point: &str, step: Option<u64>) {
+        if self.faults.kill_at(point, step) {
             std::future::pending::<()>().await;
         }
     }

@@ -71,9 +71,12 @@ pub mod points {
     /// A coordinator just elected, before it fences any server: a new leader lost in the
     /// middle of its takeover.
     pub const TAKEOVER: &str = "takeover";
+    /// A coordinator, with the coordinated cut of step N committed and reported (with
+    /// etcd, recorded), before it prunes older cuts: a leader lost just after a cut.
+    pub const CUT_COMMITTED: &str = "cut-committed";
 
     /// Every point, for validating specs.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         PREPARE,
         COMMIT,
         REBUILD,
@@ -89,6 +92,7 @@ pub mod points {
         RECOVERY,
         SWITCH,
         TAKEOVER,
+        CUT_COMMITTED,
     ];
 }
 

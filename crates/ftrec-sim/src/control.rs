@@ -347,7 +347,7 @@ pub fn run_control(opts: ControlRun) -> Result<ControlOutcome, SimError> {
     if let Some(point) = opts.schedule.coordinator_kill {
         coordinator_faults[point.coordinator()].arm(FaultSpec::new(
             point.name(),
-            None,
+            point.step(),
             FaultAction::Kill,
         ));
     }

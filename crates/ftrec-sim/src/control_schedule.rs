@@ -73,13 +73,29 @@ pub enum CoordinatorPoint {
     Recovery,
     /// The standby, just elected, before it fences any server.
     Takeover,
+    /// The first leader, with the cut of step [`CUT_COMMITTED_STEP`] committed and
+    /// reported, before it prunes (the job must take cuts: `checkpoints`).
+    CutCommitted,
 }
+
+/// The cut after which [`CoordinatorPoint::CutCommitted`] strikes: the first of the run's
+/// cuts (`checkpoint.every_steps = 30`) that is not the initial one.
+pub const CUT_COMMITTED_STEP: u64 = 30;
 
 impl CoordinatorPoint {
     pub fn name(self) -> &'static str {
         match self {
             Self::Recovery => ftrec_faults::points::RECOVERY,
             Self::Takeover => ftrec_faults::points::TAKEOVER,
+            Self::CutCommitted => ftrec_faults::points::CUT_COMMITTED,
+        }
+    }
+
+    /// The step a spec of this point names, if it names one.
+    pub fn step(self) -> Option<u64> {
+        match self {
+            Self::CutCommitted => Some(CUT_COMMITTED_STEP),
+            Self::Recovery | Self::Takeover => None,
         }
     }
 
@@ -87,7 +103,7 @@ impl CoordinatorPoint {
     /// standby for a takeover.
     pub fn coordinator(self) -> usize {
         match self {
-            Self::Recovery => 0,
+            Self::Recovery | Self::CutCommitted => 0,
             Self::Takeover => 1,
         }
     }

@@ -47,7 +47,7 @@ pub(super) async fn checkpoint(
     let mut bytes = 0;
     let mut ids = Vec::with_capacity(results.len());
     let mut failed = None;
-    let mut committed = true;
+    let mut all_committed = true;
     let (mut tracker_bytes, mut select_seconds, mut tracking_seconds) = (0u64, 0f64, 0f64);
     for (i, r) in results.into_iter().enumerate() {
         match r {
@@ -57,13 +57,13 @@ pub(super) async fn checkpoint(
                 tracker_bytes += r.tracker_bytes;
                 select_seconds = select_seconds.max(r.select_seconds);
                 tracking_seconds = tracking_seconds.max(r.tracking_seconds);
-                committed &= r.committed;
+                all_committed &= r.committed;
                 ids.push(r.id);
             }
             Err(e) => failed = Some(format!("server {i}: {}", e.message())),
         }
     }
-    let prune = {
+    let committed = {
         let mut s = shared.lock();
         let pause = end_pause(&mut s, epoch);
         match failed {
@@ -89,8 +89,8 @@ pub(super) async fn checkpoint(
                         },
                     );
                 }
-                if committed {
-                    commit_cut(shared, &mut s, record)
+                if all_committed {
+                    Some(commit_cut(shared, &mut s, record))
                 } else {
                     // Every part is copied, so training goes on; the cut counts for a
                     // rollback only once every server confirms its commit.
@@ -116,8 +116,8 @@ pub(super) async fn checkpoint(
             }
         }
     };
-    if let Some(kept) = prune {
-        prune_cuts(shared, clients, epoch, &kept).await;
+    if let Some(committed) = committed {
+        after_commit(shared, clients, epoch, committed).await;
     }
 }
 
@@ -131,13 +131,17 @@ fn end_pause(s: &mut State, epoch: u64) -> f64 {
     pause
 }
 
-/// Counts a cut every server committed: it becomes the rollback target. Returns the cuts
+/// What a committed cut leaves to do once the lock is released: its report, and the cuts
 /// to keep when older ones are due for deletion.
-fn commit_cut(
-    shared: &Shared,
-    s: &mut State,
-    record: CheckpointRecord,
-) -> Option<Vec<CheckpointRecord>> {
+struct Committed {
+    step: u64,
+    priority: bool,
+    end: String,
+    kept: Option<Vec<CheckpointRecord>>,
+}
+
+/// Counts a cut every server committed: it becomes the rollback target.
+fn commit_cut(shared: &Shared, s: &mut State, record: CheckpointRecord) -> Committed {
     let (step, bytes, pause, priority) = (
         record.step,
         record.bytes,
@@ -156,10 +160,7 @@ fn commit_cut(
     } else {
         ""
     };
-    s.timeline.event(
-        EventKind::CheckpointEnd,
-        format!("step {step}{kind}, {bytes} bytes, paused {pause:.3}s"),
-    );
+    let end = format!("step {step}{kind}, {bytes} bytes, paused {pause:.3}s");
     // A prioritised save is not a consistent state: a partial restore reloads it, a
     // rollback never goes to it, and it decides nothing.
     if !priority {
@@ -175,7 +176,47 @@ fn commit_cut(
             s.timeline.event(EventKind::CprDecision, decision);
         }
     }
-    kept
+    Committed {
+        step,
+        priority,
+        end,
+        kept,
+    }
+}
+
+/// Reports a committed cut, then prunes the cuts no longer kept. With etcd membership the
+/// report waits for the record that holds the cut: a cut the log calls committed is one a
+/// new leader rolls back to. Before, the report went out at once and the record followed
+/// at the next flush (`cluster.etcd_flush_ms`), so a leader killed in between left a new
+/// leader rolling back to the cut before the one its log had reported.
+async fn after_commit(
+    shared: &Shared,
+    clients: Vec<ServerClient>,
+    epoch: u64,
+    committed: Committed,
+) {
+    let Committed {
+        step,
+        priority,
+        mut end,
+        kept,
+    } = committed;
+    if shared.durable_membership()
+        && let Err(e) = shared.sync_durable().await
+    {
+        end.push_str(&format!(
+            "; not recorded in etcd yet ({e}): a new leader may roll back to an older cut"
+        ));
+    }
+    shared.event(EventKind::CheckpointEnd, end);
+    if !priority {
+        shared
+            .die_at_step(ftrec_faults::points::CUT_COMMITTED, Some(step))
+            .await;
+    }
+    if let Some(kept) = kept {
+        prune_cuts(shared, clients, epoch, &kept).await;
+    }
 }
 
 /// A coordinated cut (or prioritised save) that failed: [`cut_failed`], and the cut is
@@ -238,7 +279,7 @@ pub(super) async fn confirm_cut(
             }
         }
     }
-    let prune = {
+    let committed = {
         let mut s = shared.lock();
         if s.epoch != epoch || s.saves.pending().is_none_or(|c| c.step != step) {
             return;
@@ -273,9 +314,7 @@ pub(super) async fn confirm_cut(
         };
         commit_cut(shared, &mut s, record)
     };
-    if let Some(kept) = prune {
-        prune_cuts(shared, clients, epoch, &kept).await;
-    }
+    after_commit(shared, clients, epoch, committed).await;
 }
 
 /// Deletes every shard checkpoint that is not part of a kept cut. A newer cut has

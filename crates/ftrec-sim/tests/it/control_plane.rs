@@ -464,3 +464,47 @@ fn a_leader_killed_mid_recovery_or_its_successor_mid_takeover_is_survived() {
         assert_eq!(deciders, want, "{schedule}: who granted");
     }
 }
+
+/// The leader killed by its own fault point just after it reported the cut of step 30
+/// committed. A cut it reported is one its successor knows: the report waits for the etcd
+/// record that holds the cut. Before, the record followed at the next flush: the new
+/// leader (which finishes the run) did not know the cut and took it again when its steps
+/// passed 30, and a failure before then would have rolled back to the initial state.
+#[test]
+fn a_leader_killed_just_after_it_reported_a_cut_leaves_that_cut_to_its_successor() {
+    ftrec_sim::logs_from_env();
+    let schedule = ControlSchedule {
+        checkpoints: true,
+        coordinator_kill: Some(CoordinatorPoint::CutCommitted),
+        ..ControlSchedule::default()
+    };
+    let (outcome, violations) = simulate(7, schedule, false, STEPS);
+    assert!(violations.is_empty(), "{schedule}: {violations:?}");
+    let mut deciders: Vec<usize> = outcome.grants.iter().map(|g| g.coordinator).collect();
+    deciders.dedup();
+    assert_eq!(
+        deciders,
+        vec![0, 1],
+        "{schedule}: the point fired, the standby finished"
+    );
+    let finished = outcome.outcome.expect("the run ended");
+    let cut_again = finished
+        .trace
+        .iter()
+        .find(|l| l.contains("checkpoint-start") && l.ends_with(" step 30"));
+    assert!(
+        cut_again.is_none(),
+        "{schedule}: the successor took the cut of step 30 again, not knowing it: {cut_again:?}"
+    );
+    let cuts: Vec<u64> = finished
+        .summary
+        .checkpoints
+        .iter()
+        .map(|c| c.step)
+        .collect();
+    assert_eq!(
+        cuts.first(),
+        Some(&30),
+        "{schedule}: the successor's cuts {cuts:?}"
+    );
+}
