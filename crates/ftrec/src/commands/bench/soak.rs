@@ -33,7 +33,8 @@ pub struct BenchSoakArgs {
     /// Asynchronous workers in both runs (judged by lost samples, not the digest).
     #[arg(long = "async")]
     pub asynchronous: bool,
-    /// Steps per run (default: the failure-free rate, measured, times --minutes).
+    /// Steps per run (default: the failure-free rate, measured past its start-up, times
+    /// --minutes plus one --every, so that the last fault lands inside the job).
     #[arg(long)]
     pub steps: Option<u64>,
     /// Failure-free and soak runs, alternating, this many times each.
