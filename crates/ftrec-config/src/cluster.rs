@@ -186,7 +186,40 @@ pub struct DeadlinesSection {
     /// waited it out. At least 5 (the kernel's floor); 0 keeps the kernel's own. A kernel
     /// without the options keeps its own too (said once). Default 5.
     pub retransmit_min_ms: Option<u64>,
+    /// A step call (a pull, a push, 2PC's prepare and commit, a server's parity update to
+    /// a peer) still unanswered after this many times the median of its kind's recent
+    /// calls is sent again on a second connection to the same member, and the first
+    /// answer wins ("The Tail at Scale"; issue 44 §3). A lost packet of such a call
+    /// otherwise waits for TCP's loss probe or retransmission timer, which the kernel
+    /// keeps in whole ticks: at least 8-12 ms at 250 Hz, against calls of about a
+    /// millisecond. Every such call is safe to repeat (servers drop a step they hold
+    /// already). 0 sends no second copy. Default 4.
+    pub hedge_multiple: Option<u32>,
+    /// No call is sent again sooner than this. Default 2.
+    pub hedge_floor_ms: Option<u64>,
 }
+
+/// When a step call is sent again on a second connection ([`DeadlinesSection`]'s
+/// `hedge_multiple` and `hedge_floor_ms`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hedge {
+    /// Times the median of the call's kind.
+    pub multiple: u32,
+    /// Never sooner than this.
+    pub floor: std::time::Duration,
+}
+
+impl Hedge {
+    /// When a call of a kind whose recent median is `median` is sent again.
+    pub fn after(&self, median: std::time::Duration) -> std::time::Duration {
+        median.saturating_mul(self.multiple).max(self.floor)
+    }
+}
+
+/// `cluster.deadlines.hedge_multiple` when unset.
+pub const DEFAULT_HEDGE_MULTIPLE: u32 = 4;
+/// `cluster.deadlines.hedge_floor_ms` when unset.
+pub const DEFAULT_HEDGE_FLOOR_MS: u64 = 2;
 
 /// `cluster.deadlines.retransmit_min_ms` when unset.
 pub const DEFAULT_RETRANSMIT_MIN_MS: u64 = 5;
@@ -204,6 +237,8 @@ pub struct Deadlines {
     pub stream_progress: std::time::Duration,
     /// None: the kernel's own.
     pub retransmit_min: Option<std::time::Duration>,
+    /// None: no call is sent twice.
+    pub hedge: Option<Hedge>,
 }
 
 /// `[ec]`: erasure coding (`cluster.ft = "ec"` or `"ec+checkpoint"`).
@@ -439,6 +474,15 @@ impl ClusterSection {
                  default of 200)"
             )));
         }
+        if let Some(v) = d.hedge_floor_ms
+            && v >= self.deadlines().step.as_millis() as u64
+        {
+            return Err(ConfigError::Invalid(format!(
+                "cluster.deadlines.hedge_floor_ms = {v}: must be below the step deadline \
+                 ({} ms): a call is sent again before its deadline or never",
+                self.deadlines().step.as_millis()
+            )));
+        }
         if self.control_plane_grace_s == 0 {
             return Err(ConfigError::Invalid(
                 "cluster.control_plane_grace_s = 0: a member needs some time to wait for the \
@@ -471,6 +515,12 @@ impl ClusterSection {
             retransmit_min: Some(d.retransmit_min_ms.unwrap_or(DEFAULT_RETRANSMIT_MIN_MS))
                 .filter(|&v| v > 0)
                 .map(ms),
+            hedge: Some(d.hedge_multiple.unwrap_or(DEFAULT_HEDGE_MULTIPLE))
+                .filter(|&m| m > 0)
+                .map(|multiple| Hedge {
+                    multiple,
+                    floor: ms(d.hedge_floor_ms.unwrap_or(DEFAULT_HEDGE_FLOOR_MS)),
+                }),
         }
     }
 }

@@ -21,7 +21,7 @@ use toml::Value;
 
 pub use checkpoint::{CheckpointSection, parse_strategy};
 pub use cluster::{
-    ClusterSection, Deadlines, DeadlinesSection, EcSection, FaultTolerance, RebuildTransport,
+    ClusterSection, Deadlines, DeadlinesSection, EcSection, FaultTolerance, Hedge, RebuildTransport,
 };
 pub use cpr::{CprPriority, CprSection};
 pub use error::ConfigError;
@@ -408,7 +408,27 @@ mod tests {
         )
         .unwrap();
         assert_eq!(kernel.cluster.deadlines().retransmit_min, None);
+        // Slow step calls are sent again by default: at 4 times their median, 2 ms at
+        // least; 0 turns it off.
+        assert_eq!(
+            c.cluster.deadlines().hedge,
+            Some(crate::Hedge {
+                multiple: 4,
+                floor: ms(2)
+            })
+        );
+        let never = JobConfig::load(
+            Some("tiny"),
+            None,
+            &["cluster.deadlines.hedge_multiple=0".into()],
+        )
+        .unwrap();
+        assert_eq!(never.cluster.deadlines().hedge, None);
         for (key, named) in [
+            (
+                "cluster.deadlines.hedge_floor_ms=5000",
+                "cluster.deadlines.hedge_floor_ms = 5000",
+            ),
             (
                 "cluster.deadlines.retransmit_min_ms=2",
                 "cluster.deadlines.retransmit_min_ms = 2",

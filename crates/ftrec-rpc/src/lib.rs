@@ -13,6 +13,7 @@ mod retransmit;
 pub mod auth;
 pub mod client;
 pub mod gather;
+pub mod hedge;
 pub mod job;
 pub mod leader;
 pub mod metrics;

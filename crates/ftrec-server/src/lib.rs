@@ -116,6 +116,10 @@ fn server_metrics(id: &str) -> Metrics {
         .counter("ftrec_checkpoints_total", "Shard checkpoints written")
         .counter("ftrec_restores_total", "Shard restores")
         .counter(
+            "ftrec_hedged_calls_total",
+            "Parity updates sent again on a second connection after going unanswered",
+        )
+        .counter(
             "ftrec_duplicate_pushes_total",
             "Pushes of a step applied already (a dead worker's step granted again), ignored",
         )

@@ -254,7 +254,7 @@ impl Slot<'_> {
         pipeline.publish(self.joined.epoch, |steps| {
             *steps = AppliedSteps::from_parts(first_step, Vec::new())
         });
-        let peers = self.add_parity_propagator(&mut pipeline, coordinator)?;
+        let peers = self.add_parity_propagator(&mut pipeline, coordinator, metrics.clone())?;
         for observer in ckpt.observers() {
             pipeline.add_post_commit(observer);
         }
@@ -280,6 +280,7 @@ impl Slot<'_> {
         &self,
         pipeline: &mut UpdatePipeline,
         coordinator: &CoordinatorLink,
+        metrics: Arc<Metrics>,
     ) -> Result<Option<Arc<ec::Peers>>, PsError> {
         let Some(stripes) = self.layout.stripes() else {
             return Ok(None);
@@ -288,6 +289,8 @@ impl Slot<'_> {
         let peers = Arc::new(ec::Peers::new(
             coordinator.clone(),
             job.connector_for(job.deadlines().step)?,
+            job.deadlines().hedge,
+            metrics,
         ));
         let codec = ftrec_ec::Codec::new(stripes.params.k, stripes.params.r)
             .map_err(|e| PsError::Config(e.to_string()))?;
@@ -398,8 +401,13 @@ impl Started {
                 .serve_with_incoming_shutdown(incoming, async move { serve_stop.notified().await })
                 .await
         });
+        let metrics = core.metrics.clone();
         heartbeat_loop(&beats, core, heartbeat, when_cut_off, start_spare).await?;
         stop.notify_waiters();
+        tracing::info!(
+            "parity updates sent again to a peer: {}",
+            metrics.get("ftrec_hedged_calls_total")
+        );
         let _ = tokio::time::timeout(Duration::from_secs(2), serving).await;
         Ok(())
     }

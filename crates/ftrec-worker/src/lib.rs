@@ -84,6 +84,8 @@ struct Worker {
     pool: ThreadPool,
     batch: Batch,
     rpc_bytes: u64,
+    /// Calls sent again, as `ftrec_hedged_calls_total` last counted them.
+    hedged_counted: u64,
     times: StepTimes,
     metrics: Arc<Metrics>,
     /// The cluster's epoch, as the coordinator's heartbeat replies tell it.
@@ -176,7 +178,11 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
         Metrics::new(format!("role=\"worker\",id=\"{}\"", opts.id))
             .counter("ftrec_steps_total", "Steps finished")
             .counter("ftrec_lost_steps_total", "Steps lost to server errors")
-            .counter("ftrec_rpc_bytes_total", "Pull and push payload bytes"),
+            .counter("ftrec_rpc_bytes_total", "Pull and push payload bytes")
+            .counter(
+                "ftrec_hedged_calls_total",
+                "Step calls sent again on a second connection after going unanswered",
+            ),
     );
     let metrics_address = metrics::start(&network, "127.0.0.1", metrics.clone())
         .await
@@ -226,7 +232,8 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
     .with_faults(opts.faults.clone())
     .with_suspicion(suspicion::Suspicion::of(Duration::from_millis(
         cluster.failure_timeout_ms,
-    )));
+    )))
+    .with_hedge(job.deadlines().hedge);
     let mut worker = Worker {
         shards,
         schedule: Schedule {
@@ -243,6 +250,7 @@ pub async fn run_async(opts: WorkerOptions) -> Result<(), PsError> {
         model,
         pool,
         rpc_bytes: 0,
+        hedged_counted: 0,
         times: StepTimes::default(),
         metrics,
         epochs,
@@ -350,6 +358,10 @@ impl Worker {
                     let moved = self.shards.take_bytes();
                     self.rpc_bytes += moved;
                     self.metrics.add("ftrec_rpc_bytes_total", moved);
+                    let hedged = self.shards.hedges().total();
+                    self.metrics
+                        .add("ftrec_hedged_calls_total", hedged - self.hedged_counted);
+                    self.hedged_counted = hedged;
                     report = Some(match outcome {
                         Ok(()) => {
                             self.metrics.add("ftrec_steps_total", 1);
@@ -374,13 +386,14 @@ impl Worker {
                     let t = self.times;
                     let per = |x: f64| 1e3 * x / t.steps.max(1) as f64;
                     tracing::info!(
-                        "worker {}: {} steps; per step: coordinator {:.2} ms, pull {:.2} ms, compute {:.2} ms, push {:.2} ms",
+                        "worker {}: {} steps; per step: coordinator {:.2} ms, pull {:.2} ms, compute {:.2} ms, push {:.2} ms; calls sent again: {}",
                         self.id,
                         t.steps,
                         per(t.coordinator),
                         per(t.pull),
                         per(t.compute),
-                        per(t.push)
+                        per(t.push),
+                        self.shards.hedges().summary()
                     );
                     return Ok(());
                 }

@@ -10,6 +10,7 @@
 //! (decoding a dead server's rows from its stripe) belong here too.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::future::join_all;
@@ -21,6 +22,7 @@ use ftrec_proto::proto::*;
 use ftrec_proto::wire::{extend_f32s, f32s_to_bytes, u32s_to_bytes};
 use ftrec_rpc::PsError;
 use ftrec_rpc::client::{Connector, ServerClient};
+use ftrec_rpc::hedge::{Hedge, HedgeCounts, Hedger, first_answer};
 use ftrec_rpc::leader::CoordinatorLink;
 
 use crate::suspicion::{CallTimes, Suspicion, Watch, within};
@@ -93,6 +95,11 @@ pub struct Unreachable {
 pub struct ShardClient {
     coordinator: CoordinatorLink,
     servers: Vec<ServerClient>,
+    /// A second connection to each server, for the copy of a slow call
+    /// ([`ftrec_rpc::hedge`]).
+    seconds: Vec<ServerClient>,
+    /// When a slow call is sent again, and the calls sent again.
+    hedger: Hedger,
     /// The servers' addresses, in slot order, for a probe's connection of its own.
     addresses: Vec<Arc<str>>,
     placement_version: Option<u64>,
@@ -126,6 +133,8 @@ impl ShardClient {
         Self {
             coordinator,
             servers: Vec::new(),
+            seconds: Vec::new(),
+            hedger: Hedger::default(),
             addresses: Vec::new(),
             placement_version: None,
             layout,
@@ -163,6 +172,26 @@ impl ShardClient {
             connector,
             self.addresses.get(s)?,
         ))
+    }
+
+    /// Sends a slow call again on a second connection ([`ftrec_rpc::hedge`]).
+    pub fn with_hedge(mut self, hedge: Option<Hedge>) -> Self {
+        self.hedger = Hedger::new(hedge);
+        self
+    }
+
+    /// The calls sent again so far, by kind.
+    pub fn hedges(&self) -> &HedgeCounts {
+        self.hedger.counts()
+    }
+
+    /// When a call of `kind` to server `s` is sent again: before it would be suspected,
+    /// and before the step's deadline.
+    fn hedge_after(&self, kind: &'static str, s: usize) -> Option<Duration> {
+        let limit = self
+            .suspect_after(kind)
+            .unwrap_or_else(|| self.connector.timeout());
+        self.hedger.after(kind, s, limit)
     }
 
     pub fn with_protocol(mut self, protocol: CommitProtocol) -> Self {
@@ -223,6 +252,13 @@ impl ShardClient {
             self.layout = self.layout.resized(p.servers.len())?;
         }
         self.servers = p
+            .servers
+            .iter()
+            .map(|a| self.connector.server(a))
+            .collect::<Result<_, _>>()?;
+        // Each a channel of its own, so a connection of its own: a copy sent on the first
+        // would wait behind the very segment it is meant to route around.
+        self.seconds = p
             .servers
             .iter()
             .map(|a| self.connector.server(a))
@@ -462,10 +498,25 @@ impl ShardClient {
                 let mut client = self.servers[s].clone();
                 let what = format!("prepare to server {s}");
                 let watch = self.watch(self.suspect_after("prepare"), s);
-                let called = within(give_up, &what, client.push(push.clone()), watch).await;
+                let second = self
+                    .hedge_after("prepare", s)
+                    .zip(self.seconds.get(s).cloned())
+                    .map(|(after, mut copy)| {
+                        let push = push.clone();
+                        (after, async move { copy.push(push).await })
+                    });
+                let hedged = AtomicBool::new(false);
+                let call = async {
+                    let answered = first_answer(client.push(push.clone()), second).await;
+                    hedged.store(answered.hedged, Ordering::Relaxed);
+                    answered.result
+                };
+                let called = within(give_up, &what, call, watch).await;
                 if let Some(took) = called.took {
                     self.times.record("prepare", took);
                 }
+                self.hedger
+                    .record("prepare", s, called.took, hedged.load(Ordering::Relaxed));
                 match called.result {
                     Ok(_) if s == 0 => {
                         self.die_at(points::PREPARED_FIRST, push.step).await;
@@ -533,18 +584,32 @@ impl ShardClient {
             let calls = pending.iter().map(|&s| {
                 let client = self.servers[s].clone();
                 let label = format!("{what} to server {s}");
+                let second = self
+                    .hedge_after(what, s)
+                    .zip(self.seconds.get(s).cloned())
+                    .map(|(after, copy)| (after, call(copy, requests[s].clone())));
                 let call = call(client, requests[s].clone());
                 let watch = self.watch(after, s);
-                async move { within(give_up, &label, call, watch).await }
+                async move {
+                    let hedged = AtomicBool::new(false);
+                    let call = async {
+                        let answered = first_answer(call, second).await;
+                        hedged.store(answered.hedged, Ordering::Relaxed);
+                        answered.result
+                    };
+                    let called = within(give_up, &label, call, watch).await;
+                    (called, hedged.into_inner())
+                }
             });
             let mut failure: Option<PsError> = None;
             let mut failed_server = None;
             let mut confirmed = false;
             let mut stale_map = false;
-            for (&s, called) in pending.iter().zip(join_all(calls).await) {
+            for (&s, (called, hedged)) in pending.iter().zip(join_all(calls).await) {
                 if let Some(took) = called.took {
                     self.times.record(what, took);
                 }
+                self.hedger.record(what, s, called.took, hedged);
                 match called.result {
                     Ok(r) => replies[s] = Some(r),
                     Err(e) => {

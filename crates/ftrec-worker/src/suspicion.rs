@@ -13,7 +13,6 @@
 //! instead of two (issue 44 §2). A link that is slow but passes packets answers the probe,
 //! so it is never declared dead.
 
-use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,41 +22,10 @@ use tokio::time::Instant;
 
 use ftrec_rpc::PsError;
 use ftrec_rpc::client::Connector;
+pub(crate) use ftrec_rpc::hedge::CallTimes;
 
-/// Calls of each kind whose durations are kept.
-const WINDOW: usize = 256;
-/// Below this many, a kind's p99 says nothing yet: its calls wait out the deadline.
-const MIN_SAMPLES: usize = 32;
 /// A call is suspected after this many times its kind's p99.
 const P99_MULTIPLE: u32 = 10;
-
-/// How long a call of each kind took, the last [`WINDOW`] of them that succeeded.
-#[derive(Default)]
-pub(crate) struct CallTimes {
-    kinds: BTreeMap<&'static str, VecDeque<Duration>>,
-}
-
-impl CallTimes {
-    pub(crate) fn record(&mut self, kind: &'static str, took: Duration) {
-        let window = self.kinds.entry(kind).or_default();
-        if window.len() == WINDOW {
-            window.pop_front();
-        }
-        window.push_back(took);
-    }
-
-    /// The 99th percentile of `kind`'s recent calls, once there are enough of them.
-    pub(crate) fn p99(&self, kind: &str) -> Option<Duration> {
-        let window = self.kinds.get(kind)?;
-        if window.len() < MIN_SAMPLES {
-            return None;
-        }
-        let mut sorted: Vec<Duration> = window.iter().copied().collect();
-        sorted.sort_unstable();
-        let rank = (sorted.len() * 99).div_ceil(100) - 1;
-        Some(sorted[rank])
-    }
-}
 
 /// The worker's settings for suspecting a call (see the module docs).
 #[derive(Clone, Copy, Debug)]
@@ -196,6 +164,7 @@ pub(crate) async fn within<Rep>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ftrec_rpc::hedge::{MIN_SAMPLES, WINDOW};
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)

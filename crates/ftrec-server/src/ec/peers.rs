@@ -1,9 +1,18 @@
 //! Clients for the other servers of an erasure-coded job: parity differences go to their
 //! holders through these, and degraded reads and rebuilds ask survivors through them.
 
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
 use ftrec_rpc::PsError;
 use ftrec_rpc::client::{Connector, ServerClient};
+use ftrec_rpc::hedge::{Hedge, Hedger};
 use ftrec_rpc::leader::CoordinatorLink;
+use ftrec_rpc::metrics::Metrics;
+
+/// A peer's address, its client, and a client on a second connection of its own for the
+/// copy of a slow call ([`ftrec_rpc::hedge`]).
+type Peer = (String, ServerClient, ServerClient);
 
 /// Clients for the other servers, from the coordinator's placement map, refreshed when a
 /// slot changes hands.
@@ -11,15 +20,54 @@ pub(crate) struct Peers {
     coordinator: CoordinatorLink,
     connector: Connector,
     /// The placement map, and the epoch this server was in when it was fetched.
-    map: tokio::sync::Mutex<(u64, Vec<(String, ServerClient)>)>,
+    map: tokio::sync::Mutex<(u64, Vec<Peer>)>,
+    /// When a slow call to a peer is sent again, per kind and peer.
+    hedger: Mutex<Hedger>,
+    /// Counts the calls sent again (`ftrec_hedged_calls_total`).
+    metrics: Arc<Metrics>,
 }
 
 impl Peers {
-    pub(crate) fn new(coordinator: CoordinatorLink, connector: Connector) -> Self {
+    pub(crate) fn new(
+        coordinator: CoordinatorLink,
+        connector: Connector,
+        hedge: Option<Hedge>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self {
             coordinator,
             connector,
             map: tokio::sync::Mutex::new((0, Vec::new())),
+            hedger: Mutex::new(Hedger::new(hedge)),
+            metrics,
+        }
+    }
+
+    /// When a call of `kind` to peer `server` is sent again: before its deadline, or
+    /// never.
+    pub(crate) fn hedge_after(&self, kind: &'static str, server: usize) -> Option<Duration> {
+        self.hedger.lock().unwrap_or_else(|p| p.into_inner()).after(
+            kind,
+            server,
+            self.connector.timeout(),
+        )
+    }
+
+    /// A call of `kind` to peer `server` ended, answered in `took`; `hedged`: its copy was
+    /// sent.
+    pub(crate) fn called(
+        &self,
+        kind: &'static str,
+        server: usize,
+        took: Option<Duration>,
+        hedged: bool,
+    ) {
+        self.hedger
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .record(kind, server, took, hedged);
+        if hedged {
+            self.metrics.add("ftrec_hedged_calls_total", 1);
         }
     }
 
@@ -33,9 +81,19 @@ impl Peers {
         fresh: bool,
         epoch: u64,
     ) -> Result<ServerClient, PsError> {
+        self.clients(server, fresh, epoch).await.map(|(c, _)| c)
+    }
+
+    /// [`Peers::client`], with the client on the second connection.
+    pub(crate) async fn clients(
+        &self,
+        server: usize,
+        fresh: bool,
+        epoch: u64,
+    ) -> Result<(ServerClient, ServerClient), PsError> {
         let mut guard = self.map.lock().await;
         let (fetched_in, map) = &mut *guard;
-        if fresh || *fetched_in < epoch || map.get(server).is_none_or(|(a, _)| a.is_empty()) {
+        if fresh || *fetched_in < epoch || map.get(server).is_none_or(|(a, _, _)| a.is_empty()) {
             let placement = self.coordinator.placement().await?;
             // Only a map that arrived counts as fetched in this epoch.
             *fetched_in = epoch;
@@ -43,16 +101,16 @@ impl Peers {
                 .servers
                 .into_iter()
                 .map(|a| {
-                    let client =
-                        self.connector
-                            .server(if a.is_empty() { "0.0.0.0:0" } else { &a })?;
-                    Ok((a, client))
+                    let address = if a.is_empty() { "0.0.0.0:0" } else { &a };
+                    let client = self.connector.server(address)?;
+                    let second = self.connector.server(address)?;
+                    Ok((a, client, second))
                 })
                 .collect::<Result<_, PsError>>()?;
         }
         map.get(server)
-            .filter(|(a, _)| !a.is_empty())
-            .map(|(_, c)| c.clone())
+            .filter(|(a, _, _)| !a.is_empty())
+            .map(|(_, c, second)| (c.clone(), second.clone()))
             .ok_or_else(|| PsError::Unavailable(format!("server {server} has no address yet")))
     }
 }

@@ -13,6 +13,10 @@ use ftrec_proto::placement::GlobalRow;
 use ftrec_proto::proto::{ParityDelta, ParityUpdateRequest};
 use ftrec_proto::wire::u32s_to_bytes;
 use ftrec_rpc::PsError;
+use ftrec_rpc::hedge::first_answer;
+
+/// The kind under which parity updates' times are kept.
+const PARITY_CALLS: &str = "parity";
 
 /// Per parity holder: its slots, the coefficients and the differences, back to back.
 #[derive(Default)]
@@ -133,11 +137,22 @@ impl PreCommit for ParityPropagator {
                     let mut last = None;
                     // A replacement took the slot: its new address is one map refresh away.
                     for fresh in [false, true] {
-                        let mut client = peers
-                            .client(server, fresh, epoch)
+                        let (mut client, mut second) = peers
+                            .clients(server, fresh, epoch)
                             .await
                             .map_err(|e| e.blaming(server))?;
-                        match client.parity_update(req.clone()).await {
+                        let started = tokio::time::Instant::now();
+                        let copy = req.clone();
+                        let answered = first_answer(
+                            client.parity_update(req.clone()),
+                            peers.hedge_after(PARITY_CALLS, server).map(|after| {
+                                (after, async move { second.parity_update(copy).await })
+                            }),
+                        )
+                        .await;
+                        let took = answered.result.is_ok().then(|| started.elapsed());
+                        peers.called(PARITY_CALLS, server, took, answered.hedged);
+                        match answered.result {
                             Ok(_) => return Ok(()),
                             Err(s) => {
                                 last = Some(PsError::rpc(

@@ -1,0 +1,368 @@
+//! Step calls sent again on a second connection when the first is slow ("The Tail at
+//! Scale"; issue 44 §3). On a link that loses packets, a lost segment of a small call waits
+//! for TCP's loss probe or retransmission timer, which the kernel keeps in whole ticks: at
+//! least two ticks, 8 ms at 250 Hz, plus a tick of rounding, against calls that take about
+//! a millisecond. A copy of the call on a connection of its own usually gets through at
+//! once. The trigger is a small multiple of the kind's recent *median*: under loss the
+//! tail is the timer itself, so a percentile of the tail would wait for it.
+//!
+//! Every call hedged here is safe to make twice: pulls read, and a server drops a push,
+//! a prepare, a commit or a parity difference of a step it holds already (the same rule
+//! that makes a retry after a lost reply harmless).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::future::Future;
+use std::sync::Mutex;
+use std::time::Duration;
+
+pub use ftrec_config::Hedge;
+
+/// Calls of each kind whose durations are kept.
+pub const WINDOW: usize = 256;
+/// Below this many, a kind's times say nothing yet: no call of it is hedged or suspected.
+pub const MIN_SAMPLES: usize = 32;
+
+/// How long each kind of call took, the last [`WINDOW`] of them that succeeded.
+#[derive(Default)]
+pub struct CallTimes {
+    kinds: BTreeMap<&'static str, VecDeque<Duration>>,
+}
+
+impl CallTimes {
+    pub fn record(&mut self, kind: &'static str, took: Duration) {
+        let window = self.kinds.entry(kind).or_default();
+        if window.len() == WINDOW {
+            window.pop_front();
+        }
+        window.push_back(took);
+    }
+
+    /// The `percent`th percentile of `kind`'s recent calls, once there are enough of them.
+    pub fn percentile(&self, kind: &str, percent: usize) -> Option<Duration> {
+        let window = self.kinds.get(kind)?;
+        if window.len() < MIN_SAMPLES {
+            return None;
+        }
+        let mut sorted: Vec<Duration> = window.iter().copied().collect();
+        sorted.sort_unstable();
+        let rank = (sorted.len() * percent).div_ceil(100).max(1) - 1;
+        Some(sorted[rank])
+    }
+
+    pub fn p99(&self, kind: &str) -> Option<Duration> {
+        self.percentile(kind, 99)
+    }
+
+    pub fn median(&self, kind: &str) -> Option<Duration> {
+        self.percentile(kind, 50)
+    }
+}
+
+/// Each hedge is paid for by this many calls answered: at most one call in five is
+/// sent twice, whatever the link does. A link slowed for every call (a congested or
+/// throttled one, not a lossy one) has a slow median of its own and sends few copies; the
+/// budget bounds the rest, so copies never double the traffic on a link that is short of
+/// it.
+const CREDIT_PER_CALL: f64 = 0.2;
+/// Copies that may be sent in a burst (a few losses in a row).
+const BURST: f64 = 8.0;
+
+/// One kind of call to one member: its recent times, and its budget of copies.
+#[derive(Default)]
+struct Track {
+    times: VecDeque<Duration>,
+    credit: f64,
+}
+
+/// When to send a step call again: per kind of call and member, its recent median
+/// and the copies it may still send (see [`CREDIT_PER_CALL`]).
+#[derive(Default)]
+pub struct Hedger {
+    hedge: Option<Hedge>,
+    tracks: BTreeMap<(&'static str, usize), Track>,
+    counts: HedgeCounts,
+}
+
+impl Hedger {
+    pub fn new(hedge: Option<Hedge>) -> Self {
+        Self {
+            hedge,
+            ..Self::default()
+        }
+    }
+
+    /// When a call of `kind` to `member` is sent again: never before the pair has
+    /// [`MIN_SAMPLES`] answered calls, while its budget is spent, or at or past `limit` (a
+    /// later mechanism, the call's suspicion or its deadline, decides there).
+    pub fn after(&self, kind: &'static str, member: usize, limit: Duration) -> Option<Duration> {
+        let hedge = self.hedge?;
+        let track = self.tracks.get(&(kind, member))?;
+        if track.times.len() < MIN_SAMPLES || track.credit < 1.0 {
+            return None;
+        }
+        let mut sorted: Vec<Duration> = track.times.iter().copied().collect();
+        sorted.sort_unstable();
+        let after = hedge.after(sorted[sorted.len() / 2]);
+        (after < limit).then_some(after)
+    }
+
+    /// A call of `kind` to `member` ended: `took` if it was answered; `hedged` if its copy
+    /// was sent.
+    pub fn record(
+        &mut self,
+        kind: &'static str,
+        member: usize,
+        took: Option<Duration>,
+        hedged: bool,
+    ) {
+        let track = self.tracks.entry((kind, member)).or_default();
+        if let Some(took) = took {
+            if track.times.len() == WINDOW {
+                track.times.pop_front();
+            }
+            track.times.push_back(took);
+            track.credit = (track.credit + CREDIT_PER_CALL).min(BURST);
+        }
+        if hedged {
+            track.credit -= 1.0;
+            self.counts.add(kind);
+        }
+    }
+
+    /// The calls sent again so far.
+    pub fn counts(&self) -> &HedgeCounts {
+        &self.counts
+    }
+}
+
+/// Calls sent a second time, by kind: what `ftrec_hedged_calls_total` and the members'
+/// logs report.
+#[derive(Default, Debug)]
+pub struct HedgeCounts(Mutex<BTreeMap<&'static str, u64>>);
+
+impl HedgeCounts {
+    pub fn add(&self, kind: &'static str) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(kind)
+            .or_default() += 1;
+    }
+
+    /// Every kind's count so far.
+    pub fn snapshot(&self) -> BTreeMap<&'static str, u64> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Every kind's together.
+    pub fn total(&self) -> u64 {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .sum()
+    }
+
+    /// "pull 3, prepare 1", or "none".
+    pub fn summary(&self) -> String {
+        let counts = self.snapshot();
+        if counts.is_empty() {
+            return "none".into();
+        }
+        counts
+            .iter()
+            .map(|(kind, n)| format!("{kind} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// What [`first_answer`] came to.
+pub struct Answered<T> {
+    pub result: T,
+    /// The second copy was sent.
+    pub hedged: bool,
+}
+
+/// `call`, and `second` (the same call on another connection) once `call` has gone
+/// unanswered for `after`: the first success wins and the other is dropped (cancelled).
+/// A failure of one waits for the other, so a copy refused at once (a connection not yet
+/// open) never hides an answer on the way; when both fail, the first call's error is the
+/// one returned. `second` is not polled before `after`, so it sends nothing until then.
+pub async fn first_answer<T, E>(
+    call: impl Future<Output = Result<T, E>>,
+    second: Option<(Duration, impl Future<Output = Result<T, E>>)>,
+) -> Answered<Result<T, E>> {
+    let mut call = std::pin::pin!(call);
+    let Some((after, second)) = second else {
+        return Answered {
+            result: call.await,
+            hedged: false,
+        };
+    };
+    // Biased, as every select on a path the simulation drives: tokio picks among ready
+    // branches at random otherwise, and a seed would not replay.
+    tokio::select! {
+        biased;
+        result = &mut call => return Answered { result, hedged: false },
+        _ = tokio::time::sleep(after) => {}
+    }
+    let mut second = std::pin::pin!(second);
+    let result = tokio::select! {
+        biased;
+        first = &mut call => match first {
+            Ok(answer) => Ok(answer),
+            Err(e) => second.await.map_err(|_| e),
+        },
+        copy = &mut second => match copy {
+            Ok(answer) => Ok(answer),
+            Err(_) => call.await,
+        },
+    };
+    Answered {
+        result,
+        hedged: true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::Instant;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    async fn answer(
+        after: Duration,
+        value: Result<u32, &'static str>,
+    ) -> Result<u32, &'static str> {
+        tokio::time::sleep(after).await;
+        value
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fast_call_sends_no_copy() {
+        let started = Instant::now();
+        let a = first_answer(answer(ms(1), Ok(1)), Some((ms(4), answer(ms(1), Ok(2))))).await;
+        assert_eq!((a.result, a.hedged), (Ok(1), false));
+        assert_eq!(started.elapsed(), ms(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_call_is_overtaken_by_its_copy() {
+        let started = Instant::now();
+        // The first waits out a 12 ms loss probe; the copy, sent at 4 ms, takes 1 ms.
+        let a = first_answer(answer(ms(12), Ok(1)), Some((ms(4), answer(ms(1), Ok(2))))).await;
+        assert_eq!((a.result, a.hedged), (Ok(2), true));
+        assert_eq!(started.elapsed(), ms(5));
+        // The first still answers first if it is quicker than the copy.
+        let started = Instant::now();
+        let a = first_answer(answer(ms(6), Ok(1)), Some((ms(4), answer(ms(5), Ok(2))))).await;
+        assert_eq!((a.result, a.hedged), (Ok(1), true));
+        assert_eq!(started.elapsed(), ms(6));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_waits_for_the_other_answer() {
+        // The copy fails at once (its connection refused): the first's answer still wins.
+        let a = first_answer(
+            answer(ms(10), Ok(1)),
+            Some((ms(4), answer(ms(0), Err("refused")))),
+        )
+        .await;
+        assert_eq!(a.result, Ok(1));
+        // The first fails after the copy was sent: the copy's answer wins.
+        let a = first_answer(
+            answer(ms(6), Err("reset")),
+            Some((ms(4), answer(ms(5), Ok(2)))),
+        )
+        .await;
+        assert_eq!(a.result, Ok(2));
+        // Both fail: the first call's error.
+        let a = first_answer(
+            answer(ms(6), Err("first")),
+            Some((ms(4), answer(ms(5), Err("copy")))),
+        )
+        .await;
+        assert_eq!(a.result, Err("first"));
+        // Without a copy the call is the call.
+        let a = first_answer(
+            answer(ms(6), Err("only")),
+            None::<(Duration, std::future::Ready<_>)>,
+        )
+        .await;
+        assert_eq!((a.result, a.hedged), (Err("only"), false));
+    }
+
+    #[test]
+    fn a_call_is_hedged_at_a_multiple_of_its_members_median_with_a_floor_and_a_limit() {
+        let mut h = Hedger::new(Some(Hedge {
+            multiple: 4,
+            floor: ms(2),
+        }));
+        for _ in 0..MIN_SAMPLES - 1 {
+            h.record("pull", 0, Some(ms(1)), false);
+        }
+        assert_eq!(h.after("pull", 0, ms(250)), None, "too few samples");
+        h.record("pull", 0, Some(ms(1)), false);
+        assert_eq!(h.after("pull", 0, ms(250)), Some(ms(4)));
+        // Each member by itself: another server's calls say nothing of this one's.
+        assert_eq!(h.after("pull", 1, ms(250)), None);
+        // One call in ten slowed by a 12 ms loss probe moves the median not at all.
+        for i in 0..WINDOW {
+            h.record("push", 0, Some(ms(if i % 10 == 0 { 12 } else { 3 })), false);
+        }
+        assert_eq!(h.after("push", 0, ms(250)), Some(ms(12)));
+        // A member slow for every call has a slow median, so its calls wait longer.
+        for _ in 0..WINDOW {
+            h.record("push", 1, Some(ms(30)), false);
+        }
+        assert_eq!(h.after("push", 1, ms(250)), Some(ms(120)));
+        // The floor, for calls far quicker than a tick.
+        for _ in 0..WINDOW {
+            h.record("commit", 0, Some(Duration::from_micros(200)), false);
+        }
+        assert_eq!(h.after("commit", 0, ms(250)), Some(ms(2)));
+        // Never at or past the limit, and never when hedging is off.
+        assert_eq!(h.after("push", 0, ms(12)), None);
+        let mut off = Hedger::new(None);
+        for _ in 0..WINDOW {
+            off.record("pull", 0, Some(ms(1)), false);
+        }
+        assert_eq!(off.after("pull", 0, ms(250)), None);
+    }
+
+    #[test]
+    fn copies_are_bounded_by_the_budget() {
+        let mut h = Hedger::new(Some(Hedge {
+            multiple: 4,
+            floor: ms(2),
+        }));
+        for _ in 0..WINDOW {
+            h.record("pull", 0, Some(ms(1)), false);
+        }
+        // Every call slow and sent twice: the burst, then one copy per five calls.
+        let mut sent = 0;
+        for _ in 0..1000 {
+            let hedged = h.after("pull", 0, ms(250)).is_some();
+            sent += usize::from(hedged);
+            h.record("pull", 0, Some(ms(1)), hedged);
+        }
+        assert!((150..=215).contains(&sent), "{sent} copies for 1000 calls");
+        assert_eq!(h.counts().total(), sent as u64);
+        assert_eq!(h.counts().summary(), format!("pull {sent}"));
+    }
+
+    #[test]
+    fn counts_are_kept_by_kind() {
+        let counts = HedgeCounts::default();
+        assert_eq!(counts.summary(), "none");
+        counts.add("pull");
+        counts.add("prepare");
+        counts.add("pull");
+        assert_eq!(counts.summary(), "prepare 1, pull 2");
+    }
+}
