@@ -22,39 +22,44 @@ pub const WINDOW: usize = 256;
 /// Below this many, a kind's times say nothing yet: no call of it is hedged or suspected.
 pub const MIN_SAMPLES: usize = 32;
 
-/// How long each kind of call took, the last [`WINDOW`] of them that succeeded.
+/// The last [`WINDOW`] times of one kind of call.
 #[derive(Default)]
-pub struct CallTimes {
-    kinds: BTreeMap<&'static str, VecDeque<Duration>>,
-}
+struct Window(VecDeque<Duration>);
 
-impl CallTimes {
-    pub fn record(&mut self, kind: &'static str, took: Duration) {
-        let window = self.kinds.entry(kind).or_default();
-        if window.len() == WINDOW {
-            window.pop_front();
+impl Window {
+    fn push(&mut self, took: Duration) {
+        if self.0.len() == WINDOW {
+            self.0.pop_front();
         }
-        window.push_back(took);
+        self.0.push_back(took);
     }
 
-    /// The `percent`th percentile of `kind`'s recent calls, once there are enough of them.
-    pub fn percentile(&self, kind: &str, percent: usize) -> Option<Duration> {
-        let window = self.kinds.get(kind)?;
-        if window.len() < MIN_SAMPLES {
+    /// The `percent`th percentile, once there are [`MIN_SAMPLES`] times.
+    fn percentile(&self, percent: usize) -> Option<Duration> {
+        if self.0.len() < MIN_SAMPLES {
             return None;
         }
-        let mut sorted: Vec<Duration> = window.iter().copied().collect();
+        let mut sorted: Vec<Duration> = self.0.iter().copied().collect();
         sorted.sort_unstable();
         let rank = (sorted.len() * percent).div_ceil(100).max(1) - 1;
         Some(sorted[rank])
     }
+}
 
-    pub fn p99(&self, kind: &str) -> Option<Duration> {
-        self.percentile(kind, 99)
+/// How long each kind of call took, the last [`WINDOW`] of them that succeeded.
+#[derive(Default)]
+pub struct CallTimes {
+    kinds: BTreeMap<&'static str, Window>,
+}
+
+impl CallTimes {
+    pub fn record(&mut self, kind: &'static str, took: Duration) {
+        self.kinds.entry(kind).or_default().push(took);
     }
 
-    pub fn median(&self, kind: &str) -> Option<Duration> {
-        self.percentile(kind, 50)
+    /// The 99th percentile of `kind`'s recent calls, once there are enough of them.
+    pub fn p99(&self, kind: &str) -> Option<Duration> {
+        self.kinds.get(kind)?.percentile(99)
     }
 }
 
@@ -70,7 +75,7 @@ const BURST: f64 = 8.0;
 /// One kind of call to one member: its recent times, and its budget of copies.
 #[derive(Default)]
 struct Track {
-    times: VecDeque<Duration>,
+    times: Window,
     credit: f64,
 }
 
@@ -97,12 +102,10 @@ impl Hedger {
     pub fn after(&self, kind: &'static str, member: usize, limit: Duration) -> Option<Duration> {
         let hedge = self.hedge?;
         let track = self.tracks.get(&(kind, member))?;
-        if track.times.len() < MIN_SAMPLES || track.credit < 1.0 {
+        if track.credit < 1.0 {
             return None;
         }
-        let mut sorted: Vec<Duration> = track.times.iter().copied().collect();
-        sorted.sort_unstable();
-        let after = hedge.after(sorted[sorted.len() / 2]);
+        let after = hedge.after(track.times.percentile(50)?);
         (after < limit).then_some(after)
     }
 
@@ -117,10 +120,7 @@ impl Hedger {
     ) {
         let track = self.tracks.entry((kind, member)).or_default();
         if let Some(took) = took {
-            if track.times.len() == WINDOW {
-                track.times.pop_front();
-            }
-            track.times.push_back(took);
+            track.times.push(took);
             track.credit = (track.credit + CREDIT_PER_CALL).min(BURST);
         }
         if hedged {
