@@ -25,7 +25,7 @@ use ftrec_rpc::client::{Connector, ServerClient};
 use ftrec_rpc::hedge::{Hedge, HedgeCounts, Hedger, first_answer};
 use ftrec_rpc::leader::CoordinatorLink;
 
-use crate::suspicion::{CallTimes, Suspicion, Watch, within};
+use crate::suspicion::{CallTimes, Called, Suspicion, Watch, within};
 
 /// Calls sent per server and step before the step is given up. All of them share one
 /// deadline (the connector's, `cluster.deadlines.step_ms`): a server that does not answer
@@ -192,6 +192,48 @@ impl ShardClient {
             .suspect_after(kind)
             .unwrap_or_else(|| self.connector.timeout());
         self.hedger.after(kind, s, limit)
+    }
+
+    /// `call` to server `s`, bounded as [`within`] bounds it, with its copy on the second
+    /// connection once the first is slow ([`ftrec_rpc::hedge`]); and whether the copy was
+    /// sent.
+    fn call_with_copy<Rep, F, Fut>(
+        &self,
+        kind: &'static str,
+        s: usize,
+        give_up: Instant,
+        label: String,
+        watch: Option<Watch>,
+        call: F,
+    ) -> impl std::future::Future<Output = (Called<Rep>, bool)>
+    where
+        F: Fn(ServerClient) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<Rep>, tonic::Status>>,
+    {
+        let second = self
+            .hedge_after(kind, s)
+            .zip(self.seconds.get(s).cloned())
+            .map(|(after, copy)| (after, call(copy)));
+        let first = call(self.servers[s].clone());
+        async move {
+            let hedged = AtomicBool::new(false);
+            let answered = async {
+                let answered = first_answer(first, second).await;
+                hedged.store(answered.hedged, Ordering::Relaxed);
+                answered.result
+            };
+            let called = within(give_up, &label, answered, watch).await;
+            (called, hedged.into_inner())
+        }
+    }
+
+    /// Keeps what a call of `kind` to server `s` took, for its kind's suspicion and its
+    /// copies' timing; `hedged`: its copy was sent.
+    fn record_call(&mut self, kind: &'static str, s: usize, took: Option<Duration>, hedged: bool) {
+        if let Some(took) = took {
+            self.times.record(kind, took);
+        }
+        self.hedger.record(kind, s, took, hedged);
     }
 
     pub fn with_protocol(mut self, protocol: CommitProtocol) -> Self {
@@ -495,28 +537,15 @@ impl ShardClient {
             let mut attempt = 1;
             let give_up = Instant::now() + self.connector.timeout();
             loop {
-                let mut client = self.servers[s].clone();
                 let what = format!("prepare to server {s}");
                 let watch = self.watch(self.suspect_after("prepare"), s);
-                let second = self
-                    .hedge_after("prepare", s)
-                    .zip(self.seconds.get(s).cloned())
-                    .map(|(after, mut copy)| {
+                let (called, hedged) = self
+                    .call_with_copy("prepare", s, give_up, what, watch, |mut c| {
                         let push = push.clone();
-                        (after, async move { copy.push(push).await })
-                    });
-                let hedged = AtomicBool::new(false);
-                let call = async {
-                    let answered = first_answer(client.push(push.clone()), second).await;
-                    hedged.store(answered.hedged, Ordering::Relaxed);
-                    answered.result
-                };
-                let called = within(give_up, &what, call, watch).await;
-                if let Some(took) = called.took {
-                    self.times.record("prepare", took);
-                }
-                self.hedger
-                    .record("prepare", s, called.took, hedged.load(Ordering::Relaxed));
+                        async move { c.push(push).await }
+                    })
+                    .await;
+                self.record_call("prepare", s, called.took, hedged);
                 match called.result {
                     Ok(_) if s == 0 => {
                         self.die_at(points::PREPARED_FIRST, push.step).await;
@@ -581,35 +610,20 @@ impl ShardClient {
                 .filter(|&s| replies[s].is_none() && Some(s) != skip)
                 .collect();
             let after = self.suspect_after(what);
+            let (call, requests) = (&call, &requests);
             let calls = pending.iter().map(|&s| {
-                let client = self.servers[s].clone();
                 let label = format!("{what} to server {s}");
-                let second = self
-                    .hedge_after(what, s)
-                    .zip(self.seconds.get(s).cloned())
-                    .map(|(after, copy)| (after, call(copy, requests[s].clone())));
-                let call = call(client, requests[s].clone());
                 let watch = self.watch(after, s);
-                async move {
-                    let hedged = AtomicBool::new(false);
-                    let call = async {
-                        let answered = first_answer(call, second).await;
-                        hedged.store(answered.hedged, Ordering::Relaxed);
-                        answered.result
-                    };
-                    let called = within(give_up, &label, call, watch).await;
-                    (called, hedged.into_inner())
-                }
+                self.call_with_copy(what, s, give_up, label, watch, move |c| {
+                    call(c, requests[s].clone())
+                })
             });
             let mut failure: Option<PsError> = None;
             let mut failed_server = None;
             let mut confirmed = false;
             let mut stale_map = false;
             for (&s, (called, hedged)) in pending.iter().zip(join_all(calls).await) {
-                if let Some(took) = called.took {
-                    self.times.record(what, took);
-                }
-                self.hedger.record(what, s, called.took, hedged);
+                self.record_call(what, s, called.took, hedged);
                 match called.result {
                     Ok(r) => replies[s] = Some(r),
                     Err(e) => {
