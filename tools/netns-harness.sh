@@ -26,8 +26,10 @@
 #              server J (`iptables -I OUTPUT -d S_J -j DROP` in the worker's namespace,
 #              `iptables -I INPUT -s W -j DROP` in server J's), to-worker the reverse, both
 #              (default) all four rules. Silent drops, never a refusal (no blackhole route).
-#   loss       `iptables -I INPUT|OUTPUT -m statistic --mode random --probability 0.05 -j DROP`
-#              in server J's namespace (--loss P), and with --rate RATE a
+#   loss       `iptables -I INPUT -m statistic --mode random --probability 0.05 -j DROP`
+#              in server J's namespace (--loss P), and the same for packets from server J
+#              (`-s S_J`) in every other member's: each packet is lost where it arrives, as
+#              on a lossy wire, never refused to its sender. With --rate RATE a
 #              `tc qdisc add dev eth0 root tbf rate RATE burst 64kb latency 50ms` on both ends
 #              of its veth. The goal: no recovery.
 #   freeze     `kill -STOP` server J's process; --cont S sends SIGCONT S seconds later.
@@ -312,10 +314,18 @@ inject() {
             esac
             ;;
         loss)
+            # Dropped where they arrive, as a lossy wire drops them: a DROP in the
+            # sender's own OUTPUT chain fails the send locally, and Linux then waits at
+            # least 200 ms (its probe timer, TCP_RTO_MIN, which no socket option lowers)
+            # before it tries again, a delay no real link's loss causes.
             ip netns exec "$P-s$j" iptables -I INPUT -m statistic --mode random \
                 --probability "$LOSS" -j DROP
-            ip netns exec "$P-s$j" iptables -I OUTPUT -m statistic --mode random \
-                --probability "$LOSS" -j DROP
+            local m
+            for m in "${MEMBERS[@]}"; do
+                [ "$m" = "s$j" ] && continue
+                ip netns exec "$P-$m" iptables -I INPUT -s "$sip" -m statistic \
+                    --mode random --probability "$LOSS" -j DROP
+            done
             if [ -n "$RATE" ]; then
                 ip netns exec "$P-s$j" tc qdisc add dev eth0 root tbf rate "$RATE" \
                     burst 64kb latency 50ms

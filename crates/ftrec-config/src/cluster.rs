@@ -187,13 +187,14 @@ pub struct DeadlinesSection {
     /// without the options keeps its own too (said once). Default 5.
     pub retransmit_min_ms: Option<u64>,
     /// A step call (a pull, a push, 2PC's prepare and commit, a server's parity update to
-    /// a peer) still unanswered after this many times the median of its kind's recent
-    /// calls is sent again on a second connection to the same member, and the first
-    /// answer wins ("The Tail at Scale"; issue 44 §3). A lost packet of such a call
-    /// otherwise waits for TCP's loss probe or retransmission timer, which the kernel
-    /// keeps in whole ticks: at least 8-12 ms at 250 Hz, against calls of about a
-    /// millisecond. Every such call is safe to repeat (servers drop a step they hold
-    /// already). 0 sends no second copy. Default 4.
+    /// a peer) still unanswered after this many times the fast quartile (the 25th
+    /// percentile, which stands for the loss-free median) of its kind's recent calls to
+    /// that member is sent again on a second connection to it, and the first answer wins
+    /// ("The Tail at Scale"; issue 44 §3). A lost packet of such a call otherwise waits
+    /// for TCP's loss probe or retransmission timer, which the kernel keeps in whole
+    /// ticks: at least 8-12 ms at 250 Hz, against calls of about a millisecond. Every
+    /// such call is safe to repeat (servers drop a step they hold already). 0 sends no
+    /// second copy. Default 3.
     pub hedge_multiple: Option<u32>,
     /// No call is sent again sooner than this. Default 2.
     pub hedge_floor_ms: Option<u64>,
@@ -203,21 +204,21 @@ pub struct DeadlinesSection {
 /// `hedge_multiple` and `hedge_floor_ms`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Hedge {
-    /// Times the median of the call's kind.
+    /// Times the fast quartile of the call's kind.
     pub multiple: u32,
     /// Never sooner than this.
     pub floor: std::time::Duration,
 }
 
 impl Hedge {
-    /// When a call of a kind whose recent median is `median` is sent again.
-    pub fn after(&self, median: std::time::Duration) -> std::time::Duration {
-        median.saturating_mul(self.multiple).max(self.floor)
+    /// When a call of a kind whose recent fast quartile is `base` is sent again.
+    pub fn after(&self, base: std::time::Duration) -> std::time::Duration {
+        base.saturating_mul(self.multiple).max(self.floor)
     }
 }
 
 /// `cluster.deadlines.hedge_multiple` when unset.
-pub const DEFAULT_HEDGE_MULTIPLE: u32 = 4;
+pub const DEFAULT_HEDGE_MULTIPLE: u32 = 3;
 /// `cluster.deadlines.hedge_floor_ms` when unset.
 pub const DEFAULT_HEDGE_FLOOR_MS: u64 = 2;
 

@@ -408,12 +408,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!(kernel.cluster.deadlines().retransmit_min, None);
-        // Slow step calls are sent again by default: at 4 times their median, 2 ms at
+        // Slow step calls are sent again by default: at 3 times their fast quartile, 2 ms at
         // least; 0 turns it off.
         assert_eq!(
             c.cluster.deadlines().hedge,
             Some(crate::Hedge {
-                multiple: 4,
+                multiple: 3,
                 floor: ms(2)
             })
         );

@@ -9,6 +9,7 @@ use tokio::time::Instant;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Uri};
 
+use crate::hedge::first_answer;
 use crate::network::{Network, Transport};
 
 use crate::PsError;
@@ -28,6 +29,11 @@ pub type ServerClient = parameter_server_client::ParameterServerClient<AuthChann
 pub const HTTP2_STREAM_WINDOW: u32 = 8 << 20;
 pub const HTTP2_CONNECTION_WINDOW: u32 = 32 << 20;
 pub const HTTP2_MAX_FRAME: u32 = 1 << 20;
+
+/// When a TCP dial still unanswered is raced by a second ([`Connector`]'s dialer). A
+/// handshake on a job's network takes well under a millisecond, a loaded host's included
+/// (the kernel answers a SYN itself); a second dial costs one socket.
+pub const SECOND_DIAL_AFTER: Duration = Duration::from_millis(30);
 
 /// How a connection notices that its peer went silent (frozen, its link down) when no
 /// call is waiting on it to time out: an idle connection, or one a stream holds open.
@@ -162,13 +168,22 @@ impl Connector {
 
     /// The host's TCP dialer as tonic's own (no Nagle, the endpoint's connect timeout is
     /// applied around it), with keepalive probes, `TCP_USER_TIMEOUT` and the
-    /// retransmission floor, which tonic's endpoint does not set.
+    /// retransmission floor, which tonic's endpoint does not set. A dial unanswered after
+    /// [`SECOND_DIAL_AFTER`] is raced by a second one on a socket of its own (the first
+    /// handshake to finish wins; the other is dropped): the kernel resends a lost SYN or
+    /// SYN-ACK only after a whole second (`TCP_TIMEOUT_INIT`), which no socket option
+    /// lowers, and on a link losing 5% of its packets one dial in ten lost one.
     fn tcp(
         &self,
-    ) -> tower::util::MapResponse<
-        HttpConnector,
-        impl FnOnce(TcpIo) -> TcpIo + Clone + Send + Sync + 'static,
-    > {
+    ) -> impl tower::Service<
+        Uri,
+        Response = TcpIo,
+        Error = tower::BoxError,
+        Future = impl Future<Output = Result<TcpIo, tower::BoxError>> + Send + 'static,
+    > + Clone
+    + Send
+    + Sync
+    + 'static {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
@@ -177,9 +192,16 @@ impl Connector {
         #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
         http.set_tcp_user_timeout(Some(self.liveness.give_up_after));
         let liveness = self.liveness;
-        tower::ServiceExt::map_response(http, move |io: TcpIo| {
-            liveness.tune_retransmits(io.inner());
-            io
+        tower::service_fn(move |uri: Uri| {
+            let first = tower::ServiceExt::oneshot(http.clone(), uri.clone());
+            let second = tower::ServiceExt::oneshot(http.clone(), uri);
+            async move {
+                let io = first_answer(first, Some((SECOND_DIAL_AFTER, second)))
+                    .await
+                    .result?;
+                liveness.tune_retransmits(io.inner());
+                Ok(io)
+            }
         })
     }
 
@@ -433,6 +455,36 @@ mod tests {
                 "{end}: {floor:?}"
             );
         }
+    }
+
+    /// A dial whose SYN is lost is raced by a second one instead of waiting out the
+    /// kernel's one-second SYN timer. The listener's accept queue (backlog 0: room for one)
+    /// is full when the first SYN arrives, so the kernel drops it, as a lossy link would;
+    /// one connection is accepted meanwhile, and the second dial gets in.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_dial_whose_syn_is_lost_is_raced_by_a_second() {
+        use tower::{Service, ServiceExt};
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(0).unwrap();
+        let address = listener.local_addr().unwrap();
+        let _queued = tokio::net::TcpStream::connect(address).await.unwrap();
+        let secret = crate::auth::JobSecret::generate();
+        let connector =
+            Connector::new(Duration::from_secs(5), &secret, None, Network::default()).unwrap();
+        let mut dialer = connector.tcp();
+        let uri: Uri = format!("http://{address}").parse().unwrap();
+        let started = Instant::now();
+        let dial = tokio::spawn(async move { dialer.ready().await?.call(uri).await });
+        tokio::time::sleep(SECOND_DIAL_AFTER / 3).await;
+        let _accepted = listener.accept().await.unwrap();
+        let dialled = dial.await.unwrap();
+        let took = started.elapsed();
+        assert!(dialled.is_ok(), "{:?}", dialled.err());
+        // Not before the second dial: the first SYN was dropped, not answered.
+        assert!(took >= SECOND_DIAL_AFTER, "{took:?}");
+        assert!(took < Duration::from_millis(500), "{took:?}");
     }
 
     #[test]

@@ -386,6 +386,11 @@ impl Worker {
                     let t = self.times;
                     let per = |x: f64| 1e3 * x / t.steps.max(1) as f64;
                     tracing::info!(
+                        "worker {}: recent calls (median/p90/p99): {}",
+                        self.id,
+                        self.shards.call_times().summary()
+                    );
+                    tracing::info!(
                         "worker {}: {} steps; per step: coordinator {:.2} ms, pull {:.2} ms, compute {:.2} ms, push {:.2} ms; calls sent again: {}",
                         self.id,
                         t.steps,

@@ -267,30 +267,34 @@ impl Net {
     }
 
     /// Random loss of `probability` on everything `host` sends and receives (or, with
-    /// `insert` false, the same rules removed).
+    /// `insert` false, the same rules removed). Each packet is dropped where it arrives,
+    /// in `host`'s INPUT chain or, for what `host` sends, in the receiver's, as a lossy
+    /// wire loses it: a DROP in the sender's own OUTPUT chain fails the send locally, and
+    /// Linux then waits at least 200 ms (its probe timer) before it sends again, a stall
+    /// no real link's loss causes.
     pub fn loss(&self, host: &HostNet, probability: f64, insert: bool) -> Result<()> {
         let op = if insert { "-I" } else { "-D" };
         let p = format!("{probability}");
-        for chain in ["INPUT", "OUTPUT"] {
-            sh(
-                "ip",
-                &[
-                    "netns",
-                    "exec",
-                    &host.ns,
-                    "iptables",
-                    op,
-                    chain,
-                    "-m",
-                    "statistic",
-                    "--mode",
-                    "random",
-                    "--probability",
-                    &p,
-                    "-j",
-                    "DROP",
-                ],
-            )?;
+        let drop_from = |at: &HostNet, source: Option<&str>| {
+            let mut args = vec!["netns", "exec", &at.ns, "iptables", op, "INPUT"];
+            if let Some(source) = source {
+                args.extend(["-s", source]);
+            }
+            args.extend([
+                "-m",
+                "statistic",
+                "--mode",
+                "random",
+                "--probability",
+                &p,
+                "-j",
+                "DROP",
+            ]);
+            sh("ip", &args)
+        };
+        drop_from(host, None)?;
+        for other in self.hosts.iter().filter(|h| h.ns != host.ns) {
+            drop_from(other, Some(&host.ip))?;
         }
         Ok(())
     }
