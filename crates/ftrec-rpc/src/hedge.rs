@@ -106,11 +106,32 @@ const CREDIT_PER_CALL: f64 = 0.2;
 /// Copies that may be sent in a burst (a few losses in a row).
 const BURST: f64 = 8.0;
 
-/// One kind of call to one member: its recent times, and its budget of copies.
+/// The last calls of a (kind, member) whose lateness says whether its link loses packets.
+const LOSSY_WINDOW: usize = 64;
+/// A (kind, member) is lossy once at least this many of its last [`LOSSY_WINDOW`] calls
+/// went unanswered past the copy's trigger (one in eight): for its next [`EAGER_CALLS`]
+/// calls the copies go out with the call, not after the trigger, and outside the budget;
+/// then it is measured again (with both copies out at once, its calls' own lateness
+/// cannot be seen). Random loss makes a call's
+/// times bimodal (the loss-free calls, and those that waited for TCP's probe), so many
+/// run past a multiple of the fast quartile; a congested or throttled link slows every
+/// call, its fast quartile with them, and few run past it: it is never taken for lossy,
+/// and its copies stay within the budget.
+const LOSSY_LATE: usize = 8;
+/// How many times the other members' late calls a lossy member's must be.
+const LOSSY_LEAD: usize = 3;
+/// Calls sent with their copy at once after a lossy (kind, member) is found.
+const EAGER_CALLS: usize = 256;
+
+/// One kind of call to one member: its recent times, its budget of copies, and which of
+/// its last calls were late.
 #[derive(Default)]
 struct Track {
     times: Window,
     credit: f64,
+    late: VecDeque<bool>,
+    /// Calls still to be sent with their copy at once.
+    eager_left: usize,
 }
 
 /// When to send a step call again: per kind of call and member, its recent fast
@@ -132,15 +153,46 @@ impl Hedger {
 
     /// When a call of `kind` to `member` is sent again: never before the pair has
     /// [`MIN_SAMPLES`] answered calls, while its budget is spent, or at or past `limit` (a
-    /// later mechanism, the call's suspicion or its deadline, decides there).
+    /// later mechanism, the call's suspicion or its deadline, decides there); at once
+    /// while the pair is lossy ([`LOSSY_LATE`]).
     pub fn after(&self, kind: &'static str, member: usize, limit: Duration) -> Option<Duration> {
-        let hedge = self.hedge?;
         let track = self.tracks.get(&(kind, member))?;
+        let after = self.trigger(track)?;
+        if track.eager_left > 0 {
+            return Some(Duration::ZERO);
+        }
         if track.credit < 1.0 {
             return None;
         }
-        let after = hedge.after(track.times.percentile(BASE_PERCENTILE)?);
         (after < limit).then_some(after)
+    }
+
+    /// Whether `member`'s calls of `kind` are late as a lossy link makes them: at least
+    /// [`LOSSY_LATE`] of its last [`LOSSY_WINDOW`], and [`LOSSY_LEAD`] times as many as
+    /// the other members' of the same kind (the median of theirs, at least one). A host
+    /// short of CPU delays its calls to every member alike, and is not taken for a lossy
+    /// link; with no other member to compare, none is.
+    fn lossy(&self, kind: &'static str, member: usize) -> bool {
+        let late = |t: &Track| t.late.iter().filter(|&&late| late).count();
+        let Some(this) = self.tracks.get(&(kind, member)).map(late) else {
+            return false;
+        };
+        let mut others: Vec<usize> = self
+            .tracks
+            .range((kind, 0)..=(kind, usize::MAX))
+            .filter(|((_, m), _)| *m != member)
+            .map(|(_, t)| late(t))
+            .collect();
+        if others.is_empty() || this < LOSSY_LATE {
+            return false;
+        }
+        others.sort_unstable();
+        this >= LOSSY_LEAD * others[others.len() / 2].max(1)
+    }
+
+    /// How long a call of `track` waits before its copy, when not lossy.
+    fn trigger(&self, track: &Track) -> Option<Duration> {
+        Some(self.hedge?.after(track.times.percentile(BASE_PERCENTILE)?))
     }
 
     /// A call of `kind` to `member` ended: `took` if it was answered; `hedged` if its copy
@@ -152,13 +204,32 @@ impl Hedger {
         took: Option<Duration>,
         hedged: bool,
     ) {
+        let hedge = self.hedge;
+        let track = self.tracks.entry((kind, member)).or_default();
+        let trigger = hedge.and_then(|h| Some(h.after(track.times.percentile(BASE_PERCENTILE)?)));
+        let eager = track.eager_left > 0;
+        if eager {
+            track.eager_left -= 1;
+        } else if let Some(trigger) = trigger {
+            if track.late.len() == LOSSY_WINDOW {
+                track.late.pop_front();
+            }
+            track.late.push_back(took.is_none_or(|took| took > trigger));
+        }
+        if !eager && self.lossy(kind, member) {
+            let track = self.tracks.entry((kind, member)).or_default();
+            track.eager_left = EAGER_CALLS;
+            track.late.clear();
+        }
         let track = self.tracks.entry((kind, member)).or_default();
         if let Some(took) = took {
             track.times.push(took);
             track.credit = (track.credit + CREDIT_PER_CALL).min(BURST);
         }
         if hedged {
-            track.credit -= 1.0;
+            if !eager {
+                track.credit -= 1.0;
+            }
             self.counts.add(kind);
         }
     }
@@ -385,6 +456,73 @@ mod tests {
             off.record("pull", 0, Some(ms(1)), false);
         }
         assert_eq!(off.after("pull", 0, ms(250)), None);
+    }
+
+    #[test]
+    fn a_lossy_member_gets_its_copies_at_once_and_a_congested_or_starved_one_never() {
+        let hedge = Hedge {
+            multiple: 3,
+            floor: ms(2),
+        };
+        let mut h = Hedger::new(Some(hedge));
+        for m in 0..3 {
+            for _ in 0..WINDOW {
+                h.record("pull", m, Some(ms(1)), false);
+            }
+        }
+        assert_eq!(h.after("pull", 0, ms(250)), Some(ms(3)));
+        // One call in six to member 0 waits for a 12 ms probe, one in sixty to the others:
+        // the eighth late one makes member 0 lossy.
+        let mut calls = 0;
+        while h.after("pull", 0, ms(250)) != Some(Duration::ZERO) {
+            for m in 0..3 {
+                let every = if m == 0 { 6 } else { 60 };
+                let took = if calls % every == 0 { 12 } else { 1 };
+                h.record("pull", m, Some(ms(took)), took > 3);
+            }
+            calls += 1;
+            assert!(calls <= LOSSY_WINDOW, "never lossy");
+        }
+        assert!(calls > 40, "lossy after {calls} calls");
+        assert_eq!(
+            h.after("pull", 1, ms(250)),
+            Some(ms(3)),
+            "the others are not"
+        );
+        // Its next calls go out with their copies at once, outside the budget, then it is
+        // measured again.
+        let spent = h.tracks[&("pull", 0)].credit;
+        for _ in 0..EAGER_CALLS {
+            assert_eq!(h.after("pull", 0, ms(250)), Some(Duration::ZERO));
+            h.record("pull", 0, Some(ms(1)), true);
+        }
+        assert!(h.tracks[&("pull", 0)].credit >= spent);
+        assert_eq!(h.after("pull", 0, ms(250)), Some(ms(3)));
+        // A host short of CPU makes its calls to every member late alike: none is lossy.
+        for i in 0..4 * WINDOW {
+            for m in 0..3 {
+                let took = if (i + m) % 5 == 0 { 12 } else { 1 };
+                h.record("push", m, Some(ms(took)), false);
+                assert_ne!(
+                    h.after("push", m, ms(250)),
+                    Some(Duration::ZERO),
+                    "call {i}"
+                );
+            }
+        }
+        // A link slow for every call, twice as slow now and then (congested, not
+        // lossy), is never lossy either: its calls stay within a multiple of its own fast
+        // quartile.
+        for i in 0..4 * WINDOW {
+            let took = if i % 4 == 0 { 60 } else { 30 };
+            h.record("commit", 1, Some(ms(took)), false);
+            h.record("commit", 0, Some(ms(1)), false);
+            assert_ne!(
+                h.after("commit", 1, ms(250)),
+                Some(Duration::ZERO),
+                "call {i}"
+            );
+        }
     }
 
     #[test]
