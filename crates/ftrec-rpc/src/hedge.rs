@@ -204,9 +204,11 @@ impl Hedger {
         took: Option<Duration>,
         hedged: bool,
     ) {
-        let hedge = self.hedge;
+        let trigger = self
+            .tracks
+            .get(&(kind, member))
+            .and_then(|t| self.trigger(t));
         let track = self.tracks.entry((kind, member)).or_default();
-        let trigger = hedge.and_then(|h| Some(h.after(track.times.percentile(BASE_PERCENTILE)?)));
         let eager = track.eager_left > 0;
         if eager {
             track.eager_left -= 1;
@@ -216,12 +218,6 @@ impl Hedger {
             }
             track.late.push_back(took.is_none_or(|took| took > trigger));
         }
-        if !eager && self.lossy(kind, member) {
-            let track = self.tracks.entry((kind, member)).or_default();
-            track.eager_left = EAGER_CALLS;
-            track.late.clear();
-        }
-        let track = self.tracks.entry((kind, member)).or_default();
         if let Some(took) = took {
             track.times.push(took);
             track.credit = (track.credit + CREDIT_PER_CALL).min(BURST);
@@ -231,6 +227,11 @@ impl Hedger {
                 track.credit -= 1.0;
             }
             self.counts.add(kind);
+        }
+        if !eager && self.lossy(kind, member) {
+            let track = self.tracks.entry((kind, member)).or_default();
+            track.eager_left = EAGER_CALLS;
+            track.late.clear();
         }
     }
 
