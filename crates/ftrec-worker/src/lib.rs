@@ -2,6 +2,7 @@
 //! batch, de-duplicates ids, pulls the unique rows and the dense parameters from every
 //! server, computes gradients and pushes each server its part.
 
+mod routed;
 pub mod shard_client;
 pub mod suspicion;
 
