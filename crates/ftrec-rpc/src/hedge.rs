@@ -98,10 +98,10 @@ impl CallTimes {
 pub const BASE_PERCENTILE: usize = 25;
 
 /// Each hedge is paid for by this many calls answered: at most one call in five is
-/// sent twice, whatever the link does. A link slowed for every call (a congested or
-/// throttled one, not a lossy one) has a slow median of its own and sends few copies; the
-/// budget bounds the rest, so copies never double the traffic on a link that is short of
-/// it.
+/// sent twice, unless the member is found lossy ([`LOSSY_LATE`]). A link slowed for every
+/// call (a congested or throttled one, not a lossy one) has a slow fast quartile of its
+/// own and sends few copies; the budget bounds the rest, so copies never double the
+/// traffic on a link that is short of it.
 const CREDIT_PER_CALL: f64 = 0.2;
 /// Copies that may be sent in a burst (a few losses in a row).
 const BURST: f64 = 8.0;
@@ -112,11 +112,10 @@ const LOSSY_WINDOW: usize = 64;
 /// went unanswered past the copy's trigger (one in eight): for its next [`EAGER_CALLS`]
 /// calls the copies go out with the call, not after the trigger, and outside the budget;
 /// then it is measured again (with both copies out at once, its calls' own lateness
-/// cannot be seen). Random loss makes a call's
-/// times bimodal (the loss-free calls, and those that waited for TCP's probe), so many
-/// run past a multiple of the fast quartile; a congested or throttled link slows every
-/// call, its fast quartile with them, and few run past it: it is never taken for lossy,
-/// and its copies stay within the budget.
+/// cannot be seen). Random loss makes a call's times bimodal (the loss-free calls, and
+/// those that waited for TCP's probe), so many run past a multiple of the fast quartile;
+/// a congested or throttled link slows every call, its fast quartile with them, and few
+/// run past it: it is never taken for lossy, and its copies stay within the budget.
 const LOSSY_LATE: usize = 8;
 /// How many times the other members' late calls a lossy member's must be.
 const LOSSY_LEAD: usize = 3;
@@ -174,16 +173,19 @@ impl Hedger {
     /// link; with no other member to compare, none is.
     fn lossy(&self, kind: &'static str, member: usize) -> bool {
         let late = |t: &Track| t.late.iter().filter(|&&late| late).count();
-        let Some(this) = self.tracks.get(&(kind, member)).map(late) else {
+        // Every call ends here: the other members are looked at only once this one's late
+        // calls are enough by themselves.
+        let this = self.tracks.get(&(kind, member)).map_or(0, late);
+        if this < LOSSY_LATE {
             return false;
-        };
+        }
         let mut others: Vec<usize> = self
             .tracks
             .range((kind, 0)..=(kind, usize::MAX))
             .filter(|((_, m), _)| *m != member)
             .map(|(_, t)| late(t))
             .collect();
-        if others.is_empty() || this < LOSSY_LATE {
+        if others.is_empty() {
             return false;
         }
         others.sort_unstable();
