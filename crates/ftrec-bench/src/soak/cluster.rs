@@ -202,6 +202,10 @@ impl Cluster {
             self.token.clone(),
             "--initial-cluster-state".into(),
             if existing { "existing" } else { "new" }.into(),
+            // etcd 3.5's default, off in Debian's 3.4: without it the member left alone
+            // in a quorum loss raised its raft term with every lonely campaign, and its
+            // peers, thawed, lost their leader to it and served nothing for 4 s more.
+            "--pre-vote".into(),
         ]
         .into();
         let name = self.unique(&format!("etcd-e{i}"));

@@ -176,7 +176,17 @@ pub fn calibrate(config: &JobConfig, opts: &CalibrateOptions<'_>) -> Result<Cost
         ),
         ec_overhead: ec.map_or_else(
             || not_measured(0.0),
-            |e| Measured::new(e.overhead, src("ec against none, failure-free")),
+            |e| {
+                Measured::new(
+                    e.overhead,
+                    src(&format!(
+                        "ec against none, failure-free: the larger of the wall clock's \
+                         {:.1}% and CPU time per step's {:.1}%",
+                        100.0 * e.wall_overhead,
+                        100.0 * e.cpu_overhead
+                    )),
+                )
+            },
         ),
         ec_shard_bytes: Measured::new(
             ec_shard_bytes as f64,

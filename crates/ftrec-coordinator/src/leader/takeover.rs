@@ -46,6 +46,14 @@ pub(crate) async fn take_over(shared: Arc<Shared>, settled_through: u64) {
                     return;
                 }
                 tracing::warn!("taking over: {e}; trying again");
+                // The members' silence is forgiven for a lease TTL and an etcd request
+                // after a takeover (`restore`), so a server that died with the old leader
+                // (a SIGKILL during a quorum loss) held the takeover for 7 s before it
+                // was declared dead. A port that refuses a connection has no process
+                // behind it: the control loop's probe marks that server dead at once,
+                // as it does when a worker's call fails, and the next attempt leaves it out.
+                shared.lock().members.probe_requested = true;
+                shared.wake.notify_one();
                 tokio::time::sleep(RETRY).await;
             }
         }

@@ -164,7 +164,11 @@ impl Membership {
         spare.assigned = Some(id);
         let member = Member {
             ready: false,
-            last_seen: Some(now),
+            // A spare whose silence a takeover forgave keeps that grace in its slot: it
+            // may not have found the new leader yet, and a slot does not make it hear
+            // sooner. Counted from `now`, two live spares given the slot after a quorum
+            // loss were declared dead one failure timeout later, and exited.
+            last_seen: spare.member.last_seen.max(Some(now)),
             refused: false,
             cut_off: None,
             ..spare.member.clone()
@@ -388,6 +392,23 @@ mod tests {
         assert_eq!(m.spares[1].assigned, Some(2));
         assert!(m.waiting_spare_pids().contains(&100));
         assert!(!m.waiting_spare_pids().contains(&101));
+    }
+
+    #[test]
+    fn a_spare_forgiven_by_a_takeover_keeps_its_grace_in_the_slot_it_is_given() {
+        let mut m = with_spares(&[true, true]);
+        let now = Instant::now();
+        let timeout = Duration::from_secs(1);
+        // A takeover forgives every member's silence until a TTL and a request from now.
+        let grace_until = now + Duration::from_secs(6);
+        m.forgive_silence(grace_until);
+        m.assign_spare(1, now);
+        assert_eq!(m.servers[1].last_seen, Some(grace_until));
+        assert!(!m.servers[1].dying(timeout));
+        // Without a grace the slot counts from the assignment.
+        let later = now + Duration::from_secs(7);
+        m.assign_spare(2, later);
+        assert_eq!(m.servers[2].last_seen, Some(later));
     }
 
     #[test]

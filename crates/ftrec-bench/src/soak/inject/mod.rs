@@ -469,7 +469,11 @@ impl Active {
                 })
                 .collect();
             let quorum_back = kind != FaultKind::EtcdQuorumLoss || self.undone;
-            if rebuilt.iter().all(Option::is_some) && self.repaired && quorum_back {
+            // Training must have gone on too: after a quorum loss full redundancy came
+            // back before the first step, the next fault struck then, and the first's
+            // resume was counted after the second's.
+            let resumed = first_detect.is_none() || self.record.resume_seconds.is_some();
+            if rebuilt.iter().all(Option::is_some) && self.repaired && quorum_back && resumed {
                 let last = rebuilt.iter().flatten().copied().fold(f64::MIN, f64::max);
                 self.record.redundant_seconds = Some(self.rel(last));
                 self.record.over = true;
