@@ -492,7 +492,7 @@ impl ParameterServer for Service {
         req: Request<StepDecision>,
     ) -> Result<Response<StepDecisionReply>, Status> {
         let req = req.into_inner();
-        let applied = self.0.abort_step(req.epoch, req.step)?;
+        let applied = self.0.abort_step(req.epoch, req.step, req.attempt)?;
         Ok(Response::new(StepDecisionReply { applied }))
     }
 

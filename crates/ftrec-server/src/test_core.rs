@@ -73,5 +73,6 @@ pub(crate) fn update(core: &Core, step: u64) -> Update {
         sparse: vec![(0, vec![row], vec![0.5; dim])],
         dense: vec![0.25; shard.dense_params().len()],
         replica_dense: vec![0.125; replica],
+        attempt: 0,
     }
 }

@@ -159,10 +159,9 @@ impl ShardClient {
     /// When a call of `kind` to server `s` is sent again: before it would be suspected,
     /// and before the step's deadline.
     fn hedge_after(&self, kind: &'static str, s: usize) -> Option<Duration> {
-        // An abort drops every difference staged for its step and epoch at a holder, so a
-        // copy arriving late, after the step was granted again in the same epoch and its
-        // new differences staged, would drop those; and an abort is on the failure path
-        // only, where a few milliseconds do not matter.
+        // An abort is on the failure path only, where a few milliseconds do not matter.
+        // (It names its try of the step, so a copy arriving late, after the step was
+        // granted again in the same epoch, would leave the new try's differences alone.)
         if kind == ABORT_CALLS {
             return None;
         }
@@ -381,6 +380,9 @@ impl ShardClient {
         let dim = self.dim;
         let servers = self.layout.servers();
         let prepare = matches!(self.protocol, CommitProtocol::TwoPhase { .. });
+        // This try of the step, the same to every server: the abort below drops only its
+        // parts, whenever it lands (never 0, which an abort reads as every try).
+        let attempt = rand::random::<u64>().max(1);
         let mut pushes: Vec<PushRequest> = (0..servers)
             .map(|s| PushRequest {
                 epoch,
@@ -393,6 +395,7 @@ impl ShardClient {
                     .map(|of| f32s_to_bytes(&dense[self.layout.dense_range(of, dense.len())]))
                     .unwrap_or_default(),
                 prepare,
+                attempt,
             })
             .collect();
         let mut rows_by_server: Vec<Vec<u32>> = vec![Vec::new(); servers];
@@ -440,8 +443,13 @@ impl ShardClient {
                 .await
                 .map(drop)
         };
-        let decision: Vec<StepDecision> =
-            (0..servers).map(|_| StepDecision { epoch, step }).collect();
+        let decision: Vec<StepDecision> = (0..servers)
+            .map(|_| StepDecision {
+                epoch,
+                step,
+                attempt,
+            })
+            .collect();
         if let Err(e) = prepared {
             // Best effort: a server that misses the abort drops its part when the step's
             // decision times out, or at the next epoch. The server the prepare found
@@ -498,7 +506,12 @@ impl ShardClient {
                 let reply = within(
                     give_up,
                     &what,
-                    client.abort_step(StepDecision { epoch, step }),
+                    // The epoch moved: no try of the step in its epoch can come again.
+                    client.abort_step(StepDecision {
+                        epoch,
+                        step,
+                        attempt: 0,
+                    }),
                     None,
                 );
                 if let Err(e) = reply.await.result {

@@ -134,7 +134,16 @@ async fn abort_unapplied(
     for step in unapplied {
         for c in &clients {
             let mut c = c.clone();
-            calls.push(async move { c.abort_step(StepDecision { epoch, step }).await.is_ok() });
+            calls.push(async move {
+                c.abort_step(StepDecision {
+                    epoch,
+                    step,
+                    // The coordinator's own resolution: every try of the step.
+                    attempt: 0,
+                })
+                .await
+                .is_ok()
+            });
         }
     }
     futures::future::join_all(calls)
@@ -164,7 +173,14 @@ async fn finish_commits(
             if !a[i] {
                 let mut c = clients[server].clone();
                 calls.push(async move {
-                    let done = c.commit_step(StepDecision { epoch, step }).await.is_ok();
+                    let done = c
+                        .commit_step(StepDecision {
+                            epoch,
+                            step,
+                            attempt: 0,
+                        })
+                        .await
+                        .is_ok();
                     (server, i, done)
                 });
             }

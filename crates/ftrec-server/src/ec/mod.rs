@@ -22,6 +22,8 @@
 
 mod peers;
 mod propagate;
+#[cfg(test)]
+mod tries_tests;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -115,20 +117,50 @@ impl EcState {
     }
 
     /// The staged update of `step` if it is prepared here in `epoch`: a retried phase 1, or
-    /// a step granted again after its first phase 1 ran here.
-    pub(crate) fn prepared(&self, step: u64, epoch: u64) -> Option<Arc<StagedUpdate>> {
+    /// a step granted again after its first phase 1 ran here. The try `attempt` adopts it
+    /// under the lock an abort takes it under, so an abort of an earlier try either took
+    /// it first (and the new try prepares afresh) or no longer matches it.
+    pub(crate) fn adopt_prepared(
+        &self,
+        step: u64,
+        epoch: u64,
+        attempt: u64,
+    ) -> Option<Arc<StagedUpdate>> {
         lock(&self.prepared)
             .get(&step)
             .filter(|p| p.epoch == epoch)
-            .map(|p| p.staged.clone())
+            .map(|p| {
+                p.staged.adopt(attempt);
+                p.staged.clone()
+            })
     }
 
     /// Takes `step` out of the prepared map if it was prepared here in `epoch`; dropping
     /// it releases the commit turn it holds.
     fn take_prepared(&self, step: u64, epoch: u64) -> Option<Prepared> {
+        self.take_prepared_try(step, epoch, 0)
+    }
+
+    /// [`EcState::take_prepared`], only if it is prepared for the try `attempt` (0: any).
+    fn take_prepared_try(&self, step: u64, epoch: u64, attempt: u64) -> Option<Prepared> {
         let mut all = lock(&self.prepared);
-        let mine = all.get(&step).is_some_and(|p| p.epoch == epoch);
+        let mine = all
+            .get(&step)
+            .is_some_and(|p| p.epoch == epoch && (attempt == 0 || p.staged.attempt() == attempt));
         if mine { all.remove(&step) } else { None }
+    }
+
+    /// Drops the differences staged for `step` in `epoch` by the try `attempt` (0: by any
+    /// try); those of other tries stay for their commit.
+    fn drop_staged_parity_try(&self, step: u64, epoch: u64, attempt: u64) {
+        let mut staged = lock(&self.staged_parity);
+        if let Some(entries) = staged.get_mut(&step) {
+            entries
+                .retain(|s| !(s.epoch == epoch && (attempt == 0 || s.request.attempt == attempt)));
+            if entries.is_empty() {
+                staged.remove(&step);
+            }
+        }
     }
 
     /// Takes the differences staged for `step` in `epoch`.
@@ -214,14 +246,17 @@ impl Core {
     }
 
     /// 2PC phase 2, abort: drops what phase 1 prepared for `step` and the parity
-    /// differences staged for it. Returns the applied-step count.
-    pub(super) fn abort_step(&self, epoch: u64, step: u64) -> Result<u64, PsError> {
+    /// differences staged for it, by the try `attempt` only (0: by any try). An abort
+    /// that lands late, once the step was granted again in the same epoch, would drop the
+    /// new try's differences from a parity holder whose data servers then commit without
+    /// them: a stripe whose parity no longer encodes it. Returns the applied-step count.
+    pub(super) fn abort_step(&self, epoch: u64, step: u64, attempt: u64) -> Result<u64, PsError> {
         self.pipeline.check_epoch(epoch)?;
         let ec = self.pipeline.ec()?;
-        let dropped = ec.take_prepared(step, epoch);
-        ec.take_staged_parity(step, epoch);
+        let dropped = ec.take_prepared_try(step, epoch, attempt);
+        ec.drop_staged_parity_try(step, epoch, attempt);
         tracing::debug!(
-            "abort step {step} in epoch {epoch}: prepared here {}",
+            "abort step {step} (try {attempt:x}) in epoch {epoch}: prepared here {}",
             dropped.is_some()
         );
         // Dropping the prepared update releases the commit turn.

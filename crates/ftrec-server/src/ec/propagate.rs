@@ -47,14 +47,15 @@ impl ParityPropagator {
         out: &'a mut BTreeMap<usize, ParityUpdateRequest>,
         server: usize,
         epoch: u64,
-        step: u64,
+        staged: &StagedUpdate,
     ) -> &'a mut ParityUpdateRequest {
         out.entry(server).or_insert_with(|| ParityUpdateRequest {
             epoch,
-            step,
+            step: staged.step,
             source: self.id as u32,
             staged: self.two_phase,
             tables: Vec::new(),
+            attempt: staged.attempt(),
         })
     }
 
@@ -94,7 +95,7 @@ impl ParityPropagator {
                 },
             ) in per_holder
             {
-                self.request_to(&mut out, server, epoch, staged.step)
+                self.request_to(&mut out, server, epoch, staged)
                     .tables
                     .push(ParityDelta {
                         table: rows.table as u32,
@@ -110,7 +111,7 @@ impl ParityPropagator {
             let (stripe, position) = self.stripes.dense_stripe_of(self.id);
             for p in 0..r {
                 let holder = self.stripes.dense_parity_holder(g, stripe, p);
-                self.request_to(&mut out, holder, epoch, staged.step)
+                self.request_to(&mut out, holder, epoch, staged)
                     .tables
                     .push(ParityDelta {
                         table: DENSE_TABLE,

@@ -59,7 +59,10 @@ impl Core {
     ) -> Result<Pushed, PsError> {
         let turn = match mode {
             CommitMode::Immediate => self.pipeline.owned_turn().await,
-            CommitMode::TwoPhase => match self.turn_or_prepared(epoch, update.step).await? {
+            CommitMode::TwoPhase => match self
+                .turn_or_prepared(epoch, update.step, update.attempt)
+                .await?
+            {
                 Ok(turn) => turn,
                 Err(staged) => {
                     // A retried phase 1, or the step granted again, finds it prepared
@@ -114,6 +117,7 @@ impl Core {
         &self,
         epoch: u64,
         step: u64,
+        attempt: u64,
     ) -> Result<Result<tokio::sync::OwnedMutexGuard<()>, std::sync::Arc<StagedUpdate>>, PsError>
     {
         let ec = self.pipeline.ec()?;
@@ -121,7 +125,7 @@ impl Core {
             let changed = ec.prepared_changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if let Some(staged) = ec.prepared(step, epoch) {
+            if let Some(staged) = ec.adopt_prepared(step, epoch, attempt) {
                 return Ok(Err(staged));
             }
             // Biased, as every select on a path the simulation drives: tokio picks among

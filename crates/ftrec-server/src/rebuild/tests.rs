@@ -27,7 +27,7 @@ async fn a_rebuild_in_a_newer_epoch_is_not_held_up_by_a_step_prepared_in_an_olde
         .unwrap();
     assert!(matches!(prepared, Pushed::Prepared { .. }));
     let ec = core.pipeline.ec().unwrap();
-    assert!(ec.prepared(7, 5).is_some());
+    assert!(ec.adopt_prepared(7, 5, 0).is_some());
 
     let (progress, _replies) = tokio::sync::mpsc::channel(8);
     let request = RebuildRequest {
@@ -47,7 +47,7 @@ async fn a_rebuild_in_a_newer_epoch_is_not_held_up_by_a_step_prepared_in_an_olde
         "past the turn, the rebuild needs its survivors: {e}"
     );
     assert!(
-        ec.prepared(7, 5).is_none(),
+        ec.adopt_prepared(7, 5, 0).is_none(),
         "the old epoch's step is dropped"
     );
     // The fence is up: the old epoch prepares nothing more here.

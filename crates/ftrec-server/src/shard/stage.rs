@@ -2,6 +2,8 @@
 //! rows computed beside the old ones, nothing changed) and later *committed* (installed) or
 //! dropped. [`Shard::commit`] is the only writer of rows and the dense range.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use ftrec_model::Optimizer;
 use ftrec_rpc::PsError;
 
@@ -41,6 +43,8 @@ pub struct Update {
     pub dense: Vec<f32>,
     /// Erasure coding: the gradient of the dense range this server replicates.
     pub replica_dense: Vec<f32>,
+    /// 2PC: the try of the step (`PushRequest.attempt`; 0: not known).
+    pub attempt: u64,
 }
 
 impl Update {
@@ -54,6 +58,7 @@ impl Update {
             dense: bytes_to_f32s(&req.dense, "push dense gradient")?,
             replica_dense: bytes_to_f32s(&req.replica_dense, "push replica dense gradient")?,
             sparse: Vec::with_capacity(req.tables.len()),
+            attempt: req.attempt,
         };
         for t in &req.tables {
             in_bytes += t.rows.len() + t.grads.len();
@@ -101,9 +106,26 @@ pub struct StagedUpdate {
     replica: Option<StagedDense>,
     /// Dense ranges coded (`ec.replicate_dense = false`): the dense row's `old XOR new`.
     dense_delta: Option<Vec<u8>>,
+    /// 2PC: the try of the step this update is prepared for. A step granted again in the
+    /// same epoch finds its first try's update prepared and adopts it (a new try number,
+    /// its differences sent again under it), so an abort of the first try that lands late
+    /// no longer matches it.
+    attempt: AtomicU64,
 }
 
 impl StagedUpdate {
+    /// The try of the step this update is prepared for (0: not known).
+    pub fn attempt(&self) -> u64 {
+        self.attempt.load(Ordering::Relaxed)
+    }
+
+    /// A later try of the same step adopts this prepared update.
+    pub fn adopt(&self, attempt: u64) {
+        if attempt != 0 {
+            self.attempt.store(attempt, Ordering::Relaxed);
+        }
+    }
+
     pub fn rows_changed(&self) -> usize {
         self.rows.iter().map(|r| r.locals.len()).sum()
     }
@@ -147,6 +169,7 @@ impl Shard {
         let optimizer: Optimizer = self.global.sparse_optimizer;
         let mut staged = StagedUpdate {
             step: update.step,
+            attempt: AtomicU64::new(update.attempt),
             ..Default::default()
         };
         for (table, rows, grads) in &update.sparse {

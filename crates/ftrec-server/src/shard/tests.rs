@@ -70,6 +70,7 @@ fn update(shard: &Shard, rows: Vec<u32>, seed: f32) -> Update {
         )],
         dense: vec![0.5; shard.dense_params().len()],
         replica_dense: Vec::new(),
+        attempt: 0,
     }
 }
 

@@ -25,6 +25,7 @@ fn update(p: &UpdatePipeline, step: u64) -> Update {
         sparse: vec![(0, vec![0], vec![0.5; model().dim])],
         dense: vec![0.25; shard.dense_params().len()],
         replica_dense: Vec::new(),
+        attempt: 0,
     }
 }
 
