@@ -392,12 +392,16 @@ impl Shared {
             }
             Err(e) => {
                 if !d.failing.swap(true, Ordering::Relaxed) {
-                    tracing::warn!("writing the coordinator record: {e}; training goes on");
+                    tracing::warn!(
+                        "writing the coordinator record: {e}; training goes on while the \
+                         lease holds"
+                    );
                     self.event(
                         EventKind::Coordinator,
                         format!(
-                            "etcd does not answer ({e}): training goes on, and decisions \
-                             (recoveries, joins, pruning cuts) wait for it"
+                            "etcd does not answer ({e}): training goes on while the lease \
+                             holds and then waits, and decisions (recoveries, joins, pruning \
+                             cuts) wait for etcd"
                         ),
                     );
                 }
