@@ -53,7 +53,6 @@ pub(crate) async fn take_over(shared: Arc<Shared>, settled_through: u64) {
                 // behind it: the control loop's probe marks that server dead at once,
                 // as it does when a worker's call fails, and the next attempt leaves it out.
                 shared.lock().members.probe_requested = true;
-                shared.wake.notify_one();
                 tokio::time::sleep(RETRY).await;
             }
         }
