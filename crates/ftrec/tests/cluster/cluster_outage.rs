@@ -19,8 +19,8 @@ use ftrec_testkit::cluster::timed_events;
 
 use crate::FTREC;
 
-/// Hole 2 of issue 42, the acceptance run: etcd frozen (SIGSTOP) 12 s after launch for
-/// 60 s, and server 1 SIGKILLed by pid 4 s into the freeze, under `--ft ec` with
+/// Hole 2 of issue 42, the acceptance run: etcd frozen (SIGSTOP) for 60 s once 100 steps
+/// have settled, and server 1 SIGKILLed by pid 4 s into the freeze, under `--ft ec` with
 /// asynchronous workers and a standby coordinator. Before the fix the leader went on
 /// granting steps that the dead server lost until 64 in a row ended the job, every
 /// server gave up on the coordinator 10 s later, the launcher's new standbys exited at
@@ -40,28 +40,49 @@ fn etcd_frozen_for_a_minute_while_a_server_dies_loses_nothing() {
         .ft("ec")
         .arg("--etcd", &etcd.endpoint)
         .arg("--coordinators", 2)
+        .set("cluster.etcd_prefix=\"/ftrec/outage\"")
         .run_dir(&run_dir);
-    let launched = Instant::now();
-    let child = FTREC
+    let mut child = FTREC
         .command()
         .args(run.args())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Freeze etcd once training is under way, not at a fixed time: on a loaded CI host
+    // the launcher once had not started server 1 by the kill's fixed 16 s.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client = ftrec_testkit::etcd::client(&rt, &etcd.endpoint, "/ftrec/outage");
+    let settled = || {
+        rt.block_on(client.get_json::<Value>("state"))
+            .ok()
+            .flatten()
+            .and_then(|(r, _)| r["settled_through"].as_u64())
+    };
+    let started = Instant::now();
+    while settled() < Some(100) {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the job ended ({status}) before training was under way");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "training never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal_pid(etcd.pid(), "STOP");
+    let frozen = Instant::now();
     let at = |seconds: u64| {
-        let due = launched + Duration::from_secs(seconds);
+        let due = frozen + Duration::from_secs(seconds);
         std::thread::sleep(due.saturating_duration_since(Instant::now()));
     };
-    at(12);
-    signal_pid(etcd.pid(), "STOP");
-    at(16);
+    at(4);
     let job = run_dir.join("job.toml");
     let job = job.to_str().unwrap();
     let server_1 = pids_with_args(&["server", job, "--id", "1"]);
     assert_eq!(server_1.len(), 1, "server 1 of {job}: {server_1:?}");
     signal_pid(server_1[0], "KILL");
-    at(72);
+    at(60);
     signal_pid(etcd.pid(), "CONT");
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
