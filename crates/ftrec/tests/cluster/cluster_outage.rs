@@ -110,9 +110,9 @@ fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
     let data = FTREC.setup(dir.path());
     let etcd = ftrec_testkit::etcd::start(&dir.path().join("etcd"));
     // Long enough to outlast the failover and the 12 s wait below with steps to spare on
-    // an idle machine (about 100 steps/s; the kill comes about 17 s in): at 1500 steps the
-    // job once ended before the server was killed.
-    let steps = 3000;
+    // an idle machine (100-170 steps/s; the kill comes about 17 s in): at 1500 steps the
+    // job once ended before the server was killed, and at 3000 it had settled 2830.
+    let steps = 6000;
     let job = hand_job(
         FTREC,
         dir.path(),
