@@ -10,16 +10,18 @@
 #   tools/netns-control.sh leader-etcd-cut [--at S] [--cont S] [--steps N] [--ci]
 #       iptables DROP between the leader's namespace and etcd's, both ways, in both (the
 #       leader still reaches every member); --cont seconds later the rules go. Goals: the
-#       leader grants nothing and decides nothing once its lease is in doubt, the standby
-#       takes over (one failover), the run ends exact, the old leader says it was deposed
-#       and exits non-zero.
+#       leader decides nothing once its lease is in doubt (it may grant while every server
+#       is well: cluster.train_through_etcd_outage), the standby takes over (one
+#       failover), the run ends exact, the old leader says it was deposed and exits
+#       non-zero.
 #   tools/netns-control.sh etcd-freeze-server-kill [--at S] [--kill-after S] [--freeze S]
 #       [--steps N] [--ci]
 #       2 asynchronous workers (cluster.deterministic = false), a spare: etcd SIGSTOPped at
 #       --at, server 1 SIGKILLed by pid --kill-after seconds later, etcd SIGCONTed --freeze
 #       seconds (60) after the stop. Goals: finished, lost_samples 0, 0 parity and replica
-#       mismatches, at least one recovery, no coordinator grants or decides while frozen,
-#       at most one leader (one failover and the old leader deposed, or none).
+#       mismatches, at least one recovery, the leader declares a failure while frozen
+#       only on a port that refused a connection (the SIGKILLed server's), at most one
+#       leader (one failover and the old leader deposed, or none).
 #   tools/netns-control.sh survivor-link-down-rebuild [--at S] [--down S] [--rate B]
 #       [--steps N] [--ci]
 #       4 servers with ec.k = 2, ec.r = 2, 2 spares, the rebuild capped at --rate bytes/s

@@ -16,8 +16,9 @@ import os
 import re
 import sys
 
-# Timeline events that are a coordinator's decisions: none may come from one whose lease
-# is in doubt.
+# Timeline events that are a coordinator's decisions. One whose lease is in doubt may
+# train on (`cluster.train_through_etcd_outage`, the default), but declares a server dead
+# only on hard evidence: its port refused a connection.
 DECISIONS = {
     "failure-detected", "suspicion-confirmed", "worker-failure-detected", "recovery-start",
     "replacement", "rebuild-start", "checkpoint-start", "server-joined", "spare-joined",
@@ -83,14 +84,16 @@ def in_doubt(tl, t_train, window):
         return None
     lo, hi = (window[0] - zero) / 1000, (window[1] - zero) / 1000
     if hi <= lo:
-        return {"seconds": 0, "samples": 0, "decisions": []}
+        return {"seconds": 0, "samples": 0, "decisions": [], "declared": []}
     per_second = tl.get("samples_per_second")
     samples = None
     if per_second is not None:
         samples = sum(n for i, n in enumerate(per_second) if i >= lo and i + 1 <= hi)
-    decisions = [f"{e['kind']}@{e['t']:.1f}" for e in tl["events"]
-                 if e["kind"] in DECISIONS and lo <= e["t"] <= hi]
-    return {"seconds": round(hi - lo, 1), "samples": samples, "decisions": decisions}
+    inside = [e for e in tl["events"] if lo <= e["t"] <= hi]
+    decisions = [f"{e['kind']}@{e['t']:.1f}" for e in inside if e["kind"] in DECISIONS]
+    declared = [e["detail"] for e in inside if e["kind"] == "failure-detected"]
+    return {"seconds": round(hi - lo, 1), "samples": samples, "decisions": decisions,
+            "declared": declared}
 
 
 def notes(run):
@@ -185,23 +188,33 @@ def goals(r):
     exact = (r["exact"] is True, f"digest {r['state_digest']} is not ftrec train's")
     doubt = r.get("in_doubt") or {}
 
-    def quiet(name):
+    def undecided(name):
+        # In doubt, a leader trains on while every server is well; with nobody dead it
+        # has nothing to decide.
         d = doubt.get(name)
         if d is None:
             return (False, f"{name}: its timeline could not be placed (no training-start?)")
-        return (not d["samples"] and not d["decisions"],
-                f"{name} acted while its lease was in doubt ({d['seconds']} s): "
-                f"{d['samples']} samples, decisions {d['decisions']}")
+        return (not d["decisions"],
+                f"{name} decided while its lease was in doubt ({d['seconds']} s): "
+                f"decisions {d['decisions']}")
+
+    def on_hard_evidence(name):
+        # Every failure it declared in doubt was a port that refused a connection.
+        d = doubt.get(name)
+        if d is None:
+            return (False, f"{name}: its timeline could not be placed (no training-start?)")
+        soft = [e for e in d["declared"] if "refused" not in e]
+        return (not soft, f"{name} declared a failure in doubt on silence alone: {soft}")
 
     def old_leader_deposed():
         return [(r["leader_deposed"], "the old leader did not say it was deposed"),
                 (r["leader_exit"] not in (None, 0), f"the old leader's exit: {r['leader_exit']}")]
 
     if s == "leader-etcd-cut":
-        return (f"the leader cut off from etcd only ({r.get('cut_seconds')} s): it stopped "
-                f"granting, the standby took over ({r['failover_seconds']} s), the run exact, "
+        return (f"the leader cut off from etcd only ({r.get('cut_seconds')} s): it decided "
+                f"nothing in doubt, the standby took over ({r['failover_seconds']} s), the run exact, "
                 "the old leader deposed",
-                common + [exact, quiet("leader"),
+                common + [exact, undecided("leader"),
                           (r["failovers"] == 1, f"{r['failovers']} failovers"),
                           (r["reported_by"] == "standby", f"reported by {r['reported_by']}"),
                           (r["standby_samples_after_takeover"] > 0,
@@ -218,7 +231,7 @@ def goals(r):
                 f"SIGKILLed {r.get('kill_after_freeze')} s in, asynchronous workers: finished, "
                 f"nothing lost, parity verifies, {r['recoveries']} recoveries, "
                 f"{r['failovers']} failovers",
-                common + [quiet("leader"),
+                common + [on_hard_evidence("leader"),
                           ((r["recoveries"] or 0) >= 1, f"{r['recoveries']} recoveries"),
                           (one_leader, f"{r['failovers']} failovers, reported by "
                            f"{r['reported_by']}, old leader deposed {r['leader_deposed']} "

@@ -132,6 +132,14 @@ pub struct ClusterSection {
     /// waits until etcd records the job's end or an operator stops it.
     #[serde(default = "default_control_plane_grace_s")]
     pub control_plane_grace_s: u64,
+    /// With etcd membership, in `ec` and `ec+checkpoint` under 2PC: a leader whose lease
+    /// is in doubt because etcd does not answer (a quorum loss) goes on granting steps
+    /// while every server is well, and declares a server dead and rebuilds it when its
+    /// port refuses a connection (no process listens: hard evidence), without a record;
+    /// the servers' epoch fences keep a newer leader's view safe, and a newer leader finds
+    /// the dead server again. `false`: training waits for etcd (no decision, no grant).
+    #[serde(default = "yes")]
+    pub train_through_etcd_outage: bool,
     /// A lost server slot that waits this long with no replacement (no spare, no
     /// `ftrec server --id N`, and a coordinator without `--spawn`) gets one on a survivor's
     /// host: the coordinator asks a live server to start a spare beside itself, and the
@@ -423,6 +431,7 @@ impl Default for ClusterSection {
             etcd_lease_ttl_s: default_lease_ttl_s(),
             etcd_flush_ms: default_flush_ms(),
             control_plane_grace_s: default_control_plane_grace_s(),
+            train_through_etcd_outage: true,
             survivor_spare_after_s: default_survivor_spare_after_s(),
             survivor_spares: true,
             server_memory_bytes: 0,

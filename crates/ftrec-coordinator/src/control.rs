@@ -45,6 +45,8 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
             // lease learns it was deposed before it could fence live members.
             if shared.may_decide() {
                 detect_failures(&shared, &mut s);
+            } else if shared.acts_through_outage() {
+                detect_refused_servers(&shared, &mut s);
             }
             if s.busy { None } else { plan(&shared, &mut s) }
         };
@@ -145,6 +147,26 @@ fn detect_failures(shared: &Shared, s: &mut State) {
         }
     }
     restart_early_exits(shared, s);
+}
+
+/// A leader acting through an etcd outage declares dead only a server whose port refused
+/// a connection: no process listens there, whoever leads. Silence is no such evidence (a
+/// frozen server, or this coordinator's own links): it waits for etcd.
+fn detect_refused_servers(shared: &Shared, s: &mut State) {
+    if s.phase == Phase::Done || s.scaling.joining {
+        return;
+    }
+    for id in 0..s.members.servers.len() {
+        let m = &s.members.servers[id];
+        if m.joined && m.alive && m.refused {
+            let why = format!(
+                "its port refused a connection after a call to it failed (silent for {:?}), \
+                 while etcd does not answer: declared on that evidence, without a record",
+                m.silent_for()
+            );
+            server_failed(shared, s, id, &why);
+        }
+    }
 }
 
 /// With embedded membership no standby can take over from a coordinator cut off from

@@ -321,25 +321,30 @@ impl Shared {
                 ..wait(epoch, version)
             };
         }
-        // A leader whose lease may have expired grants nothing: another may lead now, and
-        // while etcd does not answer this one cannot declare a dead member dead, so a step
-        // granted then is a step lost to it (64 in a row ended the job: issue 42, hole 2).
+        // A leader whose lease may have expired grants only while the job is healthy, and
+        // only where the servers' fences make that safe (`grants_through_outage`): another
+        // may lead now, and a step granted to a server that dies is lost until this one
+        // can declare it (64 in a row ended the job: issue 42, hole 2).
+        let decides = self.testing.grant_without_lease_check || self.may_decide();
         let granting = matches!(s.phase, Phase::Running | Phase::Checkpointing)
-            && (self.testing.grant_without_lease_check || self.may_decide());
+            && (decides || self.grants_through_outage(s));
         if !granting || s.recovery.suspecting(Instant::now()) {
             return wait(epoch, version);
         }
         // A move to another server count takes its cut at this boundary when it may, and
-        // holds fresh steps back from then until its switch.
-        if s.phase == Phase::Running
+        // holds fresh steps back from then until its switch. Neither starts while etcd
+        // does not answer: both end in decisions only etcd can record.
+        if decides
+            && s.phase == Phase::Running
             && s.scaling.pending.is_none()
             && let Some(to) = s.scaling.scheduled_due(s.steps.ledger.next_step())
             && let Err(e) = scale::ask(self, s, to)
         {
             s.timeline.event(EventKind::Error, e.to_string());
         }
-        let held = s.phase == Phase::Running && scale::take_cut(s);
-        if s.phase == Phase::Running
+        let held = decides && s.phase == Phase::Running && scale::take_cut(s);
+        if decides
+            && s.phase == Phase::Running
             && !held
             && let Some(due) = self.cut_due(s)
         {
@@ -385,8 +390,11 @@ impl Shared {
         }
         // A background rebuild finishes before the run ends, so the model gathered and
         // its parity verified are whole, and the report has the rebuild's figures.
-        // So does the final cut: the end of the job is kept.
-        if s.steps.ledger.done()
+        // So does the final cut: the end of the job is kept. The end is a decision: with
+        // the lease in doubt the workers wait (told to stop then, they had exited, and
+        // the leader that took over when etcd returned had no worker to end the job).
+        if decides
+            && s.steps.ledger.done()
             && s.recovery.rebuilding.is_empty()
             && !self.final_cut_outstanding(s)
         {

@@ -60,6 +60,8 @@ impl Coordinator for Service {
                         member,
                         assigned: None,
                         hosted_by,
+                        unheard: false,
+                        claims: None,
                     });
                     let on = hosted_by.map_or(String::new(), |j| format!(" on server {j}'s host"));
                     s.timeline.event(
@@ -154,8 +156,23 @@ impl Coordinator for Service {
             }
         };
         // etcd membership: a join is recorded before it is answered, so a new leader
-        // knows the member's incarnation and does not fence it as a stranger.
-        shared.sync_durable().await?;
+        // knows the member's incarnation and does not fence it as a stranger. Through an
+        // etcd outage it is answered unrecorded: a newer leader fences the newcomer as a
+        // stranger and recovers its slot again, which costs a rebuild and loses nothing.
+        if let Err(e) = shared.sync_durable().await {
+            if !shared.acts_through_outage() {
+                return Err(e.into());
+            }
+            shared.event(
+                EventKind::Coordinator,
+                format!(
+                    "etcd does not answer ({e}): {:?} {} joins without a record \
+                     (cluster.train_through_etcd_outage)",
+                    req.role(),
+                    req.id
+                ),
+            );
+        }
         Ok(Response::new(reply))
     }
 
@@ -183,11 +200,15 @@ impl Coordinator for Service {
                 ..Default::default()
             }));
         }
+        if req.role() == Role::Server && !req.spare {
+            crate::leader::spare_claims::claim_of_an_unrecorded_spare(&mut s, id, req.incarnation)?;
+        }
         let member = match (req.role(), req.spare) {
             (Role::Server, true) => {
                 let Some(spare) = s.members.spares.iter_mut().find(|sp| sp.token == req.id) else {
                     return Err(Status::not_found("unknown spare"));
                 };
+                spare.unheard = false;
                 assign = spare.assigned.map(|a| a as u32);
                 &mut spare.member
             }

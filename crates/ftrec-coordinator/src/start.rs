@@ -70,6 +70,40 @@ impl Handle {
         }
     }
 
+    /// Waits until etcd records that the job ended (a no-op with embedded membership),
+    /// before the members are told to stop: a job that trained its last step through an
+    /// etcd outage, told its servers to stop and exited, left a record of a running job
+    /// whose servers were gone, and the leader after it failed the job (`bench soak`'s
+    /// quorum loss). An outage is waited out; a newer leader (this one deposed) is an
+    /// error, and the members are left to it.
+    pub async fn record_end(&self) -> Result<(), PsError> {
+        if self.shared.durable.is_none() {
+            return Ok(());
+        }
+        let started = tokio::time::Instant::now();
+        let mut next_report = Duration::ZERO;
+        loop {
+            match self.shared.sync_durable().await {
+                Ok(()) => return Ok(()),
+                Err(e @ PsError::Membership(ftrec_etcd::EtcdError::Deposed(_))) => return Err(e),
+                Err(e) => {
+                    let waited = started.elapsed();
+                    if waited >= next_report {
+                        next_report = waited + Duration::from_secs(60);
+                        tracing::warn!(
+                            "the job's end waits for etcd to record it ({e}; {:.0} s so far)",
+                            waited.as_secs_f64()
+                        );
+                    }
+                    if !self.shared.leading() {
+                        return Err(e);
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+
     /// Ends a finished run's leadership: the record says the job is done, and the lease
     /// is given back so a standby learns it at once (and exits) instead of waiting out
     /// the TTL. A no-op with embedded membership.

@@ -76,6 +76,10 @@ pub struct Grant {
     /// simulated instant, whatever its knobs hold back: a paused etcd expires the lease
     /// only once it resumes, but a grant after the deadline was covered by nothing).
     pub held_lease: bool,
+    /// Whether etcd named another coordinator the leader then, under a live lease: a
+    /// grant beside a leader that is surely alive, which no mode allows (a leader acting
+    /// through an etcd outage grants while etcd names nobody it can reach).
+    pub beside_leader: bool,
 }
 
 /// What a control-plane run ended with.
@@ -145,12 +149,14 @@ async fn coordinate(c: Coordinators, index: usize, host: String, standby: bool) 
     let hooks = TestHooks {
         grant_without_lease_check: c.plant,
         on_grant: Some(Arc::new(move |epoch, step| {
-            let held_lease = leased_leader(&etcd, &key).is_some_and(|l| l == me);
+            let leased = leased_leader(&etcd, &key);
+            let held_lease = leased.as_ref().is_some_and(|l| *l == me);
             locked(&grants).push(Grant {
                 coordinator: index,
                 epoch,
                 step,
                 held_lease,
+                beside_leader: leased.is_some() && !held_lease,
             });
         })),
     };

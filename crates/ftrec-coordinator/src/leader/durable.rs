@@ -336,6 +336,47 @@ impl Shared {
         self.leading() && self.durable.as_ref().is_none_or(|d| d.leadership.valid())
     }
 
+    /// Whether this leader acts through an etcd outage: its lease is in doubt (etcd has
+    /// not answered a renewal within the TTL, and has not said the lease is gone), and
+    /// `cluster.train_through_etcd_outage` lets an erasure-coded job under 2PC go on. No
+    /// lease covers what it does then, so the servers' fences keep it safe: every epoch of
+    /// a newer leader is above this one's, a server fenced by it commits nothing of this
+    /// one's, and a step this one granted that some server applied is an orphan of the
+    /// newer leader's takeover like any step of a leader that died in flight. What this
+    /// one decides without a record (a server declared dead on hard evidence, a spare
+    /// given its slot, the rebuild) a newer leader finds again from the servers: the dead
+    /// port refuses its fence too, and the recovery runs again in its epoch.
+    pub(crate) fn acts_through_outage(&self) -> bool {
+        self.may_act_unrecorded() && !self.may_decide()
+    }
+
+    /// Whether a decision that etcd does not record in time may go on unrecorded: a
+    /// leader, with `cluster.train_through_etcd_outage` in an erasure-coded job under
+    /// 2PC, whether its lease is still sure or already in doubt ([`acts_through_outage`]
+    /// says why that is safe).
+    pub(crate) fn may_act_unrecorded(&self) -> bool {
+        self.durable.is_some()
+            && self.job.config.cluster.train_through_etcd_outage
+            && self.job.config.two_phase_commit()
+            && self.leading()
+    }
+
+    /// Whether a leader whose lease is in doubt grants steps now: only while it acts
+    /// through the outage, training runs, and every server is well (heard within the
+    /// failure timeout, none refused). A server that falls silent then cannot be declared
+    /// dead without etcd (a freeze is not hard evidence), so grants stop until etcd
+    /// answers rather than lose step after step to it.
+    pub(crate) fn grants_through_outage(&self, s: &crate::state::State) -> bool {
+        let timeout = Duration::from_millis(self.job.config.cluster.failure_timeout_ms);
+        self.acts_through_outage()
+            && s.phase == crate::state::Phase::Running
+            && s.recovery.failed.is_empty()
+            && s.members
+                .servers
+                .iter()
+                .all(|m| m.alive && m.ready && !m.refused && m.silent_for() < timeout)
+    }
+
     /// When this coordinator last reached etcd (an answered lease renewal); `None` with
     /// embedded membership.
     pub(crate) fn etcd_reached_at(&self) -> Option<Instant> {

@@ -31,6 +31,11 @@ pub(crate) fn first_epoch(term: u64) -> u64 {
     (term << 20) + 1
 }
 
+/// How long a new leader gives the record's free spares to say which slot, if any, they
+/// serve by its predecessor's unrecorded assignment: members follow the leader key every
+/// 200 ms, and beat at once when it changes.
+const CLAIMS_WAIT: Duration = Duration::from_millis(1500);
+
 /// How long to wait before trying again when a server did not answer.
 const RETRY: Duration = Duration::from_millis(300);
 
@@ -331,6 +336,10 @@ pub(crate) fn restore(
             ),
             assigned: sp.assigned,
             hosted_by: sp.hosted_by,
+            // A free spare of the record may hold a slot the old leader gave it through
+            // an etcd outage, unrecorded: it says so in its first heartbeat.
+            unheard: sp.assigned.is_none(),
+            claims: None,
         })
         .collect();
     // The members learn of the new leader from etcd while their calls to the old one (which
@@ -349,6 +358,7 @@ pub(crate) fn restore(
     let grace_until = tokio::time::Instant::now() + d.leadership.ttl() + member_read;
     // The record's members, spares included, are forgiven.
     s.members.forgive_silence(grace_until);
+    s.members.claims_until = Some(tokio::time::Instant::now() + CLAIMS_WAIT);
     s.members.next_token = record.next_token;
     s.steps.samples = record.samples_settled;
     s.steps.lost_samples = record.lost_samples;

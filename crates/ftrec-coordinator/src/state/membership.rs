@@ -59,6 +59,13 @@ pub(crate) struct Spare {
     /// Started by this live server on its host while a lost slot waited
     /// (`JoinRequest.hosted_by`): its slot moves to a spare from elsewhere once one joins.
     pub(crate) hosted_by: Option<usize>,
+    /// A record's free spare, not heard from since this leader took over: an earlier
+    /// leader may have given it a slot without a record (through an etcd outage), so it
+    /// gets none until it says which, if any, it serves.
+    pub(crate) unheard: bool,
+    /// The slot it serves by an earlier leader's unrecorded assignment, as its heartbeat
+    /// says: it gets that slot back, and no other.
+    pub(crate) claims: Option<usize>,
 }
 
 /// Lost steps in a row, each because its worker could not reach the same server, after
@@ -91,6 +98,11 @@ pub(crate) struct Membership {
     pub(crate) early_exits: BTreeMap<(Role, usize), u32>,
     /// Spares asked of survivors' hosts for a lost slot with no replacement.
     pub(crate) hosting: super::Hosting,
+    /// After a takeover: until then no spare is given a slot while a record's free spare
+    /// is unheard, but one that claims that slot. It may serve a slot by the old leader's
+    /// unrecorded assignment, and a fresh spare given that slot first crossed them (a
+    /// soak's quorum loss: the claimer fenced, a worker's calls to the slot lost for 7 s).
+    pub(crate) claims_until: Option<Instant>,
 }
 
 impl Membership {
@@ -108,6 +120,7 @@ impl Membership {
             early_exits: BTreeMap::new(),
             probe_requested: false,
             hosting: super::Hosting::default(),
+            claims_until: None,
         }
     }
 
@@ -152,13 +165,29 @@ impl Membership {
     /// becomes the spare's process, not ready (it has no shard yet) and with a fresh
     /// failure timeout from `now`. Returns the spare's token and address.
     pub(crate) fn assign_spare(&mut self, id: usize, now: Instant) -> Option<(u32, String)> {
-        // A spare on a host of its own first: one on a survivor's host doubles that
-        // host's load and its loss costs two shards.
-        let free = |sp: &Spare| sp.assigned.is_none() && sp.member.alive;
-        let first_free = self
+        // A spare that serves this slot by an earlier leader's unrecorded assignment gets
+        // it back; one that serves another slot, or has not said, gets none (for
+        // `claims_until` after a takeover, no spare does while one has not said). Then a
+        // spare on a host of its own: one on a survivor's host doubles that host's load
+        // and its loss costs two shards.
+        let free = |sp: &Spare| {
+            sp.assigned.is_none() && sp.member.alive && !sp.unheard && sp.claims.is_none()
+        };
+        let claimer = self
             .spares
             .iter()
-            .position(|sp| free(sp) && sp.hosted_by.is_none())
+            .position(|sp| sp.assigned.is_none() && sp.member.alive && sp.claims == Some(id));
+        let awaiting_claims = self.claims_until.is_some_and(|t| now < t)
+            && self.spares.iter().any(|sp| sp.unheard && sp.member.alive);
+        if claimer.is_none() && awaiting_claims {
+            return None;
+        }
+        let first_free = claimer
+            .or_else(|| {
+                self.spares
+                    .iter()
+                    .position(|sp| free(sp) && sp.hosted_by.is_none())
+            })
             .or_else(|| self.spares.iter().position(free))?;
         let spare = &mut self.spares[first_free];
         spare.assigned = Some(id);
@@ -373,6 +402,8 @@ mod tests {
                 },
                 assigned: None,
                 hosted_by: None,
+                unheard: false,
+                claims: None,
             });
         }
         m

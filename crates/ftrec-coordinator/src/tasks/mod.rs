@@ -7,15 +7,22 @@ mod cuts;
 mod own_saves;
 mod resolve;
 
+use std::time::Duration;
+
 use tokio::time::Instant;
 
 use crate::Shared;
 use crate::planner::RecoveryAction;
 use ftrec_proto::timeline::EventKind;
+use ftrec_rpc::PsError;
 
 use cuts::{checkpoint, confirm_cut};
 use own_saves::own_saves;
 use resolve::resolve;
+
+/// How long a recovery that may go on unrecorded waits for etcd to record its epoch: a
+/// write that etcd serves takes milliseconds.
+const UNRECORDED_AFTER: Duration = Duration::from_secs(1);
 
 /// Work the control loop decided on under the lock and runs after releasing it.
 pub(super) enum Task {
@@ -90,10 +97,41 @@ pub(super) async fn run_task(shared: &std::sync::Arc<Shared>, task: Task) {
         Task::Recover { epoch, action } => {
             // etcd membership: the new epoch is recorded before any server adopts it, so
             // a leader elected after this one never reuses it or forgets the recovery.
-            if let Err(e) = shared.sync_durable().await {
-                tracing::warn!("recovery of epoch {epoch} waits for etcd: {e}");
-                shared.lock().recovery.retry_soon(Instant::now());
-                return;
+            // Through an etcd outage, a recovery that rolls nothing back (the survivors
+            // keep their state, a replacement rebuilds from parity) goes on unrecorded
+            // once etcd has not answered for `UNRECORDED_AFTER`: a newer leader's epochs
+            // are above it, and it finds the dead server again. Waiting out the whole
+            // etcd request timeout, and then the lease, cost a quorum loss 6 s.
+            let unrecorded = shared.may_act_unrecorded()
+                && matches!(
+                    action,
+                    RecoveryAction::Rebuild { .. } | RecoveryAction::KeepState { .. }
+                );
+            let synced = if unrecorded {
+                tokio::time::timeout(UNRECORDED_AFTER, shared.sync_durable())
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(PsError::Unavailable(format!(
+                            "no answer within {UNRECORDED_AFTER:?}"
+                        )))
+                    })
+            } else {
+                shared.sync_durable().await
+            };
+            if let Err(e) = synced {
+                if !unrecorded
+                    || matches!(e, PsError::Membership(ftrec_etcd::EtcdError::Deposed(_)))
+                {
+                    tracing::warn!("recovery of epoch {epoch} waits for etcd: {e}");
+                    shared.lock().recovery.retry_soon(Instant::now());
+                    return;
+                }
+                let text = format!(
+                    "etcd does not answer ({e}): the recovery of epoch {epoch} goes on \
+                     without a record (cluster.train_through_etcd_outage)"
+                );
+                tracing::warn!("{text}");
+                shared.event(EventKind::Coordinator, text);
             }
             crate::recovery::recover(shared, clients, epoch, action).await
         }

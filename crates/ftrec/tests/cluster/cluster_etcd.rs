@@ -472,7 +472,7 @@ fn an_unreachable_etcd_another_jobs_prefix_and_a_changed_job_file_are_refused() 
 }
 
 #[test]
-fn training_pauses_while_etcd_is_frozen_and_nothing_is_lost_when_it_returns() {
+fn training_goes_on_while_etcd_is_frozen_and_nothing_is_lost_when_it_returns() {
     let dir = tempfile::tempdir().unwrap();
     let data = FTREC.setup(dir.path());
     let etcd = etcd(dir.path());
@@ -545,10 +545,11 @@ fn training_pauses_while_etcd_is_frozen_and_nothing_is_lost_when_it_returns() {
     assert_eq!(report["lost_samples"], 0);
     assert_eq!(report["parity_mismatches"], 0);
     // The first leader's own record of its throughput: it trained on while its lease was
-    // surely its own, and granted nothing once it could not be (its first write to fail
-    // came a request timeout into the freeze, about one TTL, when the lease's last renewal
-    // was over a TTL old): a step granted then to a server that died could not be
-    // resolved, and such steps ended the job while etcd was down (issue 42, hole 2).
+    // surely its own, and on past it (`cluster.train_through_etcd_outage`, the default:
+    // every server well, nothing to decide) once its first write failed, a request timeout
+    // into the freeze. Before, it granted nothing then, and the freeze cost its length.
+    // (A job that waits for etcd grants nothing with its lease in doubt: the control-plane
+    // simulation's `a_leader_trains_through_an_etcd_outage_while_its_servers_are_well`.)
     let timeline: Value = serde_json::from_slice(
         &std::fs::read(run_dir.join("coordinator-0").join("timeline.json")).unwrap(),
     )
@@ -573,10 +574,9 @@ fn training_pauses_while_etcd_is_frozen_and_nothing_is_lost_when_it_returns() {
         .collect();
     let first = failed_at.ceil() as usize;
     let during: u64 = per_second.iter().skip(first).take(2).sum();
-    assert_eq!(
-        during,
-        0,
-        "steps settled in seconds {first}..{} of {per_second:?}, past the lease",
+    assert!(
+        during > 0,
+        "no step settled in seconds {first}..{} of {per_second:?}, past the lease",
         first + 2
     );
     // A single etcd member frozen past the TTL expires the lease when it returns (etcd

@@ -112,6 +112,7 @@ pub fn coordinator(a: CoordinatorArgs) -> Result<()> {
             launch::final_report(&job, &shared, Vec::new(), None, &a.out, a.save.as_deref())
                 .await?;
         shared.timeline().write(&a.out)?;
+        handle.record_end().await?;
         shared.stop();
         // Let the heartbeats carry `stop` to every server before exiting.
         tokio::time::sleep(Duration::from_millis(job.config.cluster.heartbeat_ms * 5)).await;
