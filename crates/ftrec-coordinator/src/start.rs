@@ -85,7 +85,6 @@ impl Handle {
         loop {
             match self.shared.sync_durable().await {
                 Ok(()) => return Ok(()),
-                Err(e @ PsError::Membership(ftrec_etcd::EtcdError::Deposed(_))) => return Err(e),
                 Err(e) => {
                     let waited = started.elapsed();
                     if waited >= next_report {
@@ -95,6 +94,8 @@ impl Handle {
                             waited.as_secs_f64()
                         );
                     }
+                    // Deposed (`sync_durable` says so to `leading`): the members are
+                    // the new leader's.
                     if !self.shared.leading() {
                         return Err(e);
                     }

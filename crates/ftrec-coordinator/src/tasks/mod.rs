@@ -119,9 +119,8 @@ pub(super) async fn run_task(shared: &std::sync::Arc<Shared>, task: Task) {
                 shared.sync_durable().await
             };
             if let Err(e) = synced {
-                if !unrecorded
-                    || matches!(e, PsError::Membership(ftrec_etcd::EtcdError::Deposed(_)))
-                {
+                // A refused write deposes this leader (`sync_durable`): it decides nothing.
+                if !unrecorded || !shared.leading() {
                     tracing::warn!("recovery of epoch {epoch} waits for etcd: {e}");
                     shared.lock().recovery.retry_soon(Instant::now());
                     return;

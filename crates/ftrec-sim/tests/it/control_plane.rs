@@ -99,6 +99,19 @@ fn simulate(
     (outcome, violations)
 }
 
+/// etcd paused at 0.4 s for `lasting`, with `member` crashed at its moment, and nothing
+/// else: synchronous workers, no cuts.
+fn etcd_paused(lasting: Duration, member: Option<(Duration, Member)>) -> ControlSchedule {
+    ControlSchedule {
+        control: Some((
+            Duration::from_millis(400),
+            ControlFault::EtcdPause { lasting },
+        )),
+        member,
+        ..ControlSchedule::default()
+    }
+}
+
 fn fails_with_seeds(
     test: &str,
     runs: impl IntoIterator<Item = (u64, ControlSchedule)>,
@@ -171,20 +184,10 @@ fn the_standby_takes_over_a_leader_killed_mid_run_and_the_run_ends_exact() {
 #[test]
 fn etcd_paused_for_a_minute_while_a_server_crashes_ends_exact() {
     ftrec_sim::logs_from_env();
-    let schedule = ControlSchedule {
-        control: Some((
-            Duration::from_millis(400),
-            ControlFault::EtcdPause {
-                lasting: Duration::from_secs(60),
-            },
-        )),
-        member: Some((Duration::from_millis(800), Member::Server(1))),
-        asynchronous: false,
-        checkpoints: false,
-        worker_kill: None,
-        coordinator_kill: None,
-        ..Default::default()
-    };
+    let schedule = etcd_paused(
+        Duration::from_secs(60),
+        Some((Duration::from_millis(800), Member::Server(1))),
+    );
     let failures = fails_with_seeds(
         "etcd_paused_for_a_minute_while_a_server_crashes_ends_exact",
         seeds(1).into_iter().map(|s| (s, schedule)),
@@ -205,16 +208,10 @@ fn etcd_paused_for_a_minute_while_a_server_crashes_ends_exact() {
 fn a_leader_trains_through_an_etcd_outage_while_its_servers_are_well() {
     ftrec_sim::logs_from_env();
     const LONG: u64 = 250;
-    let schedule = ControlSchedule {
-        control: Some((
-            Duration::from_millis(400),
-            ControlFault::EtcdPause {
-                lasting: Duration::from_secs(60),
-            },
-        )),
-        member: Some((Duration::from_millis(2_500), Member::Server(1))),
-        ..ControlSchedule::default()
-    };
+    let schedule = etcd_paused(
+        Duration::from_secs(60),
+        Some((Duration::from_millis(2_500), Member::Server(1))),
+    );
     for seed in seeds(2) {
         let (outcome, violations) = simulate(seed, schedule, false, LONG, Outage::TrainThrough);
         assert!(
@@ -302,20 +299,7 @@ fn seeded_control_plane_schedules_keep_their_promises() {
 fn a_leader_that_grants_without_its_lease_is_caught() {
     ftrec_sim::logs_from_env();
     const LONG: u64 = 250;
-    let schedule = ControlSchedule {
-        control: Some((
-            Duration::from_millis(400),
-            ControlFault::EtcdPause {
-                lasting: Duration::from_secs(4),
-            },
-        )),
-        member: None,
-        asynchronous: false,
-        checkpoints: false,
-        worker_kill: None,
-        coordinator_kill: None,
-        ..Default::default()
-    };
+    let schedule = etcd_paused(Duration::from_secs(4), None);
     let unleased = |v: &[Violation]| {
         v.iter().any(|v| {
             matches!(
