@@ -157,13 +157,8 @@ fn detect_refused_servers(shared: &Shared, s: &mut State) {
         return;
     }
     for id in 0..s.members.servers.len() {
-        let m = &s.members.servers[id];
-        if m.joined && m.alive && m.refused {
-            let why = format!(
-                "its port refused a connection after a call to it failed (silent for {:?}), \
-                 while etcd does not answer: declared on that evidence, without a record",
-                m.silent_for()
-            );
+        if let Some(why) = s.members.server_refused(id) {
+            let why = format!("{why}, while etcd does not answer: declared on that evidence");
             server_failed(shared, s, id, &why);
         }
     }

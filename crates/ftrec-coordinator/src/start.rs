@@ -80,18 +80,14 @@ impl Handle {
         if self.shared.durable.is_none() {
             return Ok(());
         }
-        let started = tokio::time::Instant::now();
-        let mut next_report = Duration::ZERO;
+        let mut clock = crate::leader::OutageClock::start();
         loop {
             match self.shared.sync_durable().await {
                 Ok(()) => return Ok(()),
                 Err(e) => {
-                    let waited = started.elapsed();
-                    if waited >= next_report {
-                        next_report = waited + Duration::from_secs(60);
+                    if let Some(waited) = clock.report_due() {
                         tracing::warn!(
-                            "the job's end waits for etcd to record it ({e}; {:.0} s so far)",
-                            waited.as_secs_f64()
+                            "the job's end waits for etcd to record it ({e}; {waited:.0} s so far)"
                         );
                     }
                     // Deposed (`sync_durable` says so to `leading`): the members are

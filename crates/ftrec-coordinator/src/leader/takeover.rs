@@ -190,9 +190,6 @@ fn range(replies: &[AppliedReply], settled_through: u64) -> (u64, u64) {
     (from, end)
 }
 
-/// How often a standby that waits for etcd says so.
-const OUTAGE_REPORT: Duration = Duration::from_secs(60);
-
 /// Whether `e` says etcd did not answer (down, frozen, cut off), not that it refused.
 fn etcd_outage(e: &PsError) -> bool {
     use ftrec_etcd::EtcdError::{Request, Timeout, Unreachable};
@@ -217,18 +214,14 @@ pub(crate) async fn elect(
     standby: bool,
     id: &str,
 ) -> Result<(durable::Durable, Option<durable::Record>), PsError> {
-    let started = tokio::time::Instant::now();
-    let mut next_report = Duration::ZERO;
+    let mut clock = super::OutageClock::start();
     loop {
         match elect_once(job, etcd, address, standby, id).await {
             Err(e) if standby && etcd_outage(&e) => {
-                let waited = started.elapsed();
-                if waited >= next_report {
-                    next_report = waited + OUTAGE_REPORT;
+                if let Some(waited) = clock.report_due() {
                     tracing::warn!(
                         "standby coordinator {id}: etcd does not answer ({e}); waiting for it \
-                         ({:.0} s so far)",
-                        waited.as_secs_f64()
+                         ({waited:.0} s so far)"
                     );
                 }
                 tokio::time::sleep(Duration::from_secs(1)).await;

@@ -275,12 +275,18 @@ impl Membership {
         Some(if let Some(why) = &m.cut_off {
             why.clone()
         } else if m.refused {
-            format!(
-                "its port refused a connection after a call to it failed (silent for {silent:?})"
-            )
+            refused_port(silent)
         } else {
             format!("silent for {silent:?}")
         })
+    }
+
+    /// Why server `id` is dead on hard evidence alone, its port refusing a connection (no
+    /// process listens there, whoever leads), or None: what a leader whose lease is in
+    /// doubt may still act on, where silence may be its own partition.
+    pub(crate) fn server_refused(&self, id: usize) -> Option<String> {
+        let m = self.servers.get(id)?;
+        (m.joined && m.alive && m.refused).then(|| refused_port(m.silent_for()))
     }
 
     /// Worker `worker` lost a step because it could not reach `server`: after
@@ -372,6 +378,10 @@ impl Membership {
     pub(crate) fn servers_ready(&self) -> bool {
         self.servers.iter().all(|m| m.alive && m.ready)
     }
+}
+
+fn refused_port(silent: Duration) -> String {
+    format!("its port refused a connection after a call to it failed (silent for {silent:?})")
 }
 
 #[cfg(test)]
