@@ -351,8 +351,9 @@ fn concurrent_mergers_and_gc_take_turns_and_lose_nothing() {
             "a merger exited during the gc"
         );
     }
-    gc_ran += 1;
-    assert!(gc_ran > 0 && gc_ran + gc_refused > 1);
+    // The waited gc above is the deterministic proof that gc runs beside live mergers;
+    // the loop's tries only show how often a gc finds the lease free on this host.
+    assert!(gc_ran + gc_refused > 0, "no gc was tried in 3 s");
     for mut m in mergers {
         let _ = m.kill();
         let out = m.wait_with_output().unwrap();
