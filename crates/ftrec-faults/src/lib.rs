@@ -13,7 +13,8 @@
 //! `flip` (the code at the point corrupts one bit of what it writes, as bad RAM would:
 //! silent corruption for the parity checks to find), or `delay-MS`: the member stalls
 //! there for MS milliseconds, as a slow disk, a long pause or a congested link would stall
-//! it (the windows of 2PC that only a slow member opens).
+//! it (the windows of 2PC that only a slow member opens). Each point takes only the
+//! actions its code implements ([`points::actions`]); a spec naming another is refused.
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -94,6 +95,19 @@ pub mod points {
         TAKEOVER,
         CUT_COMMITTED,
     ];
+
+    /// The actions the code at `point` takes: a spec asking a point for another is
+    /// refused when it is parsed, not armed to fire never (a test that "holds step N" at a
+    /// point that never stalls would pass or fail by luck).
+    pub fn actions(point: &str) -> &'static [&'static str] {
+        match point {
+            PREPARE | COMMIT => &["kill", "delay-MS"],
+            FOLD_PARITY => &["skip", "flip"],
+            INSTALL => &["flip", "delay-MS"],
+            SEND_ROWS => &["delay-MS"],
+            _ => &["kill"],
+        }
+    }
 }
 
 /// What an armed point does when it fires.
@@ -146,6 +160,13 @@ pub enum FaultError {
     BadStep { spec: String, step: String },
     #[error("fault spec {spec:?}: unknown action {action:?} (kill, skip, flip or delay-MS)")]
     BadAction { spec: String, action: String },
+    #[error("fault spec {spec:?}: the point {point:?} never does {action:?} (it does: {does})")]
+    UnsupportedAction {
+        spec: String,
+        point: String,
+        action: String,
+        does: String,
+    },
 }
 
 impl FaultSpec {
@@ -191,6 +212,19 @@ impl FaultSpec {
                 spec: spec.into(),
                 point: point.into(),
                 known: points::ALL.join(", "),
+            });
+        }
+        let does = points::actions(point);
+        let kind = match action {
+            FaultAction::Delay { .. } => "delay-MS".to_string(),
+            other => other.to_string(),
+        };
+        if !does.contains(&kind.as_str()) {
+            return Err(FaultError::UnsupportedAction {
+                spec: spec.into(),
+                point: point.into(),
+                action: kind,
+                does: does.join(", "),
             });
         }
         Ok(Self::new(point, step, action))

@@ -9,11 +9,12 @@ fn specs_round_trip_and_nonsense_is_refused_by_name() {
         "commit:40",
         "rebuild",
         "fold-parity:7=skip",
-        "rebuild=skip",
         "prepare:9=delay-2500",
         "fold-parity:12=flip",
         "install:30=flip",
-        "install",
+        "install:30=delay-400",
+        "send-rows=delay-50",
+        "takeover",
     ] {
         let spec = FaultSpec::parse(text).unwrap();
         assert_eq!(spec.to_string(), text);
@@ -32,6 +33,15 @@ fn specs_round_trip_and_nonsense_is_refused_by_name() {
         ("installs:3=flip", "unknown point \"installs\""),
         ("prepare=delay-", "unknown action \"delay-\""),
         ("prepare=delay-x", "unknown action \"delay-x\""),
+        // Points that never take the action: refused, not armed to fire never.
+        (
+            "rebuild=skip",
+            "\"rebuild\" never does \"skip\" (it does: kill)",
+        ),
+        ("install", "never does \"kill\" (it does: flip, delay-MS)"),
+        ("push:3=delay-10", "\"push\" never does \"delay-MS\""),
+        ("takeover=delay-100", "\"takeover\" never does \"delay-MS\""),
+        ("send-rows", "never does \"kill\""),
     ] {
         let e = FaultSpec::parse(bad).unwrap_err().to_string();
         assert!(

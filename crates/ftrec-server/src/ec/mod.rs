@@ -275,7 +275,11 @@ impl Core {
         // A slow member (`commit:N=delay-MS`): the decision is in, the install is late, and
         // a recovery may fence the epoch meanwhile: the check below, not the one above,
         // is the one that counts.
-        if let Some(pause) = self.faults.delay_at(points::COMMIT, Some(step)) {
+        if let Some(pause) = self
+            .faults
+            .delay_at(points::COMMIT, Some(step))
+            .or_else(|| self.faults.delay_at(points::INSTALL, Some(step)))
+        {
             tokio::time::sleep(pause).await;
         }
         self.faults.kill_at(points::COMMIT, Some(step));

@@ -91,6 +91,11 @@ impl Core {
         let rows = staged.rows_changed();
         match mode {
             CommitMode::Immediate => {
+                // A slow install (`install:N=delay-MS`): step N is held, the commit turn
+                // with it, so the job stands still there for as long (a test's window).
+                if let Some(pause) = self.faults.delay_at(points::INSTALL, Some(staged.step)) {
+                    tokio::time::sleep(pause).await;
+                }
                 let steps = pipeline.install(epoch, &staged, &[])?;
                 drop(turn);
                 Ok(Pushed::Applied { steps, rows })

@@ -41,7 +41,7 @@ pub struct CoordinatorArgs {
     pub out: PathBuf,
     #[arg(long)]
     pub json: bool,
-    /// Arm a fault point in this coordinator, NAME[=kill|delay-MS] (recovery: with a
+    /// Arm a fault point in this coordinator, NAME[:STEP][=kill] (recovery: with a
     /// recovery decided, before it calls any server; switch: with a move's cut committed
     /// and the move recorded, before it switches layout; takeover: just elected, before it
     /// fences any server); it fires once.

@@ -129,11 +129,13 @@ pub struct ClusterRunArgs {
     /// there.
     #[arg(long = "scale-at", value_name = "STEP:SERVERS", value_parser = scale::parse_scale_at)]
     pub scale_at: Vec<(u64, usize)>,
-    /// Arm a fault point in a server, `server:J@POINT[:STEP][=kill|skip|flip|delay-MS]`
-    /// (repeatable): prepare, commit, rebuild, fold-parity, install, cut, restore, load or send-rows.
-    /// `server:1@fold-parity:20=skip` drops one parity difference, `=flip` folds it with a
-    /// bit flipped; `server:2@install:20=flip` flips a bit of a row step 20 installs:
-    /// planted bugs the parity checks must report.
+    /// Arm a fault point in a server, `server:J@POINT[:STEP][=ACTION]` (repeatable):
+    /// prepare and commit (kill, delay-MS), rebuild, cut, restore and load (kill),
+    /// fold-parity (skip, flip), install (flip, delay-MS) or send-rows (delay-MS); another
+    /// action is refused. `server:1@fold-parity:20=skip` drops one parity difference,
+    /// `=flip` folds it with a bit flipped; `server:2@install:20=flip` flips a bit of a row
+    /// step 20 installs: planted bugs the parity checks must report; `install:20=delay-MS`
+    /// holds the job at step 20.
     #[arg(long = "fault", value_name = "server:J@SPEC")]
     pub faults: Vec<String>,
     /// Spare servers to start; a failed server's slot goes to a spare before a new process.
@@ -198,9 +200,9 @@ pub struct ServerArgs {
     /// slot it takes moves to a spare from elsewhere once one joins (`ec` jobs).
     #[arg(long, requires = "spare", value_name = "ID")]
     pub hosted_by: Option<usize>,
-    /// Arm a fault point in this server, NAME[:STEP][=kill|skip|flip|delay-MS] (prepare,
-    /// commit, rebuild, fold-parity, install, cut, restore, load, send-rows); it fires once. `cluster run --kill
-    /// server:J@commit:N` passes these.
+    /// Arm a fault point in this server, NAME[:STEP][=ACTION] (the points and actions of
+    /// `cluster run --fault`); it fires once. `cluster run --kill server:J@commit:N` passes
+    /// these.
     #[arg(long = "fault", value_name = "SPEC")]
     pub faults: Vec<String>,
 }
@@ -213,7 +215,7 @@ pub struct WorkerArgs {
     pub coordinator: CoordinatorArg,
     #[arg(long)]
     pub id: usize,
-    /// Arm a fault point in this worker, NAME[:STEP][=kill|delay-MS] (push: before it
+    /// Arm a fault point in this worker, NAME[:STEP][=kill] (push: before it
     /// sends step N; prepared: once every server prepared step N, before any commit); it
     /// fires once.
     #[arg(long = "fault", value_name = "SPEC")]
