@@ -201,7 +201,12 @@ impl Coordinator for Service {
             }));
         }
         if req.role() == Role::Server && !req.spare {
-            crate::leader::spare_claims::claim_of_an_unrecorded_spare(&mut s, id, req.incarnation)?;
+            crate::leader::spare_claims::claim_of_an_unrecorded_spare(
+                &mut s,
+                id,
+                req.incarnation,
+                req.ready,
+            )?;
         }
         let member = match (req.role(), req.spare) {
             (Role::Server, true) => {

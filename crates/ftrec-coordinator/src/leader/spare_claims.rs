@@ -5,27 +5,37 @@
 //! slot, it crossed two slots' processes (a soak's quorum loss did: two spares fenced, two
 //! more rebuilds, 7 s without training); fenced as a stranger, it took its live shard
 //! with it. So a free spare of the record gets no slot until it is heard: as a spare, it
-//! is free; as a server, it claims that slot, and gets it back once the slot's old process
-//! is declared dead.
-
-use tonic::Status;
+//! is free; as a server, it claims that slot.
+//!
+//! A claim heard while the takeover has not yet fenced the servers installs the claimer
+//! in its slot with the shard it holds, and the record's process of the slot (which the
+//! earlier leader declared dead before it gave the slot away) is fenced. Given the slot
+//! back only once that process was declared dead, as a spare with no shard, it had to be
+//! rebuilt from its group: a soak lost three servers of a group at once that way (the
+//! claimer, fenced as superseded, and two others frozen and silent), and with them the
+//! model, where keeping the claimer's shard leaves two of four, enough for `r = 2`.
 
 use tokio::time::Instant;
+use tonic::Status;
 
-use crate::state::State;
+use crate::state::{Member, State};
+use ftrec_proto::proto::AppliedReply;
 use ftrec_proto::timeline::{EventKind, Subject};
+use ftrec_rpc::PsError;
 
 /// A server's heartbeat for slot `id` from `incarnation`, which the slot's member is not:
-/// when that is a free spare's token, and no other process was given the slot since, the
+/// when that is a free spare's token, and the slot's process is still the record's, the
 /// spare serves it by an earlier leader's unrecorded assignment. Heard within
-/// `claims_until` of a takeover, its claim is noted and
-/// the beat is answered `unavailable`, which a server retries, until the slot is given
-/// back to it (`Membership::assign_spare` prefers it). `Ok` leaves the beat to the usual
-/// checks (a stranger is fenced there).
+/// `claims_until` of a takeover that has not yet fenced the servers, the claimer takes the
+/// slot with its shard (`Ok`: the beat goes on as the slot's). Heard later, its claim is
+/// noted and the beat is answered `unavailable`, which a server retries, until the slot is
+/// given back to it (`Membership::assign_spare` prefers it). `Ok` otherwise leaves the beat
+/// to the usual checks (a stranger is fenced there).
 pub(crate) fn claim_of_an_unrecorded_spare(
     s: &mut State,
     id: usize,
     incarnation: u64,
+    ready: bool,
 ) -> Result<(), Status> {
     let Some(slot) = s.members.servers.get(id) else {
         return Ok(());
@@ -38,10 +48,15 @@ pub(crate) fn claim_of_an_unrecorded_spare(
     if s.members.claims_until.is_none_or(|t| Instant::now() >= t) {
         return Ok(());
     }
-    // The slot went to another spare since: this one's claim is stale.
-    if s.members.spares.iter().any(|sp| sp.assigned == Some(id)) {
+    // This leader gave the slot to another process since: the claim is stale. (The
+    // record's holder of the slot, a spare listed as assigned to it, is not "another".)
+    if s.members.recorded_incarnations.get(id) != Some(&slot.incarnation) {
         return Ok(());
     }
+    let now = Instant::now();
+    let installable = s.members.takeover_fencing
+        && slot.alive
+        && !s.recovery.failed.iter().any(|(f, _)| *f == id);
     let Some(spare) = s
         .members
         .spares
@@ -52,7 +67,39 @@ pub(crate) fn claim_of_an_unrecorded_spare(
     };
     let token = spare.token;
     spare.unheard = false;
-    spare.member.last_seen = Some(Instant::now());
+    spare.member.last_seen = Some(now);
+    if installable {
+        spare.assigned = Some(id);
+        spare.claims = None;
+        let member = Member {
+            address: spare.member.address.clone(),
+            pid: spare.member.pid,
+            joined: true,
+            alive: true,
+            ready,
+            last_seen: Some(now),
+            refused: false,
+            incarnation,
+            cut_off: None,
+        };
+        let address = member.address.clone();
+        let old = std::mem::replace(&mut s.members.servers[id], member);
+        if old.incarnation != 0 {
+            s.members.zombies.insert(old.incarnation);
+        }
+        s.members.claimed.insert(id);
+        s.placement.assign(id, address.clone());
+        s.timeline.event_about(
+            EventKind::Replacement,
+            Subject::Server(id as u32),
+            None,
+            format!(
+                "spare {token} at {address} serves server {id} by an earlier leader's                  unrecorded assignment: it keeps the slot and its shard (the record's                  process {} of the slot is fenced)",
+                old.incarnation
+            ),
+        );
+        return Ok(());
+    }
     if spare.claims.replace(id) != Some(id) {
         s.timeline.event_about(
             EventKind::Replacement,
@@ -67,5 +114,61 @@ pub(crate) fn claim_of_an_unrecorded_spare(
     Err(Status::unavailable(format!(
         "server {id}: this process (spare {token}) holds the slot by an earlier leader's \
          unrecorded assignment, and gets it back once the slot's old process is declared dead"
+    )))
+}
+
+/// The takeover's last fence reached every live server: a claimer installed meanwhile
+/// counts only if it was among them and applied every step the others did. Under 2PC a
+/// step committed anywhere was prepared by every member of its epoch, and the takeover
+/// finished it where it was prepared; a claimer that lacks one was no member then (an
+/// earlier leader declared it dead in turn, and gave the slot to yet another spare). It
+/// is then declared dead at the next tick (its slot rebuilt), and the takeover is tried
+/// again.
+pub(crate) fn vet_claimers(
+    s: &mut State,
+    fenced: &[usize],
+    replies: &[AppliedReply],
+) -> Result<(), PsError> {
+    if s.members.claimed.is_empty() {
+        return Ok(());
+    }
+    if let Some(late) = s.members.claimed.iter().find(|id| !fenced.contains(id)) {
+        return Err(PsError::Superseded(format!(
+            "server {late} was claimed by a spare after the takeover's fences went out"
+        )));
+    }
+    let claimed = &s.members.claimed;
+    let others_end = fenced
+        .iter()
+        .zip(replies)
+        .filter(|(i, _)| !claimed.contains(i))
+        .map(|(_, r)| r.applied_end)
+        .max();
+    let behind: Vec<(usize, u64)> = fenced
+        .iter()
+        .zip(replies)
+        .filter(|(i, r)| claimed.contains(i) && others_end.is_some_and(|e| r.applied_end < e))
+        .map(|(i, r)| (*i, r.applied_end))
+        .collect();
+    if behind.is_empty() {
+        s.members.claimed.clear();
+        return Ok(());
+    }
+    for &(id, end) in &behind {
+        s.members.servers[id].refused = true;
+        s.members.claimed.remove(&id);
+        s.timeline.event_about(
+            EventKind::Replacement,
+            Subject::Server(id as u32),
+            None,
+            format!(
+                "server {id}'s claimer applied steps up to {end} only, the others up to {}: \
+                 an earlier leader replaced it too; it is declared dead",
+                others_end.unwrap_or_default()
+            ),
+        );
+    }
+    Err(PsError::Superseded(format!(
+        "claimers behind the other servers: {behind:?}"
     )))
 }

@@ -147,6 +147,9 @@ async fn attempt(shared: &Arc<Shared>, settled_through: u64) -> Result<(), PsErr
             s.epoch
         )));
     }
+    let fenced: Vec<usize> = clients.iter().map(|(i, _)| *i).collect();
+    crate::leader::spare_claims::vet_claimers(&mut s, &fenced, &replies)?;
+    s.members.takeover_fencing = false;
     let total = s.steps.ledger.total();
     s.steps.ledger = StepLedger::taken_over(total, from, end, epoch);
     // Steps below the record's mark that some server lacks (a rollback after the last
@@ -352,6 +355,8 @@ pub(crate) fn restore(
     // The record's members, spares included, are forgiven.
     s.members.forgive_silence(grace_until);
     s.members.claims_until = Some(tokio::time::Instant::now() + CLAIMS_WAIT);
+    s.members.recorded_incarnations = s.members.servers.iter().map(|m| m.incarnation).collect();
+    s.members.takeover_fencing = true;
     s.members.next_token = record.next_token;
     s.steps.samples = record.samples_settled;
     s.steps.lost_samples = record.lost_samples;
@@ -390,6 +395,7 @@ pub(crate) fn restore(
         s.recovery.fatal = Some(why);
     }
     if record.done || record.fatal.is_some() {
+        s.members.takeover_fencing = false;
         s.phase = Phase::Done;
         shared.done.send_replace(true);
         return Ok(record.settled_through);

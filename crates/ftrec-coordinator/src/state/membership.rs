@@ -103,6 +103,17 @@ pub(crate) struct Membership {
     /// unrecorded assignment, and a fresh spare given that slot first crossed them (a
     /// soak's quorum loss: the claimer fenced, a worker's calls to the slot lost for 7 s).
     pub(crate) claims_until: Option<Instant>,
+    /// After a takeover: each slot's incarnation in the record. A claim for a slot whose
+    /// process changed since (this leader gave it to another) is stale; the record's own
+    /// holder of a slot, a spare listed as assigned to it, does not make a claim stale.
+    pub(crate) recorded_incarnations: Vec<u64>,
+    /// A takeover has not yet brought every live server into its epoch: a claimer heard
+    /// meanwhile is installed in its slot with its shard, and fenced with the others.
+    pub(crate) takeover_fencing: bool,
+    /// Slots a claimer was installed in during the takeover: the takeover checks that it
+    /// applied every step the others did (a claimer that an earlier leader declared dead
+    /// in turn would be behind them) before it counts.
+    pub(crate) claimed: BTreeSet<usize>,
 }
 
 impl Membership {
@@ -121,6 +132,9 @@ impl Membership {
             probe_requested: false,
             hosting: super::Hosting::default(),
             claims_until: None,
+            recorded_incarnations: Vec::new(),
+            takeover_fencing: false,
+            claimed: BTreeSet::new(),
         }
     }
 
@@ -272,6 +286,9 @@ impl Membership {
         if !(m.joined && m.alive && (silenced || m.refused || m.cut_off.is_some())) {
             return None;
         }
+        if self.claim_awaited(id, Instant::now()) {
+            return None;
+        }
         Some(if let Some(why) = &m.cut_off {
             why.clone()
         } else if m.refused {
@@ -286,7 +303,21 @@ impl Membership {
     /// doubt may still act on, where silence may be its own partition.
     pub(crate) fn server_refused(&self, id: usize) -> Option<String> {
         let m = self.servers.get(id)?;
+        if self.claim_awaited(id, Instant::now()) {
+            return None;
+        }
         (m.joined && m.alive && m.refused).then(|| refused_port(m.silent_for()))
+    }
+
+    /// For `claims_until` after a takeover, while a record's free spare is unheard, the
+    /// record's process of slot `id` is not declared dead: an earlier leader may have
+    /// given the slot to that spare (it declared the process dead first, unrecorded), and
+    /// the spare's claim keeps the slot's shard. Declared before the claim came, the slot
+    /// was rebuilt from the survivors onto the very spare that held it.
+    fn claim_awaited(&self, id: usize, now: Instant) -> bool {
+        self.claims_until.is_some_and(|t| now < t)
+            && self.recorded_incarnations.get(id) == self.servers.get(id).map(|m| &m.incarnation)
+            && self.spares.iter().any(|sp| sp.unheard && sp.member.alive)
     }
 
     /// Worker `worker` lost a step because it could not reach `server`: after

@@ -201,6 +201,108 @@ fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
     );
 }
 
+/// Issue 44's soak, seed 2, every 20 s: a quorum loss with a server SIGKILLed in it, so the
+/// leader (training through) gives the slot to a spare with no record, and the spare
+/// rebuilds it; then that leader is lost with etcd still frozen. The standby, leading once
+/// etcd returns, read the spare as free and the slot as the record's dead process: it
+/// fenced the spare as superseded and rebuilt the slot from the survivors, and with two
+/// more servers frozen or silent at that moment, three of a group were lost and the model
+/// with them. Now the spare's first beat claims the slot while the takeover fences the
+/// servers: it keeps the slot and its shard, the takeover fences it with the others, and
+/// the new leader recovers nothing.
+#[test]
+fn a_spare_given_a_slot_in_an_etcd_outage_keeps_it_and_its_shard_under_the_next_leader() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = FTREC.setup(dir.path());
+    let etcd = ftrec_testkit::etcd::start(&dir.path().join("etcd"));
+    let steps = 6000;
+    let job = hand_job(
+        FTREC,
+        dir.path(),
+        &data,
+        "job",
+        steps,
+        &["--set", "cluster.etcd_prefix=\"/ftrec/claims\""],
+    );
+    let job_s = job.to_str().unwrap();
+    let e = etcd.endpoint.as_str();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client = ftrec_testkit::etcd::client(&rt, e, "/ftrec/claims");
+    let record = || {
+        rt.block_on(client.get_json::<Value>("state"))
+            .ok()
+            .flatten()
+            .map(|(v, _)| v)
+    };
+    let leader = || {
+        rt.block_on(client.leader())
+            .ok()
+            .flatten()
+            .map(|(l, _)| l.id)
+    };
+    let coordinator =
+        |id: &str, standby: bool| etcd_coordinator(FTREC, dir.path(), job_s, e, id, standby);
+    let mut coordinators = Reaped(vec![coordinator("c1", false)]);
+    let started = Instant::now();
+    while leader().as_deref() != Some("c1") {
+        assert!(started.elapsed() < Duration::from_secs(20), "c1 never led");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    coordinators.0.push(coordinator("c2", true));
+    let mut members = Reaped(spawn_members(FTREC, dir.path(), job_s, &["--etcd", e]));
+    for n in 0..2 {
+        let args = ["server", "--job", job_s, "--etcd", e, "--spare"];
+        members
+            .0
+            .push(spawn(FTREC, &args, &dir.path().join(format!("spare-{n}"))));
+    }
+    let spares_in = |r: &Value| r["spares"].as_array().map_or(0, Vec::len);
+    while record().is_none_or(|r| r["settled_through"].as_u64() < Some(100) || spares_in(&r) < 2) {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "training never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal_pid(etcd.pid(), "STOP");
+    // Past the lease's doubt: the leader now acts without a record.
+    std::thread::sleep(Duration::from_secs(2));
+    signal(&members.0[1], "KILL");
+    // The refused port is evidence enough: a spare takes slot 1 and rebuilds it, all
+    // unrecorded (a rebuild of this model takes well under a second).
+    std::thread::sleep(Duration::from_secs(8));
+    signal(&coordinators.0[0], "KILL");
+    let _ = wait_exit(&mut coordinators.0[0], Duration::from_secs(10));
+    signal_pid(etcd.pid(), "CONT");
+    let report = finished_exact(
+        FTREC,
+        &mut coordinators.0[1],
+        &dir.path().join("c2.json"),
+        &data,
+        steps,
+    );
+    assert_eq!(report["lost_samples"], 0, "{report}");
+    assert_eq!(report["parity_mismatches"], 0, "{report}");
+    let events = ftrec_testkit::cluster::events(&dir.path().join("c2"));
+    assert!(
+        events
+            .iter()
+            .any(|(kind, text)| *kind == EventKind::Replacement
+                && text.contains("serves server 1")
+                && text.contains("keeps the slot and its shard")),
+        "the spare kept slot 1: {:?}",
+        events
+            .iter()
+            .filter(|(kind, _)| *kind != EventKind::StepSettled)
+            .collect::<Vec<_>>()
+    );
+    let recoveries = report["recoveries"].as_array().unwrap();
+    assert!(
+        !recoveries.iter().any(|r| r["server"] == 1),
+        "the new leader rebuilt slot 1 again: {report}"
+    );
+}
+
 /// Hole 1, asynchronous workers: the leader SIGKILLed as soon as a replacement rebuilds
 /// in the background (throttled so that it lasts), while workers keep steps in flight.
 /// The new leader runs the recovery again; the rebuilding slot drops the old epoch's
