@@ -94,7 +94,9 @@ pub(crate) fn claim_of_an_unrecorded_spare(
             Subject::Server(id as u32),
             None,
             format!(
-                "spare {token} at {address} serves server {id} by an earlier leader's                  unrecorded assignment: it keeps the slot and its shard (the record's                  process {} of the slot is fenced)",
+                "spare {token} at {address} serves server {id} by an earlier leader's \
+                 unrecorded assignment: it keeps the slot and its shard (the record's \
+                 process {} of the slot is fenced)",
                 old.incarnation
             ),
         );

@@ -36,6 +36,10 @@ pub(crate) fn first_epoch(term: u64) -> u64 {
 /// 200 ms, and beat at once when it changes.
 const CLAIMS_WAIT: Duration = Duration::from_millis(1500);
 
+/// Incarnations a leader skips after the record's count when it takes over: more than an
+/// outage's joins could ever take.
+const UNRECORDED_TOKENS: u32 = 1 << 16;
+
 /// How long to wait before trying again when a server did not answer.
 const RETRY: Duration = Duration::from_millis(300);
 
@@ -357,7 +361,11 @@ pub(crate) fn restore(
     s.members.claims_until = Some(tokio::time::Instant::now() + CLAIMS_WAIT);
     s.members.recorded_incarnations = s.members.servers.iter().map(|m| m.incarnation).collect();
     s.members.takeover_fencing = true;
-    s.members.next_token = record.next_token;
+    // An earlier leader acting through an etcd outage may have handed out incarnations
+    // the record never saw (joins, spares): this leader's start past them, so none of its
+    // joins shares an incarnation with a process of that outage, which would then pass
+    // for the slot's own.
+    s.members.next_token = record.next_token.saturating_add(UNRECORDED_TOKENS);
     s.steps.samples = record.samples_settled;
     s.steps.lost_samples = record.lost_samples;
     s.recovery.steps_rolled_back = record.steps_rolled_back;
