@@ -185,6 +185,15 @@ async fn a_recovery_without_a_replacement_says_who_it_waits_for() {
 }
 
 async fn beat(shared: &Arc<Shared>, id: u32, spare: bool, incarnation: u64) -> HeartbeatReply {
+    beat_result(shared, id, spare, incarnation).await.unwrap()
+}
+
+async fn beat_result(
+    shared: &Arc<Shared>,
+    id: u32,
+    spare: bool,
+    incarnation: u64,
+) -> Result<HeartbeatReply, tonic::Status> {
     let request = HeartbeatRequest {
         role: Role::Server as i32,
         id,
@@ -196,8 +205,7 @@ async fn beat(shared: &Arc<Shared>, id: u32, spare: bool, incarnation: u64) -> H
     Service(shared.clone())
         .heartbeat(Request::new(request))
         .await
-        .unwrap()
-        .into_inner()
+        .map(|r| r.into_inner())
 }
 
 async fn join_spare(shared: &Arc<Shared>, hosted_by: Option<u32>) -> JoinReply {
@@ -336,24 +344,6 @@ fn taken_over_with_a_claimer(shared: &Shared) {
     s.members.takeover_fencing = true;
 }
 
-async fn beat_result(
-    shared: &Arc<Shared>,
-    id: u32,
-    incarnation: u64,
-) -> Result<HeartbeatReply, tonic::Status> {
-    let request = HeartbeatRequest {
-        role: Role::Server as i32,
-        id,
-        ready: true,
-        incarnation,
-        ..Default::default()
-    };
-    Service(shared.clone())
-        .heartbeat(Request::new(request))
-        .await
-        .map(|r| r.into_inner())
-}
-
 /// Issue 44's soak (seed 2, every 20 s) lost its model here: the claimer was taken for a
 /// stale one (the record's own holder, spare 6, is listed as assigned to the slot), fenced
 /// as superseded, and the slot rebuilt from survivors that were two short. Now the record's
@@ -376,7 +366,7 @@ async fn a_claim_heard_in_a_takeover_keeps_the_slot_and_its_shard() {
             None
         );
     }
-    let reply = beat_result(&shared, 1, 7).await.unwrap();
+    let reply = beat_result(&shared, 1, false, 7).await.unwrap();
     assert!(!reply.stop);
     {
         let s = shared.lock();
@@ -392,7 +382,7 @@ async fn a_claim_heard_in_a_takeover_keeps_the_slot_and_its_shard() {
         assert!(s.members.claimed.contains(&1));
         assert!(s.recovery.failed.is_empty(), "nothing to rebuild");
     }
-    let e = beat_result(&shared, 1, 6).await.unwrap_err();
+    let e = beat_result(&shared, 1, false, 6).await.unwrap_err();
     assert!(e.message().contains("declared dead"), "{e}");
 
     // Once the takeover is done, a late claim is only noted (the slot goes back to the
@@ -400,7 +390,7 @@ async fn a_claim_heard_in_a_takeover_keeps_the_slot_and_its_shard() {
     let shared = self::shared();
     taken_over_with_a_claimer(&shared);
     shared.lock().members.takeover_fencing = false;
-    let e = beat_result(&shared, 1, 7).await.unwrap_err();
+    let e = beat_result(&shared, 1, false, 7).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
     let s = shared.lock();
     assert_eq!(s.members.servers[1].incarnation, 6);

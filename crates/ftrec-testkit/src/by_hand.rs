@@ -212,3 +212,46 @@ pub fn finished_exact(
     );
     report
 }
+
+/// Leader `c1`, then standby `c2`, the job's servers and workers, and `spares` spares, each
+/// started by hand under the etcd at `endpoint` (logs under `dir`); returned once the
+/// record says `settled` steps settled and every spare joined. The coordinators first.
+#[track_caller]
+pub fn start_with_spares(
+    ftrec: Ftrec,
+    dir: &Path,
+    job: &str,
+    endpoint: &str,
+    keys: &crate::etcd::JobKeys,
+    spares: usize,
+    settled: u64,
+) -> (Reaped, Reaped) {
+    let coordinator =
+        |id: &str, standby: bool| etcd_coordinator(ftrec, dir, job, endpoint, id, standby);
+    let mut coordinators = Reaped(vec![coordinator("c1", false)]);
+    let started = Instant::now();
+    while keys.leader().as_deref() != Some("c1") {
+        assert!(started.elapsed() < Duration::from_secs(20), "c1 never led");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    coordinators.0.push(coordinator("c2", true));
+    let mut members = Reaped(spawn_members(ftrec, dir, job, &["--etcd", endpoint]));
+    for n in 0..spares {
+        let args = ["server", "--job", job, "--etcd", endpoint, "--spare"];
+        members
+            .0
+            .push(spawn(ftrec, &args, &dir.join(format!("spare-{n}"))));
+    }
+    let spares_in = |r: &serde_json::Value| r["spares"].as_array().map_or(0, Vec::len);
+    while keys
+        .record()
+        .is_none_or(|r| r["settled_through"].as_u64() < Some(settled) || spares_in(&r) < spares)
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "training never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (coordinators, members)
+}

@@ -40,3 +40,37 @@ pub fn client(rt: &tokio::runtime::Runtime, endpoint: &str, prefix: &str) -> ftr
     }))
     .unwrap_or_else(|e| panic!("etcd at {endpoint}: {e}"))
 }
+
+/// A job's keys in etcd as a test reads them (its record, its leader), through a client
+/// of its own; a read that fails (etcd frozen, say) reads as nothing.
+pub struct JobKeys {
+    rt: tokio::runtime::Runtime,
+    client: ftrec_etcd::Etcd,
+}
+
+impl JobKeys {
+    #[track_caller]
+    pub fn new(endpoint: &str, prefix: &str) -> Self {
+        let rt = tokio::runtime::Runtime::new().unwrap_or_else(|e| panic!("a runtime: {e}"));
+        let client = client(&rt, endpoint, prefix);
+        Self { rt, client }
+    }
+
+    /// The job's durable record.
+    pub fn record(&self) -> Option<serde_json::Value> {
+        self.rt
+            .block_on(self.client.get_json::<serde_json::Value>("state"))
+            .ok()
+            .flatten()
+            .map(|(v, _)| v)
+    }
+
+    /// The id of the coordinator that leads.
+    pub fn leader(&self) -> Option<String> {
+        self.rt
+            .block_on(self.client.leader())
+            .ok()
+            .flatten()
+            .map(|(l, _)| l.id)
+    }
+}

@@ -11,11 +11,12 @@ use ftrec_proto::timeline::EventKind;
 
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::by_hand::{
-    Reaped, etcd_coordinator, finished_exact, hand_job, listening_address, pids_with_args, signal,
-    signal_pid, spawn, spawn_members, wait_exit,
+    Reaped, finished_exact, hand_job, listening_address, pids_with_args, signal, signal_pid, spawn,
+    spawn_members, start_with_spares, wait_exit,
 };
 use ftrec_testkit::cli::json_of;
 use ftrec_testkit::cluster::timed_events;
+use ftrec_testkit::etcd::JobKeys;
 
 use crate::FTREC;
 
@@ -123,49 +124,12 @@ fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
     );
     let job_s = job.to_str().unwrap();
     let e = etcd.endpoint.as_str();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = ftrec_testkit::etcd::client(&rt, e, "/ftrec/spares");
-    let record = || {
-        rt.block_on(client.get_json::<Value>("state"))
-            .ok()
-            .flatten()
-            .map(|(v, _)| v)
-    };
-    let leader = || {
-        rt.block_on(client.leader())
-            .ok()
-            .flatten()
-            .map(|(l, _)| l.id)
-    };
-    let coordinator =
-        |id: &str, standby: bool| etcd_coordinator(FTREC, dir.path(), job_s, e, id, standby);
-    let mut coordinators = Reaped(vec![coordinator("c1", false)]);
-    let started = Instant::now();
-    while leader().as_deref() != Some("c1") {
-        assert!(started.elapsed() < Duration::from_secs(20), "c1 never led");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    coordinators.0.push(coordinator("c2", true));
-    let mut members = Reaped(spawn_members(FTREC, dir.path(), job_s, &["--etcd", e]));
-    for n in 0..2 {
-        let args = ["server", "--job", job_s, "--etcd", e, "--spare"];
-        members
-            .0
-            .push(spawn(FTREC, &args, &dir.path().join(format!("spare-{n}"))));
-    }
-    let started = Instant::now();
-    let spares_in = |r: &Value| r["spares"].as_array().map_or(0, Vec::len);
-    while record().is_none_or(|r| r["settled_through"].as_u64() < Some(100) || spares_in(&r) < 2) {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "training never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let keys = JobKeys::new(e, "/ftrec/spares");
+    let (mut coordinators, members) = start_with_spares(FTREC, dir.path(), job_s, e, &keys, 2, 100);
     signal(&coordinators.0[0], "KILL");
     let _ = wait_exit(&mut coordinators.0[0], Duration::from_secs(10));
     let killed = Instant::now();
-    while leader().as_deref() != Some("c2") {
+    while keys.leader().as_deref() != Some("c2") {
         assert!(
             killed.elapsed() < Duration::from_secs(30),
             "the standby never took over"
@@ -175,7 +139,7 @@ fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
     // Past the spares' old patience (the control deadline, 10 s): before the fix they
     // had exited by now.
     std::thread::sleep(Duration::from_secs(12));
-    let settled = record().and_then(|r| r["settled_through"].as_u64());
+    let settled = keys.record().and_then(|r| r["settled_through"].as_u64());
     assert!(
         settled < Some(steps - 200),
         "the job must still be training when server 1 is killed: settled through {settled:?}"
@@ -226,44 +190,8 @@ fn a_spare_given_a_slot_in_an_etcd_outage_keeps_it_and_its_shard_under_the_next_
     );
     let job_s = job.to_str().unwrap();
     let e = etcd.endpoint.as_str();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = ftrec_testkit::etcd::client(&rt, e, "/ftrec/claims");
-    let record = || {
-        rt.block_on(client.get_json::<Value>("state"))
-            .ok()
-            .flatten()
-            .map(|(v, _)| v)
-    };
-    let leader = || {
-        rt.block_on(client.leader())
-            .ok()
-            .flatten()
-            .map(|(l, _)| l.id)
-    };
-    let coordinator =
-        |id: &str, standby: bool| etcd_coordinator(FTREC, dir.path(), job_s, e, id, standby);
-    let mut coordinators = Reaped(vec![coordinator("c1", false)]);
-    let started = Instant::now();
-    while leader().as_deref() != Some("c1") {
-        assert!(started.elapsed() < Duration::from_secs(20), "c1 never led");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    coordinators.0.push(coordinator("c2", true));
-    let mut members = Reaped(spawn_members(FTREC, dir.path(), job_s, &["--etcd", e]));
-    for n in 0..2 {
-        let args = ["server", "--job", job_s, "--etcd", e, "--spare"];
-        members
-            .0
-            .push(spawn(FTREC, &args, &dir.path().join(format!("spare-{n}"))));
-    }
-    let spares_in = |r: &Value| r["spares"].as_array().map_or(0, Vec::len);
-    while record().is_none_or(|r| r["settled_through"].as_u64() < Some(100) || spares_in(&r) < 2) {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "training never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let keys = JobKeys::new(e, "/ftrec/claims");
+    let (mut coordinators, members) = start_with_spares(FTREC, dir.path(), job_s, e, &keys, 2, 100);
     signal_pid(etcd.pid(), "STOP");
     // Past the lease's doubt: the leader now acts without a record.
     std::thread::sleep(Duration::from_secs(2));
