@@ -19,7 +19,8 @@
 #       2 asynchronous workers (cluster.deterministic = false), a spare: etcd SIGSTOPped at
 #       --at, server 1 SIGKILLed by pid --kill-after seconds later, etcd SIGCONTed --freeze
 #       seconds (60) after the stop. Goals: finished, lost_samples 0, 0 parity and replica
-#       mismatches, at least one recovery, the leader declares a failure while frozen
+#       mismatches, at least one recovery (on the record, or kept unrecorded: a spare the leader
+#       in doubt rebuilt, which its successor keeps), the leader declares a failure while frozen
 #       only on a port that refused a connection (the SIGKILLed server's), at most one
 #       leader (one failover and the old leader deposed, or none).
 #   tools/netns-control.sh survivor-link-down-rebuild [--at S] [--down S] [--rate B]

@@ -150,6 +150,8 @@ def report(facts):
         "replica_mismatches": r.get("replica_mismatches"),
         "recoveries": len(recoveries) if by else None,
         "recovered_servers": [x.get("server") for x in recoveries],
+        # Recovered by a leader in doubt without a record, and kept by its successor.
+        "unrecorded_recoveries": r.get("unrecorded_recoveries", []),
         "failovers": len(failovers) if by else None,
         "failover_seconds": [f.get("failover_seconds") for f in failovers],
         "reported_by": by,
@@ -229,10 +231,13 @@ def goals(r):
             and r["leader_exit"] not in (None, 0))
         return (f"etcd frozen {r.get('freeze_seconds')} s, server {r.get('killed_server')} "
                 f"SIGKILLed {r.get('kill_after_freeze')} s in, asynchronous workers: finished, "
-                f"nothing lost, parity verifies, {r['recoveries']} recoveries, "
+                f"nothing lost, parity verifies, {r['recoveries']} recoveries "
+                f"(and {len(r['unrecorded_recoveries'])} kept unrecorded), "
                 f"{r['failovers']} failovers",
                 common + [on_hard_evidence("leader"),
-                          ((r["recoveries"] or 0) >= 1, f"{r['recoveries']} recoveries"),
+                          ((r["recoveries"] or 0) + len(r["unrecorded_recoveries"]) >= 1,
+                           f"{r['recoveries']} recoveries, "
+                           f"{len(r['unrecorded_recoveries'])} kept unrecorded"),
                           (one_leader, f"{r['failovers']} failovers, reported by "
                            f"{r['reported_by']}, old leader deposed {r['leader_deposed']} "
                            f"exit {r['leader_exit']}")])

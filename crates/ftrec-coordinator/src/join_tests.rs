@@ -381,6 +381,7 @@ async fn a_claim_heard_in_a_takeover_keeps_the_slot_and_its_shard() {
         assert_eq!(s.members.spares[1].assigned, Some(1));
         assert!(s.members.claimed.contains(&1));
         assert!(s.recovery.failed.is_empty(), "nothing to rebuild");
+        assert_eq!(s.recovery.unrecorded_kept, vec![1], "the report names it");
     }
     let e = beat_result(&shared, 1, false, 6).await.unwrap_err();
     assert!(e.message().contains("declared dead"), "{e}");
@@ -415,6 +416,7 @@ async fn a_claimer_behind_the_others_is_declared_and_the_takeover_tried_again() 
     };
     let mut s = shared.lock();
     s.members.claimed.insert(1);
+    s.recovery.unrecorded_kept.push(1);
     let e = vet_claimers(&mut s, &[0, 2], &[reply(50), reply(50)]).unwrap_err();
     assert!(e.to_string().contains("after the takeover's fences"), "{e}");
     vet_claimers(&mut s, &[0, 1, 2], &[reply(50), reply(50), reply(50)]).unwrap();
@@ -425,4 +427,8 @@ async fn a_claimer_behind_the_others_is_declared_and_the_takeover_tried_again() 
     assert!(e.to_string().contains("behind"), "{e}");
     assert!(s.members.servers[1].refused, "declared at the next tick");
     assert!(s.members.claimed.is_empty());
+    assert!(
+        s.recovery.unrecorded_kept.is_empty(),
+        "recovered again, on the record"
+    );
 }

@@ -221,6 +221,7 @@ impl Shared {
                 .iter()
                 .fold(0.0, |acc, r| acc + (r.resumed_at - r.detected_at)),
             recoveries: s.recovery.recoveries.clone(),
+            unrecorded_recoveries: s.recovery.unrecorded_kept.clone(),
             steps_rolled_back: s.recovery.steps_rolled_back,
             pls: s.cuts.cpr.as_ref().map(|c| c.pls()),
             recovery_mode: s.cuts.cpr.as_ref().map(|c| {

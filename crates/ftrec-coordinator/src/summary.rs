@@ -141,6 +141,10 @@ pub struct RunSummary {
     pub epoch: u64,
     pub checkpoints: Vec<CheckpointRecord>,
     pub recoveries: Vec<Recovery>,
+    /// Servers an earlier leader recovered through an etcd outage without a record, whose
+    /// replacement a later leader kept with its shard (no times: they died with it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unrecorded_recoveries: Vec<usize>,
     /// When the last step was counted, on the timeline's clock (the recoveries' clock).
     /// Training ends later when a background rebuild outlasts the steps: the run waits for
     /// full redundancy, and `train_seconds` counts that wait.

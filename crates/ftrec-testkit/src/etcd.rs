@@ -58,8 +58,13 @@ impl JobKeys {
 
     /// The job's durable record.
     pub fn record(&self) -> Option<serde_json::Value> {
+        self.get("state")
+    }
+
+    /// The job's key `key` (under its prefix), as JSON.
+    pub fn get(&self, key: &str) -> Option<serde_json::Value> {
         self.rt
-            .block_on(self.client.get_json::<serde_json::Value>("state"))
+            .block_on(self.client.get_json::<serde_json::Value>(key))
             .ok()
             .flatten()
             .map(|(v, _)| v)

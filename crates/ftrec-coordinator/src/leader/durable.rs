@@ -100,6 +100,8 @@ pub(crate) struct Record {
     pub failed: Vec<usize>,
     pub rebuilding: Vec<usize>,
     pub recoveries: Vec<Recovery>,
+    #[serde(default)]
+    pub unrecorded_recoveries: Vec<usize>,
     pub worker_respawns: Vec<u32>,
     pub failovers: Vec<Failover>,
     /// The cut the current servers' shards came from (a resume or a move), and the moves
@@ -263,6 +265,7 @@ impl Record {
             failed: s.recovery.failed.iter().map(|&(id, _)| id).collect(),
             rebuilding: s.recovery.rebuilding.iter().map(|&(id, _)| id).collect(),
             recoveries: tail(&s.recovery.recoveries),
+            unrecorded_recoveries: s.recovery.unrecorded_kept.clone(),
             worker_respawns: s.members.worker_respawns.clone(),
             failovers: s.leader.failovers.clone(),
             base: s.scaling.base.as_ref().map(BaseCut::of),
@@ -584,6 +587,7 @@ pub(super) mod tests {
             failed: vec![1],
             rebuilding: Vec::new(),
             recoveries: if reports { vec![recovery] } else { Vec::new() },
+            unrecorded_recoveries: if reports { vec![2] } else { Vec::new() },
             worker_respawns: vec![0],
             failovers: vec![Failover {
                 from: "c0".into(),

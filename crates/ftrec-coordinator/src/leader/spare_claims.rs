@@ -88,6 +88,7 @@ pub(crate) fn claim_of_an_unrecorded_spare(
             s.members.zombies.insert(old.incarnation);
         }
         s.members.claimed.insert(id);
+        s.recovery.unrecorded_kept.push(id);
         s.placement.assign(id, address.clone());
         s.timeline.event_about(
             EventKind::Replacement,
@@ -159,6 +160,10 @@ pub(crate) fn vet_claimers(
     for &(id, end) in &behind {
         s.members.servers[id].refused = true;
         s.members.claimed.remove(&id);
+        // Its slot is recovered again, by this leader and on its record.
+        if let Some(at) = s.recovery.unrecorded_kept.iter().rposition(|&k| k == id) {
+            s.recovery.unrecorded_kept.remove(at);
+        }
         s.timeline.event_about(
             EventKind::Replacement,
             Subject::Server(id as u32),

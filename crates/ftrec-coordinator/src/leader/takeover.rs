@@ -379,6 +379,7 @@ pub(crate) fn restore(
     }
     s.saves.checkpoints = record.checkpoints;
     s.recovery.recoveries = record.recoveries;
+    s.recovery.unrecorded_kept = record.unrecorded_recoveries;
     s.members.worker_respawns = record.worker_respawns;
     s.leader.failovers = record.failovers;
     let total = s.steps.ledger.total();

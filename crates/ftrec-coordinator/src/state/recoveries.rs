@@ -19,6 +19,10 @@ pub(crate) struct Recoveries {
     /// Servers rebuilding in the background, with the epoch their rebuild began in.
     pub(crate) rebuilding: Vec<(usize, u64)>,
     pub(crate) recoveries: Vec<Recovery>,
+    /// Slots an earlier leader recovered through an etcd outage without a record, whose
+    /// replacement this leader kept (`leader/spare_claims.rs`): their recoveries' times
+    /// died with that leader, so they are named apart from `recoveries`.
+    pub(crate) unrecorded_kept: Vec<usize>,
     /// Recovery attempts that failed in a row, and when to try the next.
     pub(crate) recovery_failures: u32,
     pub(crate) recover_after: Option<Instant>,

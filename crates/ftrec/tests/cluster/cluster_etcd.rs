@@ -237,20 +237,6 @@ fn a_new_leader_rolls_back_to_a_cut_the_old_one_committed() {
     );
 }
 
-pub(crate) fn record(client: &ftrec_etcd::Etcd, rt: &tokio::runtime::Runtime) -> Option<Value> {
-    rt.block_on(client.get_json::<Value>("state"))
-        .ok()
-        .flatten()
-        .map(|(v, _)| v)
-}
-
-pub(crate) fn leader_id(client: &ftrec_etcd::Etcd, rt: &tokio::runtime::Runtime) -> Option<String> {
-    rt.block_on(client.leader())
-        .ok()
-        .flatten()
-        .map(|(l, _)| l.id)
-}
-
 #[test]
 fn a_frozen_leader_is_deposed_and_changes_nothing_when_it_wakes() {
     let dir = tempfile::tempdir().unwrap();
@@ -267,13 +253,12 @@ fn a_frozen_leader_is_deposed_and_changes_nothing_when_it_wakes() {
     );
     let job_s = job.to_str().unwrap();
     let e = etcd.endpoint.as_str();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = ftrec_testkit::etcd::client(&rt, e, "/ftrec/frozen");
+    let keys = ftrec_testkit::etcd::JobKeys::new(e, "/ftrec/frozen");
     let coordinator =
         |id: &str, standby: bool| etcd_coordinator(FTREC, dir.path(), job_s, e, id, standby);
     let mut first = coordinator("c1", false);
     let started = Instant::now();
-    while leader_id(&client, &rt).as_deref() != Some("c1") {
+    while keys.leader().as_deref() != Some("c1") {
         assert!(started.elapsed() < Duration::from_secs(20), "c1 never led");
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -281,7 +266,10 @@ fn a_frozen_leader_is_deposed_and_changes_nothing_when_it_wakes() {
     let members = spawn_members(FTREC, dir.path(), job_s, &["--etcd", e]);
     // Freeze the leader once training is under way.
     let started = Instant::now();
-    while record(&client, &rt).is_none_or(|r| r["settled_through"].as_u64() < Some(100)) {
+    while keys
+        .record()
+        .is_none_or(|r| r["settled_through"].as_u64() < Some(100))
+    {
         assert!(
             started.elapsed() < Duration::from_secs(60),
             "training never started"
@@ -290,7 +278,7 @@ fn a_frozen_leader_is_deposed_and_changes_nothing_when_it_wakes() {
     }
     signal(&first, "STOP");
     let frozen = Instant::now();
-    while leader_id(&client, &rt).as_deref() != Some("c2") {
+    while keys.leader().as_deref() != Some("c2") {
         assert!(
             frozen.elapsed() < Duration::from_secs(30),
             "the standby never took over"
@@ -320,7 +308,7 @@ fn a_frozen_leader_is_deposed_and_changes_nothing_when_it_wakes() {
     assert_eq!(report["coordinator_failovers"][0]["from"], "c1", "{report}");
     assert_eq!(report["coordinator_failovers"][0]["to"], "c2", "{report}");
     // The last word in etcd is the new leader's: the old one wrote nothing after waking.
-    let last = record(&client, &rt).unwrap();
+    let last = keys.record().unwrap();
     assert_eq!(last["leader"], "c2");
     assert_eq!(last["done"], true);
     for mut m in members {
@@ -421,10 +409,9 @@ fn an_unreachable_etcd_another_jobs_prefix_and_a_changed_job_file_are_refused() 
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = ftrec_testkit::etcd::client(&rt, &etcd.endpoint, "/ftrec/shared");
+    let keys = ftrec_testkit::etcd::JobKeys::new(&etcd.endpoint, "/ftrec/shared");
     let started = Instant::now();
-    while leader_id(&client, &rt).is_none() {
+    while keys.leader().is_none() {
         assert!(
             started.elapsed() < Duration::from_secs(20),
             "job a never led"
@@ -433,12 +420,7 @@ fn an_unreachable_etcd_another_jobs_prefix_and_a_changed_job_file_are_refused() 
     }
     let _ = leader.kill();
     let _ = leader.wait();
-    let claim = || {
-        rt.block_on(client.get_json::<Value>("job"))
-            .unwrap()
-            .unwrap()
-            .0
-    };
+    let claim = || keys.get("job").expect("the job's claim in etcd");
     let claimed = claim();
 
     // Another job (its own secret) with the same prefix: refused, naming the key.
@@ -490,11 +472,10 @@ fn training_goes_on_while_etcd_is_frozen_and_nothing_is_lost_when_it_returns() {
             &["--ft", "ec", "--set", &prefix_set],
         )
     });
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = ftrec_testkit::etcd::client(&rt, &etcd.endpoint, prefix);
+    let keys = ftrec_testkit::etcd::JobKeys::new(&etcd.endpoint, prefix);
     let started = Instant::now();
     let before = loop {
-        if let Some(steps) = record(&client, &rt).and_then(|r| r["settled_through"].as_u64())
+        if let Some(steps) = keys.record().and_then(|r| r["settled_through"].as_u64())
             && steps >= 100
         {
             break steps;
@@ -524,7 +505,7 @@ fn training_goes_on_while_etcd_is_frozen_and_nothing_is_lost_when_it_returns() {
     let started = Instant::now();
     // The first record written after the thaw says where training got to meanwhile.
     let after = loop {
-        if let Some(r) = record(&client, &rt)
+        if let Some(r) = keys.record()
             && r["written_at_unix"].as_f64() > Some(thawed)
         {
             break r["settled_through"].as_u64().unwrap();

@@ -52,14 +52,8 @@ fn etcd_frozen_for_a_minute_while_a_server_dies_loses_nothing() {
         .unwrap();
     // Freeze etcd once training is under way, not at a fixed time: on a loaded CI host
     // the launcher once had not started server 1 by the kill's fixed 16 s.
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = ftrec_testkit::etcd::client(&rt, &etcd.endpoint, "/ftrec/outage");
-    let settled = || {
-        rt.block_on(client.get_json::<Value>("state"))
-            .ok()
-            .flatten()
-            .and_then(|(r, _)| r["settled_through"].as_u64())
-    };
+    let keys = JobKeys::new(&etcd.endpoint, "/ftrec/outage");
+    let settled = || keys.record().and_then(|r| r["settled_through"].as_u64());
     let started = Instant::now();
     while settled() < Some(100) {
         if let Ok(Some(status)) = child.try_wait() {
@@ -228,6 +222,11 @@ fn a_spare_given_a_slot_in_an_etcd_outage_keeps_it_and_its_shard_under_the_next_
     assert!(
         !recoveries.iter().any(|r| r["server"] == 1),
         "the new leader rebuilt slot 1 again: {report}"
+    );
+    assert_eq!(
+        report["unrecorded_recoveries"],
+        serde_json::json!([1]),
+        "the report names the recovery the old leader made: {report}"
     );
 }
 

@@ -18,7 +18,6 @@ use ftrec_testkit::cluster::{event_kinds, launch_announced};
 use serde_json::Value;
 
 use crate::FTREC;
-use crate::cluster_etcd::{leader_id, record};
 use crate::cluster_resume::complete_cuts;
 
 const STEPS: &str = "200";
@@ -327,8 +326,7 @@ fn a_leader_lost_in_the_middle_of_a_move_leaves_the_move_to_its_successor() {
     .unwrap();
     let job_s = job.to_str().unwrap();
     let e = etcd.endpoint.as_str();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let client = ftrec_testkit::etcd::client(&rt, e, "/ftrec/move");
+    let keys = ftrec_testkit::etcd::JobKeys::new(e, "/ftrec/move");
     let c1_out = dir.path().join("c1");
     let mut first = spawn(
         FTREC,
@@ -353,7 +351,7 @@ fn a_leader_lost_in_the_middle_of_a_move_leaves_the_move_to_its_successor() {
         &c1_out,
     );
     let started = Instant::now();
-    while leader_id(&client, &rt).as_deref() != Some("c1") {
+    while keys.leader().as_deref() != Some("c1") {
         assert!(started.elapsed() < Duration::from_secs(20), "c1 never led");
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -361,7 +359,10 @@ fn a_leader_lost_in_the_middle_of_a_move_leaves_the_move_to_its_successor() {
     let mut second = etcd_coordinator(FTREC, dir.path(), job_s, e, "c2", true);
     let mut members = spawn_members(FTREC, dir.path(), job_s, &["--etcd", e]);
     let started = Instant::now();
-    while record(&client, &rt).is_none_or(|r| r["settled_through"].as_u64() < Some(60)) {
+    while keys
+        .record()
+        .is_none_or(|r| r["settled_through"].as_u64() < Some(60))
+    {
         assert!(
             started.elapsed() < Duration::from_secs(60),
             "training never started"
@@ -387,7 +388,8 @@ fn a_leader_lost_in_the_middle_of_a_move_leaves_the_move_to_its_successor() {
     assert!(!status.success(), "c1 dies at its switch");
     // The standby switches: the record names the move, and the new slots wait for servers.
     let started = Instant::now();
-    while record(&client, &rt)
+    while keys
+        .record()
         .is_none_or(|r| r["leader"] != "c2" || r["moves"].as_array().is_none_or(Vec::is_empty))
     {
         assert!(
@@ -396,7 +398,7 @@ fn a_leader_lost_in_the_middle_of_a_move_leaves_the_move_to_its_successor() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let moved = record(&client, &rt).unwrap();
+    let moved = keys.record().unwrap();
     assert_eq!(moved["moves"][0]["to_servers"], 4, "{moved}");
     for id in 0..4 {
         let id = id.to_string();
