@@ -214,7 +214,8 @@ pub fn finished_exact(
 }
 
 /// Leader `c1`, then standby `c2`, the job's servers and workers, and `spares` spares, each
-/// started by hand under the etcd at `endpoint` (logs under `dir`); returned once the
+/// started by hand under the etcd at `endpoint` (logs under `dir`, a spare's in
+/// `spare-N.log`); returned once the
 /// record says `settled` steps settled and every spare joined. The coordinators first.
 #[track_caller]
 pub fn start_with_spares(
@@ -236,11 +237,18 @@ pub fn start_with_spares(
     }
     coordinators.0.push(coordinator("c2", true));
     let mut members = Reaped(spawn_members(ftrec, dir, job, &["--etcd", endpoint]));
+    // The spares log at `info`, so a test can tell when one rebuilt a slot.
     for n in 0..spares {
-        let args = ["server", "--job", job, "--etcd", endpoint, "--spare"];
-        members
-            .0
-            .push(spawn(ftrec, &args, &dir.join(format!("spare-{n}"))));
+        let out = dir.join(format!("spare-{n}"));
+        let spare = ftrec
+            .command()
+            .args(["server", "--job", job, "--etcd", endpoint, "--spare"])
+            .env("FTREC_LOG", "info")
+            .stdout(std::fs::File::create(out.with_extension("json")).unwrap())
+            .stderr(std::fs::File::create(out.with_extension("log")).unwrap())
+            .spawn()
+            .unwrap();
+        members.0.push(spare);
     }
     let spares_in = |r: &serde_json::Value| r["spares"].as_array().map_or(0, Vec::len);
     while keys
@@ -254,4 +262,22 @@ pub fn start_with_spares(
         std::thread::sleep(Duration::from_millis(20));
     }
     (coordinators, members)
+}
+
+/// [`hand_job`] with its keys under `prefix` in the etcd at `endpoint`, and a reader of
+/// those keys.
+#[track_caller]
+pub fn etcd_hand_job(
+    ftrec: Ftrec,
+    dir: &Path,
+    data: &str,
+    steps: u64,
+    (endpoint, prefix): (&str, &str),
+    extra: &[&str],
+) -> (PathBuf, crate::etcd::JobKeys) {
+    let prefix_set = format!("cluster.etcd_prefix=\"{prefix}\"");
+    let mut args = vec!["--set", prefix_set.as_str()];
+    args.extend(extra);
+    let job = hand_job(ftrec, dir, data, "job", steps, &args);
+    (job, crate::etcd::JobKeys::new(endpoint, prefix))
 }

@@ -31,9 +31,13 @@ pub(crate) fn first_epoch(term: u64) -> u64 {
     (term << 20) + 1
 }
 
-/// How long a new leader gives the record's free spares to say which slot, if any, they
+/// The least a new leader gives the record's free spares to say which slot, if any, they
 /// serve by its predecessor's unrecorded assignment: members follow the leader key every
-/// 200 ms, and beat at once when it changes.
+/// 200 ms, and beat at once when it changes. It gives them the members' grace after a
+/// takeover if that is longer (a member whose read of the leader key hung on an etcd
+/// member just thawed hears late; with its test's processes beside four others, a
+/// claimer heard after 1.5 s found its slot declared and was rebuilt). The wait ends
+/// early once every such spare was heard.
 const CLAIMS_WAIT: Duration = Duration::from_millis(1500);
 
 /// Incarnations a leader skips after the record's count when it takes over: more than an
@@ -358,7 +362,7 @@ pub(crate) fn restore(
     let grace_until = tokio::time::Instant::now() + d.leadership.ttl() + member_read;
     // The record's members, spares included, are forgiven.
     s.members.forgive_silence(grace_until);
-    s.members.claims_until = Some(tokio::time::Instant::now() + CLAIMS_WAIT);
+    s.members.claims_until = Some(grace_until.max(tokio::time::Instant::now() + CLAIMS_WAIT));
     s.members.recorded_incarnations = s.members.servers.iter().map(|m| m.incarnation).collect();
     s.members.takeover_fencing = true;
     // An earlier leader acting through an etcd outage may have handed out incarnations

@@ -12,8 +12,8 @@ use serde_json::Value;
 
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::by_hand::{
-    etcd_coordinator, finished_exact, hand_job, listening_address, signal, spawn, spawn_members,
-    wait_exit,
+    etcd_coordinator, etcd_hand_job, finished_exact, hand_job, listening_address, signal, spawn,
+    spawn_members, wait_exit,
 };
 use ftrec_testkit::cli::json_of;
 use ftrec_testkit::etcd::LocalEtcd;
@@ -243,17 +243,9 @@ fn a_frozen_leader_is_deposed_and_changes_nothing_when_it_wakes() {
     let data = FTREC.setup(dir.path());
     let etcd = etcd(dir.path());
     let steps = 1500;
-    let job = hand_job(
-        FTREC,
-        dir.path(),
-        &data,
-        "job",
-        steps,
-        &["--set", "cluster.etcd_prefix=\"/ftrec/frozen\""],
-    );
-    let job_s = job.to_str().unwrap();
     let e = etcd.endpoint.as_str();
-    let keys = ftrec_testkit::etcd::JobKeys::new(e, "/ftrec/frozen");
+    let (job, keys) = etcd_hand_job(FTREC, dir.path(), &data, steps, (e, "/ftrec/frozen"), &[]);
+    let job_s = job.to_str().unwrap();
     let coordinator =
         |id: &str, standby: bool| etcd_coordinator(FTREC, dir.path(), job_s, e, id, standby);
     let mut first = coordinator("c1", false);

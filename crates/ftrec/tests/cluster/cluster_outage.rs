@@ -11,8 +11,8 @@ use ftrec_proto::timeline::EventKind;
 
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::by_hand::{
-    Reaped, finished_exact, hand_job, listening_address, pids_with_args, signal, signal_pid, spawn,
-    spawn_members, start_with_spares, wait_exit,
+    Reaped, etcd_hand_job, finished_exact, hand_job, listening_address, pids_with_args, signal,
+    signal_pid, spawn, spawn_members, start_with_spares, wait_exit,
 };
 use ftrec_testkit::cli::json_of;
 use ftrec_testkit::cluster::timed_events;
@@ -108,17 +108,9 @@ fn spares_survive_a_leader_failover_and_take_a_later_dead_servers_slot() {
     // an idle machine (100-170 steps/s; the kill comes about 17 s in): at 1500 steps the
     // job once ended before the server was killed, and at 3000 it had settled 2830.
     let steps = 6000;
-    let job = hand_job(
-        FTREC,
-        dir.path(),
-        &data,
-        "job",
-        steps,
-        &["--set", "cluster.etcd_prefix=\"/ftrec/spares\""],
-    );
-    let job_s = job.to_str().unwrap();
     let e = etcd.endpoint.as_str();
-    let keys = JobKeys::new(e, "/ftrec/spares");
+    let (job, keys) = etcd_hand_job(FTREC, dir.path(), &data, steps, (e, "/ftrec/spares"), &[]);
+    let job_s = job.to_str().unwrap();
     let (mut coordinators, members) = start_with_spares(FTREC, dir.path(), job_s, e, &keys, 2, 100);
     signal(&coordinators.0[0], "KILL");
     let _ = wait_exit(&mut coordinators.0[0], Duration::from_secs(10));
@@ -174,25 +166,30 @@ fn a_spare_given_a_slot_in_an_etcd_outage_keeps_it_and_its_shard_under_the_next_
     let data = FTREC.setup(dir.path());
     let etcd = ftrec_testkit::etcd::start(&dir.path().join("etcd"));
     let steps = 6000;
-    let job = hand_job(
-        FTREC,
-        dir.path(),
-        &data,
-        "job",
-        steps,
-        &["--set", "cluster.etcd_prefix=\"/ftrec/claims\""],
-    );
-    let job_s = job.to_str().unwrap();
     let e = etcd.endpoint.as_str();
-    let keys = JobKeys::new(e, "/ftrec/claims");
+    let (job, keys) = etcd_hand_job(FTREC, dir.path(), &data, steps, (e, "/ftrec/claims"), &[]);
+    let job_s = job.to_str().unwrap();
     let (mut coordinators, members) = start_with_spares(FTREC, dir.path(), job_s, e, &keys, 2, 100);
     signal_pid(etcd.pid(), "STOP");
     // Past the lease's doubt: the leader now acts without a record.
     std::thread::sleep(Duration::from_secs(2));
     signal(&members.0[1], "KILL");
     // The refused port is evidence enough: a spare takes slot 1 and rebuilds it, all
-    // unrecorded (a rebuild of this model takes well under a second).
-    std::thread::sleep(Duration::from_secs(8));
+    // unrecorded. The leader is lost once the spare says it rebuilt.
+    let killed = Instant::now();
+    let rebuilt = || {
+        (0..2).any(|n| {
+            std::fs::read_to_string(dir.path().join(format!("spare-{n}.log")))
+                .is_ok_and(|log| log.contains("in the background in"))
+        })
+    };
+    while !rebuilt() {
+        assert!(
+            killed.elapsed() < Duration::from_secs(60),
+            "no spare rebuilt slot 1 while etcd was frozen"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     signal(&coordinators.0[0], "KILL");
     let _ = wait_exit(&mut coordinators.0[0], Duration::from_secs(10));
     signal_pid(etcd.pid(), "CONT");

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use ftrec_proto::timeline::EventKind;
 use ftrec_testkit::ClusterRun;
 use ftrec_testkit::by_hand::{
-    etcd_coordinator, finished_exact, hand_job, listening_address, spawn, spawn_members, wait_exit,
+    etcd_coordinator, etcd_hand_job, finished_exact, listening_address, spawn, spawn_members,
+    wait_exit,
 };
 use ftrec_testkit::cluster::{event_kinds, launch_announced};
 use serde_json::Value;
@@ -302,15 +303,14 @@ fn a_leader_lost_in_the_middle_of_a_move_leaves_the_move_to_its_successor() {
     let etcd = ftrec_testkit::etcd::start(&dir.path().join("etcd"));
     let steps = 600;
     let ck = dir.path().join("ck");
-    let job = hand_job(
+    let e = etcd.endpoint.as_str();
+    let (job, keys) = etcd_hand_job(
         FTREC,
         dir.path(),
         &data,
-        "job",
         steps,
+        (e, "/ftrec/move"),
         &[
-            "--set",
-            "cluster.etcd_prefix=\"/ftrec/move\"",
             "--checkpoint-dir",
             ck.to_str().unwrap(),
             "--set",
@@ -325,8 +325,6 @@ fn a_leader_lost_in_the_middle_of_a_move_leaves_the_move_to_its_successor() {
     )
     .unwrap();
     let job_s = job.to_str().unwrap();
-    let e = etcd.endpoint.as_str();
-    let keys = ftrec_testkit::etcd::JobKeys::new(e, "/ftrec/move");
     let c1_out = dir.path().join("c1");
     let mut first = spawn(
         FTREC,
