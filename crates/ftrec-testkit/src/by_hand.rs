@@ -43,13 +43,17 @@ pub fn hand_job(
 
 /// `ftrec args`, its standard output in `out.json` and its standard error in `out.log`.
 pub fn spawn(ftrec: Ftrec, args: &[&str], out: &Path) -> Child {
-    ftrec
-        .command()
+    to_files(ftrec, args, out).spawn().unwrap()
+}
+
+/// `ftrec args` with its standard output in `out.json` and its standard error in `out.log`.
+fn to_files(ftrec: Ftrec, args: &[&str], out: &Path) -> Command {
+    let mut command = ftrec.command();
+    command
         .args(args)
         .stdout(std::fs::File::create(out.with_extension("json")).unwrap())
-        .stderr(std::fs::File::create(out.with_extension("log")).unwrap())
-        .spawn()
-        .unwrap()
+        .stderr(std::fs::File::create(out.with_extension("log")).unwrap());
+    command
 }
 
 /// The 3 servers and 2 workers of a job started by hand; `find` says how they find the
@@ -239,13 +243,9 @@ pub fn start_with_spares(
     let mut members = Reaped(spawn_members(ftrec, dir, job, &["--etcd", endpoint]));
     // The spares log at `info`, so a test can tell when one rebuilt a slot.
     for n in 0..spares {
-        let out = dir.join(format!("spare-{n}"));
-        let spare = ftrec
-            .command()
-            .args(["server", "--job", job, "--etcd", endpoint, "--spare"])
+        let args = ["server", "--job", job, "--etcd", endpoint, "--spare"];
+        let spare = to_files(ftrec, &args, &dir.join(format!("spare-{n}")))
             .env("FTREC_LOG", "info")
-            .stdout(std::fs::File::create(out.with_extension("json")).unwrap())
-            .stderr(std::fs::File::create(out.with_extension("log")).unwrap())
             .spawn()
             .unwrap();
         members.0.push(spare);

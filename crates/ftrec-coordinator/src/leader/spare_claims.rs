@@ -71,9 +71,8 @@ pub(crate) fn claim_of_an_unrecorded_spare(
     if installable {
         spare.assigned = Some(id);
         spare.claims = None;
+        // As `Membership::assign_spare` gives a slot, but serving already, with its shard.
         let member = Member {
-            address: spare.member.address.clone(),
-            pid: spare.member.pid,
             joined: true,
             alive: true,
             ready,
@@ -81,6 +80,7 @@ pub(crate) fn claim_of_an_unrecorded_spare(
             refused: false,
             incarnation,
             cut_off: None,
+            ..spare.member.clone()
         };
         let address = member.address.clone();
         let old = std::mem::replace(&mut s.members.servers[id], member);

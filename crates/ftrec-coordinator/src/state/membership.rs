@@ -191,9 +191,7 @@ impl Membership {
             .spares
             .iter()
             .position(|sp| sp.assigned.is_none() && sp.member.alive && sp.claims == Some(id));
-        let awaiting_claims = self.claims_until.is_some_and(|t| now < t)
-            && self.spares.iter().any(|sp| sp.unheard && sp.member.alive);
-        if claimer.is_none() && awaiting_claims {
+        if claimer.is_none() && self.awaiting_claims(now) {
             return None;
         }
         let first_free = claimer
@@ -315,8 +313,14 @@ impl Membership {
     /// the spare's claim keeps the slot's shard. Declared before the claim came, the slot
     /// was rebuilt from the survivors onto the very spare that held it.
     fn claim_awaited(&self, id: usize, now: Instant) -> bool {
-        self.claims_until.is_some_and(|t| now < t)
+        self.awaiting_claims(now)
             && self.recorded_incarnations.get(id) == self.servers.get(id).map(|m| &m.incarnation)
+    }
+
+    /// Within `claims_until` after a takeover, a live free spare of the record has not yet
+    /// said which slot, if any, it serves.
+    fn awaiting_claims(&self, now: Instant) -> bool {
+        self.claims_until.is_some_and(|t| now < t)
             && self.spares.iter().any(|sp| sp.unheard && sp.member.alive)
     }
 
