@@ -206,6 +206,12 @@ pub struct DeadlinesSection {
     pub hedge_multiple: Option<u32>,
     /// No call is sent again sooner than this. Default 2.
     pub hedge_floor_ms: Option<u64>,
+    /// Empty frames that a connection writes after each burst while it loses packets, so
+    /// that a lost last segment is found in a round trip rather than by TCP's loss-probe
+    /// timer (whole ticks: 8 ms at least at 250 Hz); see `ftrec_rpc::tail_probe`. 2 is
+    /// TCP's duplicate threshold with the burst's own last segment. 0 sends none; at most
+    /// 4. Never under TLS. Default 2.
+    pub tail_probes: Option<u32>,
 }
 
 /// When a step call is sent again on a second connection ([`DeadlinesSection`]'s
@@ -230,6 +236,10 @@ pub const DEFAULT_HEDGE_MULTIPLE: u32 = 3;
 /// `cluster.deadlines.hedge_floor_ms` when unset.
 pub const DEFAULT_HEDGE_FLOOR_MS: u64 = 2;
 
+/// `cluster.deadlines.tail_probes` when unset, and the most it may be.
+pub const DEFAULT_TAIL_PROBES: u32 = 2;
+pub const MAX_TAIL_PROBES: u32 = 4;
+
 /// `cluster.deadlines.retransmit_min_ms` when unset.
 pub const DEFAULT_RETRANSMIT_MIN_MS: u64 = 5;
 /// The least the kernel takes for `TCP_RTO_MIN_US` and `TCP_DELACK_MAX_US`, in ms.
@@ -248,6 +258,8 @@ pub struct Deadlines {
     pub retransmit_min: Option<std::time::Duration>,
     /// None: no call is sent twice.
     pub hedge: Option<Hedge>,
+    /// Probes after each burst of a connection losing packets; 0: none.
+    pub tail_probes: u32,
 }
 
 /// `[ec]`: erasure coding (`cluster.ft = "ec"` or `"ec+checkpoint"`).
@@ -493,6 +505,14 @@ impl ClusterSection {
                 self.deadlines().step.as_millis()
             )));
         }
+        if let Some(v) = d.tail_probes
+            && v > MAX_TAIL_PROBES
+        {
+            return Err(ConfigError::Invalid(format!(
+                "cluster.deadlines.tail_probes = {v}: at most {MAX_TAIL_PROBES} (TCP retransmits \
+                 at once with 2 segments past a hole; more only cost segments)"
+            )));
+        }
         if self.control_plane_grace_s == 0 {
             return Err(ConfigError::Invalid(
                 "cluster.control_plane_grace_s = 0: a member needs some time to wait for the \
@@ -531,6 +551,7 @@ impl ClusterSection {
                     multiple,
                     floor: ms(d.hedge_floor_ms.unwrap_or(DEFAULT_HEDGE_FLOOR_MS)),
                 }),
+            tail_probes: d.tail_probes.unwrap_or(DEFAULT_TAIL_PROBES),
         }
     }
 }

@@ -11,6 +11,7 @@ use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Uri};
 
 use crate::hedge::first_answer;
 use crate::network::{Network, Transport};
+use crate::tail_probe::{Side, TailProbes};
 
 use crate::PsError;
 use crate::auth::{AttachSecret, JobSecret, TlsMaterial};
@@ -18,7 +19,7 @@ use ftrec_proto::proto::parameter_server_client;
 use ftrec_proto::proto::{AppliedRequest, HeartbeatRequest, coordinator_client};
 
 pub type AuthChannel = InterceptedService<Channel, AttachSecret>;
-type TcpIo = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
+type TcpIo = hyper_util::rt::TokioIo<TailProbes<tokio::net::TcpStream>>;
 pub type CoordinatorClient = coordinator_client::CoordinatorClient<AuthChannel>;
 pub type ServerClient = parameter_server_client::ParameterServerClient<AuthChannel>;
 
@@ -50,6 +51,9 @@ pub struct Liveness {
     /// (`cluster.deadlines.retransmit_min_ms`, Linux 6.15+; see `retransmit.rs`). None:
     /// the kernel's own.
     pub retransmit_min: Option<Duration>,
+    /// Tail probes after each burst while the connection loses packets
+    /// (`cluster.deadlines.tail_probes`; see `tail_probe.rs`). 0: none, as under TLS.
+    pub tail_probes: u32,
 }
 
 impl Liveness {
@@ -59,6 +63,7 @@ impl Liveness {
             ping_after: deadlines.heartbeat,
             give_up_after: deadlines.stream_progress,
             retransmit_min: deadlines.retransmit_min,
+            tail_probes: deadlines.tail_probes,
         }
     }
 
@@ -192,6 +197,12 @@ impl Connector {
         #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
         http.set_tcp_user_timeout(Some(self.liveness.give_up_after));
         let liveness = self.liveness;
+        // No byte may be added inside TLS's stream, and tonic puts TLS over this one.
+        let probes = if self.tls.is_some() {
+            0
+        } else {
+            liveness.tail_probes
+        };
         tower::service_fn(move |uri: Uri| {
             let first = tower::ServiceExt::oneshot(http.clone(), uri.clone());
             let second = tower::ServiceExt::oneshot(http.clone(), uri);
@@ -199,8 +210,9 @@ impl Connector {
                 let io = first_answer(first, Some((SECOND_DIAL_AFTER, second)))
                     .await
                     .result?;
-                liveness.tune_retransmits(io.inner());
-                Ok(io)
+                let stream = io.into_inner();
+                liveness.tune_retransmits(&stream);
+                Ok(TcpIo::new(TailProbes::new(stream, Side::Client, probes)))
             }
         })
     }
@@ -409,6 +421,7 @@ mod tests {
             ping_after: Duration::from_millis(400),
             give_up_after: Duration::from_millis(2_500),
             retransmit_min: None,
+            tail_probes: 0,
         };
         liveness.tune(&accepted);
         assert_eq!(
@@ -447,7 +460,10 @@ mod tests {
             "an untuned socket has the kernel's floor"
         );
         liveness.tune(&accepted);
-        for (end, socket) in [("accepted", &accepted), ("dialled", dialled.inner())] {
+        for (end, socket) in [
+            ("accepted", &accepted),
+            ("dialled", dialled.inner().get_ref()),
+        ] {
             let floor = crate::retransmit::rto_min(socket).unwrap();
             // The kernel rounds up to whole jiffies (8 ms at HZ = 250).
             assert!(
@@ -500,6 +516,7 @@ mod tests {
                 ping_after: Duration::from_millis(400),
                 give_up_after: Duration::from_millis(2_000),
                 retransmit_min: Some(Duration::from_millis(5)),
+                tail_probes: 2,
             }
         );
     }

@@ -227,7 +227,12 @@ impl Job {
         host: &str,
         port: u16,
     ) -> Result<(crate::network::Incoming, String), PsError> {
-        self.network.bind(host, port, self.liveness()).await
+        let mut liveness = self.liveness();
+        if self.tls.is_some() {
+            // tonic puts TLS over these connections: no byte may be added in its stream.
+            liveness.tail_probes = 0;
+        }
+        self.network.bind(host, port, liveness).await
     }
 
     /// Heartbeats' own clients: two connections of their own (see [`HeartbeatClient`]),

@@ -19,6 +19,7 @@ pub mod leader;
 pub mod metrics;
 pub mod network;
 pub mod stream;
+pub mod tail_probe;
 
 pub use error::PsError;
 pub use job::Job;

@@ -106,7 +106,8 @@ impl Network {
     /// Listens on `host:port` (port 0: any) and returns the connections with the address
     /// the listener got. Accepted TCP connections give up on a silent peer as `liveness`
     /// says (keepalive probes, `TCP_USER_TIMEOUT`): tonic's own settings for them do not
-    /// apply to connections it is handed.
+    /// apply to connections it is handed. They send `liveness.tail_probes` tail probes
+    /// (the caller sets none under TLS).
     pub async fn bind(
         &self,
         host: &str,
@@ -128,7 +129,11 @@ impl Network {
             .map(move |accepted| {
                 accepted.map(|stream| {
                     liveness.tune(&stream);
-                    Conn::new(stream)
+                    Conn::new(crate::tail_probe::TailProbes::new(
+                        stream,
+                        crate::tail_probe::Side::Server,
+                        liveness.tail_probes,
+                    ))
                 })
             });
         Ok((incoming.boxed(), address))

@@ -41,6 +41,30 @@ pub(crate) fn tune(socket: &impl AsRawFd, min: Option<Duration>) {
     }
 }
 
+/// How many segments `socket` has retransmitted in its life (`tcpi_total_retrans`): what
+/// turns a connection's tail probes on (`tail_probe.rs`).
+pub(crate) fn total_retransmits(socket: &impl AsRawFd) -> io::Result<u32> {
+    // SAFETY: tcp_info is plain integers, for which all zeroes is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: the descriptor is open for the borrow of `socket`; `info` is a live tcp_info
+    // and `len` holds its exact size, so the kernel writes at most that many bytes into it
+    // (an older kernel writes fewer, and the rest stays zero).
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(info.tcpi_total_retrans)
+}
+
 /// `socket`'s minimum retransmission timeout, as the kernel rounded it (tests).
 #[cfg(test)]
 pub(crate) fn rto_min(socket: &impl AsRawFd) -> io::Result<Duration> {

@@ -224,6 +224,7 @@ async fn keepalive_closes_a_connection_whose_link_died_under_an_open_stream() {
             ping_after: Duration::from_millis(200),
             give_up_after: SILENCE,
             retransmit_min: None,
+            tail_probes: 2,
         })
         .server(&relay)
         .unwrap();
