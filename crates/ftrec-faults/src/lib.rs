@@ -75,9 +75,12 @@ pub mod points {
     /// A coordinator, with the coordinated cut of step N committed and reported (with
     /// etcd, recorded), before it prunes older cuts: a leader lost just after a cut.
     pub const CUT_COMMITTED: &str = "cut-committed";
+    /// A coordinator, told that a server's background rebuild ended, before it notes it:
+    /// a leader lost while its record still has the slot rebuilding.
+    pub const REBUILD_ENDED: &str = "rebuild-ended";
 
     /// Every point, for validating specs.
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 17] = [
         PREPARE,
         COMMIT,
         REBUILD,
@@ -94,6 +97,7 @@ pub mod points {
         SWITCH,
         TAKEOVER,
         CUT_COMMITTED,
+        REBUILD_ENDED,
     ];
 
     /// The actions the code at `point` takes: a spec asking a point for another is

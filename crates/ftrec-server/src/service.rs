@@ -305,7 +305,12 @@ impl ParameterServer for Service {
         let req = req.into_inner();
         core.pipeline.check_epoch_forward(req.epoch)?;
         core.raise_fence(req.epoch)?;
-        Ok(Response::new(core.pipeline.applied_of(&req.steps)))
+        let reply = core.pipeline.applied_of(&req.steps);
+        let rebuild_unfinished = !core.pipeline.shard_read()?.holds_its_rows();
+        Ok(Response::new(AppliedReply {
+            rebuild_unfinished,
+            ..reply
+        }))
     }
 
     type FetchRowsStream =

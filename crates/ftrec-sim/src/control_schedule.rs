@@ -76,6 +76,9 @@ pub enum CoordinatorPoint {
     /// The first leader, with the cut of step [`CUT_COMMITTED_STEP`] committed and
     /// reported, before it prunes (the job must take cuts: `checkpoints`).
     CutCommitted,
+    /// The first leader, told that a background rebuild ended, before it notes it: its
+    /// record still has the slot rebuilding (a server must fail: `member`).
+    RebuildEnded,
 }
 
 /// The cut after which [`CoordinatorPoint::CutCommitted`] strikes: the first of the run's
@@ -88,6 +91,7 @@ impl CoordinatorPoint {
             Self::Recovery => ftrec_faults::points::RECOVERY,
             Self::Takeover => ftrec_faults::points::TAKEOVER,
             Self::CutCommitted => ftrec_faults::points::CUT_COMMITTED,
+            Self::RebuildEnded => ftrec_faults::points::REBUILD_ENDED,
         }
     }
 
@@ -95,7 +99,7 @@ impl CoordinatorPoint {
     pub fn step(self) -> Option<u64> {
         match self {
             Self::CutCommitted => Some(CUT_COMMITTED_STEP),
-            Self::Recovery | Self::Takeover => None,
+            Self::Recovery | Self::Takeover | Self::RebuildEnded => None,
         }
     }
 
@@ -103,7 +107,7 @@ impl CoordinatorPoint {
     /// standby for a takeover.
     pub fn coordinator(self) -> usize {
         match self {
-            Self::Recovery | Self::CutCommitted => 0,
+            Self::Recovery | Self::CutCommitted | Self::RebuildEnded => 0,
             Self::Takeover => 1,
         }
     }

@@ -4,6 +4,7 @@
 //! without a record (`spare_claims.rs`); `OutageClock`, how a wait for etcd says so.
 
 pub(crate) mod durable;
+pub(crate) mod finished_rebuilds;
 pub mod progress;
 pub(crate) mod spare_claims;
 pub(crate) mod takeover;

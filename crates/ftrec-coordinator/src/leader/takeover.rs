@@ -108,7 +108,8 @@ async fn fence_all(
 }
 
 async fn attempt(shared: &Arc<Shared>, settled_through: u64) -> Result<(), PsError> {
-    let (epoch, clients) = live_servers(shared)?;
+    let (epoch, mut clients) = live_servers(shared)?;
+    let kept = crate::leader::finished_rebuilds::ask(shared, epoch, &mut clients).await?;
     // Under 2PC: the fence goes up first, so no step of an older epoch commits from here
     // on, and the steps some server committed are finished where they are prepared.
     let finish = if shared.job.config.two_phase_commit() {
@@ -157,6 +158,7 @@ async fn attempt(shared: &Arc<Shared>, settled_through: u64) -> Result<(), PsErr
     }
     let fenced: Vec<usize> = clients.iter().map(|(i, _)| *i).collect();
     crate::leader::spare_claims::vet_claimers(&mut s, &fenced, &replies)?;
+    crate::leader::finished_rebuilds::vet(&mut s, &kept, &fenced, &replies)?;
     s.members.takeover_fencing = false;
     let total = s.steps.ledger.total();
     s.steps.ledger = StepLedger::taken_over(total, from, end, epoch);
@@ -433,10 +435,12 @@ pub(crate) fn restore(
     // A recovery the old leader had not finished is run again: slots it was waiting for,
     // and slots rebuilding in the background (their rebuild restarts).
     let mut failed: Vec<usize> = record.failed;
-    failed.extend(record.rebuilding);
+    failed.extend(record.rebuilding.iter().copied());
     failed.sort_unstable();
     failed.dedup();
     s.recovery.failed = failed.iter().map(|&id| (id, now)).collect();
+    // The record's last write may lag a rebuild's end: the takeover asks those slots.
+    s.recovery.rebuilds_to_ask = record.rebuilding;
     // Until the takeover has every server in the new epoch, nothing is planned or granted.
     s.phase = Phase::Recovering;
     s.busy = true;

@@ -38,6 +38,7 @@ pub(super) async fn follow_background(
     let failure = loop {
         match stream.message().await {
             Ok(Some(reply)) if reply.done => {
+                shared.die_at(ftrec_faults::points::REBUILD_ENDED).await;
                 let mut s = shared.lock();
                 if !s.recovery.rebuild_ended(server, epoch) {
                     return;

@@ -18,6 +18,10 @@ pub(crate) struct Recoveries {
     pub(crate) failed: Vec<(usize, f64)>,
     /// Servers rebuilding in the background, with the epoch their rebuild began in.
     pub(crate) rebuilding: Vec<(usize, u64)>,
+    /// A new leader's record had these slots rebuilding in the background: its last write
+    /// may lag a rebuild's end, so the takeover asks their processes
+    /// (`leader/finished_rebuilds.rs`).
+    pub(crate) rebuilds_to_ask: Vec<usize>,
     pub(crate) recoveries: Vec<Recovery>,
     /// Slots an earlier leader recovered through an etcd outage without a record, whose
     /// replacement this leader kept (`leader/spare_claims.rs`): their recoveries' times

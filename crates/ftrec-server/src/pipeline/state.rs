@@ -146,6 +146,7 @@ impl UpdatePipeline {
             shard_digest: String::new(),
             applied_low: applied.low(),
             applied_end: applied.end(),
+            rebuild_unfinished: false,
         }
     }
 

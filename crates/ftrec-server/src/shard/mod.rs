@@ -43,6 +43,8 @@ pub struct Shard {
     redundancy: Option<Redundancy>,
     /// A replacement rebuilding in the background: the slots not yet decoded.
     pending: Option<Pending>,
+    /// A replacement's zeros, until a rebuild or a restore installs the slot's rows.
+    awaiting_rows: bool,
 }
 
 /// A shard configuration's dense state holding one server's range packed at the front:
@@ -217,6 +219,7 @@ impl Shard {
         let full = DenseState::initial(global, seed)?;
         redundancy.replica = Redundancy::initial_replica(global, layout, server, &full)?;
         shard.redundancy = Some(redundancy);
+        shard.awaiting_rows = true;
         Ok(shard)
     }
 
@@ -242,6 +245,7 @@ impl Shard {
             state,
             redundancy: None,
             pending: None,
+            awaiting_rows: false,
         })
     }
 
@@ -369,7 +373,15 @@ impl Shard {
         }
         self.state = state;
         self.pending = None;
+        self.awaiting_rows = false;
         Ok(())
+    }
+
+    /// Whether every row of the slot is here: not a replacement waiting for its rebuild,
+    /// nor one whose background rebuild has slots left. A leader that takes over from one
+    /// whose record lags a rebuild's end asks it (`AppliedReply::rebuild_unfinished`).
+    pub fn holds_its_rows(&self) -> bool {
+        !self.awaiting_rows && self.pending.is_none()
     }
 }
 

@@ -200,3 +200,38 @@ fn shards_reassemble_into_the_global_model_bit_for_bit() {
         assert_eq!(back.digest(), global.digest(), "{servers} servers");
     }
 }
+
+/// A new leader keeps a slot's rows when its process says it holds them all: a
+/// replacement's zeros must never say so, nor a shard with a background rebuild's slots
+/// left; a restore's or a finished rebuild's must.
+#[test]
+fn only_a_shard_whose_rebuild_ended_or_that_was_restored_holds_its_rows() {
+    let config = model();
+    let params = ftrec_ec::EcParams {
+        k: 2,
+        r: 1,
+        groups: 1,
+    };
+    let layout = Layout::striped(ftrec_ec::StripeLayout::new(params, 3).unwrap());
+    assert!(
+        Shard::initial(&config, 7, layout, 1)
+            .unwrap()
+            .holds_its_rows()
+    );
+    let mut replacement = Shard::awaiting_rebuild(&config, 7, layout, 1).unwrap();
+    assert!(!replacement.holds_its_rows());
+    let state = Shard::initial(&config, 7, layout, 1)
+        .unwrap()
+        .state()
+        .clone();
+    replacement.replace_state(state).unwrap();
+    assert!(replacement.holds_its_rows());
+    let slots = Shard::shard_config(&config, layout, 1).unwrap().table_rows;
+    let mut pending = Pending::new(&slots, &vec![0; slots.len()]);
+    pending.mark_data(0, 0);
+    replacement.begin_background_rebuild(pending);
+    assert!(!replacement.holds_its_rows());
+    let row = vec![0u8; config.row_stride() * 4];
+    replacement.install_decoded(0, &[(0, &row)]).unwrap();
+    assert!(replacement.holds_its_rows());
+}

@@ -512,6 +512,49 @@ fn a_leader_killed_mid_recovery_or_its_successor_mid_takeover_is_survived() {
     }
 }
 
+/// The leader killed as it hears that server 1's replacement ended its background
+/// rebuild, so its record still has the slot rebuilding (as a write an etcd outage held,
+/// applied after the rebuild ended, leaves it). The successor asks the slot's process,
+/// which holds every row: it keeps them, and nobody rebuilds the slot again (before, the
+/// successor rebuilt it from the survivors, a second window of lost redundancy).
+#[test]
+fn a_rebuild_that_ended_after_the_records_last_write_is_not_run_again() {
+    ftrec_sim::logs_from_env();
+    let schedule = ControlSchedule {
+        member: Some((Duration::from_millis(600), Member::Server(1))),
+        coordinator_kill: Some(CoordinatorPoint::RebuildEnded),
+        ..ControlSchedule::default()
+    };
+    let (outcome, violations) = simulate(5, schedule, false, STEPS, Outage::TrainThrough);
+    assert!(violations.is_empty(), "{schedule}: {violations:?}");
+    let mut deciders: Vec<usize> = outcome.grants.iter().map(|g| g.coordinator).collect();
+    deciders.dedup();
+    assert_eq!(
+        deciders,
+        vec![0, 1],
+        "{schedule}: the point fired, the standby finished"
+    );
+    let finished = outcome.outcome.expect("the run ended");
+    let starts = finished
+        .trace
+        .iter()
+        .filter(|l| l.contains("rebuild-start"))
+        .count();
+    assert_eq!(
+        starts, 0,
+        "{schedule}: the successor rebuilt the slot again: {:#?}",
+        finished.trace
+    );
+    assert!(
+        finished
+            .trace
+            .iter()
+            .any(|l| l.contains("ended under an earlier leader")),
+        "{schedule}: the successor kept the rebuilt rows: {:#?}",
+        finished.trace
+    );
+}
+
 /// The leader killed by its own fault point just after it reported the cut of step 30
 /// committed. A cut it reported is one its successor knows: the report waits for the etcd
 /// record that holds the cut. Before, the record followed at the next flush: the new

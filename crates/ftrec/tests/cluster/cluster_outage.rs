@@ -203,28 +203,48 @@ fn a_spare_given_a_slot_in_an_etcd_outage_keeps_it_and_its_shard_under_the_next_
     assert_eq!(report["lost_samples"], 0, "{report}");
     assert_eq!(report["parity_mismatches"], 0, "{report}");
     let events = ftrec_testkit::cluster::events(&dir.path().join("c2"));
-    assert!(
-        events
-            .iter()
-            .any(|(kind, text)| *kind == EventKind::Replacement
-                && text.contains("serves server 1")
-                && text.contains("keeps the slot and its shard")),
-        "the spare kept slot 1: {:?}",
+    let shown = || {
         events
             .iter()
             .filter(|(kind, _)| *kind != EventKind::StepSettled)
             .collect::<Vec<_>>()
-    );
-    let recoveries = report["recoveries"].as_array().unwrap();
+    };
     assert!(
-        !recoveries.iter().any(|r| r["server"] == 1),
-        "the new leader rebuilt slot 1 again: {report}"
+        !events
+            .iter()
+            .any(|(kind, _)| *kind == EventKind::RebuildStart),
+        "the new leader rebuilt slot 1 again: {:?}",
+        shown()
     );
-    assert_eq!(
-        report["unrecorded_recoveries"],
-        serde_json::json!([1]),
-        "the report names the recovery the old leader made: {report}"
-    );
+    let claimed = events.iter().any(|(kind, text)| {
+        *kind == EventKind::Replacement
+            && text.contains("serves server 1")
+            && text.contains("keeps the slot and its shard")
+    });
+    let recoveries = report["recoveries"].as_array().unwrap();
+    if claimed {
+        assert!(
+            !recoveries.iter().any(|r| r["server"] == 1),
+            "the new leader recovered slot 1 again: {report}"
+        );
+        assert_eq!(
+            report["unrecorded_recoveries"],
+            serde_json::json!([1]),
+            "the report names the recovery the old leader made: {report}"
+        );
+    } else {
+        // The old leader's last write, held in the frozen etcd's socket, was applied when
+        // etcd thawed (about one CI run in twenty): the record names the spare in slot 1,
+        // rebuilding or rebuilt, and the recovery is on record. The new leader asked the
+        // spare and kept its rows (`leader/finished_rebuilds.rs`, the simulator's
+        // `a_rebuild_that_ended_after_the_records_last_write_is_not_run_again`).
+        assert!(
+            recoveries.iter().any(|r| r["server"] == 1),
+            "neither a claim nor a record of slot 1's recovery: {report} {:?}",
+            shown()
+        );
+        assert!(report.get("unrecorded_recoveries").is_none(), "{report}");
+    }
 }
 
 /// Hole 1, asynchronous workers: the leader SIGKILLed as soon as a replacement rebuilds
