@@ -75,41 +75,35 @@ pub(crate) fn vet(
     if kept.is_empty() {
         return Ok(());
     }
-    let others_end = fenced
+    let (behind, others_end) = super::behind_the_others(fenced, replies, |i| kept.contains(&i));
+    let now = s.timeline.now();
+    for &(id, end) in &behind {
+        s.recovery.failed.push((id, now));
+        s.timeline.event_about(
+            EventKind::Coordinator,
+            Subject::Server(id as u32),
+            None,
+            format!(
+                "server {id} says its background rebuild ended, but it applied steps up \
+                 to {end} only, the others up to {}: it is rebuilt again",
+                others_end.unwrap_or_default()
+            ),
+        );
+    }
+    for &id in fenced
         .iter()
-        .zip(replies)
-        .filter(|(i, _)| !kept.contains(i))
-        .map(|(_, r)| r.applied_end)
-        .max();
-    let mut behind = Vec::new();
-    for (&id, reply) in fenced.iter().zip(replies).filter(|(i, _)| kept.contains(i)) {
-        let now = s.timeline.now();
-        if others_end.is_some_and(|end| reply.applied_end < end) {
-            behind.push(id);
-            s.recovery.failed.push((id, now));
-            s.timeline.event_about(
-                EventKind::Coordinator,
-                Subject::Server(id as u32),
-                None,
-                format!(
-                    "server {id} says its background rebuild ended, but it applied steps up \
-                     to {} only, the others up to {}: it is rebuilt again",
-                    reply.applied_end,
-                    others_end.unwrap_or_default()
-                ),
-            );
-        } else {
-            s.timeline.event_about(
-                EventKind::RebuildEnd,
-                Subject::Server(id as u32),
-                None,
-                format!(
-                    "server {id}: its background rebuild ended under an earlier leader, \
-                     after the record's last write; it keeps its rows; full redundancy \
-                     restored"
-                ),
-            );
-        }
+        .filter(|i| kept.contains(i) && !behind.iter().any(|(b, _)| b == *i))
+    {
+        s.timeline.event_about(
+            EventKind::RebuildEnd,
+            Subject::Server(id as u32),
+            None,
+            format!(
+                "server {id}: its background rebuild ended under an earlier leader, \
+                 after the record's last write; it keeps its rows; full redundancy \
+                 restored"
+            ),
+        );
     }
     if behind.is_empty() {
         return Ok(());

@@ -11,6 +11,33 @@ pub(crate) mod takeover;
 
 use std::time::Duration;
 
+use ftrec_proto::proto::AppliedReply;
+
+/// Of the fenced servers in `set`, those that applied fewer steps than the most any fenced
+/// server outside it did, with their ends; and that most (None: every fenced server is
+/// in `set`). A slot whose rows a takeover keeps without a rebuild (a spare's claim, a
+/// rebuild that ended after the record's last write) must have applied every step the
+/// others did, or it misses one they hold.
+pub(crate) fn behind_the_others(
+    fenced: &[usize],
+    replies: &[AppliedReply],
+    in_set: impl Fn(usize) -> bool,
+) -> (Vec<(usize, u64)>, Option<u64>) {
+    let others_end = fenced
+        .iter()
+        .zip(replies)
+        .filter(|(i, _)| !in_set(**i))
+        .map(|(_, r)| r.applied_end)
+        .max();
+    let behind = fenced
+        .iter()
+        .zip(replies)
+        .filter(|(i, r)| in_set(**i) && others_end.is_some_and(|end| r.applied_end < end))
+        .map(|(&i, r)| (i, r.applied_end))
+        .collect();
+    (behind, others_end)
+}
+
 /// How often a wait for an etcd that does not answer says so.
 const OUTAGE_REPORT: Duration = Duration::from_secs(60);
 

@@ -141,18 +141,7 @@ pub(crate) fn vet_claimers(
         )));
     }
     let claimed = &s.members.claimed;
-    let others_end = fenced
-        .iter()
-        .zip(replies)
-        .filter(|(i, _)| !claimed.contains(i))
-        .map(|(_, r)| r.applied_end)
-        .max();
-    let behind: Vec<(usize, u64)> = fenced
-        .iter()
-        .zip(replies)
-        .filter(|(i, r)| claimed.contains(i) && others_end.is_some_and(|e| r.applied_end < e))
-        .map(|(i, r)| (*i, r.applied_end))
-        .collect();
+    let (behind, others_end) = super::behind_the_others(fenced, replies, |i| claimed.contains(&i));
     if behind.is_empty() {
         s.members.claimed.clear();
         return Ok(());

@@ -99,6 +99,14 @@ fn simulate(
     (outcome, violations)
 }
 
+/// The coordinators that granted steps, in turn (a leader that grants again after another
+/// did appears twice): which fault points fired, and who finished.
+fn deciders(outcome: &ControlOutcome) -> Vec<usize> {
+    let mut deciders: Vec<usize> = outcome.grants.iter().map(|g| g.coordinator).collect();
+    deciders.dedup();
+    deciders
+}
+
 /// etcd paused at 0.4 s for `lasting`, with `member` crashed at its moment, and nothing
 /// else: synchronous workers, no cuts.
 fn etcd_paused(lasting: Duration, member: Option<(Duration, Member)>) -> ControlSchedule {
@@ -170,8 +178,7 @@ fn the_standby_takes_over_a_leader_killed_mid_run_and_the_run_ends_exact() {
             "seed {seed}: {violations:?}\n  replay: FTREC_SIM_SEED={seed} cargo test -p \
              ftrec-sim --test it control_plane::the_standby"
         );
-        let mut deciders: Vec<usize> = outcome.grants.iter().map(|g| g.coordinator).collect();
-        deciders.dedup();
+        let deciders = deciders(&outcome);
         assert_eq!(
             deciders,
             vec![0, 1],
@@ -506,8 +513,7 @@ fn a_leader_killed_mid_recovery_or_its_successor_mid_takeover_is_survived() {
     for (schedule, want) in cases {
         let (outcome, violations) = simulate(5, schedule, false, STEPS, Outage::TrainThrough);
         assert!(violations.is_empty(), "{schedule}: {violations:?}");
-        let mut deciders: Vec<usize> = outcome.grants.iter().map(|g| g.coordinator).collect();
-        deciders.dedup();
+        let deciders = deciders(&outcome);
         assert_eq!(deciders, want, "{schedule}: who granted");
     }
 }
@@ -527,8 +533,7 @@ fn a_rebuild_that_ended_after_the_records_last_write_is_not_run_again() {
     };
     let (outcome, violations) = simulate(5, schedule, false, STEPS, Outage::TrainThrough);
     assert!(violations.is_empty(), "{schedule}: {violations:?}");
-    let mut deciders: Vec<usize> = outcome.grants.iter().map(|g| g.coordinator).collect();
-    deciders.dedup();
+    let deciders = deciders(&outcome);
     assert_eq!(
         deciders,
         vec![0, 1],
@@ -570,8 +575,7 @@ fn a_leader_killed_just_after_it_reported_a_cut_leaves_that_cut_to_its_successor
     };
     let (outcome, violations) = simulate(7, schedule, false, STEPS, Outage::TrainThrough);
     assert!(violations.is_empty(), "{schedule}: {violations:?}");
-    let mut deciders: Vec<usize> = outcome.grants.iter().map(|g| g.coordinator).collect();
-    deciders.dedup();
+    let deciders = deciders(&outcome);
     assert_eq!(
         deciders,
         vec![0, 1],
