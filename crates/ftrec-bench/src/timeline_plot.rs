@@ -19,14 +19,7 @@ pub fn plot_timeline(timeline: &TimelineData, out: &Path, title: &str) -> Result
     let root = BitMapBackend::new(out, (1000, 500)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let seconds = timeline.samples_per_second.len().max(1) as f64;
-    let top = timeline
-        .samples_per_second
-        .iter()
-        .copied()
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64
-        * 1.15;
+    let (top, clipped) = y_top(&timeline.samples_per_second);
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))
         .margin(12)
@@ -50,7 +43,13 @@ pub fn plot_timeline(timeline: &TimelineData, out: &Path, title: &str) -> Result
             BLUE.stroke_width(2),
         ))
         .map_err(|e| err(e.to_string()))?
-        .label("throughput")
+        .label(if clipped > 0 {
+            // A backlog that settles at once after a stall lands in one second, tens of
+            // times the usual rate; drawn to scale, it would flatten everything else.
+            format!("throughput ({clipped} s above the top: backlogs settled at once)")
+        } else {
+            "throughput".to_string()
+        })
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
     for (kind, color) in [
         (EventKind::Killed, RED),
@@ -83,4 +82,44 @@ pub fn plot_timeline(timeline: &TimelineData, out: &Path, title: &str) -> Result
         .draw()
         .map_err(|e| err(e.to_string()))?;
     root.present().map_err(|e| err(e.to_string()))
+}
+
+/// The plot's top, and how many seconds lie above it: 30% over the 99th percentile, so
+/// that a second or two of settled backlog does not set the scale, or 15% over the peak
+/// where the peak is not much above the rest.
+fn y_top(samples_per_second: &[u64]) -> (f64, usize) {
+    let mut sorted = samples_per_second.to_vec();
+    sorted.sort_unstable();
+    let peak = sorted.last().copied().unwrap_or(1).max(1) as f64;
+    let p99 = sorted
+        .get((sorted.len() * 99 / 100).min(sorted.len().saturating_sub(1)))
+        .copied()
+        .unwrap_or(1)
+        .max(1) as f64;
+    let top = (p99 * 1.3).min(peak * 1.15);
+    let clipped = samples_per_second
+        .iter()
+        .filter(|&&n| n as f64 > top)
+        .count();
+    (top, clipped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_settled_backlog_does_not_set_the_scale() {
+        let mut run = vec![30_000u64; 600];
+        run[300] = 900_000;
+        let (top, clipped) = y_top(&run);
+        assert!((top - 39_000.0).abs() < 1.0, "{top}");
+        assert_eq!(clipped, 1);
+        // No outlier: the peak sets the scale, and nothing is clipped.
+        let steady: Vec<u64> = (0..600).map(|i| 29_000 + (i % 7) * 300).collect();
+        let (top, clipped) = y_top(&steady);
+        assert!((top - 30_800.0 * 1.15).abs() < 1.0, "{top}");
+        assert_eq!(clipped, 0);
+        assert_eq!(y_top(&[]), (1.15, 0));
+    }
 }
