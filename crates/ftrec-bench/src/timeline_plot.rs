@@ -77,6 +77,9 @@ pub fn plot_timeline(timeline: &TimelineData, out: &Path, title: &str) -> Result
     }
     chart
         .configure_series_labels()
+        // Below the curve: a run's throughput spends its time in the upper half, and only
+        // a stall's dips reach down here.
+        .position(SeriesLabelPosition::LowerRight)
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()
