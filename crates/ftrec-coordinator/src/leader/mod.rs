@@ -1,7 +1,10 @@
 //! Leading with a standby (`cluster.membership = "etcd"`): the durable record a standby
 //! needs (`durable.rs`), how a standby that won the election takes the job over
-//! (`takeover.rs`), and the spares an earlier leader gave slots through an etcd outage,
-//! without a record (`spare_claims.rs`); `OutageClock`, how a wait for etcd says so.
+//! (`takeover.rs`), the spares an earlier leader gave slots through an etcd outage,
+//! without a record (`spare_claims.rs`), and the background rebuilds that ended after the
+//! record's last write (`finished_rebuilds.rs`); `behind_the_others`, the check both of
+//! those last two make before a slot keeps its rows; `OutageClock`, how a wait for etcd
+//! says so.
 
 pub(crate) mod durable;
 pub(crate) mod finished_rebuilds;
