@@ -16,6 +16,7 @@ mod error;
 pub mod layers;
 pub mod metrics;
 pub mod params;
+pub mod prefetch;
 #[cfg(test)]
 mod testing;
 

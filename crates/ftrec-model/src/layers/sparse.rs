@@ -135,17 +135,7 @@ pub(crate) fn pool_sample_from(bags: &Bags, table: &EmbeddingTable, b: usize, ds
 pub(crate) fn prefetch_bag(bags: &Bags, table: &EmbeddingTable, b: usize) {
     let (lo, hi) = (bags.offsets[b] as usize, bags.offsets[b + 1] as usize);
     for &row in &bags.rows[lo..hi] {
-        for line in table.embedding(row as usize).chunks(16) {
-            // SAFETY: a prefetch is a hint: it never faults and changes no memory.
-            #[cfg(target_arch = "x86_64")]
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                    line.as_ptr().cast(),
-                )
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            let _ = line;
-        }
+        crate::prefetch::prefetch_read(table.embedding(row as usize));
     }
 }
 

@@ -28,7 +28,7 @@ use ftrec_rpc::PsError;
 
 use crate::Core;
 use crate::shard::dense_code::DENSE_TABLE;
-use crate::shard::{Shard, StagedUpdate, Update};
+use crate::shard::{PREFETCH_AHEAD, Shard, StagedUpdate, Update};
 
 /// How a staged update is decided.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -233,6 +233,10 @@ pub(crate) fn apply_parity_difference(
             continue;
         }
         for (n, (&local, &coef)) in locals.iter().zip(t.coefs.iter()).enumerate() {
+            if let (Some(&ahead), Some(red)) = (locals.get(n + PREFETCH_AHEAD), shard.redundancy())
+            {
+                red.prefetch_slot(t.table as usize, ahead as usize);
+            }
             let delta = t
                 .deltas
                 .get(n * row_bytes..(n + 1) * row_bytes)

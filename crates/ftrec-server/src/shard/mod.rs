@@ -30,6 +30,11 @@ pub use pending::Pending;
 pub use redundancy::{DenseReplica, Redundancy};
 pub use stage::{PostCommit, PreCommit, StagedRows, StagedUpdate, Update};
 
+/// How many rows ahead a loop over a table's rows asks for them (`prefetch_read`): far
+/// enough to cover a memory latency with the work on the rows between, near enough that
+/// they are still in cache when their turn comes.
+pub(crate) const PREFETCH_AHEAD: usize = 8;
+
 use ftrec_proto::placement::{GlobalRow, Layout};
 use ftrec_rpc::PsError;
 
@@ -319,14 +324,30 @@ impl Shard {
     /// Appends the embeddings (not the optimizer state) of `rows` of `table`, as f32 LE.
     pub fn gather(&self, table: usize, rows: &[u32], out: &mut Vec<u8>) -> Result<(), PsError> {
         let dim = self.global.dim;
+        let locals = self.locals_of(table, rows)?;
+        let Some(stored) = self.state.tables().get(table) else {
+            return Err(PsError::BadRequest(format!("table {table} does not exist")));
+        };
         out.reserve(rows.len() * dim * 4);
-        for &row in rows {
-            let local = self.local(table, row)?;
-            self.check_not_pending(table, row, local)?;
-            let emb = self.state.tables()[table].embedding(local);
-            out.extend_from_slice(bytemuck::cast_slice(emb));
+        for (n, &local) in locals.iter().enumerate() {
+            if let Some(&ahead) = locals.get(n + PREFETCH_AHEAD) {
+                ftrec_model::prefetch::prefetch_read(stored.embedding(ahead));
+            }
+            out.extend_from_slice(bytemuck::cast_slice(stored.embedding(local)));
         }
         Ok(())
+    }
+
+    /// The local slots of `rows` of `table`, each checked as [`Shard::gather`] and
+    /// staging need it: owned here and not still being rebuilt.
+    pub(crate) fn locals_of(&self, table: usize, rows: &[u32]) -> Result<Vec<usize>, PsError> {
+        rows.iter()
+            .map(|&row| {
+                let local = self.local(table, row)?;
+                self.check_not_pending(table, row, local)?;
+                Ok(local)
+            })
+            .collect()
     }
 
     /// Parity rows and dense replica (erasure coding only).

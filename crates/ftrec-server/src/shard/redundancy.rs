@@ -179,6 +179,20 @@ impl Redundancy {
         }))
     }
 
+    /// Brings parity slot `local` of `table` into cache ahead of its [`Redundancy::fold`]:
+    /// a step's differences land on slots spread over the whole parity table. A slot out
+    /// of range is left alone (its fold reports it).
+    pub fn prefetch_slot(&self, table: usize, local: usize) {
+        let at = local * self.row_bytes;
+        if let Some(slot) = self
+            .parity
+            .get(table)
+            .and_then(|s| s.get(at..at + self.row_bytes))
+        {
+            ftrec_model::prefetch::prefetch_read(slot);
+        }
+    }
+
     /// Folds `coef · delta` into parity slot `local` of `table`.
     pub fn fold(
         &mut self,

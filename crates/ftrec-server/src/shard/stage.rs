@@ -199,9 +199,16 @@ impl Shard {
                 old: Vec::with_capacity(rows.len() * stride),
                 new: Vec::with_capacity(rows.len() * stride),
             };
-            for (&row, grad) in rows.iter().zip(grads.chunks_exact(dim)) {
-                let local = self.local(*table, row)?;
-                self.check_not_pending(*table, row, local)?;
+            let locals = self.locals_of(*table, rows)?;
+            for (n, ((&row, &local), grad)) in rows
+                .iter()
+                .zip(&locals)
+                .zip(grads.chunks_exact(dim))
+                .enumerate()
+            {
+                if let Some(&ahead) = locals.get(n + super::PREFETCH_AHEAD) {
+                    ftrec_model::prefetch::prefetch_read(stored.row(ahead));
+                }
                 let current = stored.row(local);
                 out.old.extend_from_slice(current);
                 let start = out.new.len();

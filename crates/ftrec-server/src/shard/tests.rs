@@ -182,6 +182,40 @@ fn misdirected_rows_and_bad_lengths_are_refused() {
     );
 }
 
+/// `gather` hands back each asked row's embedding in the order asked, past the distance
+/// it prefetches ahead, and refuses a table or row it does not hold with an error, also
+/// when no row is asked (it must not index a table that is not there).
+#[test]
+fn gather_returns_the_asked_rows_in_order_and_refuses_what_is_not_here() {
+    let shard = shards(2).remove(0);
+    let dim = model().dim;
+    // Table 1 has 40 rows; server 0 of 2 holds the odd ones (the test above).
+    let rows: Vec<u32> = (1..40).step_by(2).rev().collect();
+    assert!(rows.len() > PREFETCH_AHEAD);
+    let mut out = Vec::new();
+    shard.gather(1, &rows, &mut out).unwrap();
+    assert_eq!(out.len(), rows.len() * dim * 4);
+    let table = &shard.state().tables()[1];
+    for (n, &row) in rows.iter().enumerate() {
+        let local = shard.local(1, row).unwrap();
+        let expected: &[u8] = bytemuck::cast_slice(table.embedding(local));
+        assert_eq!(&out[n * dim * 4..(n + 1) * dim * 4], expected, "row {row}");
+    }
+    let mut out = Vec::new();
+    assert!(
+        shard.gather(1, &[0], &mut out).is_err(),
+        "row 0 is server 1's"
+    );
+    assert!(
+        shard.gather(9, &[], &mut out).is_err(),
+        "there is no table 9"
+    );
+    assert!(
+        shard.gather(1, &[41], &mut out).is_err(),
+        "table 1 has 40 rows"
+    );
+}
+
 #[test]
 fn shards_reassemble_into_the_global_model_bit_for_bit() {
     let config = model();
