@@ -432,3 +432,132 @@ async fn a_claimer_behind_the_others_is_declared_and_the_takeover_tried_again() 
         "recovered again, on the record"
     );
 }
+
+/// A server's beat for slot `id` from `incarnation`, saying where it serves.
+async fn beat_from(
+    shared: &Arc<Shared>,
+    id: u32,
+    incarnation: u64,
+    address: &str,
+) -> Result<HeartbeatReply, tonic::Status> {
+    let request = HeartbeatRequest {
+        role: Role::Server as i32,
+        id,
+        ready: true,
+        incarnation,
+        address: address.into(),
+        pid: 4242,
+        ..Default::default()
+    };
+    Service(shared.clone())
+        .heartbeat(Request::new(request))
+        .await
+        .map(|r| r.into_inner())
+}
+
+/// The same takeover, but the claimer joined through the outage: the record lists no
+/// spare of its incarnation, which the earlier leader handed out past the record's count.
+/// It is adopted as a spare of the record and keeps the slot with its shard. Fenced as a
+/// stranger, as before, its slot was rebuilt again. An incarnation the record's count
+/// covers, or a beat with no address, is still a stranger's.
+#[tokio::test]
+async fn a_process_that_joined_through_an_outage_claims_its_slot_as_a_spare_of_the_record() {
+    let unrecorded = |shared: &Shared| {
+        taken_over_with_a_claimer(shared);
+        let mut s = shared.lock();
+        s.members.spares.retain(|sp| sp.token != 7);
+        s.members.unrecorded_incarnations = Some(100..200);
+    };
+    let shared = shared();
+    unrecorded(&shared);
+    let reply = beat_from(&shared, 1, 150, "127.0.0.1:7450").await.unwrap();
+    assert!(!reply.stop);
+    {
+        let s = shared.lock();
+        let slot = &s.members.servers[1];
+        assert_eq!(
+            (slot.incarnation, slot.alive, slot.ready),
+            (150, true, true)
+        );
+        assert_eq!((slot.address.as_str(), slot.pid), ("127.0.0.1:7450", 4242));
+        assert_eq!(s.placement.servers[1], "127.0.0.1:7450");
+        assert!(
+            s.members.zombies.contains(&6),
+            "the record's process is fenced"
+        );
+        let adopted = s.members.spares.iter().find(|sp| sp.token == 150).unwrap();
+        assert_eq!(adopted.assigned, Some(1));
+        assert!(s.members.claimed.contains(&1));
+        assert!(s.recovery.failed.is_empty(), "nothing to rebuild");
+    }
+    // Its next beats are the slot's own.
+    assert!(
+        !beat_from(&shared, 1, 150, "127.0.0.1:7450")
+            .await
+            .unwrap()
+            .stop
+    );
+
+    for (incarnation, address) in [(99, "127.0.0.1:7450"), (150, "")] {
+        let shared = self::shared();
+        unrecorded(&shared);
+        let refused = match beat_from(&shared, 1, incarnation, address).await {
+            Ok(reply) => reply.stop,
+            Err(_) => true,
+        };
+        assert!(
+            refused,
+            "incarnation {incarnation} at {address:?} was let in"
+        );
+        let s = shared.lock();
+        assert_eq!(
+            s.members.servers[1].incarnation, 6,
+            "{incarnation} {address:?}"
+        );
+        assert!(
+            s.members
+                .spares
+                .iter()
+                .all(|sp| sp.token != incarnation as u32)
+        );
+    }
+}
+
+/// A spare that joined through the outage and still waits: to the new leader it was an
+/// unknown spare (refused on every beat until it gave up, 10 minutes later), though the
+/// job's own leader had let it in. It is adopted as a free spare of the record; a token
+/// the record's count covers is still unknown.
+#[tokio::test]
+async fn a_spare_that_joined_through_an_outage_and_waits_is_adopted_as_a_free_spare() {
+    let shared = shared();
+    taken_over_with_a_claimer(&shared);
+    shared.lock().members.unrecorded_incarnations = Some(100..200);
+    let spare_beat = |token: u32, address: &'static str| {
+        let shared = shared.clone();
+        async move {
+            let request = HeartbeatRequest {
+                role: Role::Server as i32,
+                id: token,
+                spare: true,
+                incarnation: u64::from(token),
+                address: address.into(),
+                pid: 4343,
+                ..Default::default()
+            };
+            Service(shared).heartbeat(Request::new(request)).await
+        }
+    };
+    let e = spare_beat(99, "127.0.0.1:7499").await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e}");
+    let reply = spare_beat(120, "127.0.0.1:7420")
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!reply.stop && reply.assign.is_none());
+    let s = shared.lock();
+    let adopted = s.members.spares.iter().find(|sp| sp.token == 120).unwrap();
+    assert_eq!(adopted.member.address, "127.0.0.1:7420");
+    assert_eq!((adopted.assigned, adopted.unheard), (None, false));
+    assert!(adopted.member.alive && adopted.member.joined);
+    assert!(s.members.spares.iter().all(|sp| sp.token != 99));
+}

@@ -157,8 +157,10 @@ impl Coordinator for Service {
         };
         // etcd membership: a join is recorded before it is answered, so a new leader
         // knows the member's incarnation and does not fence it as a stranger. Through an
-        // etcd outage it is answered unrecorded: a newer leader fences the newcomer as a
-        // stranger and recovers its slot again, which costs a rebuild and loses nothing.
+        // etcd outage it is answered unrecorded, with an incarnation past the record's
+        // count: a newer leader adopts the newcomer by it, from the address and pid its
+        // heartbeats carry, as a free spare of the record, whose claim on a slot it holds
+        // goes on as such a spare's (`leader/spare_claims.rs`).
         if let Err(e) = shared.sync_durable().await {
             if !shared.acts_through_outage() {
                 return Err(e.into());
@@ -206,10 +208,17 @@ impl Coordinator for Service {
                 id,
                 req.incarnation,
                 req.ready,
+                (&req.address, req.pid),
             )?;
         }
         let member = match (req.role(), req.spare) {
             (Role::Server, true) => {
+                crate::leader::spare_claims::adopt_an_unrecorded_joiner(
+                    &mut s,
+                    u64::from(req.id),
+                    (&req.address, req.pid),
+                    tokio::time::Instant::now(),
+                );
                 let Some(spare) = s.members.spares.iter_mut().find(|sp| sp.token == req.id) else {
                     return Err(Status::not_found("unknown spare"));
                 };

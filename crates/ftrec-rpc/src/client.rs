@@ -359,7 +359,7 @@ impl HeartbeatClient {
                 .map_err(|e| tonic::Status::unavailable(e.to_string()))
         };
         let (mut a, mut b) = (client(&self.links[0])?, client(&self.links[1])?);
-        let first = a.heartbeat(request);
+        let first = a.heartbeat(request.clone());
         let second = b.heartbeat(request);
         tokio::pin!(first, second);
         // Biased toward the first link: tokio picks among ready branches at random
@@ -383,7 +383,7 @@ impl HeartbeatClient {
 /// server building its shard). Losing the coordinator is the main loop's to notice.
 pub async fn keep_alive(beats: HeartbeatClient, request: HeartbeatRequest, period: Duration) {
     loop {
-        let _ = beats.beat(request).await;
+        let _ = beats.beat(request.clone()).await;
         tokio::time::sleep(period).await;
     }
 }

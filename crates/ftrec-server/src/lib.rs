@@ -73,6 +73,9 @@ struct Core {
     /// This process's incarnation of its slot (`JoinReply.incarnation`), sent with every
     /// heartbeat so the coordinator refuses it once a newer process holds the slot.
     incarnation: u64,
+    /// Where this process serves (its join's address), sent with every heartbeat: a new
+    /// leader whose record never saw the join adopts the process by it.
+    address: String,
     metrics: Arc<Metrics>,
     stop: Arc<Notify>,
     /// Fault points armed for this member (`ftrec-faults`).
@@ -152,7 +155,7 @@ struct Assignment {
 
 async fn wait_for_assignment(
     coordinator: &CoordinatorLink,
-    token: u32,
+    (token, address): (u32, &str),
     period: Duration,
     job: &Job,
 ) -> Result<Assignment, PsError> {
@@ -180,6 +183,8 @@ async fn wait_for_assignment(
                 spare: true,
                 ready: false,
                 incarnation: u64::from(token),
+                address: address.to_string(),
+                pid: job.network().pid(),
                 ..Default::default()
             })
             .await
@@ -319,6 +324,8 @@ async fn heartbeat_loop(
                 rpcs_served: core.metrics.get("ftrec_rpcs_served_total"),
                 rpc_bytes_served: core.metrics.get("ftrec_rpc_bytes_in_total")
                     + core.metrics.get("ftrec_rpc_bytes_out_total"),
+                address: core.address.clone(),
+                pid: core.job.network().pid(),
             })
             .await;
         match reply.map_err(|s| PsError::rpc("heartbeat", &s)) {

@@ -84,6 +84,7 @@ pub(crate) async fn start(opts: ServerOptions) -> Result<Started, PsError> {
         layout,
         id,
         joined: &joined,
+        address: &address,
     };
     if joined.resume.is_some() && opts.faults.kill_at(ftrec_faults::points::LOAD, None) {
         std::future::pending::<()>().await;
@@ -149,7 +150,9 @@ async fn take_slot(
         (c.cluster.ft.erasure_coded() && c.ec.spare_reserve && !job.network().is_simulated())
             .then(|| Ok::<_, PsError>(SpareReserve::start(c.model_config()?, layout)))
             .transpose()?;
-    let given = crate::wait_for_assignment(coordinator, joined.spare_token, heartbeat, job).await?;
+    let given =
+        crate::wait_for_assignment(coordinator, (joined.spare_token, address), heartbeat, job)
+            .await?;
     if given.servers != 0 {
         joined.servers = given.servers;
         joined.resume = given.resume;
@@ -163,6 +166,8 @@ struct Slot<'a> {
     layout: Layout,
     id: usize,
     joined: &'a JoinReply,
+    /// Where this process serves, as its join said.
+    address: &'a str,
 }
 
 impl Slot<'_> {
@@ -264,6 +269,7 @@ impl Slot<'_> {
             layout,
             id,
             incarnation: self.joined.incarnation,
+            address: self.address.to_string(),
             metrics,
             stop: Arc::new(Notify::new()),
             faults: opts.faults.clone(),

@@ -47,6 +47,7 @@ pub(crate) fn core(job: &Job, id: usize, epoch: u64) -> Core {
         layout,
         id,
         incarnation: 1,
+        address: format!("127.0.0.1:{}", 7000 + id),
         metrics,
         stop: Arc::new(Notify::new()),
         faults,

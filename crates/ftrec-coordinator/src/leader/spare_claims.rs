@@ -14,11 +14,18 @@
 //! rebuilt from its group: a soak lost three servers of a group at once that way (the
 //! claimer, fenced as superseded, and two others frozen and silent), and with them the
 //! model, where keeping the claimer's shard leaves two of four, enough for `r = 2`.
+//!
+//! A spare that *joined* through the outage is not in the record at all. Its incarnation
+//! is one the earlier leader handed out past the record's count, which no later leader
+//! hands out again (`takeover.rs` skips them), so a slot's process with such an
+//! incarnation was let in by this job's own leader: it is adopted as a free spare of the
+//! record from what its heartbeat says (its address and pid), and claims like one.
+//! Fenced as a stranger instead, its slot was rebuilt again.
 
 use tokio::time::Instant;
 use tonic::Status;
 
-use crate::state::{Member, State};
+use crate::state::{Member, Spare, State};
 use ftrec_proto::proto::AppliedReply;
 use ftrec_proto::timeline::{EventKind, Subject};
 use ftrec_rpc::PsError;
@@ -29,13 +36,16 @@ use ftrec_rpc::PsError;
 /// `claims_until` of a takeover that has not yet fenced the servers, the claimer takes the
 /// slot with its shard (`Ok`: the beat goes on as the slot's). Heard later, its claim is
 /// noted and the beat is answered `unavailable`, which a server retries, until the slot is
-/// given back to it (`Membership::assign_spare` prefers it). `Ok` otherwise leaves the beat
-/// to the usual checks (a stranger is fenced there).
+/// given back to it (`Membership::assign_spare` prefers it). A process that joined
+/// unrecorded (its incarnation past the record's count) is first adopted as such a spare,
+/// at `address` with `pid`. `Ok` otherwise leaves the beat to the usual checks (a stranger
+/// is fenced there).
 pub(crate) fn claim_of_an_unrecorded_spare(
     s: &mut State,
     id: usize,
     incarnation: u64,
     ready: bool,
+    (address, pid): (&str, u32),
 ) -> Result<(), Status> {
     let Some(slot) = s.members.servers.get(id) else {
         return Ok(());
@@ -57,6 +67,7 @@ pub(crate) fn claim_of_an_unrecorded_spare(
     let installable = s.members.takeover_fencing
         && slot.alive
         && !s.recovery.failed.iter().any(|(f, _)| *f == id);
+    adopt_an_unrecorded_joiner(s, incarnation, (address, pid), now);
     let Some(spare) = s
         .members
         .spares
@@ -118,6 +129,62 @@ pub(crate) fn claim_of_an_unrecorded_spare(
         "server {id}: this process (spare {token}) holds the slot by an earlier leader's \
          unrecorded assignment, and gets it back once the slot's old process is declared dead"
     )))
+}
+
+/// A process whose incarnation no spare of the record has, but which an earlier leader
+/// handed out past the record's count: listed as a free spare of the record, heard now.
+/// In a slot, its claim then goes on as such a spare's; still waiting, it is a spare the
+/// next lost slot can have. Nothing without an address to reach it by.
+pub(crate) fn adopt_an_unrecorded_joiner(
+    s: &mut State,
+    incarnation: u64,
+    (address, pid): (&str, u32),
+    now: Instant,
+) {
+    let unrecorded = s
+        .members
+        .unrecorded_incarnations
+        .as_ref()
+        .is_some_and(|r| r.contains(&incarnation));
+    let Ok(token) = u32::try_from(incarnation) else {
+        return;
+    };
+    if !unrecorded
+        || address.is_empty()
+        || s.members.spares.iter().any(|sp| sp.token == token)
+        || s.members
+            .servers
+            .iter()
+            .any(|m| m.incarnation == incarnation)
+        || s.members.zombies.contains(&incarnation)
+    {
+        return;
+    }
+    s.members.spares.push(Spare {
+        token,
+        member: Member {
+            address: address.to_string(),
+            pid,
+            joined: true,
+            alive: true,
+            ready: false,
+            last_seen: Some(now),
+            refused: false,
+            incarnation,
+            cut_off: None,
+        },
+        assigned: None,
+        hosted_by: None,
+        unheard: false,
+        claims: None,
+    });
+    s.timeline.event(
+        EventKind::Replacement,
+        format!(
+            "process {incarnation} at {address} (pid {pid}) joined through an etcd outage, \
+             unrecorded: adopted as spare {token}"
+        ),
+    );
 }
 
 /// The takeover's last fence reached every live server: a claimer installed meanwhile

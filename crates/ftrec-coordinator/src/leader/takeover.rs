@@ -372,6 +372,8 @@ pub(crate) fn restore(
     // joins shares an incarnation with a process of that outage, which would then pass
     // for the slot's own.
     s.members.next_token = record.next_token.saturating_add(UNRECORDED_TOKENS);
+    s.members.unrecorded_incarnations =
+        Some(u64::from(record.next_token)..u64::from(s.members.next_token));
     s.steps.samples = record.samples_settled;
     s.steps.lost_samples = record.lost_samples;
     s.recovery.steps_rolled_back = record.steps_rolled_back;

@@ -110,6 +110,11 @@ pub(crate) struct Membership {
     /// A takeover has not yet brought every live server into its epoch: a claimer heard
     /// meanwhile is installed in its slot with its shard, and fenced with the others.
     pub(crate) takeover_fencing: bool,
+    /// After a takeover: the incarnations an earlier leader may have handed out through an
+    /// etcd outage without a record (from the record's next token on). A process in a
+    /// slot with one of them joined unrecorded; it may claim that slot as a record's free
+    /// spare does (`spare_claims.rs`).
+    pub(crate) unrecorded_incarnations: Option<std::ops::Range<u64>>,
     /// Slots a claimer was installed in during the takeover: the takeover checks that it
     /// applied every step the others did (a claimer that an earlier leader declared dead
     /// in turn would be behind them) before it counts.
@@ -134,6 +139,7 @@ impl Membership {
             claims_until: None,
             recorded_incarnations: Vec::new(),
             takeover_fencing: false,
+            unrecorded_incarnations: None,
             claimed: BTreeSet::new(),
         }
     }
