@@ -194,6 +194,8 @@ impl Slot<'_> {
                 spare: false,
                 ready: false,
                 incarnation: self.joined.incarnation,
+                address: self.address.to_string(),
+                pid: job.network().pid(),
                 ..Default::default()
             },
             heartbeat,
