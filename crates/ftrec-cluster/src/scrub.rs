@@ -236,6 +236,7 @@ impl View {
                 }
             }
             PsError::Unavailable(_)
+            | PsError::Refused(_)
             | PsError::PeerUnavailable { .. }
             | PsError::Fenced(_)
             | PsError::NotOwner { .. } => {

@@ -105,6 +105,8 @@ async fn probe_servers(shared: Arc<Shared>, targets: Vec<(usize, String)>) {
                 EventKind::SuspicionConfirmed,
                 format!("server {id}: connection to {address} refused"),
             );
+            // Declared at once, not at the next tick.
+            shared.wake.notify_one();
         }
     }
 }

@@ -249,7 +249,13 @@ impl Coordinator for Service {
             .into());
         }
         member.last_seen = Some(Instant::now());
+        // A replacement's first "ready" starts the recovery that waits for it: planned
+        // now, not at the control loop's next tick.
+        let became_ready = req.ready && !member.ready;
         member.ready |= req.ready;
+        if became_ready {
+            shared.wake.notify_one();
+        }
         if req.role() == Role::Server && !req.spare && req.rpcs_served > 0 {
             s.members
                 .served
@@ -355,6 +361,9 @@ impl Coordinator for Service {
                         + Duration::from_millis(c.failure_timeout_ms + 2 * c.heartbeat_ms),
                 );
                 s.members.probe_requested = true;
+                // Probed now, not at the next tick: a refused port is a SIGKILLed server
+                // declared within a millisecond of the report.
+                shared.wake.notify_one();
             }
         }
         let reply = shared.grant(&mut s, worker);

@@ -40,13 +40,25 @@ pub enum PsError {
     /// The server (or the connection to it) cannot serve now: it may be dead.
     #[error("unavailable: {0}")]
     Unavailable(String),
+    /// The server's port refused the connection: no process listens there. A SIGKILLed
+    /// server's sockets close once the kernel has torn its memory down (tens of ms for a
+    /// GB), and from then on every dial is refused at once: the caller may give up now
+    /// instead of asking again after waits (two 50 ms waits delayed every SIGKILL's
+    /// detection by 0.1 s, issue 45). Anything [`PsError::Unavailable`] allows, it allows.
+    #[error("refused: {0}")]
+    Refused(String),
     /// The server answered, but what it needed could not be reached (a peer holding parity,
     /// a survivor): a fault elsewhere, in `peer` when known. Kept apart from
     /// [`PsError::Unavailable`] so that a caller does not blame the server that answered: a
     /// worker that reports a step lost names `peer`, not it (blaming it got a healthy
     /// server fenced beside a SIGKILLed neighbour, two of a group lost at once).
+    /// `refused`: the peer's port refused the connection ([`PsError::Refused`]).
     #[error("unavailable: {message}")]
-    PeerUnavailable { peer: Option<u32>, message: String },
+    PeerUnavailable {
+        peer: Option<u32>,
+        message: String,
+        refused: bool,
+    },
     /// Deterministic mode: the step was applied here already, so the state it was computed
     /// from is gone.
     #[error("server {server} applied step {step} already: the state it was computed from is gone")]
@@ -117,6 +129,12 @@ impl PsError {
             Self::Unavailable(message) => Self::PeerUnavailable {
                 peer: Some(server as u32),
                 message,
+                refused: false,
+            },
+            Self::Refused(message) => Self::PeerUnavailable {
+                peer: Some(server as u32),
+                message,
+                refused: true,
             },
             other => other,
         }
@@ -127,10 +145,19 @@ impl PsError {
     /// otherwise (an answer is not an unreachable server).
     pub fn unreachable_server(&self, called: usize) -> Option<usize> {
         match self {
-            Self::Unavailable(_) => Some(called),
+            Self::Unavailable(_) | Self::Refused(_) => Some(called),
             Self::PeerUnavailable { peer, .. } => peer.map(|p| p as usize),
             _ => None,
         }
+    }
+
+    /// A connection was refused, by the callee or by the peer it names: nobody listens
+    /// there, so the same call would be refused again.
+    pub fn is_refused(&self) -> bool {
+        matches!(
+            self,
+            Self::Refused(_) | Self::PeerUnavailable { refused: true, .. }
+        )
     }
 
     /// The checkpoint name a write found taken (committed history is never overwritten),
@@ -215,6 +242,7 @@ impl PsError {
                     return Self::PeerUnavailable {
                         peer: u.peer,
                         message: format!("{what}: {}", status.message()),
+                        refused: u.refused,
                     };
                 }
                 Some(Kind::AlreadyApplied(a)) => {
@@ -257,7 +285,11 @@ impl PsError {
             tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Unknown
                 if status.details().is_empty() =>
             {
-                Self::Unavailable(format!("{what}: {}", status.message()))
+                if connection_refused(status) {
+                    Self::Refused(format!("{what}: {}: connection refused", status.message()))
+                } else {
+                    Self::Unavailable(format!("{what}: {}", status.message()))
+                }
             }
             _ => Self::Rpc {
                 what,
@@ -274,6 +306,7 @@ impl PsError {
             Self::NotOwner { .. }
                 | Self::Recovering { .. }
                 | Self::Unavailable(_)
+                | Self::Refused(_)
                 | Self::PeerUnavailable { .. }
                 | Self::Overloaded(_)
         )
@@ -297,8 +330,17 @@ impl PsError {
                 end_row,
             }),
             Self::StaleEpoch { got, current } => Kind::StaleEpoch(StaleEpoch { got, current }),
-            Self::Unavailable(_) => Kind::Unavailable(Unavailable { peer: None }),
-            Self::PeerUnavailable { peer, .. } => Kind::Unavailable(Unavailable { peer }),
+            Self::Unavailable(_) => Kind::Unavailable(Unavailable {
+                peer: None,
+                refused: false,
+            }),
+            Self::Refused(_) => Kind::Unavailable(Unavailable {
+                peer: None,
+                refused: true,
+            }),
+            Self::PeerUnavailable { peer, refused, .. } => {
+                Kind::Unavailable(Unavailable { peer, refused })
+            }
             Self::AlreadyApplied { server, step } => {
                 Kind::AlreadyApplied(AlreadyApplied { server, step })
             }
@@ -338,6 +380,7 @@ impl From<PsError> for tonic::Status {
             PsError::NotOwner { .. } => tonic::Code::InvalidArgument,
             PsError::Recovering { .. }
             | PsError::Unavailable(_)
+            | PsError::Refused(_)
             | PsError::PeerUnavailable { .. }
             | PsError::Degraded(_) => tonic::Code::Unavailable,
             PsError::Fenced(_) => tonic::Code::PermissionDenied,
@@ -355,6 +398,21 @@ impl From<PsError> for tonic::Status {
             None => tonic::Status::new(code, message),
         }
     }
+}
+
+/// Whether a transport failure was a refused connection: tonic says only "tcp connect
+/// error" at the top, and the `io::Error` beneath it says why.
+fn connection_refused(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::ConnectionRefused
+        {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
 }
 
 #[cfg(test)]
@@ -449,13 +507,30 @@ mod tests {
         let named = PsError::PeerUnavailable {
             peer: Some(1),
             message: "parity update to server 1: tcp connect error".into(),
+            refused: false,
         };
         let relayed = PsError::rpc("prepare to server 0", &named.into());
         assert!(
-            matches!(relayed, PsError::PeerUnavailable { peer: Some(1), ref message }
+            matches!(relayed, PsError::PeerUnavailable { peer: Some(1), ref message, refused: false }
                 if message.contains("parity update to server 1")),
             "{relayed:?}"
         );
+        assert!(!relayed.is_refused());
+        // A refusal relayed by the server that met it stays a refusal of that peer.
+        let refused = PsError::Refused("parity update to server 1: tcp connect error".into());
+        let relayed = PsError::rpc("prepare to server 0", &refused.blaming(1).into());
+        assert!(
+            matches!(
+                relayed,
+                PsError::PeerUnavailable {
+                    peer: Some(1),
+                    refused: true,
+                    ..
+                }
+            ),
+            "{relayed:?}"
+        );
+        assert!(relayed.is_refused() && relayed.is_retryable());
         let fenced = PsError::rpc("heartbeat", &PsError::Fenced("declared dead".into()).into());
         assert!(matches!(fenced, PsError::Fenced(ref m) if m.contains("declared dead")));
         assert!(!fenced.is_retryable());

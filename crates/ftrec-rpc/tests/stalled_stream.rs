@@ -306,3 +306,36 @@ async fn a_tonic_stream_read_with_a_progress_deadline_ends_when_its_sender_stall
         Some(4)
     );
 }
+
+/// A port no process listens on refuses the dial, and the call says so (a SIGKILLed
+/// server's, once its sockets closed): its caller may give up at once. A port that accepts
+/// and never answers (a frozen server) is not a refusal: that one may only be slow.
+#[tokio::test]
+async fn a_dead_port_is_refused_and_a_silent_one_is_not() {
+    let gone = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = gone.local_addr().unwrap().to_string();
+    drop(gone);
+    let mut client = connector().server(&address).unwrap();
+    let status = tokio::time::timeout(HANG, client.applied(AppliedRequest::default()))
+        .await
+        .expect("a refused dial answers at once")
+        .unwrap_err();
+    let e = PsError::rpc("applied", &status);
+    assert!(matches!(e, PsError::Refused(_)) && e.is_refused(), "{e:?}");
+    assert_eq!(e.unreachable_server(4), Some(4));
+    assert!(e.blaming(4).is_refused());
+
+    let frozen = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = frozen.local_addr().unwrap().to_string();
+    let mut client = connector()
+        .with_timeout(Duration::from_millis(200))
+        .server(&address)
+        .unwrap();
+    let status = tokio::time::timeout(HANG, client.applied(AppliedRequest::default()))
+        .await
+        .expect("the call's deadline ends it")
+        .unwrap_err();
+    let e = PsError::rpc("applied", &status);
+    assert!(!e.is_refused(), "{e:?}");
+    drop(frozen);
+}

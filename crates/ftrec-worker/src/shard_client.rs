@@ -35,6 +35,13 @@ const ATTEMPTS: usize = 3;
 /// Wait before asking again a server that was unavailable or rebuilding rows.
 const RETRY_WAIT: Duration = Duration::from_millis(50);
 
+/// Whether asking again may succeed: a cause that passes, and no refused connection (a
+/// port nobody listens on refuses every dial, so the step is given up and reported at
+/// once; waiting out the attempts kept a SIGKILL undetected for 0.1 s more, issue 45).
+fn will_pass(e: &PsError) -> bool {
+    e.is_retryable() && !e.is_refused()
+}
+
 /// How a push installs its step on the servers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CommitProtocol {
@@ -545,7 +552,7 @@ impl ShardClient {
                     Ok(_) => break,
                     Err(e) => {
                         if called.confirmed_unreachable
-                            || !e.is_retryable()
+                            || !will_pass(&e)
                             || attempt == ATTEMPTS
                             || Instant::now() >= give_up
                         {
@@ -620,11 +627,11 @@ impl ShardClient {
                     Err(e) => {
                         stale_map |= matches!(e, PsError::NotOwner { .. });
                         // A confirmed unreachable server decides (asking it again would
-                        // only wait out the deadline); then a cause that will not pass;
-                        // otherwise the first.
+                        // only wait out the deadline); then a cause that will not pass (a
+                        // refused connection: nobody listens there); otherwise the first.
                         if !confirmed
                             && (called.confirmed_unreachable
-                                || failure.as_ref().is_none_or(PsError::is_retryable))
+                                || failure.as_ref().is_none_or(will_pass))
                         {
                             failure = Some(e);
                             failed_server = Some(s);
@@ -637,7 +644,7 @@ impl ShardClient {
                 None => break,
                 Some(e)
                     if confirmed
-                        || !e.is_retryable()
+                        || !will_pass(&e)
                         || attempt == ATTEMPTS
                         || Instant::now() >= give_up =>
                 {

@@ -477,7 +477,9 @@ impl<T> Sorted<T> {
                 Err(e) if !e.is_retryable() => {
                     return Err(PsError::Degraded(format!("{}: {e}", what())));
                 }
-                Err(e @ PsError::Unavailable(_)) => sorted.unreachable = Some(e),
+                Err(e @ (PsError::Unavailable(_) | PsError::Refused(_))) => {
+                    sorted.unreachable = Some(e)
+                }
                 Err(e) => tracing::debug!("{}: {e}", what()),
             }
         }
