@@ -332,6 +332,7 @@ fn taken_over_with_a_claimer(shared: &Shared) {
         hosted_by: None,
         unheard,
         claims: None,
+        waiting_peak_rss: 0,
     };
     s.members.servers[1] = Member {
         incarnation: 6,

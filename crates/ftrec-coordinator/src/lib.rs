@@ -174,6 +174,11 @@ impl Shared {
         self.lock().members.waiting_spare_pids()
     }
 
+    /// The largest peak resident set a spare reported while it waited.
+    pub fn waiting_spare_peak(&self) -> Option<u64> {
+        self.lock().members.waiting_spare_peak()
+    }
+
     /// Seconds since the timeline began: the clock of every event and recovery.
     pub fn now(&self) -> f64 {
         self.lock().timeline.now()

@@ -62,6 +62,7 @@ impl Coordinator for Service {
                         hosted_by,
                         unheard: false,
                         claims: None,
+                        waiting_peak_rss: 0,
                     });
                     let on = hosted_by.map_or(String::new(), |j| format!(" on server {j}'s host"));
                     s.timeline.event(
@@ -223,6 +224,7 @@ impl Coordinator for Service {
                     return Err(Status::not_found("unknown spare"));
                 };
                 spare.unheard = false;
+                spare.waiting_peak_rss = spare.waiting_peak_rss.max(req.peak_rss_bytes);
                 assign = spare.assigned.map(|a| a as u32);
                 &mut spare.member
             }

@@ -185,6 +185,7 @@ async fn wait_for_assignment(
                 incarnation: u64::from(token),
                 address: address.to_string(),
                 pid: job.network().pid(),
+                peak_rss_bytes: own_peak_rss_bytes(),
                 ..Default::default()
             })
             .await
@@ -326,6 +327,8 @@ async fn heartbeat_loop(
                     + core.metrics.get("ftrec_rpc_bytes_out_total"),
                 address: core.address.clone(),
                 pid: core.job.network().pid(),
+                // Only a waiting spare says what standing by costs.
+                peak_rss_bytes: 0,
             })
             .await;
         match reply.map_err(|s| PsError::rpc("heartbeat", &s)) {
@@ -371,5 +374,33 @@ fn start_spare_here(start_spare: Option<&StartSpare>, id: usize) {
             "server {id}: the coordinator asked for a spare on this host, and this server \
              was started without a way to start one"
         ),
+    }
+}
+
+/// This process's peak resident set (Linux `VmHWM`), 0 where it cannot be read.
+fn own_peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+            let kib: u64 = line["VmHWM:".len()..]
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod peak_rss_tests {
+    /// A process has a peak resident set on Linux: the spare's report is not 0 there.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_process_reads_its_own_peak_resident_set() {
+        let peak = super::own_peak_rss_bytes();
+        assert!(peak > 1 << 20, "VmHWM of a test process: {peak} bytes");
     }
 }

@@ -241,7 +241,10 @@ async fn run_async(
         peaks.sample(|role, id| shared.pid_of(role, id));
         peaks.sample_spares(&shared.waiting_spare_pids());
         report.server_peak_rss_bytes = peaks.per_server();
-        report.waiting_spare_peak_rss_bytes = peaks.waiting_spare();
+        // The launcher's own reads, and what the spares said of themselves: one given a
+        // slot within a tick of its join was never read here while it waited.
+        report.waiting_spare_peak_rss_bytes =
+            peaks.waiting_spare().max(shared.waiting_spare_peak());
         let cpu = cpu.lock().unwrap_or_else(|p| p.into_inner());
         let training_start = shared
             .timeline()

@@ -177,6 +177,7 @@ pub(crate) fn adopt_an_unrecorded_joiner(
         hosted_by: None,
         unheard: false,
         claims: None,
+        waiting_peak_rss: 0,
     });
     s.timeline.event(
         EventKind::Replacement,

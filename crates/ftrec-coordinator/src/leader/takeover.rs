@@ -346,6 +346,7 @@ pub(crate) fn restore(
             // an etcd outage, unrecorded: it says so in its first heartbeat.
             unheard: sp.assigned.is_none(),
             claims: None,
+            waiting_peak_rss: 0,
         })
         .collect();
     // The members learn of the new leader from etcd while their calls to the old one (which

@@ -66,6 +66,9 @@ pub(crate) struct Spare {
     /// The slot it serves by an earlier leader's unrecorded assignment, as its heartbeat
     /// says: it gets that slot back, and no other.
     pub(crate) claims: Option<usize>,
+    /// Its peak resident set while it waited (`HeartbeatRequest.peak_rss_bytes`): what
+    /// standing by costs, the pre-faulted reserve included. Kept after it takes a slot.
+    pub(crate) waiting_peak_rss: u64,
 }
 
 /// Lost steps in a row, each because its worker could not reach the same server, after
@@ -173,6 +176,16 @@ impl Membership {
     }
 
     /// The pids of the spares that wait for a slot (not yet given one).
+    /// The largest peak a spare reported while it waited, taken slots' spares included
+    /// (a spare given a slot before the launcher read its `/proc` was never measured).
+    pub(crate) fn waiting_spare_peak(&self) -> Option<u64> {
+        self.spares
+            .iter()
+            .map(|s| s.waiting_peak_rss)
+            .filter(|&b| b > 0)
+            .max()
+    }
+
     pub(crate) fn waiting_spare_pids(&self) -> Vec<u32> {
         self.spares
             .iter()
@@ -455,6 +468,7 @@ mod tests {
                 hosted_by: None,
                 unheard: false,
                 claims: None,
+                waiting_peak_rss: 0,
             });
         }
         m
