@@ -71,6 +71,9 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
                     }
                     None => s.busy = false,
                 }
+                // What the task leaves (a recovery's orphans to resolve, say) is planned
+                // now, not at the next tick.
+                shared.wake.notify_one();
             });
         }
     }

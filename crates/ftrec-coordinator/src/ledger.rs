@@ -49,6 +49,19 @@ pub struct StepLedger {
     /// threw away).
     orphans: BTreeMap<u64, u64>,
     regrant: BTreeMap<u64, u64>,
+    /// The worker each lost step was granted to (it reported the step lost, or a
+    /// recovery orphaned it): if its push failed after it computed the step, that worker
+    /// keeps the step's gradients, computed from the state the step still applies to,
+    /// since nothing was rolled back since (a rewind forgets them all).
+    lost_by: BTreeMap<u64, usize>,
+}
+
+/// A step taken from the ledger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Taken {
+    pub step: u64,
+    /// The asking worker lost this step itself: it may push the gradients it kept.
+    pub own_loss: bool,
 }
 
 impl StepLedger {
@@ -73,17 +86,46 @@ impl StepLedger {
     /// once done with its step, so a step it still holds here is one whose grant never
     /// reached it (a lost reply): that step becomes an orphan.
     pub fn take(&mut self, worker: usize, epoch: u64, fresh: bool) -> Option<u64> {
+        self.take_preferring(worker, epoch, fresh, false)
+            .map(|t| t.step)
+    }
+
+    /// [`StepLedger::take`]; `own_first`: a regrant this worker lost itself before the
+    /// others (asynchronous workers: a deterministic run needs its lowest step first, or a
+    /// later one's pull waits for it).
+    pub fn take_preferring(
+        &mut self,
+        worker: usize,
+        epoch: u64,
+        fresh: bool,
+        own_first: bool,
+    ) -> Option<Taken> {
         self.worker_died(worker);
-        let step = match self.regrant.pop_first() {
-            Some((step, _)) => step,
-            None if fresh && self.next < self.total => {
-                self.next += 1;
-                self.next - 1
+        let own = own_first
+            .then(|| {
+                self.regrant
+                    .keys()
+                    .copied()
+                    .find(|s| self.lost_by.get(s) == Some(&worker))
+            })
+            .flatten();
+        let step = match own {
+            Some(step) => {
+                self.regrant.remove(&step);
+                step
             }
-            None => return None,
+            None => match self.regrant.pop_first() {
+                Some((step, _)) => step,
+                None if fresh && self.next < self.total => {
+                    self.next += 1;
+                    self.next - 1
+                }
+                None => return None,
+            },
         };
+        let own_loss = self.lost_by.remove(&step) == Some(worker);
         self.outstanding.insert(step, Grant { worker, epoch });
-        Some(step)
+        Some(Taken { step, own_loss })
     }
 
     /// `worker` reports `step` (granted in `epoch`) pushed to every server. True when that
@@ -98,6 +140,7 @@ impl StepLedger {
         for pending in [&mut self.orphans, &mut self.regrant] {
             if pending.get(&step) == Some(&epoch) {
                 pending.remove(&step);
+                self.lost_by.remove(&step);
                 return true;
             }
         }
@@ -112,6 +155,7 @@ impl StepLedger {
         }
         self.outstanding.remove(&step);
         self.orphans.insert(step, epoch);
+        self.lost_by.insert(step, worker);
         true
     }
 
@@ -134,8 +178,20 @@ impl StepLedger {
     /// Every outstanding step becomes an orphan (a server died and the run keeps its state).
     pub fn orphan_outstanding(&mut self) {
         let all = std::mem::take(&mut self.outstanding);
+        for (step, g) in all {
+            self.orphans.insert(step, g.epoch);
+            // Its worker's loss report comes after this (the failure was declared on
+            // another's): it may hold the step's gradients all the same.
+            self.lost_by.insert(step, g.worker);
+        }
+    }
+
+    /// Whether an orphan not resolved yet was granted to `worker`: it may hold the
+    /// step's gradients, which its regrant would push again.
+    pub fn holds_unresolved(&self, worker: usize) -> bool {
         self.orphans
-            .extend(all.into_iter().map(|(step, g)| (step, g.epoch)));
+            .keys()
+            .any(|s| self.lost_by.get(s) == Some(&worker))
     }
 
     pub fn has_orphans(&self) -> bool {
@@ -156,6 +212,7 @@ impl StepLedger {
         match applied {
             Applied::Everywhere => {
                 self.orphans.remove(&step);
+                self.lost_by.remove(&step);
                 Resolution::Settled
             }
             Applied::Partly if !partial_regrant => Resolution::NeedsRollback,
@@ -171,6 +228,7 @@ impl StepLedger {
     /// must count nothing.
     pub fn forget_outstanding(&mut self) {
         self.outstanding.clear();
+        self.lost_by.clear();
     }
 
     /// A rollback to the cut at `step`: everything from there is trained again.
@@ -178,6 +236,7 @@ impl StepLedger {
         self.outstanding.clear();
         self.orphans.clear();
         self.regrant.clear();
+        self.lost_by.clear();
         self.next = step;
     }
 
@@ -263,6 +322,69 @@ mod tests {
         assert!(l.quiet());
         assert!(l.unsettled().is_empty());
         assert_eq!(l.next_step(), 2);
+    }
+
+    /// After a server's loss both workers' steps are orphaned, and each goes back to the
+    /// worker it was granted to (which may hold its gradients), lowest first only where
+    /// asked; a rollback forgets who held what.
+    #[test]
+    fn a_lost_step_goes_back_to_its_own_worker_unless_rolled_back() {
+        let mut l = StepLedger::new(10);
+        assert_eq!(l.take(0, 1, true), Some(0));
+        assert_eq!(l.take(1, 1, true), Some(1));
+        l.orphan_outstanding();
+        assert!(l.holds_unresolved(0) && l.holds_unresolved(1));
+        assert!(
+            !l.lose(1, 1, 1),
+            "the report after the recovery matches no grant"
+        );
+        for step in [0, 1] {
+            assert_eq!(
+                l.resolve(step, Applied::Nowhere, false),
+                Resolution::Regranted
+            );
+        }
+        assert!(!l.holds_unresolved(1));
+        let own = |step| {
+            Some(Taken {
+                step,
+                own_loss: true,
+            })
+        };
+        assert_eq!(l.take_preferring(1, 2, true, true), own(1));
+        assert_eq!(l.take_preferring(0, 2, true, true), own(0));
+        // In step order (deterministic workers), worker 1 takes step 0: not its own.
+        let mut l = StepLedger::new(10);
+        l.take(0, 1, true);
+        l.take(1, 1, true);
+        assert!(l.lose(0, 0, 1) && l.lose(1, 1, 1));
+        for step in [0, 1] {
+            l.resolve(step, Applied::Nowhere, false);
+        }
+        let taken = l.take_preferring(1, 2, true, false);
+        assert_eq!(
+            taken,
+            Some(Taken {
+                step: 0,
+                own_loss: false
+            })
+        );
+        // A rewind: the steps are trained again from the cut, none from kept gradients.
+        l.rewind(0);
+        assert_eq!(
+            l.take_preferring(1, 3, true, true),
+            Some(Taken {
+                step: 0,
+                own_loss: false
+            })
+        );
+        assert_eq!(
+            l.take_preferring(0, 3, true, true),
+            Some(Taken {
+                step: 1,
+                own_loss: false
+            })
+        );
     }
 
     #[test]

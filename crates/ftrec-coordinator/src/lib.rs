@@ -319,6 +319,7 @@ impl Shared {
             epoch,
             wait_ms: 20,
             placement_version: v,
+            reuse_gradients: false,
         };
         let (epoch, version) = (s.epoch, s.placement.version);
         if s.stopping || s.phase == Phase::Done {
@@ -381,7 +382,30 @@ impl Shared {
         let fresh = s.phase == Phase::Running
             && !moving
             && !(self.job.config.cluster.deterministic && s.steps.ledger.has_orphans());
-        if let Some(step) = s.steps.ledger.take(worker, epoch, fresh) {
+        let c = &self.job.config.cluster;
+        let own_first = !c.deterministic;
+        // An asynchronous worker whose own lost step is about to be resolved (nothing holds
+        // the resolution back) waits for it rather than take a fresh step, which would
+        // overwrite the gradients it could push again: a resolution takes one round of
+        // calls, a step computed again about 50 ms.
+        let now = Instant::now();
+        if own_first
+            && c.ft.erasure_coded()
+            && s.phase == Phase::Running
+            && s.steps.ledger.holds_unresolved(worker)
+            && !(s.recovery.suspecting(now) || s.steps.resolving_waits(now))
+        {
+            return wait(epoch, version);
+        }
+        if let Some(taken) = s
+            .steps
+            .ledger
+            .take_preferring(worker, epoch, fresh, own_first)
+        {
+            let step = taken.step;
+            // A rollback (ec+checkpoint past what the code rebuilds) rewinds the ledger,
+            // which forgets every loss: a step lost before it is computed again.
+            let reuse_gradients = taken.own_loss && c.ft.erasure_coded();
             self.fire_step_kills(s, step);
             if let Some(on_grant) = &self.testing.on_grant {
                 on_grant(epoch, step);
@@ -392,6 +416,7 @@ impl Shared {
                 epoch,
                 wait_ms: 0,
                 placement_version: version,
+                reuse_gradients,
             };
         }
         // A background rebuild finishes before the run ends, so the model gathered and
