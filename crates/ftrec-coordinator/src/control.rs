@@ -59,6 +59,7 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
                     Task::OwnSaves { servers, .. } => Some(servers.clone()),
                     _ => None,
                 };
+                let recovery = matches!(task, Task::Recover { .. });
                 run_task(&shared, task).await;
                 let mut s = shared.lock();
                 match own_saves {
@@ -71,9 +72,12 @@ pub(super) async fn control_loop(shared: Arc<Shared>) {
                     }
                     None => s.busy = false,
                 }
-                // What the task leaves (a recovery's orphans to resolve, say) is planned
-                // now, not at the next tick.
-                shared.wake.notify_one();
+                // A recovery's orphans are resolved now, not at the next tick (its
+                // workers wait to push their steps again). Only then: a task that fails
+                // at once and is planned again would spin without the tick between.
+                if recovery {
+                    shared.wake.notify_one();
+                }
             });
         }
     }
