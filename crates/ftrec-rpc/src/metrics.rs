@@ -106,8 +106,34 @@ pub async fn start(
     }
 }
 
+/// A process's peak resident set (`VmHWM` in `/proc/PID/status`; `pid` "self" for this
+/// one), in bytes; None where it cannot be read (exited, or a host without `/proc`).
+pub fn peak_rss_bytes(pid: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_vm_hwm(&status)
+}
+
+fn parse_vm_hwm(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let mut fields = line["VmHWM:".len()..].split_whitespace();
+    let value: u64 = fields.next()?.parse().ok()?;
+    match fields.next() {
+        Some("kB") => Some(value * 1024),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn parses_the_peak_in_bytes() {
+        use super::parse_vm_hwm;
+        let status = "Name:\tftrec\nVmPeak:\t  900 kB\nVmHWM:\t   12345 kB\nVmRSS:\t 100 kB\n";
+        assert_eq!(parse_vm_hwm(status), Some(12345 * 1024));
+        assert_eq!(parse_vm_hwm("VmHWM:\t12 MB\n"), None);
+        assert_eq!(parse_vm_hwm("VmRSS:\t12 kB\n"), None);
+    }
+
     use super::*;
 
     #[test]

@@ -379,19 +379,7 @@ fn start_spare_here(start_spare: Option<&StartSpare>, id: usize) {
 
 /// This process's peak resident set (Linux `VmHWM`), 0 where it cannot be read.
 fn own_peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-            let kib: u64 = line["VmHWM:".len()..]
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse()
-                .ok()?;
-            Some(kib * 1024)
-        })
-        .unwrap_or(0)
+    ftrec_rpc::metrics::peak_rss_bytes("self").unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -2,8 +2,6 @@
 //! memory a redundancy scheme really takes (allocator slack, buffers, the runtime), not
 //! what its layout says it should.
 
-use std::path::Path;
-
 use ftrec_proto::proto::Role;
 
 /// The largest `VmHWM` seen per server slot, over every process that held it.
@@ -52,34 +50,14 @@ impl PeakRss {
     }
 }
 
-/// A process's peak resident set (`VmHWM` in `/proc/PID/status`), in bytes.
+/// A process's peak resident set, in bytes.
 fn read_peak_rss(pid: u32) -> Option<u64> {
-    let status =
-        std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("status")).ok()?;
-    parse_vm_hwm(&status)
-}
-
-fn parse_vm_hwm(status: &str) -> Option<u64> {
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let mut fields = line["VmHWM:".len()..].split_whitespace();
-    let value: u64 = fields.next()?.parse().ok()?;
-    match fields.next() {
-        Some("kB") => Some(value * 1024),
-        _ => None,
-    }
+    ftrec_rpc::metrics::peak_rss_bytes(&pid.to_string())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_the_peak_in_bytes() {
-        let status = "Name:\tftrec\nVmPeak:\t  900 kB\nVmHWM:\t   12345 kB\nVmRSS:\t 100 kB\n";
-        assert_eq!(parse_vm_hwm(status), Some(12345 * 1024));
-        assert_eq!(parse_vm_hwm("VmHWM:\t12 MB\n"), None);
-        assert_eq!(parse_vm_hwm("VmRSS:\t12 kB\n"), None);
-    }
 
     #[test]
     fn keeps_the_largest_peak_of_each_slot() {
