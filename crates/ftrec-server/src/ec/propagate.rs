@@ -19,11 +19,20 @@ use ftrec_rpc::hedge::first_answer;
 const PARITY_CALLS: &str = "parity";
 
 /// Per parity holder: its slots, the coefficients and the differences, back to back.
-#[derive(Default)]
 struct HolderDeltas {
     locals: Vec<u32>,
     coefs: Vec<u8>,
     deltas: Vec<u8>,
+}
+
+impl HolderDeltas {
+    fn for_rows(rows: usize, row_bytes: usize) -> Self {
+        Self {
+            locals: Vec::with_capacity(rows),
+            coefs: Vec::with_capacity(rows),
+            deltas: Vec::with_capacity(rows * row_bytes),
+        }
+    }
 }
 
 /// Sends each changed row's difference to its parity holders before the update installs
@@ -59,31 +68,59 @@ impl ParityPropagator {
         })
     }
 
-    /// One request per parity holder: slots, coefficients and differences.
-    fn requests(&self, staged: &StagedUpdate, epoch: u64) -> BTreeMap<usize, ParityUpdateRequest> {
+    /// One request per parity holder: slots, coefficients and differences. Each holder's
+    /// buffers are sized first and the staged differences copied into them once.
+    fn requests(
+        &self,
+        staged: &StagedUpdate,
+        epoch: u64,
+    ) -> Result<BTreeMap<usize, ParityUpdateRequest>, PsError> {
         let mut out: BTreeMap<usize, ParityUpdateRequest> = BTreeMap::new();
         let r = self.stripes.params.r;
-        let mut delta = Vec::new();
+        // Per changed row's parity row: (holder, slot, coefficient, row).
+        let mut targets: Vec<(usize, u32, u8, usize)> = Vec::new();
         for rows in staged.rows() {
-            let stride = rows.old.len() / rows.globals.len().max(1);
+            let stride = rows.new.len() / rows.globals.len().max(1);
+            if rows.delta.len() != rows.new.len() {
+                return Err(PsError::Internal(format!(
+                    "step {}, table {}: {} difference words staged for {} row words",
+                    staged.step,
+                    rows.table,
+                    rows.delta.len(),
+                    rows.new.len()
+                )));
+            }
             let row_bytes = stride * 4;
-            let old: &[u8] = bytemuck::cast_slice(&rows.old);
-            let new: &[u8] = bytemuck::cast_slice(&rows.new);
-            let mut per_holder: BTreeMap<usize, HolderDeltas> = BTreeMap::new();
+            let deltas: &[u8] = bytemuck::cast_slice(&rows.delta);
+            targets.clear();
+            let mut counts: BTreeMap<usize, usize> = BTreeMap::new();
             for (n, &g) in rows.globals.iter().enumerate() {
-                let span = n * row_bytes..(n + 1) * row_bytes;
-                if old[span.clone()] == new[span.clone()] {
+                if rows.changed_delta(n, stride).is_none() {
                     continue;
                 }
-                delta.resize(row_bytes, 0);
-                ftrec_ec::xor_into(&old[span.clone()], &new[span], &mut delta);
                 let (stripe, position) = self.stripes.stripe_of(GlobalRow(g).0 as usize);
                 for p in 0..r {
                     let slot = self.stripes.parity_slot(rows.table, stripe, p);
-                    let entry = per_holder.entry(slot.server).or_default();
-                    entry.locals.push(slot.local as u32);
-                    entry.coefs.push(self.codec.coefficient(p, position));
-                    entry.deltas.extend_from_slice(&delta);
+                    targets.push((
+                        slot.server,
+                        slot.local as u32,
+                        self.codec.coefficient(p, position),
+                        n,
+                    ));
+                    *counts.entry(slot.server).or_default() += 1;
+                }
+            }
+            let mut per_holder: BTreeMap<usize, HolderDeltas> = counts
+                .into_iter()
+                .map(|(server, n)| (server, HolderDeltas::for_rows(n, row_bytes)))
+                .collect();
+            for &(server, local, coef, n) in &targets {
+                if let Some(entry) = per_holder.get_mut(&server) {
+                    entry.locals.push(local);
+                    entry.coefs.push(coef);
+                    entry
+                        .deltas
+                        .extend_from_slice(&deltas[n * row_bytes..(n + 1) * row_bytes]);
                 }
             }
             for (
@@ -121,7 +158,7 @@ impl ParityPropagator {
                     });
             }
         }
-        out
+        Ok(out)
     }
 }
 
@@ -130,7 +167,7 @@ impl PreCommit for ParityPropagator {
     async fn pre_commit(&self, staged: &StagedUpdate) -> Result<(), PsError> {
         let epoch = self.epoch.borrow().epoch;
         let calls = self
-            .requests(staged, epoch)
+            .requests(staged, epoch)?
             .into_iter()
             .map(|(server, req)| {
                 let peers = self.peers.clone();

@@ -24,14 +24,28 @@ pub trait PostCommit: Send + Sync {
 }
 
 /// The rows of one table an update changes: whole rows (`[embedding | optimizer
-/// state]`, `stride` words each), before and after.
+/// state]`, `stride` words each) as they will be.
 #[derive(Clone, Debug, Default)]
 pub struct StagedRows {
     pub table: usize,
     pub globals: Vec<u32>,
     pub locals: Vec<u32>,
-    pub old: Vec<f32>,
     pub new: Vec<f32>,
+    /// Erasure coded: each row's `old XOR new` bit pattern, `stride` words a row, what
+    /// goes to its parity holders (ECRec §3.2); empty otherwise. Taken while the old row
+    /// is in cache, so the old values are never copied out and read again.
+    pub delta: Vec<u32>,
+}
+
+impl StagedRows {
+    /// Row `n`'s difference as bytes (erasure coded only), `None` if the row is unchanged.
+    pub fn changed_delta(&self, n: usize, stride: usize) -> Option<&[u8]> {
+        let words = self.delta.get(n * stride..(n + 1) * stride)?;
+        words
+            .iter()
+            .any(|&w| w != 0)
+            .then(|| bytemuck::cast_slice(words))
+    }
 }
 
 /// The gradients of one push, as decoded from the wire.
@@ -192,12 +206,13 @@ impl Shard {
                 )));
             }
             let stride = stored.stride();
+            let coded = self.layout.stripes().is_some();
             let mut out = StagedRows {
                 table: *table,
                 globals: Vec::with_capacity(rows.len()),
                 locals: Vec::with_capacity(rows.len()),
-                old: Vec::with_capacity(rows.len() * stride),
                 new: Vec::with_capacity(rows.len() * stride),
+                delta: Vec::with_capacity(if coded { rows.len() * stride } else { 0 }),
             };
             let locals = self.locals_of(*table, rows)?;
             for (n, ((&row, &local), grad)) in rows
@@ -210,10 +225,17 @@ impl Shard {
                     ftrec_model::prefetch::prefetch_read(stored.row(ahead));
                 }
                 let current = stored.row(local);
-                out.old.extend_from_slice(current);
                 let start = out.new.len();
                 out.new.extend_from_slice(current);
                 optimizer.apply_row(&mut out.new[start..], grad);
+                if coded {
+                    out.delta.extend(
+                        current
+                            .iter()
+                            .zip(&out.new[start..])
+                            .map(|(old, new)| old.to_bits() ^ new.to_bits()),
+                    );
+                }
                 out.globals.push(row);
                 out.locals.push(local as u32);
             }

@@ -129,7 +129,7 @@ fn striped_initial_shards_hold_rows_parity_and_replicas() {
 }
 
 #[test]
-fn stage_changes_nothing_and_keeps_old_and_new_rows_then_commit_installs_them() {
+fn stage_changes_nothing_and_keeps_the_new_rows_then_commit_installs_them() {
     let mut shard = shards(2).remove(0);
     let rows: Vec<u32> = (0..40u32).filter(|r| (r + 1) % 2 == 0).take(3).collect();
     let before = shard.state().clone();
@@ -146,15 +146,73 @@ fn stage_changes_nothing_and_keeps_old_and_new_rows_then_commit_installs_them() 
     for (i, &r) in rows.iter().enumerate() {
         let local = r as usize / 2;
         assert_eq!(changed.locals[i] as usize, local);
-        let (old, new) = (
-            &changed.old[i * stride..(i + 1) * stride],
-            &changed.new[i * stride..(i + 1) * stride],
-        );
-        assert_eq!(old, before.tables()[1].row(local));
+        let new = &changed.new[i * stride..(i + 1) * stride];
         assert_eq!(new, shard.state().tables()[1].row(local));
-        assert_ne!(old, new);
+        assert_ne!(new, before.tables()[1].row(local));
     }
     assert_eq!(shard.dense_step(), 1);
+}
+
+/// An erasure-coded shard stages each row's `old XOR new` (what its parity holders fold)
+/// beside the new row; an uncoded one keeps no differences.
+#[test]
+fn a_coded_shard_stages_each_rows_difference_and_an_uncoded_one_none() {
+    let params = ftrec_ec::EcParams {
+        k: 2,
+        r: 1,
+        groups: 1,
+    };
+    let layout = Layout::striped(ftrec_ec::StripeLayout::new(params, 3).unwrap());
+    // SGD rows, so that a row with a zero gradient stays as it was (Adam's rows count
+    // their own steps, so every row they touch changes).
+    let config = ModelConfig {
+        sparse_optimizer: Optimizer::Sgd { lr: 0.1 },
+        ..model()
+    };
+    let shard = Shard::initial(&config, 7, layout, 0).unwrap();
+    let rows: Vec<u32> = (0..40u32)
+        .filter(|&g| shard.locals_of(1, &[g]).is_ok())
+        .take(4)
+        .collect();
+    assert_eq!(rows.len(), 4, "server 0 holds rows of table 1");
+    let mut u = update(&shard, rows.clone(), 0.3);
+    // The first row's gradient zero: it stays as it was, and a row whose difference is
+    // all zero sends nothing.
+    u.sparse[0].2[..model().dim].fill(0.0);
+    u.replica_dense = vec![
+        0.5;
+        shard
+            .redundancy()
+            .unwrap()
+            .replica
+            .as_ref()
+            .unwrap()
+            .range
+            .len()
+    ];
+    let staged = shard.stage(&u).unwrap();
+    let changed = &staged.rows()[0];
+    let stride = shard.state().tables()[1].stride();
+    assert_eq!(changed.delta.len(), rows.len() * stride);
+    for (n, &local) in changed.locals.iter().enumerate() {
+        let old = shard.state().tables()[1].row(local as usize);
+        let new = &changed.new[n * stride..(n + 1) * stride];
+        let expected: Vec<u32> = old
+            .iter()
+            .zip(new)
+            .map(|(a, b)| a.to_bits() ^ b.to_bits())
+            .collect();
+        assert_eq!(&changed.delta[n * stride..(n + 1) * stride], &expected[..]);
+        assert_eq!(
+            changed.changed_delta(n, stride).is_some(),
+            n != 0,
+            "row {n}"
+        );
+    }
+    let plain = shards(2).remove(0);
+    let plain_rows: Vec<u32> = (0..40u32).filter(|r| (r + 1) % 2 == 0).take(3).collect();
+    let staged = plain.stage(&update(&plain, plain_rows, 0.3)).unwrap();
+    assert!(staged.rows()[0].delta.is_empty());
 }
 
 #[test]
