@@ -10,6 +10,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint, Uri};
 
 use crate::hedge::first_answer;
+use crate::loss_watch::{LOSS_MEMORY, LossWatch};
 use crate::network::{Network, Transport};
 use crate::tail_probe::{Side, TailProbes};
 
@@ -105,6 +106,8 @@ pub struct Connector {
     tls: Option<ClientTlsConfig>,
     network: Network,
     liveness: Liveness,
+    /// Which peers' connections retransmitted lately (the connections with tail probes).
+    loss: LossWatch,
 }
 
 impl Connector {
@@ -120,7 +123,15 @@ impl Connector {
             tls: tls.map(TlsMaterial::client),
             network,
             liveness: Liveness::default(),
+            loss: LossWatch::default(),
         })
+    }
+
+    /// Whether a connection to `address` retransmitted lately; `None` where none reads
+    /// its retransmissions (tail probes off, TLS, a simulated network). See
+    /// [`crate::loss_watch`].
+    pub fn lost_lately(&self, address: &str) -> Option<bool> {
+        self.loss.lost_within(address, LOSS_MEMORY)
     }
 
     /// The same, noticing silent peers as `liveness` says.
@@ -203,7 +214,13 @@ impl Connector {
         } else {
             liveness.tail_probes
         };
+        let loss = self.loss.clone();
         tower::service_fn(move |uri: Uri| {
+            // Only a connection with probes reads its retransmissions.
+            let link = uri
+                .authority()
+                .filter(|_| probes > 0)
+                .map(|a| loss.link(a.as_str()));
             let first = tower::ServiceExt::oneshot(http.clone(), uri.clone());
             let second = tower::ServiceExt::oneshot(http.clone(), uri);
             async move {
@@ -212,7 +229,11 @@ impl Connector {
                     .result?;
                 let stream = io.into_inner();
                 liveness.tune_retransmits(&stream);
-                Ok(TcpIo::new(TailProbes::new(stream, Side::Client, probes)))
+                let probed = TailProbes::new(stream, Side::Client, probes);
+                Ok(TcpIo::new(match link {
+                    Some(link) => probed.watched_by(link),
+                    None => probed,
+                }))
             }
         })
     }

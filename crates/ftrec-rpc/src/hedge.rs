@@ -159,12 +159,29 @@ impl Hedger {
     /// later mechanism, the call's suspicion or its deadline, decides there); at once
     /// while the pair is lossy ([`LOSSY_LATE`]).
     pub fn after(&self, kind: &'static str, member: usize, limit: Duration) -> Option<Duration> {
+        self.after_seen(kind, member, limit, None)
+    }
+
+    /// [`Hedger::after`], knowing whether the member's link retransmitted lately
+    /// (`lost`, [`crate::loss_watch`]): a link that did not gets no copy, one that did gets
+    /// copies within the budget without leading the others; `None` (nothing watches the
+    /// link) leaves it to the calls' lateness.
+    pub fn after_seen(
+        &self,
+        kind: &'static str,
+        member: usize,
+        limit: Duration,
+        lost: Option<bool>,
+    ) -> Option<Duration> {
+        if lost == Some(false) {
+            return None;
+        }
         let track = self.tracks.get(&(kind, member))?;
         let after = self.trigger(track)?;
         if track.eager_left > 0 {
             return Some(Duration::ZERO);
         }
-        if track.credit < 1.0 || !self.leads(kind, member) {
+        if track.credit < 1.0 || (lost.is_none() && !self.leads(kind, member)) {
             return None;
         }
         (after < limit).then_some(after)
@@ -610,6 +627,37 @@ mod tests {
             }
         }
         assert!(copied > 0, "member 1 got no copy");
+    }
+
+    /// What the kernel says of the link decides first: no retransmission, no copy, however
+    /// late; a retransmission, copies within the budget without leading the others.
+    #[test]
+    fn a_link_seen_clean_gets_no_copy_and_one_seen_lossy_needs_no_lead() {
+        let mut h = Hedger::new(Some(Hedge {
+            multiple: 3,
+            floor: ms(2),
+        }));
+        for m in 0..2 {
+            for _ in 0..WINDOW {
+                h.record("parity", m, Some(ms(1)), false);
+            }
+        }
+        // Late alike: no lead, so copies only where the link is seen lossy.
+        for i in 0..WINDOW {
+            for m in 0..2 {
+                h.record("parity", m, Some(ms(if i % 3 == 0 { 9 } else { 1 })), false);
+            }
+        }
+        assert_eq!(h.after("parity", 0, ms(250)), None);
+        assert_eq!(h.after_seen("parity", 0, ms(250), Some(false)), None);
+        assert_eq!(h.after_seen("parity", 0, ms(250), Some(true)), Some(ms(3)));
+        // Even a member taken for lossy by its lateness gets none on a link seen clean.
+        h.tracks.entry(("parity", 1)).or_default().eager_left = 3;
+        assert_eq!(
+            h.after_seen("parity", 1, ms(250), None),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(h.after_seen("parity", 1, ms(250), Some(false)), None);
     }
 
     #[test]

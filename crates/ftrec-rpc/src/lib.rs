@@ -16,6 +16,7 @@ pub mod gather;
 pub mod hedge;
 pub mod job;
 pub mod leader;
+pub mod loss_watch;
 pub mod metrics;
 pub mod network;
 pub mod stream;

@@ -41,9 +41,10 @@ pub(crate) fn tune(socket: &impl AsRawFd, min: Option<Duration>) {
     }
 }
 
-/// How many segments `socket` has retransmitted in its life (`tcpi_total_retrans`): what
-/// turns a connection's tail probes on (`tail_probe.rs`).
-pub(crate) fn total_retransmits(socket: &impl AsRawFd) -> io::Result<u32> {
+/// The data segments `socket` has sent in its life and how many were retransmissions
+/// (`tcpi_data_segs_out`, `tcpi_total_retrans`): what turns a connection's tail probes on
+/// (`tail_probe.rs`).
+pub(crate) fn sent(socket: &impl AsRawFd) -> io::Result<crate::tail_probe::Sent> {
     // SAFETY: tcp_info is plain integers, for which all zeroes is a valid value.
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
@@ -62,7 +63,10 @@ pub(crate) fn total_retransmits(socket: &impl AsRawFd) -> io::Result<u32> {
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(info.tcpi_total_retrans)
+    Ok(crate::tail_probe::Sent {
+        segments: info.tcpi_data_segs_out,
+        retransmitted: info.tcpi_total_retrans,
+    })
 }
 
 /// `socket`'s minimum retransmission timeout, as the kernel rounded it (tests).

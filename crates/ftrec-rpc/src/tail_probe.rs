@@ -29,9 +29,12 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::loss_watch::LinkLoss;
 
 /// An empty frame of type 0xf5 (RFC 9113 reserves 0xf0-0xff for experiments) on stream 0.
 const PROBE: [u8; 9] = [0, 0, 0, 0xf5, 0, 0, 0, 0, 0];
@@ -39,6 +42,21 @@ const PROBE: [u8; 9] = [0, 0, 0, 0xf5, 0, 0, 0, 0, 0];
 const CLIENT_PREFACE_LEN: usize = 24;
 /// How often, in bursts, a connection reads its retransmission count.
 pub const CHECK_EVERY: u64 = 16;
+/// A connection is losing packets when, since it last looked, at least this many of its
+/// segments were retransmitted...
+pub const LOSS_RETRANSMITS: u32 = 2;
+/// ...and they were at least this percent of the segments it sent. A lone retransmission
+/// is no loss: on a loaded host's loopback, with the retransmission floor at 5 ms, a few
+/// timers fire before a starved peer's ACK (76 of 152,000 segments in a 300-step `ec` run on
+/// 2 cores), and each one used to keep a connection's probes on for [`PROBE_FOR`] bursts:
+/// most connections of a failure-free run probed, thousands of probes a run.
+pub const LOSS_PERCENT: u64 = 1;
+
+/// Whether `retransmitted` of `segments` sent says the link loses packets.
+fn losing(retransmitted: u32, segments: u32) -> bool {
+    retransmitted >= LOSS_RETRANSMITS
+        && u64::from(retransmitted) * 100 >= u64::from(segments) * LOSS_PERCENT
+}
 /// How long, in bursts, a retransmission keeps probes on.
 pub const PROBE_FOR: u64 = 1024;
 /// The most probes a burst may be followed by (`cluster.deadlines.tail_probes`).
@@ -128,17 +146,25 @@ impl FrameCursor {
     }
 }
 
-/// A socket that can say how many segments it has retransmitted.
+/// What a socket has sent in its life: data segments, and how many of them were
+/// retransmissions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sent {
+    pub segments: u32,
+    pub retransmitted: u32,
+}
+
+/// A socket that can say how many segments it has sent and retransmitted.
 pub trait Retransmits {
     /// None where the platform does not say.
-    fn retransmits(&self) -> Option<u32>;
+    fn sent(&self) -> Option<Sent>;
 }
 
 impl Retransmits for tokio::net::TcpStream {
-    fn retransmits(&self) -> Option<u32> {
+    fn sent(&self) -> Option<Sent> {
         #[cfg(target_os = "linux")]
         {
-            crate::retransmit::total_retransmits(self).ok()
+            crate::retransmit::sent(self).ok()
         }
         #[cfg(not(target_os = "linux"))]
         None
@@ -157,8 +183,13 @@ pub struct TailProbes<S> {
     owed: usize,
     bursts: u64,
     probe_until: u64,
-    retransmits_seen: u32,
+    seen: Sent,
+    /// The last look found the link [`losing`].
+    losing_before: bool,
     probes_sent: u64,
+    /// Where a rise in retransmissions is told, for the peer's calls to see
+    /// ([`crate::loss_watch`]).
+    loss: Option<Arc<LinkLoss>>,
 }
 
 impl<S> TailProbes<S> {
@@ -171,9 +202,18 @@ impl<S> TailProbes<S> {
             owed: 0,
             bursts: 0,
             probe_until: 0,
-            retransmits_seen: 0,
+            seen: Sent::default(),
+            losing_before: false,
             probes_sent: 0,
+            loss: None,
         }
+    }
+
+    /// The same, telling `link` whenever its retransmissions rise (only a connection with
+    /// probes on reads them).
+    pub fn watched_by(mut self, link: Arc<LinkLoss>) -> Self {
+        self.loss = Some(link);
+        self
     }
 
     pub fn get_ref(&self) -> &S {
@@ -199,19 +239,32 @@ impl<S: AsyncWrite + Retransmits + Unpin> TailProbes<S> {
     fn probing(&mut self) -> bool {
         self.bursts += 1;
         if self.bursts % CHECK_EVERY == 1
-            && let Some(now) = self.inner.retransmits()
+            && let Some(now) = self.inner.sent()
         {
-            if now > self.retransmits_seen {
+            let retransmitted = now.retransmitted.wrapping_sub(self.seen.retransmitted);
+            let segments = now.segments.wrapping_sub(self.seen.segments);
+            let losing_now = losing(retransmitted, segments);
+            // Calls' copies cost far more than probes: they wait for loss seen at two
+            // looks in a row, which a starved peer's one stall does not make.
+            if losing_now
+                && self.losing_before
+                && let Some(loss) = &self.loss
+            {
+                loss.noted();
+            }
+            self.losing_before = losing_now;
+            if losing_now {
                 if self.bursts > self.probe_until {
                     tracing::debug!(
-                        "tail probes on after {} bursts: {now} retransmits, {} probes so far",
+                        "tail probes on after {} bursts: {retransmitted} of {segments} segments \
+                         retransmitted since the last look, {} probes so far",
                         self.bursts,
                         self.probes_sent
                     );
                 }
                 self.probe_until = self.bursts + PROBE_FOR;
             }
-            self.retransmits_seen = now;
+            self.seen = now;
         }
         self.bursts <= self.probe_until
     }
@@ -256,7 +309,7 @@ impl<S> Drop for TailProbes<S> {
                 "a connection sent {} tail probes after {} bursts ({} retransmits)",
                 self.probes_sent,
                 self.bursts,
-                self.retransmits_seen
+                self.seen.retransmitted
             );
         }
     }
@@ -384,8 +437,11 @@ mod tests {
     }
 
     impl Retransmits for Wire {
-        fn retransmits(&self) -> Option<u32> {
-            Some(self.retransmits.load(Ordering::Relaxed))
+        fn sent(&self) -> Option<Sent> {
+            Some(Sent {
+                segments: self.writes as u32,
+                retransmitted: self.retransmits.load(Ordering::Relaxed),
+            })
         }
     }
 
@@ -410,6 +466,39 @@ mod tests {
             bytes = &bytes[9 + len..];
         }
         out
+    }
+
+    /// Loss in the socket's retransmissions at two looks in a row is told to the peer's
+    /// link, for its calls' copies to see ([`crate::loss_watch`]); nothing is told while
+    /// the count stays, rises by one, or rises at one look only.
+    #[tokio::test]
+    async fn a_rise_in_retransmissions_marks_the_link_lossy() {
+        let watch = crate::loss_watch::LossWatch::default();
+        let memory = crate::loss_watch::LOSS_MEMORY;
+        let (w, retransmits) = wire(usize::MAX);
+        let mut conn = TailProbes::new(w, Side::Server, 2).watched_by(watch.link("peer:1"));
+        let burst = frame(0x0, 0, 100);
+        for _ in 0..3 * CHECK_EVERY {
+            conn.write_all(&burst).await.unwrap();
+            conn.flush().await.unwrap();
+        }
+        assert_eq!(watch.lost_within("peer:1", memory), Some(false));
+        // One retransmission between two looks is no loss (a timer on a loaded host).
+        retransmits.store(1, Ordering::Relaxed);
+        for _ in 0..CHECK_EVERY {
+            conn.write_all(&burst).await.unwrap();
+            conn.flush().await.unwrap();
+        }
+        assert_eq!(watch.lost_within("peer:1", memory), Some(false));
+        // Loss at one look turns probes on, but marks the link only at the second in a row.
+        for (retransmitted, lossy) in [(4, false), (7, true)] {
+            retransmits.store(retransmitted, Ordering::Relaxed);
+            for _ in 0..CHECK_EVERY {
+                conn.write_all(&burst).await.unwrap();
+                conn.flush().await.unwrap();
+            }
+            assert_eq!(watch.lost_within("peer:1", memory), Some(lossy));
+        }
     }
 
     #[tokio::test]
@@ -457,7 +546,7 @@ mod tests {
     #[tokio::test]
     async fn no_probe_goes_inside_a_frame_or_a_header_block() {
         let (w, retransmits) = wire(usize::MAX);
-        retransmits.store(1, Ordering::Relaxed);
+        retransmits.store(LOSS_RETRANSMITS, Ordering::Relaxed);
         let mut conn = TailProbes::new(w, Side::Client, 2);
         // The preface, then half a frame: hyper never flushes there, but if it did the
         // stream must stay whole.
@@ -490,7 +579,7 @@ mod tests {
     #[tokio::test]
     async fn a_probe_taken_in_part_is_finished_before_the_next_frame() {
         let (w, retransmits) = wire(4);
-        retransmits.store(1, Ordering::Relaxed);
+        retransmits.store(LOSS_RETRANSMITS, Ordering::Relaxed);
         let mut conn = TailProbes::new(w, Side::Server, 2);
         let data = frame(0x0, 0, 3);
         conn.write_all(&data).await.unwrap();

@@ -175,7 +175,11 @@ impl ShardClient {
         let limit = self
             .suspect_after(kind)
             .unwrap_or_else(|| self.connector.timeout());
-        self.hedger.after(kind, s, limit)
+        let lost = self
+            .addresses
+            .get(s)
+            .and_then(|a| self.connector.lost_lately(a));
+        self.hedger.after_seen(kind, s, limit, lost)
     }
 
     /// `call` to server `s`, bounded as [`within`] bounds it, with its copy on the second

@@ -43,14 +43,19 @@ impl Peers {
         }
     }
 
-    /// When a call of `kind` to peer `server` is sent again: before its deadline, or
-    /// never.
-    pub(crate) fn hedge_after(&self, kind: &'static str, server: usize) -> Option<Duration> {
-        self.hedger.lock().unwrap_or_else(|p| p.into_inner()).after(
-            kind,
-            server,
-            self.connector.timeout(),
-        )
+    /// When a call of `kind` to peer `server` at `address` is sent again: before its
+    /// deadline, or never (never while its link shows no loss: [`ftrec_rpc::loss_watch`]).
+    pub(crate) fn hedge_after(
+        &self,
+        kind: &'static str,
+        server: usize,
+        address: &str,
+    ) -> Option<Duration> {
+        let lost = self.connector.lost_lately(address);
+        self.hedger
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .after_seen(kind, server, self.connector.timeout(), lost)
     }
 
     /// A call of `kind` to peer `server` ended, answered in `took`; `hedged`: its copy was
@@ -81,16 +86,16 @@ impl Peers {
         fresh: bool,
         epoch: u64,
     ) -> Result<ServerClient, PsError> {
-        self.clients(server, fresh, epoch).await.map(|(c, _)| c)
+        self.clients(server, fresh, epoch).await.map(|(_, c, _)| c)
     }
 
-    /// [`Peers::client`], with the client on the second connection.
+    /// [`Peers::client`], with its address and the client on the second connection.
     pub(crate) async fn clients(
         &self,
         server: usize,
         fresh: bool,
         epoch: u64,
-    ) -> Result<(ServerClient, ServerClient), PsError> {
+    ) -> Result<Peer, PsError> {
         let mut guard = self.map.lock().await;
         let (fetched_in, map) = &mut *guard;
         if fresh || *fetched_in < epoch || map.get(server).is_none_or(|(a, _, _)| a.is_empty()) {
@@ -110,7 +115,7 @@ impl Peers {
         }
         map.get(server)
             .filter(|(a, _, _)| !a.is_empty())
-            .map(|(_, c, second)| (c.clone(), second.clone()))
+            .cloned()
             .ok_or_else(|| PsError::Unavailable(format!("server {server} has no address yet")))
     }
 }

@@ -175,7 +175,7 @@ impl PreCommit for ParityPropagator {
                     let mut last = None;
                     // A replacement took the slot: its new address is one map refresh away.
                     for fresh in [false, true] {
-                        let (mut client, mut second) = peers
+                        let (address, mut client, mut second) = peers
                             .clients(server, fresh, epoch)
                             .await
                             .map_err(|e| e.blaming(server))?;
@@ -183,9 +183,11 @@ impl PreCommit for ParityPropagator {
                         let copy = req.clone();
                         let answered = first_answer(
                             client.parity_update(req.clone()),
-                            peers.hedge_after(PARITY_CALLS, server).map(|after| {
-                                (after, async move { second.parity_update(copy).await })
-                            }),
+                            peers
+                                .hedge_after(PARITY_CALLS, server, &address)
+                                .map(|after| {
+                                    (after, async move { second.parity_update(copy).await })
+                                }),
                         )
                         .await;
                         let took = answered.result.is_ok().then(|| started.elapsed());
