@@ -610,6 +610,19 @@ mod tests {
             c.ec.rebuild_nice, 0,
             "a renice needs a privilege: off by default"
         );
+        assert_eq!(
+            c.cluster.worker_nice, 5,
+            "workers yield to their host's servers"
+        );
+        for bad in ["-1", "20"] {
+            let e = JobConfig::load(Some("tiny"), None, &[format!("cluster.worker_nice={bad}")])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("cluster.worker_nice = {bad}")) && e.contains("0 to 19"),
+                "{e}"
+            );
+        }
         assert_eq!(c.ec.rebuild_training_share, 0.5);
         let e = JobConfig::load(
             Some("tiny"),

@@ -150,6 +150,9 @@ struct StepTimes {
 /// Runs a worker process: its own runtime, with one thread for heartbeats while the
 /// calling thread trains.
 pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
+    // Before any thread is started: each takes its nice value from the thread that starts
+    // it.
+    lower_priority(opts.job.config.cluster.worker_nice);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -159,6 +162,26 @@ pub fn run(opts: WorkerOptions) -> Result<(), PsError> {
             error,
         })?;
     rt.block_on(run_async(opts))
+}
+
+/// Sets this thread's nice value to `nice` (`cluster.worker_nice`; 0 leaves it). Any
+/// process may raise its own; one that cannot is said and trains on as it was.
+fn lower_priority(nice: i32) {
+    if nice <= 0 {
+        return;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: setpriority reads its three integer arguments only; `0` names the
+        // calling thread (Linux keeps nice values per thread).
+        let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
+        if rc != 0 {
+            tracing::warn!(
+                "cluster.worker_nice = {nice} not set: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
 }
 
 /// Runs a worker on the current runtime (a simulated host, in `ftrec-sim`). The compute
