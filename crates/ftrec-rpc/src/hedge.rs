@@ -582,19 +582,26 @@ mod tests {
         }
     }
 
-    /// Copies within the budget go to a member whose calls are late more often than the
-    /// others', never to members late alike (a host short of CPU).
-    #[test]
-    fn only_a_member_late_more_than_the_others_gets_copies() {
+    /// A hedger (copies at 3 x the fast quartile) whose parity calls to each of `members`
+    /// were all answered in 1 ms.
+    fn parity_calls_answered_in_1_ms(members: usize) -> Hedger {
         let mut h = Hedger::new(Some(Hedge {
             multiple: 3,
             floor: ms(2),
         }));
-        for m in 0..3 {
+        for m in 0..members {
             for _ in 0..WINDOW {
                 h.record("parity", m, Some(ms(1)), false);
             }
         }
+        h
+    }
+
+    /// Copies within the budget go to a member whose calls are late more often than the
+    /// others', never to members late alike (a host short of CPU).
+    #[test]
+    fn only_a_member_late_more_than_the_others_gets_copies() {
+        let mut h = parity_calls_answered_in_1_ms(3);
         // Every member late one call in ten: no copy to any.
         for i in 0..2 * WINDOW {
             for m in 0..3 {
@@ -633,15 +640,7 @@ mod tests {
     /// late; a retransmission, copies within the budget without leading the others.
     #[test]
     fn a_link_seen_clean_gets_no_copy_and_one_seen_lossy_needs_no_lead() {
-        let mut h = Hedger::new(Some(Hedge {
-            multiple: 3,
-            floor: ms(2),
-        }));
-        for m in 0..2 {
-            for _ in 0..WINDOW {
-                h.record("parity", m, Some(ms(1)), false);
-            }
-        }
+        let mut h = parity_calls_answered_in_1_ms(2);
         // Late alike: no lead, so copies only where the link is seen lossy.
         for i in 0..WINDOW {
             for m in 0..2 {
