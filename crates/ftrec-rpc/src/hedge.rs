@@ -195,19 +195,30 @@ impl Hedger {
     /// failure-free `ec` run on 2 cores about one parity update in ten had been sent twice.
     /// With no other member to compare, the budget alone decides.
     fn leads(&self, kind: &'static str, member: usize) -> bool {
-        let late = |t: &Track| t.late.iter().filter(|&&late| late).count();
+        let Some(others) = self.others_late_median(kind, member) else {
+            return true;
+        };
+        let this = self.late_calls(kind, member);
+        this >= LEAD_FOR_COPIES && this >= LEAD_FOR_COPIES * others.max(1)
+    }
+
+    /// How many of `member`'s last calls of `kind` were late.
+    fn late_calls(&self, kind: &'static str, member: usize) -> usize {
+        self.tracks
+            .get(&(kind, member))
+            .map_or(0, |t| t.late.iter().filter(|&&late| late).count())
+    }
+
+    /// The median of the other members' late calls of `kind`; `None` with no other member.
+    fn others_late_median(&self, kind: &'static str, member: usize) -> Option<usize> {
         let mut others: Vec<usize> = self
             .tracks
             .range((kind, 0)..=(kind, usize::MAX))
             .filter(|((_, m), _)| *m != member)
-            .map(|(_, t)| late(t))
+            .map(|(&(_, m), _)| self.late_calls(kind, m))
             .collect();
-        if others.is_empty() {
-            return true;
-        }
-        let this = self.tracks.get(&(kind, member)).map_or(0, late);
         others.sort_unstable();
-        this >= LEAD_FOR_COPIES && this >= LEAD_FOR_COPIES * others[others.len() / 2].max(1)
+        others.get(others.len() / 2).copied()
     }
 
     /// Whether `member`'s calls of `kind` are late as a lossy link makes them: at least
@@ -216,24 +227,14 @@ impl Hedger {
     /// short of CPU delays its calls to every member alike, and is not taken for a lossy
     /// link; with no other member to compare, none is.
     fn lossy(&self, kind: &'static str, member: usize) -> bool {
-        let late = |t: &Track| t.late.iter().filter(|&&late| late).count();
         // Every call ends here: the other members are looked at only once this one's late
         // calls are enough by themselves.
-        let this = self.tracks.get(&(kind, member)).map_or(0, late);
+        let this = self.late_calls(kind, member);
         if this < LOSSY_LATE {
             return false;
         }
-        let mut others: Vec<usize> = self
-            .tracks
-            .range((kind, 0)..=(kind, usize::MAX))
-            .filter(|((_, m), _)| *m != member)
-            .map(|(_, t)| late(t))
-            .collect();
-        if others.is_empty() {
-            return false;
-        }
-        others.sort_unstable();
-        this >= LOSSY_LEAD * others[others.len() / 2].max(1)
+        self.others_late_median(kind, member)
+            .is_some_and(|others| this >= LOSSY_LEAD * others.max(1))
     }
 
     /// How long a call of `track` waits before its copy, when not lossy.
