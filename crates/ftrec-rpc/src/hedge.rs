@@ -137,6 +137,13 @@ struct Track {
     eager_left: usize,
 }
 
+impl Track {
+    /// How many of its last calls were late.
+    fn late_calls(&self) -> usize {
+        self.late.iter().filter(|&&late| late).count()
+    }
+}
+
 /// When to send a step call again: per kind of call and member, its recent fast
 /// quartile and the copies it may still send (see [`CREDIT_PER_CALL`]).
 #[derive(Default)]
@@ -206,7 +213,7 @@ impl Hedger {
     fn late_calls(&self, kind: &'static str, member: usize) -> usize {
         self.tracks
             .get(&(kind, member))
-            .map_or(0, |t| t.late.iter().filter(|&&late| late).count())
+            .map_or(0, Track::late_calls)
     }
 
     /// The median of the other members' late calls of `kind`; `None` with no other member.
@@ -215,7 +222,7 @@ impl Hedger {
             .tracks
             .range((kind, 0)..=(kind, usize::MAX))
             .filter(|((_, m), _)| *m != member)
-            .map(|(&(_, m), _)| self.late_calls(kind, m))
+            .map(|(_, t)| t.late_calls())
             .collect();
         others.sort_unstable();
         others.get(others.len() / 2).copied()

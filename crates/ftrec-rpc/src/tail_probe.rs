@@ -187,7 +187,7 @@ pub struct TailProbes<S> {
     /// The last look found the link [`losing`].
     losing_before: bool,
     probes_sent: u64,
-    /// Where a rise in retransmissions is told, for the peer's calls to see
+    /// Where loss at two looks in a row is told, for the peer's calls to see
     /// ([`crate::loss_watch`]).
     loss: Option<Arc<LinkLoss>>,
 }
@@ -209,8 +209,8 @@ impl<S> TailProbes<S> {
         }
     }
 
-    /// The same, telling `link` whenever its retransmissions rise (only a connection with
-    /// probes on reads them).
+    /// The same, telling `link` whenever two looks in a row find the connection
+    /// [`losing`] (only a connection with probes on reads its retransmissions).
     pub fn watched_by(mut self, link: Arc<LinkLoss>) -> Self {
         self.loss = Some(link);
         self
