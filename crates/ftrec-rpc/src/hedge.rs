@@ -232,13 +232,17 @@ impl Hedger {
     /// [`LOSSY_LATE`] of its last [`LOSSY_WINDOW`], and [`LOSSY_LEAD`] times as many as
     /// the other members' of the same kind (the median of theirs, at least one). A host
     /// short of CPU delays its calls to every member alike, and is not taken for a lossy
-    /// link; with no other member to compare, none is.
-    fn lossy(&self, kind: &'static str, member: usize) -> bool {
+    /// link; with no other member to compare, none is. `seen_losing`: the kernel counted
+    /// the link's retransmissions ([`Hedger::record_seen`]); the late calls then suffice.
+    fn lossy(&self, kind: &'static str, member: usize, seen_losing: bool) -> bool {
         // Every call ends here: the other members are looked at only once this one's late
         // calls are enough by themselves.
         let this = self.late_calls(kind, member);
         if this < LOSSY_LATE {
             return false;
+        }
+        if seen_losing {
+            return true;
         }
         self.others_late_median(kind, member)
             .is_some_and(|others| this >= LOSSY_LEAD * others.max(1))
@@ -258,6 +262,26 @@ impl Hedger {
         took: Option<Duration>,
         hedged: bool,
     ) {
+        self.record_seen(kind, member, took, hedged, None);
+    }
+
+    /// [`Hedger::record`], knowing whether the member's link retransmitted lately (`lost`,
+    /// as in [`Hedger::after_seen`]). A link the kernel sees losing packets needs no lead
+    /// over the other members to be taken for lossy: the lead tells a lossy link from a
+    /// host short of CPU, which the kernel's count already does. Without this, a member
+    /// whose own link is the lossy one never took its peers for lossy (every one of them
+    /// is behind that link, so none leads), and its parity updates got copies only within
+    /// the budget. Its eager copies also go on while its link keeps losing, rather than
+    /// stopping to be measured again: with both copies out at once its calls' lateness
+    /// cannot be seen, and the kernel's count can.
+    pub fn record_seen(
+        &mut self,
+        kind: &'static str,
+        member: usize,
+        took: Option<Duration>,
+        hedged: bool,
+        lost: Option<bool>,
+    ) {
         let trigger = self
             .tracks
             .get(&(kind, member))
@@ -266,6 +290,9 @@ impl Hedger {
         let eager = track.eager_left > 0;
         if eager {
             track.eager_left -= 1;
+            if track.eager_left == 0 && lost == Some(true) {
+                track.eager_left = EAGER_CALLS;
+            }
         } else if let Some(trigger) = trigger {
             if track.late.len() == LOSSY_WINDOW {
                 track.late.pop_front();
@@ -282,7 +309,7 @@ impl Hedger {
             }
             self.counts.add(kind);
         }
-        if !eager && self.lossy(kind, member) {
+        if !eager && self.lossy(kind, member, lost == Some(true)) {
             let track = self.tracks.entry((kind, member)).or_default();
             track.eager_left = EAGER_CALLS;
             track.late.clear();
@@ -588,6 +615,55 @@ mod tests {
                 "call {i}"
             );
         }
+    }
+
+    /// A server whose own link loses packets finds every peer late alike, as a host short
+    /// of CPU does: with nothing else to go on none is lossy. The kernel's count of the
+    /// link's retransmissions (`lost`) tells them apart, and then the late calls alone make
+    /// the peer lossy, and its copies go on at once while the link keeps losing.
+    #[test]
+    fn peers_behind_a_link_seen_losing_get_copies_at_once_though_none_leads() {
+        let mut h = parity_calls_answered_in_1_ms(2);
+        let late_alike = |h: &mut Hedger, lost: Option<bool>, calls: usize| {
+            for i in 0..calls {
+                for m in 0..2 {
+                    let took = if i % 6 == 0 { 12 } else { 1 };
+                    h.record_seen("parity", m, Some(ms(took)), false, lost);
+                }
+            }
+        };
+        late_alike(&mut h, None, 4 * LOSSY_WINDOW);
+        assert_ne!(
+            h.after_seen("parity", 0, ms(250), None),
+            Some(Duration::ZERO),
+            "late alike, unseen: not lossy"
+        );
+        late_alike(&mut h, Some(true), LOSSY_WINDOW);
+        for m in 0..2 {
+            assert_eq!(
+                h.after_seen("parity", m, ms(250), Some(true)),
+                Some(Duration::ZERO),
+                "member {m}, seen losing"
+            );
+        }
+        // Past one eager window, still seen losing: still at once.
+        for _ in 0..2 * EAGER_CALLS {
+            h.record_seen("parity", 0, Some(ms(1)), true, Some(true));
+        }
+        assert_eq!(
+            h.after_seen("parity", 0, ms(250), Some(true)),
+            Some(Duration::ZERO)
+        );
+        // The link clean again: no copy at all, and its eager window runs out.
+        assert_eq!(h.after_seen("parity", 0, ms(250), Some(false)), None);
+        for _ in 0..EAGER_CALLS {
+            h.record_seen("parity", 0, Some(ms(1)), true, Some(false));
+        }
+        assert_ne!(
+            h.after_seen("parity", 0, ms(250), None),
+            Some(Duration::ZERO),
+            "eager after the link was seen clean"
+        );
     }
 
     /// A hedger (copies at 3 x the fast quartile) whose parity calls to each of `members`

@@ -1,7 +1,8 @@
-//! Streamed replies whose sender goes silent mid-stream (issue 42, hole 3). A call's
-//! deadline ends with the reply's headers; before the streams had a progress deadline,
-//! each reader here waited forever. Each test is bounded by an outer timeout, so a hang
-//! fails it.
+//! Streams that go wrong on the wire. Streamed replies whose sender goes silent mid-stream
+//! (issue 42, hole 3): a call's deadline ends with the reply's headers; before the streams
+//! had a progress deadline, each reader here waited forever. Each test is bounded by an
+//! outer timeout, so a hang fails it. And calls cancelled in a burst, as hedged copies on
+//! a lossy link arrive (issue 44 §3): the server must keep the connection.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -102,11 +103,16 @@ stub_server! {
 
 /// Serves the stub on loopback; returns its address.
 async fn serve(rows: Rows) -> String {
+    serve_with(tonic::transport::Server::builder(), rows).await
+}
+
+/// [`serve`] with the given server settings.
+async fn serve_with(mut builder: tonic::transport::Server, rows: Rows) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
     let incoming = tonic::transport::server::TcpIncoming::from(listener);
     tokio::spawn(
-        tonic::transport::Server::builder()
+        builder
             .add_service(ParameterServerServer::new(Stub(rows)))
             .serve_with_incoming(incoming),
     );
@@ -338,4 +344,112 @@ async fn a_dead_port_is_refused_and_a_silent_one_is_not() {
     let e = PsError::rpc("applied", &status);
     assert!(!e.is_refused(), "{e:?}");
     drop(frozen);
+}
+
+/// One HTTP/2 frame: length, type, flags, stream id, payload (RFC 9113 §4.1).
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = len.to_be_bytes()[1..].to_vec();
+    f.extend([kind, flags]);
+    f.extend(stream.to_be_bytes());
+    f.extend(payload);
+    f
+}
+
+/// A request's headers in HPACK literals without indexing (RFC 7541 §6.2.2): a unary
+/// call to `Pull`, whose body never comes.
+fn pull_headers(authority: &str) -> Vec<u8> {
+    let mut h = vec![0x83, 0x86]; // :method POST, :scheme http (static table)
+    for (name_index, value) in [(4u8, "/ftrec.ParameterServer/Pull"), (1, authority)] {
+        h.push(name_index);
+        h.push(value.len() as u8);
+        h.extend(value.as_bytes());
+    }
+    // content-type is entry 31 of the static table: past the 4-bit prefix.
+    h.extend([0x0f, 31 - 15, 16]);
+    h.extend(b"application/grpc");
+    h.extend([0x00, 2]);
+    h.extend(b"te");
+    h.push(8);
+    h.extend(b"trailers");
+    h
+}
+
+/// Writes `streams` requests, each cancelled at once, in one segment, then a ping; returns
+/// whether the server answered the ping (it kept the connection) rather than going away.
+async fn survives_cancelled_burst(address: &str, streams: u32) -> bool {
+    const HEADERS: u8 = 0x1;
+    const RST_STREAM: u8 = 0x3;
+    const SETTINGS: u8 = 0x4;
+    const PING: u8 = 0x6;
+    const GOAWAY: u8 = 0x7;
+    const END_HEADERS: u8 = 0x4;
+    const ACK: u8 = 0x1;
+    const CANCEL: u32 = 0x8;
+    let mut tcp = TcpStream::connect(address).await.unwrap();
+    let mut burst = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    burst.extend(frame(SETTINGS, 0, 0, &[]));
+    let headers = pull_headers(address);
+    for n in 0..streams {
+        let id = 2 * n + 1;
+        burst.extend(frame(HEADERS, END_HEADERS, id, &headers));
+        burst.extend(frame(RST_STREAM, 0, id, &CANCEL.to_be_bytes()));
+    }
+    burst.extend(frame(PING, 0, 0, b"ftrecok!"));
+    tcp.write_all(&burst).await.unwrap();
+    let mut read = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        // Frames from the server: its settings, the ack of ours, and the ping's answer or
+        // a GOAWAY.
+        let mut at = 0;
+        while read.len() >= at + 9 {
+            let len = u32::from_be_bytes([0, read[at], read[at + 1], read[at + 2]]) as usize;
+            if read.len() < at + 9 + len {
+                break;
+            }
+            match (read[at + 3], read[at + 4] & ACK) {
+                (PING, ACK) => return true,
+                (GOAWAY, _) => return false,
+                _ => {}
+            }
+            at += 9 + len;
+        }
+        let n = tokio::time::timeout(HANG, tcp.read(&mut buf))
+            .await
+            .expect("the server neither answered the ping nor went away")
+            .unwrap();
+        if n == 0 {
+            return false;
+        }
+        read.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// A hedged call cancels its slower copy, and a lossy link delivers a held-back queue of
+/// requests with their cancellations at once, before the server took them up. h2 guards
+/// against "rapid reset" floods by closing such a connection, every call on it failing:
+/// with its default of 20, 10 of 25 lossy runs lost a step that way. The job's servers
+/// allow [`ftrec_rpc::auth::MAX_PENDING_ACCEPT_RESETS`]; the default server is the
+/// control, showing that the burst reaches the guard.
+#[tokio::test]
+async fn a_burst_of_cancelled_calls_keeps_the_jobs_server_connection() {
+    let data = tempfile::tempdir().unwrap();
+    let mut config = ftrec_config::JobConfig::preset("tiny").unwrap();
+    config.data.dir = Some(data.path().to_path_buf());
+    let job = ftrec_rpc::Job::new(config).unwrap();
+    let ours = serve_with(
+        ftrec_rpc::auth::server_builder(&job).unwrap(),
+        Rows::Endless,
+    )
+    .await;
+    let default = serve(Rows::Endless).await;
+    assert!(
+        !survives_cancelled_burst(&default, 64).await,
+        "the default server kept a connection past 20 cancelled calls: the burst no longer reaches h2's guard"
+    );
+    assert!(
+        survives_cancelled_burst(&ours, 64).await,
+        "the job's server closed a connection on 64 cancelled calls"
+    );
 }

@@ -221,7 +221,11 @@ impl ShardClient {
         if let Some(took) = took {
             self.times.record(kind, took);
         }
-        self.hedger.record(kind, s, took, hedged);
+        let lost = self
+            .addresses
+            .get(s)
+            .and_then(|a| self.connector.lost_lately(a));
+        self.hedger.record_seen(kind, s, took, hedged, lost);
     }
 
     pub fn with_protocol(mut self, protocol: CommitProtocol) -> Self {

@@ -119,19 +119,20 @@ impl EcState {
     /// The staged update of `step` if it is prepared here in `epoch`: a retried phase 1, or
     /// a step granted again after its first phase 1 ran here. The try `attempt` adopts it
     /// under the lock an abort takes it under, so an abort of an earlier try either took
-    /// it first (and the new try prepares afresh) or no longer matches it.
+    /// it first (and the new try prepares afresh) or no longer matches it. With it,
+    /// whether the try's differences are at every holder already ([`StagedUpdate::adopt`]).
     pub(crate) fn adopt_prepared(
         &self,
         step: u64,
         epoch: u64,
         attempt: u64,
-    ) -> Option<Arc<StagedUpdate>> {
+    ) -> Option<(Arc<StagedUpdate>, bool)> {
         lock(&self.prepared)
             .get(&step)
             .filter(|p| p.epoch == epoch)
             .map(|p| {
-                p.staged.adopt(attempt);
-                p.staged.clone()
+                let propagated = p.staged.adopt(attempt);
+                (p.staged.clone(), propagated)
             })
     }
 

@@ -58,19 +58,21 @@ impl Peers {
             .after_seen(kind, server, self.connector.timeout(), lost)
     }
 
-    /// A call of `kind` to peer `server` ended, answered in `took`; `hedged`: its copy was
-    /// sent.
+    /// A call of `kind` to peer `server` at `address` ended, answered in `took`; `hedged`:
+    /// its copy was sent.
     pub(crate) fn called(
         &self,
         kind: &'static str,
         server: usize,
+        address: &str,
         took: Option<Duration>,
         hedged: bool,
     ) {
+        let lost = self.connector.lost_lately(address);
         self.hedger
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .record(kind, server, took, hedged);
+            .record_seen(kind, server, took, hedged, lost);
         if hedged {
             self.metrics.add("ftrec_hedged_calls_total", 1);
         }

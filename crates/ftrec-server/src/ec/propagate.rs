@@ -191,7 +191,7 @@ impl PreCommit for ParityPropagator {
                         )
                         .await;
                         let took = answered.result.is_ok().then(|| started.elapsed());
-                        peers.called(PARITY_CALLS, server, took, answered.hedged);
+                        peers.called(PARITY_CALLS, server, &address, took, answered.hedged);
                         match answered.result {
                             Ok(_) => return Ok(()),
                             Err(s) => {

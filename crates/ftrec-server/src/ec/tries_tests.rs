@@ -91,3 +91,59 @@ async fn a_late_abort_of_the_first_try_leaves_the_second_try_s_staged_parity() {
     holder.abort_step(EPOCH, STEP, 0).unwrap();
     assert!(ec.take_staged_parity(STEP, EPOCH).is_empty());
 }
+
+/// Counts the differences a server sends, by the try they are tagged with.
+#[derive(Default)]
+struct Sent(std::sync::Mutex<Vec<u64>>);
+
+#[tonic::async_trait]
+impl crate::shard::PreCommit for Sent {
+    async fn pre_commit(
+        &self,
+        staged: &crate::shard::StagedUpdate,
+    ) -> Result<(), ftrec_rpc::PsError> {
+        self.0.lock().unwrap().push(staged.attempt());
+        Ok(())
+    }
+}
+
+/// A copy of a prepare (hedged on a lossy link, or retried) for the try that prepared
+/// the step answers without sending its differences again: they are at the holders
+/// already, and sending cost the copy another crossing of that link. A new try of the
+/// step still sends them again under its own tag, and so does the first try once the
+/// second retagged the update.
+#[tokio::test]
+async fn a_copy_of_the_prepared_try_sends_no_difference_again_and_a_new_try_does() {
+    let job = ec_job();
+    let mut core = core(&job, 0, EPOCH);
+    let sent = std::sync::Arc::new(Sent::default());
+    core.pipeline.add_pre_commit(sent.clone());
+    let attempt = |attempt| crate::shard::Update {
+        attempt,
+        ..update(&core, STEP)
+    };
+    for (try_, expected) in [
+        (FIRST, vec![FIRST]),
+        // A copy of the first try.
+        (FIRST, vec![FIRST]),
+        // The step granted again: sent again under the new tag.
+        (SECOND, vec![FIRST, SECOND]),
+        (SECOND, vec![FIRST, SECOND]),
+        // A late copy of the first try retags the update: its tag's differences were
+        // replaced at the holders, so they go out again.
+        (FIRST, vec![FIRST, SECOND, FIRST]),
+        (FIRST, vec![FIRST, SECOND, FIRST]),
+        // A try that names none is never taken for sent.
+        (0, vec![FIRST, SECOND, FIRST, FIRST]),
+    ] {
+        let prepared = core
+            .run_update(EPOCH, attempt(try_), CommitMode::TwoPhase)
+            .await;
+        assert!(
+            matches!(prepared, Ok(Pushed::Prepared { .. })),
+            "try {try_:x}"
+        );
+        assert_eq!(*sent.0.lock().unwrap(), expected, "after try {try_:x}");
+    }
+    assert_eq!(core.commit_step(EPOCH, STEP).await.unwrap(), 1);
+}

@@ -64,12 +64,19 @@ impl Core {
                 .await?
             {
                 Ok(turn) => turn,
-                Err(staged) => {
+                Err((staged, propagated)) => {
                     // A retried phase 1, or the step granted again, finds it prepared
-                    // already. Its differences go out again: an abort may have dropped
-                    // them at the holders since (a phase 1 that finished after its worker
-                    // gave up on it). Holders replace a resent difference: idempotent.
-                    self.pipeline.pre_commit(&staged).await?;
+                    // already. A new try's differences go out again under its tag: an
+                    // abort of the old try may have dropped them at the holders since (a
+                    // phase 1 that finished after its worker gave up on it). Holders
+                    // replace a resent difference: idempotent. A copy of the try that
+                    // prepared it (a hedged call, whose first answer was lost on a lossy
+                    // link) answers at once: resending cost it another crossing of that
+                    // link, and a copy of a prepare was no faster than the prepare.
+                    if !propagated {
+                        self.pipeline.pre_commit(&staged).await?;
+                        staged.mark_propagated(update.attempt);
+                    }
                     return Ok(Pushed::Prepared { rows: 0 });
                 }
             },
@@ -88,6 +95,7 @@ impl Core {
         let staged = pipeline.shard_read()?.stage_owned(update)?;
         // A veto aborts the update: the staged rows are dropped, nothing is installed.
         pipeline.pre_commit(&staged).await?;
+        staged.mark_propagated(staged.attempt());
         let rows = staged.rows_changed();
         match mode {
             CommitMode::Immediate => {
@@ -123,8 +131,10 @@ impl Core {
         epoch: u64,
         step: u64,
         attempt: u64,
-    ) -> Result<Result<tokio::sync::OwnedMutexGuard<()>, std::sync::Arc<StagedUpdate>>, PsError>
-    {
+    ) -> Result<
+        Result<tokio::sync::OwnedMutexGuard<()>, (std::sync::Arc<StagedUpdate>, bool)>,
+        PsError,
+    > {
         let ec = self.pipeline.ec()?;
         loop {
             let changed = ec.prepared_changed.notified();

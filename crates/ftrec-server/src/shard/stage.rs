@@ -125,6 +125,12 @@ pub struct StagedUpdate {
     /// its differences sent again under it), so an abort of the first try that lands late
     /// no longer matches it.
     attempt: AtomicU64,
+    /// The try whose differences every parity holder acknowledged since the update was
+    /// last adopted by another try (0: none). A copy of that very try (a hedged or retried
+    /// phase 1) then has nothing to send again: its differences, under its own tag, are
+    /// staged at the holders already, and only an abort of that same try, whose worker
+    /// never commits it, could have dropped them.
+    propagated: AtomicU64,
 }
 
 impl StagedUpdate {
@@ -133,10 +139,29 @@ impl StagedUpdate {
         self.attempt.load(Ordering::Relaxed)
     }
 
-    /// A later try of the same step adopts this prepared update.
-    pub fn adopt(&self, attempt: u64) {
-        if attempt != 0 {
-            self.attempt.store(attempt, Ordering::Relaxed);
+    /// A later try of the same step adopts this prepared update. Returns whether the
+    /// try's differences are at every holder already ([`StagedUpdate::propagated`]).
+    /// The caller serializes adoptions (`EcState::adopt_prepared` takes them under the
+    /// prepared map's lock), so the check and the retag are one step.
+    pub fn adopt(&self, attempt: u64) -> bool {
+        if attempt == 0 {
+            return false;
+        }
+        if self.attempt.swap(attempt, Ordering::SeqCst) == attempt {
+            return self.propagated.load(Ordering::SeqCst) == attempt;
+        }
+        // Another try's tag: whatever was acknowledged was under that tag.
+        self.propagated.store(0, Ordering::SeqCst);
+        false
+    }
+
+    /// Every parity holder acknowledged the differences sent under the try `attempt`.
+    /// Marked only while that is still the update's try. A retag racing with this mark
+    /// leaves `propagated` naming a try that is not `attempt` any more, which no
+    /// [`StagedUpdate::adopt`] takes for acknowledged: a copy then sends again, as before.
+    pub fn mark_propagated(&self, attempt: u64) {
+        if attempt != 0 && self.attempt() == attempt {
+            self.propagated.store(attempt, Ordering::SeqCst);
         }
     }
 
@@ -184,6 +209,7 @@ impl Shard {
         let mut staged = StagedUpdate {
             step: update.step,
             attempt: AtomicU64::new(update.attempt),
+            propagated: AtomicU64::new(0),
             ..Default::default()
         };
         for (table, rows, grads) in &update.sparse {
