@@ -22,8 +22,14 @@ pub use ftrec_config::Hedge;
 
 /// Calls of each kind whose durations are kept.
 pub const WINDOW: usize = 256;
-/// Below this many, a kind's times say nothing yet: no call of it is hedged or suspected.
+/// Below this many, a kind's times say nothing yet: no call of it is suspected.
 pub const MIN_SAMPLES: usize = 32;
+/// Below this many answered calls of a (kind, member), none of its calls is hedged. Fewer
+/// than [`MIN_SAMPLES`]: a copy's trigger is the fast quartile, which 8 calls already
+/// place (the second fastest), and a copy costs one call's work where a suspicion costs a
+/// recovery. On a link lossy from the start, the first 32 steps' calls had gone without
+/// copies: 0.1-0.2 s of a 400-step run's loss.
+pub const HEDGE_MIN_SAMPLES: usize = 8;
 
 /// The last [`WINDOW`] times of one kind of call.
 #[derive(Default)]
@@ -39,7 +45,12 @@ impl Window {
 
     /// The `percent`th percentile, once there are [`MIN_SAMPLES`] times.
     fn percentile(&self, percent: usize) -> Option<Duration> {
-        if self.0.len() < MIN_SAMPLES {
+        self.percentile_of(percent, MIN_SAMPLES)
+    }
+
+    /// The `percent`th percentile, once there are `min` times.
+    fn percentile_of(&self, percent: usize, min: usize) -> Option<Duration> {
+        if self.0.len() < min.max(1) {
             return None;
         }
         let mut sorted: Vec<Duration> = self.0.iter().copied().collect();
@@ -117,6 +128,11 @@ const LOSSY_WINDOW: usize = 64;
 /// a congested or throttled link slows every call, its fast quartile with them, and few
 /// run past it: it is never taken for lossy, and its copies stay within the budget.
 const LOSSY_LATE: usize = 8;
+/// [`LOSSY_LATE`] for a link the kernel sees losing ([`Hedger::record_seen`]). Its copies
+/// within the budget already answer most calls that a lost packet held back, so few of
+/// its calls are late past the trigger: in a run with 5% loss on one server, 3 to 5 of 64
+/// of that server's parity updates, never 8, and its copies stayed within the budget.
+const LOSSY_LATE_SEEN: usize = 3;
 /// How many times the other members' late calls a lossy member's must be.
 const LOSSY_LEAD: usize = 3;
 /// Calls sent with their copy at once after a lossy (kind, member) is found.
@@ -162,7 +178,7 @@ impl Hedger {
     }
 
     /// When a call of `kind` to `member` is sent again: never before the pair has
-    /// [`MIN_SAMPLES`] answered calls, while its budget is spent, or at or past `limit` (a
+    /// [`HEDGE_MIN_SAMPLES`] answered calls, while its budget is spent, or at or past `limit` (a
     /// later mechanism, the call's suspicion or its deadline, decides there); at once
     /// while the pair is lossy ([`LOSSY_LATE`]).
     pub fn after(&self, kind: &'static str, member: usize, limit: Duration) -> Option<Duration> {
@@ -238,11 +254,11 @@ impl Hedger {
         // Every call ends here: the other members are looked at only once this one's late
         // calls are enough by themselves.
         let this = self.late_calls(kind, member);
+        if seen_losing {
+            return this >= LOSSY_LATE_SEEN;
+        }
         if this < LOSSY_LATE {
             return false;
-        }
-        if seen_losing {
-            return true;
         }
         self.others_late_median(kind, member)
             .is_some_and(|others| this >= LOSSY_LEAD * others.max(1))
@@ -250,7 +266,13 @@ impl Hedger {
 
     /// How long a call of `track` waits before its copy, when not lossy.
     fn trigger(&self, track: &Track) -> Option<Duration> {
-        Some(self.hedge?.after(track.times.percentile(BASE_PERCENTILE)?))
+        Some(
+            self.hedge?.after(
+                track
+                    .times
+                    .percentile_of(BASE_PERCENTILE, HEDGE_MIN_SAMPLES)?,
+            ),
+        )
     }
 
     /// A call of `kind` to `member` ended: `took` if it was answered; `hedged` if its copy
@@ -503,7 +525,7 @@ mod tests {
             multiple: 4,
             floor: ms(2),
         }));
-        for _ in 0..MIN_SAMPLES - 1 {
+        for _ in 0..HEDGE_MIN_SAMPLES - 1 {
             h.record("pull", 0, Some(ms(1)), false);
         }
         assert_eq!(h.after("pull", 0, ms(250)), None, "too few samples");
