@@ -175,11 +175,14 @@ impl ShardClient {
         let limit = self
             .suspect_after(kind)
             .unwrap_or_else(|| self.connector.timeout());
-        let lost = self
-            .addresses
+        self.hedger.after_seen(kind, s, limit, self.link_lost(s))
+    }
+
+    /// Whether the link to server `s` retransmitted lately ([`ftrec_rpc::loss_watch`]).
+    fn link_lost(&self, s: usize) -> Option<bool> {
+        self.addresses
             .get(s)
-            .and_then(|a| self.connector.lost_lately(a));
-        self.hedger.after_seen(kind, s, limit, lost)
+            .and_then(|a| self.connector.lost_lately(a))
     }
 
     /// `call` to server `s`, bounded as [`within`] bounds it, with its copy on the second
@@ -221,10 +224,7 @@ impl ShardClient {
         if let Some(took) = took {
             self.times.record(kind, took);
         }
-        let lost = self
-            .addresses
-            .get(s)
-            .and_then(|a| self.connector.lost_lately(a));
+        let lost = self.link_lost(s);
         self.hedger.record_seen(kind, s, took, hedged, lost);
     }
 
