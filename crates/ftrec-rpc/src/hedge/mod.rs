@@ -48,7 +48,7 @@ const LOSSY_WINDOW: usize = 64;
 /// went unanswered past the copy's trigger (one in eight): for its next [`EAGER_CALLS`]
 /// calls the copies go out with the call, not after the trigger, and outside the budget;
 /// then it is measured again (with both copies out at once, its calls' own lateness
-/// cannot be seen). Random loss makes a call's times bimodal (the loss-free calls, and
+/// cannot be seen), unless the kernel still sees its link losing ([`Hedger::record_seen`]). Random loss makes a call's times bimodal (the loss-free calls, and
 /// those that waited for TCP's probe), so many run past a multiple of the fast quartile;
 /// a congested or throttled link slows every call, its fast quartile with them, and few
 /// run past it: it is never taken for lossy, and its copies stay within the budget.
